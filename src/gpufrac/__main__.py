@@ -1,0 +1,3 @@
+from gpufrac.cli import main
+
+main()

@@ -1,0 +1,54 @@
+"""The ``gpufrac`` command: one entry point per component, plus the local tools.
+
+Each component is one process started as ``gpufrac <component>``. A command's implementation lives in
+its component's package (``<package>/command.py``) and is registered here with one line, so this module
+stays a table of contents. Commands not built yet are registered as such: they say so and exit 2.
+"""
+
+from __future__ import annotations
+
+import typer
+
+app = typer.Typer(
+    name="gpufrac",
+    help="Memory-enforced GPU sharing for Kubernetes.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+def _not_built(name: str, summary: str) -> None:
+    """Register ``name`` as a command that exists in the design but is not built yet."""
+
+    def command() -> None:
+        typer.echo(f"gpufrac {name}: not built yet ({summary}); see docs/architecture.md", err=True)
+        raise typer.Exit(code=2)
+
+    command.__doc__ = f"{summary} (not built yet)"
+    app.command(name=name)(command)
+
+
+def _register() -> None:
+    from gpufrac.local.command import demo, up
+
+    app.command(name="up")(up)
+    app.command(name="demo")(demo)
+
+    _not_built("scheduler", "the gpufrac scheduler service")
+    _not_built("node-agent", "the node agent: inventory, NRI plugin, MPS supervision, usage")
+    _not_built("admission", "the admission webhook server")
+    _not_built("operator", "the cluster operator for GpuFractioningConfig")
+    _not_built("simulate", "replay a GPU-sharing trace through the placement engine")
+    _not_built("validate", "check pod manifests against the annotation contract")
+
+
+_register()
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Typed Kubernetes I/O on lightkube: informers, leases, events, patches."""

@@ -1,0 +1,1 @@
+"""The embedded local cluster: a real control plane, simulated GPU nodes and every component as a process."""
