@@ -1,0 +1,32 @@
+"""The Binding subresource: the one write that assigns a pod to a node.
+
+The API server checks the preconditions carried in the Binding's metadata: ``uid`` (the pod was not
+deleted and recreated under the same name) and ``resourceVersion`` (the pod is exactly the version the
+binder annotated). A pod already bound answers 409, so a pod can be bound once, whoever tries.
+"""
+
+from __future__ import annotations
+
+from lightkube import AsyncClient
+from lightkube.models.core_v1 import ObjectReference
+from lightkube.models.meta_v1 import ObjectMeta
+from lightkube.resources.core_v1 import Pod
+
+from gpufrac.kube.errors import api_errors
+
+
+async def bind_pod(
+    client: AsyncClient,
+    *,
+    name: str,
+    namespace: str,
+    node: str,
+    uid: str | None = None,
+    resource_version: str | None = None,
+) -> None:
+    binding = Pod.Binding(
+        metadata=ObjectMeta(name=name, namespace=namespace, uid=uid, resourceVersion=resource_version),
+        target=ObjectReference(apiVersion="v1", kind="Node", name=node),
+    )
+    with api_errors():
+        await client.create(binding, name, namespace=namespace)

@@ -1,0 +1,81 @@
+"""Typed API errors: callers branch on the class, never on a message string.
+
+lightkube raises one ``ApiError`` for every status; the scheduler needs to tell "someone changed the
+pod under us" (409, retry with the new version) from "the watch window moved on" (410, relist) from
+"the pod is gone" (404, forget it). ``translate`` turns lightkube's error (which carries the API's
+``Status``) into one of the classes below, keeping the code, the reason and the message, so every
+layer above stays free of lightkube's exception type.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+from lightkube import ApiError
+
+
+class KubeError(Exception):
+    """An error answered by the API server: ``code`` is the HTTP status, ``reason`` the Status reason."""
+
+    code: int = 0
+
+    def __init__(self, message: str, *, code: int | None = None, reason: str = "") -> None:
+        super().__init__(message)
+        self.message = message
+        if code is not None:
+            self.code = code
+        self.reason = reason
+
+    def __str__(self) -> str:
+        return f"{self.code} {self.reason}: {self.message}" if self.reason else f"{self.code}: {self.message}"
+
+
+class NotFound(KubeError):
+    code = 404
+
+
+class Conflict(KubeError):
+    """409: a precondition (resourceVersion, uid) failed, the object already exists, or a pod is bound."""
+
+    code = 409
+
+    @property
+    def already_exists(self) -> bool:
+        return self.reason == "AlreadyExists"
+
+
+class Gone(KubeError):
+    """410: the resourceVersion is older than the server keeps; the watcher must list again."""
+
+    code = 410
+
+
+class Invalid(KubeError):
+    """422: the server rejected the object's content."""
+
+    code = 422
+
+
+_BY_CODE: dict[int, type[KubeError]] = {c.code: c for c in (NotFound, Conflict, Gone, Invalid)}
+
+
+def from_status(*, code: int | None, reason: str | None, message: str | None) -> KubeError:
+    """The typed error for an API ``Status`` (from a response or a watch ERROR event)."""
+    cls = _BY_CODE.get(code or 0, KubeError)
+    return cls(message or "", code=code or 0, reason=reason or "")
+
+
+def translate(error: ApiError) -> KubeError:
+    status = error.status
+    code = status.code if status.code else error.response.status_code if error.response else 0
+    return from_status(code=code, reason=status.reason, message=status.message)
+
+
+@contextlib.contextmanager
+def api_errors() -> Iterator[None]:
+    """Re-raise lightkube's ``ApiError`` inside the block as the matching ``KubeError``."""
+    try:
+        yield
+    except ApiError as error:
+        raise translate(error) from error

@@ -1,0 +1,173 @@
+"""core/v1 Events, recorded without slowing the caller and without flooding the API server.
+
+``emit`` only enqueues: a scheduler that waited for an Event write per pod would halve its throughput.
+A few workers write the queue out; when the queue is full the Event is dropped and counted (client-go's
+broadcaster drops too: Events are for people, the pod's condition is the record machines read).
+
+Aggregation is the light half of client-go's: a repeat of the same (object, type, reason, message)
+within ``aggregate_window`` bumps ``count`` and ``lastTimestamp`` of the Event already written instead
+of creating another, so a pod retried every few seconds leaves one Event that says how often.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+import httpx2
+from lightkube import AsyncClient
+from lightkube.models.core_v1 import EventSource, ObjectReference
+from lightkube.models.meta_v1 import ObjectMeta
+from lightkube.resources.core_v1 import Event
+from lightkube.types import PatchType
+
+from gpufrac.kube.errors import KubeError, NotFound, api_errors
+
+log = logging.getLogger(__name__)
+
+NORMAL = "Normal"
+WARNING = "Warning"
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectRef:
+    """The object an Event is about."""
+
+    kind: str
+    namespace: str
+    name: str
+    uid: str = ""
+    api_version: str = "v1"
+
+
+@dataclass(slots=True)
+class _Written:
+    name: str
+    count: int
+    first_written: float
+
+
+@dataclass(frozen=True, slots=True)
+class _Pending:
+    regarding: ObjectRef
+    type: str
+    reason: str
+    message: str
+    at: datetime
+
+
+class EventRecorder:
+    """Writes Events for ``component`` (and ``instance``, the replica) from a bounded queue."""
+
+    def __init__(
+        self,
+        *,
+        client: AsyncClient,
+        component: str,
+        instance: str,
+        queue_size: int = 2000,
+        workers: int = 4,
+        aggregate_window: float = 600.0,
+        remembered: int = 4096,
+    ) -> None:
+        self._client = client
+        self._component = component
+        self._instance = instance
+        self._queue: asyncio.Queue[_Pending] = asyncio.Queue(maxsize=queue_size)
+        self._workers = workers
+        self._window = aggregate_window
+        self._remembered = remembered
+        self._written: OrderedDict[tuple[str, str, str, str], _Written] = OrderedDict()
+        self.dropped = 0
+        self.failed = 0
+
+    def emit(self, *, regarding: ObjectRef, type: str, reason: str, message: str) -> None:
+        try:
+            self._queue.put_nowait(
+                _Pending(regarding=regarding, type=type, reason=reason, message=message, at=datetime.now(UTC))
+            )
+        except asyncio.QueueFull:
+            self.dropped += 1
+
+    async def run(self) -> None:
+        """Write Events until cancelled; on cancellation, flush what is queued for at most a second."""
+        workers = [asyncio.create_task(self._work(), name=f"events-{i}") for i in range(self._workers)]
+        try:
+            await asyncio.gather(*workers)
+        finally:
+            for worker in workers:
+                worker.cancel()
+            await asyncio.gather(*workers, return_exceptions=True)
+            await self._flush(deadline=time.monotonic() + 1.0)
+
+    async def _work(self) -> None:
+        while True:
+            pending = await self._queue.get()
+            await self._write(pending)
+
+    async def _flush(self, *, deadline: float) -> None:
+        while not self._queue.empty() and time.monotonic() < deadline:
+            pending = self._queue.get_nowait()
+            try:
+                await asyncio.wait_for(self._write(pending), timeout=max(0.01, deadline - time.monotonic()))
+            except TimeoutError:
+                return
+
+    async def _write(self, pending: _Pending) -> None:
+        ref = pending.regarding
+        key = (ref.uid or f"{ref.namespace}/{ref.name}", pending.type, pending.reason, pending.message)
+        seen = self._written.get(key)
+        try:
+            if seen is not None and time.monotonic() - seen.first_written < self._window:
+                try:
+                    await self._bump(ref=ref, seen=seen, at=pending.at)
+                    self._written.move_to_end(key)
+                    return
+                except NotFound:
+                    pass
+            name = await self._create(pending)
+        except (KubeError, httpx2.HTTPError, OSError) as error:
+            self.failed += 1
+            log.debug("event %s for %s/%s not written: %s", pending.reason, ref.namespace, ref.name, error)
+            return
+        self._written[key] = _Written(name=name, count=1, first_written=time.monotonic())
+        while len(self._written) > self._remembered:
+            self._written.popitem(last=False)
+
+    async def _bump(self, *, ref: ObjectRef, seen: _Written, at: datetime) -> None:
+        seen.count += 1
+        patch = {"count": seen.count, "lastTimestamp": at.strftime("%Y-%m-%dT%H:%M:%SZ")}
+        with api_errors():
+            await self._client.patch(
+                Event, seen.name, patch, namespace=ref.namespace, patch_type=PatchType.MERGE
+            )
+
+    async def _create(self, pending: _Pending) -> str:
+        ref = pending.regarding
+        name = f"{ref.name}.{time.time_ns():x}"
+        event = Event(
+            metadata=ObjectMeta(name=name, namespace=ref.namespace),
+            involvedObject=ObjectReference(
+                apiVersion=ref.api_version,
+                kind=ref.kind,
+                namespace=ref.namespace,
+                name=ref.name,
+                uid=ref.uid or None,
+            ),
+            type=pending.type,
+            reason=pending.reason,
+            message=pending.message[:1024],
+            count=1,
+            firstTimestamp=pending.at,
+            lastTimestamp=pending.at,
+            source=EventSource(component=self._component, host=self._instance),
+            reportingComponent=self._component,
+            reportingInstance=self._instance,
+        )
+        with api_errors():
+            await self._client.create(event)
+        return name

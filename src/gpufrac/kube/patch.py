@@ -1,0 +1,97 @@
+"""Writes to objects that others write too: preconditioned merge patches and status conditions.
+
+A merge patch that carries ``metadata.resourceVersion`` is applied only if the object is still at that
+version, otherwise the server answers 409 (``Conflict``). The scheduler writes binder-owned annotations
+this way so that it never annotates a pod it has not seen in its latest form, and rolls them back the
+same way so that a rollback never erases a newer write.
+
+Conditions go through the status subresource as a strategic merge patch: the API merges
+``status.conditions`` by ``type``, so setting PodScheduled leaves the kubelet's conditions alone.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any, TypeVar
+
+from lightkube import AsyncClient
+from lightkube.resources.core_v1 import Pod
+from lightkube.types import PatchType
+
+from gpufrac.kube.errors import api_errors
+
+T = TypeVar("T")
+
+
+async def merge_patch(
+    client: AsyncClient,
+    resource: type[T],
+    *,
+    name: str,
+    namespace: str | None = None,
+    patch: dict[str, Any],
+    resource_version: str | None = None,
+) -> T:
+    """Apply a JSON merge patch; with ``resource_version`` only to that version (else ``Conflict``).
+
+    A key whose value is None is removed from the object (merge-patch semantics).
+    """
+    body = dict(patch)
+    if resource_version is not None:
+        metadata = dict(body.get("metadata") or {})
+        metadata["resourceVersion"] = resource_version
+        body["metadata"] = metadata
+    with api_errors():
+        return await client.patch(  # type: ignore[no-any-return]
+            resource, name, body, namespace=namespace, patch_type=PatchType.MERGE
+        )
+
+
+async def set_annotations(
+    client: AsyncClient,
+    resource: type[T],
+    *,
+    name: str,
+    namespace: str | None = None,
+    annotations: dict[str, str | None],
+    resource_version: str | None = None,
+) -> T:
+    """Set (or, with a None value, remove) annotations, optionally only at ``resource_version``."""
+    return await merge_patch(
+        client,
+        resource,
+        name=name,
+        namespace=namespace,
+        patch={"metadata": {"annotations": annotations}},
+        resource_version=resource_version,
+    )
+
+
+async def set_pod_condition(
+    client: AsyncClient,
+    *,
+    name: str,
+    namespace: str,
+    type: str,
+    status: str,
+    reason: str,
+    message: str,
+) -> Pod:
+    """Set one condition of a pod's status (merged by ``type``), stamping the transition time now."""
+    now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    condition = {
+        "type": type,
+        "status": status,
+        "reason": reason,
+        "message": message,
+        "lastTransitionTime": now,
+        "lastProbeTime": None,
+    }
+    with api_errors():
+        return await client.patch(  # type: ignore[no-any-return]
+            Pod.Status,
+            name,
+            {"status": {"conditions": [condition]}},
+            namespace=namespace,
+            patch_type=PatchType.STRATEGIC,
+        )

@@ -1,0 +1,132 @@
+"""List and watch requests with the options an informer needs and lightkube's public API lacks.
+
+lightkube 1.0's ``AsyncClient.watch`` hides three things an informer must control: it does not ask for
+bookmarks (``allowWatchBookmarks``), it retries on its own from a version it tracks internally, and it
+turns a 410 into a silent restart that replays every object as ADDED. The informer needs the opposite:
+one watch request per call, bookmarks so a quiet watch still advances its resourceVersion, and a 410
+surfaced as ``Gone`` so it can relist and compute deletions. This module builds those requests with
+lightkube's request preparation and msgspec decoders (the fast path the library chose), and is the
+only place in gpufrac that touches lightkube's non-public client, so a lightkube upgrade is checked
+here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+import httpx2
+from lightkube import ApiError, AsyncClient
+from lightkube.core import decoders
+from lightkube.core.generic_client import ALL_NS, GenericAsyncClient
+
+from gpufrac.kube.errors import KubeError, from_status, translate
+
+T = TypeVar("T")
+
+ALL_NAMESPACES = ALL_NS
+
+
+@dataclass(frozen=True, slots=True)
+class Selection:
+    """Which objects of a kind: a namespace (``ALL_NAMESPACES`` for all) and selector strings.
+
+    Selectors are the API's own syntax (``a=b,c!=d``): several ``!=`` on one field, which a dict cannot
+    express, is how a pod informer skips finished pods.
+    """
+
+    namespace: str | None = None
+    labels: str | None = None
+    fields: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class WatchEvent(Generic[T]):
+    """One watch event: ``type`` is ADDED, MODIFIED, DELETED or BOOKMARK."""
+
+    type: str
+    object: T
+    resource_version: str
+
+
+def _generic(client: AsyncClient) -> GenericAsyncClient:
+    return client._client  # lightkube internals: see the module docstring
+
+
+def _params(selection: Selection, **extra: Any) -> dict[str, Any]:
+    return {"labelSelector": selection.labels, "fieldSelector": selection.fields, **extra}
+
+
+async def list_objects(
+    client: AsyncClient, resource: type[T], *, selection: Selection, chunk_size: int = 500
+) -> tuple[list[T], str]:
+    """Every selected object and the collection's resourceVersion (the point a watch resumes from)."""
+    generic = _generic(client)
+    request = generic.prepare_request(
+        "list", res=resource, namespace=selection.namespace, params=_params(selection, limit=chunk_size)
+    )
+    items: list[T] = []
+    version = ""
+    more = True
+    try:
+        while more:
+            response = await generic.send(generic.build_adapter_request(request))
+            more, rv, chunk = generic.handle_response("list", response, request)
+            version = rv or version
+            items.extend(chunk)
+    except ApiError as error:
+        raise translate(error) from error
+    return items, version
+
+
+async def watch_objects(
+    client: AsyncClient,
+    resource: type[T],
+    *,
+    selection: Selection,
+    resource_version: str,
+    timeout_seconds: int,
+) -> AsyncIterator[WatchEvent[T]]:
+    """Events after ``resource_version`` until the server ends the request (``timeout_seconds``).
+
+    Raises ``Gone`` when the version is too old, whether the server says so with an HTTP 410 or with
+    an ERROR event inside a 200 stream (the watch cache does the latter).
+    """
+    generic = _generic(client)
+    request = generic.prepare_request(
+        "list",
+        res=resource,
+        namespace=selection.namespace,
+        watch=True,
+        params=_params(
+            selection,
+            resourceVersion=resource_version,
+            allowWatchBookmarks="true",
+            timeoutSeconds=timeout_seconds,
+        ),
+    )
+    # The server closes the stream after timeout_seconds and sends a bookmark at least every minute;
+    # a read that stays silent well past both means the connection is dead.
+    request.timeout = httpx2.Timeout(10.0, read=timeout_seconds + 75.0)
+    response = await generic.send(generic.build_adapter_request(request), stream=True)
+    try:
+        if response.is_error:
+            await response.aread()
+            try:
+                generic.raise_for_status(response)
+            except ApiError as error:
+                raise translate(error) from error
+            except httpx2.HTTPStatusError as error:
+                raise KubeError(str(error), code=response.status_code) from error
+        async for line in response.aiter_lines():
+            if not line:
+                continue
+            event = decoders.decode_watch_event(line)
+            if event.type == "ERROR":
+                status = decoders.decode_status(event.object)
+                raise from_status(code=status.code, reason=status.reason, message=status.message)
+            obj = decoders.decode_object(event.object, resource)
+            yield WatchEvent(type=event.type, object=obj, resource_version=obj.metadata.resourceVersion or "")
+    finally:
+        await response.aclose()
