@@ -1,0 +1,51 @@
+"""Settings of the MPS supervisor (REAL): where the binary and directories are, and how patient to be.
+
+Every duration is a setting because production and tests want very different values: a node agent
+backs off for minutes, a test for milliseconds. The binary is a setting (``--mps-control-bin``) so the
+tests point the very same supervisor at the stand-in daemon.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class BackoffSettings(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    initial_s: float = Field(1.0, gt=0)
+    factor: float = Field(2.0, ge=1)
+    max_s: float = Field(300.0, gt=0)
+    stable_s: float = Field(600.0, gt=0, description="a daemon READY this long resets the backoff")
+    degraded_after: int = Field(
+        3, ge=1, description="consecutive failed starts before sm-sharing is withdrawn"
+    )
+
+
+class MpsSettings(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    control_bin: str = "nvidia-cuda-mps-control"
+    server_marker: str = Field(
+        "nvidia-cuda-mps-server", description="argv element (basename) that identifies an MPS server process"
+    )
+    pipe_dir: Path = Path("/run/nvidia/mps")
+    log_dir: Path = Path("/var/log/nvidia-mps")
+    server_name: str = "shared"
+    container_pipe_dir: str = Field("/run/nvidia/mps", description="where a container sees its MPS directory")
+    default_namespace_thread_percentage: int = Field(1, ge=1, le=100)
+    default_namespace_pinned_limit: str = "1M"
+    ready_timeout_s: float = Field(30.0, gt=0)
+    command_timeout_s: float = Field(5.0, gt=0)
+    create_wait_s: float = Field(
+        1.0, ge=0, description="how long CreateContainer waits for a restarting daemon"
+    )
+    drain_timeout_s: float = Field(1.5, gt=0, description="bound on StopContainer's drain; never more")
+    terminate_timeout_s: float = Field(
+        1.0, gt=0, description="a `client terminate` slower than this = wedged"
+    )
+    quit_timeout_s: float = Field(5.0, gt=0)
+    kill_timeout_s: float = Field(5.0, gt=0)
+    backoff: BackoffSettings = BackoffSettings()
