@@ -1,0 +1,84 @@
+"""SIMULATED process usage: a table the test (or the embedded cluster) controls.
+
+There is no GPU in tests or in ``gpufrac up``; this backend stands in for NVML with the same answers
+NVML gives (processes per GPU, used bytes, SM share). A test changes it through methods between
+collections; another process can drive it through a JSON file that is re-read on every sample:
+
+    {"gpus": [{"uuid": "GPU-…", "index": 0, "memory_total_bytes": 85899345920,
+               "processes": [{"pid": 4242, "used_bytes": 1073741824, "sm_ratio": 0.5}]}]}
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+from gpufrac.node.usage.backend import GpuProcess, GpuProcesses
+
+
+class SimulatedUsage:
+    """In-memory GPUs and processes; ``sample()`` returns the current table."""
+
+    def __init__(self, *, gpus: Sequence[GpuProcesses] = ()) -> None:
+        self._lock = threading.Lock()
+        self._gpus: dict[str, GpuProcesses] = {gpu.uuid: gpu for gpu in gpus}
+
+    def add_gpu(self, *, uuid: str, index: int, memory_total_bytes: int) -> None:
+        with self._lock:
+            self._gpus[uuid] = GpuProcesses(uuid=uuid, index=index, memory_total_bytes=memory_total_bytes)
+
+    def set_process(self, *, gpu: str, pid: int, used_bytes: int, sm_ratio: float = 0.0) -> None:
+        """Start ``pid`` on ``gpu`` or change its usage."""
+        with self._lock:
+            current = self._gpus[gpu]
+            others = tuple(p for p in current.processes if p.pid != pid)
+            process = GpuProcess(pid=pid, used_bytes=used_bytes, sm_ratio=sm_ratio)
+            self._gpus[gpu] = _replace_processes(current, (*others, process))
+
+    def end_process(self, *, pid: int) -> None:
+        """``pid`` exits: it leaves every GPU it was on."""
+        with self._lock:
+            for uuid, current in self._gpus.items():
+                kept = tuple(p for p in current.processes if p.pid != pid)
+                self._gpus[uuid] = _replace_processes(current, kept)
+
+    def sample(self) -> Sequence[GpuProcesses]:
+        with self._lock:
+            return tuple(self._gpus.values())
+
+
+class SimulatedUsageFile:
+    """The same table read from a JSON file on every sample (a missing file means no GPUs)."""
+
+    def __init__(self, *, path: Path) -> None:
+        self._path = path
+
+    def sample(self) -> Sequence[GpuProcesses]:
+        try:
+            document = json.loads(self._path.read_text())
+        except FileNotFoundError:
+            return ()
+        return tuple(
+            GpuProcesses(
+                uuid=gpu["uuid"],
+                index=int(gpu["index"]),
+                memory_total_bytes=int(gpu["memory_total_bytes"]),
+                processes=tuple(
+                    GpuProcess(
+                        pid=int(p["pid"]),
+                        used_bytes=int(p["used_bytes"]),
+                        sm_ratio=float(p.get("sm_ratio", 0)),
+                    )
+                    for p in gpu.get("processes", ())
+                ),
+            )
+            for gpu in document.get("gpus", ())
+        )
+
+
+def _replace_processes(gpu: GpuProcesses, processes: tuple[GpuProcess, ...]) -> GpuProcesses:
+    return GpuProcesses(
+        uuid=gpu.uuid, index=gpu.index, memory_total_bytes=gpu.memory_total_bytes, processes=processes
+    )
