@@ -223,7 +223,7 @@ def _fractions_on_gpu(
     gpu: GpuProcesses, *, tenants: list[Allocation], own: dict[str, list[tuple[int, int, float]]]
 ) -> list[FractionUsage]:
     total_sm = sum(p.sm_ratio for p in gpu.processes)
-    sm_of = {a.container_id: min(1.0, sum(sm for _, _, sm in own.get(a.container_id, ()))) for a in tenants}
+    sm_of = {a.container_id: _ratio(sum(sm for _, _, sm in own.get(a.container_id, ()))) for a in tenants}
     busy_tenants = sum(1 for sm in sm_of.values() if sm > 0)
     result = []
     for a in tenants:
@@ -240,10 +240,15 @@ def _fractions_on_gpu(
                 entitlement_ratio=entitlement(
                     mode=a.mode, portion=a.portion, busy=sm_of[a.container_id] > 0, busy_tenants=busy_tenants
                 ),
-                received_ratio=own_sm / total_sm if total_sm > 0 else 0.0,
+                received_ratio=_ratio(own_sm / total_sm) if total_sm > 0 else 0.0,
             )
         )
     return result
+
+
+def _ratio(value: float) -> float:
+    """A share in [0, 1], rounded so float sums of samples read as the numbers NVML reported."""
+    return round(min(1.0, value), 6)
 
 
 def _index_by_device(allocations: Iterable[Allocation]) -> dict[str, list[Allocation]]:

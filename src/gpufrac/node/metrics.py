@@ -1,0 +1,300 @@
+"""The node agent's usage reporter: per-fraction GPU memory and compute on a Prometheus endpoint.
+
+Every interval (default 5 s) the reporter takes one ``UsageSnapshot`` (see ``gpufrac.node.usage``) and
+hands it to the exporter and to its listeners (the audit). The exporter is a custom prometheus-client
+Collector that renders only the latest snapshot at scrape time, so the series of a container that is
+gone disappear with the next collection instead of lingering as stale gauges, and every allocated
+fraction has series (zeros) before its container first touches the GPU.
+
+Counters (enforcement violations by kind, MPS restarts and wedges) live in ``EnforcementCounters``: the
+audit and the MPS supervisor call its methods, the exporter renders them. All kinds start at zero so a
+rate() over them is defined from the first scrape.
+
+Every metric and an example scrape are documented in docs/metrics.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import threading
+import time
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+from prometheus_client import start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector, CollectorRegistry
+
+from gpufrac.node.mps.events import REASON_RESTARTED, REASON_START_FAILED, REASON_WEDGED, EventSink
+from gpufrac.node.usage.collect import UsageCollector, UsageSnapshot
+
+log = logging.getLogger(__name__)
+
+MISSING_INJECTION = "missing_injection"
+UNKNOWN_PROCESS = "unknown_process"
+OVER_LIMIT = "over_limit"
+VIOLATION_KINDS = (MISSING_INJECTION, UNKNOWN_PROCESS, OVER_LIMIT)
+
+FRACTION_LABELS = ("node", "namespace", "pod", "container", "gpu_uuid", "gpu_index", "mode")
+GPU_LABELS = ("node", "gpu_uuid", "gpu_index")
+
+
+class EnforcementCounters:
+    """Monotonic counters bumped by the audit and the MPS supervisor (thread-safe, cheap)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._violations = dict.fromkeys(VIOLATION_KINDS, 0)
+        self._mps_restarts = 0
+        self._mps_wedges = 0
+        self._collection_errors = 0
+
+    def violation(self, *, kind: str) -> None:
+        """One enforcement violation found (``MISSING_INJECTION``, ``UNKNOWN_PROCESS``, ``OVER_LIMIT``)."""
+        with self._lock:
+            self._violations[kind] = self._violations.get(kind, 0) + 1
+
+    def mps_restarted(self) -> None:
+        """The MPS control daemon was (re)started after it exited or was recovered."""
+        with self._lock:
+            self._mps_restarts += 1
+
+    def mps_wedged(self) -> None:
+        """The MPS control daemon stopped answering and was declared wedged."""
+        with self._lock:
+            self._mps_wedges += 1
+
+    def collection_failed(self) -> None:
+        with self._lock:
+            self._collection_errors += 1
+
+    def read(self) -> CounterValues:
+        with self._lock:
+            return CounterValues(
+                violations=dict(self._violations),
+                mps_restarts=self._mps_restarts,
+                mps_wedges=self._mps_wedges,
+                collection_errors=self._collection_errors,
+            )
+
+
+class CountingMpsEvents:
+    """The MPS supervisor's ``EventSink`` that also counts: wrap the Node sink with it at wiring time.
+
+    Every restart the supervisor reports is an Event; counting at that seam keeps one source for both
+    (a wedged server is recovered by a restart, so it counts as a wedge and a restart).
+    """
+
+    def __init__(self, *, sink: EventSink, counters: EnforcementCounters) -> None:
+        self._sink = sink
+        self._counters = counters
+
+    def emit(self, *, type: str, reason: str, message: str) -> None:
+        if reason == REASON_WEDGED:
+            self._counters.mps_wedged()
+        if reason in (REASON_RESTARTED, REASON_START_FAILED, REASON_WEDGED):
+            self._counters.mps_restarted()
+        self._sink.emit(type=type, reason=reason, message=message)
+
+
+@dataclass(frozen=True, slots=True)
+class CounterValues:
+    violations: dict[str, int]
+    mps_restarts: int
+    mps_wedges: int
+    collection_errors: int
+
+
+class UsageExporter(Collector):
+    """Renders the latest snapshot and the counters as Prometheus metrics."""
+
+    def __init__(self, *, node: str, counters: EnforcementCounters) -> None:
+        self._node = node
+        self._counters = counters
+        self._latest: UsageSnapshot | None = None
+        self._duration = 0.0
+
+    def update(self, snapshot: UsageSnapshot, *, duration_seconds: float) -> None:
+        # One reference assignment: a concurrent scrape sees the old or the new snapshot, never a mix.
+        self._latest, self._duration = snapshot, duration_seconds
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self._fraction_metrics()
+        yield from self._gpu_metrics()
+        yield from self._counter_metrics()
+
+    def _fraction_metrics(self) -> Iterator[Metric]:
+        families = {
+            "memory_used_bytes": "GPU memory used by the container's processes on this GPU.",
+            "memory_request_bytes": "Guaranteed GPU memory of the container on this GPU.",
+            "memory_limit_bytes": "Most GPU memory the container may grow into on this GPU.",
+            "sm_utilization_ratio": "Share of the interval the container's processes ran kernels (NVML).",
+            "compute_entitlement_ratio": (
+                "Compute share the container is entitled to: its portion (sm-sharing) or 1/k of k busy "
+                "tenants (time-slicing; an idle tenant shows the 1/(k+1) it would get)."
+            ),
+            "compute_received_ratio": "The container's share of all SM time measured on this GPU.",
+            "processes": "Host processes of the container on this GPU.",
+        }
+        metrics = {
+            name: GaugeMetricFamily(f"gpufrac_fraction_{name}", doc, labels=FRACTION_LABELS)
+            for name, doc in families.items()
+        }
+        snapshot = self._latest
+        for f in snapshot.fractions if snapshot is not None else ():
+            a = f.allocation
+            labels = [
+                self._node,
+                a.pod_namespace,
+                a.pod_name,
+                a.container_name,
+                f.gpu_uuid,
+                str(f.gpu_index),
+                a.mode,
+            ]
+            metrics["memory_used_bytes"].add_metric(labels, f.used_bytes)
+            metrics["memory_request_bytes"].add_metric(labels, f.request_bytes)
+            metrics["memory_limit_bytes"].add_metric(labels, f.limit_bytes)
+            metrics["sm_utilization_ratio"].add_metric(labels, f.sm_ratio)
+            metrics["compute_entitlement_ratio"].add_metric(labels, f.entitlement_ratio)
+            metrics["compute_received_ratio"].add_metric(labels, f.received_ratio)
+            metrics["processes"].add_metric(labels, len(f.pids))
+        yield from metrics.values()
+
+    def _gpu_metrics(self) -> Iterator[Metric]:
+        total = GaugeMetricFamily("gpufrac_gpu_memory_total_bytes", "GPU memory capacity.", labels=GPU_LABELS)
+        allocated = GaugeMetricFamily(
+            "gpufrac_gpu_memory_allocated_bytes",
+            "Sum of the memory requests of the fractions placed on this GPU.",
+            labels=GPU_LABELS,
+        )
+        used = GaugeMetricFamily(
+            "gpufrac_gpu_memory_used_bytes",
+            "GPU memory used by all processes on this GPU.",
+            labels=GPU_LABELS,
+        )
+        unattributed = GaugeMetricFamily(
+            "gpufrac_gpu_memory_unattributed_bytes",
+            "GPU memory used by processes that belong to no fraction on this GPU.",
+            labels=GPU_LABELS,
+        )
+        busy = GaugeMetricFamily(
+            "gpufrac_gpu_busy_tenants",
+            "Fractions that ran kernels on this GPU in the interval.",
+            labels=GPU_LABELS,
+        )
+        snapshot = self._latest
+        for g in snapshot.gpus if snapshot is not None else ():
+            labels = [self._node, g.uuid, str(g.index)]
+            total.add_metric(labels, g.memory_total_bytes)
+            allocated.add_metric(labels, g.allocated_bytes)
+            used.add_metric(labels, g.used_bytes)
+            unattributed.add_metric(labels, g.unattributed_bytes)
+            busy.add_metric(labels, g.busy_tenants)
+        yield from (total, allocated, used, unattributed, busy)
+        info = GaugeMetricFamily(
+            "gpufrac_agent_info", "The node agent serving these metrics.", labels=["node"]
+        )
+        info.add_metric([self._node], 1)
+        yield info
+        duration = GaugeMetricFamily(
+            "gpufrac_usage_collection_duration_seconds", "Duration of the last collection.", labels=["node"]
+        )
+        duration.add_metric([self._node], self._duration)
+        yield duration
+        if snapshot is not None:
+            at = GaugeMetricFamily(
+                "gpufrac_usage_last_collection_timestamp_seconds",
+                "Unix time of the last collection.",
+                labels=["node"],
+            )
+            at.add_metric([self._node], snapshot.taken_at)
+            yield at
+
+    def _counter_metrics(self) -> Iterator[Metric]:
+        values = self._counters.read()
+        violations = CounterMetricFamily(
+            "gpufrac_enforcement_violations",
+            "Enforcement violations found by the audit, by kind.",
+            labels=["node", "kind"],
+        )
+        for kind, count in sorted(values.violations.items()):
+            violations.add_metric([self._node, kind], count)
+        yield violations
+        for name, doc, value in (
+            ("gpufrac_mps_restarts", "MPS control daemon (re)starts by the supervisor.", values.mps_restarts),
+            ("gpufrac_mps_wedges", "Times the MPS control daemon was found wedged.", values.mps_wedges),
+            ("gpufrac_usage_collection_errors", "Collections that failed.", values.collection_errors),
+        ):
+            counter = CounterMetricFamily(name, doc, labels=["node"])
+            counter.add_metric([self._node], value)
+            yield counter
+
+
+Listener = Callable[[UsageSnapshot], Awaitable[None] | None]
+
+
+class UsageReporter:
+    """Collects every ``interval`` seconds, publishes to the exporter, then notifies the listeners."""
+
+    def __init__(
+        self,
+        *,
+        collector: UsageCollector,
+        exporter: UsageExporter,
+        counters: EnforcementCounters,
+        interval: float = 5.0,
+        listeners: Sequence[Listener] = (),
+    ) -> None:
+        self._collector = collector
+        self._exporter = exporter
+        self._counters = counters
+        self._interval = interval
+        self._listeners = list(listeners)
+
+    def collect_once(self) -> UsageSnapshot:
+        start = time.perf_counter()
+        snapshot = self._collector.collect()
+        self._exporter.update(snapshot, duration_seconds=time.perf_counter() - start)
+        return snapshot
+
+    async def run(self) -> None:
+        """Collect until cancelled. A failed cycle is logged and counted; the next one runs on time."""
+        next_at = time.monotonic()
+        while True:
+            try:
+                snapshot = await asyncio.to_thread(self.collect_once)
+                for listener in self._listeners:
+                    result = listener(snapshot)
+                    if inspect.isawaitable(result):
+                        await result
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                self._counters.collection_failed()
+                log.exception("usage collection failed")
+            next_at += self._interval
+            await asyncio.sleep(max(0.0, next_at - time.monotonic()))
+
+
+def registry_for(exporter: UsageExporter) -> CollectorRegistry:
+    """A registry holding only the agent's metrics (no process/platform collectors of the default one)."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(exporter)
+    return registry
+
+
+class MetricsServer:
+    """The /metrics HTTP endpoint on its own thread; ``close()`` stops it and frees the port."""
+
+    def __init__(self, *, registry: CollectorRegistry, host: str = "0.0.0.0", port: int = 9400) -> None:
+        self._server, self._thread = start_http_server(port, addr=host, registry=registry)
+        self.port: int = self._server.server_port
+
+    def close(self) -> None:
+        # shutdown() stops serve_forever; server_close() then releases the socket.
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=5)
