@@ -33,6 +33,7 @@ class MpsSettings(BaseModel):
     )
     pipe_dir: Path = Path("/run/nvidia/mps")
     log_dir: Path = Path("/var/log/nvidia-mps")
+    state_dir: Path = Field(Path("/var/lib/gpufrac/mps"), description="where the v3 TOML is written")
     server_name: str = "shared"
     container_pipe_dir: str = Field("/run/nvidia/mps", description="where a container sees its MPS directory")
     default_namespace_thread_percentage: int = Field(1, ge=1, le=100)

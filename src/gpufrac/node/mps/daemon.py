@@ -1,0 +1,209 @@
+"""One MPS control daemon process: spawn it, know when it serves, stop it, leave nothing behind (REAL).
+
+The daemon runs in the foreground (``-f``) as the agent's child, so its exit is noticed at once instead of
+by polling a pid file. Ready means more than "the process exists": the control socket is in the pipe
+directory AND the daemon answers a harmless query (``server list`` / ``get_server_list``).
+
+Stopping is graceful first and certain last: ``quit``; if the daemon is still there after
+``quit_timeout_s``, SIGKILL; then MPS *server* processes that outlived their daemon (a crashed daemon
+leaves them, and they keep the GPU context and its memory) are killed. A server is ours when its argv
+carries the server marker AND it runs with our ``CUDA_MPS_PIPE_DIRECTORY``, or when our daemon listed it
+while it was up; nothing else on the node is touched.
+
+A daemon left by a previous agent (its pid in ``nvidia-cuda-mps-control.pid`` in our pipe directory) is
+stopped the same way before a new one starts, because two daemons cannot share one pipe directory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+from pathlib import Path
+
+from gpufrac.node.mps.config import MpsSettings
+from gpufrac.node.mps.control import MpsCommandError, MpsControl
+from gpufrac.node.mps.mode import MpsMode
+from gpufrac.node.mps.v3config import render_v3_config
+
+log = logging.getLogger(__name__)
+
+PID_FILE = "nvidia-cuda-mps-control.pid"
+
+
+class DaemonStartError(Exception):
+    """The daemon exited or did not become ready in time; the message says which."""
+
+
+class MpsDaemon:
+    def __init__(self, *, settings: MpsSettings, mode: MpsMode, control: MpsControl) -> None:
+        self._settings = settings
+        self._mode = mode
+        self._control = control
+        self._process: asyncio.subprocess.Process | None = None
+        self._servers: set[int] = set()
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid if self._process is not None else None
+
+    def argv(self, *, config_file: Path) -> list[str]:
+        if self._mode is MpsMode.V3:
+            return [self._settings.control_bin, "-p", "3", "-m", "-f", "-a", str(config_file)]
+        return [self._settings.control_bin, "-f"]
+
+    async def start(self) -> None:
+        """Spawns the daemon and returns once it answers; raises ``DaemonStartError`` otherwise."""
+        settings = self._settings
+        settings.pipe_dir.mkdir(parents=True, exist_ok=True)
+        settings.log_dir.mkdir(parents=True, exist_ok=True)
+        settings.state_dir.mkdir(parents=True, exist_ok=True)
+        await self._stop_leftover()
+        sweep_servers(settings=settings, known=set())
+        with contextlib.suppress(FileNotFoundError):
+            (settings.pipe_dir / "control").unlink()  # stale after a crash; the new daemon binds it
+        config_file = settings.state_dir / "mps-v3.toml"
+        if self._mode is MpsMode.V3:
+            config_file.write_text(render_v3_config(settings=settings))
+        output = (settings.log_dir / "gpufrac-daemon.out").open("ab")
+        try:
+            self._process = await asyncio.create_subprocess_exec(
+                *self.argv(config_file=config_file),
+                env=self._control.environment(),
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=output,
+                stderr=output,
+                start_new_session=True,
+            )
+        except OSError as error:
+            raise DaemonStartError(f"cannot run {settings.control_bin}: {error}") from error
+        finally:
+            output.close()
+        await self._wait_ready()
+
+    async def _wait_ready(self) -> None:
+        assert self._process is not None
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._settings.ready_timeout_s
+        probe = ("server", "list") if self._mode is MpsMode.V3 else ("get_server_list",)
+        while True:
+            if self._process.returncode is not None:
+                raise DaemonStartError(
+                    f"the MPS control daemon exited with status {self._process.returncode}"
+                )
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                await self.kill()
+                raise DaemonStartError(
+                    f"the MPS control daemon was not ready within {self._settings.ready_timeout_s}s"
+                )
+            if (self._settings.pipe_dir / "control").exists():
+                try:
+                    out = await self._control.run(
+                        *probe, timeout_s=min(remaining, self._settings.command_timeout_s)
+                    )
+                except MpsCommandError:
+                    pass
+                else:
+                    self._servers |= {int(w) for w in out.split() if w.isdigit()}
+                    return
+            await asyncio.sleep(min(0.05, max(remaining, 0.0)))
+
+    async def wait(self) -> int:
+        """Until the daemon exits; its exit status."""
+        assert self._process is not None
+        return await self._process.wait()
+
+    async def stop(self) -> None:
+        """``quit``, then SIGKILL, then the stray servers. Safe to call on a dead daemon."""
+        process = self._process
+        if process is not None and process.returncode is None:
+            with contextlib.suppress(MpsCommandError):
+                self._servers |= {int(w) for w in (await self._list_servers()).split() if w.isdigit()}
+            try:
+                await self._control.quit(timeout_s=self._settings.quit_timeout_s)
+                await asyncio.wait_for(process.wait(), timeout=self._settings.quit_timeout_s)
+            except (MpsCommandError, TimeoutError) as error:
+                log.warning("MPS daemon did not quit (%s); killing it", error)
+        await self.kill()
+
+    async def kill(self) -> None:
+        """SIGKILL the daemon (if alive) and every stray server of ours."""
+        process = self._process
+        if process is not None and process.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                process.kill()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(process.wait(), timeout=self._settings.kill_timeout_s)
+        sweep_servers(settings=self._settings, known=self._servers)
+        self._servers.clear()
+
+    async def _list_servers(self) -> str:
+        probe = ("server", "list") if self._mode is MpsMode.V3 else ("get_server_list",)
+        return await self._control.run(*probe, timeout_s=self._settings.command_timeout_s)
+
+    async def _stop_leftover(self) -> None:
+        pid_file = self._settings.pipe_dir / PID_FILE
+        try:
+            pid = int(pid_file.read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            return
+        if not _runs_with_pipe_dir(pid=pid, pipe_dir=self._settings.pipe_dir):
+            pid_file.unlink(missing_ok=True)
+            return
+        log.warning("stopping MPS control daemon %d left by a previous agent", pid)
+        with contextlib.suppress(MpsCommandError):
+            await self._control.quit(timeout_s=self._settings.quit_timeout_s)
+        for _ in range(int(self._settings.quit_timeout_s / 0.05)):
+            if not _alive(pid):
+                break
+            await asyncio.sleep(0.05)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        pid_file.unlink(missing_ok=True)
+
+
+def sweep_servers(*, settings: MpsSettings, known: set[int], proc_root: Path = Path("/proc")) -> list[int]:
+    """SIGKILLs MPS servers of our pipe directory that are still alive; returns their pids."""
+    killed = []
+    for entry in proc_root.iterdir():
+        if not entry.name.isdigit():
+            continue
+        pid = int(entry.name)
+        if not _is_server(pid=pid, marker=settings.server_marker, proc_root=proc_root):
+            continue
+        if pid in known or _runs_with_pipe_dir(pid=pid, pipe_dir=settings.pipe_dir, proc_root=proc_root):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+    if killed:
+        log.warning("killed stray MPS servers %s", killed)
+    return killed
+
+
+def _is_server(*, pid: int, marker: str, proc_root: Path) -> bool:
+    try:
+        argv = (proc_root / str(pid) / "cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return any(os.path.basename(arg.decode(errors="replace")) == marker for arg in argv if arg)
+
+
+def _runs_with_pipe_dir(*, pid: int, pipe_dir: Path, proc_root: Path = Path("/proc")) -> bool:
+    try:
+        environ = (proc_root / str(pid) / "environ").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return f"CUDA_MPS_PIPE_DIRECTORY={pipe_dir}".encode() in environ
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

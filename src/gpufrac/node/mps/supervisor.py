@@ -1,0 +1,328 @@
+"""The MPS supervisor: keeps one control daemon serving and the namespaces of live containers on it (REAL).
+
+State machine (``state``)::
+
+    STOPPED ──start()──► STARTING ──ready──► READY ──daemon exits / server wedged──► BACKOFF
+                            ▲  │ not ready in time, or exits                            │
+                            │  └───────────────────────────────► BACKOFF ──delay──────┘ (→ STARTING)
+    READY/BACKOFF/STARTING ──stop()──► STOPPING ──► STOPPED
+
+- Every transition into BACKOFF is a restart and emits an Event on the Node (reason, cause, attempt,
+  delay). The delay grows exponentially and resets once the daemon has been READY for ``stable_s``.
+- Wedged: a ``client terminate`` that does not answer means the server no longer processes requests;
+  draining is abandoned (StopContainer must not wait for it) and the daemon is killed — servers included —
+  and started again at once with a ``MpsServerWedged`` Event.
+- After every start, namespaces are reconciled (v3): each live container's namespace is created again
+  (the daemon keeps nothing across restarts), namespaces no live container owns are deleted.
+- The namespace directory ``<pipe>/<server>/<namespace>`` is created by the supervisor before
+  ``namespace create`` and kept across daemon restarts, because the container bind-mounts that very
+  directory: a recreated directory would be a different inode, invisible inside a running container.
+  ASSUMPTION (stand-in behaves so; confirm on r615): the daemon reuses an existing namespace directory.
+
+``stop()`` is the one shutdown path: it cancels the supervision task (whatever state it is in, including a
+backoff sleep or a start in progress), then stops the daemon gracefully and sweeps stray servers in a
+``finally`` so that a cancelled stop still leaves nothing running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+
+from gpufrac.kube.events import WARNING
+from gpufrac.node.mps.backoff import Backoff
+from gpufrac.node.mps.config import MpsSettings
+from gpufrac.node.mps.control import MpsClient, MpsCommandError, MpsCommandTimeout, MpsControl
+from gpufrac.node.mps.daemon import DaemonStartError, MpsDaemon
+from gpufrac.node.mps.events import REASON_RESTARTED, REASON_START_FAILED, REASON_WEDGED, EventSink
+from gpufrac.node.mps.mode import DriverVersion, MpsMode, NodeMpsCapability, capability_for, mode_for_driver
+
+log = logging.getLogger(__name__)
+
+
+class SupervisorState(StrEnum):
+    STOPPED = "stopped"
+    STARTING = "starting"
+    READY = "ready"
+    BACKOFF = "backoff"
+    STOPPING = "stopping"
+
+
+class MpsUnavailable(Exception):
+    """The daemon is not serving, so a container's MPS setup cannot be done now."""
+
+
+@dataclass(frozen=True, slots=True)
+class NamespaceSpec:
+    """A container's namespace on the shared server."""
+
+    name: str
+    active_thread_percentage: int
+    pinned_memory_limit_mib: int | None = None
+
+    def settings(self) -> dict[str, str]:
+        out = {"active_thread_percentage": str(self.active_thread_percentage)}
+        if self.pinned_memory_limit_mib is not None:
+            out["pinned_memory_limit"] = f"{self.pinned_memory_limit_mib}M"
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class DrainResult:
+    terminated: tuple[int, ...]
+    remaining: tuple[int, ...]
+    wedged: bool
+    timed_out: bool
+
+
+class MpsSupervisor:
+    def __init__(
+        self,
+        *,
+        settings: MpsSettings,
+        driver: DriverVersion,
+        events: EventSink,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.settings = settings
+        self.driver = driver
+        self.mode = mode_for_driver(driver)
+        self._events = events
+        self._clock = clock
+        self.control = MpsControl(
+            control_bin=settings.control_bin,
+            pipe_dir=settings.pipe_dir,
+            log_dir=settings.log_dir,
+            mode=self.mode,
+            timeout_s=settings.command_timeout_s,
+        )
+        self.backoff = Backoff(settings=settings.backoff)
+        self.state = SupervisorState.STOPPED
+        self.restarts = 0
+        self._delay = 0.0
+        self._daemon: MpsDaemon | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._ready = asyncio.Event()
+        self._wedged = asyncio.Event()
+        self._namespaces: dict[str, NamespaceSpec] = {}
+        self._ns_lock = asyncio.Lock()
+
+    # --- what the rest of the agent reads --------------------------------------------------------------
+
+    @property
+    def daemon_pid(self) -> int | None:
+        return self._daemon.pid if self._daemon is not None and self.state is SupervisorState.READY else None
+
+    def capability(self) -> NodeMpsCapability:
+        """sm-sharing is advertised while the daemon serves, or restarts without having failed repeatedly."""
+        running = self.state is SupervisorState.READY or (
+            self.state in (SupervisorState.STARTING, SupervisorState.BACKOFF) and not self.backoff.degraded
+        )
+        return capability_for(driver=self.driver, mps_running=running)
+
+    def namespace_dir(self, name: str) -> Path:
+        return self.settings.pipe_dir / self.settings.server_name / name
+
+    async def wait_ready(self, *, timeout_s: float) -> bool:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._ready.wait(), timeout=timeout_s)
+        return self._ready.is_set()
+
+    # --- lifecycle -------------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Starts supervising; returns at once (use ``wait_ready`` to wait for the first READY)."""
+        if self._task is not None:
+            raise RuntimeError("the MPS supervisor is already running")
+        self._task = asyncio.create_task(self._supervise(), name="mps-supervisor")
+
+    async def stop(self) -> None:
+        """Stops supervising and the daemon; leaves no daemon or server process behind."""
+        task, self._task = self._task, None
+        self.state = SupervisorState.STOPPING
+        self._ready.clear()
+        try:
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        finally:
+            # Even if stop() itself is cancelled, the daemon and its servers must not outlive the agent.
+            daemon, self._daemon = self._daemon, None
+            if daemon is not None:
+                await asyncio.shield(daemon.stop())
+            self.state = SupervisorState.STOPPED
+
+    async def _supervise(self) -> None:
+        while True:
+            self.state = SupervisorState.STARTING
+            self._wedged.clear()
+            daemon = MpsDaemon(settings=self.settings, mode=self.mode, control=self.control)
+            self._daemon = daemon
+            try:
+                await daemon.start()
+                await self._reconcile()
+            except (DaemonStartError, MpsCommandError) as error:
+                await daemon.kill()
+                self._restart_later(reason=REASON_START_FAILED, cause=f"did not start: {error}")
+                await asyncio.sleep(self._delay)
+                continue
+            self.backoff.ready(now=self._clock())
+            self.state = SupervisorState.READY
+            self._ready.set()
+            log.info("MPS control daemon ready (mode %s, pid %s)", self.mode, daemon.pid)
+            cause, reason = await self._until_down(daemon)
+            self._ready.clear()
+            await daemon.kill()
+            self._restart_later(reason=reason, cause=cause)
+            await asyncio.sleep(self._delay)
+
+    async def _until_down(self, daemon: MpsDaemon) -> tuple[str, str]:
+        exited = asyncio.create_task(daemon.wait())
+        wedged = asyncio.create_task(self._wedged.wait())
+        try:
+            await asyncio.wait({exited, wedged}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (exited, wedged):
+                task.cancel()
+        if exited.done() and not exited.cancelled():
+            return f"exited with status {exited.result()}", REASON_RESTARTED
+        return "stopped answering `client terminate` (server wedged); killed", REASON_WEDGED
+
+    def _restart_later(self, *, reason: str, cause: str) -> None:
+        self.state = SupervisorState.BACKOFF
+        self._delay = 0.0 if reason == REASON_WEDGED else self.backoff.failed(now=self._clock())
+        self.restarts += 1
+        message = f"MPS control daemon {cause}; restart {self.restarts} in {self._delay:.2f}s"
+        log.warning("%s", message)
+        self._events.emit(type=WARNING, reason=reason, message=message)
+
+    # --- namespaces (v3) -------------------------------------------------------------------------------
+
+    async def ensure_namespace(self, spec: NamespaceSpec) -> None:
+        """Creates ``spec`` on the shared server (or updates it); the daemon must be serving within
+        ``create_wait_s`` or ``MpsUnavailable`` is raised and nothing is kept."""
+        if self.mode is not MpsMode.V3:
+            raise RuntimeError("namespaces exist in MPS v3 only")
+        self._namespaces[spec.name] = spec
+        try:
+            if not await self.wait_ready(timeout_s=self.settings.create_wait_s):
+                raise MpsUnavailable(f"the MPS daemon is {self.state}, not serving")
+            async with self._ns_lock:
+                await self._create(spec, existing=set(await self._list()))
+        except (MpsUnavailable, MpsCommandError):
+            self._namespaces.pop(spec.name, None)
+            raise
+
+    def register_namespace(self, spec: NamespaceSpec) -> None:
+        """Records a live container's namespace without creating it; the next reconcile creates it."""
+        self._namespaces[spec.name] = spec
+
+    async def release_namespace(self, name: str) -> None:
+        """Forgets and deletes a container's namespace and its directory (after the container is gone).
+
+        If the daemon is down, the next reconcile deletes it as an orphan."""
+        self._namespaces.pop(name, None)
+        if self.state is SupervisorState.READY:
+            async with self._ns_lock:
+                with contextlib.suppress(MpsCommandError):
+                    if name in await self._list():
+                        await self.control.delete_namespace(server=self.settings.server_name, name=name)
+        directory = self.namespace_dir(name)
+        with contextlib.suppress(FileNotFoundError):
+            (directory / "control").unlink()
+        with contextlib.suppress(OSError):
+            directory.rmdir()
+
+    def live_namespaces(self) -> Iterable[NamespaceSpec]:
+        return tuple(self._namespaces.values())
+
+    async def _list(self) -> list[str]:
+        return await self.control.list_namespaces(server=self.settings.server_name)
+
+    async def _create(self, spec: NamespaceSpec, *, existing: set[str]) -> None:
+        directory = self.namespace_dir(spec.name)
+        directory.mkdir(parents=True, exist_ok=True)
+        directory.chmod(0o777)  # container processes run as any uid (multiuser daemon)
+        server = self.settings.server_name
+        if spec.name in existing:
+            await self.control.run(
+                "namespace",
+                "set",
+                server,
+                spec.name,
+                *(f"{k}={v}" for k, v in sorted(spec.settings().items())),
+            )
+        else:
+            await self.control.create_namespace(server=server, name=spec.name, settings=spec.settings())
+
+    async def _reconcile(self) -> None:
+        if self.mode is not MpsMode.V3:
+            return
+        async with self._ns_lock:
+            existing = set(await self._list())
+            for spec in list(self._namespaces.values()):
+                await self._create(spec, existing=existing)
+            for orphan in sorted(existing - set(self._namespaces) - {"default"}):
+                log.info("deleting orphan MPS namespace %s", orphan)
+                await self.control.delete_namespace(server=self.settings.server_name, name=orphan)
+
+    # --- drain -----------------------------------------------------------------------------------------
+
+    async def drain(self, *, owns: Callable[[MpsClient], bool]) -> DrainResult:
+        """Terminates the MPS clients ``owns`` picks, never taking longer than ``drain_timeout_s``.
+
+        A terminate that does not answer within ``terminate_timeout_s`` marks the server wedged: the drain
+        stops there and the supervision task hard-restarts the daemon in the background."""
+        terminated: list[int] = []
+        mine: list[MpsClient] = []
+        if self.state is not SupervisorState.READY:
+            return DrainResult(terminated=(), remaining=(), wedged=False, timed_out=False)
+        try:
+            async with asyncio.timeout(self.settings.drain_timeout_s):
+                mine = [c for c in await self.control.list_clients() if owns(c)]
+                for client in mine:
+                    try:
+                        await self.control.terminate_client(
+                            client, timeout_s=self.settings.terminate_timeout_s
+                        )
+                    except MpsCommandTimeout:
+                        self._declare_wedged()
+                        return DrainResult(
+                            terminated=tuple(terminated),
+                            remaining=tuple(c.pid for c in mine if c.pid not in terminated),
+                            wedged=True,
+                            timed_out=False,
+                        )
+                    except MpsCommandError as error:  # gone already: that is what we wanted
+                        log.debug("terminate %d: %s", client.pid, error)
+                    terminated.append(client.pid)
+                while True:
+                    left = {c.pid for c in await self.control.list_clients() if owns(c)}
+                    if not left:
+                        return DrainResult(
+                            terminated=tuple(terminated), remaining=(), wedged=False, timed_out=False
+                        )
+                    await asyncio.sleep(0.05)
+        except TimeoutError:
+            return DrainResult(
+                terminated=tuple(terminated),
+                remaining=tuple(c.pid for c in mine if c.pid not in terminated),
+                wedged=False,
+                timed_out=True,
+            )
+        except MpsCommandError as error:
+            log.warning("drain: %s", error)
+            return DrainResult(terminated=tuple(terminated), remaining=(), wedged=False, timed_out=False)
+
+    def _declare_wedged(self) -> None:
+        if self.state is SupervisorState.READY:
+            log.warning("MPS server wedged: a client terminate did not answer")
+            self._ready.clear()
+            self._wedged.set()

@@ -1,0 +1,104 @@
+"""Test harness: the real supervisor pointed at the STAND-IN control daemon, run as a separate process.
+
+Paths are short on purpose (unix socket paths are limited to 107 bytes) and every test stops its
+supervisor in a ``finally``, then checks no process of its pipe directory is left.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from gpufrac.node.mps.config import BackoffSettings, MpsSettings
+from gpufrac.node.mps.standin import SERVER_MARKER
+from gpufrac.node.mps.supervisor import MpsSupervisor
+
+
+@dataclass
+class RecordingSink:
+    """An EventSink that keeps what it is given (the seam's test side; the Events are the result)."""
+
+    events: list[tuple[str, str, str]] = field(default_factory=list)
+
+    def emit(self, *, type: str, reason: str, message: str) -> None:
+        self.events.append((type, reason, message))
+
+    def reasons(self) -> list[str]:
+        return [reason for _, reason, _ in self.events]
+
+
+def processes_of(pipe_dir: Path) -> list[int]:
+    """Pids of live processes started for ``pipe_dir`` (daemon, servers, clients we spawned)."""
+    found = []
+    needle = f"CUDA_MPS_PIPE_DIRECTORY={pipe_dir}".encode()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes()
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z" and any(item.startswith(needle) for item in environ.split(b"\0")):
+            found.append(int(entry.name))
+    return found
+
+
+@dataclass
+class MpsEnv:
+    root: Path
+    bin: Path
+    fault_file: Path
+
+    def settings(self, **overrides: object) -> MpsSettings:
+        base: dict[str, object] = dict(
+            control_bin=str(self.bin),
+            server_marker=SERVER_MARKER,
+            pipe_dir=self.root / "pipe",
+            log_dir=self.root / "log",
+            state_dir=self.root / "state",
+            container_pipe_dir="/run/nvidia/mps",
+            ready_timeout_s=10.0,
+            command_timeout_s=5.0,
+            create_wait_s=5.0,
+            drain_timeout_s=4.0,
+            terminate_timeout_s=1.0,
+            quit_timeout_s=3.0,
+            kill_timeout_s=3.0,
+            backoff=BackoffSettings(initial_s=0.05, factor=2.0, max_s=0.4, stable_s=30.0, degraded_after=3),
+        )
+        base.update(overrides)
+        return MpsSettings(**base)  # type: ignore[arg-type]
+
+    def arm(self, *faults: str) -> None:
+        """One-shot faults for the next daemon start / command."""
+        self.fault_file.write_text("".join(f"{f}\n" for f in faults))
+
+    async def client(self, pipe_dir: Path) -> tuple[asyncio.subprocess.Process, str]:
+        """A stand-in CUDA process using MPS through ``pipe_dir``; returns it and its greeting."""
+        process = await asyncio.create_subprocess_exec(
+            str(self.bin),
+            "--mps-client",
+            env={**os.environ, "CUDA_MPS_PIPE_DIRECTORY": str(pipe_dir)},
+            stdout=asyncio.subprocess.PIPE,
+        )
+        assert process.stdout is not None
+        line = await asyncio.wait_for(process.stdout.readline(), timeout=10)
+        return process, line.decode().strip()
+
+
+async def started(supervisor: MpsSupervisor, *, timeout_s: float = 15.0) -> MpsSupervisor:
+    await supervisor.start()
+    assert await supervisor.wait_ready(timeout_s=timeout_s), f"not ready: {supervisor.state}"
+    return supervisor
+
+
+async def until(predicate: Callable[[], bool], *, timeout_s: float = 15.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not predicate():
+        assert loop.time() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.05)
