@@ -1,0 +1,567 @@
+"""Annotations and containers of a pod -> one typed ``PodGpuRequest``, or every reason it is invalid.
+
+The accepted forms, and how they combine (docs/user-guide.md says the same for users):
+
+* Per-container NvFractions keys ``nvidia.com/container.<c>.gpu-memory.request|limit``: whole MiB per
+  device by ceiling; a limit alone means request = limit; a request alone means limit = request.
+* Pod-level KAI forms apply to ONE container, the *target*: the one named by
+  ``gpu-fraction-container-name``, else the first container (as KAI does). ``gpu-fraction`` (a portion in
+  (0,1)) with an optional limit (``gpu-fraction.limit`` or
+  ``kai.scheduler/container.<target>.gpu-memory.portion.limit``), or legacy ``gpu-memory`` (MiB) with an
+  optional ``gpu-memory.limit`` quantity.
+* ``gpu-fraction-num-devices: N`` applies to every fractional container of the pod: the request holds on
+  EACH of N GPUs of one node.
+* Whole GPUs: a container's ``nvidia.com/gpu`` limit, or ``gpufrac.io/container.<c>.gpus`` (what the
+  webhook turns the resource into for pods of our scheduler). Exclusive, never shared.
+
+Precedence is explicit per-container keys > ``gpu-fraction`` > ``gpu-memory``, with two guards so that a
+pod never means two things at once: ``gpu-fraction`` and ``gpu-memory`` together are an error, and an
+explicit request next to ``gpu-fraction`` is only accepted once the pod is placed (the binder writes the
+resolved request next to the portion; before that the two are a conflict). ``gpu-memory`` next to
+explicit keys must agree with them. Fractions and whole GPUs never mix in one pod.
+
+Parsing never stops at the first problem: every violation of the pod is collected and raised together.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from gpufrac.contract import keys as k
+from gpufrac.contract.changes import forbidden_changes
+from gpufrac.contract.errors import (
+    ConflictingRequests,
+    DeviceCountMismatch,
+    FractionWithWholeGpu,
+    InvalidComputeMode,
+    InvalidComputePortion,
+    InvalidDeviceCount,
+    InvalidDeviceList,
+    InvalidFraction,
+    InvalidFractionLimit,
+    InvalidLegacyMemory,
+    InvalidPodRequest,
+    KeyWithoutRequest,
+    LimitBelowRequest,
+    NotTheFractionTarget,
+    QuantityNeedsUnit,
+    RuleViolation,
+    UnknownContainer,
+    UnknownKey,
+)
+from gpufrac.contract.quantities import parse_mib
+from gpufrac.contract.request import ComputeMode, ContainerGpuRequest, GpuMemory, PodGpuRequest
+
+MAX_DEVICE_COUNT = 256
+
+_DECIMAL = re.compile(r"(\d+\.?\d*|\.\d+)([eE][+-]?\d{1,3})?")
+_WHOLE = re.compile(r"\d{1,6}")
+_DEVICE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/=-]*")
+
+
+@dataclass(frozen=True, slots=True)
+class ContainerSpec:
+    """What parsing needs of a container: its name and its ``nvidia.com/gpu`` count (0 when none)."""
+
+    name: str
+    gpus: int = 0
+
+
+class _Violations:
+    """Collects violations; ``None`` from a helper means "invalid, already recorded"."""
+
+    def __init__(self) -> None:
+        self.found: list[RuleViolation] = []
+
+    def add(self, violation: RuleViolation) -> None:
+        if violation not in self.found:
+            self.found.append(violation)
+
+    def mib(self, key: str, value: str) -> int | None:
+        try:
+            return parse_mib(value, key=key)
+        except RuleViolation as violation:
+            self.add(violation)
+            return None
+
+
+def _decimal(text: str) -> float | None:
+    value = text.strip()
+    return float(value) if _DECIMAL.fullmatch(value) else None
+
+
+def _whole(text: str) -> int | None:
+    value = text.strip()
+    return int(value) if _WHOLE.fullmatch(value) else None
+
+
+@dataclass(slots=True)
+class _PodLevel:
+    """The pod-level KAI forms, parsed; each field None when absent or invalid."""
+
+    target: str | None = None
+    fraction: float | None = None
+    fraction_limit: float | None = None
+    fraction_limit_key: str | None = None
+    memory_mib: int | None = None
+    memory_limit_mib: int | None = None
+    num_devices: int | None = None
+
+    @property
+    def has_request(self) -> bool:
+        return self.fraction is not None or self.memory_mib is not None
+
+
+def parse_pod(
+    annotations: Mapping[str, str],
+    containers: Sequence[ContainerSpec],
+    *,
+    user_written: bool = False,
+) -> PodGpuRequest:
+    """The GPU request of a pod; raises ``InvalidPodRequest`` with every violation found.
+
+    ``user_written`` marks annotations a user wrote (a manifest, a pod being created by anyone but the
+    scheduler): binder-owned keys are violations there. Pods without any GPU ask give an empty request.
+    """
+    found = _Violations()
+    names = [c.name for c in containers]
+    per_container: dict[str, dict[tuple[str, str], str]] = {name: {} for name in names}
+    if user_written:
+        for violation in forbidden_changes({}, annotations, creating=True):
+            found.add(violation)
+
+    for key in sorted(annotations):
+        value = annotations[key]
+        split = k.split_container_key(key)
+        if split is None:
+            continue
+        if split.prefix == k.KAI_CONTAINER_PREFIX and split.suffix != k.PORTION_LIMIT:
+            continue  # KAI's namespace; only the portion limit is ours to read
+        known = k.NVIDIA_CONTAINER_SUFFIXES if split.prefix == k.NVIDIA_CONTAINER_PREFIX else ()
+        known = k.GPUFRAC_CONTAINER_SUFFIXES if split.prefix == k.GPUFRAC_CONTAINER_PREFIX else known
+        if split.prefix != k.KAI_CONTAINER_PREFIX and split.suffix not in known:
+            found.add(
+                UnknownKey(
+                    key=key,
+                    value=value,
+                    detail=f"after {split.prefix}<container>. the contract knows {', '.join(known)}",
+                )
+            )
+            continue
+        if split.container not in per_container:
+            found.add(UnknownContainer(key=key, value=value, detail=_containers_detail(names)))
+            continue
+        per_container[split.container][(split.prefix, split.suffix)] = value
+
+    pod = _parse_pod_level(annotations, names, per_container, found)
+    requests: list[ContainerGpuRequest] = []
+    sources: dict[str, tuple[str, str]] = {}
+    for spec in containers:
+        parsed = _parse_container(spec, per_container[spec.name], pod, annotations, found, sources)
+        if parsed is not None:
+            requests.append(parsed)
+
+    fractional = [r for r in requests if not r.exclusive]
+    exclusive = [r for r in requests if r.exclusive]
+    if fractional and exclusive:
+        key, value = sources[fractional[0].container]
+        found.add(
+            FractionWithWholeGpu(
+                key=key, value=value, detail=f'container "{exclusive[0].container}" asks for whole GPUs'
+            )
+        )
+    pod_level_asks = k.GPU_FRACTION in annotations or k.GPU_MEMORY in annotations
+    if pod.num_devices is not None and not sources and not pod_level_asks:
+        found.add(
+            KeyWithoutRequest(
+                key=k.GPU_FRACTION_NUM_DEVICES,
+                value=annotations[k.GPU_FRACTION_NUM_DEVICES],
+                detail="it multiplies a fractional request; the pod has none",
+            )
+        )
+    if found.found:
+        raise InvalidPodRequest(found.found)
+    return PodGpuRequest(containers=tuple(requests))
+
+
+def pod_level_target(annotations: Mapping[str, str], names: Sequence[str]) -> str | None:
+    """The container the pod-level forms apply to: ``gpu-fraction-container-name``, else the first one.
+
+    None when the named container does not exist or the pod has no containers.
+    """
+    if k.GPU_FRACTION_CONTAINER_NAME in annotations:
+        named = annotations[k.GPU_FRACTION_CONTAINER_NAME].strip()
+        return named if named in names else None
+    return names[0] if names else None
+
+
+def _parse_pod_level(
+    annotations: Mapping[str, str],
+    names: list[str],
+    per_container: dict[str, dict[tuple[str, str], str]],
+    found: _Violations,
+) -> _PodLevel:
+    pod = _PodLevel(target=pod_level_target(annotations, names))
+    if k.GPU_FRACTION_CONTAINER_NAME in annotations:
+        raw = annotations[k.GPU_FRACTION_CONTAINER_NAME]
+        if pod.target is None:
+            found.add(
+                UnknownContainer(
+                    key=k.GPU_FRACTION_CONTAINER_NAME, value=raw, detail=_containers_detail(names)
+                )
+            )
+
+    if k.GPU_FRACTION in annotations:
+        raw = annotations[k.GPU_FRACTION]
+        fraction = _decimal(raw)
+        if fraction is None or not 0 < fraction < 1:
+            found.add(
+                InvalidFraction(
+                    key=k.GPU_FRACTION,
+                    value=raw,
+                    detail="ask for whole GPUs with nvidia.com/gpu" if fraction is not None else "",
+                )
+            )
+        else:
+            pod.fraction = fraction
+
+    if k.GPU_MEMORY in annotations:
+        raw = annotations[k.GPU_MEMORY]
+        mib = _whole(raw)
+        if mib is None or mib == 0:
+            found.add(InvalidLegacyMemory(key=k.GPU_MEMORY, value=raw))
+        else:
+            pod.memory_mib = mib
+
+    if k.GPU_FRACTION_NUM_DEVICES in annotations:
+        pod.num_devices = _device_count(
+            k.GPU_FRACTION_NUM_DEVICES, annotations[k.GPU_FRACTION_NUM_DEVICES], found
+        )
+
+    if k.GPU_FRACTION in annotations and k.GPU_MEMORY in annotations:
+        found.add(
+            ConflictingRequests(
+                key=k.GPU_MEMORY,
+                value=annotations[k.GPU_MEMORY],
+                detail=f"gpu-fraction={annotations[k.GPU_FRACTION]} is also set; keep one of them",
+            )
+        )
+
+    limit_keys: list[tuple[str, str]] = []
+    if k.GPU_FRACTION_LIMIT in annotations:
+        limit_keys.append((k.GPU_FRACTION_LIMIT, annotations[k.GPU_FRACTION_LIMIT]))
+    for name, entries in per_container.items():
+        if (k.KAI_CONTAINER_PREFIX, k.PORTION_LIMIT) in entries:
+            key, value = k.portion_limit_key(name), entries[(k.KAI_CONTAINER_PREFIX, k.PORTION_LIMIT)]
+            if pod.target is not None and name != pod.target:
+                found.add(
+                    NotTheFractionTarget(
+                        key=key, value=value, detail=f'gpu-fraction applies to "{pod.target}"'
+                    )
+                )
+                continue
+            limit_keys.append((key, value))
+    if len(limit_keys) > 1:
+        (first, _), (second, value) = limit_keys[0], limit_keys[1]
+        found.add(
+            ConflictingRequests(key=second, value=value, detail=f"{first} also sets the fraction limit")
+        )
+    elif limit_keys:
+        key, raw = limit_keys[0]
+        if k.GPU_FRACTION not in annotations:
+            found.add(KeyWithoutRequest(key=key, value=raw, detail="set gpu-fraction"))
+        else:
+            limit = _decimal(raw)
+            if limit is None or not 0 < limit < 1 or (pod.fraction is not None and limit <= pod.fraction):
+                found.add(
+                    InvalidFractionLimit(
+                        key=key, value=raw, detail=f"gpu-fraction is {annotations[k.GPU_FRACTION]}"
+                    )
+                )
+            else:
+                pod.fraction_limit, pod.fraction_limit_key = limit, key
+
+    if k.GPU_MEMORY_LIMIT in annotations:
+        raw = annotations[k.GPU_MEMORY_LIMIT]
+        if k.GPU_MEMORY not in annotations:
+            found.add(KeyWithoutRequest(key=k.GPU_MEMORY_LIMIT, value=raw, detail="set gpu-memory"))
+        elif _whole(raw) is not None:
+            found.add(
+                QuantityNeedsUnit(key=k.GPU_MEMORY_LIMIT, value=raw, detail=f"write {raw.strip()}Mi for MiB")
+            )
+        else:
+            limit_mib = found.mib(k.GPU_MEMORY_LIMIT, raw)
+            if limit_mib is not None and pod.memory_mib is not None and limit_mib < pod.memory_mib:
+                found.add(
+                    LimitBelowRequest(
+                        key=k.GPU_MEMORY_LIMIT, value=raw, detail=f"gpu-memory is {pod.memory_mib} MiB"
+                    )
+                )
+            elif limit_mib is not None:
+                pod.memory_limit_mib = limit_mib
+
+    if pod.target is None and (k.GPU_FRACTION in annotations or k.GPU_MEMORY in annotations):
+        key = k.GPU_FRACTION if k.GPU_FRACTION in annotations else k.GPU_MEMORY
+        if k.GPU_FRACTION_CONTAINER_NAME not in annotations:
+            found.add(UnknownContainer(key=key, value=annotations[key], detail="the pod has no containers"))
+    return pod
+
+
+def _containers_detail(names: Sequence[str]) -> str:
+    return "the pod's containers are " + ", ".join(names) if names else "the pod has no containers"
+
+
+def _device_count(key: str, raw: str, found: _Violations) -> int | None:
+    count = _whole(raw)
+    if count is None or not 1 <= count <= MAX_DEVICE_COUNT:
+        found.add(InvalidDeviceCount(key=key, value=raw))
+        return None
+    return count
+
+
+def _parse_container(
+    spec: ContainerSpec,
+    entries: Mapping[tuple[str, str], str],
+    pod: _PodLevel,
+    annotations: Mapping[str, str],
+    found: _Violations,
+    sources: dict[str, tuple[str, str]],
+) -> ContainerGpuRequest | None:
+    name = spec.name
+    nv = {suffix: value for (prefix, suffix), value in entries.items() if prefix == k.NVIDIA_CONTAINER_PREFIX}
+    placed = bool(nv.get(k.DEVICES, "").strip())
+    request, limit, source = _memory(name, nv, pod, annotations, placed, found)
+    fractional = request is not None or limit is not None or source is not None
+    if source is not None:
+        sources[name] = source
+
+    whole = _whole_gpus(spec, entries, found)
+    if whole is not None and fractional:
+        key, value = source if source is not None else (k.memory_request_key(name), "")
+        found.add(
+            FractionWithWholeGpu(
+                key=key, value=value, detail=f'container "{name}" also asks for {whole} whole GPUs'
+            )
+        )
+        return None
+    asks = fractional or whole is not None
+
+    mode = ComputeMode.TIME_SLICING
+    if k.COMPUTE_MODE in nv:
+        raw = nv[k.COMPUTE_MODE]
+        key = k.compute_mode_key(name)
+        if raw.strip() not in (ComputeMode.TIME_SLICING.value, ComputeMode.SM_SHARING.value):
+            found.add(
+                InvalidComputeMode(
+                    key=key, value=raw, detail="blank is not allowed" if not raw.strip() else ""
+                )
+            )
+        elif not asks:
+            found.add(KeyWithoutRequest(key=key, value=raw, detail=f'container "{name}" asks for no GPU'))
+        else:
+            mode = ComputeMode(raw.strip())
+
+    device_count = whole if whole is not None else (pod.num_devices or 1)
+    devices = _devices(name, nv, asks, device_count, found)
+    portion = _compute_portion(name, nv, asks, mode, found)
+
+    if not asks or (request is None and whole is None):
+        return None
+    return ContainerGpuRequest(
+        container=name,
+        request=request,
+        limit=limit,
+        mode=mode,
+        device_count=device_count,
+        exclusive=whole is not None,
+        devices=devices,
+        compute_portion=portion,
+    )
+
+
+def _memory(
+    name: str,
+    nv: Mapping[str, str],
+    pod: _PodLevel,
+    annotations: Mapping[str, str],
+    placed: bool,
+    found: _Violations,
+) -> tuple[GpuMemory | None, GpuMemory | None, tuple[str, str] | None]:
+    """Request, limit (defaulted: never None when there is a request) and the key that asked."""
+    request_key, limit_key = k.memory_request_key(name), k.memory_limit_key(name)
+    explicit_request = found.mib(request_key, nv[k.MEMORY_REQUEST]) if k.MEMORY_REQUEST in nv else None
+    explicit_limit = found.mib(limit_key, nv[k.MEMORY_LIMIT]) if k.MEMORY_LIMIT in nv else None
+    has_explicit = k.MEMORY_REQUEST in nv or k.MEMORY_LIMIT in nv
+    is_target = name == pod.target
+    pod_fraction = is_target and k.GPU_FRACTION in annotations
+    pod_memory = is_target and k.GPU_MEMORY in annotations
+
+    if has_explicit:
+        source = (
+            (request_key, nv[k.MEMORY_REQUEST]) if k.MEMORY_REQUEST in nv else (limit_key, nv[k.MEMORY_LIMIT])
+        )
+        if pod_fraction and not placed:
+            found.add(
+                ConflictingRequests(
+                    key=source[0],
+                    value=source[1],
+                    detail=f'gpu-fraction also sets the request of container "{name}"; keep one of them',
+                )
+            )
+        if explicit_request is not None and explicit_limit is not None and explicit_limit < explicit_request:
+            found.add(
+                LimitBelowRequest(
+                    key=limit_key, value=nv[k.MEMORY_LIMIT], detail=f"the request is {explicit_request} MiB"
+                )
+            )
+            return None, None, source
+        effective_request = explicit_request if k.MEMORY_REQUEST in nv else explicit_limit
+        effective_limit = explicit_limit if k.MEMORY_LIMIT in nv else effective_request
+        if pod_memory and pod.memory_mib is not None and effective_request is not None:
+            if pod.memory_mib != effective_request:
+                found.add(
+                    ConflictingRequests(
+                        key=k.GPU_MEMORY,
+                        value=annotations[k.GPU_MEMORY],
+                        detail=f"{source[0]} asks for {effective_request} MiB",
+                    )
+                )
+            elif pod.memory_limit_mib is not None and pod.memory_limit_mib != effective_limit:
+                found.add(
+                    ConflictingRequests(
+                        key=k.GPU_MEMORY_LIMIT,
+                        value=annotations[k.GPU_MEMORY_LIMIT],
+                        detail=f"the limit of container {name} is {effective_limit} MiB",
+                    )
+                )
+        if effective_request is None or effective_limit is None:
+            return None, None, source
+        return GpuMemory(mib=effective_request), GpuMemory(mib=effective_limit), source
+
+    if pod_fraction:
+        source = (k.GPU_FRACTION, annotations[k.GPU_FRACTION])
+        if pod.fraction is None:
+            return None, None, source
+        limit = pod.fraction_limit if pod.fraction_limit is not None else pod.fraction
+        return GpuMemory(portion=pod.fraction), GpuMemory(portion=limit), source
+    if pod_memory:
+        source = (k.GPU_MEMORY, annotations[k.GPU_MEMORY])
+        if pod.memory_mib is None:
+            return None, None, source
+        limit_mib = pod.memory_limit_mib if pod.memory_limit_mib is not None else pod.memory_mib
+        return GpuMemory(mib=pod.memory_mib), GpuMemory(mib=limit_mib), source
+    return None, None, None
+
+
+def _whole_gpus(
+    spec: ContainerSpec, entries: Mapping[tuple[str, str], str], found: _Violations
+) -> int | None:
+    """Exclusive GPU count of a container (annotation or resource), None when it asks for none."""
+    annotated: int | None = None
+    marker = (k.GPUFRAC_CONTAINER_PREFIX, k.WHOLE_GPUS)
+    if marker in entries:
+        annotated = _device_count(k.whole_gpus_key(spec.name), entries[marker], found)
+        if annotated is None:
+            return None
+        if spec.gpus and spec.gpus != annotated:
+            found.add(
+                ConflictingRequests(
+                    key=k.whole_gpus_key(spec.name),
+                    value=entries[marker],
+                    detail=f'container "{spec.name}" has {k.GPU_RESOURCE}: {spec.gpus}',
+                )
+            )
+            return None
+    if annotated is not None:
+        return annotated
+    if spec.gpus:
+        if spec.gpus > MAX_DEVICE_COUNT:
+            found.add(InvalidDeviceCount(key=_resource_key(spec.name), value=str(spec.gpus)))
+            return None
+        return spec.gpus
+    return None
+
+
+def _resource_key(container: str) -> str:
+    return f"spec.containers[{container}].resources.limits.{k.GPU_RESOURCE}"
+
+
+def _devices(
+    name: str, nv: Mapping[str, str], asks: bool, device_count: int, found: _Violations
+) -> tuple[str, ...]:
+    if k.DEVICES not in nv:
+        return ()
+    raw, key = nv[k.DEVICES], k.devices_key(name)
+    items = [item.strip() for item in raw.split(",")]
+    if not all(_DEVICE.fullmatch(item) for item in items) or len(set(items)) != len(items):
+        found.add(InvalidDeviceList(key=key, value=raw))
+        return ()
+    if not asks:
+        found.add(KeyWithoutRequest(key=key, value=raw, detail=f'container "{name}" asks for no GPU'))
+        return ()
+    if len(items) != device_count:
+        found.add(
+            DeviceCountMismatch(key=key, value=raw, detail=f"{len(items)} assigned, {device_count} requested")
+        )
+        return ()
+    return tuple(items)
+
+
+def _compute_portion(
+    name: str, nv: Mapping[str, str], asks: bool, mode: ComputeMode, found: _Violations
+) -> float | None:
+    if k.COMPUTE_PORTION not in nv:
+        return None
+    raw, key = nv[k.COMPUTE_PORTION], k.compute_portion_key(name)
+    portion = _decimal(raw)
+    if portion is None or not 0 < portion <= 1:
+        found.add(InvalidComputePortion(key=key, value=raw))
+        return None
+    if not asks:
+        found.add(KeyWithoutRequest(key=key, value=raw, detail=f'container "{name}" asks for no GPU'))
+        return None
+    if mode is not ComputeMode.SM_SHARING:
+        found.add(KeyWithoutRequest(key=key, value=raw, detail=f'container "{name}" is not sm-sharing'))
+        return None
+    return portion
+
+
+# -- raw Kubernetes objects ------------------------------------------------------------------------------
+
+
+def container_specs(pod_spec: Mapping[str, Any]) -> list[ContainerSpec]:
+    """The ``ContainerSpec`` of each regular container of a raw pod spec.
+
+    The ``nvidia.com/gpu`` count is the limit, or the request when no limit is given. A count that is
+    not a whole number raises ``InvalidPodRequest`` (the API server rejects those too, but ``validate``
+    reads files that never met it).
+    """
+    found = _Violations()
+    specs: list[ContainerSpec] = []
+    for container in pod_spec.get("containers") or []:
+        name = str(container.get("name", ""))
+        resources = container.get("resources") or {}
+        raw = (resources.get("limits") or {}).get(k.GPU_RESOURCE)
+        if raw is None:
+            raw = (resources.get("requests") or {}).get(k.GPU_RESOURCE)
+        gpus = 0
+        if raw is not None:
+            count = _whole(str(raw))
+            if count is None:
+                found.add(InvalidDeviceCount(key=_resource_key(name), value=str(raw)))
+            else:
+                gpus = count
+        specs.append(ContainerSpec(name=name, gpus=gpus))
+    if found.found:
+        raise InvalidPodRequest(found.found)
+    return specs
+
+
+def parse_pod_manifest(pod: Mapping[str, Any], *, user_written: bool = False) -> PodGpuRequest:
+    """``parse_pod`` for a raw Pod (a dict as in YAML/JSON); see ``parse_pod``."""
+    metadata = pod.get("metadata") or {}
+    annotations = {str(key): str(value) for key, value in (metadata.get("annotations") or {}).items()}
+    return parse_pod(annotations, container_specs(pod.get("spec") or {}), user_written=user_written)

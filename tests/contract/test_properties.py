@@ -1,0 +1,214 @@
+"""Properties of the contract over pods hypothesis makes up.
+
+* Whatever annotations a user writes, parsing answers with a request or with the contract's own error,
+  never with a crash (the webhook would answer 500 and, with failurePolicy Fail, block the pod).
+* parse -> render -> parse is stable: a bound pod means what the scheduler booked, and re-rendering it
+  changes nothing (a restarted scheduler rebuilds the same ledger).
+* The webhook's translation to per-container keys never changes what a pod asks for.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gpufrac.contract import keys as k
+from gpufrac.contract.errors import ContractError, InvalidPodRequest
+from gpufrac.contract.parse import ContainerSpec, parse_pod
+from gpufrac.contract.render import ContainerPlacement, node_plan, render_binding
+from gpufrac.contract.translate import apply_translation, translate
+
+NAMES = ["app", "side", "train", "trainer"]
+
+_containers = st.lists(
+    st.builds(ContainerSpec, name=st.sampled_from(NAMES), gpus=st.sampled_from([0, 0, 0, 1, 2])),
+    max_size=3,
+    unique_by=lambda c: c.name,
+)
+_suffixes = st.sampled_from(
+    [*k.NVIDIA_CONTAINER_SUFFIXES, k.PORTION_LIMIT, k.WHOLE_GPUS, "gpu-memory", "", "gpus.devices.x"]
+)
+_key = st.one_of(
+    st.builds(
+        lambda prefix, container, suffix: f"{prefix}{container}.{suffix}",
+        st.sampled_from(k.CONTAINER_PREFIXES),
+        st.one_of(st.sampled_from([*NAMES, ""]), st.text(max_size=5)),
+        st.one_of(_suffixes, st.text(max_size=8)),
+    ),
+    st.sampled_from(k.POD_LEVEL_KEYS),
+    st.text(max_size=20),
+)
+_value = st.one_of(
+    st.sampled_from(
+        [
+            "",
+            " ",
+            "0",
+            "1",
+            "-1",
+            "0.5",
+            "1.5",
+            "NaN",
+            "inf",
+            "-inf",
+            "1e308",
+            "1e-308",
+            "40Gi",
+            "1000M",
+            "4096",
+            "0.99999999",
+            "1e999",
+            "sm-sharing",
+            "time-slicing",
+            "GPU-a,GPU-b",
+            "GPU-a,,",
+            "app",
+            "side",
+            "2",
+            "257",
+            "1_0",
+            "٣",
+            "1Ei",
+            "9" * 400,
+            "+0.5",
+            ".5",
+            "5.",
+            "0x10",
+        ]
+    ),
+    st.text(max_size=12),
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(annotations=st.dictionaries(_key, _value, max_size=8), containers=_containers, user=st.booleans())
+def test_arbitrary_annotations_raise_only_contract_errors(
+    annotations: dict[str, str], containers: list[ContainerSpec], user: bool
+) -> None:
+    try:
+        request = parse_pod(annotations, containers, user_written=user)
+    except InvalidPodRequest as invalid:
+        for violation in invalid.errors:
+            assert violation.key in violation.message
+            assert violation.message.endswith(".")
+        return
+    names = {c.name for c in containers}
+    assert all(c.container in names for c in request.containers)
+    try:
+        translate(annotations, containers, whole_gpus=True)
+    except ContractError as error:  # pragma: no cover - a valid pod must translate
+        raise AssertionError(f"valid pod failed to translate: {error}") from error
+
+
+def _quantity(mib: int, style: int) -> str:
+    if style == 1 and mib % 1024 == 0:
+        return f"{mib // 1024}Gi"
+    if style == 2:
+        return str(mib * (1 << 20))
+    return f"{mib}Mi"
+
+
+@st.composite
+def valid_pods(draw: Any) -> tuple[dict[str, str], list[ContainerSpec]]:
+    names = draw(st.lists(st.sampled_from(NAMES), min_size=1, max_size=3, unique=True))
+    kind = draw(st.sampled_from(["explicit", "fraction", "memory", "whole"]))
+    annotations: dict[str, str] = {}
+    gpus = dict.fromkeys(names, 0)
+    fractional: list[str] = []
+    if kind == "explicit":
+        fractional = draw(st.lists(st.sampled_from(names), min_size=1, unique=True))
+        for name in fractional:
+            request = draw(st.integers(1, 200_000))
+            extra = draw(st.one_of(st.none(), st.integers(0, 50_000)))
+            style = draw(st.integers(0, 2))
+            if extra is None or draw(st.booleans()):
+                annotations[k.memory_request_key(name)] = _quantity(request, style)
+            if extra is not None:
+                annotations[k.memory_limit_key(name)] = _quantity(request + extra, style)
+    elif kind in ("fraction", "memory"):
+        target = draw(st.sampled_from(names))
+        if target != names[0] or draw(st.booleans()):
+            annotations[k.GPU_FRACTION_CONTAINER_NAME] = target
+        fractional = [target]
+        if kind == "fraction":
+            percent = draw(st.integers(1, 98))
+            annotations[k.GPU_FRACTION] = str(percent / 100)
+            if draw(st.booleans()):
+                limit_key = draw(st.sampled_from([k.GPU_FRACTION_LIMIT, k.portion_limit_key(target)]))
+                annotations[limit_key] = str(draw(st.integers(percent + 1, 99)) / 100)
+        else:
+            memory = draw(st.integers(1, 100_000))
+            annotations[k.GPU_MEMORY] = str(memory)
+            if draw(st.booleans()):
+                annotations[k.GPU_MEMORY_LIMIT] = f"{memory + draw(st.integers(0, 9999))}Mi"
+    else:
+        for name in draw(st.lists(st.sampled_from(names), min_size=1, unique=True)):
+            gpus[name] = draw(st.integers(1, 8))
+            if draw(st.booleans()):
+                annotations[k.whole_gpus_key(name)] = str(gpus[name])
+                if draw(st.booleans()):
+                    gpus[name] = 0
+    if fractional and draw(st.booleans()):
+        annotations[k.GPU_FRACTION_NUM_DEVICES] = str(draw(st.integers(1, 8)))
+    for name in names:
+        asks = name in fractional or gpus[name] or k.whole_gpus_key(name) in annotations
+        if asks and draw(st.booleans()):
+            annotations[k.compute_mode_key(name)] = draw(st.sampled_from(["time-slicing", "sm-sharing"]))
+    return annotations, [ContainerSpec(name=n, gpus=gpus[n]) for n in names]
+
+
+@settings(max_examples=300, deadline=None)
+@given(pod=valid_pods(), gpu_mib=st.integers(1024, 196_608), data=st.data())
+def test_parse_render_parse_is_stable(
+    pod: tuple[dict[str, str], list[ContainerSpec]], gpu_mib: int, data: Any
+) -> None:
+    annotations, containers = pod
+    first = parse_pod(annotations, containers, user_written=True)
+    assert first.wants_gpu
+    placements = []
+    for container in first.containers:
+        start = data.draw(st.integers(0, 16))
+        devices = tuple(
+            f"GPU-{container.container}-{i}" for i in range(start, start + container.device_count)
+        )
+        placements.append(ContainerPlacement(container=container.container, devices=devices, gpu_mib=gpu_mib))
+
+    rendered = render_binding(first, placements)
+    assert all(key.startswith(k.NVIDIA_CONTAINER_PREFIX) for key in rendered)
+    bound = {**annotations, **rendered}
+    second = parse_pod(bound, containers)
+    assert render_binding(second, placements) == rendered
+    assert parse_pod({**bound, **render_binding(second, placements)}, containers) == second
+
+    for before, after, placement in zip(first.containers, second.containers, placements, strict=True):
+        assert after.container == before.container
+        assert after.devices == placement.devices
+        assert (after.mode, after.device_count, after.exclusive) == (
+            before.mode,
+            before.device_count,
+            before.exclusive,
+        )
+        assert after.request_mib(gpu_mib) == before.request_mib(gpu_mib)
+        assert after.limit_mib(gpu_mib) == max(before.request_mib(gpu_mib), before.limit_mib(gpu_mib))
+
+    for plan, container in zip(node_plan(second), second.containers, strict=True):
+        assert plan.devices == container.devices
+        if not plan.exclusive:
+            assert plan.request_mib == container.request_mib(gpu_mib)
+            assert plan.limit_mib is not None and plan.request_mib is not None
+            assert plan.limit_mib >= plan.request_mib
+
+
+@settings(max_examples=300, deadline=None)
+@given(pod=valid_pods(), ours=st.booleans())
+def test_translation_keeps_the_request(pod: tuple[dict[str, str], list[ContainerSpec]], ours: bool) -> None:
+    annotations, containers = pod
+    translation = translate(annotations, containers, whole_gpus=ours)
+    stored, stored_containers = apply_translation(annotations, containers, translation)
+    assert parse_pod(stored, stored_containers) == parse_pod(annotations, containers)
+    assert k.GPU_MEMORY not in stored
+    if ours:
+        assert all(c.gpus == 0 for c in stored_containers)
+    assert translate(stored, stored_containers, whole_gpus=ours).empty
