@@ -167,7 +167,7 @@ class MpsSupervisor:
             self._daemon = daemon
             try:
                 await daemon.start()
-                await self._reconcile()
+                await self.reconcile()
             except (DaemonStartError, MpsCommandError) as error:
                 await daemon.kill()
                 self._restart_later(reason=REASON_START_FAILED, cause=f"did not start: {error}")
@@ -262,7 +262,7 @@ class MpsSupervisor:
         else:
             await self.control.create_namespace(server=server, name=spec.name, settings=spec.settings())
 
-    async def _reconcile(self) -> None:
+    async def reconcile(self) -> None:
         if self.mode is not MpsMode.V3:
             return
         async with self._ns_lock:
