@@ -34,6 +34,9 @@ def _register() -> None:
 
     app.command(name="up")(up)
     app.command(name="demo")(demo)
+    from gpufrac.node.top import top
+
+    app.command(name="top")(top)
 
     _not_built("scheduler", "the gpufrac scheduler service")
     _not_built("node-agent", "the node agent: inventory, NRI plugin, MPS supervision, usage")
