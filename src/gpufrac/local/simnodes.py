@@ -1,0 +1,185 @@
+"""Simulated GPU nodes: Node objects that look to the scheduler exactly like node-agent-published ones.
+
+The embedded cluster has no kubelets and no GPUs. What the scheduler reads from a GPU node is all on
+the Node object: the managed label and taint, the GPU inventory annotation (uuid, index, model, MiB per
+physical GPU), a Ready condition, the node agent's readiness condition and allocatable cpu, memory and
+pods. This module writes those, so the scheduler, the demo and the benchmark drive the real API server
+with nodes the product cannot tell from real ones. (Later a node agent with a simulated GPU backend
+publishes the same fields itself.)
+
+GPU UUIDs are derived from the node name and index, so a re-created node gets the same UUIDs, as a
+real machine does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+from lightkube import AsyncClient, Client
+from lightkube.models.core_v1 import NodeCondition, NodeSpec, NodeStatus, Taint
+from lightkube.models.meta_v1 import ObjectMeta
+from lightkube.resources.core_v1 import Node
+
+from gpufrac.contract import keys
+from gpufrac.kube.errors import Conflict, api_errors
+
+#: Framebuffer MiB as NVML reports it for common data-centre GPUs.
+GPU_MODELS: dict[str, int] = {
+    "H100-80GB": 81559,
+    "H200-141GB": 143771,
+    "A100-40GB": 40960,
+    "A100-80GB": 81920,
+    "L40S-48GB": 46068,
+    "L4-24GB": 23034,
+    "A10-24GB": 23028,
+    "T4-16GB": 15360,
+}
+
+_UUID_NAMESPACE = uuid.UUID("6f1b8a52-6a3e-4bb2-9c9e-2a7d0d9b1c11")
+
+
+@dataclass(frozen=True, slots=True)
+class NodeShape:
+    """What every simulated node of a pool has."""
+
+    gpus: int = 8
+    model: str = "H100-80GB"
+    gpu_mib: int | None = None
+    cpu: str = "128"
+    memory: str = "1024Gi"
+    pods: int = 250
+
+    @property
+    def mib(self) -> int:
+        if self.gpu_mib is not None:
+            return self.gpu_mib
+        try:
+            return GPU_MODELS[self.model]
+        except KeyError:
+            known = ", ".join(GPU_MODELS)
+            raise ValueError(f"unknown GPU model {self.model!r}: give gpu_mib or one of {known}") from None
+
+
+def gpu_uuid(node: str, index: int) -> str:
+    return f"GPU-{uuid.uuid5(_UUID_NAMESPACE, f'{node}/{index}')}"
+
+
+def inventory(node: str, shape: NodeShape) -> list[dict[str, object]]:
+    """The ``gpufrac.io/gpus`` annotation's content for ``node``."""
+    return [
+        {"uuid": gpu_uuid(node, i), "index": i, "model": shape.model, "mib": shape.mib}
+        for i in range(shape.gpus)
+    ]
+
+
+def sim_node(*, name: str, shape: NodeShape = NodeShape(), labels: dict[str, str] | None = None) -> Node:
+    """A managed, Ready GPU node object (not yet created)."""
+    now = datetime.now(UTC)
+    resources = {"cpu": shape.cpu, "memory": shape.memory, "pods": str(shape.pods)}
+    return Node(
+        metadata=ObjectMeta(
+            name=name,
+            labels={
+                keys.MANAGED_LABEL: "true",
+                "kubernetes.io/hostname": name,
+                "kubernetes.io/os": "linux",
+                "nvidia.com/gpu.product": shape.model,
+                "nvidia.com/gpu.count": str(shape.gpus),
+                **(labels or {}),
+            },
+            annotations={
+                keys.NODE_GPUS_ANNOTATION: json.dumps(inventory(name, shape), separators=(",", ":"))
+            },
+        ),
+        spec=NodeSpec(
+            taints=[
+                Taint(
+                    key=keys.MANAGED_TAINT_KEY,
+                    value=keys.MANAGED_TAINT_VALUE,
+                    effect=keys.MANAGED_TAINT_EFFECT,
+                )
+            ]
+        ),
+        status=NodeStatus(
+            capacity=resources,
+            allocatable=resources,
+            conditions=[
+                NodeCondition(
+                    type="Ready",
+                    status="True",
+                    reason="SimulatedNode",
+                    message="simulated GPU node",
+                    lastHeartbeatTime=now,
+                    lastTransitionTime=now,
+                ),
+                NodeCondition(
+                    type=keys.NODE_READY_CONDITION,
+                    status="True",
+                    reason="SimulatedNode",
+                    message="simulated node agent",
+                    lastHeartbeatTime=now,
+                    lastTransitionTime=now,
+                ),
+            ],
+        ),
+    )
+
+
+def node_names(count: int, *, prefix: str = "gpu-node-") -> list[str]:
+    width = max(3, len(str(count - 1)))
+    return [f"{prefix}{i:0{width}d}" for i in range(count)]
+
+
+async def create_sim_nodes(
+    client: AsyncClient,
+    *,
+    count: int,
+    shape: NodeShape = NodeShape(),
+    prefix: str = "gpu-node-",
+    concurrency: int = 16,
+) -> list[str]:
+    """Create ``count`` simulated nodes (existing ones are left as they are); returns their names."""
+    names = node_names(count, prefix=prefix)
+    gate = asyncio.Semaphore(concurrency)
+
+    async def create(name: str) -> None:
+        async with gate:
+            node = sim_node(name=name, shape=shape)
+            try:
+                with api_errors():
+                    created = await client.create(node)
+            except Conflict as error:
+                if error.already_exists:
+                    return
+                raise
+            if not (created.status and created.status.conditions):
+                # Some API server versions drop status on create; the status subresource takes it.
+                with api_errors():
+                    await client.patch(Node.Status, name, {"status": node.status.to_dict()})
+
+    await asyncio.gather(*(create(name) for name in names))
+    return names
+
+
+def create_sim_nodes_sync(
+    client: Client, *, count: int, shape: NodeShape = NodeShape(), prefix: str = "gpu-node-"
+) -> list[str]:
+    """``create_sim_nodes`` for synchronous callers (``gpufrac up``/``demo``)."""
+    names = node_names(count, prefix=prefix)
+    for name in names:
+        node = sim_node(name=name, shape=shape)
+        try:
+            with api_errors():
+                created = client.create(node)
+        except Conflict as error:
+            if error.already_exists:
+                continue
+            raise
+        if not (created.status and created.status.conditions):
+            with api_errors():
+                client.patch(Node.Status, name, {"status": node.status.to_dict()})
+    return names

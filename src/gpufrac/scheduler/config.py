@@ -1,0 +1,113 @@
+"""The scheduler's configuration file: one pydantic model, validated before anything starts.
+
+Every knob has a default that works for the embedded cluster, so the file is optional; a key the model
+does not know is an error (a misspelt knob that silently keeps its default is the worst kind of
+configuration bug). Flags of ``gpufrac scheduler`` override the file. docs/scheduler.md documents each
+field with an example file.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from gpufrac.contract import keys
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class QueueConfig(_Strict):
+    """A queue pods join with the ``gpufrac.io/queue`` (or ``kai.scheduler/queue``) label."""
+
+    name: str
+    gpu_memory_limit_mib: int | None = Field(default=None, ge=1)
+    """Cap on the guaranteed GPU memory of the queue's placed pods; none by default."""
+    deserved_share: float = Field(default=0.0, ge=0.0, le=1.0)
+    """Fraction of the cluster's GPU memory the queue deserves; queues furthest below it go first."""
+
+
+class LeaderElectionConfig(_Strict):
+    """client-go's timing; only the holder of the Lease binds."""
+
+    enabled: bool = True
+    lease_name: str = "gpufrac-scheduler"
+    lease_namespace: str = "kube-system"
+    lease_duration_s: float = Field(default=15.0, gt=0)
+    renew_deadline_s: float = Field(default=10.0, gt=0)
+    retry_period_s: float = Field(default=2.0, gt=0)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> LeaderElectionConfig:
+        if not self.retry_period_s < self.renew_deadline_s < self.lease_duration_s:
+            raise ValueError("leader_election needs retry_period_s < renew_deadline_s < lease_duration_s")
+        return self
+
+
+class SchedulerConfig(_Strict):
+    scheduler_name: str = keys.DEFAULT_SCHEDULER_NAME
+    """Pods whose ``spec.schedulerName`` equals this are ours."""
+
+    policy: str = "binpack"
+    """Placement policy of the engine (binpack, spread, kai, fgd, ...); a pod may override it."""
+
+    mode_policy: Literal["Required", "Preferred"] = "Required"
+    """Required: a pod only goes to GPUs of its compute mode (or empty ones). Preferred: it may fall
+    back to a GPU of the other mode when none fits; a GPU never holds both modes."""
+
+    sm_sharing_tenancy: Literal["namespace", "shared"] = "namespace"
+    """namespace: an sm-sharing GPU holds pods of one namespace only (MPS merges error domains).
+    shared: any namespaces may share it."""
+
+    overcommit_cap: float | None = Field(default=None, ge=1.0)
+    """When set, the sum of LIMITS on a GPU may not exceed cap x its memory (requests never exceed 1x)."""
+
+    queues: tuple[QueueConfig, ...] = (QueueConfig(name="default"),)
+    default_queue: str = "default"
+
+    batch_window_ms: float = Field(default=10.0, ge=0.0)
+    """How long to wait after the first pending pod for others, so a burst is placed as one batch."""
+    max_batch: int = Field(default=512, ge=1)
+
+    bind_concurrency: int = Field(default=32, ge=1)
+    """Binds in flight at once (each is two API writes)."""
+    bind_retries: int = Field(default=5, ge=0)
+    backoff_initial_s: float = Field(default=0.5, gt=0)
+    backoff_max_s: float = Field(default=30.0, gt=0)
+
+    unschedulable_resync_s: float = Field(default=60.0, gt=0)
+    """Unschedulable pods are retried at once when the cluster changes, and at least this often."""
+
+    device_names: Literal["uuid", "cdi"] = "uuid"
+    """How ``.gpus.devices`` names GPUs: physical UUIDs, or CDI names (``nvidia.com/gpu=<uuid>``)."""
+
+    leader_election: LeaderElectionConfig = LeaderElectionConfig()
+
+    http_host: str = "0.0.0.0"
+    http_port: int = Field(default=10259, ge=0, le=65535)
+    """/healthz, /readyz and /metrics; 0 picks a free port (it is logged)."""
+
+    @model_validator(mode="after")
+    def _default_queue_exists(self) -> SchedulerConfig:
+        names = [q.name for q in self.queues]
+        if len(set(names)) != len(names):
+            raise ValueError("queue names must be unique")
+        if self.default_queue not in names:
+            raise ValueError(f"default_queue {self.default_queue!r} is not one of the queues {names}")
+        return self
+
+
+def load_config(path: Path | None, **overrides: object) -> SchedulerConfig:
+    """The file's configuration (defaults without a file) with ``overrides`` that are not None."""
+    data: dict[str, object] = {}
+    if path is not None:
+        loaded = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ValueError(f"{path}: the scheduler configuration must be a mapping")
+        data.update(loaded)
+    data.update({k: v for k, v in overrides.items() if v is not None})
+    return SchedulerConfig.model_validate(data)

@@ -1,0 +1,116 @@
+"""The scheduler's Prometheus metrics, in a registry of their own.
+
+A registry per service (not the global one) lets two schedulers run in one process, which the tests
+and the embedded cluster do. Values that are state rather than events (pending pods per queue, GPU
+memory allocated per GPU, leadership) are read from the service when scraped, so the hot path only
+increments counters and observes one histogram per pod.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+
+@dataclass(frozen=True, slots=True)
+class GpuAllocation:
+    node: str
+    gpu: str
+    index: int
+    capacity_mib: int
+    request_mib: int
+    limit_mib: int
+
+
+@dataclass(frozen=True, slots=True)
+class StateReaders:
+    """Callbacks the collector calls on each scrape."""
+
+    pending_by_queue: Callable[[], dict[str, int]]
+    gpu_allocations: Callable[[], Iterable[GpuAllocation]]
+    is_leader: Callable[[], bool]
+    informer_relists: Callable[[], dict[str, int]]
+
+
+class _StateCollector(Collector):
+    def __init__(self, readers: StateReaders) -> None:
+        self._readers = readers
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        r = self._readers
+        pending = GaugeMetricFamily(
+            "gpufrac_scheduler_pending_pods", "Pods waiting for a placement, by queue.", labels=["queue"]
+        )
+        for queue, count in sorted(r.pending_by_queue().items()):
+            pending.add_metric([queue], count)
+        yield pending
+        requested = GaugeMetricFamily(
+            "gpufrac_scheduler_gpu_memory_allocated_mib",
+            "Guaranteed GPU memory placed on each GPU (sum of requests).",
+            labels=["node", "gpu", "index"],
+        )
+        limits = GaugeMetricFamily(
+            "gpufrac_scheduler_gpu_memory_limit_mib",
+            "Sum of the memory limits of the fractions placed on each GPU.",
+            labels=["node", "gpu", "index"],
+        )
+        capacity = GaugeMetricFamily(
+            "gpufrac_scheduler_gpu_memory_capacity_mib",
+            "Memory of each GPU of the managed nodes.",
+            labels=["node", "gpu", "index"],
+        )
+        for a in r.gpu_allocations():
+            labels = [a.node, a.gpu, str(a.index)]
+            requested.add_metric(labels, a.request_mib)
+            limits.add_metric(labels, a.limit_mib)
+            capacity.add_metric(labels, a.capacity_mib)
+        yield requested
+        yield limits
+        yield capacity
+        leader = GaugeMetricFamily("gpufrac_scheduler_leader", "1 while this replica holds the lease.")
+        leader.add_metric([], 1 if r.is_leader() else 0)
+        yield leader
+        relists = GaugeMetricFamily(
+            "gpufrac_scheduler_informer_relists",
+            "Relists after the watch expired (410 Gone), by informer.",
+            labels=["informer"],
+        )
+        for name, count in sorted(r.informer_relists().items()):
+            relists.add_metric([name], count)
+        yield relists
+
+
+class SchedulerMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.attempts = Counter(
+            "gpufrac_scheduler_schedule_attempts",
+            "Scheduling attempts by result (scheduled, unschedulable, error).",
+            ["result"],
+            registry=self.registry,
+        )
+        self.e2e_latency = Histogram(
+            "gpufrac_scheduler_e2e_scheduling_duration_seconds",
+            "From the pod's first sighting to its successful binding.",
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300),
+            registry=self.registry,
+        )
+        self.bind_errors = Counter(
+            "gpufrac_scheduler_bind_errors",
+            "Failed annotate-or-bind attempts, by reason (conflict, not_found, invalid, other).",
+            ["reason"],
+            registry=self.registry,
+        )
+        self.batches = Histogram(
+            "gpufrac_scheduler_batch_size",
+            "Pods placed per engine call.",
+            buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000),
+            registry=self.registry,
+        )
+
+    def watch_state(self, readers: StateReaders) -> None:
+        self.registry.register(_StateCollector(readers))

@@ -1,0 +1,83 @@
+"""The scheduling queue: batches of pods that arrive together, backoff, and parking of unfit pods."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from gpufrac.scheduler.queue import SchedulingQueue
+
+
+async def test_pods_created_together_come_out_as_one_batch_in_arrival_order() -> None:
+    q: SchedulingQueue[str] = SchedulingQueue()
+
+    async def arrive() -> None:
+        for i in range(5):
+            q.add(f"p{i}", f"pod{i}", queue="default")
+            await asyncio.sleep(0.002)
+
+    feeder = asyncio.create_task(arrive())
+    batch = await q.next_batch(window=0.05, max_batch=100)
+    await feeder
+    assert [k for k, _ in batch] == [f"p{i}" for i in range(5)]
+
+
+async def test_max_batch_splits_a_burst() -> None:
+    q: SchedulingQueue[int] = SchedulingQueue()
+    for i in range(10):
+        q.add(str(i), i, queue="default")
+    first = await q.next_batch(window=0, max_batch=4)
+    second = await q.next_batch(window=0, max_batch=100)
+    assert [v for _, v in first] == [0, 1, 2, 3]
+    assert [v for _, v in second] == [4, 5, 6, 7, 8, 9]
+
+
+async def test_a_failed_bind_waits_a_doubling_delay() -> None:
+    q: SchedulingQueue[str] = SchedulingQueue(backoff_initial=0.05, backoff_max=1.0)
+    assert q.back_off("a", "pod", queue="default") == pytest.approx(0.05)
+    started = time.monotonic()
+    batch = await asyncio.wait_for(q.next_batch(window=0, max_batch=10), timeout=2)
+    assert batch == [("a", "pod")]
+    assert time.monotonic() - started >= 0.04
+    assert q.back_off("a", "pod", queue="default") == pytest.approx(0.1)
+    q.forget_failures("a")
+    q.remove("a")
+    assert q.back_off("a", "pod", queue="default") == pytest.approx(0.05)
+
+
+async def test_parked_pods_wait_for_a_cluster_change() -> None:
+    q: SchedulingQueue[str] = SchedulingQueue(unschedulable_resync=60)
+    q.park("big", "pod", queue="research")
+    assert q.pending_by_queue() == {"research": 1}
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(q.next_batch(window=0, max_batch=10), timeout=0.1)
+    q.cluster_changed()
+    assert await asyncio.wait_for(q.next_batch(window=0, max_batch=10), timeout=1) == [("big", "pod")]
+
+
+async def test_parked_pods_are_retried_after_the_resync_period_anyway() -> None:
+    q: SchedulingQueue[str] = SchedulingQueue(unschedulable_resync=0.1)
+    q.park("big", "pod", queue="default")
+    assert await asyncio.wait_for(q.next_batch(window=0, max_batch=10), timeout=2) == [("big", "pod")]
+
+
+async def test_an_edited_pod_leaves_the_parking_but_a_status_update_does_not() -> None:
+    q: SchedulingQueue[str] = SchedulingQueue()
+    q.park("p", "v1", queue="default")
+    q.update("p", "v2")  # status write: stays parked, newest version kept
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(q.next_batch(window=0, max_batch=10), timeout=0.05)
+    q.add("p", "v3", queue="default")  # user edit
+    assert await q.next_batch(window=0, max_batch=10) == [("p", "v3")]
+
+
+async def test_removed_pods_never_come_out() -> None:
+    q: SchedulingQueue[str] = SchedulingQueue()
+    q.add("a", "x", queue="default")
+    q.back_off("b", "y", queue="default")
+    q.park("c", "z", queue="default")
+    for key in "abc":
+        q.remove(key)
+    assert len(q) == 0 and q.pending_by_queue() == {}
