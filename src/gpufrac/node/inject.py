@@ -1,0 +1,237 @@
+"""A pod's annotations -> what one of its containers gets before its process starts (pure, no I/O).
+
+The NRI plugin applies this plan at CreateContainer; the audit recomputes it for running containers and
+compares. Both call ``plan_container``, so what is injected and what is checked are one rule.
+
+The annotations are parsed by the contract (``gpufrac.contract.parse_pod``) and nowhere else; on a
+scheduled pod the binder-owned keys carry resolved values (devices, request/limit in MiB, compute
+portion), which ``gpufrac.contract.render.node_plan`` turns into what the node enforces. A pod that
+breaks the contract raises ``InvalidPodRequest`` whose message names the key, the value and the rule.
+
+What a container gets (docs/node-agent.md has the same table for operators):
+
+================================== ===================================================================
+``NVIDIA_VISIBLE_DEVICES``         the assigned devices (``.gpus.devices``): GPU UUIDs or CDI names
+``NVIDIA_GPU_MEMORY_REQUEST``      guaranteed MiB per device (fractional only)
+``NVIDIA_GPU_MEMORY_LIMIT``        limit MiB per device (fractional only; both always: the toolkit hook
+                                   ignores one alone)
+``CUDA_MPS_PIPE_DIRECTORY``        the container's own MPS directory, a bind mount of a per-container
+                                   leaf directory on the host (fractional only)
+``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT`` ``0=<limit>M,1=<limit>M,...``: ordinals as the container sees its
+                                   devices (fractional only)
+``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` floor(portion x 100), at least 1 (sm-sharing with a portion)
+CDI devices                        every CDI name among the devices is also requested from the runtime
+================================== ===================================================================
+
+Any of these variables the container already has (set by the user, or by a plugin before ours) is
+removed first, so nothing a user writes in a manifest can widen what the scheduler granted.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Protocol
+
+from gpufrac.contract import keys
+from gpufrac.contract.errors import ContractError
+from gpufrac.contract.parse import ContainerSpec, parse_pod
+from gpufrac.contract.render import ContainerPlan, node_plan
+from gpufrac.contract.request import ComputeMode, PodGpuRequest
+
+NVIDIA_VISIBLE_DEVICES = "NVIDIA_VISIBLE_DEVICES"
+NVIDIA_GPU_MEMORY_REQUEST = "NVIDIA_GPU_MEMORY_REQUEST"
+NVIDIA_GPU_MEMORY_LIMIT = "NVIDIA_GPU_MEMORY_LIMIT"
+CUDA_MPS_PIPE_DIRECTORY = "CUDA_MPS_PIPE_DIRECTORY"
+CUDA_MPS_PINNED_DEVICE_MEM_LIMIT = "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"
+CUDA_MPS_ACTIVE_THREAD_PERCENTAGE = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
+
+#: Every variable gpufrac owns in a GPU container; one the plan does not set must be absent.
+ENFORCEMENT_ENV = (
+    NVIDIA_VISIBLE_DEVICES,
+    NVIDIA_GPU_MEMORY_REQUEST,
+    NVIDIA_GPU_MEMORY_LIMIT,
+    CUDA_MPS_PIPE_DIRECTORY,
+    CUDA_MPS_PINNED_DEVICE_MEM_LIMIT,
+    CUDA_MPS_ACTIVE_THREAD_PERCENTAGE,
+)
+
+#: Where a container sees its MPS directory (the MPS supervisor's ``container_pipe_dir`` default).
+CONTAINER_PIPE_DIR = "/run/nvidia/mps"
+PIPE_MOUNT_OPTIONS = ("rbind", "rw", "nosuid", "nodev")
+
+# vendor/class=name, as the CDI specification spells a fully-qualified device name
+_CDI_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*=[A-Za-z0-9_.:-]+")
+
+
+@dataclass(frozen=True, slots=True)
+class Mount:
+    source: str
+    destination: str
+    options: tuple[str, ...] = PIPE_MOUNT_OPTIONS
+
+
+@dataclass(frozen=True, slots=True)
+class InjectionPlan:
+    """Everything the node does to one GPU container at creation, and what it records about it."""
+
+    container: str
+    devices: tuple[str, ...]
+    mode: ComputeMode
+    exclusive: bool
+    request_mib: int | None
+    limit_mib: int | None
+    compute_portion: float | None
+    env: tuple[tuple[str, str], ...]
+    mounts: tuple[Mount, ...]
+    cdi_devices: tuple[str, ...]
+
+    @property
+    def env_map(self) -> dict[str, str]:
+        return dict(self.env)
+
+
+def is_cdi_name(device: str) -> bool:
+    """``nvidia.com/gpu=0`` is a CDI name; ``GPU-8f3c...`` (a UUID) is not."""
+    return _CDI_NAME.fullmatch(device) is not None
+
+
+def active_thread_percentage(portion: float) -> int:
+    """An sm-sharing compute portion as MPS's active-thread percentage: floored, at least 1.
+
+    Rounded to 6 places before flooring so that 0.29 (28.999999999999996 x 100 in binary) gives 29.
+    """
+    return min(100, max(1, math.floor(round(portion * 100, 6))))
+
+
+def pinned_memory_limit(*, limit_mib: int, device_count: int) -> str:
+    """``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT``: one ``<ordinal>=<MiB>M`` per device the container sees."""
+    return ",".join(f"{ordinal}={limit_mib}M" for ordinal in range(device_count))
+
+
+def pipe_leaf(*, root: str, container_id: str) -> str:
+    """The host directory mounted as a container's MPS directory: one leaf per container, nothing above."""
+    return f"{root.rstrip('/')}/{container_id}"
+
+
+def pod_containers(annotations: Mapping[str, str], *, current: str) -> list[ContainerSpec]:
+    """The pod's containers as far as the node can tell, for the contract's parser.
+
+    The runtime tells the node the pod's annotations and the ONE container being created, not the pod's
+    container list. Every container named by a per-container key (or by ``gpu-fraction-container-name``)
+    is listed, placed ones (with ``.gpus.devices``) first, so that KAI's pod-level forms -- which apply to
+    the first container unless one is named -- resolve to the container the scheduler placed; the
+    container being created comes last when nothing names it.
+    """
+    placed: list[str] = []
+    named: list[str] = []
+    for key in sorted(annotations):
+        split = keys.split_container_key(key)
+        if split is None or not split.container:
+            continue
+        bucket = (
+            placed if split.prefix == keys.NVIDIA_CONTAINER_PREFIX and split.suffix == keys.DEVICES else named
+        )
+        if split.container not in bucket:
+            bucket.append(split.container)
+    target = annotations.get(keys.GPU_FRACTION_CONTAINER_NAME, "").strip()
+    order: list[str] = []
+    for name in (*placed, *named, *([target] if target else []), current):
+        if name not in order:
+            order.append(name)
+    return [ContainerSpec(name=name) for name in order]
+
+
+def parse_for_node(annotations: Mapping[str, str], *, container: str) -> PodGpuRequest:
+    """The pod's parsed request (raises ``InvalidPodRequest`` naming every broken key)."""
+    return parse_pod(annotations, pod_containers(annotations, current=container))
+
+
+def plan_container(
+    *,
+    annotations: Mapping[str, str],
+    container: str,
+    env: Iterable[str] = (),
+    pipe_source: str,
+    container_pipe_dir: str = CONTAINER_PIPE_DIR,
+) -> tuple[InjectionPlan | None, tuple[str, ...]]:
+    """The plan of ``container`` and the enforcement variables to remove from its current ``env``.
+
+    Returns ``(None, ())`` for a container without a GPU ask (nothing is touched). ``env`` is the
+    container's ``KEY=value`` list as the runtime hands it over; ``pipe_source`` the host leaf directory
+    (``pipe_leaf``). Raises ``InvalidPodRequest`` for a pod that breaks the contract or is not placed.
+    """
+    request = parse_for_node(annotations, container=container)
+    wanted = request.container(container)
+    if wanted is None:
+        return None, ()
+    (placed,) = node_plan(PodGpuRequest(containers=(wanted,)))
+    plan = _plan(placed, pipe_source=pipe_source, container_pipe_dir=container_pipe_dir)
+    present = {entry.partition("=")[0] for entry in env}
+    return plan, tuple(key for key in ENFORCEMENT_ENV if key in present)
+
+
+def _plan(placed: ContainerPlan, *, pipe_source: str, container_pipe_dir: str) -> InjectionPlan:
+    devices = placed.devices
+    env: list[tuple[str, str]] = [(NVIDIA_VISIBLE_DEVICES, ",".join(devices))]
+    mounts: tuple[Mount, ...] = ()
+    if not placed.exclusive:
+        assert placed.request_mib is not None and placed.limit_mib is not None  # node_plan guarantees
+        env += [
+            (NVIDIA_GPU_MEMORY_REQUEST, str(placed.request_mib)),
+            (NVIDIA_GPU_MEMORY_LIMIT, str(placed.limit_mib)),
+            (CUDA_MPS_PIPE_DIRECTORY, container_pipe_dir),
+            (
+                CUDA_MPS_PINNED_DEVICE_MEM_LIMIT,
+                pinned_memory_limit(limit_mib=placed.limit_mib, device_count=len(devices)),
+            ),
+        ]
+        if placed.mode is ComputeMode.SM_SHARING and placed.compute_portion is not None:
+            env.append(
+                (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE, str(active_thread_percentage(placed.compute_portion)))
+            )
+        mounts = (Mount(source=pipe_source, destination=container_pipe_dir),)
+    return InjectionPlan(
+        container=placed.container,
+        devices=devices,
+        mode=placed.mode,
+        exclusive=placed.exclusive,
+        request_mib=placed.request_mib,
+        limit_mib=placed.limit_mib,
+        compute_portion=placed.compute_portion,
+        env=tuple(env),
+        mounts=mounts,
+        cdi_devices=tuple(d for d in devices if is_cdi_name(d)),
+    )
+
+
+class RunningContainer(Protocol):
+    """The part of a running container the planner reads (``gpufrac.node.cri.client.RunningContainer``)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def pod_annotations(self) -> Mapping[str, str]: ...
+
+
+class EnvPlanner:
+    """The audit's ``InjectionPlanner``: the environment ``plan_container`` gives a running container."""
+
+    managed_keys: frozenset[str] = frozenset(ENFORCEMENT_ENV)
+
+    def __init__(self, *, container_pipe_dir: str = CONTAINER_PIPE_DIR) -> None:
+        self._container_pipe_dir = container_pipe_dir
+
+    def expected_env(self, *, container: RunningContainer) -> Mapping[str, str] | None:
+        try:
+            plan, _ = plan_container(
+                annotations=container.pod_annotations,
+                container=container.name,
+                pipe_source="",
+                container_pipe_dir=self._container_pipe_dir,
+            )
+        except ContractError:
+            return None  # such a container was refused at creation; nothing to compare against
+        return None if plan is None else plan.env_map

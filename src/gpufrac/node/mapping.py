@@ -1,0 +1,170 @@
+"""The node's container -> allocation mapping: one schema-versioned JSON record per GPU container.
+
+The NRI plugin writes a record when it injects a container and deletes it when the container is
+removed; the usage reporter and the audit read them (``allocations()`` is the usage collector's
+``AllocationLookup``), and the MPS hooks restore their namespaces from them when the agent restarts.
+
+Each record is its own file, ``<state dir>/containers/<container id>.json``, written atomically: a
+temporary file in the same directory, fsync, rename over the old name, fsync of the directory. A crash
+leaves the old record or the new one, never half of one. The files are a cache of what the runtime
+knows, not a source of truth: after every (re)connection the runtime's Synchronize lists the containers
+that exist and ``replace_all`` makes the store equal to it, so a record missed while the agent was down,
+or one of a container removed meanwhile, is corrected there. The default state directory is under /run
+(tmpfs): containers do not survive a reboot, neither need their records, and fsync costs nothing there.
+
+Schema (``schema: 1``): container_id, pod_namespace, pod_name, pod_uid, container_name, devices (list),
+request_mib, limit_mib, mode (``time-slicing``/``sm-sharing``), portion (null unless sm-sharing with a
+portion), exclusive (whole GPUs), pipe_dir (host directory mounted as the container's MPS directory,
+null for whole GPUs), created_at (unix seconds). Unknown schema versions are left on disk and skipped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import time
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True, slots=True)
+class AllocationRecord:
+    container_id: str
+    pod_namespace: str
+    pod_name: str
+    pod_uid: str
+    container_name: str
+    devices: tuple[str, ...]
+    request_mib: int
+    limit_mib: int
+    mode: str
+    portion: float | None
+    exclusive: bool = False
+    pipe_dir: str | None = None
+    created_at: float = field(default_factory=time.time)
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["devices"] = list(self.devices)
+        return {"schema": SCHEMA_VERSION, **data}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> AllocationRecord:
+        if data.get("schema") != SCHEMA_VERSION:
+            raise ValueError(
+                f"unknown mapping schema {data.get('schema')!r} (this agent reads {SCHEMA_VERSION})"
+            )
+        portion = data.get("portion")
+        return cls(
+            container_id=str(data["container_id"]),
+            pod_namespace=str(data["pod_namespace"]),
+            pod_name=str(data["pod_name"]),
+            pod_uid=str(data["pod_uid"]),
+            container_name=str(data["container_name"]),
+            devices=tuple(str(d) for d in data["devices"]),
+            request_mib=int(data["request_mib"]),
+            limit_mib=int(data["limit_mib"]),
+            mode=str(data["mode"]),
+            portion=None if portion is None else float(portion),
+            exclusive=bool(data.get("exclusive", False)),
+            pipe_dir=data.get("pipe_dir"),
+            created_at=float(data.get("created_at", 0.0)),
+        )
+
+
+class MappingStore:
+    """Records on disk with an in-memory index; every method is synchronous and cheap."""
+
+    def __init__(self, *, directory: Path) -> None:
+        self._dir = directory / "containers"
+        self._dir.mkdir(parents=True, exist_ok=True)
+        self._records: dict[str, AllocationRecord] = {}
+        self._load()
+
+    @property
+    def directory(self) -> Path:
+        return self._dir
+
+    def _path(self, container_id: str) -> Path:
+        if not container_id or "/" in container_id or container_id.startswith("."):
+            raise ValueError(f"not a container id: {container_id!r}")
+        return self._dir / f"{container_id}.json"
+
+    def _load(self) -> None:
+        for path in sorted(self._dir.glob("*.json")):
+            try:
+                record = AllocationRecord.from_json(json.loads(path.read_text()))
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                log.warning("mapping: skipping %s: %s", path, exc)
+                continue
+            self._records[record.container_id] = record
+
+    def get(self, container_id: str) -> AllocationRecord | None:
+        return self._records.get(container_id)
+
+    def allocations(self) -> list[AllocationRecord]:
+        """Every GPU container this node hosts (the usage collector's ``AllocationLookup``)."""
+        return list(self._records.values())
+
+    def put(self, record: AllocationRecord) -> None:
+        path = self._path(record.container_id)
+        tmp = path.with_name(f".{path.name}.tmp")
+        data = json.dumps(record.to_json(), sort_keys=True).encode()
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.write(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+        self._sync_dir()
+        self._records[record.container_id] = record
+
+    def remove(self, container_id: str) -> AllocationRecord | None:
+        record = self._records.pop(container_id, None)
+        with contextlib.suppress(FileNotFoundError):
+            self._path(container_id).unlink()
+            self._sync_dir()
+        return record
+
+    def replace_all(self, records: Iterable[AllocationRecord]) -> tuple[int, int]:
+        """Make the store hold exactly ``records`` (after Synchronize); returns (written, removed)."""
+        wanted = {r.container_id: r for r in records}
+        removed = 0
+        for stale in set(self._records) - wanted.keys():
+            self.remove(stale)
+            removed += 1
+        written = 0
+        for record in wanted.values():
+            old = self._records.get(record.container_id)
+            if old is None or _without_time(old) != _without_time(record):
+                self.put(record if old is None else _keep_time(record, old))
+                written += 1
+        return written, removed
+
+    def _sync_dir(self) -> None:
+        fd = os.open(self._dir, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _without_time(record: AllocationRecord) -> dict[str, Any]:
+    data = record.to_json()
+    data.pop("created_at")
+    return data
+
+
+def _keep_time(record: AllocationRecord, old: AllocationRecord) -> AllocationRecord:
+    data = record.to_json()
+    data["created_at"] = old.created_at
+    return AllocationRecord.from_json(data)
