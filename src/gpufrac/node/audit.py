@@ -210,7 +210,7 @@ class Auditor:
                     message=(
                         f"{a.pod_namespace}/{a.pod_name} container {a.container_name} uses "
                         f"{f.used_bytes // MIB} MiB on GPU {f.gpu_index} ({f.gpu_uuid}) in {len(f.pids)} "
-                        f"process(es), over its limit of {a.limit_mib} MiB{action}"
+                        f"process(es), over its limit of {f.limit_bytes // MIB} MiB{action}"
                     ),
                     stop=a.container_id if self._stop_over else None,
                 )

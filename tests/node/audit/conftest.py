@@ -13,7 +13,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping
 from concurrent import futures
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,7 +26,9 @@ if importlib.util.find_spec("gpufrac._generated.cri") is None:  # `make testenv`
     subprocess.run([sys.executable, str(ROOT / "scripts" / "gen-cri-protos")], check=True)
 
 from gpufrac._generated.cri import api_pb2, api_pb2_grpc  # noqa: E402
-from gpufrac.node.cri.client import CriClient, RunningContainer  # noqa: E402
+from gpufrac.node.cri.client import CriClient  # noqa: E402
+from gpufrac.node.inject import EnvPlanner  # noqa: E402
+from gpufrac.node.mapping import MappingStore  # noqa: E402
 
 
 @dataclass
@@ -163,65 +165,15 @@ def events() -> Events:
     return Events()
 
 
-ENFORCEMENT = frozenset(
-    {
-        "NVIDIA_VISIBLE_DEVICES",
-        "NVIDIA_GPU_MEMORY_REQUEST",
-        "NVIDIA_GPU_MEMORY_LIMIT",
-        "CUDA_MPS_PIPE_DIRECTORY",
-        "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT",
-        "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE",
-    }
-)
-
-
-@dataclass
-class PlanByPod:
-    """The planner seam: the expected enforcement env of each fractional pod's container."""
-
-    plans: dict[tuple[str, str], dict[str, str]] = field(default_factory=dict)
-    managed_keys: frozenset[str] = ENFORCEMENT
-
-    def expected_env(self, *, container: RunningContainer) -> Mapping[str, str] | None:
-        return self.plans.get((container.pod_name, container.name))
+@pytest.fixture
+def planner() -> EnvPlanner:
+    """The NRI plugin's own plan, recomputed from the pod's annotations (the audit's REAL planner)."""
+    return EnvPlanner()
 
 
 @pytest.fixture
-def planner() -> PlanByPod:
-    return PlanByPod()
-
-
-@dataclass(frozen=True)
-class Record:
-    container_id: str
-    pod_namespace: str
-    pod_name: str
-    container_name: str
-    devices: Sequence[str]
-    request_mib: int
-    limit_mib: int
-    mode: str = "time-slicing"
-    portion: float | None = None
-    pod_uid: str = "uid"
-
-
-@dataclass
-class Allocations:
-    records: list[Record] = field(default_factory=list)
-
-    def allocations(self) -> Iterable[Record]:
-        return list(self.records)
-
-
-@pytest.fixture
-def record():
-    """Builds a mapping-store record (the shape the NRI plugin writes per fractional container)."""
-    return Record
-
-
-@pytest.fixture
-def allocations() -> Allocations:
-    return Allocations()
+def allocations(tmp_path: Path) -> MappingStore:
+    return MappingStore(directory=tmp_path / "state")
 
 
 @pytest.fixture

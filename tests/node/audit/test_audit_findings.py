@@ -10,6 +10,7 @@ from gpufrac.node.audit import (
     REASON_UNKNOWN_PROCESS,
     Auditor,
 )
+from gpufrac.node.mapping import AllocationRecord
 from gpufrac.node.metrics import EnforcementCounters
 from gpufrac.node.usage.collect import UsageCollector
 from gpufrac.node.usage.simulated import SimulatedUsage
@@ -23,7 +24,11 @@ PLAN = {
     "NVIDIA_GPU_MEMORY_REQUEST": "8192",
     "NVIDIA_GPU_MEMORY_LIMIT": "8192",
     "CUDA_MPS_PIPE_DIRECTORY": "/run/nvidia/mps",
-    "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": f"{GPU0}=8192M",
+    "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=8192M",
+}
+ANNOTATIONS = {  # a placed pod: what the scheduler's binder wrote
+    "nvidia.com/container.server.gpu-memory.request": "8Gi",
+    "nvidia.com/container.server.gpus.devices": GPU0,
 }
 
 
@@ -59,16 +64,15 @@ def node(runtime, cri, planner, events, counters, gpus, allocations, proc_root):
     return Node()
 
 
-def start_infer(runtime, planner, *, env):
-    sandbox = runtime.add_pod(namespace="ml", name="infer-0")
+def start_infer(runtime, *, env):
+    sandbox = runtime.add_pod(namespace="ml", name="infer-0", annotations=ANNOTATIONS)
     runtime.add_container(id=INFER, sandbox_id=sandbox, name="server", env={"PATH": "/usr/bin", **env})
-    planner.plans[("infer-0", "server")] = dict(PLAN)
 
 
 async def test_a_container_created_without_injection_gets_an_event_a_count_and_is_stopped(
     node, runtime, planner, events, counters
 ):
-    start_infer(runtime, planner, env={})
+    start_infer(runtime, env={})
     audit = node.auditor()
 
     await audit(node.collector.collect())
@@ -83,7 +87,7 @@ async def test_a_container_created_without_injection_gets_an_event_a_count_and_i
 
 
 async def test_injection_with_a_wrong_value_counts_as_missing(node, runtime, planner, events, counters):
-    start_infer(runtime, planner, env={**PLAN, "NVIDIA_GPU_MEMORY_LIMIT": "81920"})
+    start_infer(runtime, env={**PLAN, "NVIDIA_GPU_MEMORY_LIMIT": "81920"})
 
     await node.auditor()(node.collector.collect())
 
@@ -94,7 +98,7 @@ async def test_injection_with_a_wrong_value_counts_as_missing(node, runtime, pla
 async def test_a_user_set_enforcement_variable_the_plan_does_not_give_is_a_finding(
     node, runtime, planner, events
 ):
-    start_infer(runtime, planner, env={**PLAN, "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "100"})
+    start_infer(runtime, env={**PLAN, "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "100"})
 
     await node.auditor()(node.collector.collect())
 
@@ -104,7 +108,7 @@ async def test_a_user_set_enforcement_variable_the_plan_does_not_give_is_a_findi
 async def test_correctly_injected_and_non_fractional_containers_are_left_alone(
     node, runtime, planner, events, counters
 ):
-    start_infer(runtime, planner, env=PLAN)
+    start_infer(runtime, env=PLAN)
     runtime.add_container(
         id=PLAIN, sandbox_id=runtime.add_pod(namespace="web", name="nginx"), name="web", env={}
     )
@@ -121,7 +125,7 @@ async def test_correctly_injected_and_non_fractional_containers_are_left_alone(
 async def test_with_stopping_disabled_the_finding_is_reported_once_and_the_container_keeps_running(
     node, runtime, planner, events, counters
 ):
-    start_infer(runtime, planner, env={})
+    start_infer(runtime, env={})
     audit = node.auditor(stop_missing_injection=False)
 
     for _ in range(3):
@@ -135,7 +139,7 @@ async def test_with_stopping_disabled_the_finding_is_reported_once_and_the_conta
 async def test_a_failed_stop_is_retried_at_the_next_cycle_without_counting_again(
     node, runtime, planner, events, counters
 ):
-    start_infer(runtime, planner, env={})
+    start_infer(runtime, env={})
     runtime.fail_stops = 1
     audit = node.auditor()
 
@@ -175,8 +179,8 @@ async def test_gpu_processes_of_no_fraction_are_reported_against_their_pod_or_th
 async def test_a_container_over_its_limit_in_total_is_reported_and_stopped(
     node, runtime, planner, events, counters, gpus, allocations, spawn, record_infer
 ):
-    start_infer(runtime, planner, env=PLAN)
-    allocations.records.append(record_infer)
+    start_infer(runtime, env=PLAN)
+    allocations.put(record_infer)
     for pid in (51, 52):
         spawn(pid=pid, container_id=INFER)
         gpus.set_process(gpu=GPU0, pid=pid, used_bytes=5 * GIB)  # each under 8 GiB, together over
@@ -195,8 +199,8 @@ async def test_a_container_over_its_limit_in_total_is_reported_and_stopped(
 async def test_over_limit_without_stopping_only_reports(
     node, runtime, planner, events, counters, gpus, allocations, spawn, record_infer
 ):
-    start_infer(runtime, planner, env=PLAN)
-    allocations.records.append(record_infer)
+    start_infer(runtime, env=PLAN)
+    allocations.put(record_infer)
     spawn(pid=51, container_id=INFER)
     gpus.set_process(gpu=GPU0, pid=51, used_bytes=9 * GIB)
     audit = node.auditor(stop_over_limit=False, over_limit_cycles=1)
@@ -208,13 +212,16 @@ async def test_over_limit_without_stopping_only_reports(
 
 
 @pytest.fixture
-def record_infer(record):
-    return record(
+def record_infer():
+    return AllocationRecord(
         container_id=INFER,
         pod_namespace="ml",
         pod_name="infer-0",
         container_name="server",
-        devices=[GPU0],
+        pod_uid="uid-infer-0",
+        devices=(GPU0,),
         request_mib=8192,
         limit_mib=8192,
+        mode="time-slicing",
+        portion=None,
     )

@@ -1,4 +1,4 @@
-"""Fixtures for usage tests: a /proc-style tree on disk and an allocation table.
+"""Fixtures for usage tests: a /proc-style tree on disk and the node's mapping store.
 
 The proc tree is real files in the layout the kernel uses (``<root>/<pid>/cgroup``, ``<root>/<pid>/comm``)
 so attribution reads exactly what it reads on a node.
@@ -6,35 +6,13 @@ so attribution reads exactly what it reads on a node.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
+from gpufrac.node.mapping import AllocationRecord, MappingStore
+
 GIB = 1024**3
-
-
-@dataclass(frozen=True)
-class Record:
-    container_id: str
-    pod_namespace: str
-    pod_name: str
-    container_name: str
-    devices: Sequence[str]
-    request_mib: int
-    limit_mib: int
-    mode: str = "time-slicing"
-    portion: float | None = None
-    pod_uid: str = "uid"
-
-
-@dataclass
-class Allocations:
-    records: list[Record] = field(default_factory=list)
-
-    def allocations(self) -> Iterable[Record]:
-        return list(self.records)
 
 
 class ProcTree:
@@ -77,18 +55,28 @@ def proc(tmp_path: Path) -> ProcTree:
 
 
 @pytest.fixture
-def allocations() -> Allocations:
-    return Allocations()
+def allocations(tmp_path: Path) -> MappingStore:
+    """The node agent's real mapping store, in a temp state directory."""
+    return MappingStore(directory=tmp_path / "state")
 
 
 @pytest.fixture
 def record():
-    def make(*, container_id: str, pod_name: str, devices, request_mib: int, **fields) -> Record:
+    """Builds the record the NRI plugin writes for a fractional container."""
+
+    def make(*, container_id: str, pod_name: str, devices, request_mib: int, **fields) -> AllocationRecord:
         fields.setdefault("limit_mib", request_mib)
         fields.setdefault("pod_namespace", "team-a")
         fields.setdefault("container_name", "main")
-        return Record(
-            container_id=container_id, pod_name=pod_name, devices=devices, request_mib=request_mib, **fields
+        fields.setdefault("pod_uid", f"uid-{pod_name}")
+        fields.setdefault("mode", "time-slicing")
+        fields.setdefault("portion", None)
+        return AllocationRecord(
+            container_id=container_id,
+            pod_name=pod_name,
+            devices=tuple(devices),
+            request_mib=request_mib,
+            **fields,
         )
 
     return make

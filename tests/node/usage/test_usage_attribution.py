@@ -35,12 +35,13 @@ def fraction(snapshot: UsageSnapshot, container_id: str, gpu: str = GPU0):
 
 
 def test_two_containers_on_one_gpu_are_attributed_to_their_own_pods(gpus, proc, record, allocations):
-    allocations.records += [
+    for placed in [
         record(
             container_id=A, pod_name="infer-0", container_name="server", devices=[GPU0], request_mib=10240
         ),
         record(container_id=B, pod_name="notebook", container_name="lab", devices=[GPU0], request_mib=20480),
-    ]
+    ]:
+        allocations.put(placed)
     proc.containerd_v2(pid=101, container_id=A)
     proc.crio_v1(pid=202, container_id=B)
     gpus.set_process(gpu=GPU0, pid=101, used_bytes=3 * GIB, sm_ratio=0.4)
@@ -58,7 +59,7 @@ def test_two_containers_on_one_gpu_are_attributed_to_their_own_pods(gpus, proc, 
 
 
 def test_processes_of_one_container_are_summed_per_gpu(gpus, proc, record, allocations):
-    allocations.records.append(
+    allocations.put(
         record(container_id=A, pod_name="trainer", devices=[GPU0, GPU1], request_mib=4096, limit_mib=8192)
     )
     for pid in (11, 12, 13):
@@ -76,7 +77,7 @@ def test_processes_of_one_container_are_summed_per_gpu(gpus, proc, record, alloc
 
 
 def test_a_fraction_that_has_not_touched_its_gpu_shows_zeros(gpus, proc, record, allocations):
-    allocations.records.append(record(container_id=C, pod_name="idle", devices=[GPU1], request_mib=1024))
+    allocations.put(record(container_id=C, pod_name="idle", devices=[GPU1], request_mib=1024))
 
     snapshot = collector(gpus, allocations, proc).collect()
 
@@ -94,9 +95,7 @@ def test_time_slicing_entitlement_is_an_equal_share_of_the_busy_tenants(
 ):
     ids = [A, B, C, D]
     for n, container_id in enumerate(ids):
-        allocations.records.append(
-            record(container_id=container_id, pod_name=f"p{n}", devices=[GPU0], request_mib=1024)
-        )
+        allocations.put(record(container_id=container_id, pod_name=f"p{n}", devices=[GPU0], request_mib=1024))
         proc.containerd_v2(pid=500 + n, container_id=container_id)
     for n in range(busy):
         gpus.set_process(gpu=GPU0, pid=500 + n, used_bytes=GIB, sm_ratio=0.3)
@@ -115,14 +114,15 @@ def test_time_slicing_entitlement_is_an_equal_share_of_the_busy_tenants(
 def test_sm_sharing_entitlement_is_the_portion_and_received_is_the_share_of_measured_sm(
     gpus, proc, record, allocations
 ):
-    allocations.records += [
+    for placed in [
         record(
             container_id=A, pod_name="big", devices=[GPU0], request_mib=1024, mode="sm-sharing", portion=0.7
         ),
         record(
             container_id=B, pod_name="small", devices=[GPU0], request_mib=1024, mode="sm-sharing", portion=0.3
         ),
-    ]
+    ]:
+        allocations.put(placed)
     proc.containerd_v2(pid=1, container_id=A)
     proc.containerd_v2(pid=2, container_id=B)
     gpus.set_process(gpu=GPU0, pid=1, used_bytes=GIB, sm_ratio=0.6)
@@ -136,7 +136,7 @@ def test_sm_sharing_entitlement_is_the_portion_and_received_is_the_share_of_meas
 
 
 def test_processes_outside_any_fraction_are_strays_but_the_mps_server_is_not(gpus, proc, record, allocations):
-    allocations.records.append(record(container_id=A, pod_name="ok", devices=[GPU0], request_mib=1024))
+    allocations.put(record(container_id=A, pod_name="ok", devices=[GPU0], request_mib=1024))
     proc.containerd_v2(pid=1, container_id=A)  # a fraction, but on the wrong GPU below
     proc.containerd_v2(pid=2, container_id=B)  # a container gpufrac never injected
     proc.host(pid=3)  # a host process
@@ -169,10 +169,11 @@ def test_strays_are_only_reported_on_managed_gpus(gpus, proc, allocations):
 
 
 def test_cdi_device_names_match_by_uuid_or_index(gpus, proc, record, allocations):
-    allocations.records += [
+    for placed in [
         record(container_id=A, pod_name="by-uuid", devices=[f"nvidia.com/gpu={GPU0}"], request_mib=1),
         record(container_id=B, pod_name="by-index", devices=["nvidia.com/gpu=1"], request_mib=1),
-    ]
+    ]:
+        allocations.put(placed)
     snapshot = collector(gpus, allocations, proc).collect()
     assert {(f.allocation.pod_name, f.gpu_uuid) for f in snapshot.fractions} == {
         ("by-uuid", GPU0),
@@ -194,3 +195,17 @@ def test_cdi_device_names_match_by_uuid_or_index(gpus, proc, record, allocations
 )
 def test_container_id_from_each_cgroup_layout(text, expected):
     assert container_id_in(cgroup_file=text) == expected
+
+
+def test_a_whole_gpu_container_is_shown_with_the_gpu_as_request_and_limit(gpus, proc, record, allocations):
+    allocations.put(
+        record(container_id=A, pod_name="trainer", devices=[GPU1], request_mib=0, limit_mib=0, exclusive=True)
+    )
+    proc.containerd_v2(pid=5, container_id=A)
+    gpus.set_process(gpu=GPU1, pid=5, used_bytes=70 * GIB, sm_ratio=0.9)
+
+    snapshot = collector(gpus, allocations, proc).collect()
+
+    whole = fraction(snapshot, A, GPU1)
+    assert (whole.request_bytes, whole.limit_bytes, whole.used_bytes) == (80 * GIB, 80 * GIB, 70 * GIB)
+    assert next(g for g in snapshot.gpus if g.uuid == GPU1).allocated_bytes == 80 * GIB

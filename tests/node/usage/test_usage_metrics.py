@@ -60,10 +60,11 @@ def agent(proc, allocations):
 
 def test_scrape_shows_each_fraction_with_request_limit_used_and_compute(agent, proc, record, allocations):
     gpus, _, reporter, port = agent
-    allocations.records += [
+    for placed in [
         record(container_id=A, pod_name="infer", devices=[GPU0], request_mib=10240, limit_mib=20480),
         record(container_id=B, pod_name="idle", devices=[GPU0], request_mib=2048),
-    ]
+    ]:
+        allocations.put(placed)
     proc.containerd_v2(pid=7, container_id=A)
     proc.containerd_v2(pid=8, container_id=A)
     gpus.set_process(gpu=GPU0, pid=7, used_bytes=3 * GIB, sm_ratio=0.25)
@@ -97,11 +98,11 @@ def test_scrape_shows_each_fraction_with_request_limit_used_and_compute(agent, p
 
 def test_series_of_a_removed_container_disappear_at_the_next_collection(agent, proc, record, allocations):
     _, _, reporter, port = agent
-    allocations.records.append(record(container_id=A, pod_name="short-lived", devices=[GPU0], request_mib=1))
+    allocations.put(record(container_id=A, pod_name="short-lived", devices=[GPU0], request_mib=1))
     reporter.collect_once()
     assert any(ls and ("pod", "short-lived") in ls for (_, ls) in scrape(port))
 
-    allocations.records.clear()
+    allocations.remove(A)
     reporter.collect_once()
 
     assert not any(("pod", "short-lived") in ls for (_, ls) in scrape(port))

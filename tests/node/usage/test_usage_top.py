@@ -25,10 +25,11 @@ GPU0 = "GPU-5e6f7a8b-0000-4000-8000-000000000000"
 def agent_url(proc, record, allocations):
     gpus = SimulatedUsage()
     gpus.add_gpu(uuid=GPU0, index=0, memory_total_bytes=80 * GIB)
-    allocations.records += [
+    for placed in [
         record(container_id="a" * 64, pod_name="llm-0", devices=[GPU0], request_mib=10240, limit_mib=20480),
         record(container_id="b" * 64, pod_name="quiet", devices=[GPU0], request_mib=4096),
-    ]
+    ]:
+        allocations.put(placed)
     proc.containerd_v2(pid=9, container_id="a" * 64)
     gpus.set_process(gpu=GPU0, pid=9, used_bytes=12 * GIB, sm_ratio=0.42)
     counters = EnforcementCounters()

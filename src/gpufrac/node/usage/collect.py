@@ -9,7 +9,8 @@ plugin when it injected the container). A process counts for a fraction on a GPU
 among the fraction's devices; anything else on a GPU is a stray: the audit's "process that belongs to
 no fraction". The MPS server and control daemon are GPU processes of the node itself and never strays.
 
-Every allocated (fraction, GPU) pair appears in the snapshot, with zeros when its container has not
+A whole-GPU (exclusive) container is reported like a fraction whose request and limit are the GPU's
+memory. Every allocated (fraction, GPU) pair appears in the snapshot, with zeros when its container has not
 touched the GPU yet, so dashboards show an idle fraction instead of no fraction.
 
 Compute, per (fraction, GPU):
@@ -62,10 +63,14 @@ class Allocation(Protocol):
     def mode(self) -> str: ...
     @property
     def portion(self) -> float | None: ...
+    @property
+    def exclusive(self) -> bool:
+        """Whole GPUs: request and limit are the GPU's memory (the record stores 0 for both)."""
+        ...
 
 
 class AllocationLookup(Protocol):
-    """Read side of the node's container → allocation mapping."""
+    """Read side of the container → allocation mapping (REAL: ``gpufrac.node.mapping.MappingStore``)."""
 
     def allocations(self) -> Iterable[Allocation]:
         """Every fractional container this node currently hosts."""
@@ -79,19 +84,13 @@ class FractionUsage:
     allocation: Allocation
     gpu_uuid: str
     gpu_index: int
+    request_bytes: int
+    limit_bytes: int
     used_bytes: int
     sm_ratio: float
     pids: tuple[int, ...]
     entitlement_ratio: float
     received_ratio: float
-
-    @property
-    def request_bytes(self) -> int:
-        return self.allocation.request_mib * MIB
-
-    @property
-    def limit_bytes(self) -> int:
-        return self.allocation.limit_mib * MIB
 
     @property
     def busy(self) -> bool:
@@ -173,7 +172,7 @@ class UsageCollector:
                     index=gpu.index,
                     memory_total_bytes=gpu.memory_total_bytes,
                     used_bytes=sum(p.used_bytes for p in gpu.processes),
-                    allocated_bytes=sum(a.request_mib for a in tenants) * MIB,
+                    allocated_bytes=sum(f.request_bytes for f in on_gpu),
                     unattributed_bytes=sum(s.used_bytes for s in gpu_strays),
                     busy_tenants=sum(1 for f in on_gpu if f.busy),
                     managed=managed,
@@ -234,6 +233,8 @@ def _fractions_on_gpu(
                 allocation=a,
                 gpu_uuid=gpu.uuid,
                 gpu_index=gpu.index,
+                request_bytes=gpu.memory_total_bytes if a.exclusive else a.request_mib * MIB,
+                limit_bytes=gpu.memory_total_bytes if a.exclusive else a.limit_mib * MIB,
                 used_bytes=sum(b for _, b, _ in processes),
                 sm_ratio=sm_of[a.container_id],
                 pids=tuple(pid for pid, _, _ in processes),
