@@ -60,7 +60,6 @@ class MpsEnv:
             pipe_dir=self.root / "pipe",
             log_dir=self.root / "log",
             state_dir=self.root / "state",
-            container_pipe_dir="/run/nvidia/mps",
             ready_timeout_s=10.0,
             command_timeout_s=5.0,
             create_wait_s=5.0,

@@ -35,7 +35,6 @@ class MpsSettings(BaseModel):
     log_dir: Path = Path("/var/log/nvidia-mps")
     state_dir: Path = Field(Path("/var/lib/gpufrac/mps"), description="where the v3 TOML is written")
     server_name: str = "shared"
-    container_pipe_dir: str = Field("/run/nvidia/mps", description="where a container sees its MPS directory")
     default_namespace_thread_percentage: int = Field(1, ge=1, le=100)
     default_namespace_pinned_limit: str = "1M"
     ready_timeout_s: float = Field(30.0, gt=0)

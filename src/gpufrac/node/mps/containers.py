@@ -1,33 +1,38 @@
 """What MPS does for each container, behind the ``ContainerHooks`` seam the NRI plugin calls (REAL).
 
-The NRI plugin owns the runtime conversation; MPS owns its daemon. They meet here: the plugin turns its
-injection plan into a ``ContainerGpu`` and calls
+The NRI plugin owns the runtime conversation and ``gpufrac.node.inject`` owns the injection plan (env,
+the MPS directory mount at a private, empty per-container leaf). MPS owns its daemon. They meet here:
 
-- ``on_create`` at CreateContainer, before answering: returns the extra env and mounts (or raises
-  ``MpsUnavailable``, which the plugin turns into a failed container — fail-closed);
-- ``on_stop`` at StopContainer: drains the container's MPS clients, bounded by ``drain_timeout_s``;
-- ``on_remove`` at RemoveContainer: deletes the namespace and its directory.
+- ``on_create(plan, container_id=)`` at CreateContainer, before answering: returns an ``MpsAdjustment``
+  that ``apply_adjustment`` folds into the plan, or raises ``MpsUnavailable``, which the plugin turns into
+  a failed container (fail-closed: an sm-sharing container must not run without its ceiling);
+- ``on_stop(container_id=)`` at StopContainer: drains the container's MPS clients, bounded by
+  ``drain_timeout_s`` so the runtime is never held up;
+- ``on_remove(container_id=)`` at RemoveContainer: deletes the namespace and its directory.
 
 Per mode:
 
 - v3, sm-sharing: a namespace ``ctr-<id prefix>`` on the shared server with an active-thread ceiling of
   floor(portion x 100) % (at least 1) and the container's memory limit as its pinned-memory limit; the
-  namespace's own directory is mounted as the container's only MPS directory, so its processes can reach
-  that namespace and nothing else.
-- classic, sm-sharing: the node's pipe directory is mounted, and the ceiling and memory limit travel as
-  ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` and ``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT`` (client-side limits: the
-  only ones classic MPS has).
-- time-slicing, either mode: nothing — such containers are not MPS clients.
+  mount is re-pointed at the namespace's own directory, the container's only MPS directory, so its
+  processes reach that namespace and nothing else. The ceiling is enforced by the server; the plan's
+  client env (same values) only narrows it further.
+- classic, sm-sharing: the mount is re-pointed at the node's pipe directory; the ceiling and the memory
+  limit are the plan's ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` and ``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT``
+  (client-side limits: the only ones classic MPS has).
+- time-slicing (and exclusive), either mode: no change — the private leaf holds no control socket, so
+  such containers are not MPS clients.
 """
 
 from __future__ import annotations
 
-import math
+import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from gpufrac.contract.request import ComputeMode
+from gpufrac.node.inject import CUDA_MPS_PIPE_DIRECTORY, InjectionPlan, active_thread_percentage
 from gpufrac.node.mps.control import MpsClient
 from gpufrac.node.mps.mode import MpsMode
 from gpufrac.node.mps.supervisor import DrainResult, MpsSupervisor, MpsUnavailable, NamespaceSpec
@@ -37,103 +42,96 @@ NAMESPACE_PREFIX = "ctr-"
 
 
 @dataclass(frozen=True, slots=True)
-class ContainerGpu:
-    """The part of a container's injection plan MPS needs."""
+class MpsAdjustment:
+    """What MPS changes in a container's injection plan: the host directory mounted as its MPS directory
+    (``None``: keep the plan's private leaf, which holds no socket, so the container is no MPS client)."""
 
-    container_id: str
-    mode: ComputeMode
-    compute_portion: float | None
-    limit_mib: int | None
-    device_count: int = 1
-
-
-@dataclass(frozen=True, slots=True)
-class Mount:
-    source: str
-    destination: str
-    options: tuple[str, ...] = ("rbind", "rw")
-
-
-@dataclass(frozen=True, slots=True)
-class ContainerAdjustment:
-    """What to add to the container, on top of the injection plan."""
-
+    pipe_source: str | None = None
     env: dict[str, str] = field(default_factory=dict)
-    mounts: tuple[Mount, ...] = ()
+
+
+def apply_adjustment(plan: InjectionPlan, adjustment: MpsAdjustment) -> InjectionPlan:
+    """``plan`` with the MPS directory mount re-pointed and ``env`` merged (pure)."""
+    pipe_dir = plan.env_map.get(CUDA_MPS_PIPE_DIRECTORY)
+    mounts = plan.mounts
+    if adjustment.pipe_source is not None:
+        mounts = tuple(
+            dataclasses.replace(m, source=adjustment.pipe_source) if m.destination == pipe_dir else m
+            for m in plan.mounts
+        )
+        if pipe_dir is None:
+            raise ValueError("an MPS adjustment for a plan without an MPS directory")
+    env = {**plan.env_map, **adjustment.env}
+    return dataclasses.replace(plan, mounts=mounts, env=tuple(env.items()))
 
 
 class ContainerHooks(Protocol):
-    """Called by the NRI plugin at the container's lifecycle points (see the module docstring)."""
+    """Called by the NRI plugin's handler at the container's lifecycle points (see the module docstring).
 
-    async def on_create(self, container: ContainerGpu) -> ContainerAdjustment: ...
+    ``on_create`` runs before CreateContainer is answered; its result goes through ``apply_adjustment``.
+    ``on_stop`` and ``on_remove`` must not raise for containers they do not know.
+    """
 
-    async def on_stop(self, container_id: str) -> None: ...
+    async def on_create(self, plan: InjectionPlan, *, container_id: str) -> MpsAdjustment: ...
 
-    async def on_remove(self, container_id: str) -> None: ...
+    async def on_stop(self, *, container_id: str) -> None: ...
+
+    async def on_remove(self, *, container_id: str) -> None: ...
 
 
 def thread_ceiling(portion: float | None) -> int:
-    """Active-thread percentage for a compute portion: floored to a whole percent, at least 1."""
-    if portion is None:
-        return 100
-    return min(100, max(1, math.floor(round(portion * 100, 6))))
+    """The namespace's active-thread percentage (``inject.active_thread_percentage``; 100 without one)."""
+    return 100 if portion is None else active_thread_percentage(portion)
 
 
 def namespace_name(container_id: str) -> str:
     return f"{NAMESPACE_PREFIX}{container_id[:20]}"
 
 
+def _uses_mps(plan: InjectionPlan) -> bool:
+    return plan.mode is ComputeMode.SM_SHARING and not plan.exclusive
+
+
 class MpsContainerHooks:
+    """The ``ContainerHooks`` of a node running MPS."""
+
     def __init__(self, *, supervisor: MpsSupervisor) -> None:
         self._supervisor = supervisor
-        self._sm: dict[str, ContainerGpu] = {}
+        self._sm: set[str] = set()
         self.last_drain: DrainResult | None = None
 
-    def restore(self, containers: Iterable[ContainerGpu]) -> None:
-        """Re-registers live containers (from the mapping store) before the supervisor starts, so the
-        first reconcile recreates their namespaces instead of deleting them as orphans."""
-        for container in containers:
-            if container.mode is ComputeMode.SM_SHARING:
-                self._sm[container.container_id] = container
+    def restore(self, containers: Iterable[tuple[str, InjectionPlan]]) -> None:
+        """Re-registers live containers (``(container id, plan)`` from the mapping store) before the
+        supervisor starts, so the first reconcile recreates their namespaces instead of deleting them."""
+        for container_id, plan in containers:
+            if _uses_mps(plan):
+                self._sm.add(container_id)
                 if self._supervisor.mode is MpsMode.V3:
-                    self._supervisor.register_namespace(self._spec(container))
+                    self._supervisor.register_namespace(self._spec(plan, container_id=container_id))
 
-    def _spec(self, container: ContainerGpu) -> NamespaceSpec:
+    def _spec(self, plan: InjectionPlan, *, container_id: str) -> NamespaceSpec:
         return NamespaceSpec(
-            name=namespace_name(container.container_id),
-            active_thread_percentage=thread_ceiling(container.compute_portion),
-            pinned_memory_limit_mib=container.limit_mib,
+            name=namespace_name(container_id),
+            active_thread_percentage=thread_ceiling(plan.compute_portion),
+            pinned_memory_limit_mib=plan.limit_mib,
         )
 
-    async def on_create(self, container: ContainerGpu) -> ContainerAdjustment:
-        if container.mode is not ComputeMode.SM_SHARING:
-            return ContainerAdjustment()
+    async def on_create(self, plan: InjectionPlan, *, container_id: str) -> MpsAdjustment:
+        if not _uses_mps(plan):
+            return MpsAdjustment()
         supervisor = self._supervisor
-        inside = supervisor.settings.container_pipe_dir
         if supervisor.mode is MpsMode.V3:
-            spec = self._spec(container)
+            spec = self._spec(plan, container_id=container_id)
             await supervisor.ensure_namespace(spec)
-            self._sm[container.container_id] = container
-            return ContainerAdjustment(
-                env={"CUDA_MPS_PIPE_DIRECTORY": inside},
-                mounts=(Mount(source=str(supervisor.namespace_dir(spec.name)), destination=inside),),
-            )
+            self._sm.add(container_id)
+            return MpsAdjustment(pipe_source=str(supervisor.namespace_dir(spec.name)))
         if not await supervisor.wait_ready(timeout_s=supervisor.settings.create_wait_s):
             raise MpsUnavailable(f"the MPS daemon is {supervisor.state}, not serving")
-        self._sm[container.container_id] = container
-        env = {
-            "CUDA_MPS_PIPE_DIRECTORY": inside,
-            "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(thread_ceiling(container.compute_portion)),
-        }
-        if container.limit_mib is not None:
-            env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = ",".join(
-                f"{i}={container.limit_mib}M" for i in range(container.device_count)
-            )
-        return ContainerAdjustment(
-            env=env, mounts=(Mount(source=str(supervisor.settings.pipe_dir), destination=inside),)
-        )
+        self._sm.add(container_id)
+        # Classic MPS has one pipe directory; the limits travel as the client env the plan already holds.
+        return MpsAdjustment(pipe_source=str(supervisor.settings.pipe_dir))
 
-    async def on_stop(self, container_id: str) -> None:
+    async def on_stop(self, *, container_id: str) -> None:
         if container_id not in self._sm:
             return
         if self._supervisor.mode is MpsMode.V3:
@@ -148,8 +146,9 @@ class MpsContainerHooks:
 
         self.last_drain = await self._supervisor.drain(owns=owns)
 
-    async def on_remove(self, container_id: str) -> None:
-        if self._sm.pop(container_id, None) is None:
+    async def on_remove(self, *, container_id: str) -> None:
+        if container_id not in self._sm:
             return
+        self._sm.discard(container_id)
         if self._supervisor.mode is MpsMode.V3:
             await self._supervisor.release_namespace(namespace_name(container_id))
