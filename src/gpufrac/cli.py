@@ -40,10 +40,14 @@ def _register() -> None:
 
     _not_built("scheduler", "the gpufrac scheduler service")
     _not_built("node-agent", "the node agent: inventory, NRI plugin, MPS supervision, usage")
-    _not_built("admission", "the admission webhook server")
+    from gpufrac.admission.command import admission
+
+    app.command(name="admission")(admission)
     _not_built("operator", "the cluster operator for GpuFractioningConfig")
     _not_built("simulate", "replay a GPU-sharing trace through the placement engine")
-    _not_built("validate", "check pod manifests against the annotation contract")
+    from gpufrac.admission.validate_command import validate
+
+    app.command(name="validate")(validate)
 
 
 _register()

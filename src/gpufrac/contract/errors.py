@@ -152,7 +152,7 @@ class UnknownKey(RuleViolation):
 
 
 class UnknownContainer(RuleViolation):
-    summary = "the pod has no container of that name (names match exactly)"
+    summary = "the pod has no container of that name"
 
 
 class KeyWithoutRequest(RuleViolation):

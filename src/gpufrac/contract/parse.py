@@ -306,12 +306,12 @@ def _parse_pod_level(
     if pod.target is None and (k.GPU_FRACTION in annotations or k.GPU_MEMORY in annotations):
         key = k.GPU_FRACTION if k.GPU_FRACTION in annotations else k.GPU_MEMORY
         if k.GPU_FRACTION_CONTAINER_NAME not in annotations:
-            found.add(UnknownContainer(key=key, value=annotations[key], detail="the pod has no containers"))
+            found.add(UnknownContainer(key=key, value=annotations[key], detail="it has none"))
     return pod
 
 
 def _containers_detail(names: Sequence[str]) -> str:
-    return "the pod's containers are " + ", ".join(names) if names else "the pod has no containers"
+    return "names match exactly; the pod's containers are " + ", ".join(names) if names else "it has none"
 
 
 def _device_count(key: str, raw: str, found: _Violations) -> int | None:

@@ -1,0 +1,98 @@
+"""``gpufrac admission``: run the webhook server until SIGTERM.
+
+In a cluster the certificate and key come from a Secret mounted into the Pod (``--tls-cert``,
+``--tls-key``). Without them a local CA and a certificate for 127.0.0.1, localhost and ``--tls-host``
+names are generated (or reused) in ``--tls-dir``, and ``--write-configuration`` writes the two webhook
+configurations that point the API server at this process, CA bundle included.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import tempfile
+import threading
+from pathlib import Path
+from types import FrameType
+from typing import Annotated
+
+import typer
+import yaml
+
+from gpufrac.admission.certs import LOCAL_HOSTS, ensure_tls
+from gpufrac.admission.configuration import webhook_configurations
+from gpufrac.admission.review import DEFAULT_SCHEDULER_USER, AdmissionPolicy
+from gpufrac.admission.server import AdmissionServer
+from gpufrac.contract.keys import DEFAULT_SCHEDULER_NAME
+
+log = logging.getLogger(__name__)
+
+
+def admission(
+    host: Annotated[str, typer.Option(help="Address to listen on.")] = "0.0.0.0",
+    port: Annotated[int, typer.Option(help="HTTPS port.")] = 8443,
+    tls_cert: Annotated[
+        Path | None, typer.Option(help="Serving certificate (PEM), e.g. from a Secret.")
+    ] = None,
+    tls_key: Annotated[Path | None, typer.Option(help="Key of --tls-cert (PEM).")] = None,
+    tls_dir: Annotated[
+        Path, typer.Option(help="Where a local CA and certificate are kept when --tls-cert is not given.")
+    ] = Path(tempfile.gettempdir()) / "gpufrac-admission-tls",
+    tls_host: Annotated[
+        list[str] | None, typer.Option(help="Extra DNS name or IP for a generated certificate (repeatable).")
+    ] = None,
+    scheduler_name: Annotated[str, typer.Option(help="schedulerName of pods gpufrac schedules.")] = (
+        DEFAULT_SCHEDULER_NAME
+    ),
+    scheduler_user: Annotated[
+        list[str] | None,
+        typer.Option(
+            help=f"User allowed to write binder-owned keys (repeatable; default {DEFAULT_SCHEDULER_USER})."
+        ),
+    ] = None,
+    write_configuration: Annotated[
+        Path | None, typer.Option(help="Write the two webhook configurations (YAML) for --webhook-url here.")
+    ] = None,
+    webhook_url: Annotated[
+        str | None,
+        typer.Option(help="URL the API server uses to reach this server (default https://127.0.0.1:PORT)."),
+    ] = None,
+    log_level: Annotated[str, typer.Option(help="debug, info, warning or error.")] = "info",
+    log_format: Annotated[str, typer.Option(help="json or text.")] = "json",
+) -> None:
+    """The admission webhook: validates GPU requests, translates legacy forms, guards binder-owned keys."""
+    from gpufrac.scheduler.logs import configure_logging
+
+    configure_logging(component="admission", level=log_level, fmt=log_format)
+    if (tls_cert is None) != (tls_key is None):
+        raise typer.BadParameter("give both --tls-cert and --tls-key, or neither")
+    ca_bundle: bytes | None = None
+    if tls_cert is None or tls_key is None:
+        files = ensure_tls(tls_dir, hosts=[*LOCAL_HOSTS, *(tls_host or [])])
+        tls_cert, tls_key, ca_bundle = files.cert, files.key, files.ca_bundle()
+        log.info("using a local CA", extra={"ca": str(files.ca_cert)})
+
+    policy = AdmissionPolicy(
+        scheduler_name=scheduler_name,
+        binder_users=frozenset(scheduler_user or [DEFAULT_SCHEDULER_USER]),
+    )
+    server = AdmissionServer(cert=tls_cert, key=tls_key, policy=policy, host=host, port=port)
+
+    if write_configuration is not None:
+        if ca_bundle is None:
+            raise typer.BadParameter("--write-configuration needs the generated local CA (omit --tls-cert)")
+        configurations = webhook_configurations(
+            name="gpufrac-admission",
+            ca_bundle=ca_bundle,
+            url=webhook_url or f"https://127.0.0.1:{server.port}",
+        )
+        write_configuration.write_text(yaml.safe_dump_all(configurations, sort_keys=False))
+
+    def stop(signum: int, _frame: FrameType | None) -> None:
+        log.info("stopping", extra={"signal": signal.Signals(signum).name})
+        threading.Thread(target=server.stop, name="admission-stop").start()
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    server.serve_forever()
+    log.info("stopped")

@@ -1,0 +1,139 @@
+"""``gpufrac validate FILE...``: the webhook's verdict on manifests, before they reach a cluster.
+
+Reads YAML (multi-document) or JSON files, finds every pod in them (Pods, the pod templates of
+Deployments, StatefulSets, DaemonSets, ReplicaSets, ReplicationControllers, Jobs, CronJobs and
+PodTemplates, and the items of List kinds), and prints each pod's normalized GPU request or every
+violation. Exit status 1 when anything is invalid or unreadable, so it fits in CI. The rules are the
+contract's own (``parse_pod_manifest`` with ``user_written=True``): what passes here passes the webhook.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+import yaml
+
+from gpufrac.contract.errors import InvalidPodRequest
+from gpufrac.contract.parse import parse_pod_manifest
+from gpufrac.contract.request import ContainerGpuRequest, GpuMemory, PodGpuRequest
+
+_TEMPLATE_KINDS = {"Deployment", "StatefulSet", "DaemonSet", "ReplicaSet", "ReplicationController", "Job"}
+
+
+@dataclass(frozen=True, slots=True)
+class FoundPod:
+    """A pod found in a manifest: where it came from and the pod (or pod template) itself."""
+
+    source: str
+    kind: str
+    name: str
+    pod: Mapping[str, Any]
+
+
+def find_pods(document: Any, *, source: str) -> Iterator[FoundPod]:
+    """Every pod or pod template in one parsed document (recursing into List items)."""
+    if not isinstance(document, Mapping):
+        return
+    kind = str(document.get("kind", ""))
+    name = str((document.get("metadata") or {}).get("name", "")) or "<unnamed>"
+    spec = document.get("spec") or {}
+    if isinstance(document.get("items"), list) and kind.endswith("List"):
+        for item in document["items"]:
+            yield from find_pods(item, source=source)
+    elif kind == "Pod":
+        yield FoundPod(source, kind, name, document)
+    elif kind in _TEMPLATE_KINDS and isinstance(spec, Mapping):
+        yield FoundPod(source, kind, name, spec.get("template") or {})
+    elif kind == "CronJob" and isinstance(spec, Mapping):
+        job_spec = (spec.get("jobTemplate") or {}).get("spec") or {}
+        yield FoundPod(source, kind, name, job_spec.get("template") or {})
+    elif kind == "PodTemplate":
+        yield FoundPod(source, kind, name, document.get("template") or {})
+
+
+def _memory(memory: GpuMemory) -> str:
+    return f"{memory.mib} MiB" if memory.mib is not None else f"{memory.portion:g} of the GPU's memory"
+
+
+def describe_container(container: ContainerGpuRequest) -> str:
+    """One line a person reads: what the container is guaranteed, on how many GPUs, how shared."""
+    if container.exclusive:
+        plural = "s" if container.device_count > 1 else ""
+        return f"{container.container}: {container.device_count} whole GPU{plural}, exclusive"
+    assert container.request is not None
+    text = f"{container.container}: {_memory(container.request)} guaranteed"
+    if container.limit is not None and container.limit != container.request:
+        text += f", up to {_memory(container.limit)}"
+    if container.device_count > 1:
+        text += f", on each of {container.device_count} GPUs"
+    return f"{text}, {container.mode.value}"
+
+
+def _as_json(request: PodGpuRequest) -> list[dict[str, Any]]:
+    def memory(m: GpuMemory | None) -> dict[str, Any] | None:
+        return None if m is None else ({"mib": m.mib} if m.mib is not None else {"portion": m.portion})
+
+    return [
+        {
+            "container": c.container,
+            "request": memory(c.request),
+            "limit": memory(c.limit),
+            "mode": c.mode.value,
+            "deviceCount": c.device_count,
+            "exclusive": c.exclusive,
+        }
+        for c in request.containers
+    ]
+
+
+def validate(
+    files: Annotated[list[Path], typer.Argument(help="YAML or JSON manifests to check.", exists=False)],
+    output: Annotated[str, typer.Option("--output", "-o", help="text or json.")] = "text",
+) -> None:
+    """Check pod manifests against the GPU annotation contract; exit 1 on any error."""
+    results: list[dict[str, Any]] = []
+    failed = False
+    for path in files:
+        try:
+            documents = list(yaml.safe_load_all(path.read_text()))
+        except (OSError, yaml.YAMLError) as error:
+            failed = True
+            results.append({"file": str(path), "errors": [f"cannot read {path}: {error}"]})
+            continue
+        for document in documents:
+            for found in find_pods(document, source=str(path)):
+                entry: dict[str, Any] = {"file": found.source, "kind": found.kind, "name": found.name}
+                try:
+                    request = parse_pod_manifest(found.pod, user_written=True)
+                except InvalidPodRequest as invalid:
+                    failed = True
+                    entry["errors"] = invalid.messages
+                else:
+                    entry["request"] = request
+                results.append(entry)
+
+    if output == "json":
+        for entry in results:
+            if "request" in entry:
+                entry["containers"] = _as_json(entry.pop("request"))
+        typer.echo(json.dumps(results, indent=2))
+    else:
+        for entry in results:
+            where = f"{entry['file']}: {entry['kind']} {entry['name']}" if "kind" in entry else entry["file"]
+            if "errors" in entry:
+                typer.echo(f"{where}: invalid")
+                for message in entry["errors"]:
+                    typer.echo(f"  - {message}")
+            elif not entry["request"].wants_gpu:
+                typer.echo(f"{where}: ok, no GPU request")
+            else:
+                typer.echo(f"{where}: ok")
+                for container in entry["request"].containers:
+                    typer.echo(f"  {describe_container(container)}")
+    if failed:
+        raise typer.Exit(code=1)

@@ -1,0 +1,152 @@
+"""The webhook's decisions on AdmissionReviews, without a server: what a user creating a pod would see."""
+
+from __future__ import annotations
+
+import base64
+import copy
+import json
+
+import pytest
+from admission_reviews import apply_patch, pod, review
+
+from gpufrac.admission.review import AdmissionPolicy, mutate_review, validate_review
+from gpufrac.contract.parse import parse_pod_manifest
+
+SCHEDULER = "system:serviceaccount:gpufrac-system:gpufrac-scheduler"
+POLICY = AdmissionPolicy()
+NV = "nvidia.com/container."
+
+
+def mutated(obj: dict, policy: AdmissionPolicy = POLICY) -> dict:
+    response = mutate_review(review(obj), policy)["response"]
+    assert response["allowed"] is True and response["uid"] == "u-1"
+    if "patch" not in response:
+        return obj
+    assert response["patchType"] == "JSONPatch"
+    return apply_patch(obj, json.loads(base64.b64decode(response["patch"])))
+
+
+def test_a_legacy_gpu_memory_pod_is_stored_with_per_container_keys() -> None:
+    original = pod({"gpu-memory": "4096", "gpu-memory.limit": "8Gi", "gpu-fraction-container-name": "side"})
+    stored = mutated(original)
+    assert stored["metadata"]["annotations"] == {
+        f"{NV}side.gpu-memory.request": "4096Mi",
+        f"{NV}side.gpu-memory.limit": "8192Mi",
+    }
+    assert parse_pod_manifest(stored) == parse_pod_manifest(original)
+
+
+def test_whole_gpus_of_our_pods_become_exclusive_requests_with_the_managed_toleration() -> None:
+    stored = mutated(pod(gpus=2))
+    app = stored["spec"]["containers"][0]
+    assert app["resources"]["limits"] == {"cpu": "1"}
+    assert stored["metadata"]["annotations"] == {"gpufrac.io/container.app.gpus": "2"}
+    assert stored["spec"]["tolerations"] == [
+        {"key": "gpufrac.io/managed", "operator": "Exists", "effect": "NoSchedule"}
+    ]
+    (container,) = parse_pod_manifest(stored).containers
+    assert (container.container, container.exclusive, container.device_count) == ("app", True, 2)
+
+
+def test_fractional_pods_of_our_scheduler_get_the_toleration_once() -> None:
+    fractional = pod({"gpu-fraction": "0.5"})
+    fractional["spec"]["tolerations"] = [{"key": "other", "operator": "Exists"}]
+    stored = mutated(fractional)
+    assert stored["spec"]["tolerations"][-1]["key"] == "gpufrac.io/managed"
+    assert stored["metadata"]["annotations"] == {"gpu-fraction": "0.5"}  # a portion stays as written
+    assert mutated(stored) == stored
+
+
+def test_whole_gpu_pods_of_other_schedulers_are_left_to_the_device_plugin() -> None:
+    other = pod(gpus=1, scheduler="default-scheduler")
+    assert mutated(other) == other
+
+
+@pytest.mark.parametrize(
+    "obj",
+    [
+        pod(),
+        pod({"team": "a"}),
+        pod({"gpu-fraction": "7"}),  # invalid: passed through, the validating webhook names the key
+    ],
+    ids=["no GPU", "unrelated annotation", "invalid"],
+)
+def test_pods_without_a_valid_gpu_ask_are_not_touched(obj: dict) -> None:
+    response = mutate_review(review(obj), POLICY)["response"]
+    assert response == {"uid": "u-1", "allowed": True}
+
+
+def denied(answer: dict) -> tuple[int, str]:
+    response = answer["response"]
+    assert response["allowed"] is False
+    return response["status"]["code"], response["status"]["message"]
+
+
+def test_a_valid_pod_is_admitted() -> None:
+    assert validate_review(review(pod({"gpu-fraction": "0.5"})), POLICY)["response"] == {
+        "uid": "u-1",
+        "allowed": True,
+    }
+
+
+def test_an_invalid_pod_is_rejected_with_every_contract_message() -> None:
+    answer = validate_review(review(pod({"gpu-fraction": "1.5", f"{NV}app.gpu-compute.mode": ""})), POLICY)
+    code, message = denied(answer)
+    assert code == 422
+    assert message == (
+        'gpu-fraction="1.5" is invalid: a GPU fraction must be a number greater than 0 and less than 1 '
+        "(ask for whole GPUs with nvidia.com/gpu). "
+        'nvidia.com/container.app.gpu-compute.mode="" is invalid: the compute mode must be time-slicing or '
+        "sm-sharing (blank is not allowed)."
+    )
+
+
+def test_only_the_scheduler_may_create_a_pod_with_binder_owned_keys() -> None:
+    forged = pod({f"{NV}app.gpu-memory.request": "1Gi", f"{NV}app.gpus.devices": "GPU-1"})
+    code, message = denied(validate_review(review(forged, user="alice"), POLICY))
+    assert (code, message) == (
+        422,
+        'nvidia.com/container.app.gpus.devices="GPU-1" is invalid: '
+        "only the scheduler may set or change this key.",
+    )
+    assert validate_review(review(forged, user=SCHEDULER), POLICY)["response"]["allowed"] is True
+    other = AdmissionPolicy(binder_users=frozenset({"kai"}))
+    assert validate_review(review(forged, user="kai"), other)["response"]["allowed"] is True
+
+
+def test_updates_may_not_change_the_request_and_only_the_scheduler_may_bind() -> None:
+    created = pod({f"{NV}app.gpu-memory.request": "1Gi"})
+    bound = pod({f"{NV}app.gpu-memory.request": "1Gi", f"{NV}app.gpus.devices": "GPU-1"})
+    grown = pod({f"{NV}app.gpu-memory.request": "2Gi"})
+
+    code, message = denied(validate_review(review(bound, operation="UPDATE", old=created), POLICY))
+    assert code == 403 and "only the scheduler may set or change this key" in message
+    code, message = denied(validate_review(review(grown, operation="UPDATE", old=created), POLICY))
+    assert code == 403 and "cannot be changed" in message
+    code, message = denied(validate_review(review(created, operation="UPDATE", old=bound), POLICY))
+    assert "it was removed" in message
+
+    by_scheduler = review(bound, operation="UPDATE", old=created, user=SCHEDULER)
+    assert validate_review(by_scheduler, POLICY)["response"]["allowed"] is True
+    broken = pod({f"{NV}app.gpu-memory.request": "1Gi", f"{NV}app.gpus.devices": "GPU-1,GPU-2"})
+    assert denied(validate_review(review(broken, operation="UPDATE", old=created, user=SCHEDULER), POLICY))
+
+
+def test_updates_that_leave_the_contract_alone_pass_even_for_old_invalid_pods() -> None:
+    old = pod({"gpu-fraction": "7"})  # predates the webhook
+    relabelled = copy.deepcopy(old)
+    relabelled["metadata"]["labels"] = {"x": "y"}
+    relabelled["metadata"]["finalizers"] = []
+    assert (
+        validate_review(review(relabelled, operation="UPDATE", old=old), POLICY)["response"]["allowed"]
+        is True
+    )
+
+
+def test_other_kinds_and_subresources_pass() -> None:
+    other = review(pod({"gpu-fraction": "7"}))
+    other["request"]["kind"] = {"group": "apps", "version": "v1", "kind": "Deployment"}
+    assert validate_review(other, POLICY)["response"]["allowed"] is True
+    binding = review(pod({"gpu-fraction": "7"}))
+    binding["request"]["subResource"] = "binding"
+    assert validate_review(binding, POLICY)["response"]["allowed"] is True

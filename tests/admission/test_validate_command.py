@@ -1,0 +1,167 @@
+"""``gpufrac validate``: what a user sees for their manifests, and the exit status CI relies on."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+from typer.testing import CliRunner
+
+from gpufrac.admission.validate_command import validate
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+app = typer.Typer()
+app.command()(validate)
+runner = CliRunner()
+
+
+def run(*args: str) -> tuple[int, str]:
+    result = runner.invoke(app, list(args))
+    return result.exit_code, result.output
+
+
+def test_the_reference_examples_are_valid() -> None:
+    code, output = run(
+        str(EXAMPLES / "inference-sm-sharing.yaml"), str(EXAMPLES / "notebook-time-slicing.yaml")
+    )
+    assert code == 0
+    assert (
+        "Pod inference: ok\n  app: 40960 MiB guaranteed, up to 61440 MiB, on each of 4 GPUs, sm-sharing"
+        in output
+    )
+    assert (
+        "Pod notebook: ok\n  app: 0.5 of the GPU's memory guaranteed, up to 0.8 of the GPU's memory" in output
+    )
+
+
+WORKLOADS = """
+apiVersion: apps/v1
+kind: Deployment
+metadata: {name: web}
+spec:
+  template:
+    metadata:
+      annotations: {gpu-fraction: "0.25"}
+    spec:
+      containers: [{name: server, image: x}]
+---
+apiVersion: batch/v1
+kind: CronJob
+metadata: {name: nightly}
+spec:
+  jobTemplate:
+    spec:
+      template:
+        metadata:
+          annotations:
+            nvidia.com/container.train.gpu-memory.request: "40GB"
+        spec:
+          containers: [{name: trainer, image: x}]
+---
+apiVersion: v1
+kind: Service
+metadata: {name: not-a-pod}
+---
+apiVersion: v1
+kind: List
+items:
+- apiVersion: apps/v1
+  kind: StatefulSet
+  metadata: {name: db}
+  spec:
+    template:
+      spec:
+        containers: [{name: db, image: x, resources: {limits: {nvidia.com/gpu: 1}}}]
+- apiVersion: batch/v1
+  kind: Job
+  metadata: {name: plain}
+  spec:
+    template:
+      spec:
+        containers: [{name: c, image: x}]
+"""
+
+
+def test_workloads_multi_document_and_lists(tmp_path: Path) -> None:
+    manifest = tmp_path / "workloads.yaml"
+    manifest.write_text(WORKLOADS)
+    code, output = run(str(manifest))
+    assert code == 1
+    lines = output.splitlines()
+    assert lines[0] == f"{manifest}: Deployment web: ok"
+    assert lines[1] == "  server: 0.25 of the GPU's memory guaranteed, time-slicing"
+    assert lines[2] == f"{manifest}: CronJob nightly: invalid"
+    assert lines[3] == (
+        '  - nvidia.com/container.train.gpu-memory.request="40GB" is invalid: the pod has no container of '
+        "that name (names match exactly; the pod's containers are trainer)."
+    )
+    assert lines[4:] == [
+        f"{manifest}: StatefulSet db: ok",
+        "  db: 1 whole GPU, exclusive",
+        f"{manifest}: Job plain: ok, no GPU request",
+    ]
+
+
+def test_json_input_and_output(tmp_path: Path) -> None:
+    manifest = tmp_path / "pod.json"
+    manifest.write_text(
+        json.dumps(
+            {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {
+                    "name": "p",
+                    "annotations": {"gpu-memory": "2048", "gpu-fraction-num-devices": "2"},
+                },
+                "spec": {"containers": [{"name": "app"}]},
+            }
+        )
+    )
+    code, output = run("-o", "json", str(manifest))
+    assert code == 0
+    assert json.loads(output) == [
+        {
+            "file": str(manifest),
+            "kind": "Pod",
+            "name": "p",
+            "containers": [
+                {
+                    "container": "app",
+                    "request": {"mib": 2048},
+                    "limit": {"mib": 2048},
+                    "mode": "time-slicing",
+                    "deviceCount": 2,
+                    "exclusive": False,
+                }
+            ],
+        }
+    ]
+
+
+def test_manifests_may_not_carry_binder_owned_keys(tmp_path: Path) -> None:
+    manifest = tmp_path / "forged.yaml"
+    manifest.write_text(
+        """
+kind: Pod
+metadata:
+  name: forged
+  annotations:
+    gpu-fraction: "0.5"
+    nvidia.com/container.app.gpus.devices: GPU-1
+spec: {containers: [{name: app}]}
+"""
+    )
+    code, output = run(str(manifest))
+    assert code == 1
+    assert "only the scheduler may set or change this key" in output
+
+
+def test_unreadable_files_fail(tmp_path: Path) -> None:
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("kind: Pod\nmetadata: [unclosed\n")
+    code, output = run(str(broken), str(tmp_path / "missing.yaml"))
+    assert code == 1
+    assert f"cannot read {broken}" in output
+    assert f"cannot read {tmp_path / 'missing.yaml'}" in output
