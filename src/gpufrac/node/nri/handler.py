@@ -1,0 +1,238 @@
+"""gpufrac's NRI handler: the injection plan as a container adjustment, and the mapping kept in step.
+
+At CreateContainer the pod's annotations become an ``InjectionPlan`` (``gpufrac.node.inject``, pure),
+which becomes NRI's ``ContainerAdjustment``: enforcement variables the container already has are removed
+(``-KEY``, NRI's removal marker), then the plan's variables, the per-container MPS directory mount and any
+CDI devices are added. The host leaf directory is created before answering (the runtime bind-mounts it),
+the container's record is written to the mapping store, and only then does the runtime get its answer.
+When the MPS supervisor runs (``hooks``), it may re-point the MPS directory mount at a v3 namespace
+directory or the classic pipe directory (``gpufrac.node.mps.containers.apply_adjustment``); the private
+leaf is created only when the mount still points at it.
+
+Failure policy. A pod that breaks the contract, or is not placed yet, fails the container with the
+contract's message, which names the key (fail-closed): the kubelet shows it as the container's error
+and retries. With ``fail_open`` the container is created instead, without GPU enforcement -- and
+without any enforcement variable the user set, so an unparseable pod never gets more than nothing --
+and a warning is logged; an MPS daemon that is not serving then only costs the MPS part of the plan.
+
+Synchronize (after every connection) recomputes the plan of every container the runtime reports and
+makes the mapping store equal to it; a container whose annotations no longer parse is logged and left
+out (it exists, it cannot be failed any more, and the audit reports it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+
+from gpufrac._generated.nri import api_pb2 as api
+from gpufrac.contract.errors import ContractError
+from gpufrac.node.inject import CONTAINER_PIPE_DIR, ENFORCEMENT_ENV, InjectionPlan, pipe_leaf, plan_container
+from gpufrac.node.mapping import AllocationRecord, MappingStore
+from gpufrac.node.mps.containers import ContainerHooks, apply_adjustment
+from gpufrac.node.mps.supervisor import MpsUnavailable
+from gpufrac.node.nri.plugin import ContainerRejected
+
+log = logging.getLogger(__name__)
+
+#: Looks up a GPU's total MiB by UUID (the inventory); None when unknown.
+DeviceMib = Callable[[str], int | None]
+
+
+class GpuInjector:
+    """The ``NriHandler`` of the node agent."""
+
+    def __init__(
+        self,
+        *,
+        store: MappingStore,
+        pipe_root: Path,
+        container_pipe_dir: str = CONTAINER_PIPE_DIR,
+        fail_open: bool = False,
+        hooks: ContainerHooks | None = None,
+        device_mib: DeviceMib | None = None,
+    ) -> None:
+        self._store = store
+        self._pipe_root = pipe_root
+        self._container_pipe_dir = container_pipe_dir
+        self._fail_open = fail_open
+        self._hooks = hooks
+        self._device_mib = device_mib or (lambda _uuid: None)
+        self.runtime: tuple[str, str] | None = None
+        self.refused = 0
+        self.failed_open = 0
+
+    def events(self) -> Iterable[int]:
+        return (api.CREATE_CONTAINER, api.STOP_CONTAINER, api.REMOVE_CONTAINER)
+
+    async def configure(self, *, config: str, runtime_name: str, runtime_version: str) -> None:
+        self.runtime = (runtime_name, runtime_version)
+
+    async def shutdown(self) -> None:
+        log.info("nri: the runtime is shutting down")
+
+    # -- CreateContainer --------------------------------------------------------------------------------
+
+    async def create_container(
+        self, *, pod: api.PodSandbox, container: api.Container
+    ) -> api.ContainerAdjustment | None:
+        started = time.perf_counter()
+        where = {"pod": f"{pod.namespace}/{pod.name}", "container": container.name, "id": container.id}
+        source = pipe_leaf(root=str(self._pipe_root), container_id=container.id)
+        try:
+            plan, present = plan_container(
+                annotations=pod.annotations,
+                container=container.name,
+                env=container.env,
+                pipe_source=source,
+                container_pipe_dir=self._container_pipe_dir,
+            )
+        except ContractError as exc:
+            return self._refuse(f"gpufrac: {exc}", container=container, where=where)
+        if plan is None:
+            return None
+
+        if self._hooks is not None:
+            try:
+                plan = apply_adjustment(plan, await self._hooks.on_create(plan, container_id=container.id))
+            except MpsUnavailable as exc:
+                if not self._fail_open:
+                    self.refused += 1
+                    log.warning("nri: refusing container: MPS unavailable: %s", exc, extra=where)
+                    raise ContainerRejected(f"gpufrac: MPS is not available on this node: {exc}") from exc
+                self.failed_open += 1
+                log.warning("nri: MPS unavailable, creating without it (fail-open): %s", exc, extra=where)
+
+        mount_source = next((m.source for m in plan.mounts), None)
+        if mount_source == source:  # our private leaf (MPS may have re-pointed the mount at its own)
+            os.makedirs(source, mode=0o755, exist_ok=True)
+        self._store.put(self._record(pod=pod, container=container, plan=plan))
+
+        adjust = api.ContainerAdjustment()
+        for key in present:
+            adjust.env.add(key=f"-{key}")
+        for key, value in plan.env:
+            adjust.env.add(key=key, value=value)
+        existing = {m.destination for m in container.mounts}
+        for mount in plan.mounts:
+            if mount.destination in existing:  # a user's mount over the MPS directory is replaced, not kept
+                adjust.mounts.add(destination=f"-{mount.destination}")
+            adjust.mounts.add(
+                destination=mount.destination, type="bind", source=mount.source, options=list(mount.options)
+            )
+        for name in plan.cdi_devices:
+            adjust.CDI_devices.add(name=name)
+        log.info(
+            "nri: injected %s",
+            ",".join(plan.devices),
+            extra={
+                **where,
+                "mode": plan.mode.value,
+                "request_mib": plan.request_mib,
+                "limit_mib": plan.limit_mib,
+                "elapsed_ms": round((time.perf_counter() - started) * 1000, 3),
+            },
+        )
+        return adjust
+
+    def _refuse(
+        self, message: str, *, container: api.Container, where: dict[str, str]
+    ) -> api.ContainerAdjustment | None:
+        if not self._fail_open:
+            self.refused += 1
+            log.warning("nri: refusing container: %s", message, extra=where)
+            raise ContainerRejected(message)
+        self.failed_open += 1
+        log.warning("nri: creating container without GPU enforcement (fail-open): %s", message, extra=where)
+        present = {entry.partition("=")[0] for entry in container.env}
+        strip = [key for key in ENFORCEMENT_ENV if key in present]
+        if not strip:
+            return None
+        adjust = api.ContainerAdjustment()
+        for key in strip:
+            adjust.env.add(key=f"-{key}")
+        return adjust
+
+    def _record(
+        self, *, pod: api.PodSandbox, container: api.Container, plan: InjectionPlan
+    ) -> AllocationRecord:
+        request_mib, limit_mib = plan.request_mib, plan.limit_mib
+        if plan.exclusive:  # a whole GPU: everything on it is the container's
+            sizes = [self._device_mib(d) for d in plan.devices]
+            whole = min((s for s in sizes if s is not None), default=0)
+            request_mib = limit_mib = whole
+        return AllocationRecord(
+            container_id=container.id,
+            pod_namespace=pod.namespace,
+            pod_name=pod.name,
+            pod_uid=pod.uid,
+            container_name=container.name,
+            devices=plan.devices,
+            request_mib=request_mib or 0,
+            limit_mib=limit_mib or 0,
+            mode=plan.mode.value,
+            portion=plan.compute_portion,
+            exclusive=plan.exclusive,
+            pipe_dir=next((m.source for m in plan.mounts), None),
+        )
+
+    # -- the rest of the lifecycle ----------------------------------------------------------------------
+
+    async def stop_container(self, *, pod: api.PodSandbox, container: api.Container) -> None:
+        if self._hooks is not None and self._store.get(container.id) is not None:
+            await self._hooks.on_stop(container_id=container.id)
+
+    async def remove_container(self, *, pod: api.PodSandbox, container: api.Container) -> None:
+        record = self._store.remove(container.id)
+        if record is None:
+            return
+        if self._hooks is not None:
+            await self._hooks.on_remove(container_id=container.id)
+        if record.pipe_dir == pipe_leaf(root=str(self._pipe_root), container_id=container.id):
+            with contextlib.suppress(OSError):  # already gone, or not empty: never remove more than ours
+                os.rmdir(record.pipe_dir)
+
+    async def synchronize(
+        self, *, pods: Sequence[api.PodSandbox], containers: Sequence[api.Container]
+    ) -> None:
+        by_id = {p.id: p for p in pods}
+        records: list[AllocationRecord] = []
+        for container in containers:
+            pod = by_id.get(container.pod_sandbox_id)
+            if pod is None:
+                continue
+            source = pipe_leaf(root=str(self._pipe_root), container_id=container.id)
+            try:
+                plan, _ = plan_container(
+                    annotations=pod.annotations,
+                    container=container.name,
+                    pipe_source=source,
+                    container_pipe_dir=self._container_pipe_dir,
+                )
+            except ContractError as exc:
+                log.warning(
+                    "nri: synchronize: container %s of %s/%s runs but its annotations break the contract: %s",
+                    container.name,
+                    pod.namespace,
+                    pod.name,
+                    exc,
+                    extra={"id": container.id},
+                )
+                continue
+            if plan is not None:
+                records.append(self._record(pod=pod, container=container, plan=plan))
+        written, removed = self._store.replace_all(records)
+        log.info(
+            "nri: synchronized with the runtime",
+            extra={
+                "pods": len(pods),
+                "containers": len(containers),
+                "gpu_containers": len(records),
+                "records_written": written,
+                "records_removed": removed,
+            },
+        )

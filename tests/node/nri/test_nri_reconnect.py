@@ -1,0 +1,80 @@
+"""Runtime and agent restarts: the plugin reconnects by itself and Synchronize rebuilds the mapping."""
+
+from __future__ import annotations
+
+import asyncio
+
+from conftest import Node
+
+GPU_A = "GPU-8f3c6a2e-0000-4000-8000-00000000000a"
+GPU_B = "GPU-8f3c6a2e-0000-4000-8000-00000000000b"
+
+
+def fractional(container: str, device: str, request: str = "2Gi") -> dict[str, str]:
+    return {
+        f"nvidia.com/container.{container}.gpu-memory.request": request,
+        f"nvidia.com/container.{container}.gpus.devices": device,
+    }
+
+
+async def eventually(check, *, timeout: float = 10.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not check():
+        assert asyncio.get_running_loop().time() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.02)
+
+
+async def test_runtime_restart_reconnects_and_injection_continues(node: Node) -> None:
+    pod = await node.pod(fractional("a", GPU_A))
+    before = await node.create(pod, "a")
+    pid = node.runtime.pid
+
+    await node.runtime.restart()  # every plugin connection drops, as when containerd restarts
+    assert node.runtime.pid == pid  # the same process, re-executed: a fresh NRI adaptation
+    assert await node.runtime.wait_plugins(1, timeout_s=10) == 1
+    await eventually(lambda: node.agent.plugin.sessions == 2)
+
+    # Synchronize told the plugin about the container created before the restart: its record stays.
+    assert [r.container_id for r in node.store.allocations()] == [before.id]
+    pod2 = await node.pod(fractional("b", GPU_B, "3Gi"))
+    after = await node.create(pod2, "b")
+    assert after.env["NVIDIA_VISIBLE_DEVICES"] == GPU_B and after.env["NVIDIA_GPU_MEMORY_LIMIT"] == "3072"
+    assert sorted(r.container_id for r in node.store.allocations()) == sorted([before.id, after.id])
+
+
+async def test_agent_restart_rebuilds_the_mapping_from_synchronize(node: Node) -> None:
+    kept_pod = await node.pod(fractional("kept", GPU_A, "4Gi"), name="kept")
+    kept = await node.create(kept_pod, "kept")
+    gone_pod = await node.pod(fractional("gone", GPU_B), name="gone")
+    gone = await node.create(gone_pod, "gone")
+    assert {r.container_id for r in node.store.allocations()} == {kept.id, gone.id}
+
+    await node.agent.stop()  # the agent is down: the runtime goes on without it
+    await node.runtime.restart()
+    await node.runtime.stop_container(gone.id)
+    await node.runtime.remove_container(gone.id)  # nobody tells the agent
+    late_pod = await node.pod(fractional("late", GPU_B, "1Gi"), name="late")
+    late = await node.create(late_pod, "late")  # created while the agent was away: not injected
+    assert "NVIDIA_VISIBLE_DEVICES" not in late.env
+
+    agent = await node.start_agent()  # reads the stale records left on disk, then connects
+    records = {r.container_id: r for r in agent.store.allocations()}
+    assert set(records) == {kept.id, late.id}
+    assert records[kept.id].request_mib == 4096 and records[kept.id].pod_name == "kept"
+    assert records[late.id].request_mib == 1024 and records[late.id].devices == (GPU_B,)
+    assert not (agent.store.directory / f"{gone.id}.json").exists()
+
+
+async def test_plugin_waits_for_a_runtime_that_is_not_there_yet(make_node) -> None:  # type: ignore[no-untyped-def]
+    node: Node = await make_node(agent=False)
+    await node.runtime.stop()
+    node.socket.unlink(missing_ok=True)
+    agent = await node.start_agent(wait=False)
+    await asyncio.sleep(0.3)  # a few failed connection attempts, with backoff
+    assert agent.plugin.sessions == 0 and agent.plugin.last_error is not None
+
+    await node.runtime.start()
+    assert await node.runtime.wait_plugins(1, timeout_s=10) == 1
+    pod = await node.pod(fractional("c", GPU_A))
+    created = await node.create(pod, "c")
+    assert created.env["NVIDIA_GPU_MEMORY_REQUEST"] == "2048"
