@@ -343,7 +343,9 @@ def _parse_container(
         key, value = source if source is not None else (k.memory_request_key(name), "")
         found.add(
             FractionWithWholeGpu(
-                key=key, value=value, detail=f'container "{name}" also asks for {whole} whole GPUs'
+                key=key,
+                value=value,
+                detail=f'container "{name}" also asks for {whole} whole GPU{"s" if whole != 1 else ""}',
             )
         )
         return None
