@@ -21,11 +21,12 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 from prometheus_client import generate_latest
 
+from gpufrac.node.mapping import AllocationRecord, MappingStore
 from gpufrac.node.metrics import EnforcementCounters, UsageExporter, registry_for
 from gpufrac.node.usage.collect import UsageCollector
 from gpufrac.node.usage.simulated import SimulatedUsage, SimulatedUsageFile
@@ -35,29 +36,7 @@ TARGET_MS = 100.0
 GIB = 1024**3
 
 
-@dataclass(frozen=True)
-class Record:
-    container_id: str
-    pod_namespace: str
-    pod_name: str
-    container_name: str
-    devices: tuple[str, ...]
-    request_mib: int
-    limit_mib: int
-    mode: str
-    portion: float | None
-    pod_uid: str
-
-
-class Store:
-    def __init__(self, records: list[Record]) -> None:
-        self._records = records
-
-    def allocations(self) -> list[Record]:
-        return self._records
-
-
-def build(proc: Path, *, seed: int = 7) -> tuple[SimulatedUsage, Store]:
+def build(proc: Path, *, state: Path, seed: int = 7) -> tuple[SimulatedUsage, MappingStore]:
     rng = random.Random(seed)
     uuids = [f"GPU-{i:08x}-0000-4000-8000-{i:012x}" for i in range(GPUS)]
     gpus = SimulatedUsage()
@@ -69,7 +48,7 @@ def build(proc: Path, *, seed: int = 7) -> tuple[SimulatedUsage, Store]:
         devices = (uuids[gpu],) if n % 10 else (uuids[gpu], uuids[(gpu + 1) % GPUS])  # every 10th has two
         mode = "sm-sharing" if gpu % 4 == 0 else "time-slicing"
         records.append(
-            Record(
+            AllocationRecord(
                 container_id=f"{n:064x}",
                 pod_namespace=f"team-{n % 7}",
                 pod_name=f"pod-{n}",
@@ -97,7 +76,10 @@ def build(proc: Path, *, seed: int = 7) -> tuple[SimulatedUsage, Store]:
         _write(proc, pid=pid, cgroup="0::/user.slice/user-1000.slice/session-2.scope\n")
         gpus.set_process(gpu=uuids[s], pid=pid, used_bytes=GIB, sm_ratio=0.05)
         pid += 1
-    return gpus, Store(records)
+    store = MappingStore(directory=state)
+    for record in records:
+        store.put(record)
+    return gpus, store
 
 
 def timed(fn: Callable[[], object], *, rounds: int) -> list[float]:
@@ -123,8 +105,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=50)
     rounds = parser.parse_args().rounds
     with tempfile.TemporaryDirectory() as tmp:
-        proc = Path(tmp)
-        gpus, store = build(proc)
+        proc = Path(tmp) / "proc"
+        proc.mkdir()
+        gpus, store = build(proc, state=Path(tmp) / "state")
         collector = UsageCollector(backend=gpus, allocations=store, proc_root=proc)
         exporter = UsageExporter(node="bench-node", counters=EnforcementCounters())
         registry = registry_for(exporter)

@@ -17,6 +17,7 @@ is trusted. A PID that exited between the NVML read and this one answers None.
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -25,8 +26,10 @@ _CONTAINER = re.compile(r"^(?:cri-containerd-|crio-|docker-|containerd-)?([0-9a-
 
 def container_id_of(*, pid: int, proc_root: Path = Path("/proc")) -> str | None:
     """The container id of host process ``pid``, or None (gone, not in a container, unreadable)."""
+    # A plain string path and a binary read: pathlib's joins were 40% of a 500-process cycle (bench/).
     try:
-        text = (proc_root / str(pid) / "cgroup").read_text()
+        with open(f"{os.fspath(proc_root)}/{pid}/cgroup", "rb") as file:
+            text = file.read().decode(errors="replace")
     except (FileNotFoundError, ProcessLookupError, PermissionError, NotADirectoryError):
         return None
     return container_id_in(cgroup_file=text)
