@@ -62,7 +62,7 @@ class MpsEnv:
             state_dir=self.root / "state",
             ready_timeout_s=10.0,
             command_timeout_s=5.0,
-            create_wait_s=5.0,
+            create_wait_s=1.0,
             drain_timeout_s=4.0,
             terminate_timeout_s=1.0,
             quit_timeout_s=3.0,

@@ -40,7 +40,10 @@ class MpsSettings(BaseModel):
     ready_timeout_s: float = Field(30.0, gt=0)
     command_timeout_s: float = Field(5.0, gt=0)
     create_wait_s: float = Field(
-        1.0, ge=0, description="how long CreateContainer waits for a restarting daemon"
+        1.0,
+        ge=0,
+        lt=2.0,
+        description="CreateContainer's wait for a restarting daemon; under NRI's 2 s timeout",
     )
     drain_timeout_s: float = Field(1.5, gt=0, description="bound on StopContainer's drain; never more")
     terminate_timeout_s: float = Field(

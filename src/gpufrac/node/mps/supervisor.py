@@ -111,6 +111,7 @@ class MpsSupervisor:
         self._ready = asyncio.Event()
         self._wedged = asyncio.Event()
         self._namespaces: dict[str, NamespaceSpec] = {}
+        self._on_daemon: set[str] = set()  # namespaces the running daemon has (listed at reconcile)
         self._ns_lock = asyncio.Lock()
 
     # --- what the rest of the agent reads --------------------------------------------------------------
@@ -130,6 +131,9 @@ class MpsSupervisor:
         return self.settings.pipe_dir / self.settings.server_name / name
 
     async def wait_ready(self, *, timeout_s: float) -> bool:
+        """True once READY; waits at most ``timeout_s``, and not at all when nothing is (re)starting."""
+        if self.state in (SupervisorState.STOPPED, SupervisorState.STOPPING):
+            return False
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._ready.wait(), timeout=timeout_s)
         return self._ready.is_set()
@@ -140,6 +144,7 @@ class MpsSupervisor:
         """Starts supervising; returns at once (use ``wait_ready`` to wait for the first READY)."""
         if self._task is not None:
             raise RuntimeError("the MPS supervisor is already running")
+        self.state = SupervisorState.STARTING
         self._task = asyncio.create_task(self._supervise(), name="mps-supervisor")
 
     async def stop(self) -> None:
@@ -215,7 +220,7 @@ class MpsSupervisor:
             if not await self.wait_ready(timeout_s=self.settings.create_wait_s):
                 raise MpsUnavailable(f"the MPS daemon is {self.state}, not serving")
             async with self._ns_lock:
-                await self._create(spec, existing=set(await self._list()))
+                await self._create(spec)
         except (MpsUnavailable, MpsCommandError):
             self._namespaces.pop(spec.name, None)
             raise
@@ -232,8 +237,9 @@ class MpsSupervisor:
         if self.state is SupervisorState.READY:
             async with self._ns_lock:
                 with contextlib.suppress(MpsCommandError):
-                    if name in await self._list():
+                    if name in self._on_daemon:
                         await self.control.delete_namespace(server=self.settings.server_name, name=name)
+                        self._on_daemon.discard(name)
         directory = self.namespace_dir(name)
         with contextlib.suppress(FileNotFoundError):
             (directory / "control").unlink()
@@ -246,12 +252,12 @@ class MpsSupervisor:
     async def _list(self) -> list[str]:
         return await self.control.list_namespaces(server=self.settings.server_name)
 
-    async def _create(self, spec: NamespaceSpec, *, existing: set[str]) -> None:
+    async def _create(self, spec: NamespaceSpec) -> None:
         directory = self.namespace_dir(spec.name)
         directory.mkdir(parents=True, exist_ok=True)
         directory.chmod(0o777)  # container processes run as any uid (multiuser daemon)
         server = self.settings.server_name
-        if spec.name in existing:
+        if spec.name in self._on_daemon:
             await self.control.run(
                 "namespace",
                 "set",
@@ -261,17 +267,20 @@ class MpsSupervisor:
             )
         else:
             await self.control.create_namespace(server=server, name=spec.name, settings=spec.settings())
+            self._on_daemon.add(spec.name)
 
     async def reconcile(self) -> None:
+        """Makes the daemon's namespaces those of the live containers (run after every start)."""
         if self.mode is not MpsMode.V3:
             return
         async with self._ns_lock:
-            existing = set(await self._list())
+            self._on_daemon = set(await self._list())
             for spec in list(self._namespaces.values()):
-                await self._create(spec, existing=existing)
-            for orphan in sorted(existing - set(self._namespaces) - {"default"}):
+                await self._create(spec)
+            for orphan in sorted(self._on_daemon - set(self._namespaces) - {"default"}):
                 log.info("deleting orphan MPS namespace %s", orphan)
                 await self.control.delete_namespace(server=self.settings.server_name, name=orphan)
+                self._on_daemon.discard(orphan)
 
     # --- drain -----------------------------------------------------------------------------------------
 
