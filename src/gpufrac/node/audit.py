@@ -109,7 +109,12 @@ class Auditor:
         self._pending_stops: set[str] = set()
 
     async def __call__(self, snapshot: UsageSnapshot) -> list[Finding]:
-        running = {c.id: c for c in await self._runtime.running_containers()}
+        try:
+            running = {c.id: c for c in await self._runtime.running_containers()}
+        except CriError as error:
+            # Without the runtime's list no finding can name its pod or be acted on: skip this cycle.
+            log.warning("audit: skipped, the runtime did not list containers: %s", error)
+            return []
         findings = [
             *await self._injection(running),
             *self._strays(snapshot, running),
@@ -133,18 +138,17 @@ class Auditor:
             del self._checked[gone]
         for container in running.values():
             if container.id not in self._checked:
-                self._checked[container.id] = await self._check_injection(container)
+                try:
+                    self._checked[container.id] = await self._check_injection(container)
+                except CriError as error:  # not checked: try again at the next collection
+                    log.warning("audit: no spec for %s yet: %s", container.id, error)
         return [f for f in self._checked.values() if f is not None]
 
     async def _check_injection(self, container: RunningContainer) -> Finding | None:
         expected = self._planner.expected_env(container=container)
         if expected is None:
             return None
-        try:
-            actual = await self._runtime.environment(container.id)
-        except CriError as error:
-            log.warning("audit: no spec for %s: %s", container.id, error)
-            return None
+        actual = await self._runtime.environment(container.id)
         if actual is None:
             log.warning("audit: runtime does not report the spec of %s; injection not checked", container.id)
             return None

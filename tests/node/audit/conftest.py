@@ -46,6 +46,8 @@ class FakeRuntime(api_pb2_grpc.RuntimeServiceServicer):
         self.sandboxes: dict[str, tuple[str, str, str, dict[str, str]]] = {}
         self.stopped: list[tuple[str, int]] = []
         self.fail_stops = 0
+        self.fail_status = 0
+        self.fail_lists = 0
 
     def add_pod(self, *, namespace: str, name: str, annotations: Mapping[str, str] | None = None) -> str:
         sandbox_id = f"sandbox-{namespace}-{name}"
@@ -70,6 +72,9 @@ class FakeRuntime(api_pb2_grpc.RuntimeServiceServicer):
         }
 
     def ListContainers(self, request, context):
+        if self.fail_lists:
+            self.fail_lists -= 1
+            context.abort(grpc.StatusCode.UNAVAILABLE, "runtime restarting")
         wanted = request.filter.state.state if request.filter.HasField("state") else None
         return api_pb2.ListContainersResponse(
             containers=[
@@ -98,6 +103,9 @@ class FakeRuntime(api_pb2_grpc.RuntimeServiceServicer):
         )
 
     def ContainerStatus(self, request, context):
+        if self.fail_status:
+            self.fail_status -= 1
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "runtime slow")
         c = self.containers.get(request.container_id)
         if c is None:
             context.abort(grpc.StatusCode.NOT_FOUND, f"container {request.container_id} not found")

@@ -225,3 +225,25 @@ def record_infer():
         mode="time-slicing",
         portion=None,
     )
+
+
+async def test_a_spec_the_runtime_could_not_give_is_checked_at_the_next_cycle(node, runtime, events):
+    start_infer(runtime, env={})
+    runtime.fail_status = 1
+    audit = node.auditor()
+
+    assert await audit(node.collector.collect()) == []
+    await audit(node.collector.collect())
+
+    assert events.reasons() == [REASON_MISSING_INJECTION]
+
+
+async def test_a_runtime_that_cannot_list_containers_skips_the_cycle(node, runtime, events):
+    start_infer(runtime, env={})
+    runtime.fail_lists = 1
+    audit = node.auditor()
+
+    assert await audit(node.collector.collect()) == []
+    await audit(node.collector.collect())
+
+    assert events.reasons() == [REASON_MISSING_INJECTION]
