@@ -1,0 +1,309 @@
+"""Publishes the node's GPUs and what it can enforce on its Node object, and keeps them current.
+
+What the scheduler (and an operator) reads from the Node:
+
+- annotation ``gpufrac.io/gpus``: the usable GPUs, ``[{"uuid", "index", "model", "mib"}]``. A GPU that
+  disappears, has MIG enabled or is prohibited from running contexts is left out -- withdrawn -- so no
+  new fraction lands on it (containers already there keep running).
+- labels: ``gpufrac.io/managed=true``, the driver major
+  (``gpu-fractioning.kai.scheduler/nvidia-driver-version.major``), the compute modes the node can enforce
+  memory for (``gpufrac.io/compute-mode.time-slicing|sm-sharing``, ``gpufrac.io/mps``: an input, see
+  below), and for selectors the GPU model (when all are one model), count and CUDA version.
+- the taint ``gpufrac.io/managed=true:NoSchedule``, so that other schedulers keep off the node.
+- condition ``gpu-fractioning.nvidia.com/Ready`` (status subresource): True only when there are usable
+  GPUs, the inventory can be read, the NRI plugin is in the runtime's path and at least one compute mode
+  is enforceable; otherwise False with a reason and a message that say what is missing.
+
+The capability is an input (``capability``): it follows the driver (r615+: the cgroup GPU-memory limit
+makes time-slicing enforceable) and whether MPS is serving (sm-sharing), which the MPS supervisor knows.
+
+The backend is polled every ``interval_s``; the Node is patched only when what it should say changed,
+and re-asserted every ``heartbeat_s`` (the condition's heartbeat, and a repair of labels someone else
+removed). Writes are merge patches of our own keys only, and a strategic merge of the one condition, so
+the kubelet's labels and conditions are never touched. ``mark_stopped`` (SIGTERM) sets the condition to
+False so that the scheduler stops placing GPU pods while nothing would enforce their limits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from lightkube import AsyncClient
+from lightkube.resources.core_v1 import Node
+from lightkube.types import PatchType
+
+from gpufrac.contract import keys
+from gpufrac.kube.errors import KubeError, api_errors
+from gpufrac.kube.patch import merge_patch
+from gpufrac.node import labels as names
+from gpufrac.node.inventory.backend import GpuInventoryBackend, InventoryUnavailable, NodeInventory
+from gpufrac.node.mps.mode import DriverVersion, NodeMpsCapability
+
+log = logging.getLogger(__name__)
+
+#: The node's capability for a driver version (the MPS supervisor's view, or an assumption).
+CapabilityFor = Callable[[DriverVersion], NodeMpsCapability]
+
+
+@dataclass(frozen=True, slots=True)
+class NodeState:
+    """What the node agent says on its Node (labels with None are removed)."""
+
+    labels: dict[str, str | None]
+    gpus: tuple[dict[str, Any], ...]
+    ready: bool
+    reason: str
+    message: str
+
+    @property
+    def gpus_annotation(self) -> str:
+        return json.dumps(list(self.gpus), separators=(",", ":"))
+
+
+def desired_state(
+    *,
+    inventory: NodeInventory | None,
+    unavailable: str | None = None,
+    capability: NodeMpsCapability | None = None,
+    nri_connected: bool = True,
+    missing: dict[str, int] | None = None,
+) -> NodeState:
+    """Pure: the Node's labels, inventory and readiness for what the backend and the agent report.
+
+    ``missing`` maps the UUIDs of GPUs seen earlier but no longer reported to their last index.
+    """
+    node_labels: dict[str, str | None] = {keys.MANAGED_LABEL: "true"}
+    if inventory is None:
+        return NodeState(
+            labels={**node_labels, names.GPU_COUNT_LABEL: "0", names.GPU_MODEL_LABEL: None},
+            gpus=(),
+            ready=False,
+            reason=names.REASON_INVENTORY_UNAVAILABLE,
+            message=f"the GPUs cannot be read ({unavailable}); every GPU is withdrawn until they can",
+        )
+    usable = inventory.usable
+    gpus = tuple({"uuid": g.uuid, "index": g.index, "model": g.model, "mib": g.mib} for g in usable)
+    models = {g.model for g in usable}
+    node_labels.update(
+        {
+            names.GPU_COUNT_LABEL: str(len(usable)),
+            names.GPU_MODEL_LABEL: _label_value(next(iter(models))) if len(models) == 1 else None,
+            names.CUDA_DRIVER_LABEL: _label_value(inventory.cuda_driver_version),
+        }
+    )
+    try:
+        driver: DriverVersion | None = DriverVersion.parse(inventory.driver_version)
+    except ValueError:
+        driver = None
+    if driver is not None:
+        node_labels[names.DRIVER_MAJOR_LABEL] = str(driver.major)
+    if capability is not None:
+        node_labels.update(capability.labels())
+    notes = [f"GPU {g.index} ({g.uuid}) withdrawn: {why}" for g, why in inventory.withdrawn]
+    notes += [
+        f"GPU {index} ({uuid}) withdrawn: it is gone" for uuid, index in sorted((missing or {}).items())
+    ]
+    suffix = "".join(f"; {note}" for note in notes)
+
+    def state(ready: bool, reason: str, message: str) -> NodeState:
+        return NodeState(labels=node_labels, gpus=gpus, ready=ready, reason=reason, message=message + suffix)
+
+    if not usable:
+        found = "no GPU was found" if not inventory.gpus else "no GPU is usable for fractioning"
+        return state(False, names.REASON_NO_GPUS, found)
+    if not nri_connected:
+        return state(
+            False,
+            names.REASON_NRI_NOT_CONNECTED,
+            "the NRI plugin is not connected to the container runtime, so GPU containers would start "
+            "without their limits; check that NRI is enabled in the runtime and its socket is mounted",
+        )
+    modes = sorted(m.value for m in capability.enforceable) if capability is not None else []
+    if capability is not None and not modes:
+        return state(
+            False,
+            names.REASON_NO_ENFORCEABLE_MODE,
+            f"driver {inventory.driver_version} cannot cap time-slicing memory (needs r615+) and MPS is not "
+            "serving, so no compute mode can be enforced",
+        )
+    model_text = ", ".join(sorted(models))
+    return state(
+        True,
+        names.REASON_READY,
+        f"{len(usable)} GPU(s) ({model_text}) on driver {inventory.driver_version}; enforceable: "
+        + (", ".join(modes) if modes else "as configured"),
+    )
+
+
+def _label_value(text: str) -> str:
+    """A label value: at most 63 of [A-Za-z0-9._-], starting and ending alphanumeric."""
+    cleaned = "".join(c if c.isalnum() or c in "._-" else "-" for c in text)[:63]
+    return cleaned.strip("._-")
+
+
+class InventoryPublisher:
+    def __init__(
+        self,
+        *,
+        client: AsyncClient,
+        node_name: str,
+        backend: GpuInventoryBackend,
+        capability: CapabilityFor | None = None,
+        nri_connected: Callable[[], bool] | None = None,
+        interval_s: float = 5.0,
+        heartbeat_s: float = 60.0,
+        taint: bool = True,
+    ) -> None:
+        self._client = client
+        self._node = node_name
+        self._backend = backend
+        self._capability = capability
+        self._nri_connected = nri_connected or (lambda: True)
+        self._interval_s = interval_s
+        self._heartbeat_s = heartbeat_s
+        self._taint = taint
+        self._changed = asyncio.Event()
+        self.published: NodeState | None = None
+        self.publishes = 0
+        self._last_write = 0.0
+        self._transition: tuple[bool, str] | None = None
+        self._seen: dict[str, int] = {}  # every GPU this agent has seen: uuid -> index
+
+    def poke(self) -> None:
+        """Re-read now (the NRI plugin connected or dropped, the MPS capability changed)."""
+        self._changed.set()
+
+    async def read_state(self) -> NodeState:
+        try:
+            inventory = await asyncio.to_thread(self._backend.read)
+        except InventoryUnavailable as exc:
+            return desired_state(inventory=None, unavailable=str(exc))
+        self._seen.update({g.uuid: g.index for g in inventory.gpus})
+        present = {g.uuid for g in inventory.gpus}
+        missing = {uuid: index for uuid, index in self._seen.items() if uuid not in present}
+        capability = None
+        if self._capability is not None:
+            try:
+                capability = self._capability(DriverVersion.parse(inventory.driver_version))
+            except ValueError:
+                capability = None
+        return desired_state(
+            inventory=inventory, capability=capability, nri_connected=self._nri_connected(), missing=missing
+        )
+
+    async def publish_once(self, *, force: bool = False) -> NodeState:
+        """Patch the Node if what it should say changed (or ``force``); returns the state."""
+        state = await self.read_state()
+        loop = asyncio.get_running_loop()
+        if force or state != self.published or loop.time() - self._last_write >= self._heartbeat_s:
+            await self._write(state)
+            self._last_write = loop.time()
+            if state != self.published:
+                log.info(
+                    "inventory: published %d GPU(s), %s=%s (%s)",
+                    len(state.gpus),
+                    keys.NODE_READY_CONDITION,
+                    state.ready,
+                    state.reason,
+                    extra={"node": self._node, "message": state.message},
+                )
+            self.published = state
+            self.publishes += 1
+        return state
+
+    async def run(self) -> None:
+        """Publish, then keep publishing on change; a failed write is retried at the next interval."""
+        while True:
+            try:
+                await self.publish_once()
+            except KubeError as exc:
+                log.warning("inventory: could not update node %s: %s", self._node, exc)
+            self._changed.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), self._interval_s)
+
+    async def mark_stopped(self) -> None:
+        """Condition False: the agent is stopping, nothing would inject limits into new containers."""
+        base = self.published or desired_state(inventory=None, unavailable="the agent has not read them")
+        await self._write_condition(
+            ready=False,
+            reason=names.REASON_AGENT_STOPPED,
+            message="the gpufrac node agent is not running; GPU containers would start without their limits",
+        )
+        self.published = NodeState(
+            labels=base.labels, gpus=base.gpus, ready=False, reason=names.REASON_AGENT_STOPPED, message=""
+        )
+
+    # -- writes -----------------------------------------------------------------------------------------
+
+    async def _write(self, state: NodeState) -> None:
+        with api_errors():
+            node = await self._client.get(Node, self._node)
+        if self._transition is None:  # keep the transition time of a condition an earlier agent set
+            for condition in (node.status.conditions or []) if node.status else []:
+                if condition.type == keys.NODE_READY_CONDITION and condition.lastTransitionTime is not None:
+                    stamp = condition.lastTransitionTime
+                    text = stamp.strftime("%Y-%m-%dT%H:%M:%SZ") if isinstance(stamp, datetime) else str(stamp)
+                    self._transition = (condition.status == "True", text)
+        await merge_patch(
+            self._client,
+            Node,
+            name=self._node,
+            patch={
+                "metadata": {
+                    "labels": state.labels,
+                    "annotations": {keys.NODE_GPUS_ANNOTATION: state.gpus_annotation},
+                }
+            },
+        )
+        if self._taint:
+            await self._ensure_taint(node)
+        await self._write_condition(ready=state.ready, reason=state.reason, message=state.message)
+
+    async def _ensure_taint(self, node: Node) -> None:
+        taints = [t.to_dict() for t in (node.spec.taints or [])] if node.spec else []
+        if any(t.get("key") == keys.MANAGED_TAINT_KEY for t in taints):
+            return
+        taints.append(
+            {
+                "key": keys.MANAGED_TAINT_KEY,
+                "value": keys.MANAGED_TAINT_VALUE,
+                "effect": keys.MANAGED_TAINT_EFFECT,
+            }
+        )
+        # The list is replaced as a whole; the resourceVersion keeps a concurrent change from being lost.
+        await merge_patch(
+            self._client,
+            Node,
+            name=self._node,
+            patch={"spec": {"taints": taints}},
+            resource_version=node.metadata.resourceVersion if node.metadata else None,
+        )
+
+    async def _write_condition(self, *, ready: bool, reason: str, message: str) -> None:
+        now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        status = "True" if ready else "False"
+        condition: dict[str, Any] = {
+            "type": keys.NODE_READY_CONDITION,
+            "status": status,
+            "reason": reason,
+            "message": message,
+            "lastHeartbeatTime": now,
+        }
+        if self._transition is None or self._transition[0] != ready:
+            self._transition = (ready, now)
+        condition["lastTransitionTime"] = self._transition[1]
+        with api_errors():
+            await self._client.patch(
+                Node.Status,
+                self._node,
+                {"status": {"conditions": [condition]}},
+                patch_type=PatchType.STRATEGIC,
+            )

@@ -1,0 +1,26 @@
+"""Node-side names the node agent writes on its Node, beyond the contract's (``gpufrac.contract.keys``).
+
+The contract owns what the scheduler reads as part of the annotation contract (the managed label and
+taint, the ``gpufrac.io/gpus`` inventory, the readiness condition); the names here describe the node
+for operators and for selectors. The compute-mode capability labels are spelled by
+``gpufrac.node.mps.mode.NodeMpsCapability.labels`` (``gpufrac.io/compute-mode.<mode>``, ``gpufrac.io/mps``).
+"""
+
+from __future__ import annotations
+
+#: The NVIDIA driver's major version, under the name the GPU-fractioning operator (KAI) uses for it.
+DRIVER_MAJOR_LABEL = "gpu-fractioning.kai.scheduler/nvidia-driver-version.major"
+#: The GPU model when every published GPU of the node is the same model (absent otherwise).
+GPU_MODEL_LABEL = "gpufrac.io/gpu-model"
+#: How many GPUs the node publishes (MIG-enabled or otherwise unusable GPUs are not counted).
+GPU_COUNT_LABEL = "gpufrac.io/gpu-count"
+#: The CUDA version the driver supports (``13.4``), for selectors; informational.
+CUDA_DRIVER_LABEL = "gpufrac.io/cuda-driver"
+
+# Reasons of the gpu-fractioning.nvidia.com/Ready condition: each tells an operator what is missing.
+REASON_READY = "GpuFractioningReady"
+REASON_INVENTORY_UNAVAILABLE = "GpuInventoryUnavailable"
+REASON_NO_GPUS = "NoUsableGpus"
+REASON_NRI_NOT_CONNECTED = "NriPluginNotConnected"
+REASON_NO_ENFORCEABLE_MODE = "NoEnforceableComputeMode"
+REASON_AGENT_STOPPED = "NodeAgentStopped"
