@@ -89,10 +89,12 @@ class MpsSupervisor:
         driver: DriverVersion,
         events: EventSink,
         clock: Callable[[], float] = time.monotonic,
+        mode: MpsMode | None = None,
     ) -> None:
+        """``mode`` overrides the driver's choice (the GPU check runs classic MPS on any driver)."""
         self.settings = settings
         self.driver = driver
-        self.mode = mode_for_driver(driver)
+        self.mode = mode or mode_for_driver(driver)
         self._events = events
         self._clock = clock
         self.control = MpsControl(
