@@ -22,8 +22,18 @@ import grpc
 import pytest
 
 ROOT = Path(__file__).resolve().parents[3]
-if importlib.util.find_spec("gpufrac._generated.cri") is None:  # `make testenv` not run yet
+
+
+def _generated() -> bool:
+    try:
+        return importlib.util.find_spec("gpufrac._generated.cri") is not None
+    except ModuleNotFoundError:  # not even gpufrac._generated
+        return False
+
+
+if not _generated():  # `make testenv` has not run yet: generate now, as it would
     subprocess.run([sys.executable, str(ROOT / "scripts" / "gen-cri-protos")], check=True)
+    importlib.invalidate_caches()
 
 from gpufrac._generated.cri import api_pb2, api_pb2_grpc  # noqa: E402
 from gpufrac.node.cri.client import CriClient  # noqa: E402
