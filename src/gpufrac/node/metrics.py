@@ -226,7 +226,11 @@ class UsageExporter(Collector):
         for name, doc, value in (
             ("gpufrac_mps_restarts", "MPS control daemon (re)starts by the supervisor.", values.mps_restarts),
             ("gpufrac_mps_wedges", "Times the MPS control daemon was found wedged.", values.mps_wedges),
-            ("gpufrac_usage_collection_errors", "Collections that failed.", values.collection_errors),
+            (
+                "gpufrac_usage_collection_errors",
+                "Cycles whose collection or audit failed.",
+                values.collection_errors,
+            ),
         ):
             counter = CounterMetricFamily(name, doc, labels=["node"])
             counter.add_metric([self._node], value)

@@ -209,3 +209,22 @@ def test_a_whole_gpu_container_is_shown_with_the_gpu_as_request_and_limit(gpus, 
     whole = fraction(snapshot, A, GPU1)
     assert (whole.request_bytes, whole.limit_bytes, whole.used_bytes) == (80 * GIB, 80 * GIB, 70 * GIB)
     assert next(g for g in snapshot.gpus if g.uuid == GPU1).allocated_bytes == 80 * GIB
+
+
+def test_the_file_driven_backend_reads_the_documented_format_on_every_sample(tmp_path):
+    from gpufrac.node.usage.simulated import SimulatedUsageFile
+
+    table = tmp_path / "gpus.json"
+    backend = SimulatedUsageFile(path=table)
+    assert backend.sample() == ()  # no file yet: no GPUs
+
+    table.write_text(
+        '{"gpus": [{"uuid": "GPU-x", "index": 0, "memory_total_bytes": 1024,'
+        ' "processes": [{"pid": 7, "used_bytes": 512, "sm_ratio": 0.5}]}]}'
+    )
+    (gpu,) = backend.sample()
+    assert (gpu.uuid, gpu.memory_total_bytes, [(p.pid, p.used_bytes, p.sm_ratio) for p in gpu.processes]) == (
+        "GPU-x",
+        1024,
+        [(7, 512, 0.5)],
+    )
