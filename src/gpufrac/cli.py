@@ -39,7 +39,9 @@ def _register() -> None:
     app.command(name="top")(top)
 
     _not_built("scheduler", "the gpufrac scheduler service")
-    _not_built("node-agent", "the node agent: inventory, NRI plugin, MPS supervision, usage")
+    from gpufrac.node.command import node_agent
+
+    app.command(name="node-agent")(node_agent)
     from gpufrac.admission.command import admission
 
     app.command(name="admission")(admission)

@@ -171,6 +171,7 @@ class InventoryPublisher:
         self._taint = taint
         self._changed = asyncio.Event()
         self.published: NodeState | None = None
+        self.inventory: NodeInventory | None = None  # the last successful read
         self.publishes = 0
         self._last_write = 0.0
         self._transition: tuple[bool, str] | None = None
@@ -185,6 +186,7 @@ class InventoryPublisher:
             inventory = await asyncio.to_thread(self._backend.read)
         except InventoryUnavailable as exc:
             return desired_state(inventory=None, unavailable=str(exc))
+        self.inventory = inventory
         self._seen.update({g.uuid: g.index for g in inventory.gpus})
         present = {g.uuid for g in inventory.gpus}
         missing = {uuid: index for uuid, index in self._seen.items() if uuid not in present}

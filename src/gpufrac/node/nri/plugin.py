@@ -107,6 +107,7 @@ class NriPlugin:
         registration_timeout_s: float = 5.0,
         backoff_initial_s: float = 0.1,
         backoff_max_s: float = 5.0,
+        on_state: Callable[[bool], None] | None = None,
     ) -> None:
         self._handler = handler
         self._socket_path = socket_path
@@ -114,6 +115,7 @@ class NriPlugin:
         self._registration_timeout_s = registration_timeout_s
         self._backoff_initial_s = backoff_initial_s
         self._backoff_max_s = backoff_max_s
+        self._on_state = on_state
         self._sync_pods: list[api.PodSandbox] = []
         self._sync_containers: list[api.Container] = []
         #: Set while a session is registered and synchronized: the plugin is in the runtime's path.
@@ -138,11 +140,21 @@ class NriPlugin:
                     extra={"socket": self._socket_path},
                 )
             finally:
-                self.synchronized.clear()
+                self._set_synchronized(False)
             if registered:
                 delay = self._backoff_initial_s
             await asyncio.sleep(delay)
             delay = min(self._backoff_max_s, delay * 2)
+
+    def _set_synchronized(self, value: bool) -> None:
+        if value == self.synchronized.is_set():
+            return
+        if value:
+            self.synchronized.set()
+        else:
+            self.synchronized.clear()
+        if self._on_state is not None:
+            self._on_state(value)
 
     async def _session(self) -> bool:
         """One connection, until the runtime closes it. Returns whether registration got through."""
@@ -253,7 +265,7 @@ class NriPlugin:
         pods, containers = self._sync_pods, self._sync_containers
         self._sync_pods, self._sync_containers = [], []
         await self._handler.synchronize(pods=pods, containers=containers)
-        self.synchronized.set()
+        self._set_synchronized(True)
         return api.SynchronizeResponse(more=False)
 
     async def _shutdown(self, _request: api.Empty) -> api.Empty:

@@ -1,0 +1,123 @@
+"""``gpufrac node-agent``: the node agent as a process (a privileged DaemonSet pod on each GPU node).
+
+Flags override the optional configuration file (``gpufrac.node.config``). SIGTERM and SIGINT stop the
+agent cleanly (the Node is marked not ready, the NRI connection closes) and the process exits 0.
+On a machine without GPUs: ``--backend simulated --sim-gpus 4xH100-80GB``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from pathlib import Path
+
+import typer
+
+log = logging.getLogger("gpufrac.node")
+
+
+def node_agent(
+    node_name: str | None = typer.Option(
+        None, "--node-name", envvar="NODE_NAME", help="This node's name (the DaemonSet passes spec.nodeName)."
+    ),
+    config: Path | None = typer.Option(None, "--config", help="Node agent configuration file (YAML)."),
+    kubeconfig: Path | None = typer.Option(
+        None, "--kubeconfig", help="Kubeconfig (default: in-cluster, then $KUBECONFIG, then ~/.kube/config)."
+    ),
+    publish: bool | None = typer.Option(
+        None,
+        "--publish/--no-publish",
+        help="Write the GPU inventory and readiness on the Node (default: on).",
+    ),
+    nri_socket: str | None = typer.Option(None, "--nri-socket", help="The runtime's NRI socket."),
+    backend: str | None = typer.Option(None, "--backend", help="GPU inventory: nvml or simulated."),
+    sim_gpus: str | None = typer.Option(
+        None, "--sim-gpus", help="Simulated GPUs: COUNTxMODEL[:MIB],... e.g. 8xH100-80GB."
+    ),
+    sim_config: Path | None = typer.Option(
+        None, "--sim-config", help="YAML file of simulated GPUs (re-read when it changes)."
+    ),
+    sim_driver: str | None = typer.Option(None, "--sim-driver", help="Simulated NVIDIA driver version."),
+    mps_running: bool | None = typer.Option(
+        None,
+        "--mps-running/--no-mps-running",
+        help="Advertise sm-sharing (MPS serving). Default: yes when simulated, no with NVML.",
+    ),
+    state_dir: Path | None = typer.Option(
+        None, "--state-dir", help="Mapping store and MPS leaf directories."
+    ),
+    fail_open: bool | None = typer.Option(
+        None,
+        "--fail-open/--fail-closed",
+        help="Create containers whose GPU annotations are invalid (unenforced).",
+    ),
+    health_port: int | None = typer.Option(
+        None, "--health-port", help="Port of /healthz and /readyz (0: any)."
+    ),
+    log_level: str = typer.Option("info", "--log-level"),
+    log_format: str = typer.Option("json", "--log-format", help="json or text."),
+) -> None:
+    """Run the node agent: NRI plugin and GPU inventory."""
+    from gpufrac.node.config import load_settings
+    from gpufrac.scheduler.logs import configure_logging
+
+    configure_logging(component="gpufrac-node-agent", level=log_level, fmt=log_format)
+    try:
+        settings = load_settings(
+            config,
+            node_name=node_name,
+            kubeconfig=kubeconfig,
+            publish=publish,
+            nri_socket=nri_socket,
+            backend=backend,
+            sim_gpus=sim_gpus,
+            sim_config=sim_config,
+            sim_driver=sim_driver,
+            mps_running=mps_running,
+            state_dir=state_dir,
+            fail_open=fail_open,
+            health_port=health_port,
+        )
+    except (OSError, ValueError) as error:
+        typer.echo(f"gpufrac node-agent: invalid configuration: {error}", err=True)
+        raise typer.Exit(code=2) from error
+    raise typer.Exit(code=asyncio.run(serve(settings)))
+
+
+async def serve(settings) -> int:  # type: ignore[no-untyped-def]
+    """Run until SIGTERM/SIGINT (0) or a failure to start (1)."""
+    from gpufrac.kube.client import connect
+    from gpufrac.node.agent import NodeAgent
+    from gpufrac.node.inventory.backend import InventoryUnavailable
+
+    client = (
+        connect(kubeconfig=settings.kubeconfig, field_manager="gpufrac-node-agent")
+        if settings.publish
+        else None
+    )
+    try:
+        agent = NodeAgent(settings=settings, client=client)
+    except (InventoryUnavailable, OSError) as error:
+        log.error("node agent cannot start: %s", error)
+        return 1
+    task = asyncio.create_task(agent.run(), name="node-agent")
+    loop = asyncio.get_running_loop()
+
+    def stop() -> None:
+        log.info("signal received, stopping")
+        task.cancel()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop)
+    try:
+        await task
+    except asyncio.CancelledError:
+        pass
+    except Exception:
+        log.exception("node agent failed")
+        return 1
+    finally:
+        if client is not None:
+            await client.close()
+    return 0

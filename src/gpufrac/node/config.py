@@ -1,0 +1,74 @@
+"""Settings of the node agent: a YAML file (``--config``) with flags on top, validated in one place.
+
+Defaults are a production node's: NVML for the GPUs, containerd's NRI socket, state under /run (tmpfs:
+the mapping is a cache that Synchronize rebuilds, and containers do not outlive a reboot either).
+``backend: simulated`` with ``sim_gpus`` or ``sim_config`` runs the same agent on a machine without GPUs
+(tests, ``gpufrac up``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from gpufrac.node.inject import CONTAINER_PIPE_DIR
+from gpufrac.node.nri.plugin import DEFAULT_SOCKET
+
+
+class NodeAgentSettings(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    node_name: str = Field(min_length=1)
+    kubeconfig: Path | None = None
+    publish: bool = Field(True, description="write the inventory and readiness on the Node")
+    nri_socket: str = DEFAULT_SOCKET
+    plugin_name: str = "gpufrac"
+    plugin_index: str = Field("10", pattern=r"^[0-9]{2}$")
+    backend: Literal["nvml", "simulated"] = "nvml"
+    sim_gpus: str | None = Field(None, description="COUNTxMODEL[:MIB] groups, e.g. 8xH100-80GB")
+    sim_config: Path | None = Field(None, description="YAML file of simulated GPUs, re-read on change")
+    sim_driver: str = "615.20.01"
+    mps_running: bool | None = Field(
+        None,
+        description="whether MPS serves on this node (sm-sharing capability) until the MPS supervisor "
+        "reports it; default: yes for the simulated backend, no for NVML",
+    )
+    state_dir: Path = Path("/run/gpufrac/node-agent")
+    mps_pipe_root: Path | None = Field(
+        None, description="host leaf directories (default <state_dir>/mps-pipes)"
+    )
+    container_pipe_dir: str = CONTAINER_PIPE_DIR
+    fail_open: bool = False
+    health_host: str = "0.0.0.0"
+    health_port: int = Field(8082, ge=0, le=65535)
+    publish_interval_s: float = Field(5.0, gt=0)
+    heartbeat_s: float = Field(60.0, gt=0)
+
+    @model_validator(mode="after")
+    def _simulation_is_described(self) -> NodeAgentSettings:
+        if self.backend == "simulated" and (self.sim_gpus is None) == (self.sim_config is None):
+            raise ValueError("the simulated backend needs exactly one of sim_gpus or sim_config")
+        return self
+
+    @property
+    def pipe_root(self) -> Path:
+        return self.mps_pipe_root or self.state_dir / "mps-pipes"
+
+    @property
+    def assume_mps_running(self) -> bool:
+        return self.mps_running if self.mps_running is not None else self.backend == "simulated"
+
+
+def load_settings(path: Path | None, **flags: Any) -> NodeAgentSettings:
+    """The file's settings (if any) overridden by every flag that was given (not None)."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        loaded = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ValueError(f"{path}: the node agent configuration must be a mapping")
+        data.update(loaded)
+    data.update({key: value for key, value in flags.items() if value is not None})
+    return NodeAgentSettings(**data)

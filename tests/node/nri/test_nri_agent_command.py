@@ -1,0 +1,144 @@
+"""``gpufrac node-agent`` as a process: probes, injection through the runtime, clean SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import socket
+import sys
+from pathlib import Path
+
+import httpx
+
+from conftest import Node
+
+GPU = "GPU-8f3c6a2e-0000-4000-8000-00000000000a"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def probe(port: int, path: str) -> tuple[int, str]:
+    async with httpx.AsyncClient() as client:
+        response = await client.get(f"http://127.0.0.1:{port}{path}", timeout=2)
+        return response.status_code, response.text
+
+
+async def wait_probe(port: int, path: str, status: int, *, timeout: float = 15.0) -> str:
+    deadline = asyncio.get_running_loop().time() + timeout
+    last: object = None
+    while asyncio.get_running_loop().time() < deadline:
+        try:
+            code, text = await probe(port, path)
+            if code == status:
+                return text
+            last = (code, text)
+        except httpx.HTTPError as exc:
+            last = exc
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"{path} never answered {status}: {last}")
+
+
+async def test_node_agent_process_injects_and_stops_cleanly(make_node) -> None:  # type: ignore[no-untyped-def]
+    node: Node = await make_node(agent=False)
+    port = free_port()
+    agent = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "gpufrac",
+        "node-agent",
+        "--node-name",
+        "gpu-node-000",
+        "--no-publish",
+        "--backend",
+        "simulated",
+        "--sim-gpus",
+        "2xH100-80GB",
+        "--nri-socket",
+        str(node.socket),
+        "--state-dir",
+        str(node.root / "agent"),
+        "--health-port",
+        str(port),
+        stderr=asyncio.subprocess.PIPE,
+    )
+    try:
+        await wait_probe(port, "/healthz", 200)
+        assert await node.runtime.wait_plugins(1, timeout_s=15) == 1
+        assert "NRI plugin synchronized" in await wait_probe(port, "/readyz", 200)
+
+        pod = await node.pod(
+            {"nvidia.com/container.c.gpu-memory.request": "3Gi", "nvidia.com/container.c.gpus.devices": GPU}
+        )
+        created = await node.create(pod, "c")
+        assert created.env["NVIDIA_GPU_MEMORY_LIMIT"] == "3072"
+        record = json.loads((node.root / "agent" / "containers" / f"{created.id}.json").read_text())
+        assert record["schema"] == 1 and record["limit_mib"] == 3072
+
+        agent.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(agent.wait(), 10) == 0
+    finally:
+        if agent.returncode is None:
+            agent.kill()
+            await agent.wait()
+    assert agent.stderr is not None
+    lines = [
+        json.loads(line) for line in (await agent.stderr.read()).decode().splitlines() if line.startswith("{")
+    ]
+    assert any(line["msg"] == "node agent stopped" for line in lines)
+    assert all({"ts", "level", "component", "msg"} <= line.keys() for line in lines)
+
+
+async def test_readyz_says_what_is_missing_without_a_runtime(tmp_path: Path) -> None:
+    port = free_port()
+    agent = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "gpufrac",
+        "node-agent",
+        "--node-name",
+        "n",
+        "--no-publish",
+        "--backend",
+        "simulated",
+        "--sim-gpus",
+        "1xL4-24GB",
+        "--nri-socket",
+        str(tmp_path / "absent.sock"),
+        "--state-dir",
+        str(tmp_path / "state"),
+        "--health-port",
+        str(port),
+        stderr=asyncio.subprocess.DEVNULL,
+    )
+    try:
+        text = await wait_probe(port, "/readyz", 503)
+        assert "NRI plugin not connected" in text and "absent.sock" in text
+        assert (await probe(port, "/healthz"))[0] == 200
+        agent.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(agent.wait(), 10) == 0
+    finally:
+        if agent.returncode is None:
+            agent.kill()
+            await agent.wait()
+
+
+async def test_bad_configuration_exits_2() -> None:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "gpufrac",
+        "node-agent",
+        "--node-name",
+        "n",
+        "--backend",
+        "simulated",
+        stderr=asyncio.subprocess.PIPE,
+    )
+    _, err = await proc.communicate()
+    assert proc.returncode == 2
+    assert b"needs exactly one of sim_gpus or sim_config" in err
