@@ -39,12 +39,17 @@ async def make_supervisor(mps_env: MpsEnv) -> AsyncIterator[Callable[..., MpsSup
     made: list[MpsSupervisor] = []
 
     def make(
-        *, driver: str = "615.20.01", sink: RecordingSink | None = None, **overrides: object
+        *,
+        driver: str = "615.20.01",
+        sink: RecordingSink | None = None,
+        on_change: Callable[[], None] | None = None,
+        **overrides: object,
     ) -> MpsSupervisor:
         supervisor = MpsSupervisor(
             settings=mps_env.settings(**overrides),
             driver=DriverVersion.parse(driver),
             events=sink if sink is not None else RecordingSink(),
+            on_change=on_change,
         )
         made.append(supervisor)
         return supervisor

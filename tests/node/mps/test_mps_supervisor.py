@@ -96,8 +96,15 @@ async def test_graceful_stop_leaves_no_process_even_when_quit_is_ignored(
 
 
 async def test_graceful_stop_uses_quit_when_the_daemon_obeys(make_supervisor, mps_env) -> None:
-    supervisor = await started(make_supervisor())
+    labels: list[str] = []  # what the inventory publisher would write on each poke
+    supervisor = make_supervisor(
+        on_change=lambda: labels.append(
+            supervisor.capability().labels()["gpufrac.io/compute-mode.sm-sharing"]
+        )
+    )
+    await started(supervisor)
     await supervisor.stop()
+    assert labels[-1] == "false" and "true" in labels
     assert processes_of(mps_env.root / "pipe") == []
     assert not (mps_env.root / "pipe" / "control").exists()  # removed by the daemon itself on quit
     assert "stopped" in (mps_env.root / "log" / "control.log").read_text()

@@ -90,8 +90,12 @@ class MpsSupervisor:
         events: EventSink,
         clock: Callable[[], float] = time.monotonic,
         mode: MpsMode | None = None,
+        on_change: Callable[[], None] | None = None,
     ) -> None:
-        """``mode`` overrides the driver's choice (the GPU check runs classic MPS on any driver)."""
+        """``mode`` overrides the driver's choice (the GPU check runs classic MPS on any driver).
+        ``on_change`` is called on every state change, e.g. ``InventoryPublisher.poke`` so the node's
+        capability labels follow the daemon (the publisher reads ``capability()``)."""
+        self._on_change = on_change
         self.settings = settings
         self.driver = driver
         self.mode = mode or mode_for_driver(driver)
@@ -105,7 +109,7 @@ class MpsSupervisor:
             timeout_s=settings.command_timeout_s,
         )
         self.backoff = Backoff(settings=settings.backoff)
-        self.state = SupervisorState.STOPPED
+        self._state = SupervisorState.STOPPED
         self.restarts = 0
         self._delay = 0.0
         self._daemon: MpsDaemon | None = None
@@ -117,6 +121,16 @@ class MpsSupervisor:
         self._ns_lock = asyncio.Lock()
 
     # --- what the rest of the agent reads --------------------------------------------------------------
+
+    @property
+    def state(self) -> SupervisorState:
+        return self._state
+
+    @state.setter
+    def state(self, value: SupervisorState) -> None:
+        changed, self._state = value is not self._state, value
+        if changed and self._on_change is not None:
+            self._on_change()
 
     @property
     def daemon_pid(self) -> int | None:
