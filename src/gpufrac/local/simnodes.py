@@ -26,6 +26,8 @@ from lightkube.resources.core_v1 import Node
 
 from gpufrac.contract import keys
 from gpufrac.kube.errors import Conflict, api_errors
+from gpufrac.node import labels as node_labels
+from gpufrac.node.mps.mode import DriverVersion, capability_for
 
 #: Framebuffer MiB as NVML reports it for common data-centre GPUs.
 GPU_MODELS: dict[str, int] = {
@@ -39,6 +41,7 @@ GPU_MODELS: dict[str, int] = {
     "T4-16GB": 15360,
 }
 
+_CAPABILITY = capability_for(driver=DriverVersion.parse("615.20.01"), mps_running=True)
 _UUID_NAMESPACE = uuid.UUID("6f1b8a52-6a3e-4bb2-9c9e-2a7d0d9b1c11")
 
 
@@ -87,8 +90,11 @@ def sim_node(*, name: str, shape: NodeShape = NodeShape(), labels: dict[str, str
                 keys.MANAGED_LABEL: "true",
                 "kubernetes.io/hostname": name,
                 "kubernetes.io/os": "linux",
-                "nvidia.com/gpu.product": shape.model,
-                "nvidia.com/gpu.count": str(shape.gpus),
+                node_labels.GPU_MODEL_LABEL: shape.model,
+                node_labels.GPU_COUNT_LABEL: str(shape.gpus),
+                node_labels.DRIVER_MAJOR_LABEL: "615",
+                # What a node agent on an r615+ driver with MPS serving advertises.
+                **_CAPABILITY.labels(),
                 **(labels or {}),
             },
             annotations={
@@ -140,6 +146,7 @@ async def create_sim_nodes(
     count: int,
     shape: NodeShape = NodeShape(),
     prefix: str = "gpu-node-",
+    labels: dict[str, str] | None = None,
     concurrency: int = 16,
 ) -> list[str]:
     """Create ``count`` simulated nodes (existing ones are left as they are); returns their names."""
@@ -148,7 +155,7 @@ async def create_sim_nodes(
 
     async def create(name: str) -> None:
         async with gate:
-            node = sim_node(name=name, shape=shape)
+            node = sim_node(name=name, shape=shape, labels=labels)
             try:
                 with api_errors():
                     created = await client.create(node)
@@ -166,12 +173,17 @@ async def create_sim_nodes(
 
 
 def create_sim_nodes_sync(
-    client: Client, *, count: int, shape: NodeShape = NodeShape(), prefix: str = "gpu-node-"
+    client: Client,
+    *,
+    count: int,
+    shape: NodeShape = NodeShape(),
+    prefix: str = "gpu-node-",
+    labels: dict[str, str] | None = None,
 ) -> list[str]:
     """``create_sim_nodes`` for synchronous callers (``gpufrac up``/``demo``)."""
     names = node_names(count, prefix=prefix)
     for name in names:
-        node = sim_node(name=name, shape=shape)
+        node = sim_node(name=name, shape=shape, labels=labels)
         try:
             with api_errors():
                 created = client.create(node)
