@@ -87,3 +87,17 @@ def test_local_tls_is_reused_while_it_covers_the_hosts(tmp_path: Path) -> None:
     pem = first.cert.read_bytes()
     assert ensure_tls(tmp_path, hosts=hosts).cert.read_bytes() == pem
     assert ensure_tls(tmp_path, hosts=[*hosts, "10.0.0.7"]).cert.read_bytes() != pem
+
+
+def test_stop_also_ends_kept_alive_connections(tls) -> None:  # type: ignore[no-untyped-def]
+    server = AdmissionServer(cert=tls.cert, key=tls.key, host="127.0.0.1", port=0)
+    server.start()
+    context = ssl.create_default_context(cafile=str(tls.ca_cert))
+    with httpx.Client(base_url=server.url(), verify=context, timeout=3) as kept_alive:
+        assert kept_alive.get("/healthz").status_code == 200
+        server.stop()
+        try:
+            after = kept_alive.get("/healthz").status_code
+        except httpx.TransportError:
+            after = None
+        assert after in (None, 503)

@@ -11,6 +11,7 @@ matchConditions keep those away).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import socket
@@ -40,7 +41,24 @@ class _TlsHttpServer(ThreadingHTTPServer):
         self.context = context
         self.policy = policy
         self.ready = threading.Event()
+        self.stopping = False
+        self._connections: set[ssl.SSLSocket] = set()
+        self._lock = threading.Lock()
         super().__init__(address, _RequestHandler)
+
+    def track(self, connection: ssl.SSLSocket, *, open_: bool) -> None:
+        with self._lock:
+            (self._connections.add if open_ else self._connections.discard)(connection)
+
+    def end_connections(self) -> None:
+        """End every kept-alive connection: its reader sees end-of-file, a request in flight still
+        gets its answer (only the read side is shut; ``SSLSocket.shutdown`` would drop the TLS state,
+        so the plain socket's method is called)."""
+        with self._lock:
+            connections = list(self._connections)
+        for connection in connections:
+            with contextlib.suppress(OSError):  # already closed by its handler
+                socket.socket.shutdown(connection, socket.SHUT_RD)
 
     def get_request(self) -> tuple[socket.socket, Any]:
         sock, address = self.socket.accept()
@@ -48,7 +66,10 @@ class _TlsHttpServer(ThreadingHTTPServer):
         return self.context.wrap_socket(sock, server_side=True, do_handshake_on_connect=False), address
 
     def handle_error(self, request: Any, client_address: Any) -> None:
-        log.warning("connection from %s failed", client_address, exc_info=True)
+        if self.stopping:
+            log.debug("connection from %s ended while stopping", client_address, exc_info=True)
+        else:
+            log.warning("connection from %s failed", client_address, exc_info=True)
 
 
 class _RequestHandler(BaseHTTPRequestHandler):
@@ -57,8 +78,24 @@ class _RequestHandler(BaseHTTPRequestHandler):
 
     def setup(self) -> None:
         assert isinstance(self.request, ssl.SSLSocket)
+        self.server.track(self.request, open_=True)
         self.request.do_handshake()
         super().setup()
+
+    def parse_request(self) -> bool:
+        if not super().parse_request():
+            return False
+        if self.server.stopping:  # read after stop() began: refuse rather than answer from a stopped server
+            self.close_connection = True
+            self.send_error(503, "stopping")
+            return False
+        return True
+
+    def finish(self) -> None:
+        try:
+            super().finish()
+        finally:
+            self.server.track(self.request, open_=False)
 
     def log_message(self, format: str, *args: Any) -> None:
         log.debug("%s " + format, self.client_address[0], *args)
@@ -137,6 +174,8 @@ class AdmissionServer:
     ) -> None:
         self._server = _TlsHttpServer((host, port), tls_context(cert, key), policy or AdmissionPolicy())
         self._thread: threading.Thread | None = None
+        self._stopped = False
+        self._serving = False
 
     @property
     def port(self) -> int:
@@ -150,6 +189,7 @@ class AdmissionServer:
         return f"https://{host or self.host}:{self.port}{path}"
 
     def serve_forever(self) -> None:
+        self._serving = True
         self._server.ready.set()
         log.info("admission webhook serving", extra={"address": f"{self.host}:{self.port}"})
         try:
@@ -164,9 +204,15 @@ class AdmissionServer:
 
     def stop(self) -> None:
         """Stop accepting, then close the listening socket; in-flight requests finish in their threads."""
+        if self._stopped:
+            return
+        self._stopped = True
         self._server.ready.clear()  # readiness drops first, so a Service stops routing here
-        self._server.shutdown()
+        self._server.stopping = True
+        if self._serving:  # shutdown() waits for serve_forever(), forever if it never ran
+            self._server.shutdown()
         self._server.server_close()
+        self._server.end_connections()  # kept-alive connections would otherwise keep being served
         if self._thread is not None:
             self._thread.join(timeout=5)
             self._thread = None
