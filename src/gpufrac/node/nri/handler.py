@@ -201,6 +201,7 @@ class GpuInjector:
     ) -> None:
         by_id = {p.id: p for p in pods}
         records: list[AllocationRecord] = []
+        live: list[tuple[str, InjectionPlan]] = []
         for container in containers:
             pod = by_id.get(container.pod_sandbox_id)
             if pod is None:
@@ -225,7 +226,10 @@ class GpuInjector:
                 continue
             if plan is not None:
                 records.append(self._record(pod=pod, container=container, plan=plan))
+                live.append((container.id, plan))
         written, removed = self._store.replace_all(records)
+        if self._hooks is not None:  # MPS: namespaces of running containers survive an agent restart
+            await self._hooks.on_synchronize(live)
         log.info(
             "nri: synchronized with the runtime",
             extra={
