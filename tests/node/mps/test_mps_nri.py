@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from mps_harness import MpsEnv, started
+from mps_harness import MpsEnv, started, until
 
 ROOT = Path(__file__).resolve().parents[3]
 if importlib.util.find_spec("gpufrac._generated.nri") is None:  # `make testenv` not run yet
@@ -51,8 +51,8 @@ def annotations(container: str, *, mode: str, portion: float | None = None) -> d
 class MpsNode:
     runtime: NriRuntime
     supervisor: MpsSupervisor
-    hooks: MpsContainerHooks
     leaves: Path
+    tasks: list[asyncio.Task[None]]
 
     async def pod_with(self, name: str, notes: dict[str, str]) -> str:
         await self.runtime.run_pod(
@@ -61,28 +61,42 @@ class MpsNode:
         return f"pod-{name}"
 
 
+def connect_agent(runtime: NriRuntime, supervisor: MpsSupervisor, root: Path) -> asyncio.Task[None]:
+    """The node agent's NRI half with the MPS hooks, connecting to ``runtime``."""
+    hooks = MpsContainerHooks(supervisor=supervisor)
+    injector = GpuInjector(
+        store=MappingStore(directory=root / "state"), pipe_root=root / "leaves", hooks=hooks
+    )
+    plugin = NriPlugin(handler=injector, socket_path=str(runtime.socket_path), backoff_initial_s=0.02)
+    return asyncio.create_task(plugin.run())
+
+
+async def disconnect(task: asyncio.Task[None]) -> None:
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
 @pytest.fixture
 async def mps_node(make_supervisor, mps_env: MpsEnv) -> AsyncIterator[MpsNode]:
     build = subprocess.run(["bash", str(ROOT / "testenv" / "nriruntime" / "build.sh")], capture_output=True)
     if build.returncode != 0 and not binary_path().exists():
         pytest.skip(f"the NRI runtime driver cannot be built here: {build.stderr.decode()[-300:]}")
     supervisor = await started(make_supervisor(drain_timeout_s=1.5, terminate_timeout_s=0.7))
-    hooks = MpsContainerHooks(supervisor=supervisor)
-    leaves = mps_env.root / "leaves"
-    injector = GpuInjector(
-        store=MappingStore(directory=mps_env.root / "state"), pipe_root=leaves, hooks=hooks
-    )
     runtime = NriRuntime(socket_path=mps_env.root / "nri.sock")
     await runtime.start()
-    plugin = NriPlugin(handler=injector, socket_path=str(runtime.socket_path), backoff_initial_s=0.02)
-    task = asyncio.create_task(plugin.run())
+    node = MpsNode(
+        runtime=runtime,
+        supervisor=supervisor,
+        leaves=mps_env.root / "leaves",
+        tasks=[connect_agent(runtime, supervisor, mps_env.root)],
+    )
     try:
         await runtime.wait_plugins(1, timeout_s=10)
-        yield MpsNode(runtime=runtime, supervisor=supervisor, hooks=hooks, leaves=leaves)
+        yield node
     finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        for task in node.tasks:
+            await disconnect(task)
         await runtime.stop()
 
 
@@ -133,3 +147,31 @@ async def test_sm_sharing_container_fails_while_mps_is_down(mps_node: MpsNode) -
     pod = await mps_node.pod_with("late", annotations("main", mode="sm-sharing", portion=0.5))
     with pytest.raises(ContainerCreateFailed, match="MPS is not available"):
         await mps_node.runtime.create_container(id="e" * 64, pod_id=pod, name="main")
+
+
+async def test_an_agent_restart_recreates_running_containers_namespaces_in_place(
+    mps_node: MpsNode, mps_env: MpsEnv, make_supervisor
+) -> None:
+    pod = await mps_node.pod_with("serve", annotations("main", mode="sm-sharing", portion=0.2))
+    gone = await mps_node.pod_with("gone", annotations("main", mode="sm-sharing", portion=0.2))
+    await mps_node.runtime.create_container(id="f" * 64, pod_id=pod, name="main")
+    await mps_node.runtime.create_container(id="9" * 64, pod_id=gone, name="main")
+    ns = namespace_name("f" * 64)
+    directory = mps_node.supervisor.namespace_dir(ns)
+    inode = directory.stat().st_ino
+
+    # The agent goes away (MPS with it); a container is removed while no agent runs; a new agent starts.
+    await disconnect(mps_node.tasks.pop())
+    await mps_node.supervisor.stop()
+    await mps_node.runtime.remove_container("9" * 64)
+    supervisor = await started(make_supervisor())
+    mps_node.tasks.append(connect_agent(mps_node.runtime, supervisor, mps_env.root))
+    await mps_node.runtime.wait_plugins(1, timeout_s=10)
+
+    await until(lambda: (directory / "control").exists())
+    assert sorted(await supervisor.control.list_namespaces(server="shared")) == sorted(["default", ns])
+    assert directory.stat().st_ino == inode  # what the running container has mounted
+    client, greeting = await mps_env.client(directory)
+    assert greeting == f"connected shared {ns} 20"
+    client.kill()
+    await client.wait()

@@ -8,7 +8,9 @@ the MPS directory mount at a private, empty per-container leaf). MPS owns its da
   a failed container (fail-closed: an sm-sharing container must not run without its ceiling);
 - ``on_stop(container_id=)`` at StopContainer: drains the container's MPS clients, bounded by
   ``drain_timeout_s`` so the runtime is never held up;
-- ``on_remove(container_id=)`` at RemoveContainer: deletes the namespace and its directory.
+- ``on_remove(container_id=)`` at RemoveContainer: deletes the namespace and its directory;
+- ``on_synchronize(containers)`` at Synchronize (every NRI connection): the live set, so an agent restart
+  recreates the namespaces of running containers instead of stranding them.
 
 Per mode:
 
@@ -26,6 +28,7 @@ Per mode:
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -35,7 +38,13 @@ from gpufrac.contract.request import ComputeMode
 from gpufrac.node.inject import CUDA_MPS_PIPE_DIRECTORY, InjectionPlan, active_thread_percentage
 from gpufrac.node.mps.control import MpsClient
 from gpufrac.node.mps.mode import MpsMode
-from gpufrac.node.mps.supervisor import DrainResult, MpsSupervisor, MpsUnavailable, NamespaceSpec
+from gpufrac.node.mps.supervisor import (
+    DrainResult,
+    MpsSupervisor,
+    MpsUnavailable,
+    NamespaceSpec,
+    SupervisorState,
+)
 from gpufrac.node.usage.cgroup import container_id_of
 
 NAMESPACE_PREFIX = "ctr-"
@@ -78,6 +87,8 @@ class ContainerHooks(Protocol):
 
     async def on_remove(self, *, container_id: str) -> None: ...
 
+    async def on_synchronize(self, containers: Iterable[tuple[str, InjectionPlan]]) -> None: ...
+
 
 def thread_ceiling(portion: float | None) -> int:
     """The namespace's active-thread percentage (``inject.active_thread_percentage``; 100 without one)."""
@@ -98,16 +109,25 @@ class MpsContainerHooks:
     def __init__(self, *, supervisor: MpsSupervisor) -> None:
         self._supervisor = supervisor
         self._sm: set[str] = set()
+        self._reconciling: asyncio.Task[None] | None = None
         self.last_drain: DrainResult | None = None
 
-    def restore(self, containers: Iterable[tuple[str, InjectionPlan]]) -> None:
-        """Re-registers live containers (``(container id, plan)`` from the mapping store) before the
-        supervisor starts, so the first reconcile recreates their namespaces instead of deleting them."""
-        for container_id, plan in containers:
-            if _uses_mps(plan):
-                self._sm.add(container_id)
-                if self._supervisor.mode is MpsMode.V3:
-                    self._supervisor.register_namespace(self._spec(plan, container_id=container_id))
+    async def on_synchronize(self, containers: Iterable[tuple[str, InjectionPlan]]) -> None:
+        """The runtime's live containers (``(container id, plan)``), after every NRI (re)connection.
+
+        Their namespaces become the supervisor's live set: after an agent restart they are recreated in
+        the same directories (which the running containers have mounted), and namespaces of containers
+        that went away meanwhile are deleted. Before the daemon is READY this only records them (the
+        reconcile at READY does the rest); after, the reconcile runs in the background so Synchronize is
+        answered at once."""
+        live = [(cid, plan) for cid, plan in containers if _uses_mps(plan)]
+        self._sm = {cid for cid, _ in live}
+        supervisor = self._supervisor
+        if supervisor.mode is not MpsMode.V3:
+            return
+        supervisor.set_namespaces([self._spec(plan, container_id=cid) for cid, plan in live])
+        if supervisor.state is SupervisorState.READY:
+            self._reconciling = asyncio.create_task(supervisor.reconcile_logged(), name="mps-reconcile")
 
     def _spec(self, plan: InjectionPlan, *, container_id: str) -> NamespaceSpec:
         return NamespaceSpec(

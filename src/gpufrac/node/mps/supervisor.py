@@ -241,9 +241,16 @@ class MpsSupervisor:
             self._namespaces.pop(spec.name, None)
             raise
 
-    def register_namespace(self, spec: NamespaceSpec) -> None:
-        """Records a live container's namespace without creating it; the next reconcile creates it."""
-        self._namespaces[spec.name] = spec
+    def set_namespaces(self, specs: Iterable[NamespaceSpec]) -> None:
+        """Replaces the live set without touching the daemon; the next ``reconcile`` applies it."""
+        self._namespaces = {spec.name: spec for spec in specs}
+
+    async def reconcile_logged(self) -> None:
+        """``reconcile`` for a background task: a failure is logged (the next restart reconciles again)."""
+        try:
+            await self.reconcile()
+        except MpsCommandError as error:
+            log.warning("MPS namespace reconcile failed: %s", error)
 
     async def release_namespace(self, name: str) -> None:
         """Forgets and deletes a container's namespace and its directory (after the container is gone).
