@@ -156,5 +156,6 @@ class NodeAgent:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             await self.probes.stop()
+            self.store.close()
             self.backend.close()
             log.info("node agent stopped", extra={"node": self.settings.node_name})

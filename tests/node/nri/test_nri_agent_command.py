@@ -10,8 +10,7 @@ import sys
 from pathlib import Path
 
 import httpx
-
-from conftest import Node
+from nri_harness import Node
 
 GPU = "GPU-8f3c6a2e-0000-4000-8000-00000000000a"
 
@@ -76,11 +75,11 @@ async def test_node_agent_process_injects_and_stops_cleanly(make_node) -> None: 
         )
         created = await node.create(pod, "c")
         assert created.env["NVIDIA_GPU_MEMORY_LIMIT"] == "3072"
-        record = json.loads((node.root / "agent" / "containers" / f"{created.id}.json").read_text())
-        assert record["schema"] == 1 and record["limit_mib"] == 3072
-
         agent.send_signal(signal.SIGTERM)
         assert await asyncio.wait_for(agent.wait(), 10) == 0
+        # The mapping record is on disk once the agent has stopped (writes are flushed on the way out).
+        record = json.loads((node.root / "agent" / "containers" / f"{created.id}.json").read_text())
+        assert record["schema"] == 1 and record["limit_mib"] == 3072
     finally:
         if agent.returncode is None:
             agent.kill()

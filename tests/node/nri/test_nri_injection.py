@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 
 import pytest
+from nri_harness import Node
 
-from conftest import Node
 from gpufrac.local.nriruntime import ContainerCreateFailed
 
 GPU_A = "GPU-8f3c6a2e-0000-4000-8000-00000000000a"
@@ -329,4 +329,5 @@ async def test_remove_deletes_the_record_and_the_leaf_directory(node: Node) -> N
     await node.runtime.remove_container(created.id)
     assert node.store.get(created.id) is None
     assert not leaf.exists()
+    node.store.flush()
     assert not (node.store.directory / f"{created.id}.json").exists()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from conftest import Node
+from nri_harness import Node
 
 GPU_A = "GPU-8f3c6a2e-0000-4000-8000-00000000000a"
 GPU_B = "GPU-8f3c6a2e-0000-4000-8000-00000000000b"

@@ -1,0 +1,112 @@
+"""The node under test: NRI's real runtime-side adaptation (testenv/nriruntime) with gpufrac's plugin.
+
+The plugin is reached only the way containerd reaches it: the test asks the runtime program to run pods
+and create containers, the adaptation calls every registered plugin over the NRI socket, merges their
+adjustments and answers with the container as adjusted -- or with the error a plugin failed it with.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib.util
+import itertools
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[3]
+if importlib.util.find_spec("gpufrac._generated.nri") is None:  # `make testenv` not run yet
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "gen-nri-protos")], check=True)
+
+from gpufrac.local.nriruntime import CreatedContainer, NriRuntime  # noqa: E402
+from gpufrac.node.mapping import MappingStore  # noqa: E402
+from gpufrac.node.nri.handler import GpuInjector  # noqa: E402
+from gpufrac.node.nri.plugin import NriPlugin  # noqa: E402
+
+_ids = itertools.count(1)
+
+
+@dataclass
+class Agent:
+    """The node agent's NRI half: plugin, handler and mapping store, running as a task."""
+
+    store: MappingStore
+    injector: GpuInjector
+    plugin: NriPlugin
+    task: asyncio.Task[None]
+
+    async def stop(self) -> None:
+        self.task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self.task
+        self.store.close()
+
+
+@dataclass
+class Node:
+    root: Path
+    runtime: NriRuntime
+    agents: list[Agent] = field(default_factory=list)
+
+    @property
+    def socket(self) -> Path:
+        return self.root / "nri.sock"
+
+    @property
+    def pipe_root(self) -> Path:
+        return self.root / "mps-pipes"
+
+    @property
+    def state_dir(self) -> Path:
+        return self.root / "state"
+
+    @property
+    def agent(self) -> Agent:
+        return self.agents[-1]
+
+    @property
+    def store(self) -> MappingStore:
+        return self.agent.store
+
+    async def start_agent(self, *, fail_open: bool = False, wait: bool = True) -> Agent:
+        store = MappingStore(directory=self.state_dir)
+        injector = GpuInjector(store=store, pipe_root=self.pipe_root, fail_open=fail_open)
+        plugin = NriPlugin(
+            handler=injector, socket_path=str(self.socket), backoff_initial_s=0.02, backoff_max_s=0.2
+        )
+        agent = Agent(store=store, injector=injector, plugin=plugin, task=asyncio.create_task(plugin.run()))
+        self.agents.append(agent)
+        if wait:
+            await self.runtime.wait_plugins(1, timeout_s=10)
+        return agent
+
+    async def pod(
+        self, annotations: Mapping[str, str] | None = None, *, name: str | None = None, namespace: str = "ml"
+    ) -> str:
+        n = next(_ids)
+        pod_id = f"pod{n:04d}"
+        await self.runtime.run_pod(
+            id=pod_id,
+            name=name or f"p{n}",
+            namespace=namespace,
+            uid=f"uid-{n:04d}",
+            annotations=annotations or {},
+        )
+        return pod_id
+
+    async def create(
+        self,
+        pod_id: str,
+        name: str,
+        *,
+        env: Mapping[str, str] | None = None,
+        mounts: Sequence[Mapping[str, Any]] = (),
+    ) -> CreatedContainer:
+        container_id = f"{pod_id}-{name}-{next(_ids):04d}"
+        return await self.runtime.create_container(
+            id=container_id, pod_id=pod_id, name=name, env=env or {"PATH": "/usr/bin"}, mounts=mounts
+        )
