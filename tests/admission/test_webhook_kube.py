@@ -1,0 +1,255 @@
+"""The webhook in the real admission chain: kube-apiserver calls it over HTTPS, as in a cluster.
+
+The server runs in this process on 127.0.0.1 with a throwaway CA; the webhook configurations point the
+API server at it by URL with that CA bundle. Each test registers its own configurations, scoped to its
+own namespace (other tests share the control plane) and removed afterwards.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from lightkube import ApiError, Client, codecs
+from lightkube.models.meta_v1 import ObjectMeta
+from lightkube.models.rbac_v1 import PolicyRule, RoleRef, Subject
+from lightkube.resources.admissionregistration_v1 import (
+    MutatingWebhookConfiguration,
+    ValidatingWebhookConfiguration,
+)
+from lightkube.resources.core_v1 import Pod
+from lightkube.resources.rbac_authorization_v1 import Role, RoleBinding
+
+from gpufrac.admission.certs import TlsFiles, generate_tls
+from gpufrac.admission.configuration import webhook_configurations
+from gpufrac.admission.review import DEFAULT_SCHEDULER_USER
+from gpufrac.admission.server import AdmissionServer
+from gpufrac.local.controlplane import ControlPlane
+
+pytestmark = pytest.mark.kube
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+NV = "nvidia.com/container."
+USER = "alice@example.com"
+
+
+@pytest.fixture(scope="module")
+def tls(tmp_path_factory: pytest.TempPathFactory) -> TlsFiles:
+    return generate_tls(tmp_path_factory.mktemp("webhook-tls"), hosts=["127.0.0.1"])
+
+
+@dataclass
+class Webhook:
+    server: AdmissionServer
+    namespace: str
+
+
+def pod(name: str, annotations: dict[str, str] | None = None, **container: Any) -> Pod:
+    manifest = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "annotations": annotations or {}},
+        "spec": {
+            "schedulerName": "gpufrac-scheduler",
+            "containers": [{"name": "app", "image": "busybox", **container}],
+        },
+    }
+    return codecs.from_dict(manifest)  # type: ignore[return-value]
+
+
+def _wait_until_called(kube: Client, namespace: str) -> None:
+    """Webhook configurations reach the API server through an informer; wait until ours is in effect."""
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            kube.create(pod("probe", {"gpu-fraction": "7"}), namespace=namespace, dry_run=True)
+        except ApiError as error:
+            if "validate.gpufrac.io" in (error.status.message or ""):
+                return
+            raise
+        if time.monotonic() > deadline:
+            raise AssertionError("the API server never called the webhook")
+        time.sleep(0.2)
+
+
+@pytest.fixture
+def webhook(kube: Client, namespace: str, tls: TlsFiles) -> Iterator[Webhook]:
+    server = AdmissionServer(cert=tls.cert, key=tls.key, host="127.0.0.1", port=0)
+    server.start()
+    name = f"gpufrac-test-{uuid.uuid4().hex[:8]}"
+    mutating, validating = webhook_configurations(
+        name=name,
+        ca_bundle=tls.ca_bundle(),
+        url=server.url(),
+        namespace_selector={"matchLabels": {"kubernetes.io/metadata.name": namespace}},
+    )
+    try:
+        kube.create(codecs.from_dict(mutating))
+        kube.create(codecs.from_dict(validating))
+        _wait_until_called(kube, namespace)
+        yield Webhook(server=server, namespace=namespace)
+    finally:
+        for kind in (MutatingWebhookConfiguration, ValidatingWebhookConfiguration):
+            try:
+                kube.delete(kind, name)
+            except ApiError as error:
+                if error.status.code != 404:
+                    raise
+        server.stop()
+
+
+def rejection(create: Any) -> tuple[int, str]:
+    with pytest.raises(ApiError) as raised:
+        create()
+    return raised.value.status.code or 0, raised.value.status.message or ""
+
+
+def test_a_valid_pod_is_admitted_with_the_managed_toleration(kube: Client, webhook: Webhook) -> None:
+    manifest = yaml.safe_load((EXAMPLES / "inference-sm-sharing.yaml").read_text())
+    stored = kube.create(codecs.from_dict(manifest), namespace=webhook.namespace)
+    assert stored.metadata.annotations == manifest["metadata"]["annotations"]
+    tolerations = [(t.key, t.operator, t.effect) for t in stored.spec.tolerations or []]
+    assert ("gpufrac.io/managed", "Exists", "NoSchedule") in tolerations
+
+
+@pytest.mark.parametrize(
+    ("annotations", "message"),
+    [
+        (
+            {"gpu-fraction": "1.5"},
+            'gpu-fraction="1.5" is invalid: a GPU fraction must be a number greater than 0 and less than 1',
+        ),
+        (
+            {f"{NV}app.gpu-memory.request": "40Gi", f"{NV}app.gpu-memory.limit": "20Gi"},
+            f'{NV}app.gpu-memory.limit="20Gi" is invalid: the limit must be at least the request',
+        ),
+        (
+            {f"{NV}app.gpu-memory.request": "4096"},
+            f'{NV}app.gpu-memory.request="4096" is invalid: the amount must be at least 1 MiB',
+        ),
+        (
+            {f"{NV}app.gpu-memory.request": "1Gi", f"{NV}app.gpu-compute.mode": ""},
+            f'{NV}app.gpu-compute.mode="" is invalid: the compute mode must be time-slicing or sm-sharing',
+        ),
+        (
+            {f"{NV}trainer.gpu-memory.request": "1Gi"},
+            f'{NV}trainer.gpu-memory.request="1Gi" is invalid: the pod has no container of that name',
+        ),
+        (
+            {"gpu-fraction": "0.5", "gpu-memory": "4096"},
+            'gpu-memory="4096" is invalid: a container\'s GPU request must be given in one form only',
+        ),
+    ],
+)
+def test_an_invalid_pod_is_rejected_with_the_contract_message(
+    kube: Client, webhook: Webhook, annotations: dict[str, str], message: str
+) -> None:
+    code, shown = rejection(lambda: kube.create(pod("bad", annotations), namespace=webhook.namespace))
+    assert code == 422
+    assert shown.startswith('admission webhook "validate.gpufrac.io" denied the request: ')
+    assert message in shown
+
+
+def test_a_fraction_next_to_a_whole_gpu_is_rejected(kube: Client, webhook: Webhook) -> None:
+    whole_and_fraction = pod("mixed", {"gpu-fraction": "0.5"}, resources={"limits": {"nvidia.com/gpu": "1"}})
+    _, shown = rejection(lambda: kube.create(whole_and_fraction, namespace=webhook.namespace))
+    assert "not both" in shown
+
+
+def test_a_legacy_pod_is_stored_translated(kube: Client, webhook: Webhook) -> None:
+    stored = kube.create(pod("legacy", {"gpu-memory": "4096", "team": "a"}), namespace=webhook.namespace)
+    assert stored.metadata.annotations == {f"{NV}app.gpu-memory.request": "4096Mi", "team": "a"}
+    assert (
+        kube.get(Pod, "legacy", namespace=webhook.namespace).metadata.annotations
+        == stored.metadata.annotations
+    )
+
+
+def test_whole_gpus_are_stored_as_an_exclusive_gpufrac_request(kube: Client, webhook: Webhook) -> None:
+    whole = pod("whole", resources={"limits": {"nvidia.com/gpu": "2", "cpu": "1"}})
+    stored = kube.create(whole, namespace=webhook.namespace)
+    assert stored.metadata.annotations == {"gpufrac.io/container.app.gpus": "2"}
+    resources = stored.spec.containers[0].resources
+    assert "nvidia.com/gpu" not in (resources.limits or {})
+    assert "nvidia.com/gpu" not in (resources.requests or {})
+
+
+@pytest.fixture
+def users(kube: Client, namespace: str) -> None:
+    """RBAC for an ordinary user and the scheduler's service account: both may manage pods here."""
+    kube.create(
+        Role(
+            metadata=ObjectMeta(name="pods", namespace=namespace),
+            rules=[
+                PolicyRule(apiGroups=[""], resources=["pods"], verbs=["create", "get", "patch", "update"])
+            ],
+        )
+    )
+    _, _, sa_namespace, sa_name = DEFAULT_SCHEDULER_USER.split(":")
+    kube.create(
+        RoleBinding(
+            metadata=ObjectMeta(name="pods", namespace=namespace),
+            roleRef=RoleRef(apiGroup="rbac.authorization.k8s.io", kind="Role", name="pods"),
+            subjects=[
+                Subject(kind="User", name=USER, apiGroup="rbac.authorization.k8s.io"),
+                Subject(kind="ServiceAccount", name=sa_name, namespace=sa_namespace),
+            ],
+        )
+    )
+
+
+def test_only_the_scheduler_may_write_devices(
+    controlplane: ControlPlane, webhook: Webhook, users: None
+) -> None:
+    ns = webhook.namespace
+    request = {f"{NV}app.gpu-memory.request": "1Gi"}
+    devices = {f"{NV}app.gpus.devices": "GPU-0a1b"}
+    with (
+        controlplane.client(impersonate=USER, groups=["system:authenticated"], namespace=ns) as alice,
+        controlplane.client(
+            impersonate=DEFAULT_SCHEDULER_USER, groups=["system:serviceaccounts"], namespace=ns
+        ) as scheduler,
+    ):
+        code, shown = rejection(lambda: alice.create(pod("forged", {**request, **devices})))
+        assert code == 422
+        assert (
+            f'{NV}app.gpus.devices="GPU-0a1b" is invalid: only the scheduler may set or change this key'
+            in shown
+        )
+
+        alice.create(pod("mine", request))
+        code, shown = rejection(lambda: alice.patch(Pod, "mine", {"metadata": {"annotations": devices}}))
+        assert code == 403 and "only the scheduler may set or change this key" in shown
+        grown = {"metadata": {"annotations": {f"{NV}app.gpu-memory.request": "80Gi"}}}
+        code, shown = rejection(lambda: alice.patch(Pod, "mine", grown))
+        assert code == 403 and "cannot be changed" in shown
+
+        bound = scheduler.patch(Pod, "mine", {"metadata": {"annotations": devices}})
+        assert bound.metadata.annotations == {**request, **devices}
+        alice.patch(Pod, "mine", {"metadata": {"labels": {"owner": "alice"}}})  # the rest stays editable
+        assert scheduler.create(pod("placed", {**request, **devices})).metadata.annotations == {
+            **request,
+            **devices,
+        }
+
+
+def test_with_the_webhook_down_only_gpu_pods_are_blocked(kube: Client, webhook: Webhook) -> None:
+    ns = webhook.namespace
+    kube.create(pod("plain-before"), namespace=ns)
+    webhook.server.stop()
+
+    _, shown = rejection(lambda: kube.create(pod("gpu", {"gpu-fraction": "0.5"}), namespace=ns))
+    assert "gpufrac.io" in shown and "failed calling webhook" in shown
+    _, shown = rejection(
+        lambda: kube.create(pod("whole", resources={"limits": {"nvidia.com/gpu": "1"}}), namespace=ns)
+    )
+    assert "failed calling webhook" in shown
+
+    assert kube.create(pod("plain"), namespace=ns).metadata.name == "plain"
+    kube.patch(Pod, "plain-before", {"metadata": {"labels": {"still": "editable"}}}, namespace=ns)
