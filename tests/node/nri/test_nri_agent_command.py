@@ -7,6 +7,7 @@ import json
 import signal
 import socket
 import sys
+import uuid
 from pathlib import Path
 
 import httpx
@@ -141,3 +142,56 @@ async def test_bad_configuration_exits_2() -> None:
     _, err = await proc.communicate()
     assert proc.returncode == 2
     assert b"needs exactly one of sim_gpus or sim_config" in err
+
+
+async def test_node_agent_publishes_its_node_and_withdraws_readiness_on_sigterm(
+    make_node, controlplane, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    from lightkube.models.meta_v1 import ObjectMeta
+    from lightkube.resources.core_v1 import Node as KubeNode
+
+    node: Node = await make_node(agent=False)
+    name = f"agent-{uuid.uuid4().hex[:8]}"
+    client = controlplane.async_client()
+    await client.create(KubeNode(metadata=ObjectMeta(name=name)))
+
+    async def ready_condition():  # type: ignore[no-untyped-def]
+        kube_node = await client.get(KubeNode, name)
+        conditions = kube_node.status.conditions or [] if kube_node.status else []
+        return next((c for c in conditions if c.type == "gpu-fractioning.nvidia.com/Ready"), None)
+
+    async def wait_reason(reason: str) -> None:
+        deadline = asyncio.get_running_loop().time() + 15
+        while asyncio.get_running_loop().time() < deadline:
+            condition = await ready_condition()
+            if condition is not None and condition.reason == reason:
+                return
+            await asyncio.sleep(0.1)
+        raise AssertionError(f"condition never became {reason}: {await ready_condition()}")
+
+    agent = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "gpufrac", "node-agent",
+        "--node-name", name,
+        "--kubeconfig", str(controlplane.kubeconfig),
+        "--backend", "simulated", "--sim-gpus", "2xL4-24GB",
+        "--nri-socket", str(node.socket),
+        "--state-dir", str(node.root / "agent"),
+        "--health-port", str(free_port()),
+        stderr=asyncio.subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        await wait_reason("GpuFractioningReady")
+        kube_node = await client.get(KubeNode, name)
+        assert kube_node.metadata is not None and kube_node.metadata.annotations is not None
+        assert [g["model"] for g in json.loads(kube_node.metadata.annotations["gpufrac.io/gpus"])] == [
+            "L4-24GB"
+        ] * 2
+        agent.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(agent.wait(), 15) == 0
+        await wait_reason("NodeAgentStopped")
+    finally:
+        if agent.returncode is None:
+            agent.kill()
+            await agent.wait()
+        await client.delete(KubeNode, name)
+        await client.close()

@@ -40,7 +40,7 @@ from lightkube.resources.core_v1 import Node
 from lightkube.types import PatchType
 
 from gpufrac.contract import keys
-from gpufrac.kube.errors import KubeError, api_errors
+from gpufrac.kube.errors import Conflict, KubeError, api_errors
 from gpufrac.kube.patch import merge_patch
 from gpufrac.node import labels as names
 from gpufrac.node.inventory.backend import GpuInventoryBackend, InventoryUnavailable, NodeInventory
@@ -214,7 +214,7 @@ class InventoryPublisher:
                     keys.NODE_READY_CONDITION,
                     state.ready,
                     state.reason,
-                    extra={"node": self._node, "message": state.message},
+                    extra={"node": self._node, "detail": state.message},
                 )
             self.published = state
             self.publishes += 1
@@ -246,15 +246,7 @@ class InventoryPublisher:
     # -- writes -----------------------------------------------------------------------------------------
 
     async def _write(self, state: NodeState) -> None:
-        with api_errors():
-            node = await self._client.get(Node, self._node)
-        if self._transition is None:  # keep the transition time of a condition an earlier agent set
-            for condition in (node.status.conditions or []) if node.status else []:
-                if condition.type == keys.NODE_READY_CONDITION and condition.lastTransitionTime is not None:
-                    stamp = condition.lastTransitionTime
-                    text = stamp.strftime("%Y-%m-%dT%H:%M:%SZ") if isinstance(stamp, datetime) else str(stamp)
-                    self._transition = (condition.status == "True", text)
-        await merge_patch(
+        node = await merge_patch(
             self._client,
             Node,
             name=self._node,
@@ -265,29 +257,44 @@ class InventoryPublisher:
                 }
             },
         )
+        if self._transition is None:  # keep the transition time of a condition an earlier agent set
+            for condition in (node.status.conditions or []) if node.status else []:
+                if condition.type == keys.NODE_READY_CONDITION and condition.lastTransitionTime is not None:
+                    stamp = condition.lastTransitionTime
+                    text = stamp.strftime("%Y-%m-%dT%H:%M:%SZ") if isinstance(stamp, datetime) else str(stamp)
+                    self._transition = (condition.status == "True", text)
         if self._taint:
             await self._ensure_taint(node)
         await self._write_condition(ready=state.ready, reason=state.reason, message=state.message)
 
     async def _ensure_taint(self, node: Node) -> None:
-        taints = [t.to_dict() for t in (node.spec.taints or [])] if node.spec else []
-        if any(t.get("key") == keys.MANAGED_TAINT_KEY for t in taints):
-            return
-        taints.append(
-            {
-                "key": keys.MANAGED_TAINT_KEY,
-                "value": keys.MANAGED_TAINT_VALUE,
-                "effect": keys.MANAGED_TAINT_EFFECT,
-            }
-        )
-        # The list is replaced as a whole; the resourceVersion keeps a concurrent change from being lost.
-        await merge_patch(
-            self._client,
-            Node,
-            name=self._node,
-            patch={"spec": {"taints": taints}},
-            resource_version=node.metadata.resourceVersion if node.metadata else None,
-        )
+        """Add the managed taint unless present. The taint list is replaced as a whole, so the patch is
+        preconditioned on the resourceVersion just read; a concurrent change is re-read once."""
+        for attempt in range(2):
+            taints = [t.to_dict() for t in (node.spec.taints or [])] if node.spec else []
+            if any(t.get("key") == keys.MANAGED_TAINT_KEY for t in taints):
+                return
+            taints.append(
+                {
+                    "key": keys.MANAGED_TAINT_KEY,
+                    "value": keys.MANAGED_TAINT_VALUE,
+                    "effect": keys.MANAGED_TAINT_EFFECT,
+                }
+            )
+            try:
+                await merge_patch(
+                    self._client,
+                    Node,
+                    name=self._node,
+                    patch={"spec": {"taints": taints}},
+                    resource_version=node.metadata.resourceVersion if node.metadata else None,
+                )
+                return
+            except Conflict:
+                if attempt == 1:
+                    raise
+                with api_errors():
+                    node = await self._client.get(Node, self._node)
 
     async def _write_condition(self, *, ready: bool, reason: str, message: str) -> None:
         now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
