@@ -1,0 +1,68 @@
+"""Shared fixtures: one real control plane per test session (see gpufrac.local.controlplane).
+
+Starting kube-apiserver and etcd takes seconds, so the session shares one; tests isolate themselves
+by namespace (the ``namespace`` fixture). A test that needs different server flags or a restart
+starts its own ``ControlPlane``. Tests that use the control plane are marked ``kube`` automatically,
+so ``pytest -m "not kube"`` runs everything that needs no Go build.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+from lightkube import ApiError, AsyncClient, Client
+from lightkube.models.meta_v1 import ObjectMeta
+from lightkube.resources.core_v1 import Namespace
+
+from gpufrac.local.controlplane import ControlPlane, ControlPlaneError, find_binary
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if "controlplane" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.kube)
+
+
+@pytest.fixture(scope="session")
+def controlplane() -> Iterator[ControlPlane]:
+    try:
+        find_binary()
+    except ControlPlaneError as exc:
+        pytest.fail(str(exc), pytrace=False)
+    with ControlPlane() as cp:
+        yield cp
+
+
+@pytest.fixture(scope="session")
+def kube(controlplane: ControlPlane) -> Iterator[Client]:
+    """A synchronous admin client."""
+    with controlplane.client() as client:
+        yield client
+
+
+@pytest.fixture
+async def akube(controlplane: ControlPlane) -> AsyncIterator[AsyncClient]:
+    """An asynchronous admin client, one per test so it belongs to the test's event loop."""
+    client = controlplane.async_client()
+    try:
+        yield client
+    finally:
+        await client.close()
+
+
+@pytest.fixture
+def namespace(request: pytest.FixtureRequest, kube: Client) -> Iterator[str]:
+    """A fresh namespace named after the test; deleted afterwards (it stays Terminating: no
+    namespace controller runs, but nothing else will use it)."""
+    stem = re.sub(r"[^a-z0-9-]+", "-", request.node.name.lower()).strip("-")[:40].rstrip("-")
+    name = f"{stem}-{uuid.uuid4().hex[:6]}"
+    kube.create(Namespace(metadata=ObjectMeta(name=name)))
+    yield name
+    try:
+        kube.delete(Namespace, name)
+    except ApiError as exc:
+        if exc.status.code != 404:
+            raise
