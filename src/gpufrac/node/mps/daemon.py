@@ -61,7 +61,7 @@ class MpsDaemon:
         settings.log_dir.mkdir(parents=True, exist_ok=True)
         settings.state_dir.mkdir(parents=True, exist_ok=True)
         await self._stop_leftover()
-        sweep_servers(settings=settings, known=set())
+        await sweep_servers(settings=settings, known=set())
         with contextlib.suppress(FileNotFoundError):
             (settings.pipe_dir / "control").unlink()  # stale after a crash; the new daemon binds it
         config_file = settings.state_dir / "mps-v3.toml"
@@ -137,7 +137,7 @@ class MpsDaemon:
                 process.kill()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(process.wait(), timeout=self._settings.kill_timeout_s)
-        sweep_servers(settings=self._settings, known=self._servers)
+        await sweep_servers(settings=self._settings, known=self._servers)
         self._servers.clear()
 
     async def _list_servers(self) -> str:
@@ -165,8 +165,11 @@ class MpsDaemon:
         pid_file.unlink(missing_ok=True)
 
 
-def sweep_servers(*, settings: MpsSettings, known: set[int], proc_root: Path = Path("/proc")) -> list[int]:
-    """SIGKILLs MPS servers of our pipe directory that are still alive; returns their pids."""
+async def sweep_servers(
+    *, settings: MpsSettings, known: set[int], proc_root: Path = Path("/proc")
+) -> list[int]:
+    """SIGKILLs MPS servers of our pipe directory that are still alive and waits (up to
+    ``kill_timeout_s``) until they are gone; returns their pids."""
     killed = []
     for entry in proc_root.iterdir():
         if not entry.name.isdigit():
@@ -180,7 +183,22 @@ def sweep_servers(*, settings: MpsSettings, known: set[int], proc_root: Path = P
                 killed.append(pid)
     if killed:
         log.warning("killed stray MPS servers %s", killed)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + settings.kill_timeout_s
+    while any(_running(pid, proc_root=proc_root) for pid in killed) and loop.time() < deadline:
+        await asyncio.sleep(
+            0.02
+        )  # SIGKILL is asynchronous: the GPU context is freed once the process is gone
     return killed
+
+
+def _running(pid: int, *, proc_root: Path) -> bool:
+    """Alive and not a zombie (a zombie holds no GPU memory; its parent reaps it)."""
+    try:
+        stat = (proc_root / str(pid) / "stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def _is_server(*, pid: int, marker: str, proc_root: Path) -> bool:

@@ -237,9 +237,12 @@ class MpsSupervisor:
                 raise MpsUnavailable(f"the MPS daemon is {self.state}, not serving")
             async with self._ns_lock:
                 await self._create(spec)
-        except (MpsUnavailable, MpsCommandError):
+        except MpsUnavailable:
             self._namespaces.pop(spec.name, None)
             raise
+        except MpsCommandError as error:  # the daemon refused or died meanwhile: same answer for the runtime
+            self._namespaces.pop(spec.name, None)
+            raise MpsUnavailable(f"namespace {spec.name}: {error}") from error
 
     def set_namespaces(self, specs: Iterable[NamespaceSpec]) -> None:
         """Replaces the live set without touching the daemon; the next ``reconcile`` applies it."""
@@ -278,7 +281,7 @@ class MpsSupervisor:
     async def _create(self, spec: NamespaceSpec) -> None:
         directory = self.namespace_dir(spec.name)
         directory.mkdir(parents=True, exist_ok=True)
-        directory.chmod(0o777)  # container processes run as any uid (multiuser daemon)
+        directory.chmod(0o755)  # any uid may reach the socket; only the agent changes the directory
         server = self.settings.server_name
         if spec.name in self._on_daemon:
             await self.control.run(
