@@ -8,6 +8,7 @@ from nri_harness import Node
 
 GPU_A = "GPU-8f3c6a2e-0000-4000-8000-00000000000a"
 GPU_B = "GPU-8f3c6a2e-0000-4000-8000-00000000000b"
+GPUS = (GPU_A, GPU_B)
 
 
 def fractional(container: str, device: str, request: str = "2Gi") -> dict[str, str]:
@@ -78,3 +79,19 @@ async def test_plugin_waits_for_a_runtime_that_is_not_there_yet(make_node) -> No
     pod = await node.pod(fractional("c", GPU_A))
     created = await node.create(pod, "c")
     assert created.env["NVIDIA_GPU_MEMORY_REQUEST"] == "2048"
+
+
+async def test_synchronize_of_a_large_node_arrives_split_and_is_reassembled(node: Node) -> None:
+    # ttrpc messages stop at 4 MiB; a runtime with more state splits Synchronize into parts flagged
+    # "more", which a plugin must collect before acting on the whole.
+    await node.agent.stop()
+    padding = "x" * 16_000
+    ids = []
+    for i in range(300):
+        annotations = {**fractional("c", GPUS[i % 2], "1Gi"), "example.com/padding": padding}
+        pod = await node.pod(annotations, name=f"big-{i}")
+        created = await node.create(pod, "c")
+        ids.append(created.id)
+    agent = await node.start_agent()
+    assert agent.plugin.last_sync_parts > 1
+    assert sorted(r.container_id for r in agent.store.allocations()) == sorted(ids)

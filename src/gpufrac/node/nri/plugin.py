@@ -122,6 +122,7 @@ class NriPlugin:
         self.synchronized = asyncio.Event()
         self.sessions = 0
         self.last_error: str | None = None
+        self.last_sync_parts = 0  # how many Synchronize calls the last synchronization took
 
     # -- lifecycle --------------------------------------------------------------------------------------
 
@@ -258,6 +259,9 @@ class NriPlugin:
         return api.ConfigureResponse(events=event_mask(self._handler.events()))
 
     async def _synchronize(self, request: api.SynchronizeRequest) -> api.SynchronizeResponse:
+        if not self._sync_pods and not self._sync_containers:
+            self.last_sync_parts = 0
+        self.last_sync_parts += 1
         self._sync_pods.extend(request.pods)
         self._sync_containers.extend(request.containers)
         if request.more:  # the runtime split a large state; the last part has more=false
