@@ -19,8 +19,18 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[3]
-if importlib.util.find_spec("gpufrac._generated.nri") is None:  # `make testenv` not run yet
+
+
+def _generated() -> bool:
+    try:
+        return importlib.util.find_spec("gpufrac._generated.nri.api_pb2") is not None
+    except ModuleNotFoundError:
+        return False
+
+
+if not _generated():  # `make testenv` not run yet
     subprocess.run([sys.executable, str(ROOT / "scripts" / "gen-nri-protos")], check=True)
+    importlib.invalidate_caches()
 
 from gpufrac.local.nriruntime import CreatedContainer, NriRuntime  # noqa: E402
 from gpufrac.node.mapping import MappingStore  # noqa: E402
