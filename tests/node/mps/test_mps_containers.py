@@ -11,6 +11,7 @@ import os
 import signal
 from pathlib import Path
 
+import pytest
 from mps_harness import RecordingSink, started, until
 
 from gpufrac.contract.request import ComputeMode
@@ -22,7 +23,7 @@ from gpufrac.node.mps.containers import (
     namespace_name,
     thread_ceiling,
 )
-from gpufrac.node.mps.events import REASON_WEDGED
+from gpufrac.node.mps.events import REASON_RESTARTED, REASON_WEDGED
 from gpufrac.node.mps.supervisor import MpsUnavailable, SupervisorState
 
 CID_A = "a" * 64
@@ -212,3 +213,21 @@ async def test_classic_mode_gives_env_limits_and_time_slicing_nothing(make_super
     assert [c.pid for c in clients] == [client.pid]
     await supervisor.control.terminate_client(clients[0], timeout_s=5)
     assert await asyncio.wait_for(client.wait(), 5) == 3
+
+
+async def test_daemon_crashing_on_namespace_create_fails_that_container_and_recovers(
+    make_supervisor, mps_env
+) -> None:
+    sink = RecordingSink()
+    supervisor = await started(make_supervisor(sink=sink))
+    hooks = MpsContainerHooks(supervisor=supervisor)
+    mps_env.arm("crash-on=namespace create")
+
+    with pytest.raises(MpsUnavailable, match="ctr-a"):
+        await hooks.on_create(sm(CID_A, 0.5), container_id=CID_A)
+
+    await until(lambda: supervisor.restarts == 1 and supervisor.state is SupervisorState.READY)
+    assert sink.reasons() == [REASON_RESTARTED]
+    assert namespace_name(CID_A) not in await supervisor.control.list_namespaces(server="shared")  # not kept
+    await hooks.on_create(sm(CID_B, 0.5), container_id=CID_B)  # the next container is served again
+    assert namespace_name(CID_B) in await supervisor.control.list_namespaces(server="shared")
