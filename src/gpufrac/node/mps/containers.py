@@ -99,7 +99,8 @@ def namespace_name(container_id: str) -> str:
     return f"{NAMESPACE_PREFIX}{container_id[:20]}"
 
 
-def _uses_mps(plan: InjectionPlan) -> bool:
+def uses_mps(plan: InjectionPlan) -> bool:
+    """Whether a container with this plan is an MPS client (sm-sharing, not a whole GPU)."""
     return plan.mode is ComputeMode.SM_SHARING and not plan.exclusive
 
 
@@ -120,7 +121,7 @@ class MpsContainerHooks:
         that went away meanwhile are deleted. Before the daemon is READY this only records them (the
         reconcile at READY does the rest); after, the reconcile runs in the background so Synchronize is
         answered at once."""
-        live = [(cid, plan) for cid, plan in containers if _uses_mps(plan)]
+        live = [(cid, plan) for cid, plan in containers if uses_mps(plan)]
         self._sm = {cid for cid, _ in live}
         supervisor = self._supervisor
         if supervisor.mode is not MpsMode.V3:
@@ -137,7 +138,7 @@ class MpsContainerHooks:
         )
 
     async def on_create(self, plan: InjectionPlan, *, container_id: str) -> MpsAdjustment:
-        if not _uses_mps(plan):
+        if not uses_mps(plan):
             return MpsAdjustment()
         supervisor = self._supervisor
         if supervisor.mode is MpsMode.V3:

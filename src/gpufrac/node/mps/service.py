@@ -1,0 +1,116 @@
+"""The MPS part of the node agent, in one object the agent can start and cancel (REAL).
+
+The supervisor needs the driver version (it decides v3 or classic), which only the GPU inventory knows,
+and NVML may not answer at the moment the agent starts. The NRI handler, on the other hand, needs its
+``ContainerHooks`` when it is built. ``MpsService`` bridges the two: ``hooks`` exists from the start and
+answers "MPS not started yet" (``MpsUnavailable``: the container fails closed) until ``run`` has read the
+driver and started the supervisor; a Synchronize that arrives before then is kept and applied before the
+daemon's first reconcile, so running containers keep their namespaces across an agent restart.
+
+``run`` is the service's whole life: read the driver (retrying while the inventory is unavailable),
+start the supervisor, wait; cancelling it stops the supervisor (quit, kill, stray servers) in a
+``finally``. ``capability`` is what the inventory publisher asks for; ``on_change`` (the publisher's
+``poke``) is called whenever the supervisor's state changes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Iterable
+
+from gpufrac.node.inject import InjectionPlan
+from gpufrac.node.inventory.backend import InventoryUnavailable
+from gpufrac.node.mps.config import MpsSettings
+from gpufrac.node.mps.containers import MpsAdjustment, MpsContainerHooks, uses_mps
+from gpufrac.node.mps.events import EventSink
+from gpufrac.node.mps.mode import DriverVersion, NodeMpsCapability, capability_for
+from gpufrac.node.mps.supervisor import MpsSupervisor, MpsUnavailable
+
+log = logging.getLogger(__name__)
+
+
+class LogEventSink:
+    """Events as log lines, for an agent that does not talk to the API server (``--no-publish``)."""
+
+    def emit(self, *, type: str, reason: str, message: str) -> None:
+        log.warning("event %s %s: %s", type, reason, message)
+
+
+class MpsService:
+    def __init__(
+        self,
+        *,
+        settings: MpsSettings,
+        events: EventSink,
+        read_driver: Callable[[], str],
+        on_change: Callable[[], None] | None = None,
+        retry_s: float = 5.0,
+    ) -> None:
+        self._settings = settings
+        self._events = events
+        self._read_driver = read_driver
+        self._on_change = on_change
+        self._retry_s = retry_s
+        self.supervisor: MpsSupervisor | None = None
+        self._started: MpsContainerHooks | None = None
+        self._pending: list[tuple[str, InjectionPlan]] | None = None
+        self.hooks = _ServiceHooks(self)
+
+    def capability(self, driver: DriverVersion) -> NodeMpsCapability:
+        if self.supervisor is None:
+            return capability_for(driver=driver, mps_running=False)
+        return self.supervisor.capability()
+
+    async def run(self) -> None:
+        driver = await self._driver()
+        supervisor = MpsSupervisor(
+            settings=self._settings, driver=driver, events=self._events, on_change=self._on_change
+        )
+        hooks = MpsContainerHooks(supervisor=supervisor)
+        if self._pending is not None:  # the runtime's live containers, known before the daemon starts
+            await hooks.on_synchronize(self._pending)
+            self._pending = None
+        self.supervisor, self._started = supervisor, hooks
+        try:
+            await supervisor.start()
+            await asyncio.Event().wait()
+        finally:
+            await supervisor.stop()
+
+    async def _driver(self) -> DriverVersion:
+        while True:
+            try:
+                return DriverVersion.parse(await asyncio.to_thread(self._read_driver))
+            except InventoryUnavailable as error:
+                log.warning("MPS: driver version unknown (%s); retrying in %.0fs", error, self._retry_s)
+                await asyncio.sleep(self._retry_s)
+
+
+class _ServiceHooks:
+    """``ContainerHooks`` that exist before the supervisor does."""
+
+    def __init__(self, service: MpsService) -> None:
+        self._service = service
+
+    async def on_create(self, plan: InjectionPlan, *, container_id: str) -> MpsAdjustment:
+        started = self._service._started
+        if started is None:
+            if uses_mps(plan):
+                raise MpsUnavailable("the MPS supervisor has not started yet (driver version not read)")
+            return MpsAdjustment()
+        return await started.on_create(plan, container_id=container_id)
+
+    async def on_stop(self, *, container_id: str) -> None:
+        if self._service._started is not None:
+            await self._service._started.on_stop(container_id=container_id)
+
+    async def on_remove(self, *, container_id: str) -> None:
+        if self._service._started is not None:
+            await self._service._started.on_remove(container_id=container_id)
+
+    async def on_synchronize(self, containers: Iterable[tuple[str, InjectionPlan]]) -> None:
+        if self._service._started is None:
+            self._service._pending = list(containers)
+            return
+        await self._service._started.on_synchronize(containers)
