@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import signal
+import uuid
 
 import pytest
+from lightkube.resources.core_v1 import Event
 from mps_harness import MpsEnv, RecordingSink, processes_of, until
 
 from gpufrac.contract.request import ComputeMode
@@ -75,3 +79,38 @@ async def test_service_fails_closed_until_the_driver_is_known_then_serves_and_st
             await task
     assert processes_of(mps_env.root / "pipe") == []
     assert service.supervisor is not None and service.supervisor.state is SupervisorState.STOPPED
+
+
+async def test_every_restart_is_an_event_on_the_node_in_the_api_server(mps_env: MpsEnv, akube) -> None:
+    node = f"gpu-node-{uuid.uuid4().hex[:6]}"
+    service = MpsService.for_node(
+        node_name=node, client=akube, settings=mps_env.settings(), read_driver=lambda: "615.20.01"
+    )
+    task = asyncio.create_task(service.run())
+    try:
+        await until(
+            lambda: service.supervisor is not None and service.supervisor.state is SupervisorState.READY
+        )
+        supervisor = service.supervisor
+        assert supervisor is not None
+        for n in (1, 2):
+            os.kill(supervisor.daemon_pid, signal.SIGKILL)
+            await until(lambda n=n: supervisor.restarts == n and supervisor.state is SupervisorState.READY)
+
+        async def node_events() -> list[Event]:
+            return [e async for e in akube.list(Event, namespace="default") if e.involvedObject.name == node]
+
+        for _ in range(200):
+            events = await node_events()
+            if len(events) == 2:
+                break
+            await asyncio.sleep(0.05)
+        assert (
+            sorted((e.involvedObject.kind, e.type, e.reason) for e in events)
+            == [("Node", "Warning", "MpsDaemonRestarted")] * 2
+        )
+        assert all("exited with status -9" in e.message for e in events)
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task

@@ -19,11 +19,14 @@ import asyncio
 import logging
 from collections.abc import Callable, Iterable
 
+from lightkube import AsyncClient
+
+from gpufrac.kube.events import EventRecorder
 from gpufrac.node.inject import InjectionPlan
 from gpufrac.node.inventory.backend import InventoryUnavailable
 from gpufrac.node.mps.config import MpsSettings
 from gpufrac.node.mps.containers import MpsAdjustment, MpsContainerHooks, uses_mps
-from gpufrac.node.mps.events import EventSink
+from gpufrac.node.mps.events import EventSink, NodeEventSink
 from gpufrac.node.mps.mode import DriverVersion, NodeMpsCapability, capability_for
 from gpufrac.node.mps.supervisor import MpsSupervisor, MpsUnavailable
 
@@ -46,7 +49,11 @@ class MpsService:
         read_driver: Callable[[], str],
         on_change: Callable[[], None] | None = None,
         retry_s: float = 5.0,
+        recorder: EventRecorder | None = None,
     ) -> None:
+        """``recorder``: the ``EventRecorder`` behind ``events`` when this service owns it (it then runs
+        for as long as ``run`` does, and flushes the Events of the final stop)."""
+        self._recorder = recorder
         self._settings = settings
         self._events = events
         self._read_driver = read_driver
@@ -62,6 +69,28 @@ class MpsService:
             return capability_for(driver=driver, mps_running=False)
         return self.supervisor.capability()
 
+    @classmethod
+    def for_node(
+        cls,
+        *,
+        node_name: str,
+        client: AsyncClient | None,
+        settings: MpsSettings,
+        read_driver: Callable[[], str],
+        on_change: Callable[[], None] | None = None,
+    ) -> MpsService:
+        """The service of a node agent: Events on its Node when it has an API client, log lines if not."""
+        if client is None:
+            return cls(settings=settings, events=LogEventSink(), read_driver=read_driver, on_change=on_change)
+        recorder = EventRecorder(client=client, component="gpufrac-node-agent", instance=node_name, workers=1)
+        return cls(
+            settings=settings,
+            events=NodeEventSink(recorder=recorder, node_name=node_name),
+            read_driver=read_driver,
+            on_change=on_change,
+            recorder=recorder,
+        )
+
     async def run(self) -> None:
         driver = await self._driver()
         supervisor = MpsSupervisor(
@@ -72,11 +101,15 @@ class MpsService:
             await hooks.on_synchronize(self._pending)
             self._pending = None
         self.supervisor, self._started = supervisor, hooks
+        recording = asyncio.create_task(self._recorder.run()) if self._recorder is not None else None
         try:
             await supervisor.start()
             await asyncio.Event().wait()
         finally:
             await supervisor.stop()
+            if recording is not None:  # after the stop: its Events are flushed on cancellation
+                recording.cancel()
+                await asyncio.gather(recording, return_exceptions=True)
 
     async def _driver(self) -> DriverVersion:
         while True:
