@@ -8,9 +8,10 @@ connection closes (the runtime carries on without the plugin); then the probes s
 step does not skip the next.
 
 Readiness (/readyz) is "the NRI plugin is registered and synchronized with the runtime, and the Node
-has been published" (when publishing); liveness (/healthz) is the event loop answering. The MPS
-supervisor, usage reporter and audit join this assembly in later issues; until the supervisor reports
-the node's MPS state, whether MPS serves is a setting (``mps_running``).
+has been published" (when publishing); liveness (/healthz) is the event loop answering. With ``mps``
+the MPS supervisor runs here too (``gpufrac.node.mps.service``): it gives the NRI handler its hooks and
+the publisher the capability it enforces; without it, whether MPS serves is a setting (``mps_running``).
+The usage reporter and audit join this assembly in later issues.
 """
 
 from __future__ import annotations
@@ -26,7 +27,9 @@ from gpufrac.node.config import NodeAgentSettings
 from gpufrac.node.inventory.backend import GpuInventoryBackend, InventoryUnavailable
 from gpufrac.node.inventory.publish import InventoryPublisher
 from gpufrac.node.mapping import MappingStore
+from gpufrac.node.mps.config import MpsSettings
 from gpufrac.node.mps.mode import DriverVersion, NodeMpsCapability, capability_for
+from gpufrac.node.mps.service import MpsService
 from gpufrac.node.nri.handler import GpuInjector
 from gpufrac.node.nri.plugin import NriPlugin, PluginIdentity
 from gpufrac.scheduler.probes import ProbeServer
@@ -62,12 +65,29 @@ class NodeAgent:
         self.backend = backend or make_backend(settings)
         self.store = MappingStore(directory=settings.state_dir)
         self._gpu_mib: dict[str, int] = {}
+        self.mps = (
+            MpsService.for_node(
+                node_name=settings.node_name,
+                client=client,
+                settings=MpsSettings(
+                    control_bin=settings.mps_control_bin,
+                    pipe_dir=settings.mps_pipe_dir,
+                    log_dir=settings.mps_log_dir,
+                    state_dir=settings.state_dir / "mps",
+                ),
+                read_driver=lambda: self.backend.read().driver_version,
+                on_change=lambda: self.publisher.poke() if self.publisher is not None else None,
+            )
+            if settings.mps
+            else None
+        )
         self.injector = GpuInjector(
             store=self.store,
             pipe_root=settings.pipe_root,
             container_pipe_dir=settings.container_pipe_dir,
             fail_open=settings.fail_open,
             device_mib=self._gpu_mib.get,
+            hooks=self.mps.hooks if self.mps is not None else None,
         )
         self.plugin = NriPlugin(
             handler=self.injector,
@@ -97,6 +117,8 @@ class NodeAgent:
         )
 
     def _capability(self, driver: DriverVersion) -> NodeMpsCapability:
+        if self.mps is not None:  # what the supervisor actually runs
+            return self.mps.capability(driver)
         return capability_for(driver=driver, mps_running=self.settings.assume_mps_running)
 
     def _nri_state(self, synchronized: bool) -> None:
@@ -141,6 +163,8 @@ class NodeAgent:
         ]
         if self.publisher is not None:
             tasks.append(asyncio.create_task(self.publisher.run(), name="inventory-publisher"))
+        if self.mps is not None:  # cancelled with the publisher; its run() stops the daemon in a finally
+            tasks.append(asyncio.create_task(self.mps.run(), name="mps-supervisor"))
         try:
             await asyncio.gather(*tasks)
         finally:

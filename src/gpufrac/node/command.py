@@ -44,6 +44,12 @@ def node_agent(
         "--mps-running/--no-mps-running",
         help="Advertise sm-sharing (MPS serving). Default: yes when simulated, no with NVML.",
     ),
+    mps: bool | None = typer.Option(
+        None, "--mps/--no-mps", help="Run and supervise the MPS control daemon (docs/mps.md). Default: off."
+    ),
+    mps_control_bin: str | None = typer.Option(
+        None, "--mps-control-bin", help="The MPS control binary (default: nvidia-cuda-mps-control)."
+    ),
     state_dir: Path | None = typer.Option(
         None, "--state-dir", help="Mapping store and MPS leaf directories."
     ),
@@ -75,6 +81,8 @@ def node_agent(
             sim_config=sim_config,
             sim_driver=sim_driver,
             mps_running=mps_running,
+            mps=mps,
+            mps_control_bin=mps_control_bin,
             state_dir=state_dir,
             fail_open=fail_open,
             health_port=health_port,

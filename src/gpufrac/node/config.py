@@ -36,6 +36,10 @@ class NodeAgentSettings(BaseModel):
         description="whether MPS serves on this node (sm-sharing capability) until the MPS supervisor "
         "reports it; default: yes for the simulated backend, no for NVML",
     )
+    mps: bool = Field(False, description="run and supervise the MPS control daemon (docs/mps.md)")
+    mps_control_bin: str = "nvidia-cuda-mps-control"
+    mps_pipe_dir: Path = Path("/run/nvidia/mps")
+    mps_log_dir: Path = Path("/var/log/nvidia-mps")
     state_dir: Path = Path("/run/gpufrac/node-agent")
     mps_pipe_root: Path | None = Field(
         None, description="host leaf directories (default <state_dir>/mps-pipes)"

@@ -1,0 +1,85 @@
+"""``gpufrac node-agent --mps`` as a process, with the STAND-IN control daemon and NRI's real adaptation:
+the agent starts MPS, gives an sm-sharing container its namespace, and on SIGTERM leaves no MPS process."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from mps_harness import MpsEnv, processes_of, until
+
+from gpufrac.local.nriruntime import NriRuntime, binary_path
+from gpufrac.node.mps.containers import namespace_name
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+async def test_node_agent_with_mps_serves_namespaces_and_stops_mps_on_sigterm(mps_env: MpsEnv) -> None:
+    build = subprocess.run(["bash", str(ROOT / "testenv" / "nriruntime" / "build.sh")], capture_output=True)
+    if build.returncode != 0 and not binary_path().exists():
+        pytest.skip("the NRI runtime driver cannot be built here")
+    pipe = mps_env.root / "pipe"
+    config = mps_env.root / "agent.yaml"
+    config.write_text(f"mps_pipe_dir: {pipe}\nmps_log_dir: {mps_env.root / 'log'}\n")
+    runtime = NriRuntime(socket_path=mps_env.root / "nri.sock")
+    await runtime.start()
+    agent = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "gpufrac",
+        "node-agent",
+        "--config",
+        str(config),
+        "--node-name",
+        "gpu-node-mps",
+        "--no-publish",
+        "--backend",
+        "simulated",
+        "--sim-gpus",
+        "1xH100-80GB",
+        "--nri-socket",
+        str(runtime.socket_path),
+        "--state-dir",
+        str(mps_env.root / "agent"),
+        "--health-port",
+        "0",
+        "--mps",
+        "--mps-control-bin",
+        str(mps_env.bin),
+        stderr=asyncio.subprocess.DEVNULL,
+    )
+    try:
+        await runtime.wait_plugins(1, timeout_s=20)
+        await until(lambda: (pipe / "shared" / "control").exists(), timeout_s=20)  # v3: the shared server
+        prefix = "nvidia.com/container.main."
+        await runtime.run_pod(
+            id="p1",
+            name="infer",
+            namespace="ml",
+            uid="u1",
+            annotations={
+                prefix + "gpu-memory.request": "8Gi",
+                prefix + "gpu-compute.mode": "sm-sharing",
+                prefix + "gpu-compute.portion": "0.5",
+                prefix + "gpus.devices": "GPU-0000-4444",
+            },
+        )
+        created = await runtime.create_container(id="a" * 64, pod_id="p1", name="main")
+        mount = created.mount_at("/run/nvidia/mps")
+        assert mount is not None and mount["source"] == str(pipe / "shared" / namespace_name("a" * 64))
+        client, greeting = await mps_env.client(Path(mount["source"]))
+        assert greeting == f"connected shared {namespace_name('a' * 64)} 50"
+
+        agent.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(agent.wait(), 30) == 0
+        assert await asyncio.wait_for(client.wait(), 10) == 2  # its server went away with MPS
+        assert processes_of(pipe) == []
+    finally:
+        if agent.returncode is None:
+            agent.kill()
+            await agent.wait()
+        await runtime.stop()
