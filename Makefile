@@ -14,8 +14,12 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
-testenv:
+# The Go programs (real kube-apiserver + etcd, NRI runtime driver) and the protobuf messages generated
+# from the pinned Go modules (NRI, CRI); every step is a no-op when already up to date.
+testenv: venv
 	bash testenv/build.sh
+	$(PY) scripts/gen-nri-protos
+	$(PY) scripts/gen-cri-protos
 
 demo: venv testenv
 	$(VENV)/bin/gpufrac demo
