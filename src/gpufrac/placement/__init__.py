@@ -1,5 +1,82 @@
 """The pure scheduling core: cluster model, per-GPU ledgers, filters, policies, queues and the engine.
 
 No I/O. The scheduler service builds a snapshot from its informers and the simulator builds one from a
-trace; both run this same engine.
+trace; both run this same engine, so a quality figure from a trace replay is a figure of the product.
+
+Public API (what the scheduler service calls)::
+
+    engine = Engine(policy="fgd", seed=0, rules=GpuRules(...), queues=[Queue(...)], typical=None)
+    engine.add_node(NodeSpec(...))            # node with its GpuDevices (uuid, index, MiB)
+    engine.update_node(NodeSpec(...))         # -> uids dropped because their GPUs vanished
+    engine.remove_node(name)                  # -> uids that were held on it
+    engine.assume(pod, placement)             # book a bound pod (or assume(pod, node=...) from its
+                                              #   binder-owned devices); rebuilds ledgers at start
+    engine.forget(uid)                        # release a pod (deleted, finished, bind failed)
+    engine.schedule(pods, gang=False)         # -> [Placement | Unschedulable], in input order;
+                                              #   placements are already assumed
+    engine.place(pod)                         # one pod
+    engine.explain(pod, node)                 # -> Status: the first failing filter on that node
+    engine.set_queue(Queue(...)); engine.ledger(node); engine.placement_of(uid); engine.statement()
+
+Modules: ``model`` (inputs), ``decision`` (outputs and reason codes), ``demand`` (a pod's request as
+filters compute with it), ``state`` (ledgers as arrays), ``filters``, ``scoring``, ``typical`` and
+``fragmentation`` (FGD), ``policies``, ``queues``, ``engine``. docs/placement.md explains the design.
 """
+
+from .decision import (
+    ContainerPlacement,
+    Decision,
+    DeviceAssignment,
+    Placement,
+    Reason,
+    Status,
+    Unschedulable,
+)
+from .engine import Engine, Statement
+from .filters import GpuRules
+from .model import (
+    GPU_MODEL_LABEL,
+    GpuDevice,
+    ModePolicy,
+    NodeSelectorRequirement,
+    NodeSelectorTerm,
+    NodeSpec,
+    PendingPod,
+    Queue,
+    SelectorOperator,
+    Taint,
+    TaintEffect,
+    Toleration,
+    TolerationOperator,
+)
+from .policies import POLICIES, make_policy
+from .state import GpuLedger
+
+__all__ = [
+    "GPU_MODEL_LABEL",
+    "POLICIES",
+    "ContainerPlacement",
+    "Decision",
+    "DeviceAssignment",
+    "Engine",
+    "GpuDevice",
+    "GpuLedger",
+    "GpuRules",
+    "ModePolicy",
+    "NodeSelectorRequirement",
+    "NodeSelectorTerm",
+    "NodeSpec",
+    "PendingPod",
+    "Placement",
+    "Queue",
+    "Reason",
+    "SelectorOperator",
+    "Statement",
+    "Status",
+    "Taint",
+    "TaintEffect",
+    "Toleration",
+    "TolerationOperator",
+    "Unschedulable",
+    "make_policy",
+]

@@ -1,0 +1,134 @@
+"""What the engine answers for each pod: a Placement to bind, or Unschedulable with the reasons.
+
+A Placement carries everything the binder writes into the binder-owned contract keys: per container the
+GPU UUIDs and, per device, the request and limit resolved to whole MiB on that GPU (a portion becomes
+``floor(portion x GPU MiB)``) and the sm-sharing compute portion. The same value is what ``assume``
+takes back when the service rebuilds its ledgers from bound pods.
+
+Unschedulable counts, per reason, how many nodes failed for that reason (the first failing filter of
+each node), and renders the kube-scheduler style sentence users already know:
+``0/12 nodes are available: 8 insufficient GPU memory, 4 compute-mode conflict.``
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import IntEnum
+
+from gpufrac.contract.request import ComputeMode
+
+
+class Reason(IntEnum):
+    """Why a node cannot take a pod (0: it can). The order is the order filters run in."""
+
+    FITS = 0
+    NOT_READY = 1
+    UNSCHEDULABLE = 2
+    UNTOLERATED_TAINT = 3
+    NODE_SELECTOR = 4
+    NODE_AFFINITY = 5
+    MODE_UNSUPPORTED = 6
+    TOO_MANY_PODS = 7
+    INSUFFICIENT_CPU = 8
+    INSUFFICIENT_MEMORY = 9
+    NO_GPUS = 10
+    TOO_FEW_GPUS = 11
+    NO_WHOLE_GPU = 12
+    MODE_CONFLICT = 13
+    TENANT_CONFLICT = 14
+    INSUFFICIENT_GPU_MEMORY = 15
+    INSUFFICIENT_COMPUTE = 16
+    LIMIT_OVERCOMMIT = 17
+    DEVICE_ASSIGNMENT = 18
+
+    @property
+    def message(self) -> str:
+        return _MESSAGES[self]
+
+
+_MESSAGES = {
+    Reason.FITS: "fits",
+    Reason.NOT_READY: "node(s) were not ready",
+    Reason.UNSCHEDULABLE: "node(s) were unschedulable",
+    Reason.UNTOLERATED_TAINT: "node(s) had untolerated taint",
+    Reason.NODE_SELECTOR: "node(s) didn't match Pod's node selector",
+    Reason.NODE_AFFINITY: "node(s) didn't match Pod's node affinity",
+    Reason.MODE_UNSUPPORTED: "node(s) cannot enforce the compute mode",
+    Reason.TOO_MANY_PODS: "too many pods",
+    Reason.INSUFFICIENT_CPU: "insufficient cpu",
+    Reason.INSUFFICIENT_MEMORY: "insufficient memory",
+    Reason.NO_GPUS: "node(s) had no GPUs",
+    Reason.TOO_FEW_GPUS: "node(s) had fewer GPUs than requested devices",
+    Reason.NO_WHOLE_GPU: "not enough whole free GPUs",
+    Reason.MODE_CONFLICT: "compute-mode conflict",
+    Reason.TENANT_CONFLICT: "sm-sharing tenant conflict",
+    Reason.INSUFFICIENT_GPU_MEMORY: "insufficient GPU memory",
+    Reason.INSUFFICIENT_COMPUTE: "insufficient GPU compute portion",
+    Reason.LIMIT_OVERCOMMIT: "GPU memory limit overcommit cap",
+    Reason.DEVICE_ASSIGNMENT: "GPUs could not be assigned to all containers together",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Status:
+    """One filter's answer for one node, as kube-scheduler's framework.Status."""
+
+    code: Reason
+    reason: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.code is Reason.FITS
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceAssignment:
+    """One GPU given to a container, with the amounts resolved on that GPU."""
+
+    uuid: str
+    index: int
+    request_mib: int
+    limit_mib: int
+    compute_portion: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class ContainerPlacement:
+    container: str
+    mode: ComputeMode
+    exclusive: bool
+    devices: tuple[DeviceAssignment, ...]
+
+    @property
+    def uuids(self) -> tuple[str, ...]:
+        return tuple(d.uuid for d in self.devices)
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where a pod goes. ``containers`` is empty for a pod that asks for no GPU."""
+
+    pod_uid: str
+    node: str
+    containers: tuple[ContainerPlacement, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Unschedulable:
+    """No node can take the pod now: ``counts`` is (reason message, number of nodes), most first."""
+
+    pod_uid: str
+    total_nodes: int
+    counts: tuple[tuple[str, int], ...] = ()
+    detail: str = ""
+
+    @property
+    def message(self) -> str:
+        head = f"0/{self.total_nodes} nodes are available"
+        parts = [f"{n} {msg}" for msg, n in self.counts]
+        if self.detail:
+            parts.insert(0, self.detail)
+        return f"{head}: {', '.join(parts)}." if parts else f"{head}."
+
+
+Decision = Placement | Unschedulable

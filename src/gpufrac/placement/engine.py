@@ -1,0 +1,585 @@
+"""The placement engine: the one object the scheduler service and the simulator drive.
+
+State comes in as nodes (``add_node`` / ``update_node`` / ``remove_node``) and as pods that already hold
+GPUs (``assume``, used at start to rebuild the ledgers from bound pods, so a restart never double-books a
+GPU). ``schedule(pods)`` places a batch in queue order and returns one Decision per pod: a Placement,
+which the engine has already assumed (the service binds it, and calls ``forget`` if binding fails), or
+Unschedulable with the per-reason node counts. ``place(pod)`` is the one-pod form.
+
+How a pod is placed: pods of the same kind (see demand) share a cache of per-node results - reason code,
+score packed with the seeded tie-break rank, and the GPU a single-device pod would use. Only nodes whose
+version moved since the cache was filled are recomputed (vectorised), then the best node is one argmax.
+A placement changes one node, so in steady state each pod costs a few small array operations whatever
+the cluster size. Static predicates (readiness, taints, selectors, affinity, mode capability) are cached
+separately per constraint signature and node spec version.
+
+Transactions: ``statement()`` returns a Statement; placements made through it are undone in reverse
+order by ``discard`` (or on an exception), because applying and releasing an allocation are exact
+inverses. ``schedule(..., gang=True)`` uses one to place a batch all-or-nothing; a multi-device or
+multi-container pod is always all-or-nothing within itself.
+
+Determinism: ties between equal scores go to the node with the smallest seeded hash of its name, a fixed
+random order per seed (as the paper's simulator does with random name prefixes); nothing else is random.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from gpufrac.contract.request import ComputeMode
+
+from .decision import (
+    ContainerPlacement,
+    Decision,
+    DeviceAssignment,
+    Placement,
+    Reason,
+    Status,
+    Unschedulable,
+)
+from .demand import PPM, ContainerDemand, Demand, can_fall_back, demand_of, portion_ppm
+from .filters import STATIC_FILTERS, GpuRules, container_fit, resource_fit, static_reason
+from .model import NodeSpec, PendingPod, Queue
+from .policies import Policy, Prior, make_policy
+from .queues import QueueBook, scheduling_order
+from .state import EXCLUSIVE, MODE_CODE, Allocation, ClusterState, DeviceCharge, GpuLedger
+
+_RANK_BITS = 40
+_ABSENT = 255
+_MAX_KINDS = 512
+
+
+def tie_rank(seed: int, name: str) -> int:
+    """The node's place in the fixed random order of ``seed``: larger wins ties."""
+    digest = hashlib.blake2b(f"{seed}:{name}".encode(), digest_size=5).digest()
+    return (1 << _RANK_BITS) - 1 - int.from_bytes(digest, "big")
+
+
+class _KindCache:
+    """Per-node results for one kind of pod (see module docstring)."""
+
+    __slots__ = ("demand", "epoch", "gpu", "key", "policy", "reason", "spec_key", "version")
+
+    def __init__(self, demand: Demand, policy: Policy, rows: int) -> None:
+        self.demand = demand
+        self.policy = policy
+        self.epoch = policy.epoch
+        self.key = np.full(rows, -1, dtype=np.int64)
+        self.reason = np.full(rows, _ABSENT, dtype=np.uint8)
+        self.gpu = np.full(rows, -1, dtype=np.int64)
+        self.version = np.full(rows, -1, dtype=np.int64)
+        self.spec_key = (demand.static_key, demand.modes)
+
+    def resize(self, rows: int) -> None:
+        old = self.key.size
+        if rows <= old:
+            return
+        for name, fill in (("key", -1), ("reason", _ABSENT), ("gpu", -1), ("version", -1)):
+            arr = getattr(self, name)
+            grown = np.full(rows, fill, dtype=arr.dtype)
+            grown[:old] = arr
+            setattr(self, name, grown)
+
+
+class _StaticCache:
+    __slots__ = ("reason", "spec_version")
+
+    def __init__(self, rows: int) -> None:
+        self.reason = np.full(rows, _ABSENT, dtype=np.uint8)
+        self.spec_version = np.full(rows, -1, dtype=np.int64)
+
+
+@dataclass(frozen=True, slots=True)
+class _Bound:
+    pod: PendingPod
+    allocation: Allocation
+    placement: Placement
+    gpu_mib: int
+
+
+class Engine:
+    """See the module docstring. All parameters are keyword-only.
+
+    ``policy`` is the default policy name (``gpufrac.placement.policies``); a pod's ``policy`` field
+    overrides it. ``typical`` is a prior for FGD-based policies: shape counts of the expected workload
+    (without one they learn the distribution online from the pods they schedule). ``rules`` are the
+    GPU-fit knobs. ``seed`` fixes the tie-break order.
+    """
+
+    def __init__(
+        self,
+        *,
+        policy: str = "fgd",
+        seed: int = 0,
+        rules: GpuRules | None = None,
+        typical: Prior | None = None,
+        queues: Iterable[Queue] = (),
+    ) -> None:
+        self.state = ClusterState()
+        self.seed = seed
+        self.rules = rules or GpuRules()
+        self.default_policy = policy
+        self._typical = typical
+        self._policies: dict[str, Policy] = {}
+        self.policy(policy)  # fail fast on an unknown name
+        self.queues = QueueBook()
+        for q in queues:
+            self.queues.set(q)
+        self._rank = np.zeros(self.state.rows, dtype=np.int64)
+        self._kinds: OrderedDict[tuple, _KindCache] = OrderedDict()
+        self._statics: dict[tuple, _StaticCache] = {}
+        self._demands: dict[tuple, Demand] = {}
+        self._bound: dict[str, _Bound] = {}
+        self._on_node: dict[int, set[str]] = {}
+
+    # -- policies -------------------------------------------------------------------------------------
+
+    def policy(self, name: str) -> Policy:
+        found = self._policies.get(name)
+        if found is None:
+            found = self._policies[name] = make_policy(name, self._typical)
+        return found
+
+    # -- nodes ----------------------------------------------------------------------------------------
+
+    def add_node(self, spec: NodeSpec) -> None:
+        n = self.state.add_node(spec)
+        if self._rank.size < self.state.rows:
+            grown = np.zeros(self.state.rows, dtype=np.int64)
+            grown[: self._rank.size] = self._rank
+            self._rank = grown
+        self._rank[n] = tie_rank(self.seed, spec.name)
+        self._on_node[n] = set()
+
+    def remove_node(self, name: str) -> list[str]:
+        """Drop a node and every pod the engine holds on it; returns those pods' uids."""
+        n = self.state.index[name]
+        dropped = sorted(self._on_node.get(n, ()))
+        for uid in dropped:
+            self.forget(uid)
+        self.state.remove_node(name)
+        self._on_node.pop(n, None)
+        return dropped
+
+    def update_node(self, spec: NodeSpec) -> list[str]:
+        """Apply a new spec. If the GPU inventory changed, pods whose GPUs are gone are dropped and
+        returned; the others keep their devices."""
+        n = self.state.index.get(spec.name)
+        if n is None:
+            self.add_node(spec)
+            return []
+        old = self.state.nodes[n]
+        assert old is not None
+        if old.gpus == spec.gpus:
+            self.state.replace_spec(spec)
+            return []
+        bound = [self._bound[uid] for uid in sorted(self._on_node.get(n, ()))]
+        for b in bound:
+            self.forget(b.pod.uid)
+        self.state.remove_node(spec.name)
+        self.add_node(spec)
+        uuids = {g.uuid for g in spec.gpus}
+        dropped = []
+        for b in bound:
+            if all(set(c.uuids) <= uuids for c in b.placement.containers):
+                self.assume(b.pod, b.placement)
+            else:
+                dropped.append(b.pod.uid)
+        return dropped
+
+    @property
+    def node_names(self) -> list[str]:
+        return sorted(self.state.index)
+
+    def ledger(self, node: str) -> list[GpuLedger]:
+        return self.state.ledger(node)
+
+    # -- bound pods -----------------------------------------------------------------------------------
+
+    def assume(
+        self, pod: PendingPod, placement: Placement | None = None, *, node: str | None = None
+    ) -> Placement:
+        """Record a pod that holds (or is being bound to) GPUs. Without ``placement`` the devices come
+        from the pod's binder-owned contract fields (``ContainerGpuRequest.devices``) on ``node``."""
+        if placement is None:
+            if node is None:
+                raise ValueError("assume needs a placement or a node name")
+            placement = self._placement_from_request(pod, node)
+        if pod.uid in self._bound:
+            self.forget(pod.uid)
+        n = self.state.index[placement.node]
+        charges = []
+        for cp in placement.containers:
+            for d in cp.devices:
+                at = self.state.gpu_at.get(d.uuid)
+                if at is None or at[0] != n:
+                    raise ValueError(f"GPU {d.uuid} of pod {pod.key} is not on node {placement.node}")
+                mode = EXCLUSIVE if cp.exclusive else MODE_CODE[cp.mode]
+                ppm = 0 if d.compute_portion is None else portion_ppm(d.compute_portion)
+                charges.append(DeviceCharge(at[1], d.request_mib, d.limit_mib, ppm, mode))
+        allocation = Allocation(
+            node=n,
+            cpu_milli=pod.cpu_milli,
+            memory_bytes=pod.memory_bytes,
+            tenant=self.state.namespace_id(pod.namespace),
+            charges=tuple(charges),
+        )
+        self._commit(pod, allocation, placement)
+        return placement
+
+    def forget(self, uid: str) -> bool:
+        """Release everything a pod holds (deleted, finished, or its binding failed)."""
+        b = self._bound.pop(uid, None)
+        if b is None:
+            return False
+        self.state.release(b.allocation)
+        self._on_node[b.allocation.node].discard(uid)
+        self.queues.charge(b.pod.queue, -b.gpu_mib)
+        return True
+
+    def placement_of(self, uid: str) -> Placement | None:
+        b = self._bound.get(uid)
+        return None if b is None else b.placement
+
+    @property
+    def bound_uids(self) -> list[str]:
+        return list(self._bound)
+
+    def _commit(self, pod: PendingPod, allocation: Allocation, placement: Placement) -> None:
+        self.state.apply(allocation)
+        mib = sum(c.request_mib for c in allocation.charges)
+        self._bound[pod.uid] = _Bound(pod, allocation, placement, mib)
+        self._on_node[allocation.node].add(pod.uid)
+        self.queues.charge(pod.queue, mib)
+
+    def _placement_from_request(self, pod: PendingPod, node: str) -> Placement:
+        n = self.state.index[node]
+        spec = self.state.nodes[n]
+        assert spec is not None
+        by_uuid = {g.uuid: g for g in spec.gpus}
+        containers = []
+        for c in pod.gpu.containers:
+            devices = []
+            for uuid in c.devices:
+                gpu = by_uuid.get(uuid)
+                if gpu is None:
+                    raise ValueError(f"GPU {uuid} of pod {pod.key} is not on node {node}")
+                portion = (
+                    c.compute_portion
+                    if c.compute_portion is not None
+                    else c.compute_portion_on(gpu.memory_mib)
+                )
+                devices.append(
+                    DeviceAssignment(
+                        uuid, gpu.index, c.request_mib(gpu.memory_mib), c.limit_mib(gpu.memory_mib), portion
+                    )
+                )
+            containers.append(ContainerPlacement(c.container, c.mode, c.exclusive, tuple(devices)))
+        return Placement(pod.uid, node, tuple(containers))
+
+    # -- queues ---------------------------------------------------------------------------------------
+
+    def set_queue(self, queue: Queue) -> None:
+        self.queues.set(queue)
+
+    # -- scheduling -----------------------------------------------------------------------------------
+
+    def schedule(self, pods: Sequence[PendingPod], *, gang: bool = False) -> list[Decision]:
+        """Place ``pods`` in queue order; with ``gang`` all of them or none. One Decision per pod, in
+        input order."""
+        decisions: list[Decision | None] = [None] * len(pods)
+        if len(pods) == 1 and not gang:
+            return [self.place(pods[0])]
+        cluster_mib = int(self.state.cap_total.sum())
+        with self.statement() as st:
+
+            def place(i: int) -> None:
+                decisions[i] = st.place(pods[i])
+
+            scheduling_order(pods, self.queues, cluster_mib, place)
+            failed = [d for d in decisions if isinstance(d, Unschedulable)]
+            if gang and failed:
+                st.discard()
+                total = self.state.node_count
+                decisions = [
+                    d
+                    if isinstance(d, Unschedulable)
+                    else Unschedulable(
+                        p.uid, total, detail=f"gang of {len(pods)}: {len(failed)} pod(s) do not fit"
+                    )
+                    for p, d in zip(pods, decisions, strict=True)
+                ]
+            else:
+                st.commit()
+        return [d for d in decisions if d is not None]
+
+    def statement(self) -> Statement:
+        return Statement(self)
+
+    def place(self, pod: PendingPod) -> Decision:
+        """Place one pod now (assumed on success)."""
+        if pod.uid in self._bound:
+            raise ValueError(f"pod {pod.key} ({pod.uid}) is already placed")
+        name = pod.policy or self.default_policy
+        try:
+            policy = self.policy(name)
+        except ValueError as err:
+            return Unschedulable(pod.uid, self.state.node_count, detail=str(err))
+        demand = self._demand(pod, name, flip=False)
+        policy.observe(demand)
+        policy.prepare(self.state)
+        decision = self._place_kind(pod, demand, policy)
+        if isinstance(decision, Unschedulable) and can_fall_back(pod):
+            fallback = self._place_kind(pod, self._demand(pod, name, flip=True), policy)
+            if isinstance(fallback, Placement):
+                return fallback
+        return decision
+
+    def explain(self, pod: PendingPod, node: str) -> Status:
+        """Why ``node`` can or cannot take ``pod`` right now (the first failing filter)."""
+        name = pod.policy or self.default_policy
+        demand = self._demand(pod, name, flip=False)
+        n = self.state.index[node]
+        spec = self.state.nodes[n]
+        assert spec is not None
+        code = static_reason(spec, demand)
+        if code is Reason.FITS:
+            tenant = self.state.namespace_id(pod.namespace)
+            code = Reason(int(resource_fit(self.state, demand, np.array([n]), tenant, self.rules).reasons[0]))
+        return Status(code, code.message)
+
+    # -- internals ------------------------------------------------------------------------------------
+
+    def _demand(self, pod: PendingPod, policy: str, *, flip: bool) -> Demand:
+        sig = (
+            pod.gpu,
+            pod.cpu_milli,
+            pod.memory_bytes,
+            pod.namespace,
+            policy,
+            flip,
+            tuple(pod.node_selector.items()) if pod.node_selector else (),
+            pod.affinity,
+            pod.tolerations,
+        )
+        found = self._demands.get(sig)
+        if found is None:
+            if len(self._demands) > 4 * _MAX_KINDS:
+                self._demands.clear()
+            found = self._demands[sig] = demand_of(pod, policy=policy, flip_modes=flip)
+        return found
+
+    def _kind(self, demand: Demand, policy: Policy) -> _KindCache:
+        kc = self._kinds.get(demand.kind)
+        if kc is None:
+            kc = _KindCache(demand, policy, self.state.rows)
+            self._kinds[demand.kind] = kc
+            if len(self._kinds) > _MAX_KINDS:
+                self._kinds.popitem(last=False)
+        else:
+            self._kinds.move_to_end(demand.kind)
+            kc.resize(self.state.rows)
+            epoch = policy.epoch
+            if kc.epoch != epoch:
+                kc.epoch = epoch
+                kc.version[:] = -1
+        return kc
+
+    def _static(self, kc: _KindCache, nodes: np.ndarray) -> np.ndarray:
+        st = self.state
+        cache = self._statics.get(kc.spec_key)
+        if cache is None or cache.reason.size < st.rows:
+            fresh = _StaticCache(st.rows)
+            if cache is not None:
+                fresh.reason[: cache.reason.size] = cache.reason
+                fresh.spec_version[: cache.spec_version.size] = cache.spec_version
+            cache = self._statics[kc.spec_key] = fresh
+        stale = nodes[cache.spec_version[nodes] != st.spec_version[nodes]]
+        for n in stale.tolist():
+            spec = st.nodes[n] if n < len(st.nodes) else None
+            cache.reason[n] = _ABSENT if spec is None else static_reason(spec, kc.demand, STATIC_FILTERS)
+            cache.spec_version[n] = st.spec_version[n]
+        return cache.reason[nodes]
+
+    def _refresh(self, kc: _KindCache, stale: np.ndarray) -> None:
+        st = self.state
+        demand = kc.demand
+        reasons = self._static(kc, stale).copy()
+        kc.key[stale] = -1
+        kc.gpu[stale] = -1
+        candidates = stale[reasons == 0]
+        if candidates.size:
+            tenant = st.namespace_id(demand.namespace)
+            fit = resource_fit(st, demand, candidates, tenant, self.rules)
+            reasons[reasons == 0] = fit.reasons
+            feasible = fit.feasible()
+            if feasible.nodes.size:
+                scores, gpu = kc.policy.score(st, demand, feasible)
+                kc.key[feasible.nodes] = (scores << _RANK_BITS) | self._rank[feasible.nodes]
+                single = demand.single
+                if single is not None and single.count == 1:
+                    if gpu is None:
+                        gpu = _first_choice(kc.policy, st, single, feasible.nodes, feasible.masks[0])
+                    kc.gpu[feasible.nodes] = gpu
+        kc.reason[stale] = reasons
+        kc.version[stale] = st.version[stale]
+
+    def _place_kind(self, pod: PendingPod, demand: Demand, policy: Policy) -> Decision:
+        st = self.state
+        kc = self._kind(demand, policy)
+        rows = st.rows
+        version = st.version
+        stale = np.flatnonzero(kc.version[:rows] != version)
+        if stale.size:
+            self._refresh(kc, stale)
+        while True:
+            best = self._select(kc, policy, rows)
+            if kc.key[best] < 0:
+                return self._unschedulable(pod, kc)
+            allocation = self._allocate(pod, demand, policy, best, int(kc.gpu[best]))
+            if allocation is None:
+                # The containers fit one by one but not together here: skip this node until it changes.
+                kc.key[best] = -1
+                kc.reason[best] = Reason.DEVICE_ASSIGNMENT
+                continue
+            mib = sum(c.request_mib for c in allocation.charges)
+            if self.queues.over_limit(pod.queue, mib):
+                limit = self.queues.get(pod.queue).gpu_memory_limit_mib
+                return Unschedulable(
+                    pod.uid,
+                    st.node_count,
+                    detail=f"queue {pod.queue} would exceed its GPU-memory limit of {limit} MiB",
+                )
+            placement = self._placement(pod, demand, allocation)
+            self._commit(pod, allocation, placement)
+            return placement
+
+    def _select(self, kc: _KindCache, policy: Policy, rows: int) -> int:
+        return int(np.argmax(kc.key[:rows]))
+
+    def _unschedulable(self, pod: PendingPod, kc: _KindCache) -> Unschedulable:
+        st = self.state
+        codes = kc.reason[: st.rows][st.present[: st.rows]]
+        counts = np.bincount(codes, minlength=len(Reason))
+        ranked = sorted(
+            ((Reason(code).message, int(n)) for code, n in enumerate(counts[: len(Reason)]) if n and code),
+            key=lambda item: (-item[1], item[0]),
+        )
+        return Unschedulable(pod.uid, st.node_count, tuple(ranked))
+
+    def _allocate(
+        self, pod: PendingPod, demand: Demand, policy: Policy, n: int, gpu: int
+    ) -> Allocation | None:
+        st = self.state
+        tenant = st.namespace_id(pod.namespace)
+        charges: list[DeviceCharge] = []
+        single = demand.single
+        if single is not None and single.count == 1 and gpu >= 0:
+            charges.append(_charge(st, single, n, gpu))
+        elif demand.containers:
+            nodes = np.array([n])
+            staged: list[Allocation] = []
+            try:
+                for c in demand.containers:
+                    _, mask = container_fit(st, c, nodes, tenant, self.rules)
+                    order = policy.picker.order(st, c, n, mask[0])
+                    if order.size < c.count:
+                        return None
+                    mine = tuple(_charge(st, c, n, int(g)) for g in order[: c.count])
+                    charges.extend(mine)
+                    # Later containers of the pod must see these devices taken.
+                    step = Allocation(n, 0, 0, tenant, mine)
+                    st.apply(step)
+                    staged.append(step)
+            finally:
+                for step in reversed(staged):
+                    st.release(step)
+        return Allocation(n, demand.cpu_milli, demand.memory_bytes, tenant, tuple(charges))
+
+    def _placement(self, pod: PendingPod, demand: Demand, allocation: Allocation) -> Placement:
+        st = self.state
+        n = allocation.node
+        spec = st.nodes[n]
+        assert spec is not None
+        containers = []
+        i = 0
+        for c in demand.containers:
+            devices = []
+            for charge in allocation.charges[i : i + c.count]:
+                gpu = spec.gpus[charge.gpu]
+                devices.append(
+                    DeviceAssignment(
+                        uuid=gpu.uuid,
+                        index=gpu.index,
+                        request_mib=charge.request_mib,
+                        limit_mib=charge.limit_mib,
+                        compute_portion=charge.ppm / PPM if c.mode is ComputeMode.SM_SHARING else None,
+                    )
+                )
+            i += c.count
+            containers.append(ContainerPlacement(c.name, c.mode, c.exclusive, tuple(devices)))
+        return Placement(pod.uid, spec.name, tuple(containers))
+
+
+def _charge(st: ClusterState, c: ContainerDemand, n: int, g: int) -> DeviceCharge:
+    cap = st.cap[n, g : g + 1]
+    return DeviceCharge(
+        gpu=g,
+        request_mib=int(c.request_mib(cap)[0]),
+        limit_mib=int(c.limit_mib(cap)[0]),
+        ppm=int(c.ppm(cap)[0]),
+        mode=EXCLUSIVE if c.exclusive else MODE_CODE[c.mode],
+    )
+
+
+def _first_choice(
+    policy: Policy, st: ClusterState, c: ContainerDemand, nodes: np.ndarray, masks: np.ndarray
+) -> np.ndarray:
+    """The picker's first GPU on each node, vectorised when the picker offers it."""
+    first = getattr(policy.picker, "first", None)
+    if first is not None:
+        return first(st, c, nodes, masks)
+    return np.array(
+        [int(policy.picker.order(st, c, int(n), m)[0]) for n, m in zip(nodes, masks, strict=True)]
+    )
+
+
+class Statement:
+    """Placements that can be committed or discarded as one (KAI's statement). Use as a context
+    manager: leaving the block without ``commit`` (or by an exception) discards."""
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+        self._placed: list[str] = []
+        self._open = True
+
+    def place(self, pod: PendingPod) -> Decision:
+        if not self._open:
+            raise RuntimeError("statement already closed")
+        decision = self._engine.place(pod)
+        if isinstance(decision, Placement):
+            self._placed.append(pod.uid)
+        return decision
+
+    def commit(self) -> None:
+        self._open = False
+        self._placed.clear()
+
+    def discard(self) -> None:
+        # Undo in reverse order: each release is the exact inverse of its apply.
+        for uid in reversed(self._placed):
+            self._engine.forget(uid)
+        self._placed.clear()
+        self._open = False
+
+    def __enter__(self) -> Statement:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._open:
+            self.discard()

@@ -1,0 +1,206 @@
+"""Filters: which nodes can take a pod, and for those that cannot, why (a ``Reason`` code per node).
+
+Two kinds, as two small protocols, because they change at very different rates:
+
+- ``StaticFilter`` looks only at a node's spec (readiness, taints, labels, compute-mode capability) and
+  the pod's constraints. Its answer changes only when the node spec does, so the engine caches it per
+  pod constraint signature and per node spec version.
+- ``ResourceFilter`` looks at the ledgers (free CPU, memory, pod slots, per-GPU memory, modes, tenants,
+  compute portions, limits). It is vectorised over a set of nodes and returns a reason per node.
+
+A node's reason is the first failing filter's code, as kube-scheduler reports the first failing Filter
+plugin per node; the engine counts them into the Unschedulable message.
+
+GPU fit follows DESIGN section 4: a GPU takes a container when its mode is EMPTY or the container's mode
+(never mixing), when sm-sharing and single-tenant (the default) its tenant is the pod's namespace, when its
+free MiB covers the resolved request, when sm-sharing the sum of compute portions stays <= 100%, and, if an
+overcommit cap is set, when the sum of limits stays <= cap x capacity. Exclusive requests take EMPTY GPUs
+only. A container asking for N devices needs N such GPUs on the node.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from gpufrac.contract.request import ComputeMode
+
+from .decision import Reason
+from .demand import PPM, ContainerDemand, Demand
+from .model import NodeSpec, TaintEffect
+from .state import EMPTY, MODE_CODE, SM_SHARING, ClusterState
+
+
+class StaticFilter(Protocol):
+    """A predicate on the node spec alone; returns ``Reason.FITS`` or the reason it rejects."""
+
+    def check(self, node: NodeSpec, demand: Demand) -> Reason: ...
+
+
+class ResourceFilter(Protocol):
+    """A predicate on the ledgers, vectorised: one reason code per node of ``nodes``."""
+
+    def check(self, state: ClusterState, demand: Demand, nodes: np.ndarray) -> np.ndarray: ...
+
+
+# -- static -------------------------------------------------------------------------------------------
+
+
+class NodeReady:
+    def check(self, node: NodeSpec, demand: Demand) -> Reason:
+        if not node.ready:
+            return Reason.NOT_READY
+        if not node.schedulable:
+            return Reason.UNSCHEDULABLE
+        return Reason.FITS
+
+
+class TaintToleration:
+    """NoSchedule and NoExecute taints must be tolerated; PreferNoSchedule never filters."""
+
+    def check(self, node: NodeSpec, demand: Demand) -> Reason:
+        _, _, tolerations = demand.static_key  # type: ignore[misc]
+        for taint in node.taints:
+            if taint.effect is TaintEffect.PREFER_NO_SCHEDULE:
+                continue
+            if not any(t.tolerates(taint) for t in tolerations):
+                return Reason.UNTOLERATED_TAINT
+        return Reason.FITS
+
+
+class NodeSelector:
+    def check(self, node: NodeSpec, demand: Demand) -> Reason:
+        selector, _, _ = demand.static_key  # type: ignore[misc]
+        labels = node.labels
+        for key, value in selector:
+            if labels.get(key) != value:
+                return Reason.NODE_SELECTOR
+        return Reason.FITS
+
+
+class NodeAffinity:
+    """Required node affinity: at least one term matches (no terms: no constraint)."""
+
+    def check(self, node: NodeSpec, demand: Demand) -> Reason:
+        _, terms, _ = demand.static_key  # type: ignore[misc]
+        if terms and not any(term.matches(node.labels) for term in terms):
+            return Reason.NODE_AFFINITY
+        return Reason.FITS
+
+
+class ModeCapability:
+    """The node must be able to enforce every compute mode the pod's shared containers ask for."""
+
+    def check(self, node: NodeSpec, demand: Demand) -> Reason:
+        if demand.wants_gpu and not demand.modes <= node.compute_modes:
+            return Reason.MODE_UNSUPPORTED
+        return Reason.FITS
+
+
+STATIC_FILTERS: tuple[StaticFilter, ...] = (
+    NodeReady(),
+    TaintToleration(),
+    NodeSelector(),
+    NodeAffinity(),
+    ModeCapability(),
+)
+
+
+def static_reason(
+    node: NodeSpec, demand: Demand, filters: tuple[StaticFilter, ...] = STATIC_FILTERS
+) -> Reason:
+    for f in filters:
+        code = f.check(node, demand)
+        if code is not Reason.FITS:
+            return code
+    return Reason.FITS
+
+
+# -- resources ----------------------------------------------------------------------------------------
+
+
+class HostFit:
+    """Pod slots, CPU and memory (kube-scheduler's NodeResourcesFit for the resources we model)."""
+
+    def check(self, state: ClusterState, demand: Demand, nodes: np.ndarray) -> np.ndarray:
+        out = np.zeros(nodes.size, dtype=np.int8)
+        out[state.mem_free[nodes] < demand.memory_bytes] = Reason.INSUFFICIENT_MEMORY
+        out[state.cpu_free[nodes] < demand.cpu_milli] = Reason.INSUFFICIENT_CPU
+        out[state.pods_free[nodes] < 1] = Reason.TOO_MANY_PODS
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class GpuRules:
+    """The knobs of GPU fit: sm-sharing tenancy and the optional limit-overcommit cap."""
+
+    sm_sharing_single_tenant: bool = True
+    limit_overcommit: float | None = None
+
+
+def container_fit(
+    state: ClusterState,
+    container: ContainerDemand,
+    nodes: np.ndarray,
+    tenant: int,
+    rules: GpuRules,
+) -> tuple[np.ndarray, np.ndarray]:
+    """(reason per node, mask of GPUs that can take one device of ``container``) for ``nodes``."""
+    mode = state.mode[nodes]
+    need = container.count
+    reasons = np.zeros(nodes.size, dtype=np.int8)
+    if container.exclusive:
+        ok = mode == EMPTY
+        reasons[ok.sum(axis=1) < need] = Reason.NO_WHOLE_GPU
+    else:
+        want = MODE_CODE[container.mode]
+        ok = (mode == EMPTY) | (mode == want)
+        stages: list[tuple[np.ndarray, Reason]] = [(ok, Reason.MODE_CONFLICT)]
+        if container.mode is ComputeMode.SM_SHARING and rules.sm_sharing_single_tenant:
+            ok = ok & ((mode == EMPTY) | (state.tenant[nodes] == tenant))
+            stages.append((ok, Reason.TENANT_CONFLICT))
+        cap = state.cap[nodes]
+        ok = ok & (state.free[nodes] >= container.request_mib(cap))
+        stages.append((ok, Reason.INSUFFICIENT_GPU_MEMORY))
+        if want == SM_SHARING:
+            ok = ok & (state.ppm[nodes] + container.ppm(cap) <= PPM)
+            stages.append((ok, Reason.INSUFFICIENT_COMPUTE))
+        if rules.limit_overcommit is not None:
+            bound = np.floor(cap * rules.limit_overcommit).astype(np.int64)
+            ok = ok & (state.limit_sum[nodes] + container.limit_mib(cap) <= bound)
+            stages.append((ok, Reason.LIMIT_OVERCOMMIT))
+        # The reason is the first stage after which too few GPUs remain; later stages overwrite only
+        # nodes still marked as fitting, so walk them in order.
+        for mask, code in stages:
+            short = (mask.sum(axis=1) < need) & (reasons == 0)
+            reasons[short] = code
+    count = state.gpu_count[nodes]
+    reasons[count < need] = Reason.TOO_FEW_GPUS
+    reasons[count == 0] = Reason.NO_GPUS
+    return reasons, ok
+
+
+@dataclass(slots=True)
+class Fit:
+    """The result of the resource filters for a set of nodes: reasons, and per container a GPU mask."""
+
+    nodes: np.ndarray
+    reasons: np.ndarray
+    masks: list[np.ndarray]
+
+    def feasible(self) -> Fit:
+        keep = self.reasons == 0
+        return Fit(self.nodes[keep], self.reasons[keep], [m[keep] for m in self.masks])
+
+
+def resource_fit(state: ClusterState, demand: Demand, nodes: np.ndarray, tenant: int, rules: GpuRules) -> Fit:
+    """Host fit, then GPU fit of every container (each on its own; joint assignment is checked later)."""
+    reasons = HostFit().check(state, demand, nodes)
+    masks = []
+    for container in demand.containers:
+        codes, mask = container_fit(state, container, nodes, tenant, rules)
+        reasons = np.where(reasons == 0, codes, reasons)
+        masks.append(mask)
+    return Fit(nodes, reasons, masks)

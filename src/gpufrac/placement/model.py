@@ -1,0 +1,185 @@
+"""What the engine is told: nodes with their physical GPUs, and pods waiting for a place.
+
+These are plain frozen values. The scheduler service builds them from its informers (a Node and its
+``gpufrac.io/gpus`` inventory, a Pod and its parsed contract) and the simulator builds them from a trace;
+the engine never sees a Kubernetes object, so it stays pure and the two callers run the same code.
+
+Kubernetes semantics are kept where users rely on them: taints with NoSchedule/NoExecute effects block
+untolerated pods, ``nodeSelector`` is exact label equality, required node affinity is an OR of terms
+whose expressions are ANDed (In/NotIn/Exists/DoesNotExist/Gt/Lt).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from gpufrac.contract.request import ComputeMode, PodGpuRequest
+
+GPU_MODEL_LABEL = "gpufrac.io/gpu-model"
+"""Node label carrying the GPU model; required node affinity on it expresses "only these models"."""
+
+BOTH_MODES: frozenset[ComputeMode] = frozenset(ComputeMode)
+
+
+class TaintEffect(StrEnum):
+    NO_SCHEDULE = "NoSchedule"
+    PREFER_NO_SCHEDULE = "PreferNoSchedule"
+    NO_EXECUTE = "NoExecute"
+
+
+@dataclass(frozen=True, slots=True)
+class Taint:
+    key: str
+    value: str = ""
+    effect: TaintEffect = TaintEffect.NO_SCHEDULE
+
+
+class TolerationOperator(StrEnum):
+    EQUAL = "Equal"
+    EXISTS = "Exists"
+
+
+@dataclass(frozen=True, slots=True)
+class Toleration:
+    """A pod's toleration; an empty key with ``Exists`` tolerates every taint, as in Kubernetes."""
+
+    key: str = ""
+    operator: TolerationOperator = TolerationOperator.EQUAL
+    value: str = ""
+    effect: TaintEffect | None = None
+
+    def tolerates(self, taint: Taint) -> bool:
+        if self.effect is not None and self.effect is not taint.effect:
+            return False
+        if not self.key:
+            return self.operator is TolerationOperator.EXISTS
+        if self.key != taint.key:
+            return False
+        return self.operator is TolerationOperator.EXISTS or self.value == taint.value
+
+
+class SelectorOperator(StrEnum):
+    IN = "In"
+    NOT_IN = "NotIn"
+    EXISTS = "Exists"
+    DOES_NOT_EXIST = "DoesNotExist"
+    GT = "Gt"
+    LT = "Lt"
+
+
+@dataclass(frozen=True, slots=True)
+class NodeSelectorRequirement:
+    key: str
+    operator: SelectorOperator
+    values: tuple[str, ...] = ()
+
+    def matches(self, labels: Mapping[str, str]) -> bool:
+        value = labels.get(self.key)
+        op = self.operator
+        if op is SelectorOperator.IN:
+            return value is not None and value in self.values
+        if op is SelectorOperator.NOT_IN:
+            return value is None or value not in self.values
+        if op is SelectorOperator.EXISTS:
+            return value is not None
+        if op is SelectorOperator.DOES_NOT_EXIST:
+            return value is None
+        # Gt/Lt compare integers; a label or operand that is not an integer never matches (Kubernetes).
+        if value is None or len(self.values) != 1:
+            return False
+        try:
+            have, bound = int(value), int(self.values[0])
+        except ValueError:
+            return False
+        return have > bound if op is SelectorOperator.GT else have < bound
+
+
+@dataclass(frozen=True, slots=True)
+class NodeSelectorTerm:
+    """Expressions ANDed; an empty term matches nothing (Kubernetes)."""
+
+    match_expressions: tuple[NodeSelectorRequirement, ...] = ()
+
+    def matches(self, labels: Mapping[str, str]) -> bool:
+        return bool(self.match_expressions) and all(r.matches(labels) for r in self.match_expressions)
+
+
+@dataclass(frozen=True, slots=True)
+class GpuDevice:
+    """One physical GPU as the node agent publishes it."""
+
+    uuid: str
+    index: int
+    memory_mib: int
+    model: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class NodeSpec:
+    """A node as the engine sees it: allocatable resources, scheduling constraints, physical GPUs.
+
+    ``compute_modes`` is what the node can enforce (the node agent's capability labels); a pod asking
+    for a mode the node cannot enforce is filtered out there.
+    """
+
+    name: str
+    cpu_milli: int
+    memory_bytes: int
+    max_pods: int = 110
+    labels: Mapping[str, str] = field(default_factory=dict)
+    taints: tuple[Taint, ...] = ()
+    ready: bool = True
+    schedulable: bool = True
+    gpu_model: str = ""
+    gpus: tuple[GpuDevice, ...] = ()
+    compute_modes: frozenset[ComputeMode] = BOTH_MODES
+
+
+class ModePolicy(StrEnum):
+    """Required: only GPUs in the requested mode (or empty). Preferred: may fall back to the other mode."""
+
+    REQUIRED = "Required"
+    PREFERRED = "Preferred"
+
+
+@dataclass(frozen=True, slots=True)
+class PendingPod:
+    """A pod waiting for a place: identity, host resources, constraints, queueing, and its GPU request.
+
+    ``arrival`` orders pods of equal priority and queue standing (lower first). ``policy`` overrides the
+    engine's policy for this pod (the per-pod policy annotation).
+    """
+
+    namespace: str
+    name: str
+    uid: str
+    gpu: PodGpuRequest = field(default_factory=PodGpuRequest)
+    cpu_milli: int = 0
+    memory_bytes: int = 0
+    node_selector: Mapping[str, str] = field(default_factory=dict)
+    affinity: tuple[NodeSelectorTerm, ...] = ()
+    tolerations: tuple[Toleration, ...] = ()
+    priority: int = 0
+    queue: str = "default"
+    arrival: int = 0
+    policy: str | None = None
+    mode_policy: ModePolicy = ModePolicy.REQUIRED
+
+    @property
+    def key(self) -> str:
+        return f"{self.namespace}/{self.name}"
+
+
+@dataclass(frozen=True, slots=True)
+class Queue:
+    """A queue: an optional cap on the guaranteed GPU memory of its placed pods, and a deserved share.
+
+    ``deserved_share`` is a fraction of the cluster's GPU memory; pending pods of the queue furthest
+    below its share go first among pods of equal priority.
+    """
+
+    name: str
+    gpu_memory_limit_mib: int | None = None
+    deserved_share: float = 0.0

@@ -1,0 +1,113 @@
+"""Placement policies: named sets of scorers plus a GPU picker, never forks of the engine.
+
+- ``binpack``: the paper's BestFit node score, best-fit GPU (least free room that fits).
+- ``spread``: least allocated node, most free GPU.
+- ``kai``: KAI Scheduler's GPU binpack, as a baseline: least unallocated GPU on the node, most used GPU
+  first (gpupack).
+- ``fgd``: fragmentation gradient descent (Weng et al., ATC'23) against a typical-pod distribution: a
+  prior from the workload when the engine is given one, else learned online from the requests it sees.
+- ``fgd-align``: ours. FGD's integer score first; among the nodes FGD cannot tell apart, those where the
+  pod's (CPU, GPU) shape best matches the node's free (CPU, GPU), in ten coarse steps; remaining ties in
+  the fixed node order. FGD measures GPU fragments but treats CPU only as a yes/no threshold, so it lets
+  CPU-heavy pods exhaust the CPU of GPU-dense nodes and strand their GPUs; alignment steers them to
+  CPU-rich nodes. See docs/placement.md for the measurements.
+
+A policy's score is the weighted sum of its scorers. ``lexicographic`` builds "first A, then B" by giving
+A a weight larger than B's range. The first scorer that proposes a GPU for a single-device pod decides
+it; otherwise the picker orders the node's GPUs.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from .demand import Demand
+from .filters import Fit
+from .fragmentation import Fgd
+from .scoring import (
+    SCORE_LIMIT,
+    Alignment,
+    BestFit,
+    BestFitGpu,
+    GpuPicker,
+    LeastAllocated,
+    MostAllocatedGpu,
+    Scorer,
+    WorstFitGpu,
+)
+from .state import ClusterState
+from .typical import OnlineTypicalPods, PriorTypicalPods, TypicalPod, TypicalSource
+
+
+@dataclass(frozen=True, slots=True)
+class Policy:
+    name: str
+    scorers: tuple[tuple[Scorer, int], ...]
+    picker: GpuPicker
+
+    @property
+    def epoch(self) -> tuple[int, ...]:
+        """Changes when a scorer's global input changes (a learned distribution, the cluster's shape)."""
+        return tuple(getattr(s, "epoch", 0) for s, _ in self.scorers)
+
+    def prepare(self, state: ClusterState) -> None:
+        """Let scorers with cluster-wide inputs look at the cluster before a placement."""
+        for scorer, _ in self.scorers:
+            prepare = getattr(scorer, "prepare", None)
+            if prepare is not None:
+                prepare(state)
+
+    def score(self, state: ClusterState, demand: Demand, fit: Fit) -> tuple[np.ndarray, np.ndarray | None]:
+        total = np.zeros(fit.nodes.size, dtype=np.int64)
+        gpu: np.ndarray | None = None
+        for scorer, weight in self.scorers:
+            values, chosen = scorer.score(state, demand, fit)
+            total += values * weight
+            if gpu is None and chosen is not None:
+                gpu = chosen
+        return np.clip(total, 0, SCORE_LIMIT - 1), gpu
+
+    def observe(self, demand: Demand) -> None:
+        for scorer, _ in self.scorers:
+            source = getattr(scorer, "source", None)
+            if isinstance(source, TypicalSource):
+                source.observe(demand)
+
+
+def lexicographic(first: Scorer, then: Scorer, *, then_range: int = 101) -> tuple[tuple[Scorer, int], ...]:
+    return ((first, then_range), (then, 1))
+
+
+Prior = Counter[TypicalPod]
+"""Shape counts of the expected workload (FGD's prior); None means learn online."""
+PolicyFactory = Callable[[Prior | None], Policy]
+
+
+def _typical(prior: Prior | None, *, by_gpu: bool = False) -> TypicalSource:
+    if prior is None:
+        return OnlineTypicalPods(by_gpu=by_gpu)
+    return PriorTypicalPods(prior, by_gpu=by_gpu)
+
+
+POLICIES: dict[str, PolicyFactory] = {
+    "binpack": lambda _: Policy("binpack", ((BestFit(), 1),), BestFitGpu()),
+    "spread": lambda _: Policy("spread", ((LeastAllocated(), 1),), WorstFitGpu()),
+    "kai": lambda _: Policy("kai", ((MostAllocatedGpu(), 1),), BestFitGpu()),
+    "fgd": lambda prior: Policy("fgd", ((Fgd(_typical(prior)), 1),), BestFitGpu()),
+    "fgd-align": lambda prior: Policy(
+        "fgd-align", lexicographic(Fgd(_typical(prior)), Alignment(levels=10), then_range=11), BestFitGpu()
+    ),
+}
+
+
+def make_policy(name: str, prior: Prior | None = None) -> Policy:
+    """The policy called ``name``; FGD-based ones use ``prior`` if given, else learn online."""
+    try:
+        factory = POLICIES[name]
+    except KeyError:
+        raise ValueError(f"unknown placement policy {name!r}; known: {', '.join(POLICIES)}") from None
+    return factory(prior)

@@ -1,0 +1,344 @@
+"""The cluster as ledgers: per-node free host resources and per-GPU ledgers, as numpy arrays.
+
+Why arrays: the engine answers "which nodes can take this pod and how good is each" for a whole cluster
+at once. Holding the ledgers as a structure of arrays (one row per node slot, one column per GPU slot)
+lets filters and scorers run as a handful of vector operations instead of a Python loop over nodes,
+which is what makes thousands of placements per second possible in one Python process.
+
+Per GPU the ledger keeps: free MiB (capacity minus the sum of guaranteed requests), the sum of limits,
+the sum of sm-sharing compute portions (ppm), the compute mode (EMPTY until the first tenant, then the
+mode of its tenants, or EXCLUSIVE for a whole-GPU pod), the number of pods and the tenants (namespaces).
+``apply`` and ``release`` of an ``Allocation`` are exact inverses: integer arithmetic only, and the mode
+and tenant return to EMPTY/none when the last pod leaves.
+
+Every change to a node bumps its ``version``; the engine caches per-node filter and score results and
+recomputes only nodes whose version moved. Changes to node specs (labels, taints, readiness) bump
+``spec_epoch`` so cached static-filter masks are rebuilt.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from gpufrac.contract.request import ComputeMode
+
+from .model import NodeSpec
+
+EMPTY = 0
+TIME_SLICING = 1
+SM_SHARING = 2
+EXCLUSIVE = 3
+ABSENT = 4
+
+MODE_CODE = {ComputeMode.TIME_SLICING: TIME_SLICING, ComputeMode.SM_SHARING: SM_SHARING}
+NO_TENANT = -1
+MANY_TENANTS = -2
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceCharge:
+    """What one container puts on one GPU."""
+
+    gpu: int
+    request_mib: int
+    limit_mib: int
+    ppm: int
+    mode: int  # TIME_SLICING, SM_SHARING or EXCLUSIVE
+
+
+@dataclass(frozen=True, slots=True)
+class Allocation:
+    """Everything a placed pod holds on its node; applying then releasing it restores every ledger."""
+
+    node: int
+    cpu_milli: int
+    memory_bytes: int
+    tenant: int
+    charges: tuple[DeviceCharge, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class GpuLedger:
+    """A read-only view of one GPU's ledger (for tests, metrics and explanations)."""
+
+    uuid: str
+    index: int
+    capacity_mib: int
+    free_mib: int
+    limit_sum_mib: int
+    compute_ppm: int
+    mode: int
+    pods: int
+    tenants: tuple[str, ...]
+
+
+_ARRAYS = [
+    "present",
+    "version",
+    "spec_version",
+    "cpu_free",
+    "cpu_cap",
+    "mem_free",
+    "mem_cap",
+    "pods_free",
+    "model",
+    "gpu_count",
+    "free_total",
+    "cap_total",
+    "empty_count",
+    "cap",
+    "free",
+    "limit_sum",
+    "ppm",
+    "mode",
+    "npods",
+    "tenant",
+]
+
+
+class ClusterState:
+    """Node slots and GPU slots as arrays; see the module docstring."""
+
+    def __init__(self, *, node_slots: int = 64, gpu_slots: int = 8) -> None:
+        self.nodes: list[NodeSpec | None] = []
+        self.index: dict[str, int] = {}
+        self.gpu_at: dict[str, tuple[int, int]] = {}
+        self.gpu_uuid: list[list[str]] = []
+        self.spec_epoch = 0
+        self._free_slots: list[int] = []
+        self._namespaces: dict[str, int] = {}
+        self._namespace_names: list[str] = []
+        self._models: dict[str, int] = {"": 0}
+        self._model_names: list[str] = [""]
+        self.tenants: dict[tuple[int, int], dict[int, int]] = {}
+        self._alloc_arrays(node_slots, gpu_slots)
+
+    # -- storage --------------------------------------------------------------------------------------
+
+    def _alloc_arrays(self, rows: int, cols: int) -> None:
+        self.rows, self.cols = rows, cols
+        self.present = np.zeros(rows, dtype=bool)
+        self.version = np.zeros(rows, dtype=np.int64)
+        self.spec_version = np.zeros(rows, dtype=np.int64)
+        self.cpu_free = np.zeros(rows, dtype=np.int64)
+        self.cpu_cap = np.zeros(rows, dtype=np.int64)
+        self.mem_free = np.zeros(rows, dtype=np.int64)
+        self.mem_cap = np.zeros(rows, dtype=np.int64)
+        self.pods_free = np.zeros(rows, dtype=np.int64)
+        self.model = np.zeros(rows, dtype=np.int64)
+        self.gpu_count = np.zeros(rows, dtype=np.int64)
+        self.free_total = np.zeros(rows, dtype=np.int64)
+        self.cap_total = np.zeros(rows, dtype=np.int64)
+        self.empty_count = np.zeros(rows, dtype=np.int64)
+        self.cap = np.zeros((rows, cols), dtype=np.int64)
+        self.free = np.full((rows, cols), -1, dtype=np.int64)
+        self.limit_sum = np.zeros((rows, cols), dtype=np.int64)
+        self.ppm = np.zeros((rows, cols), dtype=np.int64)
+        self.mode = np.full((rows, cols), ABSENT, dtype=np.int8)
+        self.npods = np.zeros((rows, cols), dtype=np.int64)
+        self.tenant = np.full((rows, cols), NO_TENANT, dtype=np.int64)
+
+    def _grow(self, rows: int, cols: int) -> None:
+        old = {name: getattr(self, name) for name in _ARRAYS}
+        r0, c0 = self.rows, self.cols
+        self._alloc_arrays(rows, cols)
+        for name, arr in old.items():
+            if arr.ndim == 1:
+                getattr(self, name)[:r0] = arr
+            else:
+                getattr(self, name)[:r0, :c0] = arr
+
+    # -- interning ------------------------------------------------------------------------------------
+
+    def namespace_id(self, namespace: str) -> int:
+        found = self._namespaces.get(namespace)
+        if found is None:
+            found = self._namespaces[namespace] = len(self._namespace_names)
+            self._namespace_names.append(namespace)
+        return found
+
+    def namespace_name(self, ns_id: int) -> str:
+        return self._namespace_names[ns_id]
+
+    def model_id(self, model: str) -> int:
+        found = self._models.get(model)
+        if found is None:
+            found = self._models[model] = len(self._model_names)
+            self._model_names.append(model)
+        return found
+
+    @property
+    def model_names(self) -> list[str]:
+        return self._model_names
+
+    # -- nodes ----------------------------------------------------------------------------------------
+
+    @property
+    def node_count(self) -> int:
+        return len(self.index)
+
+    def live(self) -> np.ndarray:
+        """Indices of present node slots."""
+        return np.flatnonzero(self.present)
+
+    def add_node(self, spec: NodeSpec) -> int:
+        if spec.name in self.index:
+            raise ValueError(f"node {spec.name} already present")
+        for gpu in spec.gpus:
+            if gpu.uuid in self.gpu_at:
+                raise ValueError(f"GPU {gpu.uuid} of node {spec.name} already belongs to another node")
+        if self._free_slots:
+            n = self._free_slots.pop()
+        else:
+            n = len(self.nodes)
+            self.nodes.append(None)
+            self.gpu_uuid.append([])
+        need_cols = max(self.cols, len(spec.gpus))
+        if n >= self.rows or need_cols > self.cols:
+            self._grow(max(self.rows * 2 if n >= self.rows else self.rows, n + 1), need_cols)
+        self.nodes[n] = spec
+        self.index[spec.name] = n
+        self.present[n] = True
+        self.version[n] += 1
+        self.spec_version[n] += 1
+        self.cpu_free[n] = self.cpu_cap[n] = spec.cpu_milli
+        self.mem_free[n] = self.mem_cap[n] = spec.memory_bytes
+        self.pods_free[n] = spec.max_pods
+        self.model[n] = self.model_id(spec.gpu_model)
+        self.gpu_count[n] = len(spec.gpus)
+        self.cap[n, :] = 0
+        self.free[n, :] = -1
+        self.limit_sum[n, :] = 0
+        self.ppm[n, :] = 0
+        self.mode[n, :] = ABSENT
+        self.npods[n, :] = 0
+        self.tenant[n, :] = NO_TENANT
+        uuids = []
+        for g, gpu in enumerate(spec.gpus):
+            self.cap[n, g] = gpu.memory_mib
+            self.free[n, g] = gpu.memory_mib
+            self.mode[n, g] = EMPTY
+            self.gpu_at[gpu.uuid] = (n, g)
+            uuids.append(gpu.uuid)
+        self.gpu_uuid[n] = uuids
+        self.free_total[n] = self.cap_total[n] = sum(g.memory_mib for g in spec.gpus)
+        self.empty_count[n] = len(spec.gpus)
+        self.spec_epoch += 1
+        return n
+
+    def remove_node(self, name: str) -> int:
+        """Drop a node (its allocations must have been released first)."""
+        n = self.index.pop(name)
+        for uuid in self.gpu_uuid[n]:
+            del self.gpu_at[uuid]
+        for g in range(len(self.gpu_uuid[n])):
+            self.tenants.pop((n, g), None)
+        self.gpu_uuid[n] = []
+        self.nodes[n] = None
+        self.present[n] = False
+        self.version[n] += 1
+        self.spec_version[n] += 1
+        self.cap[n, :] = 0
+        self.free[n, :] = -1
+        self.mode[n, :] = ABSENT
+        self.gpu_count[n] = self.free_total[n] = self.cap_total[n] = self.empty_count[n] = 0
+        self.cpu_free[n] = self.mem_free[n] = self.pods_free[n] = 0
+        self._free_slots.append(n)
+        self.spec_epoch += 1
+        return n
+
+    def replace_spec(self, spec: NodeSpec) -> None:
+        """New labels, taints, readiness or allocatable host resources for a node whose GPUs are unchanged."""
+        n = self.index[spec.name]
+        old = self.nodes[n]
+        assert old is not None
+        self.cpu_free[n] += spec.cpu_milli - old.cpu_milli
+        self.cpu_cap[n] = spec.cpu_milli
+        self.mem_free[n] += spec.memory_bytes - old.memory_bytes
+        self.mem_cap[n] = spec.memory_bytes
+        self.pods_free[n] += spec.max_pods - old.max_pods
+        self.model[n] = self.model_id(spec.gpu_model)
+        self.nodes[n] = spec
+        self.version[n] += 1
+        self.spec_version[n] += 1
+        self.spec_epoch += 1
+
+    # -- ledgers --------------------------------------------------------------------------------------
+
+    def apply(self, a: Allocation) -> None:
+        n = a.node
+        self.cpu_free[n] -= a.cpu_milli
+        self.mem_free[n] -= a.memory_bytes
+        self.pods_free[n] -= 1
+        for c in a.charges:
+            g = c.gpu
+            if self.npods[n, g] == 0:
+                self.mode[n, g] = c.mode
+                self.empty_count[n] -= 1
+            self.npods[n, g] += 1
+            self.free[n, g] -= c.request_mib
+            self.free_total[n] -= c.request_mib
+            self.limit_sum[n, g] += c.limit_mib
+            self.ppm[n, g] += c.ppm
+            self._add_tenant(n, g, a.tenant)
+        self.version[n] += 1
+
+    def release(self, a: Allocation) -> None:
+        n = a.node
+        self.cpu_free[n] += a.cpu_milli
+        self.mem_free[n] += a.memory_bytes
+        self.pods_free[n] += 1
+        for c in reversed(a.charges):
+            g = c.gpu
+            self.npods[n, g] -= 1
+            if self.npods[n, g] == 0:
+                self.mode[n, g] = EMPTY
+                self.empty_count[n] += 1
+            self.free[n, g] += c.request_mib
+            self.free_total[n] += c.request_mib
+            self.limit_sum[n, g] -= c.limit_mib
+            self.ppm[n, g] -= c.ppm
+            self._drop_tenant(n, g, a.tenant)
+        self.version[n] += 1
+
+    def _add_tenant(self, n: int, g: int, tenant: int) -> None:
+        counts = self.tenants.setdefault((n, g), {})
+        counts[tenant] = counts.get(tenant, 0) + 1
+        self.tenant[n, g] = tenant if len(counts) == 1 else MANY_TENANTS
+
+    def _drop_tenant(self, n: int, g: int, tenant: int) -> None:
+        counts = self.tenants[(n, g)]
+        left = counts[tenant] - 1
+        if left:
+            counts[tenant] = left
+        else:
+            del counts[tenant]
+        if not counts:
+            del self.tenants[(n, g)]
+            self.tenant[n, g] = NO_TENANT
+        elif len(counts) == 1:
+            self.tenant[n, g] = next(iter(counts))
+        else:
+            self.tenant[n, g] = MANY_TENANTS
+
+    def ledger(self, node: str) -> list[GpuLedger]:
+        n = self.index[node]
+        out = []
+        for g, uuid in enumerate(self.gpu_uuid[n]):
+            tenants = tuple(sorted(self.namespace_name(t) for t in self.tenants.get((n, g), {})))
+            out.append(
+                GpuLedger(
+                    uuid=uuid,
+                    index=g,
+                    capacity_mib=int(self.cap[n, g]),
+                    free_mib=int(self.free[n, g]),
+                    limit_sum_mib=int(self.limit_sum[n, g]),
+                    compute_ppm=int(self.ppm[n, g]),
+                    mode=int(self.mode[n, g]),
+                    pods=int(self.npods[n, g]),
+                    tenants=tenants,
+                )
+            )
+        return out
