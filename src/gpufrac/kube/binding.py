@@ -12,7 +12,7 @@ from lightkube.models.core_v1 import ObjectReference
 from lightkube.models.meta_v1 import ObjectMeta
 from lightkube.resources.core_v1 import Pod
 
-from gpufrac.kube.errors import api_errors
+from gpufrac.kube.stream import post_subresource
 
 
 async def bind_pod(
@@ -28,5 +28,4 @@ async def bind_pod(
         metadata=ObjectMeta(name=name, namespace=namespace, uid=uid, resourceVersion=resource_version),
         target=ObjectReference(apiVersion="v1", kind="Node", name=node),
     )
-    with api_errors():
-        await client.create(binding, name, namespace=namespace)
+    await post_subresource(client, binding, name=name, namespace=namespace)

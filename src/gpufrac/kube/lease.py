@@ -157,7 +157,7 @@ class LeaderElector:
             leaseDurationSeconds=duration,
             acquireTime=now if taking_over else (spec.acquireTime or now),
             renewTime=now,
-            leaseTransitions=(spec.leaseTransitions or 0) + (1 if taking_over and holder else 0),
+            leaseTransitions=(spec.leaseTransitions or 0) + (1 if taking_over else 0),
         )
         try:
             with api_errors():

@@ -1,13 +1,14 @@
-"""List and watch requests with the options an informer needs and lightkube's public API lacks.
+"""List, watch and subresource requests that lightkube's public API does not make the way we need.
 
 lightkube 1.0's ``AsyncClient.watch`` hides three things an informer must control: it does not ask for
 bookmarks (``allowWatchBookmarks``), it retries on its own from a version it tracks internally, and it
 turns a 410 into a silent restart that replays every object as ADDED. The informer needs the opposite:
 one watch request per call, bookmarks so a quiet watch still advances its resourceVersion, and a 410
-surfaced as ``Gone`` so it can relist and compute deletions. This module builds those requests with
-lightkube's request preparation and msgspec decoders (the fast path the library chose), and is the
-only place in gpufrac that touches lightkube's non-public client, so a lightkube upgrade is checked
-here.
+surfaced as ``Gone`` so it can relist and compute deletions. And ``create`` of a Binding decodes the
+answer as a Binding, but the API answers a Status, so lightkube 1.0 raises after the pod was bound.
+This module builds those requests with lightkube's request preparation and msgspec decoders (the fast
+path the library chose), and is the only place in gpufrac that touches lightkube's non-public client,
+so a lightkube upgrade is checked here.
 """
 
 from __future__ import annotations
@@ -78,6 +79,17 @@ async def list_objects(
     except ApiError as error:
         raise translate(error) from error
     return items, version
+
+
+async def post_subresource(client: AsyncClient, obj: object, *, name: str, namespace: str | None) -> None:
+    """POST ``obj`` to its subresource of ``name`` (a Binding, an Eviction); the answer is not decoded."""
+    generic = _generic(client)
+    request = generic.prepare_request("post", obj=obj, name=name, namespace=namespace)
+    request.response_type = None
+    try:
+        generic.handle_response("post", await generic.send(generic.build_adapter_request(request)), request)
+    except ApiError as error:
+        raise translate(error) from error
 
 
 async def watch_objects(

@@ -1,0 +1,122 @@
+"""Preconditioned patches, pod conditions, the Binding subresource and Events on the real API server."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from lightkube import AsyncClient
+from lightkube.models.core_v1 import Container, PodSpec
+from lightkube.models.meta_v1 import ObjectMeta
+from lightkube.resources.core_v1 import Event, Pod
+
+from gpufrac.kube.binding import bind_pod
+from gpufrac.kube.errors import Conflict, NotFound
+from gpufrac.kube.events import WARNING, EventRecorder, ObjectRef
+from gpufrac.kube.patch import set_annotations, set_pod_condition
+
+pytestmark = pytest.mark.kube
+
+
+@pytest.fixture
+def client(akube: AsyncClient) -> AsyncClient:
+    return akube
+
+
+async def new_pod(client: AsyncClient, namespace: str, name: str = "p") -> Pod:
+    return await client.create(
+        Pod(
+            metadata=ObjectMeta(name=name, namespace=namespace),
+            spec=PodSpec(containers=[Container(name="app", image="busybox")], schedulerName="nobody"),
+        )
+    )
+
+
+async def test_a_patch_on_a_stale_version_is_a_typed_conflict(client: AsyncClient, namespace: str) -> None:
+    pod = await new_pod(client, namespace)
+    stale = pod.metadata.resourceVersion
+    fresh = await set_annotations(
+        client, Pod, name="p", namespace=namespace, annotations={"a": "1"}, resource_version=stale
+    )
+    assert fresh.metadata.annotations == {"a": "1"}
+    with pytest.raises(Conflict) as raised:
+        await set_annotations(
+            client, Pod, name="p", namespace=namespace, annotations={"a": "2"}, resource_version=stale
+        )
+    assert raised.value.code == 409
+    removed = await set_annotations(
+        client, Pod, name="p", namespace=namespace, annotations={"a": None}, resource_version=None
+    )
+    assert not removed.metadata.annotations
+    with pytest.raises(NotFound):
+        await set_annotations(client, Pod, name="nope", namespace=namespace, annotations={"a": "1"})
+
+
+async def test_binding_honours_its_preconditions_and_binds_once(client: AsyncClient, namespace: str) -> None:
+    pod = await new_pod(client, namespace)
+    annotated = await set_annotations(client, Pod, name="p", namespace=namespace, annotations={"x": "y"})
+    with pytest.raises(Conflict):  # the version the binder annotated is no longer the pod's
+        await bind_pod(
+            client,
+            name="p",
+            namespace=namespace,
+            node="n1",
+            uid=pod.metadata.uid,
+            resource_version=pod.metadata.resourceVersion,
+        )
+    await bind_pod(
+        client,
+        name="p",
+        namespace=namespace,
+        node="n1",
+        uid=pod.metadata.uid,
+        resource_version=annotated.metadata.resourceVersion,
+    )
+    bound = await client.get(Pod, "p", namespace=namespace)
+    assert bound.spec.nodeName == "n1"
+    assert [(c.type, c.status) for c in bound.status.conditions] == [("PodScheduled", "True")]
+    with pytest.raises(Conflict):
+        await bind_pod(client, name="p", namespace=namespace, node="n2")
+
+
+async def test_pod_condition_is_merged_by_type(client: AsyncClient, namespace: str) -> None:
+    await new_pod(client, namespace)
+    for message in ("first", "second"):
+        await set_pod_condition(
+            client,
+            name="p",
+            namespace=namespace,
+            type="PodScheduled",
+            status="False",
+            reason="Unschedulable",
+            message=message,
+        )
+    pod = await client.get(Pod, "p", namespace=namespace)
+    assert [(c.type, c.status, c.reason, c.message) for c in pod.status.conditions] == [
+        ("PodScheduled", "False", "Unschedulable", "second")
+    ]
+
+
+async def test_repeated_events_are_aggregated_into_one_with_a_count(
+    client: AsyncClient, namespace: str
+) -> None:
+    pod = await new_pod(client, namespace)
+    recorder = EventRecorder(client=client, component="gpufrac-test", instance="t1", workers=1)
+    task = asyncio.create_task(recorder.run())
+    ref = ObjectRef(kind="Pod", namespace=namespace, name="p", uid=pod.metadata.uid)
+    try:
+        for _ in range(3):
+            recorder.emit(regarding=ref, type=WARNING, reason="FailedScheduling", message="0/3 nodes")
+        recorder.emit(regarding=ref, type=WARNING, reason="FailedScheduling", message="0/4 nodes")
+        for _ in range(200):
+            events = [e async for e in client.list(Event, namespace=namespace)]
+            if sorted((e.message, e.count) for e in events) == [("0/3 nodes", 3), ("0/4 nodes", 1)]:
+                break
+            await asyncio.sleep(0.05)
+        assert sorted((e.message, e.count) for e in events) == [("0/3 nodes", 3), ("0/4 nodes", 1)]
+        assert {(e.involvedObject.uid, e.reportingComponent, e.reportingInstance) for e in events} == {
+            (pod.metadata.uid, "gpufrac-test", "t1")
+        }
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
