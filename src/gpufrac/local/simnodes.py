@@ -23,6 +23,7 @@ from lightkube import AsyncClient, Client
 from lightkube.models.core_v1 import NodeCondition, NodeSpec, NodeStatus, Taint
 from lightkube.models.meta_v1 import ObjectMeta
 from lightkube.resources.core_v1 import Node
+from lightkube.types import PatchType
 
 from gpufrac.contract import keys
 from gpufrac.kube.errors import Conflict, api_errors
@@ -135,6 +136,22 @@ def sim_node(*, name: str, shape: NodeShape = NodeShape(), labels: dict[str, str
     )
 
 
+def _settle(wanted: Node, created: Node) -> tuple[dict[str, object] | None, dict[str, object] | None]:
+    """The patches that make a just-created node what ``wanted`` says, as a node controller would.
+
+    The API server's NodeTaint admission adds ``node.kubernetes.io/not-ready:NoSchedule`` to every new
+    Node, and no node lifecycle controller runs in the embedded cluster to take it off once the node is
+    Ready; the status may also be dropped on create. Returns (status patch, taints patch), None for none.
+    """
+    status = None
+    if not (created.status and created.status.conditions):
+        status = {"status": wanted.status.to_dict()}
+    have = [(t.key, t.value, t.effect) for t in (created.spec.taints if created.spec else None) or []]
+    want = [(t.key, t.value, t.effect) for t in wanted.spec.taints or []]
+    taints = None if have == want else {"spec": {"taints": [t.to_dict() for t in wanted.spec.taints or []]}}
+    return status, taints
+
+
 def node_names(count: int, *, prefix: str = "gpu-node-") -> list[str]:
     width = max(3, len(str(count - 1)))
     return [f"{prefix}{i:0{width}d}" for i in range(count)]
@@ -163,10 +180,12 @@ async def create_sim_nodes(
                 if error.already_exists:
                     return
                 raise
-            if not (created.status and created.status.conditions):
-                # Some API server versions drop status on create; the status subresource takes it.
-                with api_errors():
-                    await client.patch(Node.Status, name, {"status": node.status.to_dict()})
+            status_patch, taints_patch = _settle(node, created)
+            with api_errors():
+                if status_patch:
+                    await client.patch(Node.Status, name, status_patch, patch_type=PatchType.MERGE)
+                if taints_patch:
+                    await client.patch(Node, name, taints_patch, patch_type=PatchType.MERGE)
 
     await asyncio.gather(*(create(name) for name in names))
     return names
@@ -191,7 +210,10 @@ def create_sim_nodes_sync(
             if error.already_exists:
                 continue
             raise
-        if not (created.status and created.status.conditions):
-            with api_errors():
-                client.patch(Node.Status, name, {"status": node.status.to_dict()})
+        status_patch, taints_patch = _settle(node, created)
+        with api_errors():
+            if status_patch:
+                client.patch(Node.Status, name, status_patch, patch_type=PatchType.MERGE)
+            if taints_patch:
+                client.patch(Node, name, taints_patch, patch_type=PatchType.MERGE)
     return names
