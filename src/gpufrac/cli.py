@@ -38,7 +38,9 @@ def _register() -> None:
 
     app.command(name="top")(top)
 
-    _not_built("scheduler", "the gpufrac scheduler service")
+    from gpufrac.scheduler.command import scheduler
+
+    app.command(name="scheduler")(scheduler)
     from gpufrac.node.command import node_agent
 
     app.command(name="node-agent")(node_agent)

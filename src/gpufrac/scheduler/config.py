@@ -52,7 +52,10 @@ class SchedulerConfig(_Strict):
     scheduler_name: str = keys.DEFAULT_SCHEDULER_NAME
     """Pods whose ``spec.schedulerName`` equals this are ours."""
 
-    policy: str = "binpack"
+    node_selector: str = f"{keys.MANAGED_LABEL}=true"
+    """Label selector of the nodes this scheduler places on (the managed nodes; narrow it to shard)."""
+
+    policy: str = "fgd"
     """Placement policy of the engine (binpack, spread, kai, fgd, ...); a pod may override it."""
 
     mode_policy: Literal["Required", "Preferred"] = "Required"

@@ -1,0 +1,112 @@
+"""Check the cluster's GPU bookings from the API objects alone, not from any scheduler's memory.
+
+Given the managed Nodes and the Pods, this recomputes every GPU's ledger from the pods' annotations
+(the contract's parse, the same as a restarted scheduler's) and reports each broken promise: a GPU
+whose guaranteed memory exceeds its capacity, a GPU holding both compute modes or an exclusive pod next
+to others, an sm-sharing GPU over 100% compute or shared by namespaces when tenancy is per namespace, a
+device that is not on the pod's node, a device assigned twice within a pod, and a pod carrying devices
+without a node. The tests and the benchmark use it after bursts and crashes; an operator can too.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from lightkube.resources.core_v1 import Node, Pod
+
+from gpufrac.contract.errors import InvalidPodRequest
+from gpufrac.contract.request import ComputeMode
+from gpufrac.placement.demand import PPM, portion_ppm
+from gpufrac.scheduler.objects import gpu_request, node_inventory
+
+_EXCLUSIVE = "exclusive"
+
+
+@dataclass(slots=True)
+class GpuBooking:
+    node: str
+    capacity_mib: int
+    request_mib: int = 0
+    limit_mib: int = 0
+    compute_ppm: int = 0
+    modes: set[str] = field(default_factory=set)
+    namespaces: set[str] = field(default_factory=set)
+    pods: list[str] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class AuditReport:
+    gpus: dict[str, GpuBooking]
+    problems: list[str]
+    placed_pods: int
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def audit(
+    *, nodes: Iterable[Node], pods: Iterable[Pod], sm_sharing_single_tenant: bool = True
+) -> AuditReport:
+    gpus: dict[str, GpuBooking] = {}
+    for node in nodes:
+        for gpu in node_inventory(node):
+            gpus[gpu.uuid] = GpuBooking(node=node.metadata.name, capacity_mib=gpu.memory_mib)
+    problems: list[str] = []
+    placed = 0
+    for pod in pods:
+        key = f"{pod.metadata.namespace}/{pod.metadata.name}"
+        node = pod.spec.nodeName if pod.spec else None
+        try:
+            request = gpu_request(pod)
+        except InvalidPodRequest as error:
+            if node:
+                problems.append(f"bound pod {key} has an invalid GPU request: {error}")
+            continue
+        devices = [d for c in request.containers for d in c.devices]
+        if not devices:
+            continue
+        if not node:
+            problems.append(f"pod {key} carries devices {devices} but is not bound to a node")
+            continue
+        placed += 1
+        if len(set(devices)) != len(devices):
+            problems.append(f"pod {key} holds one GPU twice: {devices}")
+        for container in request.containers:
+            for name in container.devices:
+                booking = gpus.get(name.removeprefix("nvidia.com/gpu="))
+                if booking is None or booking.node != node:
+                    problems.append(f"pod {key} on {node} holds GPU {name}, which {node} does not have")
+                    continue
+                cap = booking.capacity_mib
+                booking.request_mib += container.request_mib(cap)
+                booking.limit_mib += container.limit_mib(cap)
+                booking.modes.add(_EXCLUSIVE if container.exclusive else container.mode.value)
+                if container.mode is ComputeMode.SM_SHARING and not container.exclusive:
+                    portion = container.compute_portion
+                    portion = container.compute_portion_on(cap) if portion is None else portion
+                    booking.compute_ppm += portion_ppm(portion or 0.0)
+                    booking.namespaces.add(pod.metadata.namespace)
+                booking.pods.append(key)
+    for uuid, b in gpus.items():
+        where = f"GPU {uuid} on {b.node}"
+        if b.request_mib > b.capacity_mib:
+            problems.append(f"{where} is over-committed: {b.request_mib} MiB guaranteed of {b.capacity_mib}")
+        if len(b.modes) > 1:
+            problems.append(f"{where} mixes {sorted(b.modes)}: {b.pods}")
+        if _EXCLUSIVE in b.modes and len(b.pods) > 1:
+            problems.append(f"{where} is exclusive but shared by {b.pods}")
+        if b.compute_ppm > PPM:
+            problems.append(f"{where} has {b.compute_ppm / PPM:.3f} of its compute promised")
+        if sm_sharing_single_tenant and len(b.namespaces) > 1:
+            problems.append(f"{where} is sm-shared by namespaces {sorted(b.namespaces)}")
+    return AuditReport(gpus=gpus, problems=problems, placed_pods=placed)
+
+
+def by_node(report: AuditReport) -> dict[str, list[GpuBooking]]:
+    out: dict[str, list[GpuBooking]] = defaultdict(list)
+    for booking in report.gpus.values():
+        out[booking.node].append(booking)
+    return dict(out)

@@ -1,0 +1,247 @@
+"""Bind a placed pod: binder-owned annotations first, then the Binding; undo the first if the second fails.
+
+The order is the contract's: a node agent must find the devices on the pod the moment the pod lands on
+its node, so the annotations are written first, with the resourceVersion the decision was made on (a
+pod changed since is not annotated: 409, the scheduler looks again). The Binding carries the version
+the annotation write returned, so the API server binds exactly the annotated pod.
+
+If the Binding fails, the annotations are rolled back with the same precondition, restoring what the
+pod had before (a user's explicit request is restored, a resolved one removed). A rollback that meets a
+409 reads the pod: bound means the Binding did succeed (its answer was lost), otherwise it retries on the
+fresh version, touching only keys that still hold what this binder wrote.
+
+A pod left with binder-owned keys and no node (a binder died between the two writes) is cleaned by
+``clean_stale`` before it is placed again.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import httpx2
+from lightkube import AsyncClient
+from lightkube.resources.core_v1 import Pod
+
+from gpufrac.contract import keys
+from gpufrac.contract.render import ContainerPlacement as RenderedContainer
+from gpufrac.contract.render import render_binding
+from gpufrac.contract.request import PodGpuRequest
+from gpufrac.kube.binding import bind_pod
+from gpufrac.kube.errors import Conflict, KubeError, NotFound, api_errors
+from gpufrac.kube.patch import set_annotations
+from gpufrac.placement.decision import Placement
+
+log = logging.getLogger(__name__)
+
+_ROLLBACK_ATTEMPTS = 3
+
+
+class Outcome(enum.Enum):
+    BOUND = "bound"
+    CONFLICT = "conflict"  # the pod changed under us: try again on its new version
+    GONE = "gone"  # the pod was deleted
+    BOUND_ELSEWHERE = "bound_elsewhere"  # someone else bound it
+    NOT_LEADER = "not_leader"  # the lease was lost before a write
+    FAILED = "failed"  # anything else: back off and retry
+    CLEANED = "cleaned"  # stale binder-owned keys were removed
+
+
+@dataclass(frozen=True, slots=True)
+class BindResult:
+    outcome: Outcome
+    detail: str = ""
+    error_reason: str = ""  # for the bind-errors metric: conflict, not_found, invalid, other
+
+
+def device_name(uuid: str, *, style: str) -> str:
+    return f"{keys.GPU_RESOURCE}={uuid}" if style == "cdi" else uuid
+
+
+def binding_annotations(
+    request: PodGpuRequest, placement: Placement, *, gpu_mib: Mapping[str, int], device_style: str
+) -> dict[str, str]:
+    """The contract's rendering of ``placement`` (devices named per ``device_style``)."""
+    rendered = []
+    for container in placement.containers:
+        uuids = container.uuids
+        portion = container.devices[0].compute_portion if container.devices else None
+        rendered.append(
+            RenderedContainer(
+                container=container.container,
+                devices=tuple(device_name(u, style=device_style) for u in uuids),
+                gpu_mib=min(gpu_mib[u] for u in uuids),
+                compute_portion=portion,
+            )
+        )
+    return render_binding(request, rendered)
+
+
+def stale_binding_keys(annotations: Mapping[str, str]) -> dict[str, None]:
+    """The keys a binder wrote on a pod it never bound, as a removal patch.
+
+    Devices and compute portions are binder-owned outright. A request/limit next to ``gpu-fraction`` is
+    the binder's resolution of the portion (a user cannot write both), so it goes too; explicit amounts
+    a user wrote are left (the binder rewrites them with the same MiB).
+    """
+    removal: dict[str, None] = {}
+    fraction_target = None
+    if keys.GPU_FRACTION in annotations:
+        fraction_target = annotations.get(keys.GPU_FRACTION_CONTAINER_NAME)
+    for key in annotations:
+        split = keys.split_container_key(key)
+        if split is None or split.prefix != keys.NVIDIA_CONTAINER_PREFIX:
+            continue
+        if keys.is_binder_owned(key) or (
+            keys.GPU_FRACTION in annotations
+            and split.suffix in (keys.MEMORY_REQUEST, keys.MEMORY_LIMIT)
+            and (fraction_target is None or split.container == fraction_target.strip())
+        ):
+            removal[key] = None
+    return removal
+
+
+def _error_reason(error: Exception) -> str:
+    if isinstance(error, Conflict):
+        return "conflict"
+    if isinstance(error, NotFound):
+        return "not_found"
+    if isinstance(error, KubeError) and error.code == 422:
+        return "invalid"
+    return "other"
+
+
+class Binder:
+    def __init__(self, *, client: AsyncClient, fence: Callable[[], bool], device_style: str = "uuid") -> None:
+        self._client = client
+        self._fence = fence
+        self._device_style = device_style
+
+    async def bind(
+        self, pod: Pod, *, request: PodGpuRequest, placement: Placement, gpu_mib: Mapping[str, int]
+    ) -> BindResult:
+        meta = pod.metadata
+        written = binding_annotations(request, placement, gpu_mib=gpu_mib, device_style=self._device_style)
+        before = meta.annotations or {}
+        restore: dict[str, str | None] = {key: before.get(key) for key in written}
+        if not self._fence():
+            return BindResult(Outcome.NOT_LEADER)
+        version = meta.resourceVersion
+        if written:
+            try:
+                patched = await set_annotations(
+                    self._client,
+                    Pod,
+                    name=meta.name,
+                    namespace=meta.namespace,
+                    annotations=dict(written),
+                    resource_version=meta.resourceVersion,
+                )
+            except NotFound as error:
+                return BindResult(Outcome.GONE, str(error), "not_found")
+            except Conflict as error:
+                return BindResult(Outcome.CONFLICT, str(error), "conflict")
+            except (KubeError, httpx2.HTTPError, OSError) as error:
+                return BindResult(Outcome.FAILED, f"annotating failed: {error}", _error_reason(error))
+            version = patched.metadata.resourceVersion
+        if not self._fence():
+            await self._roll_back(pod, restore=restore, written=written, version=version)
+            return BindResult(Outcome.NOT_LEADER)
+        try:
+            await bind_pod(
+                self._client,
+                name=meta.name,
+                namespace=meta.namespace,
+                node=placement.node,
+                uid=meta.uid,
+                resource_version=version,
+            )
+            return BindResult(Outcome.BOUND)
+        except NotFound as error:
+            return BindResult(Outcome.GONE, str(error), "not_found")
+        except (KubeError, httpx2.HTTPError, OSError) as error:
+            reason = _error_reason(error)
+            current = await self._roll_back(pod, restore=restore, written=written, version=version)
+            if current is not None and current.spec and current.spec.nodeName:
+                if current.spec.nodeName == placement.node and all(
+                    (current.metadata.annotations or {}).get(k) == v for k, v in written.items()
+                ):
+                    return BindResult(Outcome.BOUND)
+                return BindResult(Outcome.BOUND_ELSEWHERE, f"bound to {current.spec.nodeName}", reason)
+            outcome = Outcome.CONFLICT if isinstance(error, Conflict) else Outcome.FAILED
+            return BindResult(outcome, f"binding failed: {error}", reason)
+
+    async def _roll_back(
+        self, pod: Pod, *, restore: dict[str, str | None], written: dict[str, str], version: str | None
+    ) -> Pod | None:
+        """Undo ``written``; returns the pod as last read when that shows it bound, else None."""
+        if not written:
+            return None
+        meta = pod.metadata
+        patch = dict(restore)
+        for _ in range(_ROLLBACK_ATTEMPTS):
+            try:
+                await set_annotations(
+                    self._client,
+                    Pod,
+                    name=meta.name,
+                    namespace=meta.namespace,
+                    annotations=patch,
+                    resource_version=version,
+                )
+                return None
+            except NotFound:
+                return None
+            except Conflict:
+                pass
+            except (KubeError, httpx2.HTTPError, OSError) as error:
+                log.warning("rollback of %s/%s failed: %s", meta.namespace, meta.name, error)
+            try:
+                with api_errors():
+                    current = await self._client.get(Pod, meta.name, namespace=meta.namespace)
+            except NotFound:
+                return None
+            except (KubeError, httpx2.HTTPError, OSError) as error:
+                log.warning("rollback of %s/%s: cannot read the pod: %s", meta.namespace, meta.name, error)
+                continue
+            if current.spec and current.spec.nodeName:
+                return current
+            now = current.metadata.annotations or {}
+            patch = {k: v for k, v in restore.items() if now.get(k) == written[k]}
+            if not patch:
+                return None
+            version = current.metadata.resourceVersion
+        log.error(
+            "could not roll back the annotations of %s/%s; it is cleaned before it is placed again",
+            meta.namespace,
+            meta.name,
+        )
+        return None
+
+    async def clean_stale(self, pod: Pod) -> BindResult:
+        """Remove the keys a dead binder left on an unbound pod (at its current version)."""
+        meta = pod.metadata
+        removal = stale_binding_keys(meta.annotations or {})
+        if not removal:
+            return BindResult(Outcome.CLEANED)
+        if not self._fence():
+            return BindResult(Outcome.NOT_LEADER)
+        try:
+            await set_annotations(
+                self._client,
+                Pod,
+                name=meta.name,
+                namespace=meta.namespace,
+                annotations=dict(removal),
+                resource_version=meta.resourceVersion,
+            )
+        except NotFound as error:
+            return BindResult(Outcome.GONE, str(error), "not_found")
+        except Conflict as error:
+            return BindResult(Outcome.CONFLICT, str(error), "conflict")
+        except (KubeError, httpx2.HTTPError, OSError) as error:
+            return BindResult(Outcome.FAILED, str(error), _error_reason(error))
+        log.info("cleaned binder-owned annotations left on unbound pod %s/%s", meta.namespace, meta.name)
+        return BindResult(Outcome.CLEANED)

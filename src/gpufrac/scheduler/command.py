@@ -1,0 +1,98 @@
+"""``gpufrac scheduler``: the scheduler service as a process.
+
+The configuration file is optional; flags override it. SIGTERM and SIGINT stop the service cleanly
+(binds in flight finish, the lease is released) and the process exits 0. Losing the lease exits 1, as
+kube-scheduler does: the Deployment restarts the replica, which comes back as a standby with ledgers
+rebuilt from the API.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import typer
+
+if TYPE_CHECKING:
+    from gpufrac.scheduler.config import SchedulerConfig
+
+log = logging.getLogger("gpufrac.scheduler")
+
+
+def scheduler(
+    config: Path | None = typer.Option(None, "--config", help="Scheduler configuration file (YAML)."),
+    kubeconfig: Path | None = typer.Option(
+        None, "--kubeconfig", help="Kubeconfig (default: in-cluster, then $KUBECONFIG, then ~/.kube/config)."
+    ),
+    scheduler_name: str | None = typer.Option(None, "--scheduler-name", help="spec.schedulerName to serve."),
+    policy: str | None = typer.Option(None, "--policy", help="Placement policy (binpack, spread, kai, fgd)."),
+    http_port: int | None = typer.Option(None, "--http-port", help="Port of /healthz, /readyz, /metrics."),
+    leader_elect: bool | None = typer.Option(
+        None, "--leader-elect/--no-leader-elect", help="Take part in leader election (default: on)."
+    ),
+    lease_namespace: str | None = typer.Option(None, "--lease-namespace", help="Namespace of the Lease."),
+    identity: str | None = typer.Option(None, "--identity", help="This replica's name in the Lease."),
+    log_level: str = typer.Option("info", "--log-level"),
+    log_format: str = typer.Option("json", "--log-format", help="json or text."),
+) -> None:
+    """Run the gpufrac scheduler service."""
+    from gpufrac.scheduler.config import load_config
+    from gpufrac.scheduler.logs import configure_logging
+
+    configure_logging(component="gpufrac-scheduler", level=log_level, fmt=log_format)
+    try:
+        settings = load_config(config, scheduler_name=scheduler_name, policy=policy, http_port=http_port)
+    except (OSError, ValueError) as error:
+        typer.echo(f"gpufrac scheduler: invalid configuration: {error}", err=True)
+        raise typer.Exit(code=2) from error
+    election = settings.leader_election.model_copy(
+        update={
+            k: v
+            for k, v in {"enabled": leader_elect, "lease_namespace": lease_namespace}.items()
+            if v is not None
+        }
+    )
+    settings = settings.model_copy(update={"leader_election": election})
+    raise typer.Exit(code=asyncio.run(serve(settings=settings, kubeconfig=kubeconfig, identity=identity)))
+
+
+async def serve(*, settings: SchedulerConfig, kubeconfig: Path | None, identity: str | None) -> int:
+    """Run until SIGTERM/SIGINT (exit code 0) or a failure such as a lost lease (1)."""
+    from gpufrac.kube.client import connect
+    from gpufrac.kube.lease import LeadershipLost
+    from gpufrac.scheduler.service import build_service
+
+    client = connect(kubeconfig=kubeconfig, field_manager="gpufrac-scheduler")
+    service = build_service(client=client, config=settings, identity=identity)
+    task = asyncio.create_task(service.run(), name="scheduler")
+    loop = asyncio.get_running_loop()
+    stopping = asyncio.Event()
+
+    def stop() -> None:
+        if not stopping.is_set():
+            log.info("signal received, stopping")
+            stopping.set()
+            task.cancel()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop)
+    try:
+        await task
+        return 1
+    except asyncio.CancelledError:
+        if stopping.is_set():
+            return 0
+        raise
+    except LeadershipLost as error:
+        log.error("leadership lost, exiting: %s", error)
+        return 1
+    except Exception:
+        log.exception("scheduler failed")
+        return 1
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+        await client.close()

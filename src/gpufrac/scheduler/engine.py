@@ -1,0 +1,60 @@
+"""What the service needs from the placement engine, and the engine it gets.
+
+The engine (``gpufrac.placement.Engine``) is pure and shared with the simulator. The service only asks
+it to learn and forget nodes, place a batch (holding what it placed), book a placement it did not make
+(a bound pod seen at start-up or bound by a previous leader), let go of a pod, and show its ledgers.
+``PlacementEngine`` names exactly that, so the seam stays narrow and visible; ``build_engine`` maps the
+scheduler's configuration onto the engine's knobs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+from gpufrac.placement.decision import Decision, Placement
+from gpufrac.placement.engine import Engine
+from gpufrac.placement.filters import GpuRules
+from gpufrac.placement.model import NodeSpec, PendingPod, Queue
+from gpufrac.placement.state import GpuLedger
+from gpufrac.scheduler.config import SchedulerConfig
+
+
+class PlacementEngine(Protocol):
+    def add_node(self, spec: NodeSpec) -> None:
+        """A new node, its GPUs empty until pods are assumed on it."""
+
+    def update_node(self, spec: NodeSpec) -> list[str]:
+        """A new spec for a known node; returns the pods dropped because their GPUs are gone."""
+
+    def remove_node(self, name: str) -> list[str]:
+        """Drop a node and every pod held on it; returns those pods."""
+
+    def schedule(self, pods: Sequence[PendingPod]) -> list[Decision]:
+        """One decision per pod, in input order; every Placement returned is already held."""
+
+    def assume(self, pod: PendingPod, placement: Placement) -> Placement:
+        """Book a placement made elsewhere (a bound pod); replaces what the pod held before."""
+
+    def forget(self, uid: str) -> bool:
+        """Give back everything ``uid`` holds; False when it held nothing."""
+
+    def ledger(self, node: str) -> list[GpuLedger]:
+        """The GPUs of ``node`` as ledgers (for metrics)."""
+
+    @property
+    def node_names(self) -> list[str]: ...
+
+
+def build_engine(config: SchedulerConfig) -> PlacementEngine:
+    return Engine(
+        policy=config.policy,
+        rules=GpuRules(
+            sm_sharing_single_tenant=config.sm_sharing_tenancy == "namespace",
+            limit_overcommit=config.overcommit_cap,
+        ),
+        queues=[
+            Queue(name=q.name, gpu_memory_limit_mib=q.gpu_memory_limit_mib, deserved_share=q.deserved_share)
+            for q in config.queues
+        ],
+    )

@@ -1,0 +1,309 @@
+"""Kubernetes objects -> the engine's plain values, and bound pods -> the placements they hold.
+
+The engine sees no Kubernetes object (it is the simulator's engine too), so this module is where a Node
+becomes a ``NodeSpec`` and a Pod a ``PendingPod``, with Kubernetes' own arithmetic: a pod's host request
+is the larger of the sum of its containers and its largest init container, plus overhead; a node is
+Ready only when both the kubelet's condition and the node agent's are True (a node whose agent is not
+running cannot enforce a fraction, so it must not get one).
+
+The GPU request itself is parsed by the contract and nowhere else. A bound pod's placement is rebuilt
+from the same parse: the devices the binder wrote, and the request it resolved (or the portion
+resolved again on that GPU, for pods bound by a binder that did not write the resolved amounts).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections.abc import Mapping
+from decimal import Decimal
+
+from lightkube.resources.core_v1 import Node, Pod
+from lightkube.utils.quantity import parse_quantity
+
+from gpufrac.contract import keys
+from gpufrac.contract.parse import ContainerSpec, parse_pod
+from gpufrac.contract.request import ComputeMode, PodGpuRequest
+from gpufrac.placement.decision import ContainerPlacement, DeviceAssignment, Placement
+from gpufrac.placement.model import (
+    BOTH_MODES,
+    GPU_MODEL_LABEL,
+    GpuDevice,
+    ModePolicy,
+    NodeSelectorRequirement,
+    NodeSelectorTerm,
+    NodeSpec,
+    PendingPod,
+    SelectorOperator,
+    Taint,
+    TaintEffect,
+    Toleration,
+    TolerationOperator,
+)
+
+log = logging.getLogger(__name__)
+
+#: The node agent's capability labels (``gpufrac.io/compute-mode.<mode>: "true"|"false"``, written by
+#: ``gpufrac.node.mps.mode.NodeMpsCapability.labels``). A node without any of them is taken to enforce
+#: both modes. TODO(contract): move this prefix into ``contract.keys`` next to the other node keys.
+COMPUTE_MODE_LABEL_PREFIX = "gpufrac.io/compute-mode."
+
+
+class InvalidInventory(ValueError):
+    """A managed node's ``gpufrac.io/gpus`` annotation cannot be read."""
+
+
+# -- nodes ------------------------------------------------------------------------------------------------
+
+
+def node_inventory(node: Node) -> tuple[GpuDevice, ...]:
+    """The node's physical GPUs from ``gpufrac.io/gpus`` (a JSON list of {uuid, index, model, mib})."""
+    raw = (node.metadata.annotations or {}).get(keys.NODE_GPUS_ANNOTATION)
+    if raw is None:
+        return ()
+    try:
+        entries = json.loads(raw)
+        gpus = tuple(
+            GpuDevice(
+                uuid=str(e["uuid"]),
+                index=int(e["index"]),
+                memory_mib=int(e["mib"]),
+                model=str(e.get("model", "")),
+            )
+            for e in entries
+        )
+    except (ValueError, TypeError, KeyError) as error:
+        raise InvalidInventory(
+            f"{keys.NODE_GPUS_ANNOTATION} of node {node.metadata.name}: {error}"
+        ) from error
+    if any(g.memory_mib <= 0 for g in gpus) or len({g.uuid for g in gpus}) != len(gpus):
+        raise InvalidInventory(
+            f"{keys.NODE_GPUS_ANNOTATION} of node {node.metadata.name}: "
+            "GPUs need unique UUIDs and a positive MiB"
+        )
+    return tuple(sorted(gpus, key=lambda g: g.index))
+
+
+def _condition_true(node: Node, kind: str) -> bool:
+    conditions = (node.status.conditions if node.status else None) or []
+    return any(c.type == kind and c.status == "True" for c in conditions)
+
+
+def compute_modes(labels: Mapping[str, str]) -> frozenset[ComputeMode]:
+    """The compute modes the node says it can enforce (both, when it says nothing)."""
+    said = {m: labels.get(COMPUTE_MODE_LABEL_PREFIX + m.value) for m in ComputeMode}
+    if all(v is None for v in said.values()):
+        return BOTH_MODES
+    return frozenset(m for m, v in said.items() if v == "true")
+
+
+def _milli(value: Decimal | None) -> int:
+    return 0 if value is None else math.ceil(value * 1000)
+
+
+def _whole(value: Decimal | None) -> int:
+    return 0 if value is None else math.ceil(value)
+
+
+def node_spec(node: Node) -> NodeSpec:
+    """The engine's view of a node; a node with an unreadable inventory has no GPUs (and is logged)."""
+    meta, spec, status = node.metadata, node.spec, node.status
+    allocatable: Mapping[str, str] = (status.allocatable if status else None) or {}
+    try:
+        gpus = node_inventory(node)
+    except InvalidInventory as error:
+        log.warning("%s; the node gets no GPU pods until it is fixed", error)
+        gpus = ()
+    labels = dict(meta.labels or {})
+    model = gpus[0].model if gpus else labels.get(GPU_MODEL_LABEL, "")
+    if model and GPU_MODEL_LABEL not in labels:
+        labels[GPU_MODEL_LABEL] = model
+    taints = tuple(
+        Taint(key=t.key, value=t.value or "", effect=TaintEffect(t.effect))
+        for t in (spec.taints if spec else None) or []
+        if t.effect in TaintEffect.__members__.values()
+    )
+    return NodeSpec(
+        name=meta.name,
+        cpu_milli=_milli(parse_quantity(allocatable.get("cpu"))),
+        memory_bytes=_whole(parse_quantity(allocatable.get("memory"))),
+        max_pods=_whole(parse_quantity(allocatable.get("pods"))) if "pods" in allocatable else 110,
+        labels=labels,
+        taints=taints,
+        ready=_condition_true(node, "Ready") and _condition_true(node, keys.NODE_READY_CONDITION),
+        schedulable=not (spec and spec.unschedulable),
+        gpu_model=model,
+        gpus=gpus,
+        compute_modes=compute_modes(labels),
+    )
+
+
+# -- pods -------------------------------------------------------------------------------------------------
+
+
+def container_specs(pod: Pod) -> list[ContainerSpec]:
+    """What the contract needs of each container: its name and ``nvidia.com/gpu`` count."""
+    specs = []
+    for container in pod.spec.containers if pod.spec else []:
+        resources = container.resources
+        raw = None
+        if resources is not None:
+            raw = (resources.limits or {}).get(keys.GPU_RESOURCE) or (resources.requests or {}).get(
+                keys.GPU_RESOURCE
+            )
+        specs.append(ContainerSpec(name=container.name, gpus=_whole(parse_quantity(str(raw))) if raw else 0))
+    return specs
+
+
+def gpu_request(pod: Pod) -> PodGpuRequest:
+    """The pod's parsed GPU request; raises the contract's ``InvalidPodRequest``."""
+    return parse_pod(pod.metadata.annotations or {}, container_specs(pod))
+
+
+def host_request(pod: Pod) -> tuple[int, int]:
+    """(cpu milli, memory bytes) the pod takes on its node, as kube-scheduler computes it."""
+    spec = pod.spec
+    if spec is None:
+        return 0, 0
+
+    def requests(container: object) -> tuple[int, int]:
+        resources = container.resources  # type: ignore[attr-defined]
+        req = (resources.requests if resources else None) or {}
+        return _milli(parse_quantity(req.get("cpu"))), _whole(parse_quantity(req.get("memory")))
+
+    cpu = mem = 0
+    for container in spec.containers:
+        c, m = requests(container)
+        cpu, mem = cpu + c, mem + m
+    for container in spec.initContainers or []:
+        c, m = requests(container)
+        cpu, mem = max(cpu, c), max(mem, m)
+    overhead = spec.overhead or {}
+    cpu += _milli(parse_quantity(overhead.get("cpu")))
+    mem += _whole(parse_quantity(overhead.get("memory")))
+    return cpu, mem
+
+
+def pod_queue(pod: Pod, *, default: str) -> str:
+    labels = pod.metadata.labels or {}
+    return labels.get(keys.QUEUE_LABEL) or labels.get(keys.KAI_QUEUE_LABEL) or default
+
+
+#: Managed nodes are tainted to keep OTHER schedulers off; pods of this scheduler tolerate the taint
+#: implicitly (the webhook also adds the toleration, but a pod must not become unschedulable on our own
+#: nodes because the webhook was bypassed or down).
+_OWN_TAINT = Toleration(
+    key=keys.MANAGED_TAINT_KEY,
+    operator=TolerationOperator.EXISTS,
+    effect=TaintEffect(keys.MANAGED_TAINT_EFFECT),
+)
+
+
+def _tolerations(pod: Pod) -> tuple[Toleration, ...]:
+    out = [_OWN_TAINT]
+    for t in (pod.spec.tolerations if pod.spec else None) or []:
+        effect = TaintEffect(t.effect) if t.effect in TaintEffect.__members__.values() else None
+        if t.effect and effect is None:
+            continue
+        operator = TolerationOperator.EXISTS if t.operator == "Exists" else TolerationOperator.EQUAL
+        out.append(Toleration(key=t.key or "", operator=operator, value=t.value or "", effect=effect))
+    return tuple(out)
+
+
+def _affinity(pod: Pod) -> tuple[NodeSelectorTerm, ...]:
+    affinity = pod.spec.affinity if pod.spec else None
+    required = (
+        affinity.nodeAffinity.requiredDuringSchedulingIgnoredDuringExecution
+        if (affinity and affinity.nodeAffinity)
+        else None
+    )
+    if required is None:
+        return ()
+    terms = []
+    for term in required.nodeSelectorTerms:
+        expressions = [
+            NodeSelectorRequirement(
+                key=e.key, operator=SelectorOperator(e.operator), values=tuple(e.values or ())
+            )
+            for e in term.matchExpressions or []
+        ]
+        # matchFields can only select metadata.name; the engine matches labels, so use the hostname label.
+        expressions += [
+            NodeSelectorRequirement(
+                key="kubernetes.io/hostname",
+                operator=SelectorOperator(e.operator),
+                values=tuple(e.values or ()),
+            )
+            for e in term.matchFields or []
+            if e.key == "metadata.name"
+        ]
+        terms.append(NodeSelectorTerm(match_expressions=tuple(expressions)))
+    return tuple(terms)
+
+
+def pending_pod(
+    pod: Pod, *, gpu: PodGpuRequest, arrival: int, default_queue: str, mode_policy: ModePolicy
+) -> PendingPod:
+    cpu, mem = host_request(pod)
+    meta = pod.metadata
+    return PendingPod(
+        namespace=meta.namespace,
+        name=meta.name,
+        uid=meta.uid,
+        gpu=gpu,
+        cpu_milli=cpu,
+        memory_bytes=mem,
+        node_selector=dict((pod.spec.nodeSelector if pod.spec else None) or {}),
+        affinity=_affinity(pod),
+        tolerations=_tolerations(pod),
+        priority=(pod.spec.priority if pod.spec else None) or 0,
+        queue=pod_queue(pod, default=default_queue),
+        arrival=arrival,
+        mode_policy=mode_policy,
+    )
+
+
+# -- bound pods -------------------------------------------------------------------------------------------
+
+
+def bound_placement(pod: Pod, *, gpu: PodGpuRequest, gpus_by_uuid: Mapping[str, GpuDevice]) -> Placement:
+    """What a bound pod holds, from its parsed annotations; devices unknown to the node are skipped."""
+    node = pod.spec.nodeName if pod.spec else ""
+    containers = []
+    for request in gpu.containers:
+        devices = []
+        for name in request.devices:
+            device = gpus_by_uuid.get(name.removeprefix("nvidia.com/gpu="))
+            if device is None:
+                log.warning(
+                    "pod %s/%s holds GPU %s which node %s does not publish; not counted",
+                    pod.metadata.namespace,
+                    pod.metadata.name,
+                    name,
+                    node,
+                )
+                continue
+            mib = device.memory_mib
+            portion = request.compute_portion
+            if portion is None:
+                portion = request.compute_portion_on(mib)
+            devices.append(
+                DeviceAssignment(
+                    uuid=device.uuid,
+                    index=device.index,
+                    request_mib=request.request_mib(mib),
+                    limit_mib=request.limit_mib(mib),
+                    compute_portion=portion,
+                )
+            )
+        if devices:
+            containers.append(
+                ContainerPlacement(
+                    container=request.container,
+                    mode=request.mode,
+                    exclusive=request.exclusive,
+                    devices=tuple(devices),
+                )
+            )
+    return Placement(pod_uid=pod.metadata.uid, node=node or "", containers=tuple(containers))

@@ -1,0 +1,242 @@
+"""What the scheduler's tests against the real control plane share: pools of simulated nodes, pods, waiting.
+
+Every test gets its own node pool (a label the scheduler's node selector requires), its own scheduler
+name, namespace and Lease, so tests never see each other's nodes or pods on the shared control plane.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+from lightkube import AsyncClient
+from lightkube.resources.core_v1 import Event, Node, Pod
+
+from gpufrac.contract import keys
+from gpufrac.local.simnodes import NodeShape, create_sim_nodes
+from gpufrac.scheduler.audit import AuditReport, audit
+from gpufrac.scheduler.config import SchedulerConfig
+from gpufrac.scheduler.service import SchedulerService, build_service
+
+POOL_LABEL = "gpufrac.io/test-pool"
+
+
+@dataclass(frozen=True)
+class Pool:
+    """One test's world: its nodes, its scheduler name and Lease, its namespace."""
+
+    id: str
+    namespace: str
+
+    @property
+    def scheduler_name(self) -> str:
+        return f"sched-{self.id}"
+
+    @property
+    def node_selector(self) -> str:
+        return f"{keys.MANAGED_LABEL}=true,{POOL_LABEL}={self.id}"
+
+    def config(self, **overrides: Any) -> SchedulerConfig:
+        data: dict[str, Any] = {
+            "scheduler_name": self.scheduler_name,
+            "node_selector": self.node_selector,
+            "http_host": "127.0.0.1",
+            "http_port": 0,
+            "batch_window_ms": 5,
+            "backoff_initial_s": 0.1,
+            "backoff_max_s": 2.0,
+            "leader_election": {
+                "lease_name": f"lease-{self.id}",
+                "lease_namespace": "default",
+                "lease_duration_s": 6.0,
+                "renew_deadline_s": 4.0,
+                "retry_period_s": 0.5,
+            },
+        }
+        data.update(overrides)
+        return SchedulerConfig.model_validate(data)
+
+
+def new_pool() -> Pool:
+    pid = uuid.uuid4().hex[:8]
+    return Pool(id=pid, namespace=f"ns-{pid}")
+
+
+async def add_nodes(
+    client: AsyncClient, pool: Pool, *, count: int, shape: NodeShape = NodeShape(), prefix: str = "n"
+) -> list[str]:
+    return await create_sim_nodes(
+        client, count=count, shape=shape, prefix=f"{pool.id}-{prefix}-", labels={POOL_LABEL: pool.id}
+    )
+
+
+async def delete_nodes(client: AsyncClient, pool: Pool) -> None:
+    async for node in client.list(Node, labels={POOL_LABEL: pool.id}):
+        with contextlib.suppress(Exception):
+            await client.delete(Node, node.metadata.name)
+
+
+def gpu_pod(
+    pool: Pool,
+    name: str,
+    annotations: dict[str, str] | None = None,
+    *,
+    namespace: str | None = None,
+    containers: Iterable[str] = ("app",),
+    labels: dict[str, str] | None = None,
+    whole_gpus: int = 0,
+) -> Pod:
+    body: dict[str, Any] = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": name,
+            "namespace": namespace or pool.namespace,
+            "annotations": annotations or {},
+            "labels": labels or {},
+        },
+        "spec": {
+            "schedulerName": pool.scheduler_name,
+            "containers": [
+                {
+                    "name": c,
+                    "image": "busybox",
+                    "resources": {"requests": {"cpu": "100m", "memory": "128Mi"}}
+                    | ({"limits": {keys.GPU_RESOURCE: str(whole_gpus)}} if whole_gpus else {}),
+                }
+                for c in containers
+            ],
+        },
+    }
+    return Pod.from_dict(body)
+
+
+async def pods_of(client: AsyncClient, namespace: str) -> list[Pod]:
+    return [p async for p in client.list(Pod, namespace=namespace)]
+
+
+async def nodes_of(client: AsyncClient, pool: Pool) -> list[Node]:
+    return [n async for n in client.list(Node, labels={POOL_LABEL: pool.id})]
+
+
+async def audit_pool(client: AsyncClient, pool: Pool, namespaces: Iterable[str] = ()) -> AuditReport:
+    pods: list[Pod] = []
+    for ns in {pool.namespace, *namespaces}:
+        pods += await pods_of(client, ns)
+    return audit(nodes=await nodes_of(client, pool), pods=pods)
+
+
+async def scheduled_events(client: AsyncClient, namespace: str) -> list[Event]:
+    return [
+        e
+        async for e in client.list(Event, namespace=namespace)
+        if e.reason == "Scheduled" and e.reportingComponent == "gpufrac-scheduler"
+    ]
+
+
+async def wait_for(
+    check: Callable[[], Awaitable[bool]], *, timeout: float, interval: float = 0.1, what: str = "condition"
+) -> None:
+    deadline = time.monotonic() + timeout
+    while not await check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} not reached within {timeout:.0f}s")
+        await asyncio.sleep(interval)
+
+
+async def wait_bound(client: AsyncClient, namespace: str, count: int, *, timeout: float) -> list[Pod]:
+    pods: list[Pod] = []
+
+    async def all_bound() -> bool:
+        nonlocal pods
+        pods = await pods_of(client, namespace)
+        return sum(1 for p in pods if p.spec.nodeName) >= count
+
+    await wait_for(all_bound, timeout=timeout, interval=0.25, what=f"{count} pods bound in {namespace}")
+    return pods
+
+
+def condition(pod: Pod, kind: str = "PodScheduled") -> tuple[str | None, str | None, str | None]:
+    for c in (pod.status.conditions if pod.status else None) or []:
+        if c.type == kind:
+            return c.status, c.reason, c.message
+    return None, None, None
+
+
+@contextlib.asynccontextmanager
+async def running(
+    client: AsyncClient, config: SchedulerConfig, *, identity: str | None = None, wait: bool = True
+) -> AsyncIterator[SchedulerService]:
+    """An in-process scheduler service; stopped (and checked to stop) on exit."""
+    service = build_service(client=client, config=config, identity=identity)
+    task = asyncio.create_task(service.run(), name=f"scheduler-{service.identity}")
+    try:
+        if wait:
+            await service.wait_scheduling(timeout=30)
+        yield service
+    finally:
+        task.cancel()
+        results = await asyncio.gather(task, return_exceptions=True)
+        assert isinstance(results[0], asyncio.CancelledError), f"scheduler ended with {results[0]!r}"
+
+
+class SchedulerProcess:
+    """``gpufrac scheduler`` as a real process, as a Deployment would run it."""
+
+    def __init__(self, *, kubeconfig: Path, config: SchedulerConfig, workdir: Path, identity: str) -> None:
+        self.identity = identity
+        self.config_path = workdir / f"scheduler-{identity}.yaml"
+        self.log_path = workdir / f"scheduler-{identity}.log"
+        self.config_path.write_text(yaml.safe_dump(config.model_dump(mode="json")))
+        self._argv = [
+            sys.executable,
+            "-m",
+            "gpufrac",
+            "scheduler",
+            "--config",
+            str(self.config_path),
+            "--kubeconfig",
+            str(kubeconfig),
+            "--identity",
+            identity,
+            "--log-format",
+            "text",
+        ]
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> SchedulerProcess:
+        with self.log_path.open("ab") as log:
+            self.process = subprocess.Popen(
+                self._argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+            )
+        return self
+
+    def kill(self) -> None:
+        assert self.process is not None
+        self.process.send_signal(signal.SIGKILL)
+        self.process.wait(timeout=10)
+
+    def terminate(self, timeout: float = 20) -> int:
+        assert self.process is not None
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        return self.process.wait(timeout=timeout)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop_quietly(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(timeout=10)

@@ -1,0 +1,256 @@
+"""Kubernetes objects as the engine sees them, and bound pods booked back from their annotations.
+
+These are the conversions a restart depends on: a pod bound with the annotations the binder writes must
+be booked with exactly the MiB, devices and compute portion it was placed with.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from lightkube.resources.core_v1 import Node, Pod
+
+from gpufrac.contract import keys
+from gpufrac.contract.request import ComputeMode
+from gpufrac.local.simnodes import NodeShape, gpu_uuid, sim_node
+from gpufrac.placement.decision import ContainerPlacement, DeviceAssignment, Placement
+from gpufrac.placement.model import ModePolicy, TaintEffect
+from gpufrac.scheduler.binder import binding_annotations, stale_binding_keys
+from gpufrac.scheduler.objects import (
+    InvalidInventory,
+    bound_placement,
+    gpu_request,
+    host_request,
+    node_inventory,
+    node_spec,
+    pending_pod,
+)
+
+H100 = 81559
+
+
+def pod(
+    *,
+    annotations: dict[str, str] | None = None,
+    containers: list[dict[str, Any]] | None = None,
+    init: list[dict[str, Any]] | None = None,
+    node: str | None = None,
+    **spec: Any,
+) -> Pod:
+    body: dict[str, Any] = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "p", "namespace": "team-a", "uid": "uid-1", "annotations": annotations or {}},
+        "spec": {"containers": containers or [{"name": "app"}], **spec},
+    }
+    if init:
+        body["spec"]["initContainers"] = init
+    if node:
+        body["spec"]["nodeName"] = node
+    return Pod.from_dict(body)
+
+
+def test_simulated_node_is_a_ready_managed_gpu_node() -> None:
+    spec = node_spec(sim_node(name="n1", shape=NodeShape(gpus=4, model="H100-80GB")))
+    assert spec.ready and spec.schedulable
+    assert [g.memory_mib for g in spec.gpus] == [H100] * 4
+    assert [g.uuid for g in spec.gpus] == [gpu_uuid("n1", i) for i in range(4)]
+    assert spec.gpu_model == "H100-80GB"
+    assert spec.cpu_milli == 128_000 and spec.memory_bytes == 1024 * 2**30 and spec.max_pods == 250
+    assert [(t.key, t.effect) for t in spec.taints] == [(keys.MANAGED_TAINT_KEY, TaintEffect.NO_SCHEDULE)]
+
+
+def test_node_without_a_ready_node_agent_is_not_ready() -> None:
+    node = sim_node(name="n1")
+    node.status.conditions = [c for c in node.status.conditions if c.type != keys.NODE_READY_CONDITION]
+    assert not node_spec(node).ready
+
+
+def test_unreadable_inventory_is_reported_and_the_node_gets_no_gpus() -> None:
+    node = sim_node(name="n1")
+    node.metadata.annotations[keys.NODE_GPUS_ANNOTATION] = '[{"uuid": "GPU-1"}]'
+    with pytest.raises(InvalidInventory, match=r"gpufrac\.io/gpus of node n1"):
+        node_inventory(node)
+    assert node_spec(node).gpus == ()
+
+
+def test_duplicate_gpu_uuids_are_rejected() -> None:
+    node = Node.from_dict(
+        {
+            "metadata": {
+                "name": "n1",
+                "annotations": {
+                    keys.NODE_GPUS_ANNOTATION: json.dumps(
+                        [{"uuid": "GPU-1", "index": i, "model": "x", "mib": 100} for i in range(2)]
+                    )
+                },
+            }
+        }
+    )
+    with pytest.raises(InvalidInventory, match="unique"):
+        node_inventory(node)
+
+
+def test_host_request_is_the_larger_of_containers_and_init_plus_overhead() -> None:
+    p = pod(
+        containers=[
+            {"name": "a", "resources": {"requests": {"cpu": "500m", "memory": "1Gi"}}},
+            {"name": "b", "resources": {"requests": {"cpu": "1", "memory": "512Mi"}}},
+        ],
+        init=[{"name": "i", "resources": {"requests": {"cpu": "2", "memory": "1Mi"}}}],
+        overhead={"cpu": "100m", "memory": "1Mi"},
+    )
+    assert host_request(p) == (2100, (1024 + 512 + 1) * 2**20)
+
+
+def test_pending_pod_carries_constraints_and_queue() -> None:
+    p = pod(
+        annotations={"gpu-fraction": "0.5"},
+        nodeSelector={"zone": "a"},
+        tolerations=[{"key": keys.MANAGED_TAINT_KEY, "operator": "Exists", "effect": "NoSchedule"}],
+        affinity={
+            "nodeAffinity": {
+                "requiredDuringSchedulingIgnoredDuringExecution": {
+                    "nodeSelectorTerms": [
+                        {
+                            "matchExpressions": [
+                                {"key": "gpufrac.io/gpu-model", "operator": "In", "values": ["H100"]}
+                            ]
+                        }
+                    ]
+                }
+            }
+        },
+        priority=7,
+    )
+    p.metadata.labels = {keys.KAI_QUEUE_LABEL: "research"}
+    pending = pending_pod(
+        p, gpu=gpu_request(p), arrival=3, default_queue="default", mode_policy=ModePolicy.REQUIRED
+    )
+    assert pending.queue == "research" and pending.priority == 7 and pending.arrival == 3
+    assert dict(pending.node_selector) == {"zone": "a"}
+    assert [t.key for t in pending.tolerations].count(keys.MANAGED_TAINT_KEY) == 2
+    assert pending.affinity[0].match_expressions[0].values == ("H100",)
+    assert pending.gpu.containers[0].request.portion == 0.5
+
+
+@pytest.mark.parametrize(
+    "annotations",
+    [
+        {"gpu-fraction": "0.5", "gpu-fraction.limit": "0.8", "gpu-fraction-num-devices": "2"},
+        {
+            "nvidia.com/container.app.gpu-memory.request": "40Gi",
+            "nvidia.com/container.app.gpu-memory.limit": "60Gi",
+            "nvidia.com/container.app.gpu-compute.mode": "sm-sharing",
+            "gpu-fraction-num-devices": "4",
+        },
+        {"gpu-memory": "10240"},
+    ],
+    ids=["fraction", "sm-sharing", "legacy-mib"],
+)
+def test_a_bound_pod_is_booked_with_what_it_was_placed_with(annotations: dict[str, str]) -> None:
+    pending = pod(annotations=annotations)
+    request = gpu_request(pending)
+    count = request.containers[0].device_count
+    uuids = [gpu_uuid("n1", i) for i in range(count)]
+    c = request.containers[0]
+    placed = Placement(
+        pod_uid="uid-1",
+        node="n1",
+        containers=(
+            ContainerPlacement(
+                container="app",
+                mode=c.mode,
+                exclusive=False,
+                devices=tuple(
+                    DeviceAssignment(
+                        uuid=u,
+                        index=i,
+                        request_mib=c.request_mib(H100),
+                        limit_mib=c.limit_mib(H100),
+                        compute_portion=c.compute_portion_on(H100),
+                    )
+                    for i, u in enumerate(uuids)
+                ),
+            ),
+        ),
+    )
+    written = binding_annotations(request, placed, gpu_mib=dict.fromkeys(uuids, H100), device_style="uuid")
+    bound = pod(annotations={**annotations, **written}, node="n1")
+    inventory = {g.uuid: g for g in node_spec(sim_node(name="n1")).gpus}
+    assert bound_placement(bound, gpu=gpu_request(bound), gpus_by_uuid=inventory) == placed
+
+
+def test_cleaning_a_pod_a_dead_binder_annotated_restores_its_request() -> None:
+    original = {"gpu-fraction": "0.25", "nvidia.com/container.app.gpu-compute.mode": "sm-sharing"}
+    request = gpu_request(pod(annotations=original))
+    c = request.containers[0]
+    u = gpu_uuid("n1", 0)
+    placed = Placement(
+        pod_uid="uid-1",
+        node="n1",
+        containers=(
+            ContainerPlacement(
+                container="app",
+                mode=ComputeMode.SM_SHARING,
+                exclusive=False,
+                devices=(DeviceAssignment(u, 0, c.request_mib(H100), c.limit_mib(H100), 0.25),),
+            ),
+        ),
+    )
+    written = binding_annotations(request, placed, gpu_mib={u: H100}, device_style="uuid")
+    left_behind = {**original, **written}
+    removal = stale_binding_keys(left_behind)
+    cleaned = {k: v for k, v in left_behind.items() if k not in removal}
+    assert cleaned == original
+    assert gpu_request(pod(annotations=cleaned)) == request
+
+
+def test_a_user_written_explicit_request_survives_cleaning() -> None:
+    original = {"nvidia.com/container.app.gpu-memory.request": "10Gi"}
+    left_behind = {**original, keys.devices_key("app"): gpu_uuid("n1", 0)}
+    assert stale_binding_keys(left_behind) == {keys.devices_key("app"): None}
+
+
+def test_cdi_device_names_are_booked_by_uuid() -> None:
+    annotations = {"gpu-memory": "1024"}
+    request = gpu_request(pod(annotations=annotations))
+    u = gpu_uuid("n1", 3)
+    placed = Placement(
+        pod_uid="uid-1",
+        node="n1",
+        containers=(
+            ContainerPlacement(
+                container="app",
+                mode=ComputeMode.TIME_SLICING,
+                exclusive=False,
+                devices=(DeviceAssignment(u, 3, 1024, 1024, None),),
+            ),
+        ),
+    )
+    written = binding_annotations(request, placed, gpu_mib={u: H100}, device_style="cdi")
+    assert written[keys.devices_key("app")] == f"nvidia.com/gpu={u}"
+    bound = pod(annotations={**annotations, **written}, node="n1")
+    inventory = {g.uuid: g for g in node_spec(sim_node(name="n1")).gpus}
+    assert bound_placement(bound, gpu=gpu_request(bound), gpus_by_uuid=inventory) == placed
+
+
+def test_a_node_offers_only_the_compute_modes_its_agent_can_enforce() -> None:
+    node = sim_node(name="n1")
+    assert node_spec(node).compute_modes == {ComputeMode.TIME_SLICING, ComputeMode.SM_SHARING}
+    node.metadata.labels["gpufrac.io/compute-mode.time-slicing"] = "false"  # classic MPS: r580 driver
+    assert node_spec(node).compute_modes == {ComputeMode.SM_SHARING}
+    for mode in ComputeMode:
+        del node.metadata.labels[f"gpufrac.io/compute-mode.{mode.value}"]
+    assert node_spec(node).compute_modes == {ComputeMode.TIME_SLICING, ComputeMode.SM_SHARING}
+
+
+def test_our_pods_tolerate_the_managed_taint_even_without_the_webhook() -> None:
+    p = pod(annotations={"gpu-fraction": "0.5"})
+    pending = pending_pod(
+        p, gpu=gpu_request(p), arrival=1, default_queue="default", mode_policy=ModePolicy.REQUIRED
+    )
+    taint = node_spec(sim_node(name="n1")).taints[0]
+    assert any(t.tolerates(taint) for t in pending.tolerations)

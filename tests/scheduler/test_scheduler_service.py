@@ -1,0 +1,285 @@
+"""The scheduler service in-process against the real API server: what a user sees on pods and nodes.
+
+Every check reads the API objects (annotations, conditions, Events, the binding), never the scheduler's
+memory, except where the test compares the two (metrics against the audit).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from pathlib import Path
+
+import httpx2
+import pytest
+import yaml
+from lightkube import AsyncClient
+from lightkube.models.meta_v1 import ObjectMeta
+from lightkube.resources.core_v1 import Event, Namespace, Pod
+from prometheus_client.parser import text_string_to_metric_families
+from sched_harness import (
+    Pool,
+    add_nodes,
+    audit_pool,
+    condition,
+    gpu_pod,
+    nodes_of,
+    pods_of,
+    running,
+    scheduled_events,
+    wait_bound,
+    wait_for,
+)
+
+from gpufrac.contract import keys
+from gpufrac.contract.errors import InvalidPodRequest
+from gpufrac.contract.parse import ContainerSpec, parse_pod
+from gpufrac.kube.patch import set_annotations
+from gpufrac.local.simnodes import GPU_MODELS, NodeShape
+from gpufrac.placement.decision import ContainerPlacement, DeviceAssignment, Placement
+from gpufrac.scheduler.binder import binding_annotations
+from gpufrac.scheduler.objects import gpu_request, node_inventory
+
+pytestmark = pytest.mark.kube
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+H100 = GPU_MODELS["H100-80GB"]
+
+
+def example(pool: Pool, file: str) -> Pod:
+    body = yaml.safe_load((EXAMPLES / file).read_text())
+    body["metadata"]["namespace"] = pool.namespace
+    body["spec"]["schedulerName"] = pool.scheduler_name
+    return Pod.from_dict(body)
+
+
+async def scrape(port: int) -> str:
+    async with httpx2.AsyncClient() as http:
+        return (await http.get(f"http://127.0.0.1:{port}/metrics")).text
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """The value of the sample ``name`` whose labels include ``labels``."""
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and labels.items() <= sample.labels.items():
+                return float(sample.value)
+    raise AssertionError(f"{name}{labels} not in the metrics")
+
+
+def allocated(text: str, *, node: str, gpu: str) -> float:
+    """The exported guaranteed MiB on one GPU."""
+    return metric(text, "gpufrac_scheduler_gpu_memory_allocated_mib", node=node, gpu=gpu)
+
+
+async def test_reference_examples_are_bound_with_the_contract_annotations(
+    client: AsyncClient, pool: Pool
+) -> None:
+    await add_nodes(client, pool, count=2)
+    async with running(client, pool.config()) as service:
+        await client.create(example(pool, "inference-sm-sharing.yaml"))
+        await client.create(example(pool, "notebook-time-slicing.yaml"))
+        pods = {p.metadata.name: p for p in await wait_bound(client, pool.namespace, 2, timeout=30)}
+        nodes = {n.metadata.name: n for n in await nodes_of(client, pool)}
+
+        inference = pods["inference"].metadata.annotations
+        inference_gpus = inference[keys.devices_key("app")].split(",")
+        on_node = {g.uuid for g in node_inventory(nodes[pods["inference"].spec.nodeName])}
+        assert len(set(inference_gpus)) == 4 and set(inference_gpus) <= on_node
+        assert inference[keys.memory_request_key("app")] == "40960Mi"
+        assert inference[keys.memory_limit_key("app")] == "61440Mi"
+        assert float(inference[keys.compute_portion_key("app")]) == pytest.approx(40960 / H100, abs=1e-6)
+
+        notebook = pods["notebook"].metadata.annotations
+        notebook_gpus = notebook[keys.devices_key("app")].split(",")
+        assert len(set(notebook_gpus)) == 2
+        assert notebook[keys.memory_request_key("app")] == f"{math.floor(0.5 * H100)}Mi"
+        assert notebook[keys.memory_limit_key("app")] == f"{math.floor(0.8 * H100)}Mi"
+        assert keys.compute_portion_key("app") not in notebook  # time-slicing reserves no compute
+        assert not set(notebook_gpus) & set(inference_gpus)  # modes never share a GPU
+
+        for pod in pods.values():
+            assert condition(pod)[0] == "True"
+        events = await scheduled_events(client, pool.namespace)
+        assert sorted(e.involvedObject.name for e in events) == ["inference", "notebook"]
+        assert all(e.message.startswith(f"Successfully assigned {pool.namespace}/") for e in events)
+
+        text = await scrape(service.probe_port)
+        assert metric(text, "gpufrac_scheduler_schedule_attempts_total", result="scheduled") == 2
+        assert allocated(text, node=pods["inference"].spec.nodeName, gpu=inference_gpus[0]) == 40960
+    assert (await audit_pool(client, pool)).ok
+
+
+async def test_an_unschedulable_pod_says_why_and_is_placed_when_a_node_that_fits_arrives(
+    client: AsyncClient, pool: Pool
+) -> None:
+    await add_nodes(client, pool, count=1)
+    async with running(client, pool.config()):
+        await client.create(gpu_pod(pool, "big", {keys.memory_request_key("app"): "100Gi"}))
+
+        async def reported() -> bool:
+            pod = await client.get(Pod, "big", namespace=pool.namespace)
+            return condition(pod)[0] == "False"
+
+        await wait_for(reported, timeout=20, what="PodScheduled=False")
+        pod = await client.get(Pod, "big", namespace=pool.namespace)
+        assert condition(pod) == (
+            "False",
+            "Unschedulable",
+            "0/1 nodes are available: 1 insufficient GPU memory.",
+        )
+        events = [
+            e async for e in client.list(Event, namespace=pool.namespace) if e.reason == "FailedScheduling"
+        ]
+        assert [(e.type, e.message) for e in events] == [
+            ("Warning", "0/1 nodes are available: 1 insufficient GPU memory.")
+        ]
+
+        await add_nodes(client, pool, count=1, shape=NodeShape(gpus=1, model="H200-141GB"), prefix="big")
+        pods = await wait_bound(client, pool.namespace, 1, timeout=20)
+        assert pods[0].spec.nodeName.startswith(f"{pool.id}-big-")
+        assert condition(pods[0])[0] == "True"
+
+
+async def test_an_invalid_pod_that_slipped_past_admission_is_reported_not_fatal(
+    client: AsyncClient, pool: Pool
+) -> None:
+    await add_nodes(client, pool, count=1)
+    bad = {"gpu-fraction": "1.5"}
+    with pytest.raises(InvalidPodRequest) as contract:
+        parse_pod(bad, [ContainerSpec(name="app")])
+    async with running(client, pool.config()):
+        await client.create(gpu_pod(pool, "bad", bad))
+        await client.create(gpu_pod(pool, "good", {"gpu-fraction": "0.5"}))
+        await wait_bound(client, pool.namespace, 1, timeout=20)
+
+        async def reported() -> bool:
+            pod = await client.get(Pod, "bad", namespace=pool.namespace)
+            return condition(pod)[0] == "False"
+
+        await wait_for(reported, timeout=20, what="bad pod reported")
+        pod = await client.get(Pod, "bad", namespace=pool.namespace)
+        assert condition(pod) == ("False", "Unschedulable", str(contract.value))
+        assert not pod.spec.nodeName
+
+        # The user fixes the pod (as an operator would with kubectl annotate): it is placed.
+        await set_annotations(
+            client, Pod, name="bad", namespace=pool.namespace, annotations={"gpu-fraction": "0.4"}
+        )
+        pods = await wait_bound(client, pool.namespace, 2, timeout=20)
+        assert all(p.spec.nodeName for p in pods)
+
+
+async def test_a_restart_rebuilds_the_ledgers_and_cleans_a_half_bound_pod(
+    client: AsyncClient, pool: Pool
+) -> None:
+    (node,) = await add_nodes(client, pool, count=1, shape=NodeShape(gpus=2))
+    half = {"gpu-fraction": "0.5"}
+    async with running(client, pool.config()):
+        for name in ("a1", "a2"):
+            await client.create(gpu_pod(pool, name, half))
+        await wait_bound(client, pool.namespace, 2, timeout=20)
+
+    # While no scheduler runs, a binder dies between its two writes: devices annotated, no node.
+    orphan = await client.create(gpu_pod(pool, "orphan", half))
+    request = gpu_request(orphan)
+    nodes = await nodes_of(client, pool)
+    free_gpu = sorted(g.uuid for g in node_inventory(nodes[0]))[0]
+    c = request.containers[0]
+    stale = binding_annotations(
+        request,
+        Placement(
+            pod_uid=orphan.metadata.uid,
+            node=node,
+            containers=(
+                ContainerPlacement(
+                    "app",
+                    c.mode,
+                    False,
+                    (DeviceAssignment(free_gpu, 0, c.request_mib(H100), c.limit_mib(H100), None),),
+                ),
+            ),
+        ),
+        gpu_mib={free_gpu: H100},
+        device_style="uuid",
+    )
+    await set_annotations(client, Pod, name="orphan", namespace=pool.namespace, annotations=dict(stale))
+
+    async with running(client, pool.config()) as service:
+        for name in ("b1", "b2", "b3"):
+            await client.create(gpu_pod(pool, name, half))
+        # 2 GPUs hold 4 halves: a1 and a2 keep theirs, two of the four newcomers get the rest.
+        await wait_bound(client, pool.namespace, 4, timeout=30)
+
+        async def settled() -> bool:
+            pods = await pods_of(client, pool.namespace)
+            return all(p.spec.nodeName or condition(p)[0] == "False" for p in pods)
+
+        await wait_for(settled, timeout=20, what="every pod bound or reported")
+        pods = {p.metadata.name: p for p in await pods_of(client, pool.namespace)}
+        assert pods["a1"].spec.nodeName == node and pods["a2"].spec.nodeName == node
+        assert sum(1 for p in pods.values() if p.spec.nodeName) == 4
+        for p in pods.values():
+            if not p.spec.nodeName:
+                assert keys.devices_key("app") not in (p.metadata.annotations or {})
+                assert condition(p)[2] == "0/1 nodes are available: 1 insufficient GPU memory."
+        assert service.bound_total == 2
+    report = await audit_pool(client, pool)
+    assert report.ok, report.problems
+    assert report.placed_pods == 4
+
+
+def mixed_pod(pool: Pool, i: int, namespace: str) -> Pod:
+    kind = i % 20
+    annotations: dict[str, str]
+    whole = 0
+    if kind < 8:
+        annotations = {"gpu-fraction": "0.25"}
+    elif kind < 12:
+        annotations = {"gpu-memory": "8192"}
+    elif kind < 16:
+        annotations = {
+            keys.memory_request_key("app"): "10Gi",
+            keys.memory_limit_key("app"): "20Gi",
+            keys.compute_mode_key("app"): "sm-sharing",
+        }
+    elif kind < 18:
+        annotations = {"gpu-fraction": "0.25", "gpu-fraction-num-devices": "2"}
+    elif kind == 18:
+        annotations, whole = {}, 1
+    else:
+        annotations = {"gpu-fraction": "0.1", keys.compute_mode_key("app"): "sm-sharing"}
+    return gpu_pod(pool, f"m{i:03d}", annotations, namespace=namespace, whole_gpus=whole)
+
+
+async def test_a_burst_of_500_mixed_pods_on_20_nodes_never_overcommits_nor_mixes_modes(
+    client: AsyncClient, pool: Pool
+) -> None:
+    await add_nodes(client, pool, count=20)
+    namespaces = [pool.namespace, f"{pool.namespace}-b", f"{pool.namespace}-c"]
+    for ns in namespaces[1:]:
+        await client.create(Namespace(metadata=ObjectMeta(name=ns)))
+    async with running(client, pool.config()) as service:
+        gate = asyncio.Semaphore(32)
+
+        async def create(i: int) -> None:
+            async with gate:
+                await client.create(mixed_pod(pool, i, namespaces[i % 3]))
+
+        await asyncio.gather(*(create(i) for i in range(500)))
+
+        async def all_bound() -> bool:
+            return service.bound_total >= 500
+
+        await wait_for(all_bound, timeout=120, interval=0.5, what="500 pods bound")
+        report = await audit_pool(client, pool, namespaces)
+        assert report.ok, report.problems[:10]
+        assert report.placed_pods == 500
+        pods = [p for ns in namespaces for p in await pods_of(client, ns)]
+        assert all(p.spec.nodeName for p in pods)
+
+        # The scheduler's ledgers, as exported, agree with the API objects.
+        text = await scrape(service.probe_port)
+        assert metric(text, "gpufrac_scheduler_schedule_attempts_total", result="scheduled") == 500
+        for uuid, booking in report.gpus.items():
+            assert allocated(text, node=booking.node, gpu=uuid) == booking.request_mib
