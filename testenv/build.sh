@@ -23,7 +23,7 @@ build_module() {
         echo "testenv: $name is up to date ($out)"
         return 0
     fi
-    echo "testenv: building $name from $1 (first build downloads modules and compiles for several minutes)"
+    echo "testenv: building $name from testenv/$1 (a first build downloads modules and compiles for minutes)"
     local start=$SECONDS
     mkdir -p "$bin"
     (

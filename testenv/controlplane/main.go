@@ -47,7 +47,9 @@ type config struct {
 }
 
 func main() {
-	if err := run(); err != nil {
+	err := run()
+	klog.Flush()
+	if err != nil {
 		fmt.Fprintf(os.Stderr, "gpufrac-controlplane: %v\n", err)
 		os.Exit(1)
 	}
@@ -87,6 +89,16 @@ func run() error {
 	}
 	if err := os.MkdirAll(c.dataDir, 0o700); err != nil {
 		return err
+	}
+	// etcd's own lock on its database would make a second control plane on the same directory wait
+	// forever; this one makes it fail at once, with a reason.
+	lock, err := os.OpenFile(filepath.Join(c.dataDir, "lock"), os.O_CREATE|os.O_RDWR, 0o600)
+	if err != nil {
+		return err
+	}
+	defer lock.Close()
+	if err := syscall.Flock(int(lock.Fd()), syscall.LOCK_EX|syscall.LOCK_NB); err != nil {
+		return fmt.Errorf("data directory %s is in use by another control plane: %w", c.dataDir, err)
 	}
 	certs := pki{dir: filepath.Join(c.dataDir, "pki")}
 	if err := certs.ensure(); err != nil {

@@ -455,6 +455,9 @@ def test_a_restart_on_the_same_data_dir_keeps_objects_and_credentials(tmp_path: 
             kube.create(ServiceAccount(metadata=ObjectMeta(name="agent")), namespace="kept")
             token = _service_account_token(kube, name="agent", namespace="kept")
         ca = first.ca_file.read_bytes()
+        # One control plane per data directory: a second is refused at once, not left waiting.
+        with pytest.raises(ControlPlaneError, match="in use by another control plane"):
+            ControlPlane(data_dir=data_dir).start()
     finally:
         assert first.stop() == 0
     assert not first.running
