@@ -48,7 +48,9 @@ def _register() -> None:
 
     app.command(name="admission")(admission)
     _not_built("operator", "the cluster operator for GpuFractioningConfig")
-    _not_built("simulate", "replay a GPU-sharing trace through the placement engine")
+    from gpufrac.sim.command import simulate
+
+    app.command(name="simulate")(simulate)
     from gpufrac.admission.validate_command import validate
 
     app.command(name="validate")(validate)

@@ -1,0 +1,119 @@
+"""Reports of an experiment: per-policy means as a table, machine-readable JSON, and a PNG of the curves.
+
+matplotlib is imported only when a plot is written (Agg backend, no display), so the table and JSON
+paths stay fast to start.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from rich.table import Table
+
+from .experiment import by_policy, mean
+from .metrics import CURVE_POINTS
+from .paper import published
+from .replay import RunResult
+
+
+def summary_rows(trace: str, results: Sequence[RunResult]) -> list[dict[str, Any]]:
+    rows = []
+    for policy, runs in by_policy(results).items():
+        paper = published(trace, policy)
+        rows.append(
+            {
+                "policy": policy,
+                "seeds": len(runs),
+                "alloc_100": round(mean([r.alloc_100 for r in runs]), 3),
+                "alloc_130": round(mean([r.alloc_130 for r in runs]), 3),
+                "unallocated_gpus_130": round(mean([r.unallocated_gpus_130 for r in runs]), 1),
+                "frag_rate_end": round(mean([r.frag_rate_end for r in runs]), 2),
+                "placed": round(mean([r.placed for r in runs]), 1),
+                "failed": round(mean([r.failed for r in runs]), 1),
+                "placements_per_s": round(mean([r.placements_per_s for r in runs]), 1),
+                "paper_130": paper[1] if paper else None,
+            }
+        )
+    return rows
+
+
+def table(trace: str, results: Sequence[RunResult]) -> Table:
+    t = Table(title=f"GPU allocation on trace {trace} (mean over seeds)")
+    for header in ("policy", "seeds", "@100%", "@130%", "paper @130%", "unalloc. GPUs", "frag %", "placed/s"):
+        t.add_column(header, justify="left" if header == "policy" else "right")
+    for row in summary_rows(trace, results):
+        paper = row["paper_130"]
+        t.add_row(
+            row["policy"],
+            str(row["seeds"]),
+            f"{row['alloc_100']:.2f}",
+            f"{row['alloc_130']:.2f}",
+            "" if paper is None else f"{paper:.2f}",
+            f"{row['unallocated_gpus_130']:.0f}",
+            f"{row['frag_rate_end']:.1f}",
+            f"{row['placements_per_s']:.0f}",
+        )
+    return t
+
+
+def as_json(trace: str, scenario: str, results: Sequence[RunResult]) -> dict[str, Any]:
+    return {
+        "trace": trace,
+        "scenario": scenario,
+        "runs": [
+            {
+                "policy": r.policy,
+                "seed": r.seed,
+                "alloc_100": _finite(r.alloc_100),
+                "alloc_130": _finite(r.alloc_130),
+                "unallocated_gpus_100": _finite(r.unallocated_gpus_100),
+                "unallocated_gpus_130": _finite(r.unallocated_gpus_130),
+                "placed": r.placed,
+                "failed": r.failed,
+                "placements_per_s": round(r.placements_per_s, 1),
+                "frag_rate_end": _finite(r.frag_rate_end),
+            }
+            for r in results
+        ],
+        "policies": summary_rows(trace, results),
+    }
+
+
+def _finite(value: float) -> float | None:
+    return None if math.isnan(value) else round(value, 4)
+
+
+def plot(trace: str, results: Sequence[RunResult], path: Path) -> Path:
+    """Allocation vs arrival and fragmentation rate vs arrival, one line per policy (mean over seeds)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (alloc_ax, frag_ax) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for policy, runs in by_policy(results).items():
+        alloc = [mean([r.curve[i] for r in runs if i < len(r.curve)]) for i in range(CURVE_POINTS.size)]
+        alloc_ax.plot(CURVE_POINTS, alloc, label=policy)
+        points = sorted((x, y) for r in runs for x, y in r.frag_curve)
+        if points:
+            buckets: dict[int, list[float]] = {}
+            for x, y in points:
+                buckets.setdefault(round(x), []).append(y)
+            xs = sorted(buckets)
+            frag_ax.plot(xs, [mean(buckets[x]) for x in xs], label=policy)
+    alloc_ax.plot(CURVE_POINTS, CURVE_POINTS, color="grey", linestyle=":", linewidth=0.8, label="arrived")
+    alloc_ax.set(xlabel="arrived GPU demand (% of capacity)", ylabel="allocated GPU (% of capacity)")
+    alloc_ax.set_ylim(0, 100)
+    alloc_ax.set_title(f"{trace}: allocation vs arrival")
+    alloc_ax.legend(loc="lower right")
+    frag_ax.set(xlabel="arrived GPU demand (% of capacity)", ylabel="fragmented share of free GPU (%)")
+    frag_ax.set_title("fragmentation rate")
+    frag_ax.legend(loc="lower right")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
