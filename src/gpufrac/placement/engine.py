@@ -43,7 +43,7 @@ from .decision import (
     Unschedulable,
 )
 from .demand import PPM, ContainerDemand, Demand, can_fall_back, demand_of, portion_ppm
-from .filters import STATIC_FILTERS, GpuRules, container_fit, resource_fit, static_reason
+from .filters import STATIC_FILTERS, Fit, GpuRules, container_fit, resource_fit, static_reason
 from .model import NodeSpec, PendingPod, Queue
 from .policies import Policy, Prior, make_policy
 from .queues import QueueBook, scheduling_order
@@ -349,8 +349,7 @@ class Engine:
         assert spec is not None
         code = static_reason(spec, demand)
         if code is Reason.FITS:
-            tenant = self.state.namespace_id(pod.namespace)
-            code = Reason(int(resource_fit(self.state, demand, np.array([n]), tenant, self.rules).reasons[0]))
+            code = Reason(int(resource_fit(self.state, demand, np.array([n]), self.rules).reasons[0]))
         return Status(code, code.message)
 
     # -- internals ------------------------------------------------------------------------------------
@@ -414,8 +413,7 @@ class Engine:
         kc.gpu[stale] = -1
         candidates = stale[reasons == 0]
         if candidates.size:
-            tenant = st.namespace_id(demand.namespace)
-            fit = resource_fit(st, demand, candidates, tenant, self.rules)
+            fit = resource_fit(st, demand, candidates, self.rules)
             reasons[reasons == 0] = fit.reasons
             feasible = fit.feasible()
             if feasible.nodes.size:
@@ -424,7 +422,7 @@ class Engine:
                 single = demand.single
                 if single is not None and single.count == 1:
                     if gpu is None:
-                        gpu = _first_choice(kc.policy, st, single, feasible.nodes, feasible.masks[0])
+                        gpu = _first_choice(kc.policy, st, single, feasible)
                     kc.gpu[feasible.nodes] = gpu
         kc.reason[stale] = reasons
         kc.version[stale] = st.version[stale]
@@ -537,15 +535,13 @@ def _charge(st: ClusterState, c: ContainerDemand, n: int, g: int) -> DeviceCharg
     )
 
 
-def _first_choice(
-    policy: Policy, st: ClusterState, c: ContainerDemand, nodes: np.ndarray, masks: np.ndarray
-) -> np.ndarray:
-    """The picker's first GPU on each node, vectorised when the picker offers it."""
+def _first_choice(policy: Policy, st: ClusterState, c: ContainerDemand, fit: Fit) -> np.ndarray:
+    """The picker's first GPU for the single container on each node, vectorised when it offers that."""
     first = getattr(policy.picker, "first", None)
     if first is not None:
-        return first(st, c, nodes, masks)
+        return first(fit, 0)
     return np.array(
-        [int(policy.picker.order(st, c, int(n), m)[0]) for n, m in zip(nodes, masks, strict=True)]
+        [int(policy.picker.order(st, c, int(n), m)[0]) for n, m in zip(fit.nodes, fit.masks[0], strict=True)]
     )
 
 

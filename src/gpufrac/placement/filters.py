@@ -182,25 +182,65 @@ def container_fit(
     return reasons, ok
 
 
+class GpuFit:
+    """GPU fit of every container of the pod, each on its own: a necessary condition checked for many
+    nodes at once. Whether all containers fit together is settled when the engine assigns devices on
+    the chosen node (a node that fails there is skipped with ``DEVICE_ASSIGNMENT``)."""
+
+    def __init__(self, rules: GpuRules) -> None:
+        self.rules = rules
+
+    def fit(
+        self, state: ClusterState, demand: Demand, nodes: np.ndarray
+    ) -> tuple[np.ndarray, list[np.ndarray]]:
+        tenant = state.namespace_id(demand.namespace)
+        reasons = np.zeros(nodes.size, dtype=np.int8)
+        masks = []
+        for container in demand.containers:
+            codes, mask = container_fit(state, container, nodes, tenant, self.rules)
+            reasons = np.where(reasons == 0, codes, reasons)
+            masks.append(mask)
+        return reasons, masks
+
+    def check(self, state: ClusterState, demand: Demand, nodes: np.ndarray) -> np.ndarray:
+        return self.fit(state, demand, nodes)[0]
+
+
 @dataclass(slots=True)
 class Fit:
-    """The result of the resource filters for a set of nodes: reasons, and per container a GPU mask."""
+    """The result of the resource filters for a set of nodes: reasons, and per container a GPU mask.
 
+    Scorers share the per-GPU free room in thousandths of a GPU through ``free_milli`` (computed once).
+    """
+
+    state: ClusterState
     nodes: np.ndarray
     reasons: np.ndarray
     masks: list[np.ndarray]
+    _free_milli: np.ndarray | None = None
 
     def feasible(self) -> Fit:
         keep = self.reasons == 0
-        return Fit(self.nodes[keep], self.reasons[keep], [m[keep] for m in self.masks])
+        if keep.all():
+            return self
+        return Fit(self.state, self.nodes[keep], self.reasons[keep], [m[keep] for m in self.masks])
+
+    def free_milli(self) -> np.ndarray:
+        """(len(nodes), GPU slots) free thousandths of a GPU; 0 on absent slots."""
+        if self._free_milli is None:
+            st = self.state
+            self._free_milli = np.maximum(st.free[self.nodes], 0) * 1000 // np.maximum(st.cap[self.nodes], 1)
+        return self._free_milli
 
 
-def resource_fit(state: ClusterState, demand: Demand, nodes: np.ndarray, tenant: int, rules: GpuRules) -> Fit:
-    """Host fit, then GPU fit of every container (each on its own; joint assignment is checked later)."""
-    reasons = HostFit().check(state, demand, nodes)
-    masks = []
-    for container in demand.containers:
-        codes, mask = container_fit(state, container, nodes, tenant, rules)
+_HOST = HostFit()
+
+
+def resource_fit(state: ClusterState, demand: Demand, nodes: np.ndarray, rules: GpuRules) -> Fit:
+    """Host fit, then GPU fit; the first failing filter's reason per node."""
+    reasons = _HOST.check(state, demand, nodes)
+    masks: list[np.ndarray] = []
+    if demand.containers:
+        codes, masks = GpuFit(rules).fit(state, demand, nodes)
         reasons = np.where(reasons == 0, codes, reasons)
-        masks.append(mask)
-    return Fit(nodes, reasons, masks)
+    return Fit(state, nodes, reasons, masks)

@@ -120,7 +120,7 @@ class Fgd:
         """Fragmentation decrease per node (or per node and GPU slot for a single shared device)."""
         typical = self.source.current()
         nodes = fit.nodes
-        fm = free_milli(state, nodes)
+        fm = fit.free_milli()
         mode = state.mode[nodes]
         cpu = state.cpu_free[nodes]
         if not typical.pods:

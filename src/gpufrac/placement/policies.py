@@ -62,6 +62,9 @@ class Policy:
                 prepare(state)
 
     def score(self, state: ClusterState, demand: Demand, fit: Fit) -> tuple[np.ndarray, np.ndarray | None]:
+        if len(self.scorers) == 1 and self.scorers[0][1] == 1:
+            values, chosen = self.scorers[0][0].score(state, demand, fit)
+            return np.minimum(values, SCORE_LIMIT - 1), chosen
         total = np.zeros(fit.nodes.size, dtype=np.int64)
         gpu: np.ndarray | None = None
         for scorer, weight in self.scorers:
@@ -69,7 +72,7 @@ class Policy:
             total += values * weight
             if gpu is None and chosen is not None:
                 gpu = chosen
-        return np.clip(total, 0, SCORE_LIMIT - 1), gpu
+        return np.minimum(np.maximum(total, 0), SCORE_LIMIT - 1), gpu
 
     def observe(self, demand: Demand) -> None:
         for scorer, _ in self.scorers:

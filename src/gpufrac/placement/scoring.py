@@ -92,12 +92,12 @@ class BestFit:
     def score(self, state: ClusterState, demand: Demand, fit: Fit) -> tuple[np.ndarray, np.ndarray | None]:
         nodes = fit.nodes
         cap_ref = reference_cap(state, nodes)
-        gfree = free_milli(state, nodes).sum(axis=1)
+        gfree = fit.free_milli().sum(axis=1)
         cfree = state.cpu_free[nodes]
         s = (cfree - demand.cpu_milli) / self.max_cpu * 0.5 + (
             gfree - request_milli_total(demand, cap_ref)
         ) / self.max_gpu * 0.5
-        return np.clip(np.trunc((1.0 - s) * 100.0), 0, 100).astype(np.int64), None
+        return np.maximum(np.trunc((1.0 - s) * 100.0), 0).astype(np.int64), None
 
 
 class LeastAllocated:
@@ -107,13 +107,13 @@ class LeastAllocated:
         nodes = fit.nodes
         cap_ref = reference_cap(state, nodes)
         gcap = state.gpu_count[nodes] * 1000
-        gleft = free_milli(state, nodes).sum(axis=1) - request_milli_total(demand, cap_ref)
+        gleft = fit.free_milli().sum(axis=1) - request_milli_total(demand, cap_ref)
         cleft = state.cpu_free[nodes] - demand.cpu_milli
         gpu_part = np.where(gcap > 0, gleft / np.maximum(gcap, 1), 0.0)
         cpu_part = cleft / np.maximum(state.cpu_cap[nodes], 1)
         weight_gpu = 0.5 if demand.wants_gpu else 0.0
         s = (1.0 - weight_gpu) * cpu_part + weight_gpu * gpu_part
-        return np.clip(np.trunc(s * 100.0), 0, 100).astype(np.int64), None
+        return np.maximum(np.trunc(s * 100.0), 0).astype(np.int64), None
 
 
 class MostAllocatedGpu:
@@ -123,8 +123,8 @@ class MostAllocatedGpu:
     def score(self, state: ClusterState, demand: Demand, fit: Fit) -> tuple[np.ndarray, np.ndarray | None]:
         nodes = fit.nodes
         cap_ref = reference_cap(state, nodes)
-        left = free_milli(state, nodes).sum(axis=1) - request_milli_total(demand, cap_ref)
-        return np.clip(SCORE_LIMIT // 2 - left, 0, SCORE_LIMIT - 1).astype(np.int64), None
+        left = fit.free_milli().sum(axis=1) - request_milli_total(demand, cap_ref)
+        return np.maximum(SCORE_LIMIT // 2 - left, 0), None
 
 
 class Alignment:
@@ -160,7 +160,7 @@ class Alignment:
 
     def score(self, state: ClusterState, demand: Demand, fit: Fit) -> tuple[np.ndarray, np.ndarray | None]:
         nodes = fit.nodes
-        gpu_free = free_milli(state, nodes).sum(axis=1).astype(np.float64)
+        gpu_free = fit.free_milli().sum(axis=1).astype(np.float64)
         cpu_free = state.cpu_free[nodes] / self.cpu_per_gpu_milli
         gpu_req = request_milli_total(demand, reference_cap(state, nodes)).astype(np.float64)
         cpu_req = demand.cpu_milli / self.cpu_per_gpu_milli
@@ -189,11 +189,9 @@ class BestFitGpu:
     ) -> np.ndarray:
         return _ordered(free_milli(state, np.array([node]))[0], mask)
 
-    def first(
-        self, state: ClusterState, container: ContainerDemand, nodes: np.ndarray, masks: np.ndarray
-    ) -> np.ndarray:
-        """``order(...)[0]`` for many nodes at once."""
-        return np.where(masks, free_milli(state, nodes), _BIG).argmin(axis=1)
+    def first(self, fit: Fit, container: int) -> np.ndarray:
+        """``order(...)[0]`` for container ``container`` on every node of ``fit`` at once."""
+        return np.where(fit.masks[container], fit.free_milli(), _BIG).argmin(axis=1)
 
 
 class WorstFitGpu:
@@ -204,7 +202,5 @@ class WorstFitGpu:
     ) -> np.ndarray:
         return _ordered(-free_milli(state, np.array([node]))[0], mask)
 
-    def first(
-        self, state: ClusterState, container: ContainerDemand, nodes: np.ndarray, masks: np.ndarray
-    ) -> np.ndarray:
-        return np.where(masks, -free_milli(state, nodes), _BIG).argmin(axis=1)
+    def first(self, fit: Fit, container: int) -> np.ndarray:
+        return np.where(fit.masks[container], -fit.free_milli(), _BIG).argmin(axis=1)
