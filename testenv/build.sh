@@ -14,11 +14,12 @@ bin="$here/bin"
 force=0
 [[ "${1:-}" == "--force" ]] && force=1
 
-# build_module DIR NAME: go build DIR's main package into bin/NAME unless the binary is up to date.
+# build_module DIR NAME [LDFLAGS]: go build DIR's main package into bin/NAME unless the binary is newer
+# than the module's sources and this script (which holds the flags).
 build_module() {
-    local dir="$here/$1" name="$2"
+    local dir="$here/$1" name="$2" ldflags="${3:-}"
     local out="$bin/$name"
-    if [[ $force == 0 && -x "$out" ]] \
+    if [[ $force == 0 && -x "$out" && ! "${BASH_SOURCE[0]}" -nt "$out" ]] \
         && [[ -z "$(find "$dir" \( -name go.mod -o -name go.sum -o -name '*.go' \) -newer "$out" -print -quit)" ]]; then
         echo "testenv: $name is up to date ($out)"
         return 0
@@ -29,7 +30,7 @@ build_module() {
     (
         cd "$dir"
         GOFLAGS="${GOFLAGS:-} -mod=readonly" CGO_ENABLED=0 \
-            go build -trimpath -ldflags="-s -w" -o "$out.tmp" .
+            go build -trimpath -ldflags="-s -w $ldflags" -o "$out.tmp" .
     )
     mv -f "$out.tmp" "$out"
     echo "testenv: built $out in $((SECONDS - start))s"
@@ -37,5 +38,17 @@ build_module() {
 
 command -v go >/dev/null || { echo "testenv: go is not installed (needed to build $bin)" >&2; exit 1; }
 
-build_module controlplane gpufrac-controlplane
+# kube-apiserver reports the version stamped into k8s.io/component-base/version at link time, as
+# Kubernetes' own build does; unstamped it says v0.0.0-master, which kubectl and Helm cannot parse.
+build_controlplane() {
+    local version
+    version="$(cd "$here/controlplane" && go list -m -f '{{.Version}}' k8s.io/kubernetes)"
+    local major="${version#v}"; major="${major%%.*}"
+    local minor="${version#v*.}"; minor="${minor%%.*}"
+    local pkg=k8s.io/component-base/version
+    build_module controlplane gpufrac-controlplane \
+        "-X $pkg.gitVersion=$version -X $pkg.gitMajor=$major -X $pkg.gitMinor=$minor -X $pkg.gitTreeState=clean"
+}
+
+build_controlplane
 bash "$here/nriruntime/build.sh" "$@"  # NRI runtime driver: its own script (build tag nri_no_wasm)
