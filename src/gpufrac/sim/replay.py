@@ -36,6 +36,7 @@ class RunResult:
     alloc_130: float
     unallocated_gpus_100: float
     unallocated_gpus_130: float
+    frag_rate_90: float
     frag_rate_100: float
     frag_rate_end: float
     seconds: float
@@ -108,6 +109,7 @@ def replay(
         alloc_130=a130,
         unallocated_gpus_100=unallocated_gpus(a100, gpus),
         unallocated_gpus_130=unallocated_gpus(a130, gpus),
+        frag_rate_90=_frag_near(frag_points, 90.0),
         frag_rate_100=_frag_near(frag_points, 100.0),
         frag_rate_end=frag_points[-1][1],
         seconds=engine_seconds,

@@ -30,6 +30,7 @@ def summary_rows(trace: str, results: Sequence[RunResult]) -> list[dict[str, Any
                 "alloc_100": round(mean([r.alloc_100 for r in runs]), 3),
                 "alloc_130": round(mean([r.alloc_130 for r in runs]), 3),
                 "unallocated_gpus_130": round(mean([r.unallocated_gpus_130 for r in runs]), 1),
+                "frag_rate_90": round(mean([r.frag_rate_90 for r in runs]), 2),
                 "frag_rate_end": round(mean([r.frag_rate_end for r in runs]), 2),
                 "placed": round(mean([r.placed for r in runs]), 1),
                 "failed": round(mean([r.failed for r in runs]), 1),
@@ -42,8 +43,12 @@ def summary_rows(trace: str, results: Sequence[RunResult]) -> list[dict[str, Any
 
 def table(trace: str, results: Sequence[RunResult]) -> Table:
     t = Table(title=f"GPU allocation on trace {trace} (mean over seeds)")
-    for header in ("policy", "seeds", "@100%", "@130%", "paper @130%", "unalloc. GPUs", "frag %", "placed/s"):
-        t.add_column(header, justify="left" if header == "policy" else "right")
+    headers = ("policy", "seeds", "@100%", "@130%", "paper @130%", "unalloc. GPUs", "frag % @90%", "placed/s")
+    for header in headers:
+        if header == "policy":
+            t.add_column(header, no_wrap=True, min_width=max(len(r.policy) for r in results))
+        else:
+            t.add_column(header, justify="right")
     for row in summary_rows(trace, results):
         paper = row["paper_130"]
         t.add_row(
@@ -53,7 +58,7 @@ def table(trace: str, results: Sequence[RunResult]) -> Table:
             f"{row['alloc_130']:.2f}",
             "" if paper is None else f"{paper:.2f}",
             f"{row['unallocated_gpus_130']:.0f}",
-            f"{row['frag_rate_end']:.1f}",
+            f"{row['frag_rate_90']:.1f}",
             f"{row['placements_per_s']:.0f}",
         )
     return t
@@ -74,6 +79,7 @@ def as_json(trace: str, scenario: str, results: Sequence[RunResult]) -> dict[str
                 "placed": r.placed,
                 "failed": r.failed,
                 "placements_per_s": round(r.placements_per_s, 1),
+                "frag_rate_90": _finite(r.frag_rate_90),
                 "frag_rate_end": _finite(r.frag_rate_end),
             }
             for r in results
@@ -93,10 +99,12 @@ def plot(trace: str, results: Sequence[RunResult], path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (alloc_ax, frag_ax) = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, (alloc_ax, zoom_ax, frag_ax) = plt.subplots(1, 3, figsize=(17, 4.5))
+    zoom = CURVE_POINTS >= 80
     for policy, runs in by_policy(results).items():
         alloc = [mean([r.curve[i] for r in runs if i < len(r.curve)]) for i in range(CURVE_POINTS.size)]
         alloc_ax.plot(CURVE_POINTS, alloc, label=policy)
+        zoom_ax.plot(CURVE_POINTS[zoom], [a for a, z in zip(alloc, zoom, strict=True) if z], label=policy)
         points = sorted((x, y) for r in runs for x, y in r.frag_curve)
         if points:
             buckets: dict[int, list[float]] = {}
@@ -109,6 +117,10 @@ def plot(trace: str, results: Sequence[RunResult], path: Path) -> Path:
     alloc_ax.set_ylim(0, 100)
     alloc_ax.set_title(f"{trace}: allocation vs arrival")
     alloc_ax.legend(loc="lower right")
+    zoom_ax.set(xlabel="arrived GPU demand (% of capacity)", ylabel="allocated GPU (% of capacity)")
+    zoom_ax.set_title("from 80% arrival")
+    zoom_ax.grid(alpha=0.3)
+    zoom_ax.legend(loc="lower right")
     frag_ax.set(xlabel="arrived GPU demand (% of capacity)", ylabel="fragmented share of free GPU (%)")
     frag_ax.set_title("fragmentation rate")
     frag_ax.legend(loc="lower right")
