@@ -14,6 +14,7 @@ from gpufrac.kube.binding import bind_pod
 from gpufrac.kube.errors import Conflict, NotFound
 from gpufrac.kube.events import WARNING, EventRecorder, ObjectRef
 from gpufrac.kube.patch import set_annotations, set_pod_condition
+from gpufrac.kube.stream import Selection, watch_objects
 
 pytestmark = pytest.mark.kube
 
@@ -77,6 +78,47 @@ async def test_binding_honours_its_preconditions_and_binds_once(client: AsyncCli
     assert [(c.type, c.status) for c in bound.status.conditions] == [("PodScheduled", "True")]
     with pytest.raises(Conflict):
         await bind_pod(client, name="p", namespace=namespace, node="n2")
+
+
+async def test_a_binding_can_carry_annotations_written_with_the_node(
+    client: AsyncClient, namespace: str
+) -> None:
+    pod = await new_pod(client, namespace)
+    await set_annotations(client, Pod, name="p", namespace=namespace, annotations={"x": "y"})
+    with pytest.raises(Conflict):  # stale version: neither the node nor the annotations are written
+        await bind_pod(
+            client,
+            name="p",
+            namespace=namespace,
+            node="n1",
+            uid=pod.metadata.uid,
+            resource_version=pod.metadata.resourceVersion,
+            annotations={"devices": "GPU-1"},
+        )
+    current = await client.get(Pod, "p", namespace=namespace)
+    assert not current.spec.nodeName and "devices" not in current.metadata.annotations
+    events = watch_objects(
+        client,
+        Pod,
+        selection=Selection(namespace=namespace, fields="metadata.name=p"),
+        resource_version=current.metadata.resourceVersion,
+        timeout_seconds=10,
+    )
+    await bind_pod(
+        client,
+        name="p",
+        namespace=namespace,
+        node="n1",
+        uid=pod.metadata.uid,
+        resource_version=current.metadata.resourceVersion,
+        annotations={"devices": "GPU-1"},
+    )
+    # The first change anyone watching sees has both: never annotated-but-unbound, never bound-bare.
+    first = await anext(events)
+    await events.aclose()
+    assert first.type == "MODIFIED"
+    assert first.object.spec.nodeName == "n1"
+    assert first.object.metadata.annotations == {"x": "y", "devices": "GPU-1"}
 
 
 async def test_pod_condition_is_merged_by_type(client: AsyncClient, namespace: str) -> None:

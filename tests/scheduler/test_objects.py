@@ -254,3 +254,10 @@ def test_our_pods_tolerate_the_managed_taint_even_without_the_webhook() -> None:
     )
     taint = node_spec(sim_node(name="n1")).taints[0]
     assert any(t.tolerates(taint) for t in pending.tolerations)
+
+
+def test_a_users_own_conflicting_request_is_not_cleaned_away() -> None:
+    # gpu-fraction next to an explicit request, no devices: the user wrote both; the contract must
+    # report the conflict instead of the scheduler quietly dropping one of them.
+    written = {"gpu-fraction": "0.5", keys.memory_request_key("app"): "10Gi"}
+    assert stale_binding_keys(written) == {}

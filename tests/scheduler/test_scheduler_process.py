@@ -105,8 +105,9 @@ async def test_two_replicas_never_both_bind_and_hand_over_on_sigterm(
             replica.stop_quietly()
 
 
+@pytest.mark.parametrize("bind_mode", ["atomic", "patch-then-bind"])
 async def test_sigkill_mid_burst_then_restart_binds_every_pod_once_with_consistent_ledgers(
-    client: AsyncClient, pool: Pool, controlplane, tmp_path: Path
+    client: AsyncClient, pool: Pool, controlplane, tmp_path: Path, bind_mode: str
 ) -> None:
     await add_nodes(client, pool, count=10)
     mix = [
@@ -115,8 +116,9 @@ async def test_sigkill_mid_burst_then_restart_binds_every_pod_once_with_consiste
         {keys.memory_request_key("app"): "16Gi", keys.compute_mode_key("app"): "sm-sharing"},
         {"gpu-fraction": "0.25", "gpu-fraction-num-devices": "2"},
     ]
+    config = pool.config(bind_mode=bind_mode)
     first = SchedulerProcess(
-        kubeconfig=controlplane.kubeconfig, config=pool.config(), workdir=tmp_path, identity="first"
+        kubeconfig=controlplane.kubeconfig, config=config, workdir=tmp_path, identity="first"
     ).start()
     second: SchedulerProcess | None = None
     try:
@@ -143,7 +145,7 @@ async def test_sigkill_mid_burst_then_restart_binds_every_pod_once_with_consiste
         assert killed_with < total, "the burst finished before the kill; nothing was tested"
 
         second = SchedulerProcess(
-            kubeconfig=controlplane.kubeconfig, config=pool.config(), workdir=tmp_path, identity="second"
+            kubeconfig=controlplane.kubeconfig, config=config, workdir=tmp_path, identity="second"
         ).start()
         pods = await wait_bound(client, pool.namespace, total, timeout=120)
         assert all(p.spec.nodeName for p in pods)

@@ -3,6 +3,8 @@
 The API server checks the preconditions carried in the Binding's metadata: ``uid`` (the pod was not
 deleted and recreated under the same name) and ``resourceVersion`` (the pod is exactly the version the
 binder annotated). A pod already bound answers 409, so a pod can be bound once, whoever tries.
+Annotations in the Binding's metadata are merged into the pod's by the same update that sets
+``spec.nodeName`` (kube-apiserver's BindingREST), which is how a binder writes them atomically.
 """
 
 from __future__ import annotations
@@ -23,9 +25,17 @@ async def bind_pod(
     node: str,
     uid: str | None = None,
     resource_version: str | None = None,
+    annotations: dict[str, str] | None = None,
 ) -> None:
+    """Bind; ``annotations`` are merged into the pod's in the same update that sets its node."""
     binding = Pod.Binding(
-        metadata=ObjectMeta(name=name, namespace=namespace, uid=uid, resourceVersion=resource_version),
+        metadata=ObjectMeta(
+            name=name,
+            namespace=namespace,
+            uid=uid,
+            resourceVersion=resource_version,
+            annotations=annotations or None,
+        ),
         target=ObjectReference(apiVersion="v1", kind="Node", name=node),
     )
     await post_subresource(client, binding, name=name, namespace=namespace)

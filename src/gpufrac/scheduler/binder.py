@@ -1,17 +1,23 @@
-"""Bind a placed pod: binder-owned annotations first, then the Binding; undo the first if the second fails.
+"""Bind a placed pod with its binder-owned annotations: a node agent must find the devices on the pod the
+moment the pod lands on its node.
 
-The order is the contract's: a node agent must find the devices on the pod the moment the pod lands on
-its node, so the annotations are written first, with the resourceVersion the decision was made on (a
-pod changed since is not annotated: 409, the scheduler looks again). The Binding carries the version
-the annotation write returned, so the API server binds exactly the annotated pod.
+Two ways, one contract (``bind_mode``):
 
-If the Binding fails, the annotations are rolled back with the same precondition, restoring what the
-pod had before (a user's explicit request is restored, a resolved one removed). A rollback that meets a
-409 reads the pod: bound means the Binding did succeed (its answer was lost), otherwise it retries on the
-fresh version, touching only keys that still hold what this binder wrote.
+- ``atomic`` (default): ONE write. The Binding subresource carries the annotations in its metadata and
+  the API server applies them together with ``nodeName`` in a single update, preconditioned on the
+  pod's uid and the resourceVersion the decision was made on. There is no moment at which a pod has
+  devices but no node, nothing to roll back, and half the API writes of the two-step form - which is
+  what the API server, the bottleneck of a burst, pays for.
+- ``patch-then-bind``: the two-step form DESIGN section 4 describes. The annotations are merge-patched
+  with the pod's resourceVersion (a pod changed since is not annotated: 409, the scheduler looks again),
+  then the Binding carries the version that patch returned, so exactly the annotated pod is bound. If
+  the Binding fails, the annotations are rolled back with the same precondition, restoring what the pod
+  had (a user's explicit request is restored, a resolved one removed); a rollback that meets a 409 reads
+  the pod: bound means the Binding did succeed (its answer was lost), otherwise it retries on the fresh
+  version, touching only keys that still hold what this binder wrote.
 
-A pod left with binder-owned keys and no node (a binder died between the two writes) is cleaned by
-``clean_stale`` before it is placed again.
+Either way, a pod left with binder-owned keys and no node (a two-step binder died between its writes,
+or another binder misbehaved) is cleaned by ``clean_stale`` before it is placed again.
 """
 
 from __future__ import annotations
@@ -86,6 +92,8 @@ def stale_binding_keys(annotations: Mapping[str, str]) -> dict[str, None]:
     the binder's resolution of the portion (a user cannot write both), so it goes too; explicit amounts
     a user wrote are left (the binder rewrites them with the same MiB).
     """
+    if not any(keys.is_binder_owned(key) for key in annotations):
+        return {}  # nothing a binder writes alone: whatever else is there, the user wrote
     removal: dict[str, None] = {}
     fraction_target = None
     if keys.GPU_FRACTION in annotations:
@@ -113,17 +121,79 @@ def _error_reason(error: Exception) -> str:
     return "other"
 
 
+class BindMode(enum.StrEnum):
+    ATOMIC = "atomic"
+    PATCH_THEN_BIND = "patch-then-bind"
+
+
 class Binder:
-    def __init__(self, *, client: AsyncClient, fence: Callable[[], bool], device_style: str = "uuid") -> None:
+    def __init__(
+        self,
+        *,
+        client: AsyncClient,
+        fence: Callable[[], bool],
+        device_style: str = "uuid",
+        mode: BindMode = BindMode.ATOMIC,
+    ) -> None:
         self._client = client
         self._fence = fence
         self._device_style = device_style
+        self._mode = mode
 
     async def bind(
         self, pod: Pod, *, request: PodGpuRequest, placement: Placement, gpu_mib: Mapping[str, int]
     ) -> BindResult:
-        meta = pod.metadata
         written = binding_annotations(request, placement, gpu_mib=gpu_mib, device_style=self._device_style)
+        if self._mode is BindMode.ATOMIC:
+            return await self._bind_atomically(pod, placement=placement, written=written)
+        return await self._patch_then_bind(pod, placement=placement, written=written)
+
+    async def _bind_atomically(
+        self, pod: Pod, *, placement: Placement, written: dict[str, str]
+    ) -> BindResult:
+        """One write: the Binding carries the annotations, applied with nodeName in one update."""
+        meta = pod.metadata
+        if not self._fence():
+            return BindResult(Outcome.NOT_LEADER)
+        try:
+            await bind_pod(
+                self._client,
+                name=meta.name,
+                namespace=meta.namespace,
+                node=placement.node,
+                uid=meta.uid,
+                resource_version=meta.resourceVersion,
+                annotations=written,
+            )
+            return BindResult(Outcome.BOUND)
+        except NotFound as error:
+            return BindResult(Outcome.GONE, str(error), "not_found")
+        except (KubeError, httpx2.HTTPError, OSError) as error:
+            reason = _error_reason(error)
+            # The write may have happened and only its answer been lost: read the pod to know.
+            try:
+                with api_errors():
+                    current = await self._client.get(Pod, meta.name, namespace=meta.namespace)
+            except NotFound:
+                return BindResult(Outcome.GONE, str(error), reason)
+            except (KubeError, httpx2.HTTPError, OSError):
+                current = None
+            if current is not None and current.spec and current.spec.nodeName:
+                if (
+                    current.metadata.uid == meta.uid
+                    and current.spec.nodeName == placement.node
+                    and all((current.metadata.annotations or {}).get(k) == v for k, v in written.items())
+                ):
+                    return BindResult(Outcome.BOUND)
+                return BindResult(Outcome.BOUND_ELSEWHERE, f"bound to {current.spec.nodeName}", reason)
+            outcome = Outcome.CONFLICT if isinstance(error, Conflict) else Outcome.FAILED
+            return BindResult(outcome, f"binding failed: {error}", reason)
+
+    async def _patch_then_bind(
+        self, pod: Pod, *, placement: Placement, written: dict[str, str]
+    ) -> BindResult:
+        """Two writes: the annotations (preconditioned), then the Binding; the first undone on failure."""
+        meta = pod.metadata
         before = meta.annotations or {}
         restore: dict[str, str | None] = {key: before.get(key) for key in written}
         if not self._fence():

@@ -76,8 +76,11 @@ class SchedulerConfig(_Strict):
     """How long to wait after the first pending pod for others, so a burst is placed as one batch."""
     max_batch: int = Field(default=512, ge=1)
 
+    bind_mode: Literal["atomic", "patch-then-bind"] = "atomic"
+    """atomic: one Binding that carries the annotations (applied with nodeName in one update).
+    patch-then-bind: a preconditioned annotation patch, then the Binding, rolled back on failure."""
     bind_concurrency: int = Field(default=32, ge=1)
-    """Binds in flight at once (each is two API writes)."""
+    """Binds in flight at once."""
     bind_retries: int = Field(default=5, ge=0)
     backoff_initial_s: float = Field(default=0.5, gt=0)
     backoff_max_s: float = Field(default=30.0, gt=0)

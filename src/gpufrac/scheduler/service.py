@@ -47,7 +47,7 @@ from gpufrac.kube.patch import set_pod_condition
 from gpufrac.kube.stream import ALL_NAMESPACES, Selection
 from gpufrac.placement.decision import Placement
 from gpufrac.placement.model import ModePolicy, NodeSpec, PendingPod
-from gpufrac.scheduler.binder import Binder, BindResult, Outcome, stale_binding_keys
+from gpufrac.scheduler.binder import Binder, BindMode, BindResult, Outcome, stale_binding_keys
 from gpufrac.scheduler.config import SchedulerConfig
 from gpufrac.scheduler.engine import PlacementEngine
 from gpufrac.scheduler.metrics import GpuAllocation, SchedulerMetrics, StateReaders
@@ -157,7 +157,12 @@ class SchedulerService:
                 ),
             )
         self.events = EventRecorder(client=client, component=COMPONENT, instance=self.identity)
-        self.binder = Binder(client=client, fence=self.is_leader, device_style=config.device_names)
+        self.binder = Binder(
+            client=client,
+            fence=self.is_leader,
+            device_style=config.device_names,
+            mode=BindMode(config.bind_mode),
+        )
         self.queue: SchedulingQueue[Pod] = SchedulingQueue(
             backoff_initial=config.backoff_initial_s,
             backoff_max=config.backoff_max_s,
