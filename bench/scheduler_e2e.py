@@ -1,0 +1,368 @@
+"""End-to-end scheduling throughput and latency through the real API server.
+
+A real control plane (testenv), N simulated GPU nodes (Node objects as the node agent publishes them),
+then P fractional pods created as fast as a client can create them. ``gpufrac scheduler`` runs as its
+own process, exactly as deployed (leader election on). Measured from the API: pods/s from the creation
+of the first pod to the binding of the last, per-pod latency from the start of its create request to
+the moment a watch sees it bound, and the scheduler's RSS at the end. The bindings are then audited from
+the API objects (no GPU over-committed, no mixed modes).
+
+Baseline, in the same run on the same control plane: a minimal binder (a separate process too) that
+binds the same kind of burst round-robin with one Binding per pod and no placement, no annotations, no
+Events: the API server's own ceiling for create + bind on this machine. The scheduler's throughput is
+reported against it.
+
+    .venv/bin/python bench/scheduler_e2e.py                 # 1000 nodes x 8 GPUs, 5000 pods
+    .venv/bin/python bench/scheduler_e2e.py --nodes 100 --pods 500 --baseline-pods 0   # quick look
+
+The last line is a one-line JSON summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx2
+import yaml
+from lightkube import AsyncClient
+from lightkube.models.meta_v1 import ObjectMeta
+from lightkube.resources.core_v1 import Namespace, Node, Pod
+
+from gpufrac.contract import keys
+from gpufrac.kube.binding import bind_pod
+from gpufrac.kube.client import connect
+from gpufrac.kube.informer import Informer
+from gpufrac.kube.stream import Selection
+from gpufrac.local.controlplane import ControlPlane
+from gpufrac.local.simnodes import NodeShape, create_sim_nodes
+from gpufrac.scheduler.audit import audit
+
+TARGET_PODS_PER_S = 100.0
+
+
+def pod_manifest(i: int, *, namespace: str, scheduler: str) -> Pod:
+    """The i-th pod of a burst: a mix of the contract's fractional forms (about 0.22 GPU each)."""
+    kind = i % 10
+    if kind < 4:
+        annotations = {"gpu-fraction": random.Random(i).choice(["0.1", "0.25", "0.5"])}
+    elif kind < 6:
+        annotations = {"gpu-memory": "8192"}
+    elif kind < 8:
+        annotations = {
+            keys.memory_request_key("app"): "12Gi",
+            keys.memory_limit_key("app"): "24Gi",
+            keys.compute_mode_key("app"): "sm-sharing",
+        }
+    elif kind < 9:
+        annotations = {"gpu-fraction": "0.25", "gpu-fraction-num-devices": "2"}
+    else:
+        annotations = {"gpu-fraction": "0.125", keys.compute_mode_key("app"): "sm-sharing"}
+    return Pod.from_dict(
+        {
+            "metadata": {"name": f"p{i:05d}", "namespace": namespace, "annotations": annotations},
+            "spec": {
+                "schedulerName": scheduler,
+                "containers": [
+                    {
+                        "name": "app",
+                        "image": "busybox",
+                        "resources": {"requests": {"cpu": "100m", "memory": "256Mi"}},
+                    }
+                ],
+            },
+        }
+    )
+
+
+class BindClock:
+    """Watches the namespace and notes when each pod is first seen bound."""
+
+    def __init__(self) -> None:
+        self.bound_at: dict[str, float] = {}
+
+    def _see(self, pod: Pod) -> None:
+        if pod.spec and pod.spec.nodeName and pod.metadata.name not in self.bound_at:
+            self.bound_at[pod.metadata.name] = time.monotonic()
+
+    def on_add(self, pod: Pod) -> None:
+        self._see(pod)
+
+    def on_update(self, old: Pod, pod: Pod) -> None:
+        self._see(pod)
+
+    def on_delete(self, pod: Pod) -> None:
+        pass
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def rss_mib(pid: int) -> tuple[float, float]:
+    """(current RSS, peak RSS) of ``pid`` in MiB."""
+    fields = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        fields[key] = value.strip()
+    return int(fields["VmRSS"].split()[0]) / 1024, int(fields["VmHWM"].split()[0]) / 1024
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+
+
+async def burst(
+    client: AsyncClient, *, namespace: str, scheduler: str, count: int, concurrency: int, timeout: float
+) -> dict[str, Any]:
+    """Create ``count`` pods as fast as possible and wait until every one is bound."""
+    clock = BindClock()
+    informer: Informer[Pod] = Informer(client=client, resource=Pod, selection=Selection(namespace=namespace))
+    informer.add_handler(clock)
+    watching = asyncio.create_task(informer.run())
+    created_at: dict[str, float] = {}
+    try:
+        await asyncio.wait_for(informer.synced.wait(), 30)
+        gate = asyncio.Semaphore(concurrency)
+
+        async def create(i: int) -> None:
+            pod = pod_manifest(i, namespace=namespace, scheduler=scheduler)
+            async with gate:
+                created_at[pod.metadata.name] = time.monotonic()
+                await client.create(pod)
+
+        await asyncio.gather(*(create(i) for i in range(count)))
+        created_all = time.monotonic()
+        deadline = time.monotonic() + timeout
+        while len(clock.bound_at) < count and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+    finally:
+        watching.cancel()
+        await asyncio.gather(watching, return_exceptions=True)
+    bound = len(clock.bound_at)
+    first = min(created_at.values())
+    last = max(clock.bound_at.values()) if clock.bound_at else time.monotonic()
+    latencies = [clock.bound_at[n] - t for n, t in created_at.items() if n in clock.bound_at]
+    return {
+        "pods": count,
+        "bound": bound,
+        "seconds": round(last - first, 3),
+        "create_seconds": round(created_all - first, 3),
+        "pods_per_s": round(bound / (last - first), 1),
+        "p50_ms": round(1000 * statistics.median(latencies), 1) if latencies else None,
+        "p99_ms": round(1000 * percentile(latencies, 0.99), 1) if latencies else None,
+    }
+
+
+async def baseline_binder(kubeconfig: Path, namespace: str, scheduler: str, nodes: list[str]) -> None:
+    """The baseline's binder process: round-robin Binding per pending pod, nothing else."""
+    client = connect(kubeconfig=kubeconfig)
+    queue: asyncio.Queue[Pod] = asyncio.Queue()
+
+    class Pending:
+        def on_add(self, pod: Pod) -> None:
+            if not (pod.spec and pod.spec.nodeName):
+                queue.put_nowait(pod)
+
+        def on_update(self, old: Pod, pod: Pod) -> None:
+            pass
+
+        def on_delete(self, pod: Pod) -> None:
+            pass
+
+    informer: Informer[Pod] = Informer(
+        client=client,
+        resource=Pod,
+        selection=Selection(namespace=namespace, fields=f"spec.schedulerName={scheduler}"),
+    )
+    informer.add_handler(Pending())
+    turn = 0
+
+    async def worker() -> None:
+        nonlocal turn
+        while True:
+            pod = await queue.get()
+            turn += 1
+            await bind_pod(client, name=pod.metadata.name, namespace=namespace, node=nodes[turn % len(nodes)])
+
+    tasks = [asyncio.create_task(informer.run())] + [asyncio.create_task(worker()) for _ in range(32)]
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await client.close()
+
+
+async def wait_leading(port: int, proc: subprocess.Popen[bytes], *, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    async with httpx2.AsyncClient() as http:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"scheduler exited with {proc.returncode}")
+            with contextlib.suppress(httpx2.HTTPError):
+                answer = await http.get(f"http://127.0.0.1:{port}/readyz")
+                if answer.status_code == 200 and "leading" in answer.text:
+                    return
+            await asyncio.sleep(0.2)
+    raise RuntimeError("scheduler did not start leading in time")
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    workdir = Path(tempfile.mkdtemp(prefix="gpufrac-bench-"))
+    result: dict[str, Any] = {
+        "bench": "scheduler_e2e",
+        "nodes": args.nodes,
+        "gpus_per_node": args.gpus,
+        "model": args.model,
+        "policy": args.policy,
+        "bind_mode": args.bind_mode,
+    }
+    with ControlPlane(data_dir=workdir / "cp") as cp:
+        client = cp.async_client(timeout=30)
+        try:
+            started = time.monotonic()
+            names = await create_sim_nodes(
+                client, count=args.nodes, shape=NodeShape(gpus=args.gpus, model=args.model), concurrency=32
+            )
+            result["node_setup_s"] = round(time.monotonic() - started, 1)
+            for ns in ("bench", "baseline"):
+                await client.create(Namespace(metadata=ObjectMeta(name=ns)))
+
+            if args.baseline_pods:
+                binder = subprocess.Popen(
+                    [sys.executable, __file__, "--as-baseline-binder", str(cp.kubeconfig), *names[:64]],
+                    stdout=subprocess.DEVNULL,
+                    stderr=open(workdir / "baseline.log", "wb"),  # noqa: SIM115 - lives as long as the child
+                )
+                try:
+                    await asyncio.sleep(2.0)  # let it list and start watching
+                    result["baseline"] = await burst(
+                        client,
+                        namespace="baseline",
+                        scheduler="bench-baseline",
+                        count=args.baseline_pods,
+                        concurrency=args.concurrency,
+                        timeout=args.timeout,
+                    )
+                finally:
+                    binder.send_signal(signal.SIGTERM)
+                    binder.wait(timeout=30)
+
+            port = free_port()
+            config = workdir / "scheduler.yaml"
+            config.write_text(
+                yaml.safe_dump(
+                    {
+                        "policy": args.policy,
+                        "bind_mode": args.bind_mode,
+                        "http_host": "127.0.0.1",
+                        "http_port": port,
+                        "leader_election": {"lease_namespace": "default"},
+                    }
+                )
+            )
+            log = open(workdir / "scheduler.log", "wb")  # noqa: SIM115 - closed below
+            proc = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "gpufrac",
+                    "scheduler",
+                    "--config",
+                    str(config),
+                    "--kubeconfig",
+                    str(cp.kubeconfig),
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+            try:
+                await wait_leading(port, proc, timeout=120)
+                result["scheduler_rss_idle_mib"] = round(rss_mib(proc.pid)[0], 1)
+                measured = await burst(
+                    client,
+                    namespace="bench",
+                    scheduler=keys.DEFAULT_SCHEDULER_NAME,
+                    count=args.pods,
+                    concurrency=args.concurrency,
+                    timeout=args.timeout,
+                )
+                result.update(measured)
+                rss, peak = rss_mib(proc.pid)
+                result["scheduler_rss_mib"] = round(rss, 1)
+                result["scheduler_peak_rss_mib"] = round(peak, 1)
+            finally:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    result["scheduler_exit"] = proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    result["scheduler_exit"] = "killed"
+                log.close()
+
+            pods = [p async for p in client.list(Pod, namespace="bench")]
+            nodes = [n async for n in client.list(Node)]
+            report = audit(nodes=nodes, pods=pods)
+            result["audit_ok"] = report.ok
+            result["audit_problems"] = report.problems[:5]
+            used = [b for b in report.gpus.values() if b.pods]
+            result["gpus_used"] = len(used)
+            result["gpu_memory_allocated_pct"] = round(
+                100 * sum(b.request_mib for b in used) / max(1, sum(b.capacity_mib for b in used)), 1
+            )
+        finally:
+            await client.close()
+    if "baseline" in result and result["baseline"]["pods_per_s"]:
+        result["vs_baseline"] = round(result["pods_per_s"] / result["baseline"]["pods_per_s"], 2)
+    result["target_pods_per_s"] = TARGET_PODS_PER_S
+    result["pass"] = bool(
+        result.get("bound") == args.pods and result["pods_per_s"] >= TARGET_PODS_PER_S and result["audit_ok"]
+    )
+    result["workdir"] = str(workdir)
+    return result
+
+
+def main() -> None:
+    if len(sys.argv) > 2 and sys.argv[1] == "--as-baseline-binder":
+        asyncio.run(baseline_binder(Path(sys.argv[2]), "baseline", "bench-baseline", sys.argv[3:]))
+        return
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--nodes", type=int, default=1000)
+    parser.add_argument("--gpus", type=int, default=8)
+    parser.add_argument("--model", default="H100-80GB")
+    parser.add_argument("--pods", type=int, default=5000)
+    parser.add_argument("--baseline-pods", type=int, default=2000)
+    parser.add_argument("--policy", default="fgd")
+    parser.add_argument("--bind-mode", default="atomic", choices=["atomic", "patch-then-bind"])
+    parser.add_argument("--concurrency", type=int, default=64, help="create requests in flight")
+    parser.add_argument("--timeout", type=float, default=600.0)
+    args = parser.parse_args()
+    result = asyncio.run(run(args))
+    if os.environ.get("BENCH_VERBOSE"):
+        print(json.dumps(result, indent=2), file=sys.stderr)
+    print(json.dumps(result, separators=(",", ":")))
+
+
+if __name__ == "__main__":
+    main()
