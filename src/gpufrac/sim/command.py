@@ -103,6 +103,6 @@ def simulate(
         typer.echo(json.dumps(out))
     else:
         console = Console()
-        console.print(table(name, results))
+        console.print(table(name, results, scenario))
         if written:
             console.print(f"curves: {written}")

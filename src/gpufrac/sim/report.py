@@ -19,10 +19,11 @@ from .paper import published
 from .replay import RunResult
 
 
-def summary_rows(trace: str, results: Sequence[RunResult]) -> list[dict[str, Any]]:
+def summary_rows(trace: str, results: Sequence[RunResult], scenario: str = "plain") -> list[dict[str, Any]]:
+    """Per-policy means; the paper's figure only where it measured the same workload."""
     rows = []
     for policy, runs in by_policy(results).items():
-        paper = published(trace, policy)
+        paper = published(trace, policy) if scenario == "plain" else None
         rows.append(
             {
                 "policy": policy,
@@ -41,15 +42,16 @@ def summary_rows(trace: str, results: Sequence[RunResult]) -> list[dict[str, Any
     return rows
 
 
-def table(trace: str, results: Sequence[RunResult]) -> Table:
-    t = Table(title=f"GPU allocation on trace {trace} (mean over seeds)")
+def table(trace: str, results: Sequence[RunResult], scenario: str = "plain") -> Table:
+    suffix = "" if scenario == "plain" else f", scenario {scenario}"
+    t = Table(title=f"GPU allocation on trace {trace}{suffix} (mean over seeds)")
     headers = ("policy", "seeds", "@100%", "@130%", "paper @130%", "unalloc. GPUs", "frag % @90%", "placed/s")
     for header in headers:
         if header == "policy":
             t.add_column(header, no_wrap=True, min_width=max(len(r.policy) for r in results))
         else:
             t.add_column(header, justify="right")
-    for row in summary_rows(trace, results):
+    for row in summary_rows(trace, results, scenario):
         paper = row["paper_130"]
         t.add_row(
             row["policy"],
@@ -84,7 +86,7 @@ def as_json(trace: str, scenario: str, results: Sequence[RunResult]) -> dict[str
             }
             for r in results
         ],
-        "policies": summary_rows(trace, results),
+        "policies": summary_rows(trace, results, scenario),
     }
 
 
