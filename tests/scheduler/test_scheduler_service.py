@@ -104,8 +104,13 @@ async def test_reference_examples_are_bound_with_the_contract_annotations(
         assert sorted(e.involvedObject.name for e in events) == ["inference", "notebook"]
         assert all(e.message.startswith(f"Successfully assigned {pool.namespace}/") for e in events)
 
+        async with httpx2.AsyncClient() as http:
+            for path, body in (("/healthz", "ok: running\n"), ("/readyz", "ok: leading\n")):
+                answer = await http.get(f"http://127.0.0.1:{service.probe_port}{path}")
+                assert (answer.status_code, answer.text) == (200, body)
         text = await scrape(service.probe_port)
         assert metric(text, "gpufrac_scheduler_schedule_attempts_total", result="scheduled") == 2
+        assert metric(text, "gpufrac_scheduler_leader") == 1
         assert allocated(text, node=pods["inference"].spec.nodeName, gpu=inference_gpus[0]) == 40960
     assert (await audit_pool(client, pool)).ok
 
