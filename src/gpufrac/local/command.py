@@ -1,52 +1,105 @@
 """``gpufrac up`` and ``gpufrac demo``: the embedded local cluster, on a laptop with no GPU.
 
 Both start the same entry points a real cluster runs, as local processes, around a real
-kube-apiserver (testenv/). ``demo`` is the README's first command: it must work on a fresh machine and
-stop cleanly on its own.
+kube-apiserver (testenv/): see ``gpufrac.local.cluster``. ``demo`` is the README's first command: it must
+work on a fresh machine and stop cleanly on its own.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import signal
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 from rich.console import Console
 
+from gpufrac.local.simnodes import GPU_MODELS, NodeShape
+
+if TYPE_CHECKING:
+    from gpufrac.local.cluster import ClusterShape
+
+
+def _shape(nodes: int, gpus: int, model: str, policy: str) -> ClusterShape:
+    from gpufrac.local.cluster import ClusterShape
+
+    if model not in GPU_MODELS:
+        raise typer.BadParameter(f"--gpu-model {model!r} is not one of {', '.join(GPU_MODELS)}")
+    return ClusterShape(nodes=nodes, node=NodeShape(gpus=gpus, model=model), policy=policy)
+
 
 def up(
-    data_dir: Path | None = typer.Option(
-        None, "--data-dir", help="Keep the cluster's state here (default: a temporary directory)."
+    nodes: int = typer.Option(2, "--nodes", min=1, help="Simulated GPU nodes."),
+    gpus: int = typer.Option(4, "--gpus", min=1, help="GPUs per node."),
+    gpu_model: str = typer.Option("H100-80GB", "--gpu-model", help="GPU model of every node."),
+    policy: str = typer.Option("binpack", "--policy", help="Scheduler placement policy."),
+    work_dir: Path | None = typer.Option(
+        None, "--work-dir", help="Keep the cluster's state and logs here (default: a temporary directory)."
     ),
 ) -> None:
-    """Start the embedded cluster and keep it running until Ctrl-C."""
-    from gpufrac.local.controlplane import ControlPlane
-
+    """Start the embedded cluster (control plane, webhook, scheduler, node agents) until Ctrl-C."""
     console = Console()
-    with ControlPlane(data_dir=data_dir) as cp:
-        console.print(f"[bold green]control plane ready[/] at {cp.server}")
-        console.print(f"  export KUBECONFIG={cp.kubeconfig}")
-        console.print("  press Ctrl-C to stop")
-        try:
-            while cp.running:
-                time.sleep(1)
-        except KeyboardInterrupt:
-            console.print("stopping…")
+    asyncio.run(_up(console, _shape(nodes, gpus, gpu_model, policy), work_dir))
 
 
-def demo() -> None:
-    """Start the embedded cluster, show it working, and stop."""
-    from lightkube.resources.core_v1 import Namespace
+async def _up(console: Console, shape: ClusterShape, work_dir: Path | None) -> None:
+    from gpufrac.local.cluster import LocalCluster
 
-    from gpufrac.local.controlplane import ControlPlane
-
-    console = Console()
-    started = time.monotonic()
-    with ControlPlane() as cp:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    cluster = LocalCluster(shape=shape, work_dir=work_dir, progress=lambda m: console.print(f"• {m}"))
+    async with cluster:
         console.print(
-            f"[bold green]control plane ready[/] in {time.monotonic() - started:.1f}s at {cp.server}"
+            f"[bold green]gpufrac is up[/]: {shape.nodes} nodes x {shape.node.gpus} {shape.node.model}"
         )
-        client = cp.client()
-        names = sorted(ns.metadata.name for ns in client.list(Namespace))
-        console.print(f"namespaces served by the API server: {', '.join(names)}")
+        console.print(f"  export KUBECONFIG={cluster.kubeconfig}")
+        console.print(f"  logs: {cluster.logs}")
+        console.print("  submit pods with schedulerName: gpufrac-scheduler (see examples/); Ctrl-C stops")
+        await stop.wait()
+        console.print("stopping…")
     console.print("stopped cleanly")
+
+
+def demo(
+    keep: bool = typer.Option(False, "--keep", help="Leave the cluster running after the demo until Ctrl-C."),
+) -> None:
+    """Start the embedded cluster, submit the reference pods, show where they went, and stop."""
+    console = Console(width=None if Console().is_terminal else 150)
+    code = asyncio.run(_demo(console, keep=keep))
+    raise typer.Exit(code=code)
+
+
+async def _demo(console: Console, *, keep: bool) -> int:
+    from gpufrac.local.cluster import LocalCluster
+    from gpufrac.local.demo import DEMO_PODS, gpu_names, outcome, render, submit_and_wait
+
+    shape = _shape(2, 4, "H100-80GB", "binpack")
+    started = time.monotonic()
+    cluster = LocalCluster(shape=shape, progress=lambda m: console.print(f"• {m}"))
+    async with cluster:
+        console.print(f"[bold green]embedded cluster ready[/] in {time.monotonic() - started:.1f}s")
+        client = cluster.client
+        assert client is not None
+        pods = []
+        for manifest in DEMO_PODS:
+            console.print(f"• submitting {manifest.relative_to(manifest.parents[1])}")
+            pods.append(await submit_and_wait(client, manifest))
+        names = await gpu_names(client)
+        outcomes = [outcome(pod, names) for pod in pods]
+        render(console, outcomes)
+        if keep:
+            console.print(f"cluster kept: export KUBECONFIG={cluster.kubeconfig}; Ctrl-C stops")
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.Event().wait()
+    console.print("stopped cleanly")
+    expected = {"inference": "Running", "notebook": "Running", "packed": "Running"}
+    wrong = [o.name for o in outcomes if expected.get(o.name, "Unschedulable") != o.state]
+    if wrong:
+        console.print(f"[red]unexpected outcome for {', '.join(wrong)}[/]")
+        return 1
+    return 0

@@ -120,6 +120,11 @@ class SimulatedKubelet:
                     meta = pod.metadata
                     assert meta is not None
                     log.warning("kubelet: %s %s/%s failed: %s", op, meta.namespace, meta.name, error)
+                except Exception:
+                    # One pod must never stop the kubelet for all others.
+                    log.exception(
+                        "kubelet: %s %s failed unexpectedly", op, pod.metadata and pod.metadata.name
+                    )
         finally:
             watcher.cancel()
             await asyncio.gather(watcher, return_exceptions=True)
@@ -195,11 +200,10 @@ class SimulatedKubelet:
         }
         with api_errors():
             await self._client.patch(
-                Pod,
+                Pod.Status,
                 meta.name or "",
                 {"status": status},
                 namespace=meta.namespace,
-                subresource="status",
                 patch_type=PatchType.STRATEGIC,
             )
 

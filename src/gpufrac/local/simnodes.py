@@ -80,28 +80,58 @@ def inventory(node: str, shape: NodeShape) -> list[dict[str, object]]:
     ]
 
 
-def sim_node(*, name: str, shape: NodeShape = NodeShape(), labels: dict[str, str] | None = None) -> Node:
-    """A managed, Ready GPU node object (not yet created)."""
+def sim_node(
+    *,
+    name: str,
+    shape: NodeShape = NodeShape(),
+    labels: dict[str, str] | None = None,
+    agent_published: bool = False,
+) -> Node:
+    """A managed, Ready GPU node object (not yet created).
+
+    With ``agent_published`` it is the Node as a kubelet registers it (Ready, allocatable, the managed
+    taint): the GPU inventory, the agent's labels and its readiness condition are left for a running
+    node agent to publish.
+    """
     now = datetime.now(UTC)
     resources = {"cpu": shape.cpu, "memory": shape.memory, "pods": str(shape.pods)}
+    node_labels_: dict[str, str] = {
+        keys.MANAGED_LABEL: "true",
+        "kubernetes.io/hostname": name,
+        "kubernetes.io/os": "linux",
+    }
+    annotations: dict[str, str] = {}
+    conditions = [
+        NodeCondition(
+            type="Ready",
+            status="True",
+            reason="SimulatedNode",
+            message="simulated GPU node",
+            lastHeartbeatTime=now,
+            lastTransitionTime=now,
+        )
+    ]
+    if not agent_published:
+        node_labels_ |= {
+            node_labels.GPU_MODEL_LABEL: shape.model,
+            node_labels.GPU_COUNT_LABEL: str(shape.gpus),
+            node_labels.DRIVER_MAJOR_LABEL: "615",
+            # What a node agent on an r615+ driver with MPS serving advertises.
+            **_CAPABILITY.labels(),
+        }
+        annotations[keys.NODE_GPUS_ANNOTATION] = json.dumps(inventory(name, shape), separators=(",", ":"))
+        conditions.append(
+            NodeCondition(
+                type=keys.NODE_READY_CONDITION,
+                status="True",
+                reason="SimulatedNode",
+                message="simulated node agent",
+                lastHeartbeatTime=now,
+                lastTransitionTime=now,
+            )
+        )
     return Node(
-        metadata=ObjectMeta(
-            name=name,
-            labels={
-                keys.MANAGED_LABEL: "true",
-                "kubernetes.io/hostname": name,
-                "kubernetes.io/os": "linux",
-                node_labels.GPU_MODEL_LABEL: shape.model,
-                node_labels.GPU_COUNT_LABEL: str(shape.gpus),
-                node_labels.DRIVER_MAJOR_LABEL: "615",
-                # What a node agent on an r615+ driver with MPS serving advertises.
-                **_CAPABILITY.labels(),
-                **(labels or {}),
-            },
-            annotations={
-                keys.NODE_GPUS_ANNOTATION: json.dumps(inventory(name, shape), separators=(",", ":"))
-            },
-        ),
+        metadata=ObjectMeta(name=name, labels={**node_labels_, **(labels or {})}, annotations=annotations),
         spec=NodeSpec(
             taints=[
                 Taint(
@@ -111,28 +141,7 @@ def sim_node(*, name: str, shape: NodeShape = NodeShape(), labels: dict[str, str
                 )
             ]
         ),
-        status=NodeStatus(
-            capacity=resources,
-            allocatable=resources,
-            conditions=[
-                NodeCondition(
-                    type="Ready",
-                    status="True",
-                    reason="SimulatedNode",
-                    message="simulated GPU node",
-                    lastHeartbeatTime=now,
-                    lastTransitionTime=now,
-                ),
-                NodeCondition(
-                    type=keys.NODE_READY_CONDITION,
-                    status="True",
-                    reason="SimulatedNode",
-                    message="simulated node agent",
-                    lastHeartbeatTime=now,
-                    lastTransitionTime=now,
-                ),
-            ],
-        ),
+        status=NodeStatus(capacity=resources, allocatable=resources, conditions=conditions),
     )
 
 

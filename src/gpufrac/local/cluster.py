@@ -1,0 +1,383 @@
+"""The embedded cluster: every gpufrac component around a real control plane, on one machine, no GPU.
+
+What runs, and what is real:
+
+- the control plane: a REAL kube-apiserver with embedded etcd (testenv/controlplane);
+- the admission webhook: ``gpufrac admission`` as a process, registered with the API server through
+  the same two webhook configurations a cluster gets (failurePolicy Fail, scoped to GPU pods);
+- the scheduler: ``gpufrac scheduler`` as a process, under its own service account
+  (``gpufrac-system/gpufrac-scheduler``, a token from the TokenRequest API), so the webhook's rule
+  "only the scheduler writes binder-owned keys" holds here exactly as in a cluster;
+- per simulated node: a Node object (what a kubelet would register), NRI's REAL runtime-side library
+  (``gpufrac-nriruntime``, standing in for containerd) and ``gpufrac node-agent`` as a process with the
+  SIMULATED GPU backend, connected to that runtime as an NRI plugin and publishing the node's GPUs;
+- the simulated kubelet (in this process): creates the containers of bound pods through the node's
+  runtime, so the node agent's injection is what the pod records.
+
+Every process logs to ``<work dir>/logs/``; ``stop()`` ends them all (SIGTERM, then SIGKILL), in the
+reverse order of starting, even when starting failed half-way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import signal
+import ssl
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx2
+import yaml
+from lightkube import AsyncClient
+from lightkube.codecs import load_all_yaml
+from lightkube.models.authentication_v1 import TokenRequestSpec
+from lightkube.models.meta_v1 import ObjectMeta
+from lightkube.models.rbac_v1 import RoleRef, Subject
+from lightkube.resources.core_v1 import Namespace, Node, ServiceAccount, ServiceAccountToken
+from lightkube.resources.rbac_authorization_v1 import ClusterRoleBinding as ClusterRoleBindingResource
+
+from gpufrac.contract import keys
+from gpufrac.kube.errors import Conflict, api_errors
+from gpufrac.local.controlplane import ControlPlane
+from gpufrac.local.kubelet import SimulatedKubelet
+from gpufrac.local.nriruntime import NriRuntime
+from gpufrac.local.simnodes import NodeShape, node_names, sim_node
+
+SYSTEM_NAMESPACE = "gpufrac-system"
+SCHEDULER_ACCOUNT = "gpufrac-scheduler"
+SCHEDULER_USER = f"system:serviceaccount:{SYSTEM_NAMESPACE}:{SCHEDULER_ACCOUNT}"
+
+
+class ClusterError(RuntimeError):
+    """A component of the embedded cluster failed to start (the message says which, with its log)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterShape:
+    """How many simulated GPU nodes, and what each has."""
+
+    nodes: int = 2
+    node: NodeShape = field(default_factory=lambda: NodeShape(gpus=4, model="H100-80GB"))
+    prefix: str = "gpu-node-"
+    policy: str = "binpack"
+
+    @property
+    def node_names(self) -> list[str]:
+        return node_names(self.nodes, prefix=self.prefix)
+
+
+@dataclass(slots=True)
+class _Process:
+    name: str
+    popen: subprocess.Popen[bytes]
+    log: Path
+
+
+class LocalCluster:
+    """Start with ``await cluster.start()`` (or ``async with``); ``await cluster.stop()`` ends it all."""
+
+    def __init__(
+        self,
+        *,
+        shape: ClusterShape = ClusterShape(),
+        work_dir: Path | None = None,
+        progress: Callable[[str], None] = lambda _msg: None,
+    ) -> None:
+        self.shape = shape
+        self._given_dir = work_dir
+        self._progress = progress
+        self.work_dir = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="gpufrac-up-"))
+        self.controlplane = ControlPlane(data_dir=self.work_dir / "controlplane")
+        self._processes: list[_Process] = []
+        self._runtimes: dict[str, NriRuntime] = {}
+        self._kubelet_task: asyncio.Task[None] | None = None
+        self.client: AsyncClient | None = None
+
+    async def __aenter__(self) -> LocalCluster:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *_exc: object) -> None:
+        await self.stop()
+
+    @property
+    def kubeconfig(self) -> Path:
+        return self.controlplane.kubeconfig
+
+    @property
+    def logs(self) -> Path:
+        return self.work_dir / "logs"
+
+    # -- start ----------------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self.logs.mkdir(parents=True, exist_ok=True)
+        try:
+            self._progress("starting the control plane (kube-apiserver + etcd)")
+            await asyncio.to_thread(self.controlplane.start)
+            self.client = self.controlplane.async_client(field_manager="gpufrac-local")
+            self._progress("starting the admission webhook")
+            await self._start_admission()
+            self._progress(f"registering {self.shape.nodes} simulated GPU nodes")
+            await self._create_nodes()
+            self._progress("starting a node agent and an NRI runtime per node")
+            await asyncio.gather(*(self._start_node(name) for name in self.shape.node_names))
+            await self._wait_nodes_published()
+            self._progress("starting the scheduler")
+            await self._start_scheduler()
+            self._kubelet_task = asyncio.create_task(
+                SimulatedKubelet(client=self.client, runtimes=self._runtimes).run(), name="kubelet"
+            )
+        except BaseException:
+            await self.stop()
+            raise
+
+    def _spawn(self, name: str, argv: list[str]) -> _Process:
+        log = self.logs / f"{name}.log"
+        with log.open("ab") as out:
+            popen = subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            )
+        process = _Process(name=name, popen=popen, log=log)
+        self._processes.append(process)
+        return process
+
+    def _failed(self, process: _Process, what: str) -> ClusterError:
+        tail = "\n".join(process.log.read_text(errors="replace").splitlines()[-20:])
+        return ClusterError(f"{process.name}: {what}; last lines of {process.log}:\n{tail}")
+
+    async def _start_admission(self) -> None:
+        port = _free_port()
+        tls_dir = self.work_dir / "admission-tls"
+        configuration = self.work_dir / "webhooks.yaml"
+        process = self._spawn(
+            "admission",
+            [
+                *_gpufrac(),
+                "admission",
+                "--host=127.0.0.1",
+                f"--port={port}",
+                f"--tls-dir={tls_dir}",
+                f"--write-configuration={configuration}",
+                f"--scheduler-user={SCHEDULER_USER}",
+                "--log-format=text",
+            ],
+        )
+        await self._wait_http(process, f"https://127.0.0.1:{port}/readyz", ca_file=tls_dir / "ca.crt")
+        assert self.client is not None
+        for obj in load_all_yaml(configuration.read_text()):
+            with api_errors():
+                await self.client.create(obj)
+
+    async def _wait_http(
+        self, process: _Process, url: str, *, ca_file: Path | None = None, timeout_s: float = 60.0
+    ) -> None:
+        """Wait for ``url`` to answer 200 (over TLS trusting ``ca_file``, once the process wrote it)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if process.popen.poll() is not None:
+                raise self._failed(process, f"exited with {process.popen.returncode}")
+            if ca_file is None or ca_file.exists():
+                verify = ssl.create_default_context(cafile=str(ca_file)) if ca_file else False
+                try:
+                    async with httpx2.AsyncClient(verify=verify, trust_env=False, timeout=2.0) as http:
+                        if (await http.get(url)).status_code == 200:
+                            return
+                except (httpx2.HTTPError, OSError, ssl.SSLError):
+                    pass
+            await asyncio.sleep(0.2)
+        raise self._failed(process, f"not ready at {url} after {timeout_s:.0f}s")
+
+    async def _create_nodes(self) -> None:
+        """Node objects as a kubelet registers them: no GPU inventory (the node agent publishes it)."""
+        assert self.client is not None
+        for name in self.shape.node_names:
+            node = sim_node(name=name, shape=self.shape.node, agent_published=True)
+            try:
+                with api_errors():
+                    await self.client.create(node)
+            except Conflict as error:
+                if not error.already_exists:
+                    raise
+            # The status is dropped on create; a kubelet reports it right after registering.
+            with api_errors():
+                await self.client.patch(Node.Status, name, {"status": node.status.to_dict()})
+                await self.client.patch(
+                    Node, name, {"spec": {"taints": [t.to_dict() for t in node.spec.taints]}}
+                )
+
+    async def _start_node(self, name: str) -> None:
+        node_dir = self.work_dir / "nodes" / name
+        node_dir.mkdir(parents=True, exist_ok=True)
+        runtime = NriRuntime(socket_path=node_dir / "nri.sock")
+        await runtime.start()
+        self._runtimes[name] = runtime
+        shape = self.shape.node
+        process = self._spawn(
+            f"node-agent-{name}",
+            [
+                *_gpufrac(),
+                "node-agent",
+                f"--node-name={name}",
+                f"--kubeconfig={self.kubeconfig}",
+                f"--nri-socket={runtime.socket_path}",
+                "--backend=simulated",
+                f"--sim-gpus={shape.gpus}x{shape.model}:{shape.mib}",
+                f"--state-dir={node_dir / 'state'}",
+                "--health-port=0",
+                "--log-format=text",
+            ],
+        )
+        try:
+            await runtime.wait_plugins(1, timeout_s=60)
+        except Exception as error:
+            raise self._failed(process, f"did not register with the NRI runtime ({error})") from error
+
+    async def _wait_nodes_published(self, timeout_s: float = 60.0) -> None:
+        assert self.client is not None
+        deadline = time.monotonic() + timeout_s
+        pending = set(self.shape.node_names)
+        while pending and time.monotonic() < deadline:
+            for name in sorted(pending):
+                node = await self.client.get(Node, name)
+                annotations = node.metadata.annotations or {}
+                conditions = {c.type: c.status for c in (node.status.conditions or [])} if node.status else {}
+                if (
+                    annotations.get(keys.NODE_GPUS_ANNOTATION)
+                    and conditions.get(keys.NODE_READY_CONDITION) == "True"
+                ):
+                    pending.discard(name)
+            if pending:
+                await asyncio.sleep(0.2)
+        if pending:
+            raise ClusterError(
+                f"node agents did not publish {sorted(pending)} within {timeout_s:.0f}s (see {self.logs})"
+            )
+
+    async def _start_scheduler(self) -> None:
+        kubeconfig = await self._scheduler_kubeconfig()
+        port = _free_port()
+        process = self._spawn(
+            "scheduler",
+            [
+                *_gpufrac(),
+                "scheduler",
+                f"--kubeconfig={kubeconfig}",
+                f"--policy={self.shape.policy}",
+                f"--http-port={port}",
+                f"--lease-namespace={SYSTEM_NAMESPACE}",
+                "--log-format=text",
+            ],
+        )
+        await self._wait_http(process, f"http://127.0.0.1:{port}/readyz")
+
+    async def _scheduler_kubeconfig(self) -> Path:
+        """A kubeconfig for the scheduler's own service account, with a TokenRequest token."""
+        assert self.client is not None
+        for obj in (
+            Namespace(metadata=ObjectMeta(name=SYSTEM_NAMESPACE)),
+            ServiceAccount(metadata=ObjectMeta(name=SCHEDULER_ACCOUNT, namespace=SYSTEM_NAMESPACE)),
+            ClusterRoleBindingResource(
+                metadata=ObjectMeta(name="gpufrac-scheduler-local"),
+                # The embedded cluster grants cluster-admin for brevity; deploy/ grants the narrow role.
+                roleRef=RoleRef(
+                    apiGroup="rbac.authorization.k8s.io", kind="ClusterRole", name="cluster-admin"
+                ),
+                subjects=[Subject(kind="ServiceAccount", name=SCHEDULER_ACCOUNT, namespace=SYSTEM_NAMESPACE)],
+            ),
+        ):
+            try:
+                with api_errors():
+                    await self.client.create(obj)
+            except Conflict as error:
+                if not error.already_exists:
+                    raise
+        with api_errors():
+            token = await self.client.create(
+                ServiceAccountToken(
+                    metadata=ObjectMeta(), spec=TokenRequestSpec(audiences=[], expirationSeconds=24 * 3600)
+                ),
+                name=SCHEDULER_ACCOUNT,
+                namespace=SYSTEM_NAMESPACE,
+            )
+        admin = yaml.safe_load(self.kubeconfig.read_text())
+        cluster = admin["clusters"][0]
+        config = {
+            "apiVersion": "v1",
+            "kind": "Config",
+            "clusters": [cluster],
+            "users": [{"name": SCHEDULER_ACCOUNT, "user": {"token": token.status.token}}],
+            "contexts": [
+                {"name": "scheduler", "context": {"cluster": cluster["name"], "user": SCHEDULER_ACCOUNT}}
+            ],
+            "current-context": "scheduler",
+        }
+        path = self.work_dir / "scheduler.kubeconfig"
+        path.write_text(yaml.safe_dump(config))
+        path.chmod(0o600)
+        return path
+
+    # -- stop -----------------------------------------------------------------------------------------
+
+    async def stop(self) -> None:
+        """End everything this cluster started, newest first; safe to call twice."""
+        try:
+            if self._kubelet_task is not None:
+                self._kubelet_task.cancel()
+                await asyncio.gather(self._kubelet_task, return_exceptions=True)
+                self._kubelet_task = None
+            for process in reversed(self._processes):
+                await asyncio.to_thread(_terminate, process.popen)
+            self._processes.clear()
+            for runtime in self._runtimes.values():
+                with contextlib.suppress(Exception):
+                    await runtime.stop()
+            self._runtimes.clear()
+            if self.client is not None:
+                with contextlib.suppress(Exception):
+                    await self.client.close()
+                self.client = None
+        finally:
+            # The control plane last: the components above talk to it while they stop.
+            await asyncio.to_thread(self.controlplane.stop)
+            if self._given_dir is None:
+                shutil.rmtree(self.work_dir, ignore_errors=True)
+
+
+def _gpufrac() -> list[str]:
+    """How to start a gpufrac component: the same interpreter, so the same installation."""
+    return [sys.executable, "-m", "gpufrac"]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _terminate(popen: subprocess.Popen[bytes], timeout_s: float = 10.0) -> None:
+    if popen.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        popen.send_signal(signal.SIGTERM)
+    try:
+        popen.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(popen.pid, signal.SIGKILL)
+        popen.wait()
