@@ -1,0 +1,112 @@
+"""The embedded cluster end to end: what `gpufrac demo` shows, asserted from the API objects.
+
+One LocalCluster (real control plane, admission webhook, scheduler process, node agents on NRI's real
+runtime side, simulated kubelet) runs the demo's pods; every check reads Pods and Nodes back from the
+API server, never a component's memory.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+
+import pytest
+from lightkube import ApiError
+from lightkube.codecs import load_all_yaml
+from lightkube.resources.core_v1 import Node, Pod
+
+from gpufrac.contract import keys
+from gpufrac.local.cluster import ClusterShape, LocalCluster
+from gpufrac.local.demo import DEMO_PODS, PodOutcome, gpu_names, outcome, submit_and_wait
+from gpufrac.local.kubelet import CONTAINERS_ANNOTATION
+from gpufrac.local.simnodes import NodeShape
+
+pytestmark = pytest.mark.kube
+
+
+@pytest.fixture(scope="module")
+async def cluster() -> AsyncIterator[LocalCluster]:
+    local = LocalCluster(shape=ClusterShape(nodes=2, node=NodeShape(gpus=4, model="H100-80GB")))
+    async with local:
+        yield local
+
+
+@pytest.fixture(scope="module")
+async def outcomes(cluster: LocalCluster) -> dict[str, PodOutcome]:
+    assert cluster.client is not None
+    pods = [await submit_and_wait(cluster.client, manifest) for manifest in DEMO_PODS]
+    names = await gpu_names(cluster.client)
+    return {o.name: o for o in (outcome(pod, names) for pod in pods)}
+
+
+async def test_node_agents_published_every_gpu(cluster: LocalCluster) -> None:
+    assert cluster.client is not None
+    async for node in cluster.client.list(Node):
+        gpus = json.loads(node.metadata.annotations[keys.NODE_GPUS_ANNOTATION])
+        assert [g["index"] for g in gpus] == [0, 1, 2, 3]
+        assert {g["mib"] for g in gpus} == {81559}
+        ready = {c.type: c.status for c in node.status.conditions}
+        assert ready[keys.NODE_READY_CONDITION] == "True"
+
+
+async def test_reference_pods_run_with_their_limits_injected(outcomes: dict[str, PodOutcome]) -> None:
+    inference = outcomes["inference"]
+    assert inference.state == "Running"
+    assert len(set(inference.devices)) == 4 and {d.split("/")[0] for d in inference.devices} == {
+        inference.node
+    }
+    env = inference.injected["app"]["env"]
+    assert env["NVIDIA_GPU_MEMORY_REQUEST"] == "40960"
+    assert env["NVIDIA_GPU_MEMORY_LIMIT"] == "61440"
+    assert env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "50"
+    assert len(env["NVIDIA_VISIBLE_DEVICES"].split(",")) == 4
+
+    notebook = outcomes["notebook"]
+    assert notebook.state == "Running" and notebook.mode == "time-slicing"
+    # gpu-fraction 0.5 / limit 0.8 resolved on an 81559 MiB GPU by floor.
+    assert (notebook.request_mib, notebook.limit_mib) == (40779, 65247)
+    assert notebook.injected["app"]["env"]["NVIDIA_GPU_MEMORY_REQUEST"] == "40779"
+    assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" not in notebook.injected["app"]["env"]
+
+
+async def test_modes_never_share_a_gpu_and_small_pods_are_packed(outcomes: dict[str, PodOutcome]) -> None:
+    sm_gpus = set(outcomes["inference"].devices)
+    time_sliced = set(outcomes["notebook"].devices) | set(outcomes["packed"].devices)
+    assert not sm_gpus & time_sliced
+    assert set(outcomes["packed"].devices) <= set(outcomes["notebook"].devices)
+
+
+async def test_unschedulable_pods_say_why_per_node(outcomes: dict[str, PodOutcome]) -> None:
+    conflict = outcomes["mode-conflict"]
+    assert conflict.state == "Unschedulable" and not conflict.node
+    assert conflict.reason.startswith("0/2 nodes are available")
+    assert "compute-mode conflict" in conflict.reason
+    too_big = outcomes["too-big"]
+    assert too_big.state == "Unschedulable"
+    assert "2 insufficient GPU memory" in too_big.reason
+
+
+async def test_admission_rejects_a_bad_request_with_the_contract_message(cluster: LocalCluster) -> None:
+    assert cluster.client is not None
+    (pod,) = load_all_yaml((DEMO_PODS[0].parent / "demo" / "packed.yaml").read_text())
+    pod.metadata.name = "bad-limit"
+    pod.metadata.annotations[keys.memory_limit_key("app")] = "1Gi"  # below the 16Gi request
+    with pytest.raises(ApiError) as rejected:
+        await cluster.client.create(pod, namespace="default")
+    assert keys.memory_limit_key("app") in str(rejected.value)
+
+
+async def test_only_the_scheduler_writes_devices(
+    cluster: LocalCluster, outcomes: dict[str, PodOutcome]
+) -> None:
+    assert cluster.client is not None
+    pod = await cluster.client.get(Pod, "packed", namespace="default")
+    assert pod.metadata.annotations[CONTAINERS_ANNOTATION]
+    with pytest.raises(ApiError) as refused:
+        await cluster.client.patch(
+            Pod,
+            "packed",
+            {"metadata": {"annotations": {keys.devices_key("app"): "GPU-stolen"}}},
+            namespace="default",
+        )
+    assert refused.value.status.code in (400, 403)
