@@ -183,3 +183,13 @@ def test_scores_are_integers_in_range():
         e.place(pod(fraction(0.3)))
     kinds = list(e._kinds.values())
     assert kinds and all(np.issubdtype(k.key.dtype, np.integer) for k in kinds)
+
+
+def test_online_distribution_counts_a_retried_pod_once():
+    e = build("fgd", node("a", gpus=1))
+    source = e.policy("fgd").scorers[0][0].source
+    e.place(pod(fraction(0.5)))
+    stuck = pod(whole(2))
+    for _ in range(5):
+        assert not isinstance(e.place(stuck), Placement)  # retried while pending
+    assert source._counts[TypicalPod(0, None, 2, exclusive=True)] == 1

@@ -52,6 +52,7 @@ from .state import EXCLUSIVE, MODE_CODE, Allocation, ClusterState, DeviceCharge,
 _RANK_BITS = 40
 _ABSENT = 255
 _MAX_KINDS = 512
+_MAX_OBSERVED = 200_000
 
 
 def tie_rank(seed: int, name: str) -> int:
@@ -136,6 +137,7 @@ class Engine:
         self._demands: dict[tuple, Demand] = {}
         self._bound: dict[str, _Bound] = {}
         self._on_node: dict[int, set[str]] = {}
+        self._observed: set[str] = set()
 
     # -- policies -------------------------------------------------------------------------------------
 
@@ -331,7 +333,12 @@ class Engine:
         except ValueError as err:
             return Unschedulable(pod.uid, self.state.node_count, detail=str(err))
         demand = self._demand(pod, name, flip=False)
-        policy.observe(demand)
+        if pod.uid not in self._observed:
+            # A learned distribution counts each pod once, however often a pending pod is retried.
+            if len(self._observed) >= _MAX_OBSERVED:
+                self._observed.clear()
+            self._observed.add(pod.uid)
+            policy.observe(demand)
         policy.prepare(self.state)
         decision = self._place_kind(pod, demand, policy)
         if isinstance(decision, Unschedulable) and can_fall_back(pod):
