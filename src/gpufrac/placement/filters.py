@@ -228,8 +228,7 @@ class Fit:
     def free_milli(self) -> np.ndarray:
         """(len(nodes), GPU slots) free thousandths of a GPU; 0 on absent slots."""
         if self._free_milli is None:
-            st = self.state
-            self._free_milli = np.maximum(st.free[self.nodes], 0) * 1000 // np.maximum(st.cap[self.nodes], 1)
+            self._free_milli = self.state.free_milli(self.nodes)
         return self._free_milli
 
 

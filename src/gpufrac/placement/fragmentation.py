@@ -28,7 +28,7 @@ import numpy as np
 
 from .demand import Demand
 from .filters import Fit
-from .scoring import free_milli, milli_of, reference_cap
+from .scoring import milli_of, reference_cap
 from .state import EMPTY, EXCLUSIVE, MODE_CODE, ClusterState
 from .typical import TypicalSet, TypicalSource
 
@@ -88,7 +88,7 @@ def node_fragmentation(
     state: ClusterState, typical: TypicalSet, nodes: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray]:
     """(fragmentation, free) per node in thousandths of a GPU; their sums give the cluster's rate."""
-    fm = free_milli(state, nodes)
+    fm = state.free_milli(nodes)
     free = fm.sum(axis=1)
     if not typical.pods:
         return np.zeros(nodes.size), free

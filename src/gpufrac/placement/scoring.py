@@ -8,8 +8,9 @@ a scorer with global inputs (a learned distribution) exposes an ``epoch`` that i
 
 Scores are integers so ties are exact and are broken by the engine's seeded node order, as the paper's
 simulator does (its scores are integers 0..100). GPU amounts are compared in thousandths of a GPU
-(``free_milli``: free MiB x 1000 // capacity), the unit of the paper's arithmetic: free amounts round
-down and requests round up, which reproduces the integer shares of a portion-only workload exactly.
+(``ClusterState.free_milli``: free MiB x 1000 // capacity), the unit of the paper's arithmetic: free
+amounts round down and requests round up, which reproduces the integer shares of a portion-only
+workload exactly.
 
 A ``GpuPicker`` orders the GPUs of one node that can take a container; the first ``count`` are used.
 """
@@ -45,13 +46,6 @@ class GpuPicker(Protocol):
 
 
 # -- units --------------------------------------------------------------------------------------------
-
-
-def free_milli(state: ClusterState, nodes: np.ndarray) -> np.ndarray:
-    """Free thousandths of a GPU per GPU slot, (len(nodes), slots); 0 on absent slots."""
-    cap = state.cap[nodes]
-    free = np.maximum(state.free[nodes], 0)
-    return free * 1000 // np.maximum(cap, 1)
 
 
 def milli_of(mib: np.ndarray, cap: np.ndarray) -> np.ndarray:
@@ -187,7 +181,7 @@ class BestFitGpu:
     def order(
         self, state: ClusterState, container: ContainerDemand, node: int, mask: np.ndarray
     ) -> np.ndarray:
-        return _ordered(free_milli(state, np.array([node]))[0], mask)
+        return _ordered(state.free_milli(np.array([node]))[0], mask)
 
     def first(self, fit: Fit, container: int) -> np.ndarray:
         """``order(...)[0]`` for container ``container`` on every node of ``fit`` at once."""
@@ -200,7 +194,7 @@ class WorstFitGpu:
     def order(
         self, state: ClusterState, container: ContainerDemand, node: int, mask: np.ndarray
     ) -> np.ndarray:
-        return _ordered(-free_milli(state, np.array([node]))[0], mask)
+        return _ordered(-state.free_milli(np.array([node]))[0], mask)
 
     def first(self, fit: Fit, container: int) -> np.ndarray:
         return np.where(fit.masks[container], -fit.free_milli(), _BIG).argmin(axis=1)

@@ -323,6 +323,13 @@ class ClusterState:
         else:
             self.tenant[n, g] = MANY_TENANTS
 
+    def free_milli(self, nodes: np.ndarray) -> np.ndarray:
+        """Free thousandths of a GPU per GPU slot of ``nodes`` (rounded down); 0 on absent slots.
+
+        The unit scorers compare GPU room in (the paper's milli-GPU), whatever the GPU's size.
+        """
+        return np.maximum(self.free[nodes], 0) * 1000 // np.maximum(self.cap[nodes], 1)
+
     def ledger(self, node: str) -> list[GpuLedger]:
         n = self.index[node]
         out = []
