@@ -443,7 +443,7 @@ class Engine:
         if stale.size:
             self._refresh(kc, stale)
         while True:
-            best = self._select(kc, policy, rows)
+            best = int(np.argmax(kc.key[:rows]))  # best score; ties: the best tie-break rank
             if kc.key[best] < 0:
                 return self._unschedulable(pod, kc)
             allocation = self._allocate(pod, demand, policy, best, int(kc.gpu[best]))
@@ -463,9 +463,6 @@ class Engine:
             placement = self._placement(pod, demand, allocation)
             self._commit(pod, allocation, placement)
             return placement
-
-    def _select(self, kc: _KindCache, policy: Policy, rows: int) -> int:
-        return int(np.argmax(kc.key[:rows]))
 
     def _unschedulable(self, pod: PendingPod, kc: _KindCache) -> Unschedulable:
         st = self.state
