@@ -61,7 +61,7 @@ def admission(
     log_format: Annotated[str, typer.Option(help="json or text.")] = "json",
 ) -> None:
     """The admission webhook: validates GPU requests, translates legacy forms, guards binder-owned keys."""
-    from gpufrac.scheduler.logs import configure_logging
+    from gpufrac.process.logs import configure_logging
 
     configure_logging(component="admission", level=log_level, fmt=log_format)
     if (tls_cert is None) != (tls_key is None):

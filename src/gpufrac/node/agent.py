@@ -32,7 +32,7 @@ from gpufrac.node.mps.mode import DriverVersion, NodeMpsCapability, capability_f
 from gpufrac.node.mps.service import MpsService
 from gpufrac.node.nri.handler import GpuInjector
 from gpufrac.node.nri.plugin import NriPlugin, PluginIdentity
-from gpufrac.scheduler.probes import ProbeServer
+from gpufrac.process.probes import ProbeServer
 
 log = logging.getLogger(__name__)
 

@@ -66,7 +66,7 @@ def node_agent(
 ) -> None:
     """Run the node agent: NRI plugin and GPU inventory."""
     from gpufrac.node.config import load_settings
-    from gpufrac.scheduler.logs import configure_logging
+    from gpufrac.process.logs import configure_logging
 
     configure_logging(component="gpufrac-node-agent", level=log_level, fmt=log_format)
     try:

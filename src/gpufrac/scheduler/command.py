@@ -39,8 +39,8 @@ def scheduler(
     log_format: str = typer.Option("json", "--log-format", help="json or text."),
 ) -> None:
     """Run the gpufrac scheduler service."""
+    from gpufrac.process.logs import configure_logging
     from gpufrac.scheduler.config import load_config
-    from gpufrac.scheduler.logs import configure_logging
 
     configure_logging(component="gpufrac-scheduler", level=log_level, fmt=log_format)
     try:

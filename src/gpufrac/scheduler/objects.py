@@ -44,10 +44,6 @@ from gpufrac.placement.model import (
 
 log = logging.getLogger(__name__)
 
-#: The node agent's capability labels (``gpufrac.io/compute-mode.<mode>: "true"|"false"``, written by
-#: ``gpufrac.node.mps.mode.NodeMpsCapability.labels``). A node without any of them is taken to enforce
-#: both modes. TODO(contract): move this prefix into ``contract.keys`` next to the other node keys.
-COMPUTE_MODE_LABEL_PREFIX = "gpufrac.io/compute-mode."
 
 
 class InvalidInventory(ValueError):
@@ -92,7 +88,7 @@ def _condition_true(node: Node, kind: str) -> bool:
 
 def compute_modes(labels: Mapping[str, str]) -> frozenset[ComputeMode]:
     """The compute modes the node says it can enforce (both, when it says nothing)."""
-    said = {m: labels.get(COMPUTE_MODE_LABEL_PREFIX + m.value) for m in ComputeMode}
+    said = {m: labels.get(keys.COMPUTE_MODE_LABEL_PREFIX + m.value) for m in ComputeMode}
     if all(v is None for v in said.values()):
         return BOTH_MODES
     return frozenset(m for m, v in said.items() if v == "true")

@@ -47,12 +47,12 @@ from gpufrac.kube.patch import set_pod_condition
 from gpufrac.kube.stream import ALL_NAMESPACES, Selection
 from gpufrac.placement.decision import Placement
 from gpufrac.placement.model import ModePolicy, NodeSpec, PendingPod
+from gpufrac.process.probes import ProbeServer
 from gpufrac.scheduler.binder import Binder, BindMode, BindResult, Outcome, stale_binding_keys
 from gpufrac.scheduler.config import SchedulerConfig
 from gpufrac.scheduler.engine import PlacementEngine
 from gpufrac.scheduler.metrics import GpuAllocation, SchedulerMetrics, StateReaders
 from gpufrac.scheduler.objects import bound_placement, gpu_request, node_spec, pending_pod, pod_queue
-from gpufrac.scheduler.probes import ProbeServer
 from gpufrac.scheduler.queue import SchedulingQueue
 
 log = logging.getLogger(__name__)

@@ -20,7 +20,11 @@ import re
 from dataclasses import dataclass
 from enum import StrEnum
 
+from gpufrac.contract import keys
 from gpufrac.contract.request import ComputeMode
+
+#: Which MPS control daemon serves on the node (``v3``, ``classic`` or ``none``), for operators.
+MPS_LABEL = "gpufrac.io/mps"
 
 V3_MIN_DRIVER_MAJOR = 615
 
@@ -68,10 +72,12 @@ class NodeMpsCapability:
     mps_running: bool
     enforceable: frozenset[ComputeMode]
 
-    def labels(self, *, prefix: str = "gpufrac.io") -> dict[str, str]:
+    def labels(self) -> dict[str, str]:
         """Node labels: one boolean per compute mode plus the MPS mode that is running."""
-        out = {f"{prefix}/compute-mode.{m.value}": str(m in self.enforceable).lower() for m in ComputeMode}
-        out[f"{prefix}/mps"] = self.mode.value if self.mps_running else "none"
+        out = {
+            keys.COMPUTE_MODE_LABEL_PREFIX + m.value: str(m in self.enforceable).lower() for m in ComputeMode
+        }
+        out[MPS_LABEL] = self.mode.value if self.mps_running else "none"
         return out
 
 
