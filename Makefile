@@ -27,8 +27,16 @@ demo: venv testenv
 test: venv testenv
 	$(PY) -m pytest -q -p no:cacheprovider
 
+# Every benchmark prints a one-line JSON summary last; results and commands are in docs/benchmarks.md.
+# BENCHES=... runs a subset, e.g. `make bench BENCHES="placement_speed usage_collect"`.
+BENCHES ?= placement_speed placement_memory usage_collect nri_create_latency scheduler_e2e trace_quality
 bench: venv testenv
-	$(PY) -m bench.run_all
+	@mkdir -p out/bench
+	@for b in $(BENCHES); do \
+	  echo "== bench/$$b.py"; \
+	  $(PY) bench/$$b.py > out/bench/$$b.log 2>&1 || { tail -n 20 out/bench/$$b.log; exit 1; }; \
+	  tail -n 1 out/bench/$$b.log | tee out/bench/$$b.json; \
+	done; echo "summaries in out/bench/*.json"
 
 lint: venv
 	$(VENV)/bin/ruff check src tests bench
