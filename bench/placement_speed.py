@@ -78,9 +78,8 @@ def main() -> None:
             "target": target,
             "meets_target": None if target is None else best >= target,
         }
-        print(
-            f"{policy:10s} {best:8.0f} placements/s  (uncached baseline {baseline:6.0f}/s, x{best / baseline:.1f})"
-        )
+        ratio = best / baseline
+        print(f"{policy:10s} {best:8.0f} placements/s  (uncached baseline {baseline:6.0f}/s, x{ratio:.1f})")
         sys.stdout.flush()
     summary["policies"] = results
     summary["load_after"] = os.getloadavg()[0]
