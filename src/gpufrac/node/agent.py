@@ -1,5 +1,5 @@
-"""The node agent as one process: NRI plugin, GPU inventory publisher and health probes, started and
-stopped together.
+"""The node agent as one process: NRI plugin, GPU inventory publisher, usage reporting with the audit,
+and health probes, started and stopped together.
 
 ``run`` serves until cancelled (SIGTERM in ``gpufrac node-agent``). Shutdown order matters and is done
 in one ``finally``: first the Node's readiness condition goes False (``NodeAgentStopped``), so the
@@ -11,7 +11,14 @@ Readiness (/readyz) is "the NRI plugin is registered and synchronized with the r
 has been published" (when publishing); liveness (/healthz) is the event loop answering. With ``mps``
 the MPS supervisor runs here too (``gpufrac.node.mps.service``): it gives the NRI handler its hooks and
 the publisher the capability it enforces; without it, whether MPS serves is a setting (``mps_running``).
-The usage reporter and audit join this assembly in later issues.
+
+Usage reporting (``gpufrac.node.reporting``: /metrics, collection, audit) reads the same mapping store the
+NRI plugin writes, treats the GPUs of the latest inventory as managed, audits with the planner the plugin
+injects by, and shares one ``EventRecorder`` on the Node and one set of counters with the MPS service
+(wrapped in ``CountingMpsEvents``), so an MPS restart is an Event and a metric from one seam. Metrics do
+not enter readiness: a node whose reporting is down still enforces. The audit needs the runtime's CRI
+socket; when it is not there and the audit was not asked for explicitly (``gpufrac up`` has no CRI
+runtime), the agent says so once and reports usage without auditing instead of warning every cycle.
 """
 
 from __future__ import annotations
@@ -19,19 +26,27 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Sequence
+from pathlib import Path
 
 from lightkube import AsyncClient
 from prometheus_client import CollectorRegistry
 
+from gpufrac.kube.events import EventRecorder, ObjectRef
 from gpufrac.node.config import NodeAgentSettings
-from gpufrac.node.inventory.backend import GpuInventoryBackend, InventoryUnavailable
+from gpufrac.node.inject import EnvPlanner
+from gpufrac.node.inventory.backend import GpuInventoryBackend, InventoryUnavailable, NodeInventory
 from gpufrac.node.inventory.publish import InventoryPublisher
 from gpufrac.node.mapping import MappingStore
+from gpufrac.node.metrics import CountingMpsEvents, EnforcementCounters
 from gpufrac.node.mps.config import MpsSettings
 from gpufrac.node.mps.mode import DriverVersion, NodeMpsCapability, capability_for
 from gpufrac.node.mps.service import MpsService
 from gpufrac.node.nri.handler import GpuInjector
 from gpufrac.node.nri.plugin import NriPlugin, PluginIdentity
+from gpufrac.node.reporting import UsageSettings, run_reporting
+from gpufrac.node.usage.backend import GpuProcesses, ProcessUsageBackend
+from gpufrac.node.usage.collect import MIB
 from gpufrac.process.probes import ProbeServer
 
 log = logging.getLogger(__name__)
@@ -52,6 +67,22 @@ def make_backend(settings: NodeAgentSettings) -> GpuInventoryBackend:
     )
 
 
+class _LoggedEvents:
+    """The audit's Events as log lines, for an agent that does not talk to the API server (--no-publish)."""
+
+    def emit(self, *, regarding: ObjectRef, type: str, reason: str, message: str) -> None:
+        log.warning("event %s %s on %s %s/%s: %s", type, reason, regarding.kind, regarding.namespace,
+                    regarding.name, message)  # fmt: skip
+
+
+def cri_socket_missing(endpoint: str) -> Path | None:
+    """The socket path of a ``unix://`` CRI endpoint when nothing is there; None otherwise."""
+    if not endpoint.startswith("unix://"):
+        return None
+    path = Path(endpoint.removeprefix("unix://"))
+    return None if path.exists() else path
+
+
 class NodeAgent:
     def __init__(
         self,
@@ -65,6 +96,17 @@ class NodeAgent:
         self.backend = backend or make_backend(settings)
         self.store = MappingStore(directory=settings.state_dir)
         self._gpu_mib: dict[str, int] = {}
+        self._inventory: NodeInventory | None = None
+        self._managed_gpus: set[str] = set()  # usable GPUs of the latest inventory (the audit's strays)
+        self.counters = EnforcementCounters()
+        self.recorder = (
+            EventRecorder(
+                client=client, component="gpufrac-node-agent", instance=settings.node_name, workers=1
+            )
+            if client is not None
+            else None
+        )
+        self.metrics_port: asyncio.Future[int] | None = None
         self.mps = (
             MpsService.for_node(
                 node_name=settings.node_name,
@@ -77,6 +119,8 @@ class NodeAgent:
                 ),
                 read_driver=lambda: self.backend.read().driver_version,
                 on_change=lambda: self.publisher.poke() if self.publisher is not None else None,
+                recorder=self.recorder,
+                counted=lambda sink: CountingMpsEvents(sink=sink, counters=self.counters),
             )
             if settings.mps
             else None
@@ -141,12 +185,71 @@ class NodeAgent:
                 with contextlib.suppress(InventoryUnavailable):
                     inventory = await asyncio.to_thread(self.backend.read)
             if inventory is not None:
+                self._inventory = inventory
                 self._gpu_mib.clear()
                 self._gpu_mib.update({g.uuid: g.mib for g in inventory.gpus})
+                usable = {g.uuid for g in inventory.usable}
+                # In place, without a moment of "nothing managed": the collector reads it from a thread.
+                self._managed_gpus |= usable
+                self._managed_gpus &= usable
             await asyncio.sleep(self.settings.publish_interval_s)
+
+    def _inventory_gpus(self) -> Sequence[GpuProcesses]:
+        """The inventory's GPUs without processes: the simulated process table is laid over them."""
+        inventory = self._inventory
+        return tuple(
+            GpuProcesses(uuid=g.uuid, index=g.index, memory_total_bytes=g.mib * MIB)
+            for g in (inventory.gpus if inventory is not None else ())
+        )
+
+    async def _usage_backend(self) -> ProcessUsageBackend:
+        if self.settings.process_backend == "simulated":
+            from gpufrac.node.usage.simulated import SimulatedUsageFile
+
+            return SimulatedUsageFile(path=self.settings.sim_usage, gpus=self._inventory_gpus)
+        from gpufrac.node.usage.nvml import NvmlUsage
+
+        while True:  # NVML can be down while the agent starts (driver upgrade); so is the inventory then
+            try:
+                return await asyncio.to_thread(NvmlUsage)
+            except Exception as error:
+                log.warning("usage: NVML not readable (%s); retrying", error)
+                await asyncio.sleep(self.settings.usage.interval_s)
+
+    def _usage_settings(self) -> UsageSettings:
+        usage = self.settings.usage
+        missing = cri_socket_missing(usage.cri_endpoint) if usage.audit else None
+        if missing is not None and "audit" not in usage.model_fields_set:
+            log.warning(
+                "audit off: no CRI socket at %s (give --cri-endpoint, or --audit to keep retrying it)",
+                missing,
+            )
+            return usage.model_copy(update={"audit": False})
+        return usage
+
+    async def _report(self) -> None:
+        """Usage reporting and the audit; the port is in ``metrics_port`` once /metrics listens."""
+        backend = await self._usage_backend()
+        try:
+            await run_reporting(
+                settings=self._usage_settings(),
+                node_name=self.settings.node_name,
+                backend=backend,
+                allocations=self.store,
+                managed_gpus=self._managed_gpus,
+                planner=EnvPlanner(container_pipe_dir=self.settings.container_pipe_dir),
+                events=self.recorder if self.recorder is not None else _LoggedEvents(),
+                counters=self.counters,
+                started=self.metrics_port,
+            )
+        finally:
+            close = getattr(backend, "close", None)
+            if close is not None:
+                close()
 
     async def run(self) -> None:
         await self.probes.start()
+        self.metrics_port = asyncio.get_running_loop().create_future()
         log.info(
             "node agent started",
             extra={
@@ -165,6 +268,11 @@ class NodeAgent:
             tasks.append(asyncio.create_task(self.publisher.run(), name="inventory-publisher"))
         if self.mps is not None:  # cancelled with the publisher; its run() stops the daemon in a finally
             tasks.append(asyncio.create_task(self.mps.run(), name="mps-supervisor"))
+        # Cancelled with the publisher too; its finally closes CRI, then the metrics endpoint.
+        tasks.append(asyncio.create_task(self._report(), name="usage-reporting"))
+        recording = (
+            asyncio.create_task(self.recorder.run(), name="events") if self.recorder is not None else None
+        )
         try:
             await asyncio.gather(*tasks)
         finally:
@@ -179,6 +287,9 @@ class NodeAgent:
             for task in tasks[:2]:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            if recording is not None:  # after MPS and the audit: the Events of their last moments flush
+                recording.cancel()
+                await asyncio.gather(recording, return_exceptions=True)
             await self.probes.stop()
             self.store.close()
             self.backend.close()

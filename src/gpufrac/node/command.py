@@ -61,10 +61,34 @@ def node_agent(
     health_port: int | None = typer.Option(
         None, "--health-port", help="Port of /healthz and /readyz (0: any)."
     ),
+    metrics_port: int | None = typer.Option(
+        None, "--metrics-port", help="Port of the usage metrics endpoint /metrics (default 9400; 0: any)."
+    ),
+    usage_backend: str | None = typer.Option(
+        None,
+        "--usage-backend",
+        help="What reads GPU processes: nvml or simulated (default: the same kind as --backend).",
+    ),
+    sim_usage: Path | None = typer.Option(
+        None,
+        "--sim-usage",
+        help="JSON table of simulated GPU processes, re-read every sample (absent: every GPU idle).",
+    ),
+    proc_root: Path | None = typer.Option(
+        None, "--proc-root", help="The host's /proc, for PID to container attribution (default: /proc)."
+    ),
+    audit: bool | None = typer.Option(
+        None,
+        "--audit/--no-audit",
+        help="Audit enforcement through CRI after every collection (default: on when the CRI socket exists).",
+    ),
+    cri_endpoint: str | None = typer.Option(
+        None, "--cri-endpoint", help="The runtime's CRI endpoint (default: containerd's socket)."
+    ),
     log_level: str = typer.Option("info", "--log-level"),
     log_format: str = typer.Option("json", "--log-format", help="json or text."),
 ) -> None:
-    """Run the node agent: NRI plugin and GPU inventory."""
+    """Run the node agent: NRI plugin, GPU inventory, usage metrics and the audit."""
     from gpufrac.node.config import load_settings
     from gpufrac.process.logs import configure_logging
 
@@ -86,6 +110,14 @@ def node_agent(
             state_dir=state_dir,
             fail_open=fail_open,
             health_port=health_port,
+            usage_backend=usage_backend,
+            sim_usage=sim_usage,
+            usage={
+                "metrics_port": metrics_port,
+                "proc_root": proc_root,
+                "audit": audit,
+                "cri_endpoint": cri_endpoint,
+            },
         )
     except (OSError, ValueError) as error:
         typer.echo(f"gpufrac node-agent: invalid configuration: {error}", err=True)

@@ -4,6 +4,11 @@ Defaults are a production node's: NVML for the GPUs, containerd's NRI socket, st
 the mapping is a cache that Synchronize rebuilds, and containers do not outlive a reboot either).
 ``backend: simulated`` with ``sim_gpus`` or ``sim_config`` runs the same agent on a machine without GPUs
 (tests, ``gpufrac up``).
+
+Usage reporting and the audit have their own section, ``usage:`` (``gpufrac.node.reporting.UsageSettings``);
+flags for it are merged into the file's section key by key, so ``--metrics-port`` does not drop the
+file's ``usage.interval_s``. Which backend reads GPU processes follows the inventory backend unless
+``usage_backend`` says otherwise: NVML with NVML, the simulated table (``sim_usage``) with the simulation.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from gpufrac.node.inject import CONTAINER_PIPE_DIR
 from gpufrac.node.nri.plugin import DEFAULT_SOCKET
+from gpufrac.node.reporting import UsageSettings
 
 
 class NodeAgentSettings(BaseModel):
@@ -50,6 +56,13 @@ class NodeAgentSettings(BaseModel):
     health_port: int = Field(8082, ge=0, le=65535)
     publish_interval_s: float = Field(5.0, gt=0)
     heartbeat_s: float = Field(60.0, gt=0)
+    usage: UsageSettings = Field(default_factory=UsageSettings)
+    usage_backend: Literal["nvml", "simulated"] | None = Field(
+        None, description="what reads GPU processes; default: the same kind as ``backend``"
+    )
+    sim_usage: Path | None = Field(
+        None, description="JSON table of simulated GPU processes, re-read every sample; none: idle GPUs"
+    )
 
     @model_validator(mode="after")
     def _simulation_is_described(self) -> NodeAgentSettings:
@@ -60,6 +73,10 @@ class NodeAgentSettings(BaseModel):
     @property
     def pipe_root(self) -> Path:
         return self.mps_pipe_root or self.state_dir / "mps-pipes"
+
+    @property
+    def process_backend(self) -> Literal["nvml", "simulated"]:
+        return self.usage_backend or self.backend
 
     @property
     def assume_mps_running(self) -> bool:
@@ -74,5 +91,11 @@ def load_settings(path: Path | None, **flags: Any) -> NodeAgentSettings:
         if not isinstance(loaded, dict):
             raise ValueError(f"{path}: the node agent configuration must be a mapping")
         data.update(loaded)
-    data.update({key: value for key, value in flags.items() if value is not None})
+    for key, value in flags.items():
+        if isinstance(value, dict):  # a section: merge the given flags into the file's keys
+            given = {k: v for k, v in value.items() if v is not None}
+            if given:
+                data[key] = {**(data.get(key) or {}), **given}
+        elif value is not None:
+            data[key] = value
     return NodeAgentSettings(**data)

@@ -17,7 +17,7 @@ import logging
 from collections.abc import Collection
 from pathlib import Path
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from gpufrac.node.audit import Auditor, EventSink, InjectionPlanner
 from gpufrac.node.metrics import (
@@ -35,6 +35,8 @@ log = logging.getLogger(__name__)
 
 class UsageSettings(BaseModel):
     """Settings of usage reporting and the audit (part of the node agent's configuration)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
 
     interval_s: float = Field(5.0, gt=0, description="seconds between collections")
     metrics_host: str = "0.0.0.0"

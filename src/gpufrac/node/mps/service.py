@@ -78,17 +78,32 @@ class MpsService:
         settings: MpsSettings,
         read_driver: Callable[[], str],
         on_change: Callable[[], None] | None = None,
+        recorder: EventRecorder | None = None,
+        counted: Callable[[EventSink], EventSink] = lambda sink: sink,
     ) -> MpsService:
-        """The service of a node agent: Events on its Node when it has an API client, log lines if not."""
+        """The service of a node agent: Events on its Node when it has an API client, log lines if not.
+
+        ``recorder``: an ``EventRecorder`` the caller already runs (the node agent shares one between
+        MPS and the audit); without one the service makes its own and runs it. ``counted`` wraps the
+        sink (the agent's ``CountingMpsEvents``, so restarts and wedges are also metrics)."""
         if client is None:
-            return cls(settings=settings, events=LogEventSink(), read_driver=read_driver, on_change=on_change)
-        recorder = EventRecorder(client=client, component="gpufrac-node-agent", instance=node_name, workers=1)
+            return cls(
+                settings=settings,
+                events=counted(LogEventSink()),
+                read_driver=read_driver,
+                on_change=on_change,
+            )
+        owned = recorder is None
+        if recorder is None:
+            recorder = EventRecorder(
+                client=client, component="gpufrac-node-agent", instance=node_name, workers=1
+            )
         return cls(
             settings=settings,
-            events=NodeEventSink(recorder=recorder, node_name=node_name),
+            events=counted(NodeEventSink(recorder=recorder, node_name=node_name)),
             read_driver=read_driver,
             on_change=on_change,
-            recorder=recorder,
+            recorder=recorder if owned else None,
         )
 
     async def run(self) -> None:

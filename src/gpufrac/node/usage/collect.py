@@ -131,7 +131,8 @@ class UsageSnapshot:
 class UsageCollector:
     """Builds a ``UsageSnapshot`` from a backend, /proc and the allocation records.
 
-    ``managed_gpus`` limits the stray check to GPUs gpufrac owns (None: every GPU the backend sees).
+    ``managed_gpus`` limits the stray check to GPUs gpufrac owns (None: every GPU the backend sees). It
+    is read at every collection, so the node agent passes a set it keeps equal to its published inventory.
     """
 
     def __init__(
@@ -147,7 +148,7 @@ class UsageCollector:
         self._backend = backend
         self._allocations = allocations
         self._proc_root = proc_root
-        self._managed = None if managed_gpus is None else frozenset(managed_gpus)
+        self._managed = managed_gpus
         self._node_commands = frozenset(node_gpu_commands)
         self._clock = clock
 

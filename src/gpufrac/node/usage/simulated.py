@@ -6,13 +6,17 @@ collections; another process can drive it through a JSON file that is re-read on
 
     {"gpus": [{"uuid": "GPU-…", "index": 0, "memory_total_bytes": 85899345920,
                "processes": [{"pid": 4242, "used_bytes": 1073741824, "sm_ratio": 0.5}]}]}
+
+In the node agent (``--usage-backend simulated``) the GPUs themselves come from its simulated inventory
+(``gpus``): the file then only adds processes, an entry naming a known GPU by ``uuid`` may leave out
+``index`` and ``memory_total_bytes``, and no file at all means every GPU is idle.
 """
 
 from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from gpufrac.node.usage.backend import GpuProcess, GpuProcesses
@@ -50,21 +54,32 @@ class SimulatedUsage:
 
 
 class SimulatedUsageFile:
-    """The same table read from a JSON file on every sample (a missing file means no GPUs)."""
+    """The same table read from a JSON file on every sample (a missing file means no processes).
 
-    def __init__(self, *, path: Path) -> None:
+    ``gpus`` gives the GPUs every sample has (the node agent's inventory); the file's entries are laid
+    over them by uuid, and GPUs only the file names are added.
+    """
+
+    def __init__(self, *, path: Path | None, gpus: Callable[[], Sequence[GpuProcesses]] = tuple) -> None:
         self._path = path
+        self._gpus = gpus
 
     def sample(self) -> Sequence[GpuProcesses]:
+        table = {gpu.uuid: gpu for gpu in self._gpus()}
         try:
-            document = json.loads(self._path.read_text())
+            document = json.loads(self._path.read_text()) if self._path is not None else {}
         except FileNotFoundError:
-            return ()
-        return tuple(
-            GpuProcesses(
+            document = {}
+        for gpu in document.get("gpus", ()):
+            known = table.get(gpu["uuid"])
+            table[gpu["uuid"]] = GpuProcesses(
                 uuid=gpu["uuid"],
-                index=int(gpu["index"]),
-                memory_total_bytes=int(gpu["memory_total_bytes"]),
+                index=int(gpu["index"] if known is None or "index" in gpu else known.index),
+                memory_total_bytes=int(
+                    gpu["memory_total_bytes"]
+                    if known is None or "memory_total_bytes" in gpu
+                    else known.memory_total_bytes
+                ),
                 processes=tuple(
                     GpuProcess(
                         pid=int(p["pid"]),
@@ -74,8 +89,7 @@ class SimulatedUsageFile:
                     for p in gpu.get("processes", ())
                 ),
             )
-            for gpu in document.get("gpus", ())
-        )
+        return tuple(table.values())
 
 
 def _replace_processes(gpu: GpuProcesses, processes: tuple[GpuProcess, ...]) -> GpuProcesses:
