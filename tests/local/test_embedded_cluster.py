@@ -7,6 +7,7 @@ API server, never a component's memory.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 
@@ -14,12 +15,14 @@ import pytest
 from lightkube import ApiError
 from lightkube.codecs import load_all_yaml
 from lightkube.resources.core_v1 import Node, Pod
+from rich.console import Console
 
 from gpufrac.contract import keys
 from gpufrac.local.cluster import ClusterShape, LocalCluster
 from gpufrac.local.demo import DEMO_PODS, PodOutcome, gpu_names, outcome, submit_and_wait
 from gpufrac.local.kubelet import CONTAINERS_ANNOTATION
 from gpufrac.local.simnodes import NodeShape
+from gpufrac.node.top import render, scrape
 
 pytestmark = pytest.mark.kube
 
@@ -110,3 +113,30 @@ async def test_only_the_scheduler_writes_devices(
             namespace="default",
         )
     assert refused.value.status.code in (400, 403)
+
+
+async def test_gpufrac_top_shows_the_inference_fractions_from_the_agents_metrics(
+    cluster: LocalCluster, outcomes: dict[str, PodOutcome]
+) -> None:
+    inference = outcomes["inference"]
+    url = cluster.metrics_urls[inference.node]
+    deadline = asyncio.get_running_loop().time() + 15  # the agents collect every 5 s
+    while True:
+        (view,) = await asyncio.to_thread(scrape, [url])
+        rows = {
+            gpu.uuid: f
+            for gpu in view.gpus.values()
+            for (namespace, pod, container, _mode), f in gpu.fractions.items()
+            if (namespace, pod, container) == ("default", "inference", "app")
+        }
+        if len(rows) == 4 or asyncio.get_running_loop().time() > deadline:
+            break
+        await asyncio.sleep(0.5)
+    assert view.error is None and view.node == inference.node
+    assert len(rows) == 4
+    assert {f["request"] for f in rows.values()} == {40960 * 1024**2}
+    assert {f["limit"] for f in rows.values()} == {61440 * 1024**2}
+    assert {f["used"] for f in rows.values()} == {0}
+    console = Console(record=True, width=200)
+    console.print(render([view]))
+    assert console.export_text().count("default/inference/app") == 4

@@ -10,7 +10,8 @@ What runs, and what is real:
   "only the scheduler writes binder-owned keys" holds here exactly as in a cluster;
 - per simulated node: a Node object (what a kubelet would register), NRI's REAL runtime-side library
   (``gpufrac-nriruntime``, standing in for containerd) and ``gpufrac node-agent`` as a process with the
-  SIMULATED GPU backend, connected to that runtime as an NRI plugin and publishing the node's GPUs;
+  SIMULATED GPU backend, connected to that runtime as an NRI plugin and publishing the node's GPUs, with
+  its usage metrics on a local port (``metrics_urls``, what ``gpufrac top`` reads);
 - the simulated kubelet (in this process): creates the containers of bound pods through the node's
   runtime, so the node agent's injection is what the pod records.
 
@@ -98,6 +99,7 @@ class LocalCluster:
         self.controlplane = ControlPlane(data_dir=self.work_dir / "controlplane")
         self._processes: list[_Process] = []
         self._runtimes: dict[str, NriRuntime] = {}
+        self.metrics_urls: dict[str, str] = {}  # node name → its agent's /metrics
         self._kubelet_task: asyncio.Task[None] | None = None
         self.client: AsyncClient | None = None
 
@@ -226,6 +228,7 @@ class LocalCluster:
         await runtime.start()
         self._runtimes[name] = runtime
         shape = self.shape.node
+        metrics_port = _free_port()
         process = self._spawn(
             f"node-agent-{name}",
             [
@@ -238,9 +241,13 @@ class LocalCluster:
                 f"--sim-gpus={shape.gpus}x{shape.model}:{shape.mib}",
                 f"--state-dir={node_dir / 'state'}",
                 "--health-port=0",
+                f"--metrics-port={metrics_port}",
+                # No CRI runtime here (the NRI runtime side only): nothing to audit against.
+                "--no-audit",
                 "--log-format=text",
             ],
         )
+        self.metrics_urls[name] = f"http://127.0.0.1:{metrics_port}/metrics"
         try:
             await runtime.wait_plugins(1, timeout_s=60)
         except Exception as error:
@@ -342,6 +349,7 @@ class LocalCluster:
             for process in reversed(self._processes):
                 await asyncio.to_thread(_terminate, process.popen)
             self._processes.clear()
+            self.metrics_urls.clear()
             for runtime in self._runtimes.values():
                 with contextlib.suppress(Exception):
                     await runtime.stop()

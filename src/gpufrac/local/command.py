@@ -59,6 +59,10 @@ async def _up(console: Console, shape: ClusterShape, work_dir: Path | None) -> N
         )
         console.print(f"  export KUBECONFIG={cluster.kubeconfig}")
         console.print(f"  logs: {cluster.logs}")
+        metrics = sorted(cluster.metrics_urls.items())
+        for node, url in metrics:
+            console.print(f"  metrics of {node}: {url}")
+        console.print(f"  per-fraction usage: gpufrac top {' '.join(url for _, url in metrics)}")
         console.print("  submit pods with schedulerName: gpufrac-scheduler (see examples/); Ctrl-C stops")
         await stop.wait()
         console.print("stopping…")
