@@ -1,14 +1,18 @@
 """``gpufrac node-agent --mps`` as a process, with the STAND-IN control daemon and NRI's real adaptation:
-the agent starts MPS, gives an sm-sharing container its namespace, and on SIGTERM leaves no MPS process."""
+the agent starts MPS, gives an sm-sharing container its namespace, counts a daemon restart in its usage
+metrics, and on SIGTERM leaves no MPS process."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 from mps_harness import MpsEnv, processes_of, until
 
@@ -27,6 +31,9 @@ async def test_node_agent_with_mps_serves_namespaces_and_stops_mps_on_sigterm(mp
     config.write_text(f"mps_pipe_dir: {pipe}\nmps_log_dir: {mps_env.root / 'log'}\n")
     runtime = NriRuntime(socket_path=mps_env.root / "nri.sock")
     await runtime.start()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        metrics_port = int(s.getsockname()[1])
     agent = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
@@ -47,6 +54,8 @@ async def test_node_agent_with_mps_serves_namespaces_and_stops_mps_on_sigterm(mp
         str(mps_env.root / "agent"),
         "--health-port",
         "0",
+        "--metrics-port",
+        str(metrics_port),
         "--mps",
         "--mps-control-bin",
         str(mps_env.bin),
@@ -73,6 +82,25 @@ async def test_node_agent_with_mps_serves_namespaces_and_stops_mps_on_sigterm(mp
         assert mount is not None and mount["source"] == str(pipe / "shared" / namespace_name("a" * 64))
         client, greeting = await mps_env.client(Path(mount["source"]))
         assert greeting == f"connected shared {namespace_name('a' * 64)} 50"
+
+        async def restarts_metric() -> str:
+            try:
+                async with httpx.AsyncClient() as http:
+                    text = (await http.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=2)).text
+            except httpx.HTTPError:
+                return ""
+            return next(
+                (line for line in text.splitlines() if line.startswith("gpufrac_mps_restarts_total")), ""
+            )
+
+        # The daemon exits (SIGTERM: it takes its servers along); the supervisor restarts it and the
+        # agent's usage metrics count the restart (CountingMpsEvents on the shared counters).
+        os.kill(int((pipe / "nvidia-cuda-mps-control.pid").read_text().split()[0]), signal.SIGTERM)
+        for _ in range(200):
+            if (await restarts_metric()).endswith(" 1.0"):
+                break
+            await asyncio.sleep(0.1)
+        assert (await restarts_metric()) == 'gpufrac_mps_restarts_total{node="gpu-node-mps"} 1.0'
 
         agent.send_signal(signal.SIGTERM)
         assert await asyncio.wait_for(agent.wait(), 30) == 0

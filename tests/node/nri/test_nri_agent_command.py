@@ -64,6 +64,8 @@ async def test_node_agent_process_injects_and_stops_cleanly(make_node) -> None: 
         str(node.root / "agent"),
         "--health-port",
         str(port),
+        "--metrics-port",
+        "0",
         stderr=asyncio.subprocess.PIPE,
     )
     try:
@@ -113,6 +115,8 @@ async def test_readyz_says_what_is_missing_without_a_runtime(tmp_path: Path) -> 
         str(tmp_path / "state"),
         "--health-port",
         str(port),
+        "--metrics-port",
+        "0",
         stderr=asyncio.subprocess.DEVNULL,
     )
     try:
@@ -177,6 +181,7 @@ async def test_node_agent_publishes_its_node_and_withdraws_readiness_on_sigterm(
         "--nri-socket", str(node.socket),
         "--state-dir", str(node.root / "agent"),
         "--health-port", str(free_port()),
+        "--metrics-port", "0",
         stderr=asyncio.subprocess.DEVNULL,
     )  # fmt: skip
     try:
