@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import uuid
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
@@ -28,22 +27,13 @@ from lightkube.types import PatchType
 from gpufrac.contract import keys
 from gpufrac.kube.errors import Conflict, api_errors
 from gpufrac.node import labels as node_labels
+from gpufrac.node.inventory.simulated import MODEL_MIB, simulated_uuid
 from gpufrac.node.mps.mode import DriverVersion, capability_for
 
-#: Framebuffer MiB as NVML reports it for common data-centre GPUs.
-GPU_MODELS: dict[str, int] = {
-    "H100-80GB": 81559,
-    "H200-141GB": 143771,
-    "A100-40GB": 40960,
-    "A100-80GB": 81920,
-    "L40S-48GB": 46068,
-    "L4-24GB": 23034,
-    "A10-24GB": 23028,
-    "T4-16GB": 15360,
-}
+#: Framebuffer MiB per model: the simulated node agent's table, so both describe the same GPUs.
+GPU_MODELS: dict[str, int] = MODEL_MIB
 
 _CAPABILITY = capability_for(driver=DriverVersion.parse("615.20.01"), mps_running=True)
-_UUID_NAMESPACE = uuid.UUID("6f1b8a52-6a3e-4bb2-9c9e-2a7d0d9b1c11")
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,7 +59,8 @@ class NodeShape:
 
 
 def gpu_uuid(node: str, index: int) -> str:
-    return f"GPU-{uuid.uuid5(_UUID_NAMESPACE, f'{node}/{index}')}"
+    """The UUID a simulated node agent gives GPU ``index`` of ``node`` (stable across re-creation)."""
+    return simulated_uuid(node, index)
 
 
 def inventory(node: str, shape: NodeShape) -> list[dict[str, object]]:

@@ -47,7 +47,7 @@ MODEL_MIB: dict[str, int] = {
 DEFAULT_DRIVER = "615.20.01"
 DEFAULT_CUDA = "13.4"
 
-_UUID_NAMESPACE = uuid.UUID("6f1b8a52-6a3e-4bb2-9c9e-2a7d0d9b1c11")  # as gpufrac.local.simnodes
+_UUID_NAMESPACE = uuid.UUID("6f1b8a52-6a3e-4bb2-9c9e-2a7d0d9b1c11")
 
 
 def simulated_uuid(node: str, index: int) -> str:
