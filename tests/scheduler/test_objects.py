@@ -136,6 +136,33 @@ def test_pending_pod_carries_constraints_and_queue() -> None:
     assert pending.gpu.containers[0].request.portion == 0.5
 
 
+def test_a_pods_placement_policy_annotation_overrides_the_schedulers_policy() -> None:
+    from gpufrac.placement import Engine
+
+    engine = Engine(policy="binpack")
+    for name in ("n1", "n2"):
+        engine.add_node(node_spec(sim_node(name=name, shape=NodeShape(gpus=1, model="H100-80GB"))))
+
+    def place(name: str, annotations: dict[str, str]) -> str:
+        p = pod(annotations={keys.memory_request_key("app"): "10Gi", **annotations})
+        p.metadata.name, p.metadata.uid = name, f"uid-{name}"
+        pending = pending_pod(
+            p, gpu=gpu_request(p), arrival=0, default_queue="default", mode_policy=ModePolicy.REQUIRED
+        )
+        (decision,) = engine.schedule([pending])
+        return decision.node
+
+    first = place("first", {})
+    assert place("packed", {}) == first  # binpack: onto the used GPU
+    assert place("spread", {keys.PLACEMENT_POLICY_ANNOTATION: "spread"}) != first
+    p = pod(annotations={keys.memory_request_key("app"): "1Gi", keys.PLACEMENT_POLICY_ANNOTATION: "nope"})
+    pending = pending_pod(
+        p, gpu=gpu_request(p), arrival=0, default_queue="d", mode_policy=ModePolicy.REQUIRED
+    )
+    (refused,) = engine.schedule([pending])
+    assert "unknown placement policy 'nope'" in refused.message
+
+
 @pytest.mark.parametrize(
     "annotations",
     [

@@ -76,6 +76,9 @@ NODE_READY_CONDITION = "gpu-fractioning.nvidia.com/Ready"
 COMPUTE_MODE_LABEL_PREFIX = "gpufrac.io/compute-mode."
 
 DEFAULT_SCHEDULER_NAME = "gpufrac-scheduler"
+#: A pod's own placement policy (``binpack``, ``spread``, ``kai``, ``fgd``, ``fgd-align``), overriding
+#: the scheduler's configured one; an unknown name makes the pod unschedulable with the known names.
+PLACEMENT_POLICY_ANNOTATION = "gpufrac.io/placement-policy"
 
 
 def container_key(container: str, suffix: str) -> str:

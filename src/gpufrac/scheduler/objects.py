@@ -45,7 +45,6 @@ from gpufrac.placement.model import (
 log = logging.getLogger(__name__)
 
 
-
 class InvalidInventory(ValueError):
     """A managed node's ``gpufrac.io/gpus`` annotation cannot be read."""
 
@@ -257,6 +256,7 @@ def pending_pod(
         queue=pod_queue(pod, default=default_queue),
         arrival=arrival,
         mode_policy=mode_policy,
+        policy=(meta.annotations or {}).get(keys.PLACEMENT_POLICY_ANNOTATION) or None,
     )
 
 
