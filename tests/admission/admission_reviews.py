@@ -54,3 +54,31 @@ def apply_patch(document: dict, operations: list[dict]) -> dict:
         else:
             target[last] = op["value"]
     return result
+
+
+def binding_review(annotations: dict[str, str] | None = None, *, user: str = "alice") -> dict:
+    """CREATE of the ``pods/binding`` subresource, as the API server sends it: the object is the Binding."""
+    metadata: dict[str, Any] = {"name": "p", "namespace": "ns"}
+    if annotations is not None:
+        metadata["annotations"] = annotations
+    return {
+        "apiVersion": "admission.k8s.io/v1",
+        "kind": "AdmissionReview",
+        "request": {
+            "uid": "u-1",
+            "kind": {"group": "", "version": "v1", "kind": "Binding"},
+            "resource": {"group": "", "version": "v1", "resource": "pods"},
+            "subResource": "binding",
+            "name": "p",
+            "namespace": "ns",
+            "operation": "CREATE",
+            "userInfo": {"username": user},
+            "object": {
+                "apiVersion": "v1",
+                "kind": "Binding",
+                "metadata": metadata,
+                "target": {"apiVersion": "v1", "kind": "Node", "name": "n1"},
+            },
+            "oldObject": None,
+        },
+    }

@@ -7,8 +7,9 @@ import copy
 import json
 
 import pytest
-from admission_reviews import apply_patch, pod, review
+from admission_reviews import apply_patch, binding_review, pod, review
 
+from gpufrac.admission.configuration import binding_match_expression, webhook_configurations
 from gpufrac.admission.review import AdmissionPolicy, mutate_review, validate_review
 from gpufrac.contract.parse import parse_pod_manifest
 
@@ -150,3 +151,59 @@ def test_other_kinds_and_subresources_pass() -> None:
     binding = review(pod({"gpu-fraction": "7"}))
     binding["request"]["subResource"] = "binding"
     assert validate_review(binding, POLICY)["response"]["allowed"] is True
+
+
+def test_only_the_scheduler_may_bind_with_binder_owned_keys() -> None:
+    devices = {f"{NV}app.gpus.devices": "GPU-1", "team": "a"}
+    code, message = denied(validate_review(binding_review(devices, user="alice"), POLICY))
+    assert (code, message) == (
+        403,
+        'nvidia.com/container.app.gpus.devices="GPU-1" is invalid: '
+        "only the scheduler may set or change this key.",
+    )
+    assert validate_review(binding_review(devices, user=SCHEDULER), POLICY)["response"] == {
+        "uid": "u-1",
+        "allowed": True,
+    }
+    other = AdmissionPolicy(binder_users=frozenset({"kai"}))
+    assert validate_review(binding_review(devices, user="kai"), other)["response"]["allowed"] is True
+    assert denied(validate_review(binding_review(devices, user=SCHEDULER), other))
+
+
+def test_a_binding_may_not_change_the_request_either() -> None:
+    grown = {f"{NV}app.gpu-memory.request": "80Gi", f"{NV}app.gpu-compute.portion": "1"}
+    code, message = denied(validate_review(binding_review(grown), POLICY))
+    assert code == 403
+    assert message == (
+        'nvidia.com/container.app.gpu-compute.portion="1" is invalid: '
+        "only the scheduler may set or change this key. "
+        'nvidia.com/container.app.gpu-memory.request="80Gi" is invalid: '
+        "the GPU request of an existing pod cannot be changed; create a new pod instead."
+    )
+
+
+@pytest.mark.parametrize("annotations", [None, {}, {"team": "a"}], ids=["none", "empty", "unrelated"])
+def test_bindings_without_contract_keys_pass_whoever_binds(annotations: dict | None) -> None:
+    answer = validate_review(binding_review(annotations, user="system:kube-scheduler"), POLICY)
+    assert answer["response"] == {"uid": "u-1", "allowed": True}
+
+
+def test_the_binding_webhook_sees_only_bindings_that_carry_contract_keys() -> None:
+    _, validating = webhook_configurations(name="g", ca_bundle=b"ca", url="https://127.0.0.1:8443")
+    pods, bindings = validating["webhooks"]
+    assert pods["rules"][0]["resources"] == ["pods"]
+    assert bindings["rules"] == [
+        {
+            "apiGroups": [""],
+            "apiVersions": ["v1"],
+            "operations": ["CREATE"],
+            "resources": ["pods/binding"],
+            "scope": "Namespaced",
+        }
+    ]
+    assert bindings["failurePolicy"] == "Fail"
+    assert bindings["clientConfig"]["url"] == "https://127.0.0.1:8443/validate"
+    assert bindings["matchConditions"] == [{"name": "gpu-bindings", "expression": binding_match_expression()}]
+    expression = binding_match_expression()
+    assert expression.startswith("(has(object.metadata.annotations) && object.metadata.annotations.exists(")
+    assert "key.startsWith('nvidia.com/container.')" in expression

@@ -7,6 +7,13 @@ send only pods that mention the contract (any contract annotation, or an ``nvidi
 it, and for updates also pods whose OLD object did (so removing the binder-owned keys is guarded too).
 A CEL expression that fails to evaluate counts as an error under failurePolicy Fail, so every field
 access is guarded with ``has()``.
+
+The Binding subresource is a second door to a pod's annotations: the API server merges a Binding's
+annotations into the pod in the update that sets its node (how the scheduler binds atomically), and
+that update never passes through an admission webhook for ``pods``. So the validating configuration
+holds a second webhook for CREATE of ``pods/binding``, whose matchCondition sends it only Bindings that
+carry a contract annotation: ordinary bindings (kube-scheduler's, any other scheduler's) carry none and
+never depend on the webhook.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from gpufrac.contract import keys as k
 
 MUTATE_WEBHOOK = "mutate.gpufrac.io"
 VALIDATE_WEBHOOK = "validate.gpufrac.io"
+VALIDATE_BINDING_WEBHOOK = "validate-binding.gpufrac.io"
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,14 +39,20 @@ class ServiceRef:
     port: int = 443
 
 
-def _mentions_gpu(var: str) -> str:
-    """CEL: the object in ``var`` carries a contract annotation or asks for ``nvidia.com/gpu``."""
+def _carries_contract_annotation(var: str) -> str:
+    """CEL: the object in ``var`` has an annotation whose key may be a contract key (a superset of
+    ``keys.is_contract_key``: the webhook itself decides). ``exists`` on a map iterates its keys."""
     prefixes = " || ".join(f"key.startsWith('{prefix}')" for prefix in k.CONTAINER_PREFIXES)
     pod_keys = ", ".join(f"'{key}'" for key in k.POD_LEVEL_KEYS)
-    annotations = (
+    return (
         f"(has({var}.metadata.annotations) && "
         f"{var}.metadata.annotations.exists(key, {prefixes} || key in [{pod_keys}]))"
     )
+
+
+def _mentions_gpu(var: str) -> str:
+    """CEL: the object in ``var`` carries a contract annotation or asks for ``nvidia.com/gpu``."""
+    annotations = _carries_contract_annotation(var)
     resource = f"'{k.GPU_RESOURCE}'"
     containers = (
         f"(has({var}.spec.containers) && {var}.spec.containers.exists(c, has(c.resources) && ("
@@ -54,6 +68,12 @@ def match_expression(*, include_old: bool) -> str:
     if include_old:
         expression = f"({expression}) || (oldObject != null && ({_mentions_gpu('oldObject')}))"
     return expression
+
+
+def binding_match_expression() -> str:
+    """The matchConditions CEL of the Binding webhook: true for Bindings that would write a contract key
+    onto the pod."""
+    return _carries_contract_annotation("object")
 
 
 def _client_config(
@@ -125,17 +145,24 @@ def webhook_configurations(
                 "rules": [_pod_rule(["CREATE", "UPDATE"])],
                 "matchConditions": [{"name": "gpu-pods", "expression": match_expression(include_old=True)}],
                 **common,
-            }
+            },
+            {
+                "name": VALIDATE_BINDING_WEBHOOK,
+                "clientConfig": _client_config(ca_bundle, url, service, "/validate"),
+                "rules": [_pod_rule(["CREATE"], resource="pods/binding")],
+                "matchConditions": [{"name": "gpu-bindings", "expression": binding_match_expression()}],
+                **common,
+            },
         ],
     }
     return mutating, validating
 
 
-def _pod_rule(operations: list[str]) -> dict[str, Any]:
+def _pod_rule(operations: list[str], *, resource: str = "pods") -> dict[str, Any]:
     return {
         "apiGroups": [""],
         "apiVersions": ["v1"],
         "operations": operations,
-        "resources": ["pods"],
+        "resources": [resource],
         "scope": "Namespaced",
     }

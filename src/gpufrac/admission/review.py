@@ -6,6 +6,9 @@ Validating (CREATE and UPDATE of pods):
 * UPDATE: an update that leaves the contract keys alone is always allowed, even for a pod whose
   annotations are invalid (it may predate the webhook; blocking it would also block removing its
   finalizers). Otherwise only the scheduler may change contract keys, and the result must parse.
+* CREATE of a Binding (the ``pods/binding`` subresource): its annotations are merged into the pod by the
+  update that sets the node, an update no ``pods`` webhook sees. So a Binding is an update of those keys:
+  only the scheduler's may carry contract keys, and anyone else's is refused with the same messages.
 
 Mutating (CREATE of pods that ask for a GPU): legacy pod-level forms become per-container keys; on pods of
 our scheduler, ``nvidia.com/gpu: N`` becomes the exclusive ``gpufrac.io/container.<c>.gpus`` key with the
@@ -23,7 +26,7 @@ from typing import Any
 
 from gpufrac.contract import keys as k
 from gpufrac.contract.changes import changed_contract_keys, forbidden_changes
-from gpufrac.contract.errors import InvalidPodRequest
+from gpufrac.contract.errors import InvalidPodRequest, RuleViolation
 from gpufrac.contract.parse import container_specs, parse_pod
 from gpufrac.contract.translate import translate
 
@@ -67,6 +70,17 @@ def _is_pod(request: Mapping[str, Any]) -> bool:
     return kind.get("group", "") == "" and kind.get("kind") == "Pod" and not request.get("subResource")
 
 
+def _is_binding(request: Mapping[str, Any]) -> bool:
+    kind = request.get("kind") or {}
+    resource = request.get("resource") or {}
+    return (
+        kind.get("group", "") == ""
+        and kind.get("kind") == "Binding"
+        and resource.get("resource") == "pods"
+        and request.get("subResource") == "binding"
+    )
+
+
 def _annotations(obj: Mapping[str, Any] | None) -> dict[str, str]:
     metadata = (obj or {}).get("metadata") or {}
     return {str(key): str(value) for key, value in (metadata.get("annotations") or {}).items()}
@@ -81,27 +95,40 @@ def validate_review(review: Mapping[str, Any], policy: AdmissionPolicy) -> dict[
     return _response(review, decide_validate(review.get("request") or {}, policy))
 
 
+def _forbidden(violations: list[RuleViolation]) -> Verdict:
+    return Verdict(allowed=False, code=403, reason="Forbidden", message=str(InvalidPodRequest(violations)))
+
+
 def decide_validate(request: Mapping[str, Any], policy: AdmissionPolicy) -> Verdict:
+    user = str((request.get("userInfo") or {}).get("username", ""))
+    is_binder = user in policy.binder_users
+    if _is_binding(request) and request.get("operation") == "CREATE":
+        return _decide_binding(request, is_binder=is_binder)
     if not _is_pod(request) or request.get("operation") not in ("CREATE", "UPDATE"):
         return Verdict(allowed=True)
     pod = request.get("object") or {}
-    user = str((request.get("userInfo") or {}).get("username", ""))
-    is_binder = user in policy.binder_users
     new = _annotations(pod)
     if request["operation"] == "UPDATE":
         old = _annotations(request.get("oldObject"))
         if not changed_contract_keys(old, new):
             return Verdict(allowed=True)
         if not is_binder:
-            violations = forbidden_changes(old, new, creating=False)
-            return Verdict(
-                allowed=False, code=403, reason="Forbidden", message=str(InvalidPodRequest(violations))
-            )
+            return _forbidden(forbidden_changes(old, new, creating=False))
     try:
         parse_pod(new, container_specs(pod.get("spec") or {}), user_written=not is_binder)
     except InvalidPodRequest as error:
         return _invalid(error)
     return Verdict(allowed=True)
+
+
+def _decide_binding(request: Mapping[str, Any], *, is_binder: bool) -> Verdict:
+    """A Binding writes its annotations onto an existing pod: for anyone but the scheduler, every contract
+    key in it is a forbidden change (the pod's current annotations are not in the review, so a key is
+    judged as if it were new; rewriting a value the pod already has through a Binding is refused too)."""
+    if is_binder:
+        return Verdict(allowed=True)
+    violations = forbidden_changes({}, _annotations(request.get("object")), creating=False)
+    return _forbidden(violations) if violations else Verdict(allowed=True)
 
 
 def mutate_review(review: Mapping[str, Any], policy: AdmissionPolicy) -> dict[str, Any]:
