@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx2
 import pytest
 import yaml
 from lightkube import ApiError, Client, codecs
@@ -253,3 +254,74 @@ def test_with_the_webhook_down_only_gpu_pods_are_blocked(kube: Client, webhook: 
 
     assert kube.create(pod("plain"), namespace=ns).metadata.name == "plain"
     kube.patch(Pod, "plain-before", {"metadata": {"labels": {"still": "editable"}}}, namespace=ns)
+
+
+@pytest.fixture
+def binders(kube: Client, namespace: str) -> None:
+    """RBAC for an ordinary user and the scheduler's service account: both may bind pods here."""
+    kube.create(
+        Role(
+            metadata=ObjectMeta(name="binders", namespace=namespace),
+            rules=[
+                PolicyRule(apiGroups=[""], resources=["pods"], verbs=["get"]),
+                PolicyRule(apiGroups=[""], resources=["pods/binding"], verbs=["create"]),
+            ],
+        )
+    )
+    _, _, sa_namespace, sa_name = DEFAULT_SCHEDULER_USER.split(":")
+    kube.create(
+        RoleBinding(
+            metadata=ObjectMeta(name="binders", namespace=namespace),
+            roleRef=RoleRef(apiGroup="rbac.authorization.k8s.io", kind="Role", name="binders"),
+            subjects=[
+                Subject(kind="User", name=USER, apiGroup="rbac.authorization.k8s.io"),
+                Subject(kind="ServiceAccount", name=sa_name, namespace=sa_namespace),
+            ],
+        )
+    )
+
+
+def bind(http: httpx2.Client, namespace: str, name: str, annotations: dict[str, str] | None = None) -> Any:
+    """POST a Binding to ``node-1`` (lightkube cannot decode the Status a Binding answers)."""
+    binding = {
+        "apiVersion": "v1",
+        "kind": "Binding",
+        "metadata": {"name": name, "annotations": annotations or {}},
+        "target": {"apiVersion": "v1", "kind": "Node", "name": "node-1"},
+    }
+    return http.post(f"/api/v1/namespaces/{namespace}/pods/{name}/binding", json=binding)
+
+
+def test_only_the_scheduler_may_bind_with_devices(
+    controlplane: ControlPlane, kube: Client, webhook: Webhook, binders: None
+) -> None:
+    ns = webhook.namespace
+    request = {f"{NV}app.gpu-memory.request": "1Gi"}
+    devices = {f"{NV}app.gpus.devices": "GPU-0a1b"}
+    for name in ("target", "plain", "later"):
+        kube.create(pod(name, request), namespace=ns)
+    with (
+        controlplane.http(impersonate=USER, groups=["system:authenticated"]) as alice,
+        controlplane.http(impersonate=DEFAULT_SCHEDULER_USER, groups=["system:serviceaccounts"]) as scheduler,
+    ):
+        answer = bind(alice, ns, "target", devices)
+        assert answer.status_code == 403, answer.text
+        message = answer.json()["message"]
+        assert message.startswith('admission webhook "validate-binding.gpufrac.io" denied the request: ')
+        assert message.endswith(
+            f'{NV}app.gpus.devices="GPU-0a1b" is invalid: only the scheduler may set or change this key.'
+        )
+        untouched = kube.get(Pod, "target", namespace=ns)
+        assert not untouched.spec.nodeName and untouched.metadata.annotations == request
+
+        answer = bind(scheduler, ns, "target", devices)
+        assert answer.status_code == 201, answer.text
+        bound = kube.get(Pod, "target", namespace=ns)
+        assert bound.spec.nodeName == "node-1" and bound.metadata.annotations == {**request, **devices}
+
+        webhook.server.stop()  # a binding without contract keys never depends on the webhook
+        answer = bind(alice, ns, "plain", {"team": "a"})
+        assert answer.status_code == 201, answer.text
+        assert kube.get(Pod, "plain", namespace=ns).spec.nodeName == "node-1"
+        answer = bind(scheduler, ns, "later", devices)  # one that carries them waits for the webhook
+        assert answer.status_code >= 500 and "failed calling webhook" in answer.json()["message"]
