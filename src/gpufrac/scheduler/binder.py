@@ -111,6 +111,28 @@ def stale_binding_keys(annotations: Mapping[str, str]) -> dict[str, None]:
     return removal
 
 
+def _failed_bind(
+    error: Exception, *, current: Pod | None, pod: Pod, placement: Placement, written: dict[str, str]
+) -> BindResult:
+    """What a failed Binding means, given the pod as read back afterwards (None: not bound, or unknown).
+
+    A Binding whose answer was lost may still have landed: the pod bound to our node with our
+    annotations is BOUND; bound anywhere else (or another pod of that name) is BOUND_ELSEWHERE.
+    """
+    reason = _error_reason(error)
+    if current is not None and current.spec and current.spec.nodeName:
+        annotations = current.metadata.annotations or {}
+        if (
+            current.metadata.uid == pod.metadata.uid
+            and current.spec.nodeName == placement.node
+            and all(annotations.get(k) == v for k, v in written.items())
+        ):
+            return BindResult(Outcome.BOUND)
+        return BindResult(Outcome.BOUND_ELSEWHERE, f"bound to {current.spec.nodeName}", reason)
+    outcome = Outcome.CONFLICT if isinstance(error, Conflict) else Outcome.FAILED
+    return BindResult(outcome, f"binding failed: {error}", reason)
+
+
 def _error_reason(error: Exception) -> str:
     if isinstance(error, Conflict):
         return "conflict"
@@ -169,25 +191,15 @@ class Binder:
         except NotFound as error:
             return BindResult(Outcome.GONE, str(error), "not_found")
         except (KubeError, httpx2.HTTPError, OSError) as error:
-            reason = _error_reason(error)
             # The write may have happened and only its answer been lost: read the pod to know.
             try:
                 with api_errors():
                     current = await self._client.get(Pod, meta.name, namespace=meta.namespace)
             except NotFound:
-                return BindResult(Outcome.GONE, str(error), reason)
+                return BindResult(Outcome.GONE, str(error), _error_reason(error))
             except (KubeError, httpx2.HTTPError, OSError):
                 current = None
-            if current is not None and current.spec and current.spec.nodeName:
-                if (
-                    current.metadata.uid == meta.uid
-                    and current.spec.nodeName == placement.node
-                    and all((current.metadata.annotations or {}).get(k) == v for k, v in written.items())
-                ):
-                    return BindResult(Outcome.BOUND)
-                return BindResult(Outcome.BOUND_ELSEWHERE, f"bound to {current.spec.nodeName}", reason)
-            outcome = Outcome.CONFLICT if isinstance(error, Conflict) else Outcome.FAILED
-            return BindResult(outcome, f"binding failed: {error}", reason)
+            return _failed_bind(error, current=current, pod=pod, placement=placement, written=written)
 
     async def _patch_then_bind(
         self, pod: Pod, *, placement: Placement, written: dict[str, str]
@@ -232,16 +244,8 @@ class Binder:
         except NotFound as error:
             return BindResult(Outcome.GONE, str(error), "not_found")
         except (KubeError, httpx2.HTTPError, OSError) as error:
-            reason = _error_reason(error)
             current = await self._roll_back(pod, restore=restore, written=written, version=version)
-            if current is not None and current.spec and current.spec.nodeName:
-                if current.spec.nodeName == placement.node and all(
-                    (current.metadata.annotations or {}).get(k) == v for k, v in written.items()
-                ):
-                    return BindResult(Outcome.BOUND)
-                return BindResult(Outcome.BOUND_ELSEWHERE, f"bound to {current.spec.nodeName}", reason)
-            outcome = Outcome.CONFLICT if isinstance(error, Conflict) else Outcome.FAILED
-            return BindResult(outcome, f"binding failed: {error}", reason)
+            return _failed_bind(error, current=current, pod=pod, placement=placement, written=written)
 
     async def _roll_back(
         self, pod: Pod, *, restore: dict[str, str | None], written: dict[str, str], version: str | None
