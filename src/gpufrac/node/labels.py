@@ -8,8 +8,9 @@ for operators and for selectors. The compute-mode capability labels are spelled 
 
 from __future__ import annotations
 
-#: The NVIDIA driver's major version, under the name the GPU-fractioning operator (KAI) uses for it.
-DRIVER_MAJOR_LABEL = "gpu-fractioning.kai.scheduler/nvidia-driver-version.major"
+# Re-exported: the contract owns the name now (the operator reads it and must not import the node agent).
+from gpufrac.contract.keys import DRIVER_MAJOR_LABEL as DRIVER_MAJOR_LABEL
+
 #: The GPU model when every published GPU of the node is the same model (absent otherwise).
 GPU_MODEL_LABEL = "gpufrac.io/gpu-model"
 #: How many GPUs the node publishes (MIG-enabled or otherwise unusable GPUs are not counted).
