@@ -52,3 +52,4 @@ build_controlplane() {
 
 build_controlplane
 bash "$here/nriruntime/build.sh" "$@"  # NRI runtime driver: its own script (build tag nri_no_wasm)
+bash "$here/helm/build.sh" "$@"  # helm for the chart tests (tests/deploy/): a main package in a dependency
