@@ -47,7 +47,9 @@ def _register() -> None:
     from gpufrac.admission.command import admission
 
     app.command(name="admission")(admission)
-    _not_built("operator", "the cluster operator for GpuFractioningConfig")
+    from gpufrac.operator.command import operator
+
+    app.command(name="operator")(operator)
     from gpufrac.sim.command import simulate
 
     app.command(name="simulate")(simulate)

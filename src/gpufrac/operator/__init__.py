@@ -1,1 +1,1 @@
-"""operator"""
+"""The cluster operator: GpuFractioningConfig -> the node agent's DaemonSet, readiness and version gates."""

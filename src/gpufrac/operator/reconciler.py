@@ -1,0 +1,402 @@
+"""The operator service: GpuFractioningConfigs in, node-agent DaemonSets and config status out.
+
+Level-triggered, like every Kubernetes controller: a change only marks a config dirty, and reconciling a
+config looks at everything afresh (the config, its DaemonSet, the Nodes, all from the informers) and
+makes the cluster match. So a missed or repeated event costs nothing, and a restart needs no memory.
+
+What marks a config dirty: the config itself; a DaemonSet carrying its ``gpufrac.io/config`` label (its
+controller's numbers changed, or someone edited or deleted it); a Node whose labels or agent condition
+changed (a Node heartbeat is not a change, so a large cluster does not keep the operator busy).
+
+Writes. The DaemonSet goes out by server-side apply under the field manager ``gpufrac-operator``, forced:
+the operator owns the fields it renders, and someone's hand edit of them is undone. It is applied only
+when the hash annotation of the rendered manifest differs from the one on the cluster. The status is
+written through the status subresource only when it differs from what the config shows. A config that is
+deleted has its DaemonSets deleted explicitly as well: the ownerReference lets the garbage collector do it
+in a cluster, but the operator does not rely on a controller it cannot see.
+
+Two replicas: both keep informers current; only the Lease holder writes, and it checks ``is_leader``
+right before each write. Losing the lease ends ``run()`` with ``LeadershipLost`` (the process exits 1 and
+comes back as a standby), as the scheduler does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+import httpx2
+from lightkube import AsyncClient
+from lightkube.resources.apps_v1 import DaemonSet
+from lightkube.resources.core_v1 import Node
+from lightkube.types import PatchType
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from gpufrac.kube.errors import KubeError, NotFound, api_errors
+from gpufrac.kube.informer import Informer, object_key
+from gpufrac.kube.lease import LeaderElector, LeaseTiming
+from gpufrac.kube.patch import merge_patch
+from gpufrac.kube.stream import ALL_NAMESPACES, Selection
+from gpufrac.operator.render import CONFIG_LABEL, HASH_ANNOTATION, MANAGED_BY, render_daemonset
+from gpufrac.operator.resource import GpuFractioningConfig, read_config
+from gpufrac.operator.status import DaemonSetView, NodeView, compute_status
+from gpufrac.process.probes import ProbeServer
+
+log = logging.getLogger(__name__)
+
+COMPONENT = "gpufrac-operator"
+FIELD_MANAGER = "gpufrac-operator"
+
+
+@dataclass(frozen=True, slots=True)
+class OperatorSettings:
+    http_host: str = "0.0.0.0"
+    http_port: int = 8081
+    leader_elect: bool = True
+    lease_name: str = "gpufrac-operator"
+    lease_namespace: str = "gpufrac-system"
+    lease_timing: LeaseTiming = field(default_factory=LeaseTiming)
+    #: Every config is reconciled again this often even without a change (a lost write is retried).
+    resync_s: float = 300.0
+    retry_initial_s: float = 0.5
+    retry_max_s: float = 30.0
+
+
+def default_identity() -> str:
+    return os.environ.get("POD_NAME") or f"{socket.gethostname()}_{os.getpid()}_{uuid.uuid4().hex[:6]}"
+
+
+class _Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.reconciles = Counter(
+            "gpufrac_operator_reconciles", "Config reconciles by result.", ["result"], registry=self.registry
+        )
+        self.leader = Gauge(
+            "gpufrac_operator_is_leader", "1 while this replica leads.", registry=self.registry
+        )
+        self.nodes = Gauge(
+            "gpufrac_operator_config_nodes",
+            "Per config: desired and ready agents, selected nodes below the driver gate.",
+            ["config", "state"],
+            registry=self.registry,
+        )
+
+    def set_config(self, name: str, status: dict[str, Any]) -> None:
+        self.nodes.labels(name, "desired").set(status["desiredNodes"])
+        self.nodes.labels(name, "ready").set(status["readyNodes"])
+        self.nodes.labels(name, "below_min_driver").set(status["nodesBelowMinDriver"])
+
+    def forget_config(self, name: str) -> None:
+        for state in ("desired", "ready", "below_min_driver"):
+            with contextlib.suppress(KeyError):
+                self.nodes.remove(name, state)
+
+
+class Operator:
+    """Run with ``await operator.run()``; cancel the task to stop it cleanly."""
+
+    def __init__(
+        self,
+        *,
+        client: AsyncClient,
+        settings: OperatorSettings = OperatorSettings(),
+        identity: str | None = None,
+        lease_client: AsyncClient | None = None,
+    ) -> None:
+        self.settings = settings
+        self.identity = identity or default_identity()
+        self._client = client
+        self.configs: Informer[Any] = Informer(
+            client=client, resource=GpuFractioningConfig, resync_period=settings.resync_s, name="configs"
+        )
+        self.daemonsets: Informer[DaemonSet] = Informer(
+            client=client,
+            resource=DaemonSet,
+            selection=Selection(
+                namespace=ALL_NAMESPACES, labels=f"app.kubernetes.io/managed-by={MANAGED_BY}"
+            ),
+            name="daemonsets",
+        )
+        self.nodes: Informer[Node] = Informer(client=client, resource=Node, name="nodes")
+        self.configs.add_handler(_Handler(changed=self._config_changed, deleted=self._config_changed))
+        self.daemonsets.add_handler(
+            _Handler(changed=self._daemonset_changed, deleted=self._daemonset_changed)
+        )
+        self.nodes.add_handler(_Handler(changed=self._node_changed, deleted=self._node_changed))
+
+        self.elector: LeaderElector | None = None
+        self._lease_client: AsyncClient | None = None
+        self._owns_lease_client = False
+        if settings.leader_elect:
+            # Its own connection pool: a renew must never wait behind the operator's own writes.
+            self._lease_client = lease_client or AsyncClient(
+                config=client.config, timeout=httpx2.Timeout(5.0)
+            )
+            self._owns_lease_client = lease_client is None
+            self.elector = LeaderElector(
+                client=self._lease_client,
+                name=settings.lease_name,
+                namespace=settings.lease_namespace,
+                identity=self.identity,
+                timing=settings.lease_timing,
+            )
+        self.metrics = _Metrics()
+        self._probes = ProbeServer(
+            host=settings.http_host,
+            port=settings.http_port,
+            registry=self.metrics.registry,
+            healthy=self._healthy,
+            ready=self._ready,
+        )
+        self._dirty: set[str] = set()
+        self._wake = asyncio.Event()
+        self._failures: dict[str, int] = {}
+        self._retries: dict[str, asyncio.TimerHandle] = {}
+        self._started = False
+        self._reconciling = False
+        self._failed: BaseException | None = None
+
+    # -- running ------------------------------------------------------------------------------------------
+
+    @property
+    def _informers(self) -> tuple[Informer[Any], Informer[DaemonSet], Informer[Node]]:
+        return (self.configs, self.daemonsets, self.nodes)
+
+    @property
+    def probe_port(self) -> int:
+        return self._probes.port
+
+    @property
+    def synced(self) -> bool:
+        return all(i.synced.is_set() for i in self._informers)
+
+    def is_leader(self) -> bool:
+        return self.elector is None or self.elector.is_leader
+
+    @property
+    def reconciling(self) -> bool:
+        """True once this replica leads and works through configs."""
+        return self._reconciling
+
+    async def run(self) -> None:
+        await self._probes.start()
+        self._started = True
+        log.info("operator starting as %s; probes and metrics on port %d", self.identity, self._probes.port)
+        background = [asyncio.create_task(i.run(), name=f"informer-{i.name}") for i in self._informers]
+        elector = asyncio.create_task(self.elector.run(), name="lease") if self.elector else None
+        work = asyncio.create_task(self._work(), name="reconcile")
+        watched = [*background, work, *([elector] if elector else [])]
+        try:
+            done, _ = await asyncio.wait(watched, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                error = task.exception()
+                if error is not None:
+                    raise error
+            raise RuntimeError(f"task {next(iter(done)).get_name()} ended unexpectedly")
+        except BaseException as error:
+            if not isinstance(error, asyncio.CancelledError):
+                self._failed = error
+            raise
+        finally:
+            # Stop writing first, then hand the lease over, so a successor never writes alongside us.
+            self._reconciling = False
+            for handle in self._retries.values():
+                handle.cancel()
+            await _cancel(work)
+            if elector is not None:
+                await _cancel(elector)
+            await _cancel(*background)
+            await self._probes.stop()
+            self.metrics.leader.set(0)
+            if self._lease_client is not None and self._owns_lease_client:
+                await self._lease_client.close()
+            log.info("operator %s stopped", self.identity)
+
+    async def _work(self) -> None:
+        for informer in self._informers:
+            await informer.synced.wait()
+        if self.elector is not None:
+            await self.elector.leading.wait()
+        self.metrics.leader.set(1)
+        self._reconciling = True
+        log.info("reconciling %d configs as leader %s", len(self.configs.store), self.identity)
+        # Everything once: configs changed while no one led, DaemonSets whose config is gone.
+        self._dirty.update(self.configs.store.keys())
+        self._dirty.update(_config_of(ds) for ds in self.daemonsets.store if _config_of(ds))
+        self._wake.set()
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self._dirty:
+                name = self._dirty.pop()
+                try:
+                    await self.reconcile(name)
+                except (KubeError, httpx2.HTTPError, OSError) as error:
+                    self.metrics.reconciles.labels("error").inc()
+                    self._retry_later(name, error)
+                else:
+                    self.metrics.reconciles.labels("ok").inc()
+                    self._failures.pop(name, None)
+                await asyncio.sleep(0)
+
+    def _retry_later(self, name: str, error: BaseException) -> None:
+        failures = self._failures[name] = self._failures.get(name, 0) + 1
+        delay = min(self.settings.retry_max_s, self.settings.retry_initial_s * 2 ** (failures - 1))
+        log.warning(
+            "reconciling %s failed (%s), retrying in %.1fs", name, error, delay, extra={"config": name}
+        )
+        old = self._retries.pop(name, None)
+        if old is not None:
+            old.cancel()
+        self._retries[name] = asyncio.get_running_loop().call_later(delay, self._enqueue, name)
+
+    def _enqueue(self, name: str) -> None:
+        self._retries.pop(name, None)
+        self._dirty.add(name)
+        self._wake.set()
+
+    def _healthy(self) -> tuple[bool, str]:
+        if self._failed is not None:
+            return False, f"failed: {self._failed}"
+        return self._started, "running" if self._started else "starting"
+
+    def _ready(self) -> tuple[bool, str]:
+        if not self.synced:
+            return False, "informers not synced"
+        return True, "leading" if self._reconciling else "standby (synced)"
+
+    # -- reconciling --------------------------------------------------------------------------------------
+
+    async def reconcile(self, name: str) -> None:
+        """Make the DaemonSet and the status of config ``name`` match the cluster (raises to be retried)."""
+        obj = self.configs.store.get(name)
+        owned = [ds for ds in self.daemonsets.store if _config_of(ds) == name]
+        if obj is None or obj.metadata.deletionTimestamp is not None:
+            for ds in owned:
+                await self._delete(ds, why="its config is gone")
+            self.metrics.forget_config(name)
+            return
+        try:
+            spec = read_config(obj)
+        except ValueError as error:
+            log.error("config %s cannot be rendered: %s", name, error, extra={"config": name})
+            return
+        desired = render_daemonset(spec)
+        key = f"{spec.namespace}/{desired['metadata']['name']}"
+        for ds in owned:
+            if object_key(ds) != key:
+                await self._delete(ds, why=f"config {name} now runs its agent as {key}")
+        current = self.daemonsets.store.get(key)
+        apply_error: str | None = None
+        if current is None or _hash_of(current) != desired["metadata"]["annotations"][HASH_ANNOTATION]:
+            try:
+                current = await self._apply(desired)
+            except KubeError as error:
+                if error.code in (0, 409, 429) or error.code >= 500:
+                    raise
+                # 404 (namespace missing), 403, 422: a person must act; say so in the status.
+                apply_error = str(error)
+                log.error("could not write DaemonSet %s: %s", key, error, extra={"config": name})
+        status = compute_status(
+            config=spec,
+            daemonset=DaemonSetView.of(current) if current is not None else None,
+            nodes=[NodeView.of(node) for node in self.nodes.store],
+            apply_error=apply_error,
+            previous=obj.status,
+            now=datetime.now(UTC),
+        )
+        self.metrics.set_config(name, status)
+        if status != (obj.status or {}) and self.is_leader():
+            await merge_patch(self._client, GpuFractioningConfig.Status, name=name, patch={"status": status})
+
+    async def _apply(self, manifest: dict[str, Any]) -> DaemonSet | None:
+        meta = manifest["metadata"]
+        if not self.is_leader():
+            return None
+        log.info("applying DaemonSet %s/%s", meta["namespace"], meta["name"], extra={"config": _owner(meta)})
+        with api_errors():
+            return await self._client.patch(  # type: ignore[no-any-return]
+                DaemonSet,
+                meta["name"],
+                manifest,
+                namespace=meta["namespace"],
+                patch_type=PatchType.APPLY,
+                field_manager=FIELD_MANAGER,
+                force=True,
+            )
+
+    async def _delete(self, ds: DaemonSet, *, why: str) -> None:
+        if not self.is_leader():
+            return
+        log.info("deleting DaemonSet %s: %s", object_key(ds), why)
+        with contextlib.suppress(NotFound), api_errors():
+            await self._client.delete(DaemonSet, ds.metadata.name, namespace=ds.metadata.namespace)
+
+    # -- events -------------------------------------------------------------------------------------------
+
+    def _mark(self, name: str) -> None:
+        self._dirty.add(name)
+        self._wake.set()
+
+    def _config_changed(self, old: Any, new: Any) -> None:
+        self._mark(new.metadata.name)
+
+    def _daemonset_changed(self, old: DaemonSet | None, new: DaemonSet) -> None:
+        name = _config_of(new)
+        if name:
+            self._mark(name)
+
+    def _node_changed(self, old: Node | None, new: Node) -> None:
+        if old is not None and NodeView.of(old) == NodeView.of(new):
+            return
+        for name in self.configs.store.keys():  # noqa: SIM118 (a Store, not a dict)
+            self._mark(name)
+
+
+def _config_of(ds: DaemonSet) -> str:
+    return (ds.metadata.labels or {}).get(CONFIG_LABEL, "")
+
+
+def _hash_of(ds: DaemonSet) -> str | None:
+    return (ds.metadata.annotations or {}).get(HASH_ANNOTATION)
+
+
+def _owner(meta: dict[str, Any]) -> str:
+    return str(meta["labels"].get(CONFIG_LABEL, ""))
+
+
+@dataclass(frozen=True, slots=True)
+class _Handler:
+    """Adapts the informer's callbacks: add and update are (old or None, new); delete is (None, obj)."""
+
+    changed: Callable[[Any, Any], None]
+    deleted: Callable[[Any, Any], None]
+
+    def on_add(self, obj: Any) -> None:
+        self.changed(None, obj)
+
+    def on_update(self, old: Any, new: Any) -> None:
+        self.changed(old, new)
+
+    def on_delete(self, obj: Any) -> None:
+        self.deleted(None, obj)
+
+
+async def _cancel(*tasks: asyncio.Task[Any]) -> None:
+    for task in tasks:
+        task.cancel()
+    for task in tasks:
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
+
+
+__all__ = ["COMPONENT", "FIELD_MANAGER", "Operator", "OperatorSettings", "default_identity"]

@@ -1,0 +1,168 @@
+"""What a GpuFractioningConfig turns into: the node agent's DaemonSet, checked field by field."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from lightkube.models.meta_v1 import ObjectMeta
+
+from gpufrac.contract.keys import MANAGED_TAINT_KEY
+from gpufrac.operator.render import daemonset_name, render_daemonset
+from gpufrac.operator.resource import GpuFractioningConfig, read_config
+
+
+def config(**agent: Any) -> Any:
+    spec: dict[str, Any] = {"nodeAgent": {"image": "registry.example/gpufrac:1.2", **agent}}
+    return GpuFractioningConfig(metadata=ObjectMeta(name="prod", uid="uid-1", generation=3), spec=spec)
+
+
+def render(**agent: Any) -> dict[str, Any]:
+    return render_daemonset(read_config(config(**agent)))
+
+
+def container(ds: dict[str, Any]) -> dict[str, Any]:
+    (only,) = ds["spec"]["template"]["spec"]["containers"]
+    return only
+
+
+def mounts(ds: dict[str, Any]) -> dict[str, tuple[str, str, bool]]:
+    """mountPath -> (volume, host path, read-only)."""
+    volumes = {v["name"]: v["hostPath"]["path"] for v in ds["spec"]["template"]["spec"]["volumes"]}
+    return {
+        m["mountPath"]: (m["name"], volumes[m["name"]], m.get("readOnly", False))
+        for m in container(ds)["volumeMounts"]
+    }
+
+
+def test_the_agent_runs_privileged_in_the_host_pid_namespace_under_its_service_account() -> None:
+    ds = render()
+    pod = ds["spec"]["template"]["spec"]
+    assert pod["hostPID"] is True
+    assert pod["serviceAccountName"] == "gpufrac-node-agent"
+    assert container(ds)["securityContext"] == {"privileged": True}
+    assert container(ds)["image"] == "registry.example/gpufrac:1.2"
+    assert container(ds)["imagePullPolicy"] == "IfNotPresent"
+    assert ds["metadata"] == ds["metadata"] | {
+        "name": "gpufrac-node-agent-prod",
+        "namespace": "gpufrac-system",
+    }
+
+
+def test_host_paths_are_mounted_where_the_agent_expects_them() -> None:
+    ds = render(nriSocket="/run/containerd/nri/nri.sock")
+    got = mounts(ds)
+    assert got["/run/containerd/nri"] == ("nri", "/run/containerd/nri", False)
+    assert got["/run/nvidia/mps"][1:] == ("/run/nvidia/mps", False)
+    # The agent hands host paths under its state dir to the runtime: same path inside and out.
+    assert got["/run/gpufrac/node-agent"][1:] == ("/run/gpufrac/node-agent", False)
+    # The host's /proc, read-only, at the agent's --proc-root.
+    assert got["/host/proc"] == ("host-proc", "/proc", True)
+    args = container(ds)["args"]
+    assert "--proc-root=/host/proc" in args
+    assert "--nri-socket=/run/containerd/nri/nri.sock" in args
+    assert "--state-dir=/run/gpufrac/node-agent" in args
+
+
+def test_args_follow_the_spec() -> None:
+    default = container(render())["args"]
+    assert default[:3] == ["node-agent", "--node-name=$(NODE_NAME)", "--backend=nvml"]
+    assert {
+        "--fail-closed",
+        "--no-mps",
+        "--metrics-port=9400",
+        "--health-port=8082",
+        "--log-level=info",
+    } <= set(default)
+    assert not any(a.startswith("--mps-control-bin") for a in default)
+
+    custom = container(
+        render(
+            failOpen=True,
+            mps={"enabled": True, "controlBin": "/opt/mps-control"},
+            metricsPort=9500,
+            logLevel="debug",
+        )
+    )["args"]
+    assert {"--fail-open", "--mps", "--mps-control-bin=/opt/mps-control", "--metrics-port=9500"} <= set(
+        custom
+    )
+    assert "--log-level=debug" in custom
+    assert "--fail-closed" not in custom and "--no-mps" not in custom
+
+
+def test_mps_gets_its_log_directory_only_when_enabled() -> None:
+    assert "/var/log/nvidia-mps" not in mounts(render())
+    assert "/var/log/nvidia-mps" in mounts(render(mps={"enabled": True}))
+
+
+def test_node_name_comes_from_the_downward_api() -> None:
+    env = container(render())["env"]
+    assert {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}} in env
+
+
+def test_probes_hit_the_agents_health_port() -> None:
+    c = container(render(healthPort=9100))
+    assert {"name": "health", "containerPort": 9100, "protocol": "TCP"} in c["ports"]
+    assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
+    assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "health"}
+    assert "--health-port=9100" in c["args"]
+
+
+def test_the_managed_taint_is_always_tolerated_and_the_spec_adds_to_it() -> None:
+    extra = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
+    tolerations = render(tolerations=[extra])["spec"]["template"]["spec"]["tolerations"]
+    assert tolerations[0]["key"] == MANAGED_TAINT_KEY and tolerations[0]["operator"] == "Exists"
+    assert extra in tolerations
+    assert render()["spec"]["template"]["spec"]["tolerations"][0]["key"] == MANAGED_TAINT_KEY
+
+
+def test_node_selector_defaults_to_gpu_nodes_and_follows_the_spec() -> None:
+    assert render()["spec"]["template"]["spec"]["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    assert render(nodeSelector={"pool": "a100"})["spec"]["template"]["spec"]["nodeSelector"] == {
+        "pool": "a100"
+    }
+
+
+def test_resources_are_passed_through_and_absent_when_not_asked() -> None:
+    assert "resources" not in container(render())
+    asked = {"requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"memory": "512Mi"}}
+    assert container(render(resources=asked))["resources"] == asked
+
+
+def test_the_config_owns_its_daemonset() -> None:
+    (owner,) = render()["metadata"]["ownerReferences"]
+    assert owner == {
+        "apiVersion": "gpufrac.io/v1alpha1",
+        "kind": "GpuFractioningConfig",
+        "name": "prod",
+        "uid": "uid-1",
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def test_the_selector_matches_the_pods_it_creates() -> None:
+    ds = render()
+    selector = ds["spec"]["selector"]["matchLabels"]
+    assert selector.items() <= ds["spec"]["template"]["metadata"]["labels"].items()
+
+
+def test_the_hash_changes_with_the_spec_and_only_with_it() -> None:
+    def digest(ds: dict[str, Any]) -> str:
+        return str(ds["metadata"]["annotations"]["gpufrac.io/rendered-hash"])
+
+    assert digest(render()) == digest(render())
+    assert digest(render()) != digest(render(logLevel="debug"))
+    assert digest(render()) != digest(render(image="registry.example/gpufrac:1.3"))
+
+
+@pytest.mark.parametrize("name", ["a", "x" * 44])
+def test_daemonset_names_are_dns_labels(name: str) -> None:
+    assert len(daemonset_name(name)) <= 63
+
+
+def test_a_spec_without_an_image_is_refused() -> None:
+    obj = GpuFractioningConfig(metadata=ObjectMeta(name="x"), spec={"nodeAgent": {}})
+    with pytest.raises(ValueError, match="image"):
+        read_config(obj)
