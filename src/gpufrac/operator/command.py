@@ -27,7 +27,7 @@ def operator(
     kubeconfig: Path | None = typer.Option(
         None, "--kubeconfig", help="Kubeconfig (default: in-cluster, then $KUBECONFIG, then ~/.kube/config)."
     ),
-    http_port: int = typer.Option(8081, "--http-port", help="Port of /healthz, /readyz, /metrics."),
+    http_port: int = typer.Option(8080, "--http-port", help="Port of /healthz, /readyz, /metrics."),
     leader_elect: bool = typer.Option(
         True, "--leader-elect/--no-leader-elect", help="Take part in leader election (two replicas)."
     ),

@@ -59,7 +59,7 @@ FIELD_MANAGER = "gpufrac-operator"
 @dataclass(frozen=True, slots=True)
 class OperatorSettings:
     http_host: str = "0.0.0.0"
-    http_port: int = 8081
+    http_port: int = 8080
     leader_elect: bool = True
     lease_name: str = "gpufrac-operator"
     lease_namespace: str = "gpufrac-system"
