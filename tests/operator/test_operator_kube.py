@@ -139,6 +139,15 @@ async def test_a_config_becomes_its_owned_daemonset_and_spec_changes_roll_out(
 
         await eventually(restored, what="the hash annotation re-applied")
 
+        # Deleted by hand: the operator puts it back.
+        await akube.delete(DaemonSet, ds2.metadata.name, namespace=namespace)
+
+        async def recreated() -> DaemonSet | None:
+            got = await get_ds(akube, namespace, name)
+            return got if got and got.metadata.uid != ds2.metadata.uid else None
+
+        await eventually(recreated, what="the DaemonSet recreated")
+
 
 async def test_status_follows_the_daemonset_and_what_the_nodes_report(
     akube: AsyncClient, namespace: str, tag: str, make_config: MakeConfig, make_node: MakeNode
@@ -176,6 +185,11 @@ async def test_status_follows_the_daemonset_and_what_the_nodes_report(
         assert (obj.status["desiredNodes"], obj.status["readyNodes"]) == (2, 2)
         degraded = (await conditions(akube, name))["Degraded"]
         assert f"old-{tag}" in degraded["message"] and f"new-{tag}" not in degraded["message"]
+        # Settled: nothing changes, so nothing is written (no status churn, no DaemonSet re-apply).
+        await asyncio.sleep(1.0)
+        again = await akube.get(GpuFractioningConfig, name)
+        assert again.metadata.resourceVersion == obj.metadata.resourceVersion
+        assert (await get_ds(akube, namespace, name)).metadata.generation == ds.metadata.generation
 
         await play_node_agent(akube, f"old-{tag}", status="False", reason="NoEnforceableComputeMode")
         ready = await eventually(lambda: has("Ready", "False", "NodesNotReady"), what="a node not ready")
