@@ -24,10 +24,17 @@ start=$SECONDS
 mkdir -p "$(dirname "$out")"
 (
     cd "$here"
-    # helm reports the version stamped into helm.sh/helm/v3/internal/version at link time.
+    # As Helm's Makefile does: stamp its version, and the Kubernetes version `helm template` and
+    # `helm lint` assume (that of the client-go it links; unstamped it is 1.20, which fails charts
+    # that require a recent Kubernetes).
+    client_go="$(go list -m -f '{{.Version}}' k8s.io/client-go)"  # v0.MINOR.PATCH = Kubernetes 1.MINOR
+    minor="${client_go#v0.}"; minor="${minor%%.*}"
+    flags="-s -w -X helm.sh/helm/v3/internal/version.version=$version"
+    for pkg in helm.sh/helm/v3/pkg/chartutil helm.sh/helm/v3/pkg/lint/rules; do
+        flags+=" -X $pkg.k8sVersionMajor=1 -X $pkg.k8sVersionMinor=$minor"
+    done
     GOFLAGS="${GOFLAGS:-} -mod=readonly" CGO_ENABLED=0 \
-        go build -trimpath -ldflags="-s -w -X helm.sh/helm/v3/internal/version.version=$version" \
-        -o "$out.tmp" helm.sh/helm/v3/cmd/helm
+        go build -trimpath -ldflags="$flags" -o "$out.tmp" helm.sh/helm/v3/cmd/helm
 )
 mv -f "$out.tmp" "$out"
 echo "testenv: built $out in $((SECONDS - start))s"
