@@ -1,0 +1,86 @@
+{{/* Common helpers. */}}
+
+{{- define "gpufrac.image" -}}
+{{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
+{{- end }}
+
+{{- define "gpufrac.labels" -}}
+app.kubernetes.io/part-of: gpufrac
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+{{- with .Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{/* Labels of one component: (dict "root" $ "component" "scheduler"). */}}
+{{- define "gpufrac.componentLabels" -}}
+{{ include "gpufrac.labels" .root }}
+app.kubernetes.io/name: gpufrac-{{ .component }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{- define "gpufrac.selector" -}}
+app.kubernetes.io/instance: {{ .root.Release.Name }}
+app.kubernetes.io/name: gpufrac-{{ .component }}
+{{- end }}
+
+{{/* "true" when the master switch and the component's switch are both on. */}}
+{{- define "gpufrac.on" -}}
+{{- if and .root.Values.enabled (index .root.Values .component "enabled") }}true{{ end }}
+{{- end }}
+
+{{- define "gpufrac.schedulerUser" -}}
+system:serviceaccount:{{ .Release.Namespace }}:gpufrac-scheduler
+{{- end }}
+
+{{- define "gpufrac.admissionService" -}}
+gpufrac-admission
+{{- end }}
+
+{{/* Pod-level settings shared by the Deployments: (dict "root" $ "values" .Values.scheduler). */}}
+{{- define "gpufrac.podPlacement" -}}
+{{- with .root.Values.imagePullSecrets }}
+imagePullSecrets:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .values.nodeSelector }}
+nodeSelector:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .values.tolerations }}
+tolerations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .values.affinity }}
+affinity:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end }}
+
+{{- define "gpufrac.containerSecurity" -}}
+securityContext:
+  runAsNonRoot: true
+  runAsUser: 65532
+  allowPrivilegeEscalation: false
+  readOnlyRootFilesystem: true
+  capabilities:
+    drop: ["ALL"]
+{{- end }}
+
+{{/* A webhook's clientConfig (the chart's Service), timeout and namespaceSelector. */}}
+{{- define "gpufrac.webhookClient" -}}
+clientConfig:
+  caBundle: {{ .caBundle }}
+  service:
+    namespace: {{ .namespace }}
+    name: {{ .service }}
+    port: 443
+    path: {{ .path }}
+timeoutSeconds: {{ .timeout }}
+namespaceSelector:
+  {{- toYaml .selector | nindent 2 }}
+objectSelector: {}
+{{- end }}
