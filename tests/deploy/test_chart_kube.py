@@ -193,9 +193,15 @@ def test_operator_and_node_agent_rbac(controlplane: ControlPlane, installed_rbac
     with controlplane.http() as http:
         assert _allowed(http, operator, "", "watch", "gpufrac.io:gpufractioningconfigs")
         assert _allowed(http, operator, "", "patch", "gpufrac.io:gpufractioningconfigs/status")
-        assert _allowed(http, operator, ns, "create", "apps:daemonsets")
+        assert _allowed(http, operator, "", "update", "gpufrac.io:gpufractioningconfigs/finalizers")
+        assert not _allowed(http, operator, "", "update", "gpufrac.io:gpufractioningconfigs")
+        for verb in ("get", "create", "patch", "delete"):
+            assert _allowed(http, operator, ns, verb, "apps:daemonsets")
+        assert _allowed(http, operator, "", "watch", "apps:daemonsets")  # its informer is cluster-wide
+        assert _allowed(http, operator, ns, "update", "coordination.k8s.io:leases")
         assert _allowed(http, operator, "", "list", "nodes")
         assert not _allowed(http, operator, "default", "create", "apps:daemonsets")
+        assert not _allowed(http, operator, "default", "patch", "apps:daemonsets")
         assert not _allowed(http, operator, "", "patch", "nodes")
         assert _allowed(http, agent, "", "patch", "nodes")
         assert _allowed(http, agent, "", "patch", "nodes/status")
