@@ -14,7 +14,7 @@ FROM golang:1.24-bookworm AS go
 
 FROM python:3.11-slim AS protos
 COPY --from=go /usr/local/go /usr/local/go
-ENV PATH=/usr/local/go/bin:$PATH GOTOOLCHAIN=local
+ENV PATH=/usr/local/go/bin:$PATH
 RUN pip install --no-cache-dir "grpcio-tools>=1.60,<2"
 WORKDIR /src
 COPY testenv/nriruntime/go.mod testenv/nriruntime/go.sum testenv/nriruntime/

@@ -63,9 +63,15 @@ def test_each_switch_removes_its_component_only(tmp_path: Path, component: str) 
 
 def test_crds_come_from_deploy_crds(tmp_path: Path) -> None:
     """The chart's crds/ is deploy/crds (a symlink Helm follows): one source for the CRD."""
+    assert (CHART / "crds").resolve() == CRD.parent
     done = helm("show", "crds", CHART)
     (crd,) = [doc for doc in yaml.safe_load_all(done.stdout) if doc]
     assert crd == yaml.safe_load(CRD.read_text())
+    # A packaged chart carries the file itself, not the link.
+    helm("package", CHART, "--destination", tmp_path)
+    (archive,) = tmp_path.glob("gpufrac-*.tgz")
+    packaged = helm("show", "crds", archive)
+    assert [doc for doc in yaml.safe_load_all(packaged.stdout) if doc] == [crd]
 
 
 def test_scheduler_config_is_valid_and_leases_stay_in_the_release_namespace(tmp_path: Path) -> None:
