@@ -166,3 +166,16 @@ def test_a_spec_without_an_image_is_refused() -> None:
     obj = GpuFractioningConfig(metadata=ObjectMeta(name="x"), spec={"nodeAgent": {}})
     with pytest.raises(ValueError, match="image"):
         read_config(obj)
+
+
+def test_the_toolkit_is_asked_for_nvml_and_with_mps_for_the_mps_binaries() -> None:
+    def env(ds: dict[str, Any]) -> dict[str, str]:
+        return {e["name"]: e["value"] for e in container(ds)["env"] if "value" in e}
+
+    assert env(render()) == {"NVIDIA_VISIBLE_DEVICES": "all", "NVIDIA_DRIVER_CAPABILITIES": "utility"}
+    assert env(render(mps={"enabled": True}))["NVIDIA_DRIVER_CAPABILITIES"] == "utility,compute"
+
+
+def test_runtime_class_only_when_asked() -> None:
+    assert "runtimeClassName" not in render()["spec"]["template"]["spec"]
+    assert render(runtimeClassName="nvidia")["spec"]["template"]["spec"]["runtimeClassName"] == "nvidia"

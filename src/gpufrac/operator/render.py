@@ -10,7 +10,10 @@ applies. The pod follows docs/node-agent.md:
   the agent answers the runtime with host paths to bind into containers, so its view must equal the host's;
 - containerd's run directory for the CRI socket the audit reads (without it the agent only reports usage);
 - the toleration of the managed taint, which the agent itself puts on its node: without it a restarted
-  agent could never come back to the node it manages.
+  agent could never come back to the node it manages;
+- ``NVIDIA_VISIBLE_DEVICES=all`` with the utility capability (and compute with MPS), so the NVIDIA
+  container toolkit mounts NVML and the MPS binaries into the privileged agent (``runtimeClassName``
+  where the NVIDIA runtime is not the node's default).
 
 The rendered manifest carries a hash of itself in an annotation; the reconciler applies only when the
 hash on the cluster differs, so a Node heartbeat never turns into a write.
@@ -124,7 +127,16 @@ def render_daemonset(config: ConfigSpec) -> dict[str, Any]:
         "imagePullPolicy": agent.image_pull_policy,
         "command": ["gpufrac"],
         "args": agent_args(config),
-        "env": [{"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}],
+        "env": [
+            {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
+            # The NVIDIA container toolkit gives a privileged container every GPU and, for these
+            # capabilities, the driver's NVML (utility) and the MPS binaries (compute).
+            {"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"},
+            {
+                "name": "NVIDIA_DRIVER_CAPABILITIES",
+                "value": "utility,compute" if agent.mps_enabled else "utility",
+            },
+        ],
         "securityContext": {"privileged": True},
         "ports": [
             {"name": "health", "containerPort": agent.health_port, "protocol": "TCP"},
@@ -150,6 +162,8 @@ def render_daemonset(config: ConfigSpec) -> dict[str, Any]:
             "volumes": volumes,
         },
     }
+    if agent.runtime_class_name:
+        template["spec"]["runtimeClassName"] = agent.runtime_class_name
     manifest: dict[str, Any] = {
         "apiVersion": "apps/v1",
         "kind": "DaemonSet",

@@ -37,6 +37,7 @@ class AgentSpec:
 
     image: str
     image_pull_policy: str = "IfNotPresent"
+    runtime_class_name: str | None = None
     node_selector: dict[str, str] = field(default_factory=lambda: dict(DEFAULT_NODE_SELECTOR))
     tolerations: tuple[dict[str, Any], ...] = ()
     resources: dict[str, Any] = field(default_factory=dict)
@@ -83,6 +84,7 @@ def read_config(config: Any) -> ConfigSpec:
         agent=AgentSpec(
             image=agent["image"],
             image_pull_policy=agent.get("imagePullPolicy") or "IfNotPresent",
+            runtime_class_name=agent.get("runtimeClassName") or None,
             node_selector=dict(DEFAULT_NODE_SELECTOR if selector is None else selector),
             tolerations=tuple(agent.get("tolerations") or ()),
             resources=dict(agent.get("resources") or {}),
