@@ -241,7 +241,7 @@ async def test_moving_the_config_to_another_namespace_moves_the_daemonset(
         await akube.delete(Namespace, other)
 
 
-async def test_a_missing_namespace_is_reported_not_retried_silently(
+async def test_a_missing_namespace_is_reported_and_retried_until_it_exists(
     akube: AsyncClient, tag: str, make_config: MakeConfig
 ) -> None:
     name = f"nons-{tag}"
@@ -255,6 +255,19 @@ async def test_a_missing_namespace_is_reported_not_retried_silently(
         got = await eventually(degraded, what="Degraded=True DaemonSetApplyFailed")
         assert got["status"] == "True"
         assert f"absent-{tag}" in got["message"]
+
+        # Once someone creates the namespace, the retry puts the DaemonSet there.
+        await akube.create(Namespace(metadata=ObjectMeta(name=f"absent-{tag}")))
+        try:
+            await eventually(lambda: get_ds(akube, f"absent-{tag}", name), what="the DaemonSet after the fix")
+
+            async def recovered() -> bool:
+                got = (await conditions(akube, name)).get("Degraded")
+                return bool(got and got["status"] == "False")
+
+            await eventually(recovered, what="Degraded=False")
+        finally:
+            await akube.delete(Namespace, f"absent-{tag}")
 
 
 @pytest.mark.parametrize(

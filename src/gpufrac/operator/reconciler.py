@@ -239,13 +239,22 @@ class Operator:
             while self._dirty:
                 name = self._dirty.pop()
                 try:
-                    await self.reconcile(name)
+                    settled = await self.reconcile(name)
                 except (KubeError, httpx2.HTTPError, OSError) as error:
                     self.metrics.reconciles.labels("error").inc()
                     self._retry_later(name, error)
+                except Exception as error:
+                    # A bug met by one config must not stop the others: log it, retry with backoff.
+                    log.exception("reconciling %s failed unexpectedly", name, extra={"config": name})
+                    self.metrics.reconciles.labels("error").inc()
+                    self._retry_later(name, error)
                 else:
-                    self.metrics.reconciles.labels("ok").inc()
-                    self._failures.pop(name, None)
+                    if settled:
+                        self.metrics.reconciles.labels("ok").inc()
+                        self._failures.pop(name, None)
+                    else:
+                        self.metrics.reconciles.labels("error").inc()
+                        self._retry_later(name, RuntimeError("the DaemonSet could not be written"))
                 await asyncio.sleep(0)
 
     def _retry_later(self, name: str, error: BaseException) -> None:
@@ -276,20 +285,24 @@ class Operator:
 
     # -- reconciling --------------------------------------------------------------------------------------
 
-    async def reconcile(self, name: str) -> None:
-        """Make the DaemonSet and the status of config ``name`` match the cluster (raises to be retried)."""
+    async def reconcile(self, name: str) -> bool:
+        """Make the DaemonSet and the status of config ``name`` match the cluster.
+
+        Transient failures raise; a DaemonSet the API refuses (missing namespace, RBAC) is reported in the
+        status and answered False, so it is retried with backoff until a person fixes the cause.
+        """
         obj = self.configs.store.get(name)
         owned = [ds for ds in self.daemonsets.store if _config_of(ds) == name]
         if obj is None or obj.metadata.deletionTimestamp is not None:
             for ds in owned:
                 await self._delete(ds, why="its config is gone")
             self.metrics.forget_config(name)
-            return
+            return True
         try:
             spec = read_config(obj)
         except ValueError as error:
             log.error("config %s cannot be rendered: %s", name, error, extra={"config": name})
-            return
+            return True
         desired = render_daemonset(spec)
         key = f"{spec.namespace}/{desired['metadata']['name']}"
         for ds in owned:
@@ -317,6 +330,7 @@ class Operator:
         self.metrics.set_config(name, status)
         if status != (obj.status or {}) and self.is_leader():
             await merge_patch(self._client, GpuFractioningConfig.Status, name=name, patch={"status": status})
+        return apply_error is None
 
     async def _apply(self, manifest: dict[str, Any]) -> DaemonSet | None:
         meta = manifest["metadata"]
