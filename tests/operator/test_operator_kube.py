@@ -128,16 +128,16 @@ async def test_a_config_becomes_its_owned_daemonset_and_spec_changes_roll_out(
         await akube.patch(
             DaemonSet,
             ds2.metadata.name,
-            {"metadata": {"annotations": {"gpufrac.io/rendered-hash": "edited"}}},
+            {"spec": {"template": {"spec": {"containers": [{"name": "node-agent", "image": "hand/edit"}]}}}},
             namespace=namespace,
-            patch_type=PatchType.MERGE,
         )
 
         async def restored() -> bool:
             got = await get_ds(akube, namespace, name)
-            return bool(got and got.metadata.annotations["gpufrac.io/rendered-hash"] != "edited")
+            image = got.spec.template.spec.containers[0].image if got else ""
+            return bool(got and image.endswith(":1.1") and got.metadata.generation > ds2.metadata.generation)
 
-        await eventually(restored, what="the hash annotation re-applied")
+        await eventually(restored, what="the hand edit undone")
 
         # Deleted by hand: the operator puts it back.
         await akube.delete(DaemonSet, ds2.metadata.name, namespace=namespace)

@@ -10,7 +10,8 @@ changed (a Node heartbeat is not a change, so a large cluster does not keep the 
 
 Writes. The DaemonSet goes out by server-side apply under the field manager ``gpufrac-operator``, forced:
 the operator owns the fields it renders, and someone's hand edit of them is undone. It is applied only
-when the hash annotation of the rendered manifest differs from the one on the cluster. The status is
+when the hash annotation of the rendered manifest differs from the one on the cluster, or when the
+DaemonSet's generation moved since this replica applied it (a hand edit). The status is
 written through the status subresource only when it differs from what the config shows. A config that is
 deleted has its DaemonSets deleted explicitly as well: the ownerReference lets the garbage collector do it
 in a cluster, but the operator does not rely on a controller it cannot see.
@@ -158,6 +159,8 @@ class Operator:
             ready=self._ready,
         )
         self._dirty: set[str] = set()
+        #: DaemonSet key -> (hash, generation) of this replica's last apply.
+        self._applied: dict[str, tuple[str, int | None]] = {}
         self._wake = asyncio.Event()
         self._failures: dict[str, int] = {}
         self._retries: dict[str, asyncio.TimerHandle] = {}
@@ -296,6 +299,7 @@ class Operator:
         if obj is None or obj.metadata.deletionTimestamp is not None:
             for ds in owned:
                 await self._delete(ds, why="its config is gone")
+                self._applied.pop(object_key(ds), None)
             self.metrics.forget_config(name)
             return True
         try:
@@ -309,10 +313,19 @@ class Operator:
             if object_key(ds) != key:
                 await self._delete(ds, why=f"config {name} now runs its agent as {key}")
         current = self.daemonsets.store.get(key)
+        want = desired["metadata"]["annotations"][HASH_ANNOTATION]
         apply_error: str | None = None
-        if current is None or _hash_of(current) != desired["metadata"]["annotations"][HASH_ANNOTATION]:
+        # Apply when the rendering changed, or when the spec changed since our own last apply (someone
+        # edited it: its generation moved). After a restart every DaemonSet is applied once.
+        if (
+            current is None
+            or _hash_of(current) != want
+            or self._applied.get(key) != (want, current.metadata.generation)
+        ):
             try:
                 current = await self._apply(desired)
+                if current is not None:
+                    self._applied[key] = (want, current.metadata.generation)
             except KubeError as error:
                 if error.code in (0, 409, 429) or error.code >= 500:
                     raise
