@@ -8,6 +8,7 @@ so ``pytest -m "not kube"`` runs everything that needs no Go build.
 
 from __future__ import annotations
 
+import os
 import re
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -66,3 +67,29 @@ def namespace(request: pytest.FixtureRequest, kube: Client) -> Iterator[str]:
     except ApiError as exc:
         if exc.status.code != 404:
             raise
+
+
+#: A test still running after this long is reported with every asyncio task's stack, so a hang in CI
+#: shows where it waits instead of only running into CI's time limit.
+HANG_REPORT_AFTER_S = float(os.environ.get("GPUFRAC_HANG_REPORT_S", "180"))
+
+
+@pytest.fixture(autouse=True)
+async def _report_hangs(request: pytest.FixtureRequest) -> AsyncIterator[None]:
+    import asyncio
+    import sys
+
+    def report() -> None:
+        print(
+            f"\n=== {request.node.nodeid} still running after {HANG_REPORT_AFTER_S:.0f}s; tasks:",
+            file=sys.stderr,
+        )
+        for task in asyncio.all_tasks():
+            task.print_stack(file=sys.stderr)
+        sys.stderr.flush()
+
+    handle = asyncio.get_running_loop().call_later(HANG_REPORT_AFTER_S, report)
+    try:
+        yield
+    finally:
+        handle.cancel()

@@ -81,3 +81,18 @@ async def test_removed_pods_never_come_out() -> None:
     for key in "abc":
         q.remove(key)
     assert len(q) == 0 and q.pending_by_queue() == {}
+
+
+async def test_a_cancellation_that_arrives_with_a_pod_stops_the_wait_and_loses_no_pod() -> None:
+    """The scheduler stops by cancelling the loop that waits here; on Python 3.11 a cancellation that
+    arrived as a pod was added used to be swallowed, and the scheduler's shutdown then hung."""
+    q: SchedulingQueue[str] = SchedulingQueue(unschedulable_resync=60.0)
+    q.park("unfit", "parked pod", queue="default")  # gives the wait a deadline (its resync)
+    waiting = asyncio.create_task(q.next_batch(window=0, max_batch=10))
+    await asyncio.sleep(0.01)  # waiting on the wake-up event
+    q.add("p", "pod", queue="default")
+    waiting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    assert [k for k, _ in await q.next_batch(window=0, max_batch=10)] == ["p"]
+    assert q.pending_by_queue() == {"default": 1}  # the parked pod is still parked

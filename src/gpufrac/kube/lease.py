@@ -111,7 +111,10 @@ class LeaderElector:
     async def _attempt(self, *, timeout: float) -> bool:
         started = time.monotonic()
         try:
-            won = await asyncio.wait_for(self._try_acquire_or_renew(), timeout=timeout)
+            # asyncio.timeout, not wait_for: on Python 3.11 wait_for loses a cancellation that arrives
+            # as the attempt completes, and the election loop would then never stop.
+            async with asyncio.timeout(timeout):
+                won = await self._try_acquire_or_renew()
         except (TimeoutError, KubeError, httpx2.HTTPError, OSError) as error:
             log.debug("lease %s/%s attempt failed: %s", self._namespace, self._name, error)
             return False

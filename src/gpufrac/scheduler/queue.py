@@ -147,8 +147,11 @@ class SchedulingQueue(Generic[T]):
             if self._active:
                 break
             self._wake.clear()
+            # asyncio.timeout, not wait_for: on Python 3.11 wait_for loses a cancellation that
+            # arrives as the event is set, and this loop would then never stop (a hung shutdown).
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), timeout=next_due)
+                async with asyncio.timeout(next_due):
+                    await self._wake.wait()
         if window > 0 and len(self._active) < max_batch:
             await asyncio.sleep(window)
             self._promote(time.monotonic())

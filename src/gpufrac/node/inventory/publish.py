@@ -228,8 +228,11 @@ class InventoryPublisher:
             except KubeError as exc:
                 log.warning("inventory: could not update node %s: %s", self._node, exc)
             self._changed.clear()
+            # asyncio.timeout, not wait_for: on Python 3.11 wait_for loses a cancellation that
+            # arrives as the event is set, and this loop would then never stop.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._changed.wait(), self._interval_s)
+                async with asyncio.timeout(self._interval_s):
+                    await self._changed.wait()
 
     async def mark_stopped(self) -> None:
         """Condition False: the agent is stopping, nothing would inject limits into new containers."""
