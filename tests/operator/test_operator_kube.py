@@ -376,7 +376,7 @@ def test_the_operator_process_serves_probes_and_exits_0_on_sigterm(
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=15) == 0
         _, err = proc.communicate(timeout=5)
-        assert b'"msg": "signal received, stopping"' in err
+        assert b'"msg": "signal received, stopping operator"' in err
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import signal
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -58,35 +57,11 @@ async def serve(*, settings: OperatorSettings, kubeconfig: Path | None, identity
     from gpufrac.kube.client import connect
     from gpufrac.kube.lease import LeadershipLost
     from gpufrac.operator.reconciler import FIELD_MANAGER, Operator
+    from gpufrac.process.signals import run_until_signal
 
     client = connect(kubeconfig=kubeconfig, field_manager=FIELD_MANAGER)
     service = Operator(client=client, settings=settings, identity=identity or os.environ.get("POD_NAME"))
-    task = asyncio.create_task(service.run(), name="operator")
-    loop = asyncio.get_running_loop()
-    stopping = asyncio.Event()
-
-    def stop() -> None:
-        if not stopping.is_set():
-            log.info("signal received, stopping")
-            stopping.set()
-            task.cancel()
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop)
     try:
-        await task
-        return 1
-    except asyncio.CancelledError:
-        if stopping.is_set():
-            return 0
-        raise
-    except LeadershipLost as error:
-        log.error("leadership lost, exiting: %s", error)
-        return 1
-    except Exception:
-        log.exception("operator failed")
-        return 1
+        return await run_until_signal(service.run(), name="operator", expected=(LeadershipLost,))
     finally:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.remove_signal_handler(sig)
         await client.close()

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -63,36 +62,12 @@ async def serve(*, settings: SchedulerConfig, kubeconfig: Path | None, identity:
     """Run until SIGTERM/SIGINT (exit code 0) or a failure such as a lost lease (1)."""
     from gpufrac.kube.client import connect
     from gpufrac.kube.lease import LeadershipLost
+    from gpufrac.process.signals import run_until_signal
     from gpufrac.scheduler.service import build_service
 
     client = connect(kubeconfig=kubeconfig, field_manager="gpufrac-scheduler")
     service = build_service(client=client, config=settings, identity=identity)
-    task = asyncio.create_task(service.run(), name="scheduler")
-    loop = asyncio.get_running_loop()
-    stopping = asyncio.Event()
-
-    def stop() -> None:
-        if not stopping.is_set():
-            log.info("signal received, stopping")
-            stopping.set()
-            task.cancel()
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop)
     try:
-        await task
-        return 1
-    except asyncio.CancelledError:
-        if stopping.is_set():
-            return 0
-        raise
-    except LeadershipLost as error:
-        log.error("leadership lost, exiting: %s", error)
-        return 1
-    except Exception:
-        log.exception("scheduler failed")
-        return 1
+        return await run_until_signal(service.run(), name="scheduler", expected=(LeadershipLost,))
     finally:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.remove_signal_handler(sig)
         await client.close()
