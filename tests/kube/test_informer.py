@@ -111,3 +111,48 @@ async def test_a_failing_handler_does_not_stop_the_others(client: AsyncClient, n
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_pod_watch_survives_the_api_servers_bookmark(client: AsyncClient, namespace: str) -> None:
+    """The watch cache sends a BOOKMARK two seconds before a watch's deadline (and every minute); a Pod
+    bookmark carries ``"spec":{"containers":null}``, which the typed Pod decoder refuses. Decoding it as a
+    Pod killed every informer about a minute after it started."""
+    from lightkube.models.core_v1 import Container, PodSpec
+    from lightkube.resources.core_v1 import Pod
+
+    from gpufrac.kube.stream import watch_objects
+
+    pod = await client.create(
+        Pod(
+            metadata=ObjectMeta(name="bm", namespace=namespace),
+            spec=PodSpec(containers=[Container(name="c", image="busybox")]),
+        )
+    )
+    events = [
+        event
+        async for event in watch_objects(
+            client,
+            Pod,
+            selection=Selection(namespace=namespace),
+            resource_version=pod.metadata.resourceVersion,
+            timeout_seconds=4,
+        )
+    ]
+    bookmarks = [event for event in events if event.type == "BOOKMARK"]
+    assert bookmarks, f"the API server sent no bookmark within the watch: {[e.type for e in events]}"
+    assert all(event.object is None and int(event.resource_version) > 0 for event in bookmarks)
+
+    informer: Informer[Pod] = Informer(
+        client=client, resource=Pod, selection=Selection(namespace=namespace), watch_timeout=3
+    )
+    task = asyncio.create_task(informer.run())
+    try:
+        await asyncio.wait_for(informer.synced.wait(), 10)
+        # Past two bookmarks and two watch ends, the informer still runs and still sees changes.
+        await eventually(lambda: informer.watch_restarts >= 2 or task.done(), timeout=20)
+        assert not task.done(), task.exception()
+        await client.patch(Pod, "bm", {"metadata": {"labels": {"seen": "yes"}}}, namespace=namespace)
+        await eventually(lambda: (informer.store.get(f"{namespace}/bm").metadata.labels or {}).get("seen") == "yes")
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 import httpx2
+import msgspec
 from lightkube import ApiError, AsyncClient
 from lightkube.core import decoders
 from lightkube.core.generic_client import ALL_NS, GenericAsyncClient
@@ -44,11 +45,29 @@ class Selection:
 
 @dataclass(frozen=True, slots=True)
 class WatchEvent(Generic[T]):
-    """One watch event: ``type`` is ADDED, MODIFIED, DELETED or BOOKMARK."""
+    """One watch event: ``type`` is ADDED, MODIFIED, DELETED or BOOKMARK.
+
+    A BOOKMARK carries no object (``object`` is None): the API server sends a skeleton whose fields are
+    null where the type requires them (a Pod bookmark has ``"spec":{"containers":null}``), so it is never
+    decoded as the resource; only its resourceVersion is read.
+    """
 
     type: str
-    object: T
+    object: T | None
     resource_version: str
+
+
+class _BookmarkMeta(msgspec.Struct):
+    resourceVersion: str = ""
+
+
+class _Bookmark(msgspec.Struct):
+    metadata: _BookmarkMeta = msgspec.field(default_factory=_BookmarkMeta)
+
+
+def decode_bookmark_version(raw: bytes) -> str:
+    """The resourceVersion of a BOOKMARK event's object, ignoring everything else in it."""
+    return msgspec.json.decode(raw, type=_Bookmark).metadata.resourceVersion
 
 
 def _generic(client: AsyncClient) -> GenericAsyncClient:
@@ -138,6 +157,9 @@ async def watch_objects(
             if event.type == "ERROR":
                 status = decoders.decode_status(event.object)
                 raise from_status(code=status.code, reason=status.reason, message=status.message)
+            if event.type == "BOOKMARK":
+                yield WatchEvent(type="BOOKMARK", object=None, resource_version=decode_bookmark_version(event.object))
+                continue
             obj = decoders.decode_object(event.object, resource)
             yield WatchEvent(type=event.type, object=obj, resource_version=obj.metadata.resourceVersion or "")
     finally:
