@@ -7,6 +7,7 @@ compacts etcd every second.
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections.abc import Callable
 
 import pytest
@@ -15,7 +16,7 @@ from lightkube.models.meta_v1 import ObjectMeta
 from lightkube.resources.core_v1 import ConfigMap
 
 from gpufrac.kube.informer import Informer
-from gpufrac.kube.stream import Selection
+from gpufrac.kube.stream import Selection, watch_objects
 
 pytestmark = pytest.mark.kube
 
@@ -114,33 +115,43 @@ async def test_a_failing_handler_does_not_stop_the_others(client: AsyncClient, n
 
 
 async def test_pod_watch_survives_the_api_servers_bookmark(client: AsyncClient, namespace: str) -> None:
-    """The watch cache sends a BOOKMARK two seconds before a watch's deadline (and every minute); a Pod
-    bookmark carries ``"spec":{"containers":null}``, which the typed Pod decoder refuses. Decoding it as a
-    Pod killed every informer about a minute after it started."""
+    """The watch cache sends a BOOKMARK two seconds before a watch's deadline (and every minute) once
+    the pods' resourceVersion moved past the watch's; a Pod bookmark carries ``"spec":{"containers":null}``,
+    which the typed Pod decoder refuses. Decoding it as a Pod killed every informer about a minute after
+    it started."""
     from lightkube.models.core_v1 import Container, PodSpec
-    from lightkube.resources.core_v1 import Pod
+    from lightkube.resources.core_v1 import Namespace, Pod
 
-    from gpufrac.kube.stream import watch_objects
+    def pod(name: str, ns: str) -> Pod:
+        return Pod(metadata=ObjectMeta(name=name, namespace=ns), spec=PodSpec(containers=[Container(name="c", image="i")]))
 
-    pod = await client.create(
-        Pod(
-            metadata=ObjectMeta(name="bm", namespace=namespace),
-            spec=PodSpec(containers=[Container(name="c", image="busybox")]),
-        )
-    )
+    elsewhere = f"{namespace}-other"
+    await client.create(Namespace(metadata=ObjectMeta(name=elsewhere)))
+    watched = await client.create(pod("bm", namespace))
+
+    async def move_the_pods_version_elsewhere() -> None:
+        # A pod in another namespace advances the pods' version without an event for our watch: the
+        # next bookmark is newer than anything the watch saw, so the server sends it.
+        await client.create(pod(f"other-{uuid.uuid4().hex[:6]}", elsewhere))
+
+    mover = asyncio.create_task(move_the_pods_version_elsewhere())
     events = [
         event
         async for event in watch_objects(
             client,
             Pod,
             selection=Selection(namespace=namespace),
-            resource_version=pod.metadata.resourceVersion,
+            resource_version=watched.metadata.resourceVersion,
             timeout_seconds=4,
         )
     ]
+    await mover
     bookmarks = [event for event in events if event.type == "BOOKMARK"]
     assert bookmarks, f"the API server sent no bookmark within the watch: {[e.type for e in events]}"
-    assert all(event.object is None and int(event.resource_version) > 0 for event in bookmarks)
+    assert all(
+        event.object is None and int(event.resource_version) > int(watched.metadata.resourceVersion)
+        for event in bookmarks
+    )
 
     informer: Informer[Pod] = Informer(
         client=client, resource=Pod, selection=Selection(namespace=namespace), watch_timeout=3
@@ -148,8 +159,10 @@ async def test_pod_watch_survives_the_api_servers_bookmark(client: AsyncClient, 
     task = asyncio.create_task(informer.run())
     try:
         await asyncio.wait_for(informer.synced.wait(), 10)
-        # Past two bookmarks and two watch ends, the informer still runs and still sees changes.
-        await eventually(lambda: informer.watch_restarts >= 2 or task.done(), timeout=20)
+        start_version = int(informer.resource_version)
+        await move_the_pods_version_elsewhere()
+        # Only a bookmark can move the informer's version past the other namespace's pod.
+        await eventually(lambda: int(informer.resource_version) > start_version or task.done(), timeout=20)
         assert not task.done(), task.exception()
         await client.patch(Pod, "bm", {"metadata": {"labels": {"seen": "yes"}}}, namespace=namespace)
         await eventually(lambda: (informer.store.get(f"{namespace}/bm").metadata.labels or {}).get("seen") == "yes")
