@@ -123,7 +123,10 @@ async def test_pod_watch_survives_the_api_servers_bookmark(client: AsyncClient, 
     from lightkube.resources.core_v1 import Namespace, Pod
 
     def pod(name: str, ns: str) -> Pod:
-        return Pod(metadata=ObjectMeta(name=name, namespace=ns), spec=PodSpec(containers=[Container(name="c", image="i")]))
+        return Pod(
+            metadata=ObjectMeta(name=name, namespace=ns),
+            spec=PodSpec(containers=[Container(name="c", image="i")]),
+        )
 
     elsewhere = f"{namespace}-other"
     await client.create(Namespace(metadata=ObjectMeta(name=elsewhere)))
@@ -165,7 +168,9 @@ async def test_pod_watch_survives_the_api_servers_bookmark(client: AsyncClient, 
         await eventually(lambda: int(informer.resource_version) > start_version or task.done(), timeout=20)
         assert not task.done(), task.exception()
         await client.patch(Pod, "bm", {"metadata": {"labels": {"seen": "yes"}}}, namespace=namespace)
-        await eventually(lambda: (informer.store.get(f"{namespace}/bm").metadata.labels or {}).get("seen") == "yes")
+        await eventually(
+            lambda: (informer.store.get(f"{namespace}/bm").metadata.labels or {}).get("seen") == "yes"
+        )
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
