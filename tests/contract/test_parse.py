@@ -358,12 +358,6 @@ INVALID: list[tuple[str, dict[str, str], list[ContainerSpec], Violations]] = [
         [(e.InvalidComputePortion, PORTION)],
     ),
     (
-        "compute portion on time-slicing",
-        {REQ: "1Gi", PORTION: "0.5"},
-        specs("app"),
-        [(e.KeyWithoutRequest, PORTION)],
-    ),
-    (
         "blank device in the list",
         {REQ: "1Gi", DEV: "GPU-a,,GPU-b"},
         specs("app"),

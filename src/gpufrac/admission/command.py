@@ -50,6 +50,13 @@ def admission(
             help=f"User allowed to write binder-owned keys (repeatable; default {DEFAULT_SCHEDULER_USER})."
         ),
     ] = None,
+    translate_legacy: Annotated[
+        bool,
+        typer.Option(
+            "--translate-legacy/--no-translate-legacy",
+            help="Rewrite gpu-memory into per-container keys (off where KAI Scheduler schedules).",
+        ),
+    ] = True,
     write_configuration: Annotated[
         Path | None, typer.Option(help="Write the two webhook configurations (YAML) for --webhook-url here.")
     ] = None,
@@ -75,6 +82,7 @@ def admission(
     policy = AdmissionPolicy(
         scheduler_name=scheduler_name,
         binder_users=frozenset(scheduler_user or [DEFAULT_SCHEDULER_USER]),
+        translate_legacy=translate_legacy,
     )
     server = AdmissionServer(cert=tls_cert, key=tls_key, policy=policy, host=host, port=port)
 

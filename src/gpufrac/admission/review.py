@@ -10,7 +10,8 @@ Validating (CREATE and UPDATE of pods):
   update that sets the node, an update no ``pods`` webhook sees. So a Binding is an update of those keys:
   only the scheduler's may carry contract keys, and anyone else's is refused with the same messages.
 
-Mutating (CREATE of pods that ask for a GPU): legacy pod-level forms become per-container keys; on pods of
+Mutating (CREATE of pods that ask for a GPU): legacy pod-level forms become per-container keys (unless the
+policy turns that off); on pods of
 our scheduler, ``nvidia.com/gpu: N`` becomes the exclusive ``gpufrac.io/container.<c>.gpus`` key with the
 resource removed, and the managed-node toleration is added. An invalid pod is passed through untouched:
 the validating webhook rejects it with the contract's message, which names the keys the user wrote.
@@ -39,6 +40,9 @@ class AdmissionPolicy:
 
     scheduler_name: str = k.DEFAULT_SCHEDULER_NAME
     binder_users: frozenset[str] = field(default_factory=lambda: frozenset({DEFAULT_SCHEDULER_USER}))
+    #: Rewrite legacy ``gpu-memory`` into per-container keys; off where KAI Scheduler schedules, whose other
+    #: sharing modes read ``gpu-memory`` as written (docs/deploy.md, "KAI schedules").
+    translate_legacy: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,7 +150,11 @@ def decide_mutate(request: Mapping[str, Any], policy: AdmissionPolicy) -> Verdic
         containers = container_specs(spec)
         wants_gpu = parse_pod(annotations, containers).wants_gpu
         ours = spec.get("schedulerName") == policy.scheduler_name
-        translation = translate(annotations, containers, whole_gpus=ours) if wants_gpu else None
+        translation = (
+            translate(annotations, containers, whole_gpus=ours, legacy=policy.translate_legacy)
+            if wants_gpu
+            else None
+        )
     except InvalidPodRequest:
         return Verdict(allowed=True)  # the validating webhook rejects it, naming the user's own keys
     if translation is None:

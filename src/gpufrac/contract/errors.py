@@ -163,6 +163,14 @@ class NotTheFractionTarget(RuleViolation):
     summary = "a portion limit must name the container that gpu-fraction applies to"
 
 
+class NotTheRequestingContainer(RuleViolation):
+    summary = "gpu-fraction-container-name must name the container that holds the GPU request"
+
+
+class InvalidMps(RuleViolation):
+    summary = 'mps must be "true" or "false"'
+
+
 # -- who may write what ----------------------------------------------------------------------------------
 
 

@@ -21,8 +21,19 @@ MEMORY_LIMIT = "gpu-memory.limit"
 COMPUTE_MODE = "gpu-compute.mode"
 COMPUTE_PORTION = "gpu-compute.portion"
 DEVICES = "gpus.devices"
+#: KAI Scheduler's user-settable compute share of a container (a portion in (0, 1]); the scheduler charges
+#: it instead of the memory-proportional share on sm-sharing GPUs (KAI's
+#: ``CalcGpuComputeRequestAnnotationForContainer``).
+COMPUTE_REQUEST = "gpu-compute.request"
 
-NVIDIA_CONTAINER_SUFFIXES = (MEMORY_REQUEST, MEMORY_LIMIT, COMPUTE_MODE, COMPUTE_PORTION, DEVICES)
+NVIDIA_CONTAINER_SUFFIXES = (
+    MEMORY_REQUEST,
+    MEMORY_LIMIT,
+    COMPUTE_MODE,
+    COMPUTE_PORTION,
+    DEVICES,
+    COMPUTE_REQUEST,
+)
 
 # -- KAI Scheduler's per-container portion limit (kai.scheduler/container.<c>.<suffix>) -------------------
 
@@ -46,6 +57,10 @@ GPU_FRACTION_NUM_DEVICES = "gpu-fraction-num-devices"
 GPU_FRACTION_CONTAINER_NAME = "gpu-fraction-container-name"
 GPU_MEMORY = "gpu-memory"
 GPU_MEMORY_LIMIT = "gpu-memory.limit"
+#: KAI Scheduler's pod-level MPS switch (``"true"``: the fraction's processes are clients of an MPS server
+#: and share SMs). gpufrac reads it as ``sm-sharing`` for the pod's fractional containers. Not in
+#: ``POD_LEVEL_KEYS``: alone it asks for nothing, so it does not send a pod to the webhook.
+KAI_MPS = "mps"
 
 POD_LEVEL_KEYS = (
     GPU_FRACTION,
@@ -103,6 +118,10 @@ def compute_mode_key(container: str) -> str:
 
 def compute_portion_key(container: str) -> str:
     return container_key(container, COMPUTE_PORTION)
+
+
+def compute_request_key(container: str) -> str:
+    return container_key(container, COMPUTE_REQUEST)
 
 
 def devices_key(container: str) -> str:
@@ -164,4 +183,4 @@ def split_container_key(key: str) -> ContainerKey | None:
 
 def is_contract_key(key: str) -> bool:
     """Whether ``key`` belongs to the GPU contract (per-container or pod-level form)."""
-    return key in POD_LEVEL_KEYS or split_container_key(key) is not None
+    return key in POD_LEVEL_KEYS or key == KAI_MPS or split_container_key(key) is not None

@@ -11,6 +11,9 @@ The accepted forms, and how they combine (docs/user-guide.md says the same for u
   optional ``gpu-memory.limit`` quantity.
 * ``gpu-fraction-num-devices: N`` applies to every fractional container of the pod: the request holds on
   EACH of N GPUs of one node.
+* KAI's ``mps: "true"`` makes every fractional container of the pod ``sm-sharing`` (KAI: the fraction's
+  processes are clients of an MPS server); ``nvidia.com/container.<c>.gpu-compute.request`` is a
+  container's own compute share, charged instead of the memory-proportional one on sm-sharing GPUs.
 * Whole GPUs: a container's ``nvidia.com/gpu`` limit, or ``gpufrac.io/container.<c>.gpus`` (what the
   webhook turns the resource into for pods of our scheduler). Exclusive, never shared.
 
@@ -18,7 +21,13 @@ Precedence is explicit per-container keys > ``gpu-fraction`` > ``gpu-memory``, w
 pod never means two things at once: ``gpu-fraction`` and ``gpu-memory`` together are an error, and an
 explicit request next to ``gpu-fraction`` is only accepted once the pod is placed (the binder writes the
 resolved request next to the portion; before that the two are a conflict). ``gpu-memory`` next to
-explicit keys must agree with them. Fractions and whole GPUs never mix in one pod.
+explicit keys must agree with them. Fractions and whole GPUs never mix in one pod. KAI's webhook stores
+``gpu-fraction.limit`` next to the ``kai.scheduler/container.<c>.gpu-memory.portion.limit`` it adds: the
+two are one limit when their values are equal, a conflict otherwise. A ``gpu-fraction-container-name``
+that names a container without a request while another container holds one is refused, as KAI does.
+
+What a binder writes is read by ``_binder_compute_portion``: one function holds which binder shapes the
+node accepts (KAI's newest binder writes a compute portion on every fractional bind, in every mode).
 
 Parsing never stops at the first problem: every violation of the pod is collected and raised together.
 """
@@ -43,21 +52,23 @@ from gpufrac.contract.errors import (
     InvalidFraction,
     InvalidFractionLimit,
     InvalidLegacyMemory,
+    InvalidMps,
     InvalidPodRequest,
     KeyWithoutRequest,
     LimitBelowRequest,
     NotTheFractionTarget,
+    NotTheRequestingContainer,
     QuantityNeedsUnit,
     RuleViolation,
     UnknownContainer,
     UnknownKey,
 )
-from gpufrac.contract.quantities import parse_mib
+from gpufrac.contract.quantities import parse_bytes, parse_mib
 from gpufrac.contract.request import ComputeMode, ContainerGpuRequest, GpuMemory, PodGpuRequest
 
 MAX_DEVICE_COUNT = 256
 
-_DECIMAL = re.compile(r"(\d+\.?\d*|\.\d+)([eE][+-]?\d{1,3})?")
+_DECIMAL = re.compile(r"\+?(\d+\.?\d*|\.\d+)([eE][+-]?\d{1,3})?")
 _WHOLE = re.compile(r"\d{1,6}")
 _DEVICE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/=-]*")
 
@@ -93,6 +104,11 @@ def _decimal(text: str) -> float | None:
     return float(value) if _DECIMAL.fullmatch(value) else None
 
 
+def _strict_decimal(text: str) -> float | None:
+    """A decimal as Go's ``strconv.ParseFloat`` reads a user's compute request: no surrounding blanks."""
+    return _decimal(text) if text == text.strip() else None
+
+
 def _whole(text: str) -> int | None:
     value = text.strip()
     return int(value) if _WHOLE.fullmatch(value) else None
@@ -109,6 +125,7 @@ class _PodLevel:
     memory_mib: int | None = None
     memory_limit_mib: int | None = None
     num_devices: int | None = None
+    mps: bool = False
 
     @property
     def has_request(self) -> bool:
@@ -173,6 +190,13 @@ def parse_pod(
                 key=key, value=value, detail=f'container "{exclusive[0].container}" asks for whole GPUs'
             )
         )
+    if pod.mps and not sources:
+        found.add(
+            KeyWithoutRequest(
+                key=k.KAI_MPS, value=annotations[k.KAI_MPS], detail="MPS applies to a fractional request"
+            )
+        )
+    _check_fraction_container_name(annotations, pod, holders=list(sources), found=found)
     pod_level_asks = k.GPU_FRACTION in annotations or k.GPU_MEMORY in annotations
     if pod.num_devices is not None and not sources and not pod_level_asks:
         found.add(
@@ -196,6 +220,28 @@ def pod_level_target(annotations: Mapping[str, str], names: Sequence[str]) -> st
         named = annotations[k.GPU_FRACTION_CONTAINER_NAME].strip()
         return named if named in names else None
     return names[0] if names else None
+
+
+def _check_fraction_container_name(
+    annotations: Mapping[str, str],
+    pod: _PodLevel,
+    *,
+    holders: Sequence[str],
+    found: _Violations,
+) -> None:
+    """A ``gpu-fraction-container-name`` must name a container that holds the fractional request (KAI's
+    ``GetFractionContainerRef`` refuses a name that differs from the container of its NvFractions keys);
+    a name that misses while another container holds the request would otherwise be silently unused."""
+    if k.GPU_FRACTION_CONTAINER_NAME not in annotations or pod.target is None or not holders:
+        return
+    if pod.target not in holders:
+        found.add(
+            NotTheRequestingContainer(
+                key=k.GPU_FRACTION_CONTAINER_NAME,
+                value=annotations[k.GPU_FRACTION_CONTAINER_NAME],
+                detail=f'container "{holders[0]}" holds the request',
+            )
+        )
 
 
 def _parse_pod_level(
@@ -241,6 +287,13 @@ def _parse_pod_level(
             k.GPU_FRACTION_NUM_DEVICES, annotations[k.GPU_FRACTION_NUM_DEVICES], found
         )
 
+    if k.KAI_MPS in annotations:
+        raw = annotations[k.KAI_MPS]
+        if raw.strip() not in ("true", "false"):
+            found.add(InvalidMps(key=k.KAI_MPS, value=raw))
+        else:
+            pod.mps = raw.strip() == "true"
+
     if k.GPU_FRACTION in annotations and k.GPU_MEMORY in annotations:
         found.add(
             ConflictingRequests(
@@ -264,12 +317,13 @@ def _parse_pod_level(
                 )
                 continue
             limit_keys.append((key, value))
-    if len(limit_keys) > 1:
+    distinct_limits = {_decimal(value) for _, value in limit_keys}
+    if len(limit_keys) > 1 and (len(distinct_limits) > 1 or None in distinct_limits):
         (first, _), (second, value) = limit_keys[0], limit_keys[1]
         found.add(
             ConflictingRequests(key=second, value=value, detail=f"{first} also sets the fraction limit")
         )
-    elif limit_keys:
+    elif limit_keys:  # one limit, or KAI's stored form: the same value under both keys
         key, raw = limit_keys[0]
         if k.GPU_FRACTION not in annotations:
             found.add(KeyWithoutRequest(key=key, value=raw, detail="set gpu-fraction"))
@@ -351,7 +405,7 @@ def _parse_container(
         return None
     asks = fractional or whole is not None
 
-    mode = ComputeMode.TIME_SLICING
+    mode = ComputeMode.SM_SHARING if pod.mps and fractional else ComputeMode.TIME_SLICING
     if k.COMPUTE_MODE in nv:
         raw = nv[k.COMPUTE_MODE]
         key = k.compute_mode_key(name)
@@ -363,12 +417,19 @@ def _parse_container(
             )
         elif not asks:
             found.add(KeyWithoutRequest(key=key, value=raw, detail=f'container "{name}" asks for no GPU'))
+        elif pod.mps and fractional and raw.strip() != ComputeMode.SM_SHARING.value:
+            found.add(
+                ConflictingRequests(
+                    key=k.KAI_MPS, value=annotations[k.KAI_MPS], detail=f"{key} is {raw.strip()}"
+                )
+            )
         else:
             mode = ComputeMode(raw.strip())
 
     device_count = whole if whole is not None else (pod.num_devices or 1)
     devices = _devices(name, nv, asks, device_count, found)
-    portion = _compute_portion(name, nv, asks, mode, found)
+    portion = _binder_compute_portion(name, nv, asks, mode, found)
+    compute_request = _compute_request(name, nv, asks, found)
 
     if not asks or (request is None and whole is None):
         return None
@@ -381,6 +442,7 @@ def _parse_container(
         exclusive=whole is not None,
         devices=devices,
         compute_portion=portion,
+        compute_request=compute_request,
     )
 
 
@@ -512,9 +574,18 @@ def _devices(
     return tuple(items)
 
 
-def _compute_portion(
+def _binder_compute_portion(
     name: str, nv: Mapping[str, str], asks: bool, mode: ComputeMode, found: _Violations
 ) -> float | None:
+    """The binder-written compute portion of a container: the binder shapes the node accepts.
+
+    gpufrac's binder writes a portion on sm-sharing containers only; KAI Scheduler's newest binder
+    writes one on every fractional bind, in every mode. The value is checked wherever it appears (a
+    portion outside (0, 1] is a broken binding), but it applies to sm-sharing alone, as in NVIDIA's
+    reference node agent: under time-slicing the portion would be a hard SM partition that keeps a lone
+    tenant off an idle GPU, so it is accepted and not applied (None). A portion on a container that asks
+    for no GPU is an error: the binder bound something the pod did not ask for.
+    """
     if k.COMPUTE_PORTION not in nv:
         return None
     raw, key = nv[k.COMPUTE_PORTION], k.compute_portion_key(name)
@@ -525,10 +596,22 @@ def _compute_portion(
     if not asks:
         found.add(KeyWithoutRequest(key=key, value=raw, detail=f'container "{name}" asks for no GPU'))
         return None
-    if mode is not ComputeMode.SM_SHARING:
-        found.add(KeyWithoutRequest(key=key, value=raw, detail=f'container "{name}" is not sm-sharing'))
+    return portion if mode is ComputeMode.SM_SHARING else None
+
+
+def _compute_request(name: str, nv: Mapping[str, str], asks: bool, found: _Violations) -> float | None:
+    """KAI's user-settable compute share: a portion in (0, 1], read as KAI reads it (no blanks)."""
+    if k.COMPUTE_REQUEST not in nv:
         return None
-    return portion
+    raw, key = nv[k.COMPUTE_REQUEST], k.compute_request_key(name)
+    share = _strict_decimal(raw)
+    if share is None or not 0 < share <= 1:
+        found.add(InvalidComputePortion(key=key, value=raw))
+        return None
+    if not asks:
+        found.add(KeyWithoutRequest(key=key, value=raw, detail=f'container "{name}" asks for no GPU'))
+        return None
+    return share
 
 
 # -- raw Kubernetes objects ------------------------------------------------------------------------------
@@ -551,7 +634,7 @@ def container_specs(pod_spec: Mapping[str, Any]) -> list[ContainerSpec]:
             raw = (resources.get("requests") or {}).get(k.GPU_RESOURCE)
         gpus = 0
         if raw is not None:
-            count = _whole(str(raw))
+            count = _gpu_count(str(raw))
             if count is None:
                 found.add(InvalidDeviceCount(key=_resource_key(name), value=str(raw)))
             else:
@@ -560,6 +643,19 @@ def container_specs(pod_spec: Mapping[str, Any]) -> list[ContainerSpec]:
     if found.found:
         raise InvalidPodRequest(found.found)
     return specs
+
+
+def _gpu_count(raw: str) -> int | None:
+    """A ``nvidia.com/gpu`` quantity as a whole count: ``2``, or ``2000m`` as a file may spell it (the API
+    server stores the canonical ``2``); None for a fraction such as ``500m`` or anything else."""
+    count = _whole(raw)
+    if count is not None:
+        return count
+    try:
+        amount = parse_bytes(raw, key=k.GPU_RESOURCE)
+    except RuleViolation:
+        return None
+    return int(amount) if amount.denominator == 1 else None
 
 
 def parse_pod_manifest(pod: Mapping[str, Any], *, user_written: bool = False) -> PodGpuRequest:

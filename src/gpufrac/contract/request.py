@@ -56,6 +56,7 @@ class ContainerGpuRequest:
     ``device_count`` GPUs of ONE node, each giving ``request`` guaranteed and up to ``limit``. An
     ``exclusive`` request takes whole GPUs (``request``/``limit`` are None then). ``devices`` and
     ``compute_portion`` are binder-owned: empty/None until the scheduler has placed the pod.
+    ``compute_request`` is the user's own compute share (KAI's ``gpu-compute.request``), None when absent.
     """
 
     container: str
@@ -66,6 +67,7 @@ class ContainerGpuRequest:
     exclusive: bool = False
     devices: tuple[str, ...] = ()
     compute_portion: float | None = None
+    compute_request: float | None = None
 
     def request_mib(self, gpu_mib: int) -> int:
         """Guaranteed MiB on a GPU of ``gpu_mib`` (the whole GPU when exclusive)."""
@@ -81,13 +83,15 @@ class ContainerGpuRequest:
     def compute_portion_on(self, gpu_mib: int) -> float | None:
         """The sm-sharing compute share the scheduler assigns on a GPU of ``gpu_mib``.
 
-        Proportional to the guaranteed memory share (so a GPU full by memory is full by compute);
-        None for time-slicing, whose share is not reserved.
+        The user's compute request when given, else proportional to the guaranteed memory share (so a
+        GPU full by memory is full by compute); None for time-slicing, whose share is not reserved.
         """
         if self.mode is not ComputeMode.SM_SHARING:
             return None
         if self.exclusive or self.request is None:
             return 1.0
+        if self.compute_request is not None:
+            return self.compute_request
         return self.request.share_of(gpu_mib)
 
 

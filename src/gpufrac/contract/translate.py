@@ -9,6 +9,9 @@ property):
 * whole GPUs (``nvidia.com/gpu: N`` on a container) become ``gpufrac.io/container.<c>.gpus: "N"``, and
   the resource is removed, so that the kubelet's device plugin does not also hand out a GPU on a managed
   node. Only for pods of our scheduler: the caller decides.
+
+The first rewrite can be switched off (``legacy=False``): where KAI Scheduler schedules, ``gpu-memory``
+also drives KAI's own sharing modes, which read it as written.
 """
 
 from __future__ import annotations
@@ -38,16 +41,18 @@ def translate(
     containers: Sequence[ContainerSpec],
     *,
     whole_gpus: bool,
+    legacy: bool = True,
 ) -> Translation:
     """The rewrite of a pod; raises ``InvalidPodRequest`` for an invalid one (nothing to translate).
 
-    ``whole_gpus`` turns ``nvidia.com/gpu`` into the exclusive per-container key (pods of our scheduler).
+    ``whole_gpus`` turns ``nvidia.com/gpu`` into the exclusive per-container key (pods of our scheduler);
+    ``legacy`` turns ``gpu-memory`` into per-container keys.
     """
     request = parse_pod(annotations, containers)
     changes: dict[str, str | None] = {}
     strip: list[str] = []
 
-    if k.GPU_MEMORY in annotations:
+    if legacy and k.GPU_MEMORY in annotations:
         name = pod_level_target(annotations, [c.name for c in containers])
         target = request.container(name) if name is not None else None
         if target is not None and not _has_explicit(annotations, target.container):

@@ -151,6 +151,7 @@ class NodeAgent:
                 nri_connected=self.plugin.synchronized.is_set,
                 interval_s=settings.publish_interval_s,
                 heartbeat_s=settings.heartbeat_s,
+                taint=settings.taint,
             )
         self.probes = ProbeServer(
             host=settings.health_host,

@@ -53,6 +53,11 @@ def node_agent(
     state_dir: Path | None = typer.Option(
         None, "--state-dir", help="Mapping store and MPS leaf directories."
     ),
+    taint: bool | None = typer.Option(
+        None,
+        "--taint/--no-taint",
+        help="Taint the node gpufrac.io/managed (default); --no-taint when KAI Scheduler places GPU pods.",
+    ),
     fail_open: bool | None = typer.Option(
         None,
         "--fail-open/--fail-closed",
@@ -99,6 +104,7 @@ def node_agent(
             node_name=node_name,
             kubeconfig=kubeconfig,
             publish=publish,
+            taint=taint,
             nri_socket=nri_socket,
             backend=backend,
             sim_gpus=sim_gpus,

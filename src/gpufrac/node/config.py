@@ -30,6 +30,11 @@ class NodeAgentSettings(BaseModel):
     node_name: str = Field(min_length=1)
     kubeconfig: Path | None = None
     publish: bool = Field(True, description="write the inventory and readiness on the Node")
+    taint: bool = Field(
+        True,
+        description="taint the Node gpufrac.io/managed=true:NoSchedule so that only gpufrac's scheduler "
+        "places pods on it; off when another scheduler (KAI Scheduler) places the GPU pods",
+    )
     nri_socket: str = DEFAULT_SOCKET
     plugin_name: str = "gpufrac"
     plugin_index: str = Field("10", pattern=r"^[0-9]{2}$")

@@ -67,6 +67,8 @@ def agent_args(config: ConfigSpec) -> list[str]:
         "--fail-open" if agent.fail_open else "--fail-closed",
         "--mps" if agent.mps_enabled else "--no-mps",
     ]
+    if not agent.taint:
+        args.append("--no-taint")
     if agent.mps_enabled and agent.mps_control_bin:
         args.append(f"--mps-control-bin={agent.mps_control_bin}")
     args += [f"--log-level={agent.log_level}", "--log-format=json"]

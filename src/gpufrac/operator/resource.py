@@ -42,6 +42,7 @@ class AgentSpec:
     tolerations: tuple[dict[str, Any], ...] = ()
     resources: dict[str, Any] = field(default_factory=dict)
     fail_open: bool = False
+    taint: bool = True
     mps_enabled: bool = False
     mps_control_bin: str | None = None
     metrics_port: int = DEFAULT_METRICS_PORT
@@ -89,6 +90,7 @@ def read_config(config: Any) -> ConfigSpec:
             tolerations=tuple(agent.get("tolerations") or ()),
             resources=dict(agent.get("resources") or {}),
             fail_open=bool(agent.get("failOpen", False)),
+            taint=bool(agent.get("taint", True)),
             mps_enabled=bool(mps.get("enabled", False)),
             mps_control_bin=mps.get("controlBin") or None,
             metrics_port=int(agent.get("metricsPort", DEFAULT_METRICS_PORT)),

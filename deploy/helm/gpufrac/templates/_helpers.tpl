@@ -27,9 +27,11 @@ app.kubernetes.io/instance: {{ .root.Release.Name }}
 app.kubernetes.io/name: gpufrac-{{ .component }}
 {{- end }}
 
-{{/* "true" when the master switch and the component's switch are both on. */}}
+{{/* "true" when the master switch and the component's switch are both on; gpufrac's scheduler is off
+when KAI Scheduler schedules (`kai.enabled`). */}}
 {{- define "gpufrac.on" -}}
-{{- if and .root.Values.enabled (index .root.Values .component "enabled") }}true{{ end }}
+{{- $kaiSchedules := and (eq .component "scheduler") .root.Values.kai.enabled }}
+{{- if and .root.Values.enabled (index .root.Values .component "enabled") (not $kaiSchedules) }}true{{ end }}
 {{- end }}
 
 {{- define "gpufrac.schedulerUser" -}}
