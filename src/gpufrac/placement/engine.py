@@ -43,10 +43,10 @@ from .decision import (
     Unschedulable,
 )
 from .demand import PPM, ContainerDemand, Demand, can_fall_back, demand_of, portion_ppm
+from .fair_share import QueueBook, scheduling_order
 from .filters import STATIC_FILTERS, Fit, GpuRules, container_fit, resource_fit, static_reason
 from .model import NodeSpec, PendingPod, Queue
 from .policies import Policy, Prior, make_policy
-from .queues import QueueBook, scheduling_order
 from .state import EXCLUSIVE, MODE_CODE, Allocation, ClusterState, DeviceCharge, GpuLedger
 
 _RANK_BITS = 40
