@@ -53,7 +53,7 @@ from gpufrac.scheduler.config import SchedulerConfig
 from gpufrac.scheduler.engine import PlacementEngine
 from gpufrac.scheduler.metrics import GpuAllocation, SchedulerMetrics, StateReaders
 from gpufrac.scheduler.objects import bound_placement, gpu_request, node_spec, pending_pod, pod_queue
-from gpufrac.scheduler.queue import SchedulingQueue
+from gpufrac.scheduler.scheduling_queue import SchedulingQueue
 
 log = logging.getLogger(__name__)
 
