@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from gpufrac.contract import keys as k
 from gpufrac.contract.errors import ContractError, InvalidPodRequest
 from gpufrac.contract.parse import ContainerSpec, parse_pod
-from gpufrac.contract.render import ContainerPlacement, node_plan, render_binding
+from gpufrac.contract.render import DeviceChoice, node_plan, render_binding
 from gpufrac.contract.translate import apply_translation, translate
 
 NAMES = ["app", "side", "train", "trainer"]
@@ -173,7 +173,7 @@ def test_parse_render_parse_is_stable(
         devices = tuple(
             f"GPU-{container.container}-{i}" for i in range(start, start + container.device_count)
         )
-        placements.append(ContainerPlacement(container=container.container, devices=devices, gpu_mib=gpu_mib))
+        placements.append(DeviceChoice(container=container.container, devices=devices, gpu_mib=gpu_mib))
 
     rendered = render_binding(first, placements)
     assert all(key.startswith(k.NVIDIA_CONTAINER_PREFIX) for key in rendered)

@@ -8,7 +8,7 @@ from gpufrac.contract import errors as e
 from gpufrac.contract.changes import changed_contract_keys, forbidden_changes
 from gpufrac.contract.errors import InvalidPodRequest
 from gpufrac.contract.parse import ContainerSpec, parse_pod
-from gpufrac.contract.render import ContainerPlacement, node_plan, render_binding
+from gpufrac.contract.render import DeviceChoice, node_plan, render_binding
 from gpufrac.contract.request import ComputeMode
 
 NV = "nvidia.com/container."
@@ -16,7 +16,7 @@ NV = "nvidia.com/container."
 
 def test_a_portion_is_floored_on_the_chosen_gpu() -> None:
     request = parse_pod({"gpu-fraction": "0.3", "gpu-fraction.limit": "0.7"}, [ContainerSpec("app")])
-    rendered = render_binding(request, [ContainerPlacement("app", ("GPU-1",), gpu_mib=81559)])
+    rendered = render_binding(request, [DeviceChoice("app", ("GPU-1",), gpu_mib=81559)])
     assert rendered == {
         f"{NV}app.gpus.devices": "GPU-1",
         f"{NV}app.gpu-memory.request": "24467Mi",  # floor(0.3 x 81559) = 24467.7 -> 24467
@@ -27,17 +27,15 @@ def test_a_portion_is_floored_on_the_chosen_gpu() -> None:
 def test_sm_sharing_gets_a_compute_portion_from_its_memory_share() -> None:
     annotations = {f"{NV}app.gpu-memory.request": "20Gi", f"{NV}app.gpu-compute.mode": "sm-sharing"}
     request = parse_pod(annotations, [ContainerSpec("app")])
-    rendered = render_binding(request, [ContainerPlacement("app", ("GPU-1",), gpu_mib=81920)])
+    rendered = render_binding(request, [DeviceChoice("app", ("GPU-1",), gpu_mib=81920)])
     assert rendered[f"{NV}app.gpu-compute.portion"] == "0.25"
-    chosen = render_binding(
-        request, [ContainerPlacement("app", ("GPU-1",), gpu_mib=81920, compute_portion=0.4)]
-    )
+    chosen = render_binding(request, [DeviceChoice("app", ("GPU-1",), gpu_mib=81920, compute_portion=0.4)])
     assert chosen[f"{NV}app.gpu-compute.portion"] == "0.4"
 
 
 def test_whole_gpus_get_devices_only() -> None:
     request = parse_pod({}, [ContainerSpec("app", gpus=2)])
-    assert render_binding(request, [ContainerPlacement("app", ("GPU-1", "GPU-2"), gpu_mib=81920)]) == {
+    assert render_binding(request, [DeviceChoice("app", ("GPU-1", "GPU-2"), gpu_mib=81920)]) == {
         f"{NV}app.gpus.devices": "GPU-1,GPU-2"
     }
 
@@ -45,14 +43,14 @@ def test_whole_gpus_get_devices_only() -> None:
 @pytest.mark.parametrize(
     "placements",
     [
-        [ContainerPlacement("app", ("GPU-1",), gpu_mib=81920)],  # 2 requested
-        [ContainerPlacement("app", ("GPU-1", "GPU-1"), gpu_mib=81920)],  # repeated
+        [DeviceChoice("app", ("GPU-1",), gpu_mib=81920)],  # 2 requested
+        [DeviceChoice("app", ("GPU-1", "GPU-1"), gpu_mib=81920)],  # repeated
         [],  # container missing
-        [ContainerPlacement("app", ("GPU-1", "GPU-2"), gpu_mib=0)],
+        [DeviceChoice("app", ("GPU-1", "GPU-2"), gpu_mib=0)],
     ],
 )
 def test_rendering_a_placement_that_does_not_fit_the_request_is_a_caller_bug(
-    placements: list[ContainerPlacement],
+    placements: list[DeviceChoice],
 ) -> None:
     request = parse_pod({"gpu-fraction": "0.5", "gpu-fraction-num-devices": "2"}, [ContainerSpec("app")])
     with pytest.raises(ValueError, match="app"):
@@ -65,7 +63,7 @@ def test_node_plan_of_a_bound_pod() -> None:
         f"{NV}app.gpu-compute.mode": "sm-sharing",
     }
     request = parse_pod(annotations, [ContainerSpec("app")])
-    bound = {**annotations, **render_binding(request, [ContainerPlacement("app", ("GPU-9",), gpu_mib=40960)])}
+    bound = {**annotations, **render_binding(request, [DeviceChoice("app", ("GPU-9",), gpu_mib=40960)])}
     (plan,) = node_plan(parse_pod(bound, [ContainerSpec("app")]))
     assert (plan.devices, plan.request_mib, plan.limit_mib, plan.mode, plan.compute_portion) == (
         ("GPU-9",),

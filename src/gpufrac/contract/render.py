@@ -22,8 +22,9 @@ from gpufrac.contract.request import ComputeMode, ContainerGpuRequest, PodGpuReq
 
 
 @dataclass(frozen=True, slots=True)
-class ContainerPlacement:
-    """Where one container was placed: its GPUs (``device_count`` of them) and their size.
+class DeviceChoice:
+    """The GPUs chosen for one container (``device_count`` of them) and their size, as the binder passes
+    them to ``render_binding``. (The engine's own answer is ``gpufrac.placement.ContainerPlacement``.)
 
     ``gpu_mib`` is the memory of the chosen GPUs (the smallest one, if they differ): a portion resolves
     against it. ``compute_portion`` overrides the share derived from the request (sm-sharing only).
@@ -42,7 +43,7 @@ def format_portion(portion: float) -> str:
     return repr(float(portion))
 
 
-def render_binding(request: PodGpuRequest, placements: Iterable[ContainerPlacement]) -> dict[str, str]:
+def render_binding(request: PodGpuRequest, placements: Iterable[DeviceChoice]) -> dict[str, str]:
     """The binder-owned (and resolved) annotations for ``request`` placed as ``placements``.
 
     Every container of the request needs exactly one placement with ``device_count`` devices; anything
@@ -60,7 +61,7 @@ def render_binding(request: PodGpuRequest, placements: Iterable[ContainerPlaceme
     return rendered
 
 
-def _render_container(container: ContainerGpuRequest, placement: ContainerPlacement) -> dict[str, str]:
+def _render_container(container: ContainerGpuRequest, placement: DeviceChoice) -> dict[str, str]:
     name = container.container
     if len(placement.devices) != container.device_count or len(set(placement.devices)) != len(
         placement.devices

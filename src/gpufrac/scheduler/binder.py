@@ -32,8 +32,7 @@ from lightkube import AsyncClient
 from lightkube.resources.core_v1 import Pod
 
 from gpufrac.contract import keys
-from gpufrac.contract.render import ContainerPlacement as RenderedContainer
-from gpufrac.contract.render import render_binding
+from gpufrac.contract.render import DeviceChoice, render_binding
 from gpufrac.contract.request import PodGpuRequest
 from gpufrac.kube.binding import bind_pod
 from gpufrac.kube.errors import Conflict, KubeError, NotFound, api_errors
@@ -75,7 +74,7 @@ def binding_annotations(
         uuids = container.uuids
         portion = container.devices[0].compute_portion if container.devices else None
         rendered.append(
-            RenderedContainer(
+            DeviceChoice(
                 container=container.container,
                 devices=tuple(device_name(u, style=device_style) for u in uuids),
                 gpu_mib=min(gpu_mib[u] for u in uuids),
