@@ -20,7 +20,8 @@ Public API (what the scheduler service calls)::
 
 Modules: ``model`` (inputs), ``decision`` (outputs and reason codes), ``demand`` (a pod's request as
 filters compute with it), ``state`` (ledgers as arrays), ``filters``, ``scoring``, ``typical`` and
-``fragmentation`` (FGD), ``policies``, ``queues``, ``engine``. docs/placement.md explains the design.
+``fragmentation`` (FGD), ``policies``, ``fair_share`` (queue shares and order), ``engine``. docs/placement.md
+explains the design.
 """
 
 from .decision import (
