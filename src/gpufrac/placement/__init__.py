@@ -36,7 +36,6 @@ from .decision import (
 from .engine import Engine, Statement
 from .filters import GpuRules
 from .model import (
-    GPU_MODEL_LABEL,
     GpuDevice,
     ModePolicy,
     NodeSelectorRequirement,
@@ -54,7 +53,6 @@ from .policies import POLICIES, make_policy
 from .state import GpuLedger
 
 __all__ = [
-    "GPU_MODEL_LABEL",
     "POLICIES",
     "ContainerPlacement",
     "Decision",

@@ -28,7 +28,6 @@ from gpufrac.contract.request import ComputeMode, PodGpuRequest
 from gpufrac.placement.decision import ContainerPlacement, DeviceAssignment, Placement
 from gpufrac.placement.model import (
     BOTH_MODES,
-    GPU_MODEL_LABEL,
     GpuDevice,
     ModePolicy,
     NodeSelectorRequirement,
@@ -111,9 +110,9 @@ def node_spec(node: Node) -> NodeSpec:
         log.warning("%s; the node gets no GPU pods until it is fixed", error)
         gpus = ()
     labels = dict(meta.labels or {})
-    model = gpus[0].model if gpus else labels.get(GPU_MODEL_LABEL, "")
-    if model and GPU_MODEL_LABEL not in labels:
-        labels[GPU_MODEL_LABEL] = model
+    model = gpus[0].model if gpus else labels.get(keys.GPU_MODEL_LABEL, "")
+    if model and keys.GPU_MODEL_LABEL not in labels:
+        labels[keys.GPU_MODEL_LABEL] = model
     taints = tuple(
         Taint(key=t.key, value=t.value or "", effect=TaintEffect(t.effect))
         for t in (spec.taints if spec else None) or []
