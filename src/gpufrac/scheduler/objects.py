@@ -23,7 +23,7 @@ from lightkube.resources.core_v1 import Node, Pod
 from lightkube.utils.quantity import parse_quantity
 
 from gpufrac.contract import keys
-from gpufrac.contract.parse import ContainerSpec, parse_pod
+from gpufrac.contract.parse import container_specs, parse_pod
 from gpufrac.contract.request import ComputeMode, PodGpuRequest
 from gpufrac.placement.decision import ContainerPlacement, DeviceAssignment, Placement
 from gpufrac.placement.model import (
@@ -136,23 +136,24 @@ def node_spec(node: Node) -> NodeSpec:
 # -- pods -------------------------------------------------------------------------------------------------
 
 
-def container_specs(pod: Pod) -> list[ContainerSpec]:
-    """What the contract needs of each container: its name and ``nvidia.com/gpu`` count."""
-    specs = []
-    for container in pod.spec.containers if pod.spec else []:
-        resources = container.resources
-        raw = None
-        if resources is not None:
-            raw = (resources.limits or {}).get(keys.GPU_RESOURCE) or (resources.requests or {}).get(
-                keys.GPU_RESOURCE
-            )
-        specs.append(ContainerSpec(name=container.name, gpus=_whole(parse_quantity(str(raw))) if raw else 0))
-    return specs
-
-
 def gpu_request(pod: Pod) -> PodGpuRequest:
-    """The pod's parsed GPU request; raises the contract's ``InvalidPodRequest``."""
-    return parse_pod(pod.metadata.annotations or {}, container_specs(pod))
+    """The pod's parsed GPU request; raises the contract's ``InvalidPodRequest``.
+
+    The containers' ``nvidia.com/gpu`` counts are read by the contract's ``container_specs``, as the
+    webhook and ``validate`` read them: a count that is not a whole number is refused, never rounded up to
+    a whole GPU.
+    """
+    containers = [
+        {
+            "name": c.name,
+            "resources": {
+                "limits": c.resources.limits if c.resources else None,
+                "requests": c.resources.requests if c.resources else None,
+            },
+        }
+        for c in (pod.spec.containers if pod.spec else [])
+    ]
+    return parse_pod(pod.metadata.annotations or {}, container_specs({"containers": containers}))
 
 
 def host_request(pod: Pod) -> tuple[int, int]:
