@@ -541,9 +541,8 @@ def _charge(st: ClusterState, c: ContainerDemand, n: int, g: int) -> DeviceCharg
 
 def _first_choice(policy: Policy, st: ClusterState, c: ContainerDemand, fit: Fit) -> np.ndarray:
     """The picker's first GPU for the single container on each node, vectorised when it offers that."""
-    first = getattr(policy.picker, "first", None)
-    if first is not None:
-        return first(fit, 0)
+    if policy.first_gpu is not None:
+        return policy.first_gpu.first(fit, 0)
     return np.array(
         [int(policy.picker.order(st, c, int(n), m)[0]) for n, m in zip(fit.nodes, fit.masks[0], strict=True)]
     )
