@@ -8,7 +8,7 @@ Two ways, one contract (``bind_mode``):
   pod's uid and the resourceVersion the decision was made on. There is no moment at which a pod has
   devices but no node, nothing to roll back, and half the API writes of the two-step form - which is
   what the API server, the bottleneck of a burst, pays for.
-- ``patch-then-bind``: the two-step form DESIGN section 4 describes. The annotations are merge-patched
+- ``patch-then-bind``: the two-step form (docs/scheduler.md). The annotations are merge-patched
   with the pod's resourceVersion (a pod changed since is not annotated: 409, the scheduler looks again),
   then the Binding carries the version that patch returned, so exactly the annotated pod is bound. If
   the Binding fails, the annotations are rolled back with the same precondition, restoring what the pod
