@@ -25,10 +25,11 @@ sys.path.insert(0, str(ROOT / "src"))
 
 import numpy as np  # noqa: E402
 
+from gpufrac.contract.keys import GPU_MODEL_LABEL  # noqa: E402
 from gpufrac.contract.request import ComputeMode, ContainerGpuRequest, GpuMemory, PodGpuRequest  # noqa: E402
 from gpufrac.placement.decision import Placement  # noqa: E402
 from gpufrac.placement.engine import Engine  # noqa: E402
-from gpufrac.placement.model import GPU_MODEL_LABEL, GpuDevice, NodeSpec, PendingPod  # noqa: E402
+from gpufrac.placement.model import GpuDevice, NodeSpec, PendingPod  # noqa: E402
 
 TARGET_MIB = 1024.0
 GPUS_PER_NODE = 8

@@ -49,7 +49,7 @@ from gpufrac.kube.informer import Informer
 from gpufrac.kube.stream import Selection
 from gpufrac.local.controlplane import ControlPlane
 from gpufrac.local.simnodes import NodeShape, create_sim_nodes
-from gpufrac.scheduler.audit import audit
+from gpufrac.scheduler.booking_audit import audit
 
 TARGET_PODS_PER_S = 100.0
 

@@ -2,7 +2,7 @@
 
 Each component is one process started as ``gpufrac <component>``. A command's implementation lives in
 its component's package (``<package>/command.py``) and is registered here with one line, so this module
-stays a table of contents. Commands not built yet are registered as such: they say so and exit 2.
+stays a table of contents.
 """
 
 from __future__ import annotations
@@ -16,17 +16,6 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-
-
-def _not_built(name: str, summary: str) -> None:
-    """Register ``name`` as a command that exists in the design but is not built yet."""
-
-    def command() -> None:
-        typer.echo(f"gpufrac {name}: not built yet ({summary}); see docs/architecture.md", err=True)
-        raise typer.Exit(code=2)
-
-    command.__doc__ = f"{summary} (not built yet)"
-    app.command(name=name)(command)
 
 
 def _register() -> None:

@@ -4,6 +4,7 @@
   never with a crash (the webhook would answer 500 and, with failurePolicy Fail, block the pod).
 * parse -> render -> parse is stable: a bound pod means what the scheduler booked, and re-rendering it
   changes nothing (a restarted scheduler rebuilds the same ledger).
+* read_binding(render_binding(placement)) == placement: the node enforces exactly what was placed.
 * The webhook's translation to per-container keys never changes what a pod asks for.
 """
 
@@ -17,7 +18,8 @@ from hypothesis import strategies as st
 from gpufrac.contract import keys as k
 from gpufrac.contract.errors import ContractError, InvalidPodRequest
 from gpufrac.contract.parse import ContainerSpec, parse_pod
-from gpufrac.contract.render import ContainerPlacement, node_plan, render_binding
+from gpufrac.contract.render import BoundContainer, DeviceChoice, read_binding, render_binding
+from gpufrac.contract.request import ComputeMode
 from gpufrac.contract.translate import apply_translation, translate
 
 NAMES = ["app", "side", "train", "trainer"]
@@ -173,7 +175,7 @@ def test_parse_render_parse_is_stable(
         devices = tuple(
             f"GPU-{container.container}-{i}" for i in range(start, start + container.device_count)
         )
-        placements.append(ContainerPlacement(container=container.container, devices=devices, gpu_mib=gpu_mib))
+        placements.append(DeviceChoice(container=container.container, devices=devices, gpu_mib=gpu_mib))
 
     rendered = render_binding(first, placements)
     assert all(key.startswith(k.NVIDIA_CONTAINER_PREFIX) for key in rendered)
@@ -193,12 +195,42 @@ def test_parse_render_parse_is_stable(
         assert after.request_mib(gpu_mib) == before.request_mib(gpu_mib)
         assert after.limit_mib(gpu_mib) == max(before.request_mib(gpu_mib), before.limit_mib(gpu_mib))
 
-    for plan, container in zip(node_plan(second), second.containers, strict=True):
-        assert plan.devices == container.devices
-        if not plan.exclusive:
-            assert plan.request_mib == container.request_mib(gpu_mib)
-            assert plan.limit_mib is not None and plan.request_mib is not None
-            assert plan.limit_mib >= plan.request_mib
+
+@settings(max_examples=300, deadline=None)
+@given(pod=valid_pods(), gpu_mib=st.integers(1024, 196_608), data=st.data())
+def test_read_binding_is_the_inverse_of_render_binding(
+    pod: tuple[dict[str, str], list[ContainerSpec]], gpu_mib: int, data: Any
+) -> None:
+    annotations, containers = pod
+    # What the API server holds after our webhook (whole GPUs marked per container), then bound.
+    stored, stored_containers = apply_translation(
+        annotations, containers, translate(annotations, containers, whole_gpus=True)
+    )
+    request = parse_pod(stored, stored_containers)
+    choices, placed = [], []
+    for c in request.containers:
+        start = data.draw(st.integers(0, 16))
+        devices = tuple(f"GPU-{c.container}-{i}" for i in range(start, start + c.device_count))
+        chosen = None
+        if c.mode is ComputeMode.SM_SHARING:
+            chosen = data.draw(st.one_of(st.none(), st.floats(1e-6, 1.0)))
+        choices.append(DeviceChoice(c.container, devices, gpu_mib=gpu_mib, compute_portion=chosen))
+        portion = None
+        if c.mode is ComputeMode.SM_SHARING:
+            portion = chosen if chosen is not None else c.compute_portion_on(gpu_mib)
+        placed.append(
+            BoundContainer(
+                container=c.container,
+                devices=devices,
+                mode=c.mode,
+                request_mib=None if c.exclusive else c.request_mib(gpu_mib),
+                limit_mib=None if c.exclusive else max(c.request_mib(gpu_mib), c.limit_mib(gpu_mib)),
+                compute_portion=portion,
+                exclusive=c.exclusive,
+            )
+        )
+    bound = {**stored, **render_binding(request, choices)}
+    assert read_binding(bound) == tuple(sorted(placed, key=lambda b: b.container))
 
 
 @settings(max_examples=300, deadline=None)

@@ -8,7 +8,7 @@ from gpufrac.contract import errors as e
 from gpufrac.contract.changes import changed_contract_keys, forbidden_changes
 from gpufrac.contract.errors import InvalidPodRequest
 from gpufrac.contract.parse import ContainerSpec, parse_pod
-from gpufrac.contract.render import ContainerPlacement, node_plan, render_binding
+from gpufrac.contract.render import BoundContainer, DeviceChoice, read_binding, render_binding
 from gpufrac.contract.request import ComputeMode
 
 NV = "nvidia.com/container."
@@ -16,7 +16,7 @@ NV = "nvidia.com/container."
 
 def test_a_portion_is_floored_on_the_chosen_gpu() -> None:
     request = parse_pod({"gpu-fraction": "0.3", "gpu-fraction.limit": "0.7"}, [ContainerSpec("app")])
-    rendered = render_binding(request, [ContainerPlacement("app", ("GPU-1",), gpu_mib=81559)])
+    rendered = render_binding(request, [DeviceChoice("app", ("GPU-1",), gpu_mib=81559)])
     assert rendered == {
         f"{NV}app.gpus.devices": "GPU-1",
         f"{NV}app.gpu-memory.request": "24467Mi",  # floor(0.3 x 81559) = 24467.7 -> 24467
@@ -27,17 +27,15 @@ def test_a_portion_is_floored_on_the_chosen_gpu() -> None:
 def test_sm_sharing_gets_a_compute_portion_from_its_memory_share() -> None:
     annotations = {f"{NV}app.gpu-memory.request": "20Gi", f"{NV}app.gpu-compute.mode": "sm-sharing"}
     request = parse_pod(annotations, [ContainerSpec("app")])
-    rendered = render_binding(request, [ContainerPlacement("app", ("GPU-1",), gpu_mib=81920)])
+    rendered = render_binding(request, [DeviceChoice("app", ("GPU-1",), gpu_mib=81920)])
     assert rendered[f"{NV}app.gpu-compute.portion"] == "0.25"
-    chosen = render_binding(
-        request, [ContainerPlacement("app", ("GPU-1",), gpu_mib=81920, compute_portion=0.4)]
-    )
+    chosen = render_binding(request, [DeviceChoice("app", ("GPU-1",), gpu_mib=81920, compute_portion=0.4)])
     assert chosen[f"{NV}app.gpu-compute.portion"] == "0.4"
 
 
 def test_whole_gpus_get_devices_only() -> None:
     request = parse_pod({}, [ContainerSpec("app", gpus=2)])
-    assert render_binding(request, [ContainerPlacement("app", ("GPU-1", "GPU-2"), gpu_mib=81920)]) == {
+    assert render_binding(request, [DeviceChoice("app", ("GPU-1", "GPU-2"), gpu_mib=81920)]) == {
         f"{NV}app.gpus.devices": "GPU-1,GPU-2"
     }
 
@@ -45,43 +43,154 @@ def test_whole_gpus_get_devices_only() -> None:
 @pytest.mark.parametrize(
     "placements",
     [
-        [ContainerPlacement("app", ("GPU-1",), gpu_mib=81920)],  # 2 requested
-        [ContainerPlacement("app", ("GPU-1", "GPU-1"), gpu_mib=81920)],  # repeated
+        [DeviceChoice("app", ("GPU-1",), gpu_mib=81920)],  # 2 requested
+        [DeviceChoice("app", ("GPU-1", "GPU-1"), gpu_mib=81920)],  # repeated
         [],  # container missing
-        [ContainerPlacement("app", ("GPU-1", "GPU-2"), gpu_mib=0)],
+        [DeviceChoice("app", ("GPU-1", "GPU-2"), gpu_mib=0)],
     ],
 )
 def test_rendering_a_placement_that_does_not_fit_the_request_is_a_caller_bug(
-    placements: list[ContainerPlacement],
+    placements: list[DeviceChoice],
 ) -> None:
     request = parse_pod({"gpu-fraction": "0.5", "gpu-fraction-num-devices": "2"}, [ContainerSpec("app")])
     with pytest.raises(ValueError, match="app"):
         render_binding(request, placements)
 
 
-def test_node_plan_of_a_bound_pod() -> None:
+def test_read_binding_gives_back_what_the_binder_placed() -> None:
     annotations = {
         "gpu-fraction": "0.5",
         f"{NV}app.gpu-compute.mode": "sm-sharing",
     }
     request = parse_pod(annotations, [ContainerSpec("app")])
-    bound = {**annotations, **render_binding(request, [ContainerPlacement("app", ("GPU-9",), gpu_mib=40960)])}
-    (plan,) = node_plan(parse_pod(bound, [ContainerSpec("app")]))
-    assert (plan.devices, plan.request_mib, plan.limit_mib, plan.mode, plan.compute_portion) == (
-        ("GPU-9",),
-        20480,
-        20480,
-        ComputeMode.SM_SHARING,
-        0.5,
+    bound = {**annotations, **render_binding(request, [DeviceChoice("app", ("GPU-9",), gpu_mib=40960)])}
+    assert read_binding(bound) == (
+        BoundContainer(
+            container="app",
+            devices=("GPU-9",),
+            mode=ComputeMode.SM_SHARING,
+            request_mib=20480,
+            limit_mib=20480,
+            compute_portion=0.5,
+            exclusive=False,
+        ),
     )
 
 
-def test_node_plan_refuses_what_it_cannot_enforce() -> None:
-    unplaced = parse_pod({f"{NV}app.gpu-memory.request": "1Gi"}, [ContainerSpec("app")])
+def test_read_binding_of_whole_gpus_and_of_a_pod_without_gpus() -> None:
+    whole = {"gpufrac.io/container.app.gpus": "2", f"{NV}app.gpus.devices": "GPU-1,GPU-2"}
+    (app,) = read_binding(whole)
+    assert (app.devices, app.exclusive, app.request_mib, app.limit_mib) == (
+        ("GPU-1", "GPU-2"),
+        True,
+        None,
+        None,
+    )
+    assert read_binding({"team": "a", "kai.scheduler/queue": "q"}) == ()
+
+
+def test_one_memory_key_alone_stands_for_both() -> None:
+    (only_limit,) = read_binding({f"{NV}app.gpu-memory.limit": "2Gi", f"{NV}app.gpus.devices": "GPU-1"})
+    (only_request,) = read_binding({f"{NV}app.gpu-memory.request": "1Gi", f"{NV}app.gpus.devices": "GPU-1"})
+    assert (only_limit.request_mib, only_limit.limit_mib) == (2048, 2048)
+    assert (only_request.request_mib, only_request.limit_mib) == (1024, 1024)
+
+
+PLACED = {f"{NV}app.gpu-memory.request": "1Gi", f"{NV}app.gpus.devices": "GPU-1"}
+
+
+@pytest.mark.parametrize(
+    ("annotations", "refusal"),
+    [
+        ({f"{NV}app.gpu-memory.request": "1Gi"}, (e.NotPlaced, f"{NV}app.gpus.devices")),
+        ({"gpufrac.io/container.app.gpus": "1"}, (e.NotPlaced, f"{NV}app.gpus.devices")),
+        ({"gpu-memory": "1024"}, (e.NotPlaced, "gpu-memory")),
+        (
+            {"gpu-fraction": "0.5", f"{NV}app.gpus.devices": "GPU-1"},
+            (e.NotPlaced, f"{NV}app.gpu-memory.request"),
+        ),
+        ({**PLACED, f"{NV}app.gpus.devices": "GPU-1,GPU-1"}, (e.InvalidDeviceList, f"{NV}app.gpus.devices")),
+        ({**PLACED, f"{NV}app.gpus.devices": "GPU 1"}, (e.InvalidDeviceList, f"{NV}app.gpus.devices")),
+        (
+            {**PLACED, f"{NV}app.gpus.devices": "GPU-1,GPU-2"},
+            (e.DeviceCountMismatch, f"{NV}app.gpus.devices"),
+        ),
+        ({**PLACED, "gpu-fraction-num-devices": "2"}, (e.DeviceCountMismatch, f"{NV}app.gpus.devices")),
+        ({**PLACED, "gpu-fraction-num-devices": "two"}, (e.InvalidDeviceCount, "gpu-fraction-num-devices")),
+        (
+            {**PLACED, "gpufrac.io/container.app.gpus": "1"},
+            (e.FractionWithWholeGpu, f"{NV}app.gpu-memory.request"),
+        ),
+        (
+            {"gpufrac.io/container.app.gpus": "2", f"{NV}app.gpus.devices": "GPU-1"},
+            (e.DeviceCountMismatch, f"{NV}app.gpus.devices"),
+        ),
+        (
+            {**PLACED, f"{NV}app.gpu-memory.limit": "512Mi"},
+            (e.LimitBelowRequest, f"{NV}app.gpu-memory.limit"),
+        ),
+        ({**PLACED, f"{NV}app.gpu-memory.request": "lots"}, (e.NotAQuantity, f"{NV}app.gpu-memory.request")),
+        ({**PLACED, f"{NV}app.gpu-compute.mode": " "}, (e.InvalidComputeMode, f"{NV}app.gpu-compute.mode")),
+        (
+            {**PLACED, f"{NV}app.gpu-compute.portion": "0.5"},
+            (e.KeyWithoutRequest, f"{NV}app.gpu-compute.portion"),
+        ),
+        (
+            {**PLACED, f"{NV}app.gpu-compute.mode": "sm-sharing", f"{NV}app.gpu-compute.portion": "1.5"},
+            (e.InvalidComputePortion, f"{NV}app.gpu-compute.portion"),
+        ),
+        ({**PLACED, f"{NV}app.gpu-memory.limt": "8Gi"}, (e.UnknownKey, f"{NV}app.gpu-memory.limt")),
+        ({**PLACED, "gpufrac.io/container.side.gpu": "1"}, (e.UnknownKey, "gpufrac.io/container.side.gpu")),
+        ({"gpu-memory": "4Gi", f"{NV}app.gpus.devices": "GPU-1"}, (e.InvalidLegacyMemory, "gpu-memory")),
+        (
+            {"gpu-memory": "4096", "gpu-memory.limit": "8192", f"{NV}app.gpus.devices": "GPU-1"},
+            (e.QuantityNeedsUnit, "gpu-memory.limit"),
+        ),
+        (  # legacy gpu-memory names no container: with two placed, the node cannot tell whose it is
+            {
+                "gpu-memory": "4096",
+                f"{NV}a.gpus.devices": "GPU-1",
+                f"{NV}b.gpus.devices": "GPU-2",
+                f"{NV}b.gpu-memory.request": "1Gi",
+            },
+            (e.NotPlaced, f"{NV}a.gpu-memory.request"),
+        ),
+    ],
+)
+def test_read_binding_refuses_what_the_node_cannot_enforce(
+    annotations: dict[str, str], refusal: tuple[type[e.RuleViolation], str]
+) -> None:
     with pytest.raises(InvalidPodRequest) as raised:
-        node_plan(unplaced)
-    assert [type(v) for v in raised.value.errors] == [e.NotPlaced]
-    assert "no devices are assigned" in raised.value.messages[0]
+        read_binding(annotations)
+    assert [(type(v), v.key) for v in raised.value.errors] == [refusal]
+
+
+def test_legacy_gpu_memory_holds_for_a_container_a_binder_gave_only_devices() -> None:
+    (app,) = read_binding({"gpu-memory": "4096", f"{NV}app.gpus.devices": "GPU-1"})
+    assert (app.request_mib, app.limit_mib, app.devices) == (4096, 4096, ("GPU-1",))
+    named = {
+        "gpu-memory": "4096",
+        "gpu-memory.limit": "6Gi",
+        "gpu-fraction-container-name": "b",
+        f"{NV}a.gpu-memory.request": "1Gi",
+        f"{NV}a.gpus.devices": "GPU-1",
+        f"{NV}b.gpus.devices": "GPU-2",
+    }
+    a, b = read_binding(named)
+    assert (a.request_mib, a.limit_mib) == (1024, 1024)
+    assert (b.request_mib, b.limit_mib) == (4096, 6144)
+
+
+def test_read_binding_reads_nothing_but_the_binding() -> None:
+    # The user's side of the request was resolved by the binder; KAI's own keys are no binding.
+    user_side = {
+        "gpu-fraction": "0.25",
+        "gpu-fraction.limit": "0.9",
+        "kai.scheduler/container.app.gpu-memory.portion.limit": "0.9",
+        "kai.scheduler/container.app.anything": "x",
+    }
+    (app,) = read_binding({**PLACED, **user_side})
+    assert (app.request_mib, app.limit_mib) == (1024, 1024)
 
 
 def test_changes_to_contract_keys_are_detected() -> None:

@@ -18,7 +18,7 @@ from gpufrac.contract import keys as k
 from gpufrac.contract.changes import forbidden_changes
 from gpufrac.contract.errors import InvalidPodRequest, RuleViolation, rule_classes
 from gpufrac.contract.parse import ContainerSpec, parse_pod, parse_pod_manifest
-from gpufrac.contract.render import node_plan
+from gpufrac.contract.render import read_binding
 
 GUIDE = Path(__file__).resolve().parents[2] / "docs" / "user-guide.md"
 REQ, LIM = k.memory_request_key("app"), k.memory_limit_key("app")
@@ -35,7 +35,7 @@ def rejected(annotations: dict[str, str], containers: list[ContainerSpec] = APP,
 
 def not_placed() -> str:
     with pytest.raises(InvalidPodRequest) as raised:
-        node_plan(parse_pod({REQ: "1Gi"}, APP))
+        read_binding({REQ: "1Gi"})
     return raised.value.messages[0]
 
 

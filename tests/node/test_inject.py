@@ -16,7 +16,6 @@ from gpufrac.node.inject import (
     is_cdi_name,
     pipe_leaf,
     plan_container,
-    pod_containers,
 )
 
 GPU = "GPU-0f0e0d0c-0000-4000-8000-000000000001"
@@ -47,7 +46,7 @@ def test_fractional_plan_has_every_variable_and_one_leaf_mount() -> None:
         "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "25",
     }
     assert [(m.source, m.destination) for m in result.mounts] == [(LEAF, CONTAINER_PIPE_DIR)]
-    assert result.mode is ComputeMode.SM_SHARING and result.compute_portion == 0.25
+    assert result.bound.mode is ComputeMode.SM_SHARING and result.bound.compute_portion == 0.25
     assert result.cdi_devices == ()
 
 
@@ -90,21 +89,36 @@ def test_unresolved_portion_is_refused() -> None:
     assert "gpu-memory.request" in str(refused.value)
 
 
-def test_pod_containers_puts_placed_containers_first_and_the_current_one_last() -> None:
+def test_a_resolved_pod_level_fraction_is_enforced_on_the_container_the_binder_placed() -> None:
+    # The runtime names only the container being created; the binder's keys say which one holds the GPU,
+    # whatever the pod-level forms would pick as their target.
     annotations = {
         "gpu-fraction": "0.5",
+        "gpu-fraction-container-name": "beta",
         "nvidia.com/container.zeta.gpu-memory.request": "1Gi",
+        "nvidia.com/container.zeta.gpu-memory.limit": "2Gi",
         "nvidia.com/container.zeta.gpus.devices": GPU,
         "kai.scheduler/container.alpha.gpu-memory.portion.limit": "0.6",
     }
-    assert [c.name for c in pod_containers(annotations, current="sidecar")] == ["zeta", "alpha", "sidecar"]
-    named = {**annotations, "gpu-fraction-container-name": "beta"}
-    assert [c.name for c in pod_containers(named, current="beta")] == ["zeta", "alpha", "beta"]
+    zeta, _ = plan(annotations, "zeta")
+    assert zeta is not None and zeta.env_map["NVIDIA_GPU_MEMORY_LIMIT"] == "2048"
+    assert plan(annotations, "sidecar") == (None, ())
+    assert plan(annotations, "beta") == (None, ())
+
+
+def test_a_pod_level_fraction_nobody_placed_is_refused_for_every_container() -> None:
+    for container in ("app", "sidecar"):
+        with pytest.raises(InvalidPodRequest) as refused:
+            plan({"gpu-fraction": "0.5"}, container)
+        assert refused.value.messages == [
+            'gpu-fraction="0.5" is invalid: the container has no GPU assignment the node can enforce yet '
+            "(no container has devices assigned)."
+        ]
 
 
 def test_whole_gpus_plan_devices_only() -> None:
     result, _ = plan({"gpufrac.io/container.c.gpus": "1", "nvidia.com/container.c.gpus.devices": GPU})
-    assert result is not None and result.exclusive
+    assert result is not None and result.bound.exclusive
     assert result.env_map == {"NVIDIA_VISIBLE_DEVICES": GPU} and result.mounts == ()
 
 

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from gpufrac.contract.keys import GPU_MODEL_LABEL
 from gpufrac.contract.request import ComputeMode, ContainerGpuRequest, GpuMemory, PodGpuRequest
-from gpufrac.placement.model import BOTH_MODES, GPU_MODEL_LABEL, GpuDevice, NodeSpec, PendingPod
+from gpufrac.placement.model import BOTH_MODES, GpuDevice, NodeSpec, PendingPod
 
 GIB = 1 << 30
 

@@ -12,7 +12,8 @@ from gpufrac.contract.request import ComputeMode, GpuMemory
 from gpufrac.placement.decision import ContainerPlacement, DeviceAssignment, Placement
 from gpufrac.placement.engine import Engine
 from gpufrac.placement.fragmentation import node_fragmentation
-from gpufrac.placement.policies import POLICIES
+from gpufrac.placement.policies import POLICIES, Policy
+from gpufrac.placement.scoring import BestFit, BestFitGpu
 from gpufrac.placement.typical import TypicalPod, select_typical
 
 HALF = TypicalPod(cpu_milli=0, memory=GpuMemory(portion=0.5))
@@ -193,3 +194,44 @@ def test_online_distribution_counts_a_retried_pod_once():
     for _ in range(5):
         assert not isinstance(e.place(stuck), Placement)  # retried while pending
     assert source._counts[TypicalPod(0, None, 2, exclusive=True)] == 1
+
+
+class Recording:
+    """A scorer with every optional ability (epoch, prepare, observe), recording how the engine uses them."""
+
+    def __init__(self) -> None:
+        self.epoch = 0
+        self.prepared = 0
+        self.observed: list[int] = []
+        self.scored: list[int] = []
+
+    def prepare(self, state) -> None:
+        self.prepared += 1
+
+    def observe(self, demand) -> None:
+        self.observed.append(demand.containers[0].count)
+
+    def score(self, state, demand, fit):
+        self.scored.append(int(fit.nodes.size))
+        return np.zeros(fit.nodes.size, dtype=np.int64), None
+
+
+def test_a_scorers_declared_abilities_are_resolved_and_used(monkeypatch):
+    scorer = Recording()
+    policy = Policy("recording", ((scorer, 1), (BestFit(), 1)), BestFitGpu())
+    assert (policy.epoched, policy.preparing, policy.learning) == ((scorer,), (scorer,), (scorer,))
+    assert policy.first_gpu is policy.picker
+    monkeypatch.setitem(POLICIES, "recording", lambda _prior: policy)
+
+    e = build("recording", node("a", gpus=4), node("b", gpus=4))
+    retried = pod(fraction(0.25))
+    assert isinstance(e.place(retried), Placement)
+    e.forget(retried.uid)
+    assert isinstance(e.place(retried), Placement)
+    assert isinstance(e.place(pod(fraction(0.25))), Placement)
+    assert scorer.observed == [1, 1]  # each pod once, however often it is retried
+    assert scorer.prepared == 3
+    assert scorer.scored[0] == 2 and scorer.scored[-1] < 2  # unchanged nodes keep their cached score
+    scorer.epoch += 1
+    e.place(pod(fraction(0.25)))
+    assert scorer.scored[-1] == 2  # a new epoch drops every cached score

@@ -25,7 +25,7 @@ from lightkube.resources.core_v1 import Event, Node, Pod
 
 from gpufrac.contract import keys
 from gpufrac.local.simnodes import NodeShape, create_sim_nodes
-from gpufrac.scheduler.audit import AuditReport, audit
+from gpufrac.scheduler.booking_audit import AuditReport, audit
 from gpufrac.scheduler.config import SchedulerConfig
 from gpufrac.scheduler.service import SchedulerService, build_service
 

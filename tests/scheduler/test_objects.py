@@ -13,6 +13,8 @@ import pytest
 from lightkube.resources.core_v1 import Node, Pod
 
 from gpufrac.contract import keys
+from gpufrac.contract.errors import InvalidPodRequest
+from gpufrac.contract.parse import parse_pod_manifest
 from gpufrac.contract.request import ComputeMode
 from gpufrac.local.simnodes import NodeShape, gpu_uuid, sim_node
 from gpufrac.placement.decision import ContainerPlacement, DeviceAssignment, Placement
@@ -134,6 +136,30 @@ def test_pending_pod_carries_constraints_and_queue() -> None:
     assert [t.key for t in pending.tolerations].count(keys.MANAGED_TAINT_KEY) == 2
     assert pending.affinity[0].match_expressions[0].values == ("H100",)
     assert pending.gpu.containers[0].request.portion == 0.5
+
+
+def test_a_fractional_gpu_count_is_refused_not_rounded_up_to_a_whole_gpu() -> None:
+    # The scheduler used to read nvidia.com/gpu: 0.5 as one exclusive GPU while the webhook refused it.
+    p = pod(containers=[{"name": "app", "resources": {"limits": {keys.GPU_RESOURCE: "0.5"}}}])
+    with pytest.raises(InvalidPodRequest) as raised:
+        gpu_request(p)
+    assert raised.value.messages == [
+        'spec.containers[app].resources.limits.nvidia.com/gpu="0.5" is invalid: '
+        "a GPU count must be a whole number from 1 to 256."
+    ]
+
+
+@pytest.mark.parametrize("count", ["1", "3", "0.5", "1.5", "1k"])
+def test_the_scheduler_reads_gpu_counts_as_the_webhook_does(count: str) -> None:
+    p = pod(containers=[{"name": "app", "resources": {"requests": {keys.GPU_RESOURCE: count}}}])
+
+    def answer(read: Any) -> Any:
+        try:
+            return read()
+        except InvalidPodRequest as invalid:
+            return invalid.messages
+
+    assert answer(lambda: gpu_request(p)) == answer(lambda: parse_pod_manifest(p.to_dict()))
 
 
 def test_a_pods_placement_policy_annotation_overrides_the_schedulers_policy() -> None:

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from gpufrac.scheduler.queue import SchedulingQueue
+from gpufrac.scheduler.scheduling_queue import SchedulingQueue
 
 
 async def test_pods_created_together_come_out_as_one_batch_in_arrival_order() -> None:

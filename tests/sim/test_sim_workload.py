@@ -7,8 +7,9 @@ from collections import Counter
 import numpy as np
 import pytest
 
+from gpufrac.contract.keys import GPU_MODEL_LABEL
 from gpufrac.contract.request import GpuMemory
-from gpufrac.placement.model import GPU_MODEL_LABEL, SelectorOperator
+from gpufrac.placement.model import SelectorOperator
 from gpufrac.sim.experiment import parse_policies, parse_seeds
 from gpufrac.sim.metrics import allocation_at, curve, unallocated_gpus
 from gpufrac.sim.scenarios import prepare

@@ -89,6 +89,9 @@ NODE_READY_CONDITION = "gpu-fractioning.nvidia.com/Ready"
 #: The NVIDIA driver's major version, under the name the GPU-fractioning operator (KAI) uses for it; the
 #: node agent writes it, the operator gates on it (``GpuFractioningConfig.spec.minDriverMajor``).
 DRIVER_MAJOR_LABEL = "gpu-fractioning.kai.scheduler/nvidia-driver-version.major"
+#: The GPU model when every published GPU of the node is the same model (absent otherwise): the node agent
+#: writes it, and required node affinity on it is how a pod says "only these models" to the scheduler.
+GPU_MODEL_LABEL = "gpufrac.io/gpu-model"
 #: The node agent's capability labels: ``gpufrac.io/compute-mode.<mode>: "true"|"false"`` say which
 #: compute modes the node can enforce memory for; the scheduler never places a mode a node cannot enforce.
 COMPUTE_MODE_LABEL_PREFIX = "gpufrac.io/compute-mode."

@@ -80,10 +80,6 @@ def bytes_to_mib(amount: int | Fraction) -> int:
     return max(1, math.ceil(Fraction(amount) / MIB))
 
 
-def mib_to_bytes(mib: int) -> int:
-    return mib * MIB
-
-
 def parse_mib(text: str, *, key: str) -> int:
     """A GPU memory quantity as whole MiB (ceiling); below 1 MiB is an error, not 1 MiB."""
     amount = parse_bytes(text, key=key)

@@ -1,29 +1,53 @@
-"""From a placed request to what others read: the binder's annotations, and the node agent's plan.
+"""From a placed request to what others read: the binder's annotations, and reading them back on the node.
 
 The binder writes, per container: the devices, the request and limit in whole MiB (a portion resolved on
 the chosen GPU as floor(portion x GPU MiB)), and for sm-sharing the compute portion. Writing the MiB for
 every fractional container, not only for portions, makes a bound pod self-describing: the node agent
-(ours or the upstream operator's) reads only ``nvidia.com/container.<c>.*`` and never needs the GPU size
-or the pod-level KAI forms, and a restarted scheduler books exactly what was booked before.
+never needs the GPU size nor resolves a KAI pod-level form, and a restarted scheduler books exactly what
+was booked before.
 
-``render -> parse`` is stable: parsing a pod with the rendered keys and rendering again gives the same
-keys (an explicit request wins over ``gpu-fraction`` once devices are assigned).
+``read_binding`` is the exact inverse of ``render_binding`` and the node's only reader of a bound pod. It
+reads the keys the binder wrote plus the few the user's request fixes (the compute mode, the whole-GPU
+marker, the device count); its docstring lists what it accepts and refuses. The full parser
+(``gpufrac.contract.parse``) is for what users write; the node does not run it.
+
+``render -> parse`` is stable too: parsing a pod with the rendered keys and rendering again gives the
+same keys (an explicit request wins over ``gpu-fraction`` once devices are assigned).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from gpufrac.contract import keys as k
-from gpufrac.contract.errors import InvalidPodRequest, NotPlaced, RuleViolation
-from gpufrac.contract.quantities import format_mib
+from gpufrac.contract.errors import (
+    DeviceCountMismatch,
+    FractionWithWholeGpu,
+    InvalidComputeMode,
+    InvalidComputePortion,
+    InvalidDeviceCount,
+    InvalidDeviceList,
+    InvalidLegacyMemory,
+    InvalidPodRequest,
+    KeyWithoutRequest,
+    LimitBelowRequest,
+    NotPlaced,
+    QuantityNeedsUnit,
+    RuleViolation,
+    UnknownKey,
+)
+
+# The value grammar (device names, decimals, whole numbers) is the parser's: one rule, one place.
+from gpufrac.contract.parse import _DEVICE, MAX_DEVICE_COUNT, _decimal, _whole
+from gpufrac.contract.quantities import format_mib, parse_mib
 from gpufrac.contract.request import ComputeMode, ContainerGpuRequest, PodGpuRequest
 
 
 @dataclass(frozen=True, slots=True)
-class ContainerPlacement:
-    """Where one container was placed: its GPUs (``device_count`` of them) and their size.
+class DeviceChoice:
+    """The GPUs chosen for one container (``device_count`` of them) and their size, as the binder passes
+    them to ``render_binding``. (The engine's own answer is ``gpufrac.placement.ContainerPlacement``.)
 
     ``gpu_mib`` is the memory of the chosen GPUs (the smallest one, if they differ): a portion resolves
     against it. ``compute_portion`` overrides the share derived from the request (sm-sharing only).
@@ -42,7 +66,7 @@ def format_portion(portion: float) -> str:
     return repr(float(portion))
 
 
-def render_binding(request: PodGpuRequest, placements: Iterable[ContainerPlacement]) -> dict[str, str]:
+def render_binding(request: PodGpuRequest, placements: Iterable[DeviceChoice]) -> dict[str, str]:
     """The binder-owned (and resolved) annotations for ``request`` placed as ``placements``.
 
     Every container of the request needs exactly one placement with ``device_count`` devices; anything
@@ -60,7 +84,7 @@ def render_binding(request: PodGpuRequest, placements: Iterable[ContainerPlaceme
     return rendered
 
 
-def _render_container(container: ContainerGpuRequest, placement: ContainerPlacement) -> dict[str, str]:
+def _render_container(container: ContainerGpuRequest, placement: DeviceChoice) -> dict[str, str]:
     name = container.container
     if len(placement.devices) != container.device_count or len(set(placement.devices)) != len(
         placement.devices
@@ -88,8 +112,8 @@ def _render_container(container: ContainerGpuRequest, placement: ContainerPlacem
 
 
 @dataclass(frozen=True, slots=True)
-class ContainerPlan:
-    """What the node agent enforces for one container: the devices and, per device, MiB and compute.
+class BoundContainer:
+    """One container of a bound pod as its binder wrote it: what the node agent enforces.
 
     ``request_mib``/``limit_mib`` are None for an exclusive container (it owns whole GPUs, nothing to
     cap); ``compute_portion`` is None unless sm-sharing.
@@ -104,54 +128,239 @@ class ContainerPlan:
     exclusive: bool
 
 
-def node_plan(request: PodGpuRequest) -> tuple[ContainerPlan, ...]:
-    """The plan of a bound pod; raises ``InvalidPodRequest`` (``NotPlaced``) for what it cannot enforce.
+def read_binding(annotations: Mapping[str, str]) -> tuple[BoundContainer, ...]:
+    """What a binder wrote on a bound pod, read back: the exact inverse of ``render_binding``.
 
-    A container is enforceable once it has devices and, unless exclusive, its memory in MiB (a portion
-    that the binder has not resolved cannot be enforced: the node agent does not guess the GPU size).
+    Returns one ``BoundContainer`` per placed container, in container-name order; raises
+    ``InvalidPodRequest`` naming every key it cannot accept. This is the node's only reader of a bound
+    pod (injection, the audit, and through the injection records the usage reporter), and the one place
+    where the output of a binder, ours or another one, is accepted or refused. The rules:
+
+    * A container is placed when ``nvidia.com/container.<c>.gpus.devices`` names its devices: distinct
+      device names (GPU UUIDs or CDI names), comma-separated.
+    * Whole GPUs: the webhook's ``gpufrac.io/container.<c>.gpus: N`` marks the container exclusive; it
+      needs exactly N devices and no memory keys.
+    * Otherwise the container is fractional: ``gpu-memory.request`` and ``gpu-memory.limit`` hold its MiB
+      per device (any quantity, rounded up to whole MiB; one alone stands for both; the limit may not be
+      below the request), and it needs exactly ``gpu-fraction-num-devices`` devices (default 1). A
+      binder that wrote only devices is accepted for legacy ``gpu-memory: <MiB>`` (with an optional
+      ``gpu-memory.limit`` quantity), which is already in MiB: it holds for the container
+      ``gpu-fraction-container-name`` names or, with none named, for the only placed container. A
+      fraction the binder did not resolve to MiB (devices next to ``gpu-fraction`` alone) is refused:
+      the node never guesses a GPU's size.
+    * ``gpu-compute.mode`` (the user's; default time-slicing) says how the devices are shared;
+      ``gpu-compute.portion``, a number in (0, 1], is the sm-sharing compute share and is refused on a
+      time-slicing container.
+    * A pod that asks for GPUs but is not placed is refused (fail-closed): memory keys or the whole-GPU
+      marker on a container without devices, or a pod-level ``gpu-fraction``/``gpu-memory`` while no
+      container has devices. Every container of such a pod is refused, not only the one asking.
+    * An unknown key under ``nvidia.com/container.<c>.`` or ``gpufrac.io/container.<c>.`` is refused: a
+      misspelt ``gpu-memory.limit`` must not quietly leave a container capped at its request.
+    * Nothing else is read. The other pod-level forms (``gpu-fraction`` and its limits) are the user's
+      side of the contract, which the binder resolved into the keys above; KAI Scheduler's own
+      per-container keys are not a binding.
     """
-    plans: list[ContainerPlan] = []
-    problems: list[RuleViolation] = []
-    for container in request.containers:
-        name = container.container
-        if not container.devices:
-            problems.append(NotPlaced(key=k.devices_key(name), value="", detail="no devices are assigned"))
+    found: list[RuleViolation] = []
+
+    def violation(rule: RuleViolation) -> None:
+        if rule not in found:
+            found.append(rule)
+
+    per_container: dict[str, dict[tuple[str, str], str]] = {}
+    for key, value in sorted(annotations.items()):
+        split = k.split_container_key(key)
+        if split is None or split.prefix == k.KAI_CONTAINER_PREFIX:
             continue
-        if container.exclusive:
-            plans.append(
-                ContainerPlan(
-                    container=name,
-                    devices=container.devices,
-                    mode=container.mode,
-                    request_mib=None,
-                    limit_mib=None,
-                    compute_portion=container.compute_portion,
-                    exclusive=True,
+        known = (
+            k.NVIDIA_CONTAINER_SUFFIXES
+            if split.prefix == k.NVIDIA_CONTAINER_PREFIX
+            else k.GPUFRAC_CONTAINER_SUFFIXES
+        )
+        if split.suffix not in known:
+            detail = f"after {split.prefix}<container>. the contract knows {', '.join(known)}"
+            violation(UnknownKey(key=key, value=value, detail=detail))
+        elif split.container:
+            per_container.setdefault(split.container, {})[(split.prefix, split.suffix)] = value
+
+    placed = sorted(
+        n for n, entries in per_container.items() if (k.NVIDIA_CONTAINER_PREFIX, k.DEVICES) in entries
+    )
+    legacy_target = None
+    if k.GPU_MEMORY in annotations and placed:
+        named = annotations.get(k.GPU_FRACTION_CONTAINER_NAME, "").strip()
+        legacy_target = named if named else (placed[0] if len(placed) == 1 else None)
+    bound = []
+    for name in sorted(per_container):
+        legacy = legacy_target == name
+        container = _read_container(name, per_container[name], annotations, violation, legacy=legacy)
+        if container is not None:
+            bound.append(container)
+    if not placed:
+        for key in (k.GPU_FRACTION, k.GPU_MEMORY):
+            if key in annotations:
+                violation(
+                    NotPlaced(key=key, value=annotations[key], detail="no container has devices assigned")
+                )
+    if found:
+        raise InvalidPodRequest(found)
+    return tuple(bound)
+
+
+def _read_container(
+    name: str,
+    entries: Mapping[tuple[str, str], str],
+    annotations: Mapping[str, str],
+    violation: Callable[[RuleViolation], None],
+    *,
+    legacy: bool,
+) -> BoundContainer | None:
+    nv = {suffix: value for (prefix, suffix), value in entries.items() if prefix == k.NVIDIA_CONTAINER_PREFIX}
+    whole_raw = entries.get((k.GPUFRAC_CONTAINER_PREFIX, k.WHOLE_GPUS))
+    memory_keys = [suffix for suffix in (k.MEMORY_REQUEST, k.MEMORY_LIMIT) if suffix in nv]
+    if k.DEVICES not in nv:
+        if memory_keys or whole_raw is not None:
+            violation(NotPlaced(key=k.devices_key(name), value="", detail="no devices are assigned"))
+        return None
+    ok = True
+    devices_raw = nv[k.DEVICES]
+    devices = tuple(item.strip() for item in devices_raw.split(","))
+    if not all(_DEVICE.fullmatch(d) for d in devices) or len(set(devices)) != len(devices):
+        violation(InvalidDeviceList(key=k.devices_key(name), value=devices_raw))
+        ok = False
+
+    mode = ComputeMode.TIME_SLICING
+    if k.COMPUTE_MODE in nv:
+        raw = nv[k.COMPUTE_MODE]
+        if raw.strip() in tuple(ComputeMode):
+            mode = ComputeMode(raw.strip())
+        else:
+            detail = "blank is not allowed" if not raw.strip() else ""
+            violation(InvalidComputeMode(key=k.compute_mode_key(name), value=raw, detail=detail))
+            ok = False
+
+    request_mib = limit_mib = None
+    if whole_raw is not None:
+        count = _count(k.whole_gpus_key(name), whole_raw, violation)
+        if count is not None and memory_keys:
+            suffix = memory_keys[0]
+            violation(
+                FractionWithWholeGpu(
+                    key=k.container_key(name, suffix),
+                    value=nv[suffix],
+                    detail=f'container "{name}" also asks for {count} whole GPU{"s" if count != 1 else ""}',
                 )
             )
-            continue
-        request_mib = container.request.mib if container.request is not None else None
-        limit_mib = container.limit.mib if container.limit is not None else request_mib
-        if request_mib is None or limit_mib is None:
-            problems.append(
+            ok = False
+    else:
+        count = 1
+        if k.GPU_FRACTION_NUM_DEVICES in annotations:
+            count = _count(k.GPU_FRACTION_NUM_DEVICES, annotations[k.GPU_FRACTION_NUM_DEVICES], violation)
+        if memory_keys:
+            request_mib, limit_mib = _memory(name, nv, violation)
+        elif legacy:
+            request_mib, limit_mib = _legacy_memory(annotations, violation)
+        else:
+            violation(
                 NotPlaced(
                     key=k.memory_request_key(name),
                     value="",
                     detail="the memory portion is not resolved to MiB",
                 )
             )
-            continue
-        plans.append(
-            ContainerPlan(
-                container=name,
-                devices=container.devices,
-                mode=container.mode,
-                request_mib=request_mib,
-                limit_mib=limit_mib,
-                compute_portion=container.compute_portion,
-                exclusive=False,
+        if request_mib is None or limit_mib is None:
+            ok = False
+    if count is None:
+        ok = False
+    elif ok and len(devices) != count:
+        violation(
+            DeviceCountMismatch(
+                key=k.devices_key(name),
+                value=devices_raw,
+                detail=f"{len(devices)} assigned, {count} requested",
             )
         )
-    if problems:
-        raise InvalidPodRequest(problems)
-    return tuple(plans)
+        ok = False
+
+    portion = None
+    if k.COMPUTE_PORTION in nv:
+        raw, key = nv[k.COMPUTE_PORTION], k.compute_portion_key(name)
+        portion = _decimal(raw)
+        if portion is None or not 0 < portion <= 1:
+            violation(InvalidComputePortion(key=key, value=raw))
+            ok = False
+        elif mode is not ComputeMode.SM_SHARING:
+            violation(KeyWithoutRequest(key=key, value=raw, detail=f'container "{name}" is not sm-sharing'))
+            ok = False
+    if not ok:
+        return None
+    return BoundContainer(
+        container=name,
+        devices=devices,
+        mode=mode,
+        request_mib=request_mib,
+        limit_mib=limit_mib,
+        compute_portion=portion,
+        exclusive=whole_raw is not None,
+    )
+
+
+def _count(key: str, raw: str, violation: Callable[[RuleViolation], None]) -> int | None:
+    count = _whole(raw)
+    if count is None or not 1 <= count <= MAX_DEVICE_COUNT:
+        violation(InvalidDeviceCount(key=key, value=raw))
+        return None
+    return count
+
+
+def _legacy_memory(
+    annotations: Mapping[str, str], violation: Callable[[RuleViolation], None]
+) -> tuple[int | None, int | None]:
+    """Legacy ``gpu-memory`` (whole MiB) and its optional ``gpu-memory.limit`` (a quantity with a unit)."""
+    raw = annotations[k.GPU_MEMORY]
+    request = _whole(raw)
+    if request is None or request == 0:
+        violation(InvalidLegacyMemory(key=k.GPU_MEMORY, value=raw))
+        return None, None
+    if k.GPU_MEMORY_LIMIT not in annotations:
+        return request, request
+    raw = annotations[k.GPU_MEMORY_LIMIT]
+    if _whole(raw) is not None:
+        violation(
+            QuantityNeedsUnit(key=k.GPU_MEMORY_LIMIT, value=raw, detail=f"write {raw.strip()}Mi for MiB")
+        )
+        return None, None
+    try:
+        limit = parse_mib(raw, key=k.GPU_MEMORY_LIMIT)
+    except RuleViolation as rule:
+        violation(rule)
+        return None, None
+    if limit < request:
+        violation(LimitBelowRequest(key=k.GPU_MEMORY_LIMIT, value=raw, detail=f"gpu-memory is {request} MiB"))
+        return None, None
+    return request, limit
+
+
+def _memory(
+    name: str, nv: Mapping[str, str], violation: Callable[[RuleViolation], None]
+) -> tuple[int | None, int | None]:
+    """Request and limit MiB (one alone stands for both); None where unreadable or absent."""
+    read: dict[str, int | None] = {}
+    for suffix in (k.MEMORY_REQUEST, k.MEMORY_LIMIT):
+        if suffix in nv:
+            try:
+                read[suffix] = parse_mib(nv[suffix], key=k.container_key(name, suffix))
+            except RuleViolation as rule:
+                violation(rule)
+                read[suffix] = None
+    if not read:
+        return None, None
+    request = read.get(k.MEMORY_REQUEST, read.get(k.MEMORY_LIMIT))
+    limit = read.get(k.MEMORY_LIMIT, read.get(k.MEMORY_REQUEST))
+    if request is not None and limit is not None and limit < request:
+        violation(
+            LimitBelowRequest(
+                key=k.memory_limit_key(name), value=nv[k.MEMORY_LIMIT], detail=f"the request is {request} MiB"
+            )
+        )
+        return None, None
+    return request, limit

@@ -26,8 +26,7 @@ from rich.table import Table
 
 from gpufrac.contract import keys
 from gpufrac.contract.errors import InvalidPodRequest
-from gpufrac.contract.parse import parse_pod_manifest
-from gpufrac.contract.render import node_plan
+from gpufrac.contract.render import read_binding
 from gpufrac.kube.errors import api_errors
 from gpufrac.local.kubelet import CONTAINERS_ANNOTATION
 
@@ -82,7 +81,7 @@ def outcome(pod: Pod, gpu_index: dict[str, str]) -> PodOutcome:
         result.reason = "; ".join(str(e) for e in errors)
     if result.node:
         try:
-            plans = node_plan(parse_pod_manifest(pod.to_dict()))
+            plans = read_binding(meta.annotations or {})
         except InvalidPodRequest as error:
             result.reason = result.reason or str(error)
             return result

@@ -32,6 +32,7 @@ from pathlib import Path
 from lightkube import AsyncClient
 from prometheus_client import CollectorRegistry
 
+from gpufrac.contract.quantities import MIB
 from gpufrac.kube.events import EventRecorder, ObjectRef
 from gpufrac.node.config import NodeAgentSettings
 from gpufrac.node.inject import EnvPlanner
@@ -46,7 +47,6 @@ from gpufrac.node.nri.handler import GpuInjector
 from gpufrac.node.nri.plugin import NriPlugin, PluginIdentity
 from gpufrac.node.reporting import UsageSettings, run_reporting
 from gpufrac.node.usage.backend import GpuProcesses, ProcessUsageBackend
-from gpufrac.node.usage.collect import MIB
 from gpufrac.process.probes import ProbeServer
 
 log = logging.getLogger(__name__)

@@ -3,10 +3,11 @@
 The NRI plugin applies this plan at CreateContainer; the audit recomputes it for running containers and
 compares. Both call ``plan_container``, so what is injected and what is checked are one rule.
 
-The annotations are parsed by the contract (``gpufrac.contract.parse_pod``) and nowhere else; on a
-scheduled pod the binder-owned keys carry resolved values (devices, request/limit in MiB, compute
-portion), which ``gpufrac.contract.render.node_plan`` turns into what the node enforces. A pod that
-breaks the contract raises ``InvalidPodRequest`` whose message names the key, the value and the rule.
+The annotations are read by the contract's narrow reader for bound pods
+(``gpufrac.contract.render.read_binding``, the inverse of what the binder renders) and nowhere else: the
+node enforces what the binder wrote (devices, request/limit in MiB, compute portion), never re-derives it
+from the user's request. A pod that breaks the contract, or is not placed, raises ``InvalidPodRequest``
+whose message names the key, the value and the rule.
 
 What a container gets (docs/node-agent.md has the same table for operators):
 
@@ -35,11 +36,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
-from gpufrac.contract import keys
 from gpufrac.contract.errors import ContractError
-from gpufrac.contract.parse import ContainerSpec, parse_pod
-from gpufrac.contract.render import ContainerPlan, node_plan
-from gpufrac.contract.request import ComputeMode, PodGpuRequest
+from gpufrac.contract.render import BoundContainer, read_binding
+from gpufrac.contract.request import ComputeMode
 
 NVIDIA_VISIBLE_DEVICES = "NVIDIA_VISIBLE_DEVICES"
 NVIDIA_GPU_MEMORY_REQUEST = "NVIDIA_GPU_MEMORY_REQUEST"
@@ -75,15 +74,10 @@ class Mount:
 
 @dataclass(frozen=True, slots=True)
 class InjectionPlan:
-    """Everything the node does to one GPU container at creation, and what it records about it."""
+    """Everything the node does to one GPU container at creation: the binding it enforces (``bound``, as
+    the contract reads it; the node records it) and what that becomes in the container."""
 
-    container: str
-    devices: tuple[str, ...]
-    mode: ComputeMode
-    exclusive: bool
-    request_mib: int | None
-    limit_mib: int | None
-    compute_portion: float | None
+    bound: BoundContainer
     env: tuple[tuple[str, str], ...]
     mounts: tuple[Mount, ...]
     cdi_devices: tuple[str, ...]
@@ -116,39 +110,6 @@ def pipe_leaf(*, root: str, container_id: str) -> str:
     return f"{root.rstrip('/')}/{container_id}"
 
 
-def pod_containers(annotations: Mapping[str, str], *, current: str) -> list[ContainerSpec]:
-    """The pod's containers as far as the node can tell, for the contract's parser.
-
-    The runtime tells the node the pod's annotations and the ONE container being created, not the pod's
-    container list. Every container named by a per-container key (or by ``gpu-fraction-container-name``)
-    is listed, placed ones (with ``.gpus.devices``) first, so that KAI's pod-level forms -- which apply to
-    the first container unless one is named -- resolve to the container the scheduler placed; the
-    container being created comes last when nothing names it.
-    """
-    placed: list[str] = []
-    named: list[str] = []
-    for key in sorted(annotations):
-        split = keys.split_container_key(key)
-        if split is None or not split.container:
-            continue
-        bucket = (
-            placed if split.prefix == keys.NVIDIA_CONTAINER_PREFIX and split.suffix == keys.DEVICES else named
-        )
-        if split.container not in bucket:
-            bucket.append(split.container)
-    target = annotations.get(keys.GPU_FRACTION_CONTAINER_NAME, "").strip()
-    order: list[str] = []
-    for name in (*placed, *named, *([target] if target else []), current):
-        if name not in order:
-            order.append(name)
-    return [ContainerSpec(name=name) for name in order]
-
-
-def parse_for_node(annotations: Mapping[str, str], *, container: str) -> PodGpuRequest:
-    """The pod's parsed request (raises ``InvalidPodRequest`` naming every broken key)."""
-    return parse_pod(annotations, pod_containers(annotations, current=container))
-
-
 def plan_container(
     *,
     annotations: Mapping[str, str],
@@ -163,22 +124,20 @@ def plan_container(
     container's ``KEY=value`` list as the runtime hands it over; ``pipe_source`` the host leaf directory
     (``pipe_leaf``). Raises ``InvalidPodRequest`` for a pod that breaks the contract or is not placed.
     """
-    request = parse_for_node(annotations, container=container)
-    wanted = request.container(container)
-    if wanted is None:
+    placed = next((c for c in read_binding(annotations) if c.container == container), None)
+    if placed is None:
         return None, ()
-    (placed,) = node_plan(PodGpuRequest(containers=(wanted,)))
     plan = _plan(placed, pipe_source=pipe_source, container_pipe_dir=container_pipe_dir)
     present = {entry.partition("=")[0] for entry in env}
     return plan, tuple(key for key in ENFORCEMENT_ENV if key in present)
 
 
-def _plan(placed: ContainerPlan, *, pipe_source: str, container_pipe_dir: str) -> InjectionPlan:
+def _plan(placed: BoundContainer, *, pipe_source: str, container_pipe_dir: str) -> InjectionPlan:
     devices = placed.devices
     env: list[tuple[str, str]] = [(NVIDIA_VISIBLE_DEVICES, ",".join(devices))]
     mounts: tuple[Mount, ...] = ()
     if not placed.exclusive:
-        assert placed.request_mib is not None and placed.limit_mib is not None  # node_plan guarantees
+        assert placed.request_mib is not None and placed.limit_mib is not None  # read_binding guarantees
         env += [
             (NVIDIA_GPU_MEMORY_REQUEST, str(placed.request_mib)),
             (NVIDIA_GPU_MEMORY_LIMIT, str(placed.limit_mib)),
@@ -194,13 +153,7 @@ def _plan(placed: ContainerPlan, *, pipe_source: str, container_pipe_dir: str) -
             )
         mounts = (Mount(source=pipe_source, destination=container_pipe_dir),)
     return InjectionPlan(
-        container=placed.container,
-        devices=devices,
-        mode=placed.mode,
-        exclusive=placed.exclusive,
-        request_mib=placed.request_mib,
-        limit_mib=placed.limit_mib,
-        compute_portion=placed.compute_portion,
+        bound=placed,
         env=tuple(env),
         mounts=mounts,
         cdi_devices=tuple(d for d in devices if is_cdi_name(d)),

@@ -8,11 +8,11 @@ for operators and for selectors. The compute-mode capability labels are spelled 
 
 from __future__ import annotations
 
-# Re-exported: the contract owns the name now (the operator reads it and must not import the node agent).
+# Re-exported: the contract owns these names (the operator reads the driver major and the scheduler the
+# GPU model; neither may import the node agent).
 from gpufrac.contract.keys import DRIVER_MAJOR_LABEL as DRIVER_MAJOR_LABEL
+from gpufrac.contract.keys import GPU_MODEL_LABEL as GPU_MODEL_LABEL
 
-#: The GPU model when every published GPU of the node is the same model (absent otherwise).
-GPU_MODEL_LABEL = "gpufrac.io/gpu-model"
 #: How many GPUs the node publishes (MIG-enabled or otherwise unusable GPUs are not counted).
 GPU_COUNT_LABEL = "gpufrac.io/gpu-count"
 #: The CUDA version the driver supports (``13.4``), for selectors; informational.

@@ -40,6 +40,21 @@ VIOLATION_KINDS = (MISSING_INJECTION, UNKNOWN_PROCESS, OVER_LIMIT)
 FRACTION_LABELS = ("node", "namespace", "pod", "container", "gpu_uuid", "gpu_index", "mode")
 GPU_LABELS = ("node", "gpu_uuid", "gpu_index")
 
+# Metric names, declared once: ``gpufrac top`` reads the same series by these names.
+FRACTION_MEMORY_USED = "gpufrac_fraction_memory_used_bytes"
+FRACTION_MEMORY_REQUEST = "gpufrac_fraction_memory_request_bytes"
+FRACTION_MEMORY_LIMIT = "gpufrac_fraction_memory_limit_bytes"
+FRACTION_SM_UTILIZATION = "gpufrac_fraction_sm_utilization_ratio"
+FRACTION_COMPUTE_ENTITLEMENT = "gpufrac_fraction_compute_entitlement_ratio"
+FRACTION_COMPUTE_RECEIVED = "gpufrac_fraction_compute_received_ratio"
+FRACTION_PROCESSES = "gpufrac_fraction_processes"
+GPU_MEMORY_TOTAL = "gpufrac_gpu_memory_total_bytes"
+GPU_MEMORY_ALLOCATED = "gpufrac_gpu_memory_allocated_bytes"
+GPU_MEMORY_USED = "gpufrac_gpu_memory_used_bytes"
+GPU_MEMORY_UNATTRIBUTED = "gpufrac_gpu_memory_unattributed_bytes"
+GPU_BUSY_TENANTS = "gpufrac_gpu_busy_tenants"
+AGENT_INFO = "gpufrac_agent_info"
+
 
 class EnforcementCounters:
     """Monotonic counters bumped by the audit and the MPS supervisor (thread-safe, cheap)."""
@@ -127,20 +142,19 @@ class UsageExporter(Collector):
 
     def _fraction_metrics(self) -> Iterator[Metric]:
         families = {
-            "memory_used_bytes": "GPU memory used by the container's processes on this GPU.",
-            "memory_request_bytes": "Guaranteed GPU memory of the container on this GPU.",
-            "memory_limit_bytes": "Most GPU memory the container may grow into on this GPU.",
-            "sm_utilization_ratio": "Share of the interval the container's processes ran kernels (NVML).",
-            "compute_entitlement_ratio": (
+            FRACTION_MEMORY_USED: "GPU memory used by the container's processes on this GPU.",
+            FRACTION_MEMORY_REQUEST: "Guaranteed GPU memory of the container on this GPU.",
+            FRACTION_MEMORY_LIMIT: "Most GPU memory the container may grow into on this GPU.",
+            FRACTION_SM_UTILIZATION: "Share of the interval the container's processes ran kernels (NVML).",
+            FRACTION_COMPUTE_ENTITLEMENT: (
                 "Compute share the container is entitled to: its portion (sm-sharing) or 1/k of k busy "
                 "tenants (time-slicing; an idle tenant shows the 1/(k+1) it would get)."
             ),
-            "compute_received_ratio": "The container's share of all SM time measured on this GPU.",
-            "processes": "Host processes of the container on this GPU.",
+            FRACTION_COMPUTE_RECEIVED: "The container's share of all SM time measured on this GPU.",
+            FRACTION_PROCESSES: "Host processes of the container on this GPU.",
         }
         metrics = {
-            name: GaugeMetricFamily(f"gpufrac_fraction_{name}", doc, labels=FRACTION_LABELS)
-            for name, doc in families.items()
+            name: GaugeMetricFamily(name, doc, labels=FRACTION_LABELS) for name, doc in families.items()
         }
         snapshot = self._latest
         for f in snapshot.fractions if snapshot is not None else ():
@@ -154,34 +168,34 @@ class UsageExporter(Collector):
                 str(f.gpu_index),
                 a.mode,
             ]
-            metrics["memory_used_bytes"].add_metric(labels, f.used_bytes)
-            metrics["memory_request_bytes"].add_metric(labels, f.request_bytes)
-            metrics["memory_limit_bytes"].add_metric(labels, f.limit_bytes)
-            metrics["sm_utilization_ratio"].add_metric(labels, f.sm_ratio)
-            metrics["compute_entitlement_ratio"].add_metric(labels, f.entitlement_ratio)
-            metrics["compute_received_ratio"].add_metric(labels, f.received_ratio)
-            metrics["processes"].add_metric(labels, len(f.pids))
+            metrics[FRACTION_MEMORY_USED].add_metric(labels, f.used_bytes)
+            metrics[FRACTION_MEMORY_REQUEST].add_metric(labels, f.request_bytes)
+            metrics[FRACTION_MEMORY_LIMIT].add_metric(labels, f.limit_bytes)
+            metrics[FRACTION_SM_UTILIZATION].add_metric(labels, f.sm_ratio)
+            metrics[FRACTION_COMPUTE_ENTITLEMENT].add_metric(labels, f.entitlement_ratio)
+            metrics[FRACTION_COMPUTE_RECEIVED].add_metric(labels, f.received_ratio)
+            metrics[FRACTION_PROCESSES].add_metric(labels, len(f.pids))
         yield from metrics.values()
 
     def _gpu_metrics(self) -> Iterator[Metric]:
-        total = GaugeMetricFamily("gpufrac_gpu_memory_total_bytes", "GPU memory capacity.", labels=GPU_LABELS)
+        total = GaugeMetricFamily(GPU_MEMORY_TOTAL, "GPU memory capacity.", labels=GPU_LABELS)
         allocated = GaugeMetricFamily(
-            "gpufrac_gpu_memory_allocated_bytes",
+            GPU_MEMORY_ALLOCATED,
             "Sum of the memory requests of the fractions placed on this GPU.",
             labels=GPU_LABELS,
         )
         used = GaugeMetricFamily(
-            "gpufrac_gpu_memory_used_bytes",
+            GPU_MEMORY_USED,
             "GPU memory used by all processes on this GPU.",
             labels=GPU_LABELS,
         )
         unattributed = GaugeMetricFamily(
-            "gpufrac_gpu_memory_unattributed_bytes",
+            GPU_MEMORY_UNATTRIBUTED,
             "GPU memory used by processes that belong to no fraction on this GPU.",
             labels=GPU_LABELS,
         )
         busy = GaugeMetricFamily(
-            "gpufrac_gpu_busy_tenants",
+            GPU_BUSY_TENANTS,
             "Fractions that ran kernels on this GPU in the interval.",
             labels=GPU_LABELS,
         )
@@ -194,9 +208,7 @@ class UsageExporter(Collector):
             unattributed.add_metric(labels, g.unattributed_bytes)
             busy.add_metric(labels, g.busy_tenants)
         yield from (total, allocated, used, unattributed, busy)
-        info = GaugeMetricFamily(
-            "gpufrac_agent_info", "The node agent serving these metrics.", labels=["node"]
-        )
+        info = GaugeMetricFamily(AGENT_INFO, "The node agent serving these metrics.", labels=["node"])
         info.add_metric([self._node], 1)
         yield info
         duration = GaugeMetricFamily(

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from gpufrac.node.audit import Auditor, EventSink, InjectionPlanner
+from gpufrac.node.enforcement_audit import Auditor, EventSink, InjectionPlanner
 from gpufrac.node.metrics import (
     EnforcementCounters,
     MetricsServer,

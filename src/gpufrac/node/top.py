@@ -18,18 +18,20 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
 
+from gpufrac.node import metrics
+
 _FRACTION_VALUES = {
-    "gpufrac_fraction_memory_request_bytes": "request",
-    "gpufrac_fraction_memory_limit_bytes": "limit",
-    "gpufrac_fraction_memory_used_bytes": "used",
-    "gpufrac_fraction_sm_utilization_ratio": "sm",
-    "gpufrac_fraction_compute_entitlement_ratio": "entitled",
-    "gpufrac_fraction_compute_received_ratio": "received",
+    metrics.FRACTION_MEMORY_REQUEST: "request",
+    metrics.FRACTION_MEMORY_LIMIT: "limit",
+    metrics.FRACTION_MEMORY_USED: "used",
+    metrics.FRACTION_SM_UTILIZATION: "sm",
+    metrics.FRACTION_COMPUTE_ENTITLEMENT: "entitled",
+    metrics.FRACTION_COMPUTE_RECEIVED: "received",
 }
 _GPU_VALUES = {
-    "gpufrac_gpu_memory_total_bytes": "total",
-    "gpufrac_gpu_memory_allocated_bytes": "allocated",
-    "gpufrac_gpu_memory_used_bytes": "used",
+    metrics.GPU_MEMORY_TOTAL: "total",
+    metrics.GPU_MEMORY_ALLOCATED: "allocated",
+    metrics.GPU_MEMORY_USED: "used",
 }
 
 
@@ -55,7 +57,7 @@ def parse_agent(*, url: str, text: str) -> AgentView:
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             labels = s.labels
-            if s.name == "gpufrac_agent_info":
+            if s.name == metrics.AGENT_INFO:
                 view.node = labels.get("node", url)
                 continue
             uuid = labels.get("gpu_uuid")

@@ -20,7 +20,8 @@ Public API (what the scheduler service calls)::
 
 Modules: ``model`` (inputs), ``decision`` (outputs and reason codes), ``demand`` (a pod's request as
 filters compute with it), ``state`` (ledgers as arrays), ``filters``, ``scoring``, ``typical`` and
-``fragmentation`` (FGD), ``policies``, ``queues``, ``engine``. docs/placement.md explains the design.
+``fragmentation`` (FGD), ``policies``, ``fair_share`` (queue shares and order), ``engine``. docs/placement.md
+explains the design.
 """
 
 from .decision import (
@@ -35,7 +36,6 @@ from .decision import (
 from .engine import Engine, Statement
 from .filters import GpuRules
 from .model import (
-    GPU_MODEL_LABEL,
     GpuDevice,
     ModePolicy,
     NodeSelectorRequirement,
@@ -53,7 +53,6 @@ from .policies import POLICIES, make_policy
 from .state import GpuLedger
 
 __all__ = [
-    "GPU_MODEL_LABEL",
     "POLICIES",
     "ContainerPlacement",
     "Decision",

@@ -1,9 +1,11 @@
 """What the engine answers for each pod: a Placement to bind, or Unschedulable with the reasons.
 
-A Placement carries everything the binder writes into the binder-owned contract keys: per container the
-GPU UUIDs and, per device, the request and limit resolved to whole MiB on that GPU (a portion becomes
-``floor(portion x GPU MiB)``) and the sm-sharing compute portion. The same value is what ``assume``
-takes back when the service rebuilds its ledgers from bound pods.
+A Placement is what the engine booked: per container the GPU UUIDs and, per device, the request and
+limit resolved to whole MiB on that GPU (a portion becomes ``floor(portion x GPU MiB)``) and the
+sm-sharing compute portion. The binder does not copy those MiB: it renders the contract's keys with
+``gpufrac.contract.render.render_binding`` from the pod's request, the Placement's devices and compute
+portion, and the smallest chosen GPU's size (the same MiB when the chosen GPUs are of one size). A
+Placement is also what ``assume`` takes back when the service rebuilds its ledgers from bound pods.
 
 Unschedulable counts, per reason, how many nodes failed for that reason (the first failing filter of
 each node), and renders the kube-scheduler style sentence users already know:

@@ -43,10 +43,10 @@ from .decision import (
     Unschedulable,
 )
 from .demand import PPM, ContainerDemand, Demand, can_fall_back, demand_of, portion_ppm
+from .fair_share import QueueBook, scheduling_order
 from .filters import STATIC_FILTERS, Fit, GpuRules, container_fit, resource_fit, static_reason
 from .model import NodeSpec, PendingPod, Queue
 from .policies import Policy, Prior, make_policy
-from .queues import QueueBook, scheduling_order
 from .state import EXCLUSIVE, MODE_CODE, Allocation, ClusterState, DeviceCharge, GpuLedger
 
 _RANK_BITS = 40
@@ -541,9 +541,8 @@ def _charge(st: ClusterState, c: ContainerDemand, n: int, g: int) -> DeviceCharg
 
 def _first_choice(policy: Policy, st: ClusterState, c: ContainerDemand, fit: Fit) -> np.ndarray:
     """The picker's first GPU for the single container on each node, vectorised when it offers that."""
-    first = getattr(policy.picker, "first", None)
-    if first is not None:
-        return first(fit, 0)
+    if policy.first_gpu is not None:
+        return policy.first_gpu.first(fit, 0)
     return np.array(
         [int(policy.picker.order(st, c, int(n), m)[0]) for n, m in zip(fit.nodes, fit.masks[0], strict=True)]
     )

@@ -11,7 +11,7 @@ Two kinds, as two small protocols, because they change at very different rates:
 A node's reason is the first failing filter's code, as kube-scheduler reports the first failing Filter
 plugin per node; the engine counts them into the Unschedulable message.
 
-GPU fit follows DESIGN section 4: a GPU takes a container when its mode is EMPTY or the container's mode
+GPU fit (docs/placement.md, "Filters"): a GPU takes a container when its mode is EMPTY or the container's mode
 (never mixing), when sm-sharing and single-tenant (the default) its tenant is the pod's namespace, when its
 free MiB covers the resolved request, when sm-sharing the sum of compute portions stays <= 100%, and, if an
 overcommit cap is set, when the sum of limits stays <= cap x capacity. Exclusive requests take EMPTY GPUs

@@ -116,6 +116,9 @@ class Fgd:
     def epoch(self) -> int:
         return self.source.current().epoch
 
+    def observe(self, demand: Demand) -> None:
+        self.source.observe(demand)
+
     def deltas(self, state: ClusterState, demand: Demand, fit: Fit) -> tuple[np.ndarray, np.ndarray | None]:
         """Fragmentation decrease per node (or per node and GPU slot for a single shared device)."""
         typical = self.source.current()

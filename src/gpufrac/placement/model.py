@@ -17,9 +17,6 @@ from enum import StrEnum
 
 from gpufrac.contract.request import ComputeMode, PodGpuRequest
 
-GPU_MODEL_LABEL = "gpufrac.io/gpu-model"
-"""Node label carrying the GPU model; required node affinity on it expresses "only these models"."""
-
 BOTH_MODES: frozenset[ComputeMode] = frozenset(ComputeMode)
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -33,9 +33,13 @@ from .scoring import (
     Alignment,
     BestFit,
     BestFitGpu,
+    Epoched,
+    FirstGpuPicker,
     GpuPicker,
+    Learning,
     LeastAllocated,
     MostAllocatedGpu,
+    Preparing,
     Scorer,
     WorstFitGpu,
 )
@@ -45,21 +49,36 @@ from .typical import OnlineTypicalPods, PriorTypicalPods, TypicalPod, TypicalSou
 
 @dataclass(frozen=True, slots=True)
 class Policy:
+    """Scorers with weights and a GPU picker; their optional abilities (``scoring``'s ``Epoched``,
+    ``Preparing``, ``Learning``, ``FirstGpuPicker``) are resolved once, here, not looked up per call."""
+
     name: str
     scorers: tuple[tuple[Scorer, int], ...]
     picker: GpuPicker
+    epoched: tuple[Epoched, ...] = field(init=False, repr=False, compare=False)
+    preparing: tuple[Preparing, ...] = field(init=False, repr=False, compare=False)
+    learning: tuple[Learning, ...] = field(init=False, repr=False, compare=False)
+    first_gpu: FirstGpuPicker | None = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        scorers = [scorer for scorer, _ in self.scorers]
+        # object.__setattr__: the dataclass is frozen; these are derived once from its fields.
+        object.__setattr__(self, "epoched", tuple(s for s in scorers if isinstance(s, Epoched)))
+        object.__setattr__(self, "preparing", tuple(s for s in scorers if isinstance(s, Preparing)))
+        object.__setattr__(self, "learning", tuple(s for s in scorers if isinstance(s, Learning)))
+        object.__setattr__(
+            self, "first_gpu", self.picker if isinstance(self.picker, FirstGpuPicker) else None
+        )
 
     @property
     def epoch(self) -> tuple[int, ...]:
         """Changes when a scorer's global input changes (a learned distribution, the cluster's shape)."""
-        return tuple(getattr(s, "epoch", 0) for s, _ in self.scorers)
+        return tuple(s.epoch for s in self.epoched)
 
     def prepare(self, state: ClusterState) -> None:
         """Let scorers with cluster-wide inputs look at the cluster before a placement."""
-        for scorer, _ in self.scorers:
-            prepare = getattr(scorer, "prepare", None)
-            if prepare is not None:
-                prepare(state)
+        for scorer in self.preparing:
+            scorer.prepare(state)
 
     def score(self, state: ClusterState, demand: Demand, fit: Fit) -> tuple[np.ndarray, np.ndarray | None]:
         if len(self.scorers) == 1 and self.scorers[0][1] == 1:
@@ -75,10 +94,9 @@ class Policy:
         return np.minimum(np.maximum(total, 0), SCORE_LIMIT - 1), gpu
 
     def observe(self, demand: Demand) -> None:
-        for scorer, _ in self.scorers:
-            source = getattr(scorer, "source", None)
-            if isinstance(source, TypicalSource):
-                source.observe(demand)
+        """Tell learning scorers about a request being scheduled."""
+        for scorer in self.learning:
+            scorer.observe(demand)
 
 
 def lexicographic(first: Scorer, then: Scorer, *, then_range: int = 101) -> tuple[tuple[Scorer, int], ...]:

@@ -6,6 +6,12 @@ while scoring). Scorers must be node-local: a node's score depends only on that 
 is what lets the engine cache scores per (kind of pod, node) and recompute only the nodes that changed;
 a scorer with global inputs (a learned distribution) exposes an ``epoch`` that invalidates the cache.
 
+Optional abilities are declared, not discovered: a scorer that has an ``epoch``, wants to ``prepare`` on
+the whole cluster, or learns by ``observe``-ing requests implements ``Epoched``, ``Preparing`` or
+``Learning``; a picker that can answer for every node at once implements ``FirstGpuPicker``. A policy
+resolves them once when it is built (``gpufrac.placement.policies.Policy``), as kube-scheduler's
+framework sorts plugins by the extension points they implement.
+
 Scores are integers so ties are exact and are broken by the engine's seeded node order, as the paper's
 simulator does (its scores are integers 0..100). GPU amounts are compared in thousandths of a GPU
 (``ClusterState.free_milli``: free MiB x 1000 // capacity), the unit of the paper's arithmetic: free
@@ -17,7 +23,7 @@ A ``GpuPicker`` orders the GPUs of one node that can take a container; the first
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
@@ -43,6 +49,36 @@ class GpuPicker(Protocol):
     def order(
         self, state: ClusterState, container: ContainerDemand, node: int, mask: np.ndarray
     ) -> np.ndarray: ...
+
+
+@runtime_checkable
+class Epoched(Protocol):
+    """A scorer with a cluster-wide input: ``epoch`` moves when that input changes, and the engine then
+    drops the scores it cached for every kind of pod."""
+
+    @property
+    def epoch(self) -> int: ...
+
+
+@runtime_checkable
+class Preparing(Protocol):
+    """A scorer that looks at the whole cluster before each placement (called before scoring)."""
+
+    def prepare(self, state: ClusterState) -> None: ...
+
+
+@runtime_checkable
+class Learning(Protocol):
+    """A scorer that learns from the requests the engine schedules (each pod once, however often retried)."""
+
+    def observe(self, demand: Demand) -> None: ...
+
+
+@runtime_checkable
+class FirstGpuPicker(Protocol):
+    """A picker that gives ``order(...)[0]`` for container ``container`` on every node of ``fit`` at once."""
+
+    def first(self, fit: Fit, container: int) -> np.ndarray: ...
 
 
 # -- units --------------------------------------------------------------------------------------------

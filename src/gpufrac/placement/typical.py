@@ -19,10 +19,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from gpufrac.contract.keys import GPU_MODEL_LABEL
 from gpufrac.contract.request import ComputeMode, GpuMemory
 
 from .demand import Demand
-from .model import GPU_MODEL_LABEL, SelectorOperator
+from .model import SelectorOperator
 
 COVERAGE = 0.95
 REFERENCE_GPU_MIB = 32768

@@ -1,8 +1,10 @@
 """Run a component's main coroutine until SIGTERM/SIGINT, and turn how it ended into an exit code.
 
-Every long-running component ends the same way: a signal cancels its task and the process exits 0
+The scheduler and the operator end this way: a signal cancels the main task and the process exits 0
 once the task's own ``finally`` blocks have run (leases released, connections closed); the task
-ending by itself, or failing, exits 1 so the Deployment restarts the replica.
+ending by itself, or failing, exits 1 so the Deployment restarts the replica. The node agent
+(``gpufrac.node.command.serve``) and the admission webhook (a threaded HTTP server stopped from its
+signal handler) stop on their own paths.
 """
 
 from __future__ import annotations

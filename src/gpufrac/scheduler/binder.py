@@ -8,7 +8,7 @@ Two ways, one contract (``bind_mode``):
   pod's uid and the resourceVersion the decision was made on. There is no moment at which a pod has
   devices but no node, nothing to roll back, and half the API writes of the two-step form - which is
   what the API server, the bottleneck of a burst, pays for.
-- ``patch-then-bind``: the two-step form DESIGN section 4 describes. The annotations are merge-patched
+- ``patch-then-bind``: the two-step form (docs/scheduler.md). The annotations are merge-patched
   with the pod's resourceVersion (a pod changed since is not annotated: 409, the scheduler looks again),
   then the Binding carries the version that patch returned, so exactly the annotated pod is bound. If
   the Binding fails, the annotations are rolled back with the same precondition, restoring what the pod
@@ -32,8 +32,7 @@ from lightkube import AsyncClient
 from lightkube.resources.core_v1 import Pod
 
 from gpufrac.contract import keys
-from gpufrac.contract.render import ContainerPlacement as RenderedContainer
-from gpufrac.contract.render import render_binding
+from gpufrac.contract.render import DeviceChoice, render_binding
 from gpufrac.contract.request import PodGpuRequest
 from gpufrac.kube.binding import bind_pod
 from gpufrac.kube.errors import Conflict, KubeError, NotFound, api_errors
@@ -75,7 +74,7 @@ def binding_annotations(
         uuids = container.uuids
         portion = container.devices[0].compute_portion if container.devices else None
         rendered.append(
-            RenderedContainer(
+            DeviceChoice(
                 container=container.container,
                 devices=tuple(device_name(u, style=device_style) for u in uuids),
                 gpu_mib=min(gpu_mib[u] for u in uuids),

@@ -81,7 +81,6 @@ class SchedulerConfig(_Strict):
     patch-then-bind: a preconditioned annotation patch, then the Binding, rolled back on failure."""
     bind_concurrency: int = Field(default=32, ge=1)
     """Binds in flight at once."""
-    bind_retries: int = Field(default=5, ge=0)
     backoff_initial_s: float = Field(default=0.5, gt=0)
     backoff_max_s: float = Field(default=30.0, gt=0)
 

@@ -23,12 +23,11 @@ from lightkube.resources.core_v1 import Node, Pod
 from lightkube.utils.quantity import parse_quantity
 
 from gpufrac.contract import keys
-from gpufrac.contract.parse import ContainerSpec, parse_pod
+from gpufrac.contract.parse import container_specs, parse_pod
 from gpufrac.contract.request import ComputeMode, PodGpuRequest
 from gpufrac.placement.decision import ContainerPlacement, DeviceAssignment, Placement
 from gpufrac.placement.model import (
     BOTH_MODES,
-    GPU_MODEL_LABEL,
     GpuDevice,
     ModePolicy,
     NodeSelectorRequirement,
@@ -111,9 +110,9 @@ def node_spec(node: Node) -> NodeSpec:
         log.warning("%s; the node gets no GPU pods until it is fixed", error)
         gpus = ()
     labels = dict(meta.labels or {})
-    model = gpus[0].model if gpus else labels.get(GPU_MODEL_LABEL, "")
-    if model and GPU_MODEL_LABEL not in labels:
-        labels[GPU_MODEL_LABEL] = model
+    model = gpus[0].model if gpus else labels.get(keys.GPU_MODEL_LABEL, "")
+    if model and keys.GPU_MODEL_LABEL not in labels:
+        labels[keys.GPU_MODEL_LABEL] = model
     taints = tuple(
         Taint(key=t.key, value=t.value or "", effect=TaintEffect(t.effect))
         for t in (spec.taints if spec else None) or []
@@ -137,23 +136,24 @@ def node_spec(node: Node) -> NodeSpec:
 # -- pods -------------------------------------------------------------------------------------------------
 
 
-def container_specs(pod: Pod) -> list[ContainerSpec]:
-    """What the contract needs of each container: its name and ``nvidia.com/gpu`` count."""
-    specs = []
-    for container in pod.spec.containers if pod.spec else []:
-        resources = container.resources
-        raw = None
-        if resources is not None:
-            raw = (resources.limits or {}).get(keys.GPU_RESOURCE) or (resources.requests or {}).get(
-                keys.GPU_RESOURCE
-            )
-        specs.append(ContainerSpec(name=container.name, gpus=_whole(parse_quantity(str(raw))) if raw else 0))
-    return specs
-
-
 def gpu_request(pod: Pod) -> PodGpuRequest:
-    """The pod's parsed GPU request; raises the contract's ``InvalidPodRequest``."""
-    return parse_pod(pod.metadata.annotations or {}, container_specs(pod))
+    """The pod's parsed GPU request; raises the contract's ``InvalidPodRequest``.
+
+    The containers' ``nvidia.com/gpu`` counts are read by the contract's ``container_specs``, as the
+    webhook and ``validate`` read them: a count that is not a whole number is refused, never rounded up to
+    a whole GPU.
+    """
+    containers = [
+        {
+            "name": c.name,
+            "resources": {
+                "limits": c.resources.limits if c.resources else None,
+                "requests": c.resources.requests if c.resources else None,
+            },
+        }
+        for c in (pod.spec.containers if pod.spec else [])
+    ]
+    return parse_pod(pod.metadata.annotations or {}, container_specs({"containers": containers}))
 
 
 def host_request(pod: Pod) -> tuple[int, int]:

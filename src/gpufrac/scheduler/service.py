@@ -50,10 +50,10 @@ from gpufrac.placement.model import ModePolicy, NodeSpec, PendingPod
 from gpufrac.process.probes import ProbeServer
 from gpufrac.scheduler.binder import Binder, BindMode, BindResult, Outcome, stale_binding_keys
 from gpufrac.scheduler.config import SchedulerConfig
-from gpufrac.scheduler.engine import PlacementEngine
 from gpufrac.scheduler.metrics import GpuAllocation, SchedulerMetrics, StateReaders
 from gpufrac.scheduler.objects import bound_placement, gpu_request, node_spec, pending_pod, pod_queue
-from gpufrac.scheduler.queue import SchedulingQueue
+from gpufrac.scheduler.placement_engine import PlacementEngine
+from gpufrac.scheduler.scheduling_queue import SchedulingQueue
 
 log = logging.getLogger(__name__)
 
@@ -663,7 +663,7 @@ def build_service(
     *, client: AsyncClient, config: SchedulerConfig, identity: str | None = None
 ) -> SchedulerService:
     """A service with the placement engine its configuration describes (the simulator's engine)."""
-    from gpufrac.scheduler.engine import build_engine
+    from gpufrac.scheduler.placement_engine import build_engine
 
     return SchedulerService(client=client, config=config, engine=build_engine(config), identity=identity)
 

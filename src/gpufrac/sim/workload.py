@@ -20,9 +20,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from gpufrac.contract.keys import GPU_MODEL_LABEL
 from gpufrac.contract.request import ContainerGpuRequest, GpuMemory, PodGpuRequest
 from gpufrac.placement.model import (
-    GPU_MODEL_LABEL,
     GpuDevice,
     NodeSelectorRequirement,
     NodeSelectorTerm,

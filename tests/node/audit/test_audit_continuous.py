@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from gpufrac.node.audit import REASON_MISSING_INJECTION, Auditor
 from gpufrac.node.cri.client import environment_in
+from gpufrac.node.enforcement_audit import REASON_MISSING_INJECTION, Auditor
 from gpufrac.node.metrics import EnforcementCounters, UsageExporter, UsageReporter
 from gpufrac.node.usage.collect import UsageCollector
 from gpufrac.node.usage.simulated import SimulatedUsage

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gpufrac.node.audit import (
+from gpufrac.node.enforcement_audit import (
     REASON_MISSING_INJECTION,
     REASON_OVER_LIMIT,
     REASON_UNKNOWN_PROCESS,

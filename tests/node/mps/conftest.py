@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import pytest
-from mps_harness import MpsEnv, RecordingSink, processes_of
+from mps_harness import STANDIN, MpsEnv, RecordingSink, processes_of
 
 from gpufrac.node.mps.mode import DriverVersion
 from gpufrac.node.mps.supervisor import MpsSupervisor
@@ -22,7 +22,7 @@ from gpufrac.node.mps.supervisor import MpsSupervisor
 def mps_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[MpsEnv]:
     root = Path(tempfile.mkdtemp(prefix="mps", dir="/tmp"))
     wrapper = root / "nvidia-cuda-mps-control"
-    wrapper.write_text(f'#!/bin/sh\nexec {sys.executable} -m gpufrac.node.mps.standin "$@"\n')
+    wrapper.write_text(f'#!/bin/sh\nexec {sys.executable} {STANDIN} "$@"\n')
     wrapper.chmod(0o755)
     fault_file = root / "faults"
     monkeypatch.setenv("GPUFRAC_STANDIN_FAULT_FILE", str(fault_file))

@@ -12,9 +12,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mps_standin import SERVER_MARKER
+
 from gpufrac.node.mps.config import BackoffSettings, MpsSettings
-from gpufrac.node.mps.standin import SERVER_MARKER
 from gpufrac.node.mps.supervisor import MpsSupervisor
+
+#: The stand-in control daemon's program (a test double: it lives with the tests, run as a script).
+STANDIN = Path(__file__).with_name("mps_standin.py")
 
 
 @dataclass

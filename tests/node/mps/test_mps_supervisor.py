@@ -8,7 +8,7 @@ import re
 import signal
 from pathlib import Path
 
-from mps_harness import RecordingSink, processes_of, started, until
+from mps_harness import STANDIN, RecordingSink, processes_of, started, until
 
 from gpufrac.contract.request import ComputeMode
 from gpufrac.node.mps.events import REASON_RESTARTED, REASON_START_FAILED
@@ -19,7 +19,7 @@ async def test_v3_daemon_starts_ready_with_capped_default_namespace(make_supervi
     supervisor = await started(make_supervisor(driver="615.20.01"))
 
     cmdline = Path(f"/proc/{supervisor.daemon_pid}/cmdline").read_bytes().split(b"\0")
-    at = cmdline.index(b"gpufrac.node.mps.standin")  # the wrapper execs python -m gpufrac.node.mps.standin
+    at = cmdline.index(str(STANDIN).encode())  # the wrapper execs python .../mps_standin.py
     assert cmdline[at + 1 : at + 6] == [b"-p", b"3", b"-m", b"-f", b"-a"]
     assert (mps_env.root / "pipe" / "control").exists()
     assert await supervisor.control.list_namespaces(server="shared") == ["default"]

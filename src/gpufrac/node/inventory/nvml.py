@@ -16,9 +16,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from gpufrac.contract.quantities import MIB
 from gpufrac.node.inventory.backend import GpuInfo, InventoryUnavailable, NodeInventory, NvmlComputeMode
-
-MIB = 1024 * 1024
 
 
 class NvmlInventory:

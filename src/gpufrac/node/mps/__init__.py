@@ -1,4 +1,4 @@
-"""MPS supervision on the node: REAL supervisor, STAND-IN control daemon for tests.
+"""MPS supervision on the node: the REAL supervisor (tests run it against a STAND-IN control daemon).
 
 The node agent owns the NVIDIA MPS control daemon on its node. What it runs depends on the driver:
 r615 and newer get the MPS v3 interface (``nvidia-cuda-mps-control -p 3 -m -f -a <toml>``) with
@@ -18,5 +18,7 @@ Modules, one job each:
 - ``events``     the ``EventSink`` seam and its Kubernetes implementation (core/v1 Events)
 - ``supervisor`` the state machine: start, restart with backoff, wedge recovery, namespace reconcile
 - ``containers`` per-container MPS plans and the ``ContainerHooks`` seam used by the NRI plugin
-- ``standin``    STAND-IN control daemon for tests (``python -m gpufrac.node.mps.standin``)
+
+The stand-in control daemon the tests run in place of ``nvidia-cuda-mps-control`` is a test double and
+lives with the tests (``tests/node/mps/mps_standin.py``), not in the agent's package.
 """

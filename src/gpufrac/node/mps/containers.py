@@ -101,7 +101,7 @@ def namespace_name(container_id: str) -> str:
 
 def uses_mps(plan: InjectionPlan) -> bool:
     """Whether a container with this plan is an MPS client (sm-sharing, not a whole GPU)."""
-    return plan.mode is ComputeMode.SM_SHARING and not plan.exclusive
+    return plan.bound.mode is ComputeMode.SM_SHARING and not plan.bound.exclusive
 
 
 class MpsContainerHooks:
@@ -133,8 +133,8 @@ class MpsContainerHooks:
     def _spec(self, plan: InjectionPlan, *, container_id: str) -> NamespaceSpec:
         return NamespaceSpec(
             name=namespace_name(container_id),
-            active_thread_percentage=thread_ceiling(plan.compute_portion),
-            pinned_memory_limit_mib=plan.limit_mib,
+            active_thread_percentage=thread_ceiling(plan.bound.compute_portion),
+            pinned_memory_limit_mib=plan.bound.limit_mib,
         )
 
     async def on_create(self, plan: InjectionPlan, *, container_id: str) -> MpsAdjustment:

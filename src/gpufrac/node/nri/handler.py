@@ -128,12 +128,12 @@ class GpuInjector:
             adjust.CDI_devices.add(name=name)
         log.info(
             "nri: injected %s",
-            ",".join(plan.devices),
+            ",".join(plan.bound.devices),
             extra={
                 **where,
-                "mode": plan.mode.value,
-                "request_mib": plan.request_mib,
-                "limit_mib": plan.limit_mib,
+                "mode": plan.bound.mode.value,
+                "request_mib": plan.bound.request_mib,
+                "limit_mib": plan.bound.limit_mib,
                 "elapsed_ms": round((time.perf_counter() - started) * 1000, 3),
             },
         )
@@ -160,9 +160,10 @@ class GpuInjector:
     def _record(
         self, *, pod: api.PodSandbox, container: api.Container, plan: InjectionPlan
     ) -> AllocationRecord:
-        request_mib, limit_mib = plan.request_mib, plan.limit_mib
-        if plan.exclusive:  # a whole GPU: everything on it is the container's
-            sizes = [self._device_mib(d) for d in plan.devices]
+        bound = plan.bound
+        request_mib, limit_mib = bound.request_mib, bound.limit_mib
+        if bound.exclusive:  # a whole GPU: everything on it is the container's
+            sizes = [self._device_mib(d) for d in bound.devices]
             whole = min((s for s in sizes if s is not None), default=0)
             request_mib = limit_mib = whole
         return AllocationRecord(
@@ -171,12 +172,12 @@ class GpuInjector:
             pod_name=pod.name,
             pod_uid=pod.uid,
             container_name=container.name,
-            devices=plan.devices,
+            devices=bound.devices,
             request_mib=request_mib or 0,
             limit_mib=limit_mib or 0,
-            mode=plan.mode.value,
-            portion=plan.compute_portion,
-            exclusive=plan.exclusive,
+            mode=bound.mode.value,
+            portion=bound.compute_portion,
+            exclusive=bound.exclusive,
             pipe_dir=next((m.source for m in plan.mounts), None),
         )
 

@@ -32,11 +32,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from gpufrac.contract.quantities import MIB
+from gpufrac.contract.request import ComputeMode
 from gpufrac.node.usage.backend import GpuProcesses, ProcessUsageBackend
 from gpufrac.node.usage.cgroup import container_id_of
 
-MIB = 1024 * 1024
-SM_SHARING = "sm-sharing"
 NODE_GPU_COMMANDS = frozenset({"nvidia-cuda-mps-server", "nvidia-cuda-mps-control"})
 
 
@@ -214,7 +214,7 @@ class UsageCollector:
 
 def entitlement(*, mode: str, portion: float | None, busy: bool, busy_tenants: int) -> float:
     """The compute share a fraction is entitled to on one GPU (see the module docstring)."""
-    if mode == SM_SHARING and portion is not None:
+    if mode == ComputeMode.SM_SHARING and portion is not None:
         return portion
     return 1.0 / busy_tenants if busy else 1.0 / (busy_tenants + 1)
 

@@ -214,7 +214,7 @@ class StandInDaemon:
         self, *, name: str, settings: dict[str, str], namespaces: dict[str, dict[str, str]]
     ) -> Server:
         process = subprocess.Popen(
-            [sys.executable, "-m", "gpufrac.node.mps.standin", SERVER_MARKER, name],
+            [sys.executable, os.path.abspath(__file__), SERVER_MARKER, name],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -536,7 +536,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.daemon:
         child = [a for a in argv if a not in ("-d", "--daemon")]
         subprocess.Popen(
-            [sys.executable, "-m", "gpufrac.node.mps.standin", "-f", *child],
+            [sys.executable, os.path.abspath(__file__), "-f", *child],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,

@@ -1,4 +1,4 @@
-"""Queues: which pending pod goes next, and whether a queue may take more GPU memory.
+"""Fair share between queues: which pending pod goes next, and whether a queue may take more GPU memory.
 
 Order (the issue's rule): higher priority first; among equal priority, the queue furthest below its
 deserved share (guaranteed GPU MiB in use / deserved MiB, lowest first; a queue with no deserved share

@@ -29,10 +29,11 @@ from typing import Protocol
 
 import grpc
 
+from gpufrac.contract.quantities import MIB
 from gpufrac.kube.events import WARNING, ObjectRef
 from gpufrac.node.cri.client import CriError, RunningContainer
 from gpufrac.node.metrics import MISSING_INJECTION, OVER_LIMIT, UNKNOWN_PROCESS, EnforcementCounters
-from gpufrac.node.usage.collect import MIB, UsageSnapshot
+from gpufrac.node.usage.collect import UsageSnapshot
 
 log = logging.getLogger(__name__)
 
