@@ -132,8 +132,8 @@ PLACED = {f"{NV}app.gpu-memory.request": "1Gi", f"{NV}app.gpus.devices": "GPU-1"
         ({**PLACED, f"{NV}app.gpu-memory.request": "lots"}, (e.NotAQuantity, f"{NV}app.gpu-memory.request")),
         ({**PLACED, f"{NV}app.gpu-compute.mode": " "}, (e.InvalidComputeMode, f"{NV}app.gpu-compute.mode")),
         (
-            {**PLACED, f"{NV}app.gpu-compute.portion": "0.5"},
-            (e.KeyWithoutRequest, f"{NV}app.gpu-compute.portion"),
+            {**PLACED, f"{NV}app.gpu-compute.portion": "0"},
+            (e.InvalidComputePortion, f"{NV}app.gpu-compute.portion"),
         ),
         (
             {**PLACED, f"{NV}app.gpu-compute.mode": "sm-sharing", f"{NV}app.gpu-compute.portion": "1.5"},
@@ -211,3 +211,14 @@ def test_only_creation_may_set_request_keys_and_nobody_but_the_scheduler_binder_
         (e.BinderOwnedKey, devices, "it was removed"),
     ]
     assert forbidden_changes({"gpu-fraction": "0.5"}, {"gpu-fraction": "0.5", "x": "y"}, creating=False) == []
+
+
+def test_read_binding_accepts_a_portion_on_time_slicing_and_does_not_apply_it() -> None:
+    """KAI Scheduler's newest binder writes a compute portion on every fractional bind; under time-slicing
+    the node takes the binding and applies no SM cap (NVIDIA's reference node agent does the same)."""
+    (bound,) = read_binding({**PLACED, f"{NV}app.gpu-compute.portion": "0.5"})
+    assert bound.mode is ComputeMode.TIME_SLICING and bound.compute_portion is None
+    (bound,) = read_binding(
+        {**PLACED, f"{NV}app.gpu-compute.mode": "sm-sharing", f"{NV}app.gpu-compute.portion": "0.5"}
+    )
+    assert bound.compute_portion == 0.5

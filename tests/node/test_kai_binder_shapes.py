@@ -25,6 +25,7 @@ import pytest
 
 from gpufrac.contract import keys as k
 from gpufrac.contract.errors import InvalidPodRequest
+from gpufrac.contract.parse import ContainerSpec, parse_pod
 from gpufrac.node.inject import plan_container
 
 NODE_GPU_MIB = 81559  # nvidia.com/gpu.memory of an H100 80GB, as GPU Feature Discovery labels it
@@ -123,7 +124,7 @@ def test_every_kai_binder_shape_is_planned(shape: Shape, newer: bool, cdi: bool,
     assert (env["NVIDIA_GPU_MEMORY_REQUEST"], env["NVIDIA_GPU_MEMORY_LIMIT"]) == (str(request), str(limit))
     assert env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == ",".join(f"{i}={limit}M" for i in range(shape.devices))
     assert env["NVIDIA_VISIBLE_DEVICES"] == annotations[k.devices_key(shape.container)]
-    assert plan.cdi_devices == (plan.devices if cdi else ())
+    assert plan.cdi_devices == (plan.bound.devices if cdi else ())
     # The portion is a cap on sm-sharing alone, as NVIDIA's reference node agent applies it.
     if newer and sm_sharing:
         assert env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == str(
@@ -131,7 +132,7 @@ def test_every_kai_binder_shape_is_planned(shape: Shape, newer: bool, cdi: bool,
         )
     else:
         assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" not in env
-        assert plan.compute_portion is None
+        assert plan.bound.compute_portion is None
 
 
 def test_a_time_slicing_portion_is_still_checked() -> None:
@@ -150,4 +151,4 @@ def test_stored_limits_that_differ_are_one_request_too_many() -> None:
     are still a conflict, so a pod never means two limits."""
     annotations = {"gpu-fraction": "0.25", "gpu-fraction.limit": "0.5", k.portion_limit_key("app"): "0.6"}
     with pytest.raises(InvalidPodRequest, match=r"gpu-fraction\.limit also sets the fraction limit"):
-        plan_container(annotations=annotations, container="app", pipe_source=LEAF)
+        parse_pod(annotations, [ContainerSpec("app", 0)])

@@ -25,12 +25,10 @@ from gpufrac.contract.errors import (
     DeviceCountMismatch,
     FractionWithWholeGpu,
     InvalidComputeMode,
-    InvalidComputePortion,
     InvalidDeviceCount,
     InvalidDeviceList,
     InvalidLegacyMemory,
     InvalidPodRequest,
-    KeyWithoutRequest,
     LimitBelowRequest,
     NotPlaced,
     QuantityNeedsUnit,
@@ -39,7 +37,7 @@ from gpufrac.contract.errors import (
 )
 
 # The value grammar (device names, decimals, whole numbers) is the parser's: one rule, one place.
-from gpufrac.contract.parse import _DEVICE, MAX_DEVICE_COUNT, _decimal, _whole
+from gpufrac.contract.parse import _DEVICE, MAX_DEVICE_COUNT, _binder_compute_portion, _Violations, _whole
 from gpufrac.contract.quantities import format_mib, parse_mib
 from gpufrac.contract.request import ComputeMode, ContainerGpuRequest, PodGpuRequest
 
@@ -149,8 +147,9 @@ def read_binding(annotations: Mapping[str, str]) -> tuple[BoundContainer, ...]:
       fraction the binder did not resolve to MiB (devices next to ``gpu-fraction`` alone) is refused:
       the node never guesses a GPU's size.
     * ``gpu-compute.mode`` (the user's; default time-slicing) says how the devices are shared;
-      ``gpu-compute.portion``, a number in (0, 1], is the sm-sharing compute share and is refused on a
-      time-slicing container.
+      ``gpu-compute.portion``, a number in (0, 1], is the sm-sharing compute share; on a time-slicing
+      container (KAI Scheduler's newest binder writes one on every fractional bind) it is checked and not
+      applied (``contract.parse._binder_compute_portion`` holds that rule for both readers).
     * A pod that asks for GPUs but is not placed is refused (fail-closed): memory keys or the whole-GPU
       marker on a container without devices, or a pod-level ``gpu-fraction``/``gpu-memory`` while no
       container has devices. Every container of such a pod is refused, not only the one asking.
@@ -160,11 +159,8 @@ def read_binding(annotations: Mapping[str, str]) -> tuple[BoundContainer, ...]:
       side of the contract, which the binder resolved into the keys above; KAI Scheduler's own
       per-container keys are not a binding.
     """
-    found: list[RuleViolation] = []
-
-    def violation(rule: RuleViolation) -> None:
-        if rule not in found:
-            found.append(rule)
+    found = _Violations()
+    violation = found.add
 
     per_container: dict[str, dict[tuple[str, str], str]] = {}
     for key, value in sorted(annotations.items()):
@@ -192,7 +188,7 @@ def read_binding(annotations: Mapping[str, str]) -> tuple[BoundContainer, ...]:
     bound = []
     for name in sorted(per_container):
         legacy = legacy_target == name
-        container = _read_container(name, per_container[name], annotations, violation, legacy=legacy)
+        container = _read_container(name, per_container[name], annotations, found, legacy=legacy)
         if container is not None:
             bound.append(container)
     if not placed:
@@ -201,8 +197,8 @@ def read_binding(annotations: Mapping[str, str]) -> tuple[BoundContainer, ...]:
                 violation(
                     NotPlaced(key=key, value=annotations[key], detail="no container has devices assigned")
                 )
-    if found:
-        raise InvalidPodRequest(found)
+    if found.found:
+        raise InvalidPodRequest(found.found)
     return tuple(bound)
 
 
@@ -210,10 +206,11 @@ def _read_container(
     name: str,
     entries: Mapping[tuple[str, str], str],
     annotations: Mapping[str, str],
-    violation: Callable[[RuleViolation], None],
+    found: _Violations,
     *,
     legacy: bool,
 ) -> BoundContainer | None:
+    violation = found.add
     nv = {suffix: value for (prefix, suffix), value in entries.items() if prefix == k.NVIDIA_CONTAINER_PREFIX}
     whole_raw = entries.get((k.GPUFRAC_CONTAINER_PREFIX, k.WHOLE_GPUS))
     memory_keys = [suffix for suffix in (k.MEMORY_REQUEST, k.MEMORY_LIMIT) if suffix in nv]
@@ -281,16 +278,10 @@ def _read_container(
         )
         ok = False
 
-    portion = None
-    if k.COMPUTE_PORTION in nv:
-        raw, key = nv[k.COMPUTE_PORTION], k.compute_portion_key(name)
-        portion = _decimal(raw)
-        if portion is None or not 0 < portion <= 1:
-            violation(InvalidComputePortion(key=key, value=raw))
-            ok = False
-        elif mode is not ComputeMode.SM_SHARING:
-            violation(KeyWithoutRequest(key=key, value=raw, detail=f'container "{name}" is not sm-sharing'))
-            ok = False
+    before = len(found.found)
+    portion = _binder_compute_portion(name, nv, True, mode, found)
+    if len(found.found) != before:
+        ok = False
     if not ok:
         return None
     return BoundContainer(

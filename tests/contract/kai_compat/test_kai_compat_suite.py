@@ -852,7 +852,6 @@ for name, sibling in [
             path=NODE,
             container="trainer",
             mib=(4096, 4096),
-            difference="orphan-keys",
         )
     )
 
@@ -985,9 +984,11 @@ def run(case: Case) -> Outcome:
             return Outcome(accepts=False)
         if plan is None:
             return Outcome(accepts=True)
-        assert plan.request_mib is not None and plan.limit_mib is not None
+        assert plan.bound.request_mib is not None and plan.bound.limit_mib is not None
         percent = plan.env_map.get(CUDA_MPS_ACTIVE_THREAD_PERCENTAGE)
-        return Outcome(True, (plan.request_mib, plan.limit_mib), int(percent) if percent else None)
+        return Outcome(
+            True, (plan.bound.request_mib, plan.bound.limit_mib), int(percent) if percent else None
+        )
     try:
         request = parse_pod_manifest(_pod(case), user_written=case.path == VALIDATE)
     except ContractError:

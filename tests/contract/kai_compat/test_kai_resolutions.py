@@ -23,7 +23,7 @@ from gpufrac.contract.errors import (
     NotTheRequestingContainer,
 )
 from gpufrac.contract.parse import parse_pod_manifest
-from gpufrac.contract.render import ContainerPlacement, render_binding
+from gpufrac.contract.render import DeviceChoice, render_binding
 from gpufrac.contract.request import ComputeMode, GpuMemory, PodGpuRequest
 
 
@@ -74,7 +74,7 @@ def test_kais_compute_request_is_what_the_scheduler_charges_on_sm_sharing() -> N
     assert app.compute_request == 0.5 and app.compute_portion_on(81920) == 0.5
     rendered = render_binding(
         PodGpuRequest(containers=(app,)),
-        [ContainerPlacement(container="app", devices=("GPU-a",), gpu_mib=81920)],
+        [DeviceChoice(container="app", devices=("GPU-a",), gpu_mib=81920)],
     )
     assert rendered[k.compute_portion_key("app")] == "0.5"  # not the memory share, 0.25
 
