@@ -6,10 +6,10 @@ import pytest
 
 from gpufrac.contract import errors as e
 from gpufrac.contract.changes import changed_contract_keys, forbidden_changes
-from gpufrac.contract.errors import InvalidPodRequest
+from gpufrac.contract.errors import ContractError, InvalidPodRequest
 from gpufrac.contract.parse import ContainerSpec, parse_pod
-from gpufrac.contract.render import ContainerPlacement, node_plan, render_binding
-from gpufrac.contract.request import ComputeMode
+from gpufrac.contract.render import ContainerPlacement, node_plan, render_binding, unwritable_keys
+from gpufrac.contract.request import ComputeMode, ContainerGpuRequest, GpuMemory, PodGpuRequest
 
 NV = "nvidia.com/container."
 
@@ -102,3 +102,22 @@ def test_only_creation_may_set_request_keys_and_nobody_but_the_scheduler_binder_
         (e.BinderOwnedKey, devices, "it was removed"),
     ]
     assert forbidden_changes({"gpu-fraction": "0.5"}, {"gpu-fraction": "0.5", "x": "y"}, creating=False) == []
+
+
+def test_rendering_a_key_the_api_server_would_refuse_is_a_contract_error() -> None:
+    """A request parsed before the rule existed (or built by hand) still never becomes an invalid key."""
+    name = "tokenizer-and-embedding-server-east"  # 35: the request key's name part would have 64
+    half = GpuMemory(portion=0.5)
+    request = PodGpuRequest(containers=(ContainerGpuRequest(container=name, request=half, limit=half),))
+    with pytest.raises(InvalidPodRequest) as raised:
+        render_binding(request, [ContainerPlacement(name, ("GPU-1",), gpu_mib=81920)])
+    assert isinstance(raised.value, ContractError)
+    (violation,) = raised.value.errors
+    assert isinstance(violation, e.UnwritableKey)
+    assert violation.message == (
+        f'spec.containers[{name}].name="{name}" is invalid: the container name is too long or malformed for'
+        " the annotation keys the scheduler writes when it places the pod (the scheduler must write"
+        f" {NV}{name}.gpu-memory.request, and the name part must be no more than 63 characters, it has 64;"
+        " this GPU request allows container names of at most 34 characters)."
+    )
+    assert unwritable_keys(request) == [violation]

@@ -8,6 +8,12 @@ or the pod-level KAI forms, and a restarted scheduler books exactly what was boo
 
 ``render -> parse`` is stable: parsing a pod with the rendered keys and rendering again gives the same
 keys (an explicit request wins over ``gpu-fraction`` once devices are assigned).
+
+Every key rendered passes the API server's annotation-key rule (``keys.annotation_key_problem``). The
+Binding that carries them is merged into the pod without that check, and a pod holding an invalid key
+can never be updated again (not even to remove a finalizer), so an unwritable key is a ``ContractError``
+here, and ``parse_pod`` refuses such a pod up front (``unwritable_keys``): the webhook at creation,
+``gpufrac validate`` on a manifest, the scheduler as an unschedulable pod.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from gpufrac.contract import keys as k
-from gpufrac.contract.errors import InvalidPodRequest, NotPlaced, RuleViolation
+from gpufrac.contract.errors import InvalidPodRequest, NotPlaced, RuleViolation, UnwritableKey
 from gpufrac.contract.quantities import format_mib
 from gpufrac.contract.request import ComputeMode, ContainerGpuRequest, PodGpuRequest
 
@@ -42,11 +48,46 @@ def format_portion(portion: float) -> str:
     return repr(float(portion))
 
 
+def binder_keys(container: ContainerGpuRequest) -> tuple[str, ...]:
+    """The keys ``render_binding`` writes for ``container``: devices; request and limit unless
+    exclusive; the compute portion for sm-sharing."""
+    name = container.container
+    written = [k.devices_key(name)]
+    if not container.exclusive:
+        written += [k.memory_request_key(name), k.memory_limit_key(name)]
+    if container.mode is ComputeMode.SM_SHARING:
+        written.append(k.compute_portion_key(name))
+    return tuple(written)
+
+
+def _unwritable(container: str, key: str, problem: str) -> UnwritableKey:
+    detail = f"the scheduler must write {key}, and {problem}"
+    name_part = key.split("/", 1)[-1]
+    most = k.QUALIFIED_NAME_MAX_CHARS - (len(name_part) - len(container))
+    if len(name_part) > k.QUALIFIED_NAME_MAX_CHARS and most > 0:
+        detail += f"; this GPU request allows container names of at most {most} characters"
+    return UnwritableKey(key=f"spec.containers[{container}].name", value=container, detail=detail)
+
+
+def unwritable_keys(request: PodGpuRequest) -> list[RuleViolation]:
+    """One ``UnwritableKey`` per container of ``request`` whose binder keys the API server would refuse
+    (the first such key of each container)."""
+    found: list[RuleViolation] = []
+    for container in request.containers:
+        for key in binder_keys(container):
+            problem = k.annotation_key_problem(key)
+            if problem is not None:
+                found.append(_unwritable(container.container, key, problem))
+                break
+    return found
+
+
 def render_binding(request: PodGpuRequest, placements: Iterable[ContainerPlacement]) -> dict[str, str]:
     """The binder-owned (and resolved) annotations for ``request`` placed as ``placements``.
 
     Every container of the request needs exactly one placement with ``device_count`` devices; anything
-    else is a bug in the caller and raises ``ValueError``.
+    else is a bug in the caller and raises ``ValueError``. A key the API server would refuse raises
+    ``InvalidPodRequest`` (``UnwritableKey``): the pod cannot be placed, and a Binding would store it.
     """
     by_name = {p.container: p for p in placements}
     wanted = {c.container for c in request.containers}
@@ -55,8 +96,17 @@ def render_binding(request: PodGpuRequest, placements: Iterable[ContainerPlaceme
             f"placements for {sorted(by_name)} do not match the request's containers {sorted(wanted)}"
         )
     rendered: dict[str, str] = {}
+    problems: list[RuleViolation] = []
     for container in request.containers:
-        rendered.update(_render_container(container, by_name[container.container]))
+        written = _render_container(container, by_name[container.container])
+        for key in written:
+            problem = k.annotation_key_problem(key)
+            if problem is not None:
+                problems.append(_unwritable(container.container, key, problem))
+                break
+        rendered.update(written)
+    if problems:
+        raise InvalidPodRequest(problems)
     return rendered
 
 
