@@ -467,3 +467,38 @@ def test_with_the_webhook_down_only_updates_of_contract_keys_fail(
         )
         assert 'failed calling webhook "validate.gpufrac.io"' in shown
     assert kube.get(Pod, "gpu", namespace=ns).metadata.annotations == {**request, "example.com/note": "x"}
+
+
+@pytest.mark.parametrize(
+    ("subresource", "body"),
+    [
+        ("ephemeralcontainers", {"spec": {"ephemeralContainers": [{"name": "debug", "image": "busybox"}]}}),
+        (
+            "resize",
+            {
+                "spec": {
+                    "containers": [
+                        {"name": "app", "resources": {"requests": {"cpu": "200m"}, "limits": {"cpu": "200m"}}}
+                    ]
+                }
+            },
+        ),
+    ],
+)
+def test_the_other_pod_subresources_cannot_change_annotations(
+    controlplane: ControlPlane, kube: Client, namespace: str, subresource: str, body: dict[str, Any]
+) -> None:
+    """docs/security.md relies on it: no webhook guards these doors because the API server keeps the
+    metadata of the stored pod for them. If a Kubernetes release changed that, this test fails first."""
+    request = {f"{NV}app.gpu-memory.request": "1Gi"}
+    cpu = {"requests": {"cpu": "100m"}, "limits": {"cpu": "100m"}}
+    kube.create(pod("p", request, resources=cpu), namespace=namespace)
+    forged = {**body, "metadata": {"annotations": {f"{NV}app.gpus.devices": "GPU-0a1b"}}}
+    with controlplane.http() as http:
+        answer = http.patch(
+            f"/api/v1/namespaces/{namespace}/pods/p/{subresource}",
+            content=json.dumps(forged),
+            headers={"Content-Type": "application/strategic-merge-patch+json"},
+        )
+    assert answer.status_code == 200, answer.text  # the write itself succeeds ...
+    assert kube.get(Pod, "p", namespace=namespace).metadata.annotations == request  # ... without the key
