@@ -298,7 +298,11 @@ def test_a_malformed_review_is_refused_with_what_is_wrong(document: object, comp
     [
         (("spec", "containers"), "app", "request.object.spec.containers must be an array, got 'app'"),
         (("spec", "containers"), ["app"], "request.object.spec.containers[0] must be an object"),
-        (("metadata", "annotations"), {"gpu-fraction": 0.5}, "annotations values must be strings, got 0.5"),
+        (
+            ("metadata", "annotations"),
+            {"gpu-fraction": 0.5},
+            "annotations values must be strings (quote numbers in YAML), got 0.5",
+        ),
         (("spec",), [], "request.object.spec must be an object, got []"),
     ],
 )

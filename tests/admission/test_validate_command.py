@@ -200,3 +200,18 @@ spec:
     assert f"Pod long: invalid\n  - spec.containers[{name}].name=" in result.output
     assert f"nvidia.com/container.{name}.gpu-memory.request" in result.output
     assert "at most 34 characters" in result.output
+
+
+def test_a_pod_of_the_wrong_shape_is_reported_not_crashed_on(tmp_path: Path) -> None:
+    manifest = tmp_path / "pod.yaml"
+    manifest.write_text(
+        "apiVersion: v1\nkind: Pod\nmetadata: {name: odd, annotations: {gpu-fraction: '0.5'}}\n"
+        "spec: {containers: app}\n"
+    )
+    result = runner.invoke(app, [str(manifest)])
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
+    assert result.exit_code == 1
+    assert (
+        "Pod odd: invalid\n  - the pod is malformed: spec.containers must be an array, got 'app'"
+        in result.output
+    )

@@ -127,17 +127,22 @@ def read_request(review: Any) -> Mapping[str, Any]:
     for name in ("object", "oldObject"):
         obj = _field(request, name, dict, "request.")
         if obj is not None:
-            _read_object(obj, f"request.{name}.")
+            check_object(obj, where=f"request.{name}.")
     return request
 
 
-def _read_object(obj: Mapping[str, Any], where: str) -> None:
-    """Check the parts of a Pod or Binding that the decisions read (the rest is the API server's)."""
+def check_object(obj: Mapping[str, Any], *, where: str = "") -> None:
+    """Check the parts of a Pod or Binding that the contract reads (the rest is the API server's);
+    raises ``MalformedReview`` naming the field (prefixed by ``where``). ``gpufrac validate`` uses it too,
+    on manifests that never met an API server."""
     metadata = _field(obj, "metadata", dict, where)
     annotations = _field(metadata, "annotations", dict, f"{where}metadata.") if metadata else None
     for value in (annotations or {}).values():
         if not isinstance(value, str):
-            raise MalformedReview(f"{where}metadata.annotations values must be strings, got {_shown(value)}")
+            raise MalformedReview(
+                f"{where}metadata.annotations values must be strings (quote numbers in YAML),"
+                f" got {_shown(value)}"
+            )
     spec = _field(obj, "spec", dict, where)
     if spec is None:
         return
