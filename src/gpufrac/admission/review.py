@@ -59,21 +59,6 @@ class Verdict:
     patch: list[dict[str, Any]] = field(default_factory=list)
 
 
-def _response(review: Mapping[str, Any], verdict: Verdict) -> dict[str, Any]:
-    request = review.get("request") or {}
-    response: dict[str, Any] = {"uid": request.get("uid", ""), "allowed": verdict.allowed}
-    if not verdict.allowed:
-        response["status"] = {"code": verdict.code, "reason": verdict.reason, "message": verdict.message}
-    if verdict.patch:
-        response["patchType"] = "JSONPatch"
-        response["patch"] = base64.b64encode(json.dumps(verdict.patch).encode()).decode()
-    return {
-        "apiVersion": review.get("apiVersion", "admission.k8s.io/v1"),
-        "kind": "AdmissionReview",
-        "response": response,
-    }
-
-
 REVIEW_API_VERSION = "admission.k8s.io/v1"
 _MAX_MESSAGE_VALUE = 60
 
@@ -84,6 +69,21 @@ class MalformedReview(ValueError):
 
 _SHOWN = reprlib.Repr()
 _SHOWN.maxlevel, _SHOWN.maxstring, _SHOWN.maxother = 2, _MAX_MESSAGE_VALUE, _MAX_MESSAGE_VALUE
+
+
+def _response(review: Mapping[str, Any], verdict: Verdict) -> dict[str, Any]:
+    request = review.get("request") or {}
+    response: dict[str, Any] = {"uid": request.get("uid", ""), "allowed": verdict.allowed}
+    if not verdict.allowed:
+        response["status"] = {"code": verdict.code, "reason": verdict.reason, "message": verdict.message}
+    if verdict.patch:
+        response["patchType"] = "JSONPatch"
+        response["patch"] = base64.b64encode(json.dumps(verdict.patch).encode()).decode()
+    return {
+        "apiVersion": REVIEW_API_VERSION,
+        "kind": "AdmissionReview",
+        "response": response,
+    }
 
 
 def _shown(value: Any) -> str:
@@ -137,7 +137,9 @@ def check_object(obj: Mapping[str, Any], *, where: str = "") -> None:
     on manifests that never met an API server."""
     metadata = _field(obj, "metadata", dict, where)
     annotations = _field(metadata, "annotations", dict, f"{where}metadata.") if metadata else None
-    for value in (annotations or {}).values():
+    for key, value in (annotations or {}).items():
+        if not isinstance(key, str):
+            raise MalformedReview(f"{where}metadata.annotations keys must be strings, got {_shown(key)}")
         if not isinstance(value, str):
             raise MalformedReview(
                 f"{where}metadata.annotations values must be strings (quote numbers in YAML),"
