@@ -32,6 +32,7 @@ from gpufrac.admission.certs import TlsFiles, generate_tls
 from gpufrac.admission.configuration import webhook_configurations
 from gpufrac.admission.review import DEFAULT_SCHEDULER_USER
 from gpufrac.admission.server import AdmissionServer
+from gpufrac.contract.changes import changed_contract_keys
 from gpufrac.local.controlplane import ControlPlane
 
 pytestmark = pytest.mark.kube
@@ -466,7 +467,52 @@ def test_with_the_webhook_down_only_updates_of_contract_keys_fail(
             lambda c=change: kube.patch(Pod, "gpu", {"metadata": {"annotations": c}}, namespace=ns)
         )
         assert 'failed calling webhook "validate.gpufrac.io"' in shown
+    with controlplane.http() as http:
+        answer = patch_status(
+            http, ns, "gpu", {"metadata": {"annotations": {f"{NV}app.gpus.devices": "GPU-1"}}}
+        )
+        assert answer.status_code >= 500
+        assert 'failed calling webhook "validate.gpufrac.io"' in answer.json()["message"]
     assert kube.get(Pod, "gpu", namespace=ns).metadata.annotations == {**request, "example.com/note": "x"}
+
+
+# Annotation changes to a GPU pod, to compare the matchCondition's CEL with the Python rule it encodes
+# (contract.changes.changed_contract_keys): near misses of every contract prefix and pod-level key.
+CHANGES = [
+    {"gpu-fraction": "0.5"},
+    {"gpu-fractions": "0.5"},
+    {"gpu-memory.limit": "1Gi"},
+    {"kai.scheduler/container.app.gpu-memory.portion.limit": "0.7"},
+    {"kai.scheduler/queue": "a"},
+    {"gpufrac.io/container.app.gpus": "1"},
+    {"gpufrac.io/placement-policy": "spread"},
+    {"nvidia.com/container": "x"},
+    {"nvidia.com/container.app.gpu-compute.mode": "sm-sharing"},
+    {"example.com/container.app.gpus.devices": "x"},
+]
+
+
+def test_with_the_webhook_down_an_update_fails_exactly_when_it_changes_a_contract_key(
+    kube: Client, webhook: Webhook
+) -> None:
+    ns = webhook.namespace
+    request = {f"{NV}app.gpu-memory.request": "1Gi"}
+    kube.create(pod("gpu", request), namespace=ns)
+    webhook.server.stop()
+    outcomes = []
+    for change in CHANGES:
+        try:
+            kube.patch(Pod, "gpu", {"metadata": {"annotations": change}}, namespace=ns)
+            blocked = False
+        except ApiError as error:
+            assert "failed calling webhook" in (error.status.message or ""), error.status.message
+            blocked = True
+        changed = bool(changed_contract_keys(request, {**request, **change}))
+        outcomes.append((change, blocked, changed))
+        if not blocked:  # back to the pod's own annotations for the next change
+            kube.patch(Pod, "gpu", {"metadata": {"annotations": dict.fromkeys(change)}}, namespace=ns)
+    assert [(c, blocked) for c, blocked, _ in outcomes] == [(c, changed) for c, _, changed in outcomes]
+    assert sum(1 for _, blocked, _ in outcomes if blocked) == 5
 
 
 @pytest.mark.parametrize(
