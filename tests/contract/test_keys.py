@@ -1,12 +1,13 @@
 """The API server's annotation-key rule, as ``keys.annotation_key_problem`` states it.
 
-tests/contract/test_keys_kube.py asks a real kube-apiserver about the same keys, so this table cannot
-drift from what Kubernetes enforces.
+``test_the_api_server_accepts_exactly_the_keys_the_rule_accepts`` asks a real kube-apiserver about the
+same keys, so this table cannot drift from what Kubernetes enforces.
 """
 
 from __future__ import annotations
 
 import pytest
+from lightkube import ApiError, Client, codecs
 
 from gpufrac.contract import keys as k
 
@@ -53,3 +54,27 @@ def test_the_problem_says_what_the_rule_is() -> None:
         k.annotation_key_problem("exa_mple.com/x") == "the prefix part must be a lowercase DNS-1123 subdomain"
     )
     assert "start and end with an alphanumeric character" in (k.annotation_key_problem("x/-a") or "")
+
+
+@pytest.mark.kube
+def test_the_api_server_accepts_exactly_the_keys_the_rule_accepts(kube: Client, namespace: str) -> None:
+    disagreements = []
+    for index, (key, valid) in enumerate(KEYS):
+        pod = codecs.from_dict(
+            {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {"name": f"key-{index}", "annotations": {key: "x"}},
+                "spec": {"containers": [{"name": "app", "image": "busybox"}]},
+            }
+        )
+        try:
+            kube.create(pod, namespace=namespace, dry_run=True)
+            accepted = True
+        except ApiError as error:
+            assert error.status.code == 422, error.status.message
+            assert "metadata.annotations" in (error.status.message or "")
+            accepted = False
+        if accepted is not valid:
+            disagreements.append((key, accepted))
+    assert disagreements == []
