@@ -1,10 +1,11 @@
-"""A GPU container whose name leaves no room for the scheduler's keys is never bound (issue 11).
+"""Pods that got past no webhook (created before it existed, or with it off) and that the scheduler
+must leave pending with the reason, neither binding them nor crashing on them (issue 11).
 
-The Binding merges its annotations into the pod without the API server's key check, so a scheduler
-that bound such a pod would store a key like ``nvidia.com/container.<35 chars>.gpu-memory.request``
-(64 characters after the prefix) and every later update of the pod would fail with 422, finalizer
-removal included. These pods got past no webhook (created before it existed, or with it off); the
-scheduler must leave them pending and say why.
+A GPU container whose name leaves no room for the scheduler's keys: the Binding merges its annotations
+into the pod without the API server's key check, so a scheduler that bound such a pod would store a key
+like ``nvidia.com/container.<35 chars>.gpu-memory.request`` (64 characters after the prefix) and every
+later update of the pod would fail with 422, finalizer removal included. A quantity of thousands of
+digits: Python's int conversion raised ValueError, and the scheduler crash-looped while the pod waited.
 """
 
 from __future__ import annotations
@@ -80,3 +81,27 @@ async def test_the_binder_writes_nothing_when_the_contract_refuses_to_render(
     stored = await client.get(Pod, "long", namespace=pool.namespace)
     assert not stored.spec.nodeName
     assert stored.metadata.resourceVersion == pod.metadata.resourceVersion  # nothing was written
+
+
+async def test_a_quantity_of_thousands_of_digits_is_reported_and_the_scheduler_keeps_placing(
+    client: AsyncClient, pool: Pool
+) -> None:
+    await add_nodes(client, pool, count=1)
+    huge = {keys.memory_request_key("app"): "9" * 5000 + "Mi"}
+    with pytest.raises(InvalidPodRequest) as contract:
+        parse_pod(huge, [ContainerSpec(name="app")])
+    async with running(client, pool.config()):
+        await client.create(gpu_pod(pool, "huge", huge))
+
+        async def reported() -> bool:
+            pod = await client.get(Pod, "huge", namespace=pool.namespace)
+            return condition(pod)[0] == "False"
+
+        await wait_for(reported, timeout=20, what="the huge pod reported")
+        pod = await client.get(Pod, "huge", namespace=pool.namespace)
+        assert condition(pod) == ("False", "Unschedulable", str(contract.value))
+        assert "a quantity must be at most 64 characters long (it has 5002)" in str(contract.value)
+        # The scheduler lives on: a pod created afterwards is placed.
+        await client.create(gpu_pod(pool, "after", {"gpu-fraction": "0.5"}))
+        pods = await wait_bound(client, pool.namespace, 1, timeout=20)
+        assert [p.metadata.name for p in pods if p.spec.nodeName] == ["after"]
