@@ -22,6 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gpufrac.admission.certs import TlsFiles, generate_tls
+from gpufrac.admission.review import AdmissionPolicy, MalformedReview, mutate_review, validate_review
 from gpufrac.admission.server import AdmissionServer
 
 _SETTINGS = settings(
@@ -168,3 +169,16 @@ def test_a_wrong_content_length_gets_a_client_error(tls: TlsFiles, length: str) 
         assert answer.startswith(b"HTTP/1.1 400 ") and answer.endswith(b"bad body length")
         with httpx.Client(base_url=server.url(), verify=context, timeout=10) as c:
             assert c.get("/healthz").text == "ok"
+
+
+@settings(max_examples=500, deadline=None)
+@given(document=broken_reviews())
+def test_the_decisions_raise_nothing_but_a_malformed_review(document: Any) -> None:
+    """The same documents straight into the decisions (many more of them than HTTP allows in CI time)."""
+    for decide in (validate_review, mutate_review):
+        try:
+            answer = decide(document, AdmissionPolicy())
+        except MalformedReview as malformed:
+            assert str(malformed)
+            continue
+        assert isinstance(answer["response"]["allowed"], bool)
