@@ -10,7 +10,7 @@ import pytest
 from admission_reviews import apply_patch, binding_review, pod, review
 
 from gpufrac.admission.configuration import binding_match_expression, webhook_configurations
-from gpufrac.admission.review import AdmissionPolicy, mutate_review, validate_review
+from gpufrac.admission.review import AdmissionPolicy, MalformedReview, mutate_review, validate_review
 from gpufrac.contract.parse import parse_pod_manifest
 
 SCHEDULER = "system:serviceaccount:gpufrac-system:gpufrac-scheduler"
@@ -197,9 +197,10 @@ def test_the_binding_webhook_sees_only_bindings_that_carry_contract_keys() -> No
             "apiGroups": [""],
             "apiVersions": ["v1"],
             "operations": ["CREATE"],
-            "resources": ["pods/binding"],
+            "resources": [resource],
             "scope": "Namespaced",
         }
+        for resource in ("pods/binding", "bindings")  # both endpoints that create a Binding
     ]
     assert bindings["failurePolicy"] == "Fail"
     assert bindings["clientConfig"]["url"] == "https://127.0.0.1:8443/validate"
@@ -207,3 +208,113 @@ def test_the_binding_webhook_sees_only_bindings_that_carry_contract_keys() -> No
     expression = binding_match_expression()
     assert expression.startswith("(has(object.metadata.annotations) && object.metadata.annotations.exists(")
     assert "key.startsWith('nvidia.com/container.')" in expression
+
+
+def namespaced_binding_review(annotations: dict[str, str], *, user: str) -> dict:
+    """CREATE of the namespaced ``bindings`` resource (``POST /api/v1/namespaces/ns/bindings``): no
+    subresource, resource ``bindings``."""
+    answer = binding_review(annotations, user=user)
+    answer["request"]["resource"] = {"group": "", "version": "v1", "resource": "bindings"}
+    del answer["request"]["subResource"]
+    return answer
+
+
+def test_a_binding_posted_to_the_namespaced_bindings_endpoint_is_judged_as_one() -> None:
+    devices = {f"{NV}app.gpus.devices": "GPU-1"}
+    code, message = denied(validate_review(namespaced_binding_review(devices, user="alice"), POLICY))
+    assert (code, message) == (
+        403,
+        'nvidia.com/container.app.gpus.devices="GPU-1" is invalid: '
+        "only the scheduler may set or change this key.",
+    )
+    by_scheduler = namespaced_binding_review(devices, user=SCHEDULER)
+    assert validate_review(by_scheduler, POLICY)["response"]["allowed"] is True
+
+
+def status_review(obj: dict, *, old: dict, user: str) -> dict:
+    """UPDATE of ``pods/status`` (a status patch), as the API server sends it: the whole pod, old and new."""
+    answer = review(obj, operation="UPDATE", old=old, user=user)
+    answer["request"]["subResource"] = "status"
+    return answer
+
+
+def test_a_status_write_may_not_change_contract_keys_except_by_the_scheduler() -> None:
+    created = pod({f"{NV}app.gpu-memory.request": "1Gi"})
+    forged = pod({f"{NV}app.gpu-memory.request": "1Gi", f"{NV}app.gpus.devices": "GPU-1"})
+    grown = pod({f"{NV}app.gpu-memory.request": "300Gi"})
+    code, message = denied(validate_review(status_review(forged, old=created, user="system:node:n1"), POLICY))
+    assert (code, message) == (
+        403,
+        'nvidia.com/container.app.gpus.devices="GPU-1" is invalid: '
+        "only the scheduler may set or change this key.",
+    )
+    code, message = denied(validate_review(status_review(grown, old=created, user="alice"), POLICY))
+    assert code == 403 and "cannot be changed" in message
+    assert validate_review(status_review(forged, old=created, user=SCHEDULER), POLICY)["response"]["allowed"]
+
+    running = copy.deepcopy(created)
+    running["status"] = {"phase": "Running"}
+    assert validate_review(status_review(running, old=created, user="system:node:n1"), POLICY)["response"][
+        "allowed"
+    ]
+
+
+def test_a_pod_whose_long_container_name_the_scheduler_could_not_write_is_refused_at_creation() -> None:
+    name = "tokenizer-and-embedding-server-east"  # 35 characters: its request key would have 64
+    long_named = pod({"gpu-fraction": "0.5"})
+    long_named["spec"]["containers"][0]["name"] = name
+    code, message = denied(validate_review(review(long_named), POLICY))
+    assert code == 422
+    assert message.startswith(f'spec.containers[{name}].name="{name}" is invalid: ')
+    assert f"nvidia.com/container.{name}.gpu-memory.request" in message
+    assert "the name part must be no more than 63 characters, it has 64" in message
+    assert mutated(long_named) == long_named  # passed through untouched for the validating webhook
+
+    whole = pod(gpus=1)
+    whole["spec"]["containers"][0]["name"] = "a" * 49  # even the webhook's own gpufrac.io key would break
+    code, message = denied(validate_review(review(mutated(whole)), POLICY))
+    assert "at most 40 characters" in message
+
+
+@pytest.mark.parametrize(
+    ("document", "complaint"),
+    [
+        ([], "an AdmissionReview is a JSON object"),
+        ({"apiVersion": "admission.k8s.io/v1beta1", "kind": "AdmissionReview"}, "expected apiVersion"),
+        ({"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview"}, "request must be an object"),
+        (
+            {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": {"uid": 7}},
+            "request.uid must be a string, got 7",
+        ),
+    ],
+)
+def test_a_malformed_review_is_refused_with_what_is_wrong(document: object, complaint: str) -> None:
+    with pytest.raises(MalformedReview, match=complaint):
+        validate_review(document, POLICY)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "complaint"),
+    [
+        (("spec", "containers"), "app", "request.object.spec.containers must be an array, got 'app'"),
+        (("spec", "containers"), ["app"], "request.object.spec.containers[0] must be an object"),
+        (
+            ("metadata", "annotations"),
+            {"gpu-fraction": 0.5},
+            "annotations values must be strings (quote numbers in YAML), got 0.5",
+        ),
+        (("spec",), [], "request.object.spec must be an object, got []"),
+    ],
+)
+def test_a_pod_of_the_wrong_shape_is_refused_not_crashed_on(
+    path: tuple[str, ...], value: object, complaint: str
+) -> None:
+    document = review(pod({"gpu-fraction": "0.5"}))
+    target = document["request"]["object"]
+    for step in path[:-1]:
+        target = target[step]
+    target[path[-1]] = value
+    for answer in (validate_review, mutate_review):
+        with pytest.raises(MalformedReview) as raised:
+            answer(document, POLICY)
+        assert complaint in str(raised.value)

@@ -165,3 +165,53 @@ def test_unreadable_files_fail(tmp_path: Path) -> None:
     assert code == 1
     assert f"cannot read {broken}" in output
     assert f"cannot read {tmp_path / 'missing.yaml'}" in output
+
+
+def test_a_huge_quantity_and_a_long_container_name_are_reported_not_crashed_on(tmp_path: Path) -> None:
+    name = "tokenizer-and-embedding-server-east"
+    manifest = tmp_path / "pods.yaml"
+    manifest.write_text(
+        f"""
+apiVersion: v1
+kind: Pod
+metadata:
+  name: huge
+  annotations: {{nvidia.com/container.app.gpu-memory.request: "{"9" * 5000}Mi"}}
+spec:
+  containers: [{{name: app, image: x}}]
+---
+apiVersion: v1
+kind: Pod
+metadata:
+  name: long
+  annotations: {{gpu-fraction: "0.5"}}
+spec:
+  containers: [{{name: {name}, image: x}}]
+"""
+    )
+    result = runner.invoke(app, [str(manifest)])
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
+    assert result.exit_code == 1
+    assert (
+        f'Pod huge: invalid\n  - nvidia.com/container.app.gpu-memory.request="{"9" * 80}..." is invalid: '
+        in (result.output)
+    )
+    assert "a quantity must be at most 64 characters long (it has 5002)" in result.output
+    assert f"Pod long: invalid\n  - spec.containers[{name}].name=" in result.output
+    assert f"nvidia.com/container.{name}.gpu-memory.request" in result.output
+    assert "at most 34 characters" in result.output
+
+
+def test_a_pod_of_the_wrong_shape_is_reported_not_crashed_on(tmp_path: Path) -> None:
+    manifest = tmp_path / "pod.yaml"
+    manifest.write_text(
+        "apiVersion: v1\nkind: Pod\nmetadata: {name: odd, annotations: {gpu-fraction: '0.5'}}\n"
+        "spec: {containers: app}\n"
+    )
+    result = runner.invoke(app, [str(manifest)])
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
+    assert result.exit_code == 1
+    assert (
+        "Pod odd: invalid\n  - the pod is malformed: spec.containers must be an array, got 'app'"
+        in result.output
+    )

@@ -7,6 +7,7 @@ own namespace (other tests share the control plane) and removed afterwards.
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import Iterator
@@ -31,6 +32,7 @@ from gpufrac.admission.certs import TlsFiles, generate_tls
 from gpufrac.admission.configuration import webhook_configurations
 from gpufrac.admission.review import DEFAULT_SCHEDULER_USER
 from gpufrac.admission.server import AdmissionServer
+from gpufrac.contract.changes import changed_contract_keys
 from gpufrac.local.controlplane import ControlPlane
 
 pytestmark = pytest.mark.kube
@@ -325,3 +327,224 @@ def test_only_the_scheduler_may_bind_with_devices(
         assert kube.get(Pod, "plain", namespace=ns).spec.nodeName == "node-1"
         answer = bind(scheduler, ns, "later", devices)  # one that carries them waits for the webhook
         assert answer.status_code >= 500 and "failed calling webhook" in answer.json()["message"]
+
+
+def _grant(
+    kube: Client, namespace: str, name: str, rules: list[PolicyRule], *, scheduler: bool = True
+) -> None:
+    """A Role with ``rules`` for the tenant (and, unless told otherwise, the scheduler's account)."""
+    kube.create(Role(metadata=ObjectMeta(name=name, namespace=namespace), rules=rules))
+    _, _, sa_namespace, sa_name = DEFAULT_SCHEDULER_USER.split(":")
+    subjects = [Subject(kind="User", name=USER, apiGroup="rbac.authorization.k8s.io")]
+    if scheduler:
+        subjects.append(Subject(kind="ServiceAccount", name=sa_name, namespace=sa_namespace))
+    kube.create(
+        RoleBinding(
+            metadata=ObjectMeta(name=name, namespace=namespace),
+            roleRef=RoleRef(apiGroup="rbac.authorization.k8s.io", kind="Role", name=name),
+            subjects=subjects,
+        )
+    )
+
+
+def bind_namespaced(http: httpx2.Client, namespace: str, name: str, annotations: dict[str, str]) -> Any:
+    """POST a Binding to the namespaced ``bindings`` resource, the second door to a pod's node."""
+    binding = {
+        "apiVersion": "v1",
+        "kind": "Binding",
+        "metadata": {"name": name, "annotations": annotations},
+        "target": {"apiVersion": "v1", "kind": "Node", "name": "node-1"},
+    }
+    return http.post(f"/api/v1/namespaces/{namespace}/bindings", json=binding)
+
+
+def test_a_tenant_may_not_bind_with_devices_through_the_namespaced_bindings_endpoint(
+    controlplane: ControlPlane, kube: Client, webhook: Webhook
+) -> None:
+    ns = webhook.namespace
+    _grant(kube, ns, "bindings", [PolicyRule(apiGroups=[""], resources=["bindings"], verbs=["create"])])
+    request = {f"{NV}app.gpu-memory.request": "1Gi"}
+    devices = {f"{NV}app.gpus.devices": "GPU-0a1b,GPU-2c3d"}
+    kube.create(pod("target", request), namespace=ns)
+    with (
+        controlplane.http(impersonate=USER, groups=["system:authenticated"]) as alice,
+        controlplane.http(impersonate=DEFAULT_SCHEDULER_USER, groups=["system:serviceaccounts"]) as scheduler,
+    ):
+        answer = bind_namespaced(alice, ns, "target", devices)
+        assert answer.status_code == 403, answer.text
+        message = answer.json()["message"]
+        assert message.startswith('admission webhook "validate-binding.gpufrac.io" denied the request: ')
+        assert f'{NV}app.gpus.devices="GPU-0a1b,GPU-2c3d" is invalid: only the scheduler' in message
+        untouched = kube.get(Pod, "target", namespace=ns)
+        assert not untouched.spec.nodeName and untouched.metadata.annotations == request
+
+        answer = bind_namespaced(scheduler, ns, "target", devices)
+        assert answer.status_code == 201, answer.text
+        bound = kube.get(Pod, "target", namespace=ns)
+        assert bound.spec.nodeName == "node-1" and bound.metadata.annotations == {**request, **devices}
+
+
+def patch_status(http: httpx2.Client, namespace: str, name: str, patch: dict[str, Any]) -> Any:
+    return http.patch(
+        f"/api/v1/namespaces/{namespace}/pods/{name}/status",
+        content=json.dumps(patch),
+        headers={"Content-Type": "application/merge-patch+json"},
+    )
+
+
+def test_a_tenant_with_status_rights_may_not_forge_devices_or_grow_the_request(
+    controlplane: ControlPlane, kube: Client, webhook: Webhook
+) -> None:
+    ns = webhook.namespace
+    _grant(
+        kube,
+        ns,
+        "status",
+        [
+            PolicyRule(apiGroups=[""], resources=["pods"], verbs=["create", "get"]),
+            PolicyRule(apiGroups=[""], resources=["pods/status"], verbs=["patch", "update"]),
+        ],
+    )
+    request = {f"{NV}app.gpu-memory.request": "1Gi"}
+    with (
+        controlplane.client(impersonate=USER, groups=["system:authenticated"], namespace=ns) as alice_pods,
+        controlplane.http(impersonate=USER, groups=["system:authenticated"]) as alice,
+        controlplane.http(impersonate=DEFAULT_SCHEDULER_USER, groups=["system:serviceaccounts"]) as scheduler,
+    ):
+        alice_pods.create(pod("mine", request))
+        forged = {"metadata": {"annotations": {f"{NV}app.gpus.devices": "GPU-0a1b"}}}
+        answer = patch_status(alice, ns, "mine", forged)
+        assert answer.status_code == 403, answer.text
+        message = answer.json()["message"]
+        assert message.startswith('admission webhook "validate.gpufrac.io" denied the request: ')
+        assert (
+            f'{NV}app.gpus.devices="GPU-0a1b" is invalid: only the scheduler may set or change this key.'
+            in (message)
+        )
+        grown = {"metadata": {"annotations": {f"{NV}app.gpu-memory.request": "300Gi"}}}
+        answer = patch_status(alice, ns, "mine", grown)
+        assert answer.status_code == 403 and "cannot be changed" in answer.json()["message"]
+        assert kube.get(Pod, "mine", namespace=ns).metadata.annotations == request
+
+        # A status write that leaves the contract alone is still the tenant's to make.
+        condition = {"type": "example.com/Ready", "status": "True"}
+        answer = patch_status(alice, ns, "mine", {"status": {"conditions": [condition]}})
+        assert answer.status_code == 200, answer.text
+        # The scheduler may (it never needs to; the rule is the same as for the pod itself).
+        answer = patch_status(scheduler, ns, "mine", forged)
+        assert answer.status_code == 200, answer.text
+
+
+def test_with_the_webhook_down_only_updates_of_contract_keys_fail(
+    controlplane: ControlPlane, kube: Client, webhook: Webhook
+) -> None:
+    """A webhook outage used to fail every update of a GPU pod (the kubelet's status writes, labels,
+    finalizers); only an update that changes a contract key needs the webhook, and it still fails closed."""
+    ns = webhook.namespace
+    request = {f"{NV}app.gpu-memory.request": "1Gi"}
+    kube.create(pod("gpu", request), namespace=ns)
+    webhook.server.stop()
+
+    kube.patch(Pod, "gpu", {"metadata": {"labels": {"team": "a"}}}, namespace=ns)
+    kube.patch(Pod, "gpu", {"metadata": {"annotations": {"example.com/note": "x"}}}, namespace=ns)
+    kube.patch(Pod, "gpu", {"metadata": {"finalizers": ["example.com/keep"]}}, namespace=ns)
+    kube.patch(Pod, "gpu", {"metadata": {"finalizers": None}}, namespace=ns)
+    with controlplane.http() as http:
+        answer = patch_status(
+            http, ns, "gpu", {"status": {"conditions": [{"type": "x/Y", "status": "True"}]}}
+        )
+        assert answer.status_code == 200, answer.text
+    stored = kube.get(Pod, "gpu", namespace=ns)
+    assert stored.metadata.labels == {"team": "a"}
+    assert stored.metadata.annotations == {**request, "example.com/note": "x"}
+
+    for change in (
+        {f"{NV}app.gpu-memory.request": "2Gi"},
+        {f"{NV}app.gpus.devices": "GPU-0a1b"},
+        {f"{NV}app.gpu-memory.request": None},
+    ):
+        _, shown = rejection(
+            lambda c=change: kube.patch(Pod, "gpu", {"metadata": {"annotations": c}}, namespace=ns)
+        )
+        assert 'failed calling webhook "validate.gpufrac.io"' in shown
+    with controlplane.http() as http:
+        answer = patch_status(
+            http, ns, "gpu", {"metadata": {"annotations": {f"{NV}app.gpus.devices": "GPU-1"}}}
+        )
+        assert answer.status_code >= 500
+        assert 'failed calling webhook "validate.gpufrac.io"' in answer.json()["message"]
+    assert kube.get(Pod, "gpu", namespace=ns).metadata.annotations == {**request, "example.com/note": "x"}
+
+
+# Annotation changes to a GPU pod, to compare the matchCondition's CEL with the Python rule it encodes
+# (contract.changes.changed_contract_keys): near misses of every contract prefix and pod-level key.
+CHANGES = [
+    {"gpu-fraction": "0.5"},
+    {"gpu-fractions": "0.5"},
+    {"gpu-memory.limit": "1Gi"},
+    {"kai.scheduler/container.app.gpu-memory.portion.limit": "0.7"},
+    {"kai.scheduler/queue": "a"},
+    {"gpufrac.io/container.app.gpus": "1"},
+    {"gpufrac.io/placement-policy": "spread"},
+    {"nvidia.com/container": "x"},
+    {"nvidia.com/container.app.gpu-compute.mode": "sm-sharing"},
+    {"example.com/container.app.gpus.devices": "x"},
+]
+
+
+def test_with_the_webhook_down_an_update_fails_exactly_when_it_changes_a_contract_key(
+    kube: Client, webhook: Webhook
+) -> None:
+    ns = webhook.namespace
+    request = {f"{NV}app.gpu-memory.request": "1Gi"}
+    kube.create(pod("gpu", request), namespace=ns)
+    webhook.server.stop()
+    outcomes = []
+    for change in CHANGES:
+        try:
+            kube.patch(Pod, "gpu", {"metadata": {"annotations": change}}, namespace=ns)
+            blocked = False
+        except ApiError as error:
+            assert "failed calling webhook" in (error.status.message or ""), error.status.message
+            blocked = True
+        changed = bool(changed_contract_keys(request, {**request, **change}))
+        outcomes.append((change, blocked, changed))
+        if not blocked:  # back to the pod's own annotations for the next change
+            kube.patch(Pod, "gpu", {"metadata": {"annotations": dict.fromkeys(change)}}, namespace=ns)
+    assert [(c, blocked) for c, blocked, _ in outcomes] == [(c, changed) for c, _, changed in outcomes]
+    assert sum(1 for _, blocked, _ in outcomes if blocked) == 5
+
+
+@pytest.mark.parametrize(
+    ("subresource", "body"),
+    [
+        ("ephemeralcontainers", {"spec": {"ephemeralContainers": [{"name": "debug", "image": "busybox"}]}}),
+        (
+            "resize",
+            {
+                "spec": {
+                    "containers": [
+                        {"name": "app", "resources": {"requests": {"cpu": "200m"}, "limits": {"cpu": "200m"}}}
+                    ]
+                }
+            },
+        ),
+    ],
+)
+def test_the_other_pod_subresources_cannot_change_annotations(
+    controlplane: ControlPlane, kube: Client, namespace: str, subresource: str, body: dict[str, Any]
+) -> None:
+    """docs/security.md relies on it: no webhook guards these doors because the API server keeps the
+    metadata of the stored pod for them. If a Kubernetes release changed that, this test fails first."""
+    request = {f"{NV}app.gpu-memory.request": "1Gi"}
+    cpu = {"requests": {"cpu": "100m"}, "limits": {"cpu": "100m"}}
+    kube.create(pod("p", request, resources=cpu), namespace=namespace)
+    forged = {**body, "metadata": {"annotations": {f"{NV}app.gpus.devices": "GPU-0a1b"}}}
+    with controlplane.http() as http:
+        answer = http.patch(
+            f"/api/v1/namespaces/{namespace}/pods/p/{subresource}",
+            content=json.dumps(forged),
+            headers={"Content-Type": "application/strategic-merge-patch+json"},
+        )
+    assert answer.status_code == 200, answer.text  # the write itself succeeds ...
+    assert kube.get(Pod, "p", namespace=namespace).metadata.annotations == request  # ... without the key

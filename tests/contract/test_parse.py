@@ -496,3 +496,67 @@ def test_a_non_integer_gpu_resource_is_rejected() -> None:
         container_specs({"containers": [{"name": "a", "resources": {"limits": {"nvidia.com/gpu": "0.5"}}}]})
     assert [type(v) for v in raised.value.errors] == [e.InvalidDeviceCount]
     assert raised.value.errors[0].key == "spec.containers[a].resources.limits.nvidia.com/gpu"
+
+
+@pytest.mark.parametrize(
+    ("annotations", "rule", "key"),
+    [
+        ({"gpu-fraction": "\u0660.\u0665"}, e.InvalidFraction, "gpu-fraction"),  # Arabic-Indic "0.5"
+        ({f"{NV}app.gpu-memory.request": "\u0661\u0660Gi"}, e.NotAQuantity, f"{NV}app.gpu-memory.request"),
+        ({"gpu-memory": "\u0664\u0660\u0669\u0666"}, e.InvalidLegacyMemory, "gpu-memory"),
+        (
+            {"gpu-fraction": "0.5", "gpu-fraction-num-devices": "\u0662"},
+            e.InvalidDeviceCount,
+            "gpu-fraction-num-devices",
+        ),
+    ],
+)
+def test_unicode_digits_are_refused_as_kubernetes_does(
+    annotations: dict[str, str], rule: type[RuleViolation], key: str
+) -> None:
+    with pytest.raises(InvalidPodRequest) as raised:
+        parse_pod(annotations, [ContainerSpec("app")])
+    assert [(type(v), v.key) for v in raised.value.errors] == [(rule, key)]
+
+
+# The longest container name whose binder-written keys fit the API server's 63-character name part:
+# whole GPUs need `container.<c>.gpus.devices`, a memory share `container.<c>.gpu-memory.request`,
+# sm-sharing also `container.<c>.gpu-compute.portion`.
+@pytest.mark.parametrize(
+    ("annotations", "gpus", "longest"),
+    [
+        ({}, 1, 40),
+        ({"gpu-fraction": "0.5"}, 0, 34),
+        ({"gpu-memory": "4096"}, 0, 34),
+        (
+            {
+                "gpu-fraction": "0.5",
+                "gpu-fraction-container-name": "{c}",
+                "nvidia.com/container.{c}.gpu-compute.mode": "sm-sharing",
+            },
+            0,
+            33,
+        ),
+    ],
+    ids=["whole", "fraction", "legacy-mib", "sm-sharing"],
+)
+def test_a_gpu_container_name_must_leave_room_for_the_keys_the_scheduler_writes(
+    annotations: dict[str, str], gpus: int, longest: int
+) -> None:
+    def parsed(name: str) -> PodGpuRequest:
+        filled = {key.format(c=name): value.format(c=name) for key, value in annotations.items()}
+        return parse_pod(filled, [ContainerSpec(name, gpus=gpus)])
+
+    assert parsed("c" * longest).wants_gpu
+    too_long = "c" * (longest + 1)
+    with pytest.raises(InvalidPodRequest) as raised:
+        parsed(too_long)
+    (violation,) = raised.value.errors
+    assert isinstance(violation, e.UnwritableKey)
+    assert violation.key == f"spec.containers[{too_long}].name" and violation.value == too_long
+    assert f"allows container names of at most {longest} characters" in violation.message
+    assert "the name part must be no more than 63 characters, it has 64" in violation.message
+
+
+def test_a_long_named_container_without_a_gpu_request_is_no_concern() -> None:
+    assert not parse_pod({}, [ContainerSpec("c" * 63)]).wants_gpu

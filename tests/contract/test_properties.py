@@ -6,6 +6,8 @@
   changes nothing (a restarted scheduler rebuilds the same ledger).
 * read_binding(render_binding(placement)) == placement: the node enforces exactly what was placed.
 * The webhook's translation to per-container keys never changes what a pod asks for.
+* No string at all, however long or in whatever script, makes the quantity parser or the pod parser
+  raise anything but the contract's own errors.
 """
 
 from __future__ import annotations
@@ -16,13 +18,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpufrac.contract import keys as k
-from gpufrac.contract.errors import ContractError, InvalidPodRequest
+from gpufrac.contract.errors import ContractError, InvalidPodRequest, RuleViolation
 from gpufrac.contract.parse import ContainerSpec, parse_pod
+from gpufrac.contract.quantities import parse_bytes, parse_mib
 from gpufrac.contract.render import BoundContainer, DeviceChoice, read_binding, render_binding
 from gpufrac.contract.request import ComputeMode
 from gpufrac.contract.translate import apply_translation, translate
+from gpufrac.contract.writable import binder_keys
 
-NAMES = ["app", "side", "train", "trainer"]
+# The last name is the longest whose keys the scheduler can write in every mode (sm-sharing: 33).
+NAMES = ["app", "side", "train", "trainer", "l" * 33]
 
 _containers = st.lists(
     st.builds(ContainerSpec, name=st.sampled_from(NAMES), gpus=st.sampled_from([0, 0, 0, 1, 2])),
@@ -179,6 +184,8 @@ def test_parse_render_parse_is_stable(
 
     rendered = render_binding(first, placements)
     assert all(key.startswith(k.NVIDIA_CONTAINER_PREFIX) for key in rendered)
+    assert all(k.annotation_key_problem(key) is None for key in rendered)
+    assert set(rendered) == {key for container in first.containers for key in binder_keys(container)}
     bound = {**annotations, **rendered}
     second = parse_pod(bound, containers)
     assert render_binding(second, placements) == rendered
@@ -244,3 +251,49 @@ def test_translation_keeps_the_request(pod: tuple[dict[str, str], list[Container
     if ours:
         assert all(c.gpus == 0 for c in stored_containers)
     assert translate(stored, stored_containers, whole_gpus=ours).empty
+
+
+# Strings that reach the numeric paths: long digit runs (past Python's 4,300-digit int limit), digits of
+# other scripts, exponents, suffixes, and anything at all.
+_any_text = st.one_of(
+    st.text(),
+    st.text(alphabet=st.characters(categories=["Nd"]), min_size=1, max_size=8),
+    st.builds(
+        lambda sign, digits, dot, tail, suffix: f"{sign}{digits}{dot}{tail}{suffix}",
+        st.sampled_from(["", "+", "-"]),
+        st.integers(1, 6000).map(lambda n: "9" * n),
+        st.sampled_from(["", "."]),
+        st.sampled_from(["", "5", "0" * 5000]),
+        st.sampled_from(["", "Gi", "Ei", "e9", "e-9", "m", "x", "\u0665"]),
+    ),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=_any_text)
+def test_no_string_makes_the_quantity_parser_raise_anything_but_a_rule_violation(text: str) -> None:
+    for parse in (parse_bytes, parse_mib):
+        try:
+            parse(text, key="nvidia.com/container.app.gpu-memory.request")
+        except RuleViolation as violation:
+            assert violation.message.startswith('nvidia.com/container.app.gpu-memory.request="')
+            assert len(violation.message) < 1000
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    annotations=st.dictionaries(_key, _any_text, max_size=6),
+    names=st.lists(st.one_of(st.sampled_from(NAMES), st.text(max_size=70)), max_size=3, unique=True),
+    gpus=st.lists(st.integers(0, 300), min_size=3, max_size=3),
+    user=st.booleans(),
+)
+def test_no_strings_make_the_pod_parser_raise_anything_but_a_contract_error(
+    annotations: dict[str, str], names: list[str], gpus: list[int], user: bool
+) -> None:
+    containers = [ContainerSpec(name=name, gpus=count) for name, count in zip(names, gpus, strict=False)]
+    try:
+        request = parse_pod(annotations, containers, user_written=user)
+    except InvalidPodRequest as invalid:
+        assert all(violation.message.endswith(".") for violation in invalid.errors)
+        return
+    assert {c.container for c in request.containers} <= set(names)

@@ -9,9 +9,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gpufrac.contract.errors import (
+    MAX_QUANTITY_CHARS,
     BelowMinimum,
     NotAQuantity,
     NotPositive,
+    QuantityTooLong,
     RuleViolation,
     TooLarge,
     UnknownQuantitySuffix,
@@ -125,3 +127,37 @@ def test_quantity_order_is_kept(suffix: str, a: object, b: object) -> None:
     except RuleViolation:
         return  # zero or below 1 MiB: rejected, nothing to order
     assert low_mib <= parse_mib(f"{high}{suffix}", key="k")
+
+
+@pytest.mark.parametrize("digits", [4301, 10_000])
+def test_a_quantity_of_thousands_of_digits_is_a_rule_violation_not_a_crash(digits: int) -> None:
+    key = "nvidia.com/container.app.gpu-memory.request"
+    text = "1" * digits + "Mi"  # past Python's 4,300-digit limit on int conversion: ValueError before
+    with pytest.raises(QuantityTooLong) as raised:
+        parse_mib(text, key=key)
+    message = raised.value.message
+    assert message.startswith(f'{key}="{"1" * 80}..." is invalid: ')
+    assert f"a quantity must be at most {MAX_QUANTITY_CHARS} characters long (it has {digits + 2})" in message
+
+
+def test_the_longest_accepted_quantity_parses() -> None:
+    text = "0" * (MAX_QUANTITY_CHARS - 3) + "1Gi"
+    assert len(text) == MAX_QUANTITY_CHARS
+    assert parse_mib(text, key="k") == 1024
+
+
+@pytest.mark.parametrize("text", ["\u0661\u0660Gi", "\u0660.\u0665Gi", "1\u0660Gi", "\uff11Gi", "1e\u0663"])
+def test_unicode_digits_are_not_digits(text: str) -> None:
+    with pytest.raises(NotAQuantity) as raised:
+        parse_mib(text, key="k")
+    assert "only the ASCII digits 0-9 are digits in a quantity" in raised.value.message
+
+
+def test_the_upper_bound_is_what_the_message_says() -> None:
+    most = (1 << 63) - 1
+    assert parse_bytes(str(most), key="k") == most
+    for text in ("8Ei", "8192Pi", str(most + 1)):
+        with pytest.raises(TooLarge) as raised:
+            parse_bytes(text, key="k")
+        assert "the amount must be less than 8Ei" in raised.value.message
+    assert parse_mib("7Ei", key="k") == 7 << 40

@@ -6,10 +6,11 @@ import pytest
 
 from gpufrac.contract import errors as e
 from gpufrac.contract.changes import changed_contract_keys, forbidden_changes
-from gpufrac.contract.errors import InvalidPodRequest
+from gpufrac.contract.errors import ContractError, InvalidPodRequest
 from gpufrac.contract.parse import ContainerSpec, parse_pod
 from gpufrac.contract.render import BoundContainer, DeviceChoice, read_binding, render_binding
-from gpufrac.contract.request import ComputeMode
+from gpufrac.contract.request import ComputeMode, ContainerGpuRequest, GpuMemory, PodGpuRequest
+from gpufrac.contract.writable import unwritable_keys
 
 NV = "nvidia.com/container."
 
@@ -222,3 +223,22 @@ def test_read_binding_accepts_a_portion_on_time_slicing_and_does_not_apply_it() 
         {**PLACED, f"{NV}app.gpu-compute.mode": "sm-sharing", f"{NV}app.gpu-compute.portion": "0.5"}
     )
     assert bound.compute_portion == 0.5
+
+
+def test_rendering_a_key_the_api_server_would_refuse_is_a_contract_error() -> None:
+    """A request parsed before the rule existed (or built by hand) still never becomes an invalid key."""
+    name = "tokenizer-and-embedding-server-east"  # 35: the request key's name part would have 64
+    half = GpuMemory(portion=0.5)
+    request = PodGpuRequest(containers=(ContainerGpuRequest(container=name, request=half, limit=half),))
+    with pytest.raises(InvalidPodRequest) as raised:
+        render_binding(request, [DeviceChoice(name, ("GPU-1",), gpu_mib=81920)])
+    assert isinstance(raised.value, ContractError)
+    (violation,) = raised.value.errors
+    assert isinstance(violation, e.UnwritableKey)
+    assert violation.message == (
+        f'spec.containers[{name}].name="{name}" is invalid: the container name is too long or malformed for'
+        " the annotation keys the scheduler writes when it places the pod (the scheduler must write"
+        f" {NV}{name}.gpu-memory.request, and the name part must be no more than 63 characters, it has 64;"
+        " this GPU request allows container names of at most 34 characters)."
+    )
+    assert unwritable_keys(request) == [violation]

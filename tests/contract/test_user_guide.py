@@ -44,7 +44,8 @@ EXAMPLES: dict[str, Callable[[], str]] = {
     "UnknownQuantitySuffix": lambda: rejected({REQ: "40GB"}),
     "NotPositive": lambda: rejected({REQ: "-1Gi"}),
     "BelowMinimum": lambda: rejected({REQ: "4096"}),
-    "TooLarge": lambda: rejected({REQ: "10Ei"}),
+    "TooLarge": lambda: rejected({REQ: "8Ei"}),
+    "QuantityTooLong": lambda: rejected({REQ: "1" * 100 + "Mi"}),
     "QuantityNeedsUnit": lambda: rejected({"gpu-memory": "4096", "gpu-memory.limit": "8192"}),
     "LimitBelowRequest": lambda: rejected({REQ: "40Gi", LIM: "20Gi"}),
     "InvalidFraction": lambda: rejected({"gpu-fraction": "1.5"}),
@@ -73,6 +74,9 @@ EXAMPLES: dict[str, Callable[[], str]] = {
         [ContainerSpec("app"), ContainerSpec("side")],
     ),
     "InvalidMps": lambda: rejected({"gpu-fraction": "0.5", k.KAI_MPS: "yes"}),
+    "UnwritableKey": lambda: rejected(
+        {"gpu-fraction": "0.5"}, [ContainerSpec("tokenizer-and-embedding-server-east")]
+    ),
     "BinderOwnedKey": lambda: rejected({REQ: "1Gi", DEV: "GPU-1"}),
     "ImmutableRequest": lambda: forbidden_changes({REQ: "1Gi"}, {REQ: "2Gi"}, creating=False)[0].message,
     "NotPlaced": not_placed,

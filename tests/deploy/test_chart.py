@@ -143,3 +143,34 @@ def test_generated_certificate_is_signed_by_the_webhooks_ca_for_the_service(tmp_
         x509.DNSName
     )
     assert "gpufrac-admission.gpu-ops.svc" in names
+
+
+def test_the_admission_webhook_keeps_a_replica_through_drains_and_node_pressure(tmp_path: Path) -> None:
+    """failurePolicy Fail makes the webhook part of the control plane for GPU pods: a drain must not take
+    every replica at once, and node pressure must not evict it first."""
+    objects = render(tmp_path=tmp_path)
+    deployment = one(objects, "Deployment", "gpufrac-admission")
+    pod_spec = deployment["spec"]["template"]
+    assert pod_spec["spec"]["priorityClassName"] == "system-cluster-critical"
+    budget = one(objects, "PodDisruptionBudget", "gpufrac-admission")
+    assert budget["metadata"]["namespace"] == NS
+    assert budget["spec"]["minAvailable"] == 1
+    selected = budget["spec"]["selector"]["matchLabels"]
+    assert selected == deployment["spec"]["selector"]["matchLabels"]
+    assert selected.items() <= pod_spec["metadata"]["labels"].items()
+
+    own_class = render({"admission": {"priorityClassName": "gpu-control"}}, tmp_path=tmp_path)
+    assert one(own_class, "Deployment", "gpufrac-admission")["spec"]["template"]["spec"][
+        "priorityClassName"
+    ] == ("gpu-control")
+    no_class = render({"admission": {"priorityClassName": ""}}, tmp_path=tmp_path)
+    assert (
+        "priorityClassName"
+        not in one(no_class, "Deployment", "gpufrac-admission")["spec"]["template"]["spec"]
+    )
+    # One replica: a budget of one would block every drain of its node, so none is rendered.
+    single = kinds(render({"admission": {"replicas": 1}}, tmp_path=tmp_path))
+    assert ("PodDisruptionBudget", "gpufrac-admission") not in single
+    assert ("PodDisruptionBudget", "gpufrac-admission") not in kinds(
+        render({"admission": {"podDisruptionBudget": {"enabled": False}}}, tmp_path=tmp_path)
+    )

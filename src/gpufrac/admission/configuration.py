@@ -3,17 +3,24 @@
 failurePolicy is Fail: a GPU pod admitted without validation could forge a device assignment or carry a
 request the scheduler and node agent would disagree about. So the webhook must never be in the path of
 ordinary pods, or a webhook outage would stop a cluster: matchConditions (GA since Kubernetes 1.30)
-send only pods that mention the contract (any contract annotation, or an ``nvidia.com/gpu`` resource) to
-it, and for updates also pods whose OLD object did (so removing the binder-owned keys is guarded too).
-A CEL expression that fails to evaluate counts as an error under failurePolicy Fail, so every field
-access is guarded with ``has()``.
+send only what can matter to it. A CREATE goes to the webhook when the pod mentions the contract (any
+contract annotation, or an ``nvidia.com/gpu`` resource); an UPDATE only when it changes a contract
+annotation (adds, removes or rewrites one, compared between ``object`` and ``oldObject``): the webhook
+allows every other update anyway, so sending it one would only let a webhook outage fail the kubelet's
+status writes and every label or finalizer edit of a GPU pod. A CEL expression that fails to evaluate
+counts as an error under failurePolicy Fail, so every field access is guarded with ``has()``.
 
-The Binding subresource is a second door to a pod's annotations: the API server merges a Binding's
-annotations into the pod in the update that sets its node (how the scheduler binds atomically), and
-that update never passes through an admission webhook for ``pods``. So the validating configuration
-holds a second webhook for CREATE of ``pods/binding``, whose matchCondition sends it only Bindings that
-carry a contract annotation: ordinary bindings (kube-scheduler's, any other scheduler's) carry none and
-never depend on the webhook.
+Every door to a pod's annotations is covered (docs/security.md lists them with their tests):
+
+* ``pods`` CREATE and UPDATE (update and patch), through the validating webhook above;
+* ``pods/status`` UPDATE: the status strategy keeps the spec but takes the new metadata, so a status
+  patch can rewrite annotations. It is judged exactly as an update of ``pods``;
+* Bindings, through two endpoints: the ``pods/binding`` subresource and the namespaced ``bindings``
+  resource (``POST /api/v1/namespaces/{ns}/bindings``, what older clients use). The API server merges a
+  Binding's annotations into the pod in the update that sets its node (how the scheduler binds
+  atomically), an update that never passes through a webhook for ``pods``. So a second webhook takes
+  CREATE of both, and its matchCondition sends it only Bindings that carry a contract annotation:
+  ordinary bindings (kube-scheduler's, any other scheduler's) carry none and never depend on it.
 """
 
 from __future__ import annotations
@@ -39,15 +46,17 @@ class ServiceRef:
     port: int = 443
 
 
+def _is_contract_key(key: str) -> str:
+    """CEL: the string ``key`` is a contract key (``keys.is_contract_key``, exactly)."""
+    prefixes = " || ".join(f"{key}.startsWith('{prefix}')" for prefix in k.CONTAINER_PREFIXES)
+    pod_keys = ", ".join(f"'{name}'" for name in k.POD_LEVEL_KEYS)
+    return f"{prefixes} || {key} in [{pod_keys}]"
+
+
 def _carries_contract_annotation(var: str) -> str:
-    """CEL: the object in ``var`` has an annotation whose key may be a contract key (a superset of
-    ``keys.is_contract_key``: the webhook itself decides). ``exists`` on a map iterates its keys."""
-    prefixes = " || ".join(f"key.startsWith('{prefix}')" for prefix in k.CONTAINER_PREFIXES)
-    pod_keys = ", ".join(f"'{key}'" for key in k.POD_LEVEL_KEYS)
-    return (
-        f"(has({var}.metadata.annotations) && "
-        f"{var}.metadata.annotations.exists(key, {prefixes} || key in [{pod_keys}]))"
-    )
+    """CEL: the object in ``var`` has a contract annotation. ``exists`` on a map iterates its keys."""
+    annotations = f"{var}.metadata.annotations"
+    return f"(has({annotations}) && {annotations}.exists(key, {_is_contract_key('key')}))"
 
 
 def _mentions_gpu(var: str) -> str:
@@ -62,12 +71,31 @@ def _mentions_gpu(var: str) -> str:
     return f"{annotations} || {containers}"
 
 
+def _changes_contract_keys() -> str:
+    """CEL: ``object`` and ``oldObject`` differ in a contract annotation (``changes.changed_contract_keys``
+    is not empty): one of ``object``'s is missing from or different in ``oldObject``, or one of
+    ``oldObject``'s is missing from ``object``."""
+    new, old = "object.metadata.annotations", "oldObject.metadata.annotations"
+    added_or_changed = (
+        f"(has({new}) && {new}.exists(key, ({_is_contract_key('key')}) && "
+        f"!(has({old}) && key in {old} && {old}[key] == {new}[key])))"
+    )
+    removed = (
+        f"(has({old}) && {old}.exists(key, ({_is_contract_key('key')}) && !(has({new}) && key in {new})))"
+    )
+    return f"{added_or_changed} || {removed}"
+
+
 def match_expression(*, include_old: bool) -> str:
-    """The matchConditions CEL: true for pods the webhook must see."""
-    expression = _mentions_gpu("object")
-    if include_old:
-        expression = f"({expression}) || (oldObject != null && ({_mentions_gpu('oldObject')}))"
-    return expression
+    """The matchConditions CEL: true for pods the webhook must see.
+
+    Without ``include_old`` (the mutating webhook: CREATE only), the pods that mention a GPU. With it (the
+    validating webhook), a CREATE of such a pod, or an UPDATE that changes a contract annotation.
+    """
+    if not include_old:
+        return _mentions_gpu("object")
+    creating = f"oldObject == null && ({_mentions_gpu('object')})"
+    return f"({creating}) || (oldObject != null && ({_changes_contract_keys()}))"
 
 
 def binding_match_expression() -> str:
@@ -142,14 +170,20 @@ def webhook_configurations(
             {
                 "name": VALIDATE_WEBHOOK,
                 "clientConfig": _client_config(ca_bundle, url, service, "/validate"),
-                "rules": [_pod_rule(["CREATE", "UPDATE"])],
+                "rules": [
+                    _pod_rule(["CREATE", "UPDATE"]),
+                    _pod_rule(["UPDATE"], resource="pods/status"),
+                ],
                 "matchConditions": [{"name": "gpu-pods", "expression": match_expression(include_old=True)}],
                 **common,
             },
             {
                 "name": VALIDATE_BINDING_WEBHOOK,
                 "clientConfig": _client_config(ca_bundle, url, service, "/validate"),
-                "rules": [_pod_rule(["CREATE"], resource="pods/binding")],
+                "rules": [
+                    _pod_rule(["CREATE"], resource="pods/binding"),
+                    _pod_rule(["CREATE"], resource="bindings"),
+                ],
                 "matchConditions": [{"name": "gpu-bindings", "expression": binding_match_expression()}],
                 **common,
             },

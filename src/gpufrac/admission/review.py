@@ -6,9 +6,17 @@ Validating (CREATE and UPDATE of pods):
 * UPDATE: an update that leaves the contract keys alone is always allowed, even for a pod whose
   annotations are invalid (it may predate the webhook; blocking it would also block removing its
   finalizers). Otherwise only the scheduler may change contract keys, and the result must parse.
-* CREATE of a Binding (the ``pods/binding`` subresource): its annotations are merged into the pod by the
-  update that sets the node, an update no ``pods`` webhook sees. So a Binding is an update of those keys:
-  only the scheduler's may carry contract keys, and anyone else's is refused with the same messages.
+* UPDATE of ``pods/status``: the status strategy takes the new metadata, so a status write can change
+  annotations. It is judged exactly as an UPDATE of the pod: only the scheduler may change contract keys
+  there (it never needs to; the kubelet and every other status writer never may).
+* CREATE of a Binding (the ``pods/binding`` subresource, or the namespaced ``bindings`` resource): its
+  annotations are merged into the pod by the update that sets the node, an update no ``pods`` webhook
+  sees. So a Binding is an update of those keys: only the scheduler's may carry contract keys, and
+  anyone else's is refused with the same messages.
+
+A review that is not an ``admission.k8s.io/v1`` AdmissionReview of the expected shape raises
+``MalformedReview`` (the server answers 400 with its message): the API server never sends one, so
+anything else is a client to refuse clearly, never a crash.
 
 Mutating (CREATE of pods that ask for a GPU): legacy pod-level forms become per-container keys (unless the
 policy turns that off); on pods of
@@ -21,6 +29,7 @@ from __future__ import annotations
 
 import base64
 import json
+import reprlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -54,6 +63,18 @@ class Verdict:
     patch: list[dict[str, Any]] = field(default_factory=list)
 
 
+REVIEW_API_VERSION = "admission.k8s.io/v1"
+_MAX_MESSAGE_VALUE = 60
+
+
+class MalformedReview(ValueError):
+    """Not an AdmissionReview this webhook can read; the message says which field is wrong and how."""
+
+
+_SHOWN = reprlib.Repr()
+_SHOWN.maxlevel, _SHOWN.maxstring, _SHOWN.maxother = 2, _MAX_MESSAGE_VALUE, _MAX_MESSAGE_VALUE
+
+
 def _response(review: Mapping[str, Any], verdict: Verdict) -> dict[str, Any]:
     request = review.get("request") or {}
     response: dict[str, Any] = {"uid": request.get("uid", ""), "allowed": verdict.allowed}
@@ -63,31 +84,113 @@ def _response(review: Mapping[str, Any], verdict: Verdict) -> dict[str, Any]:
         response["patchType"] = "JSONPatch"
         response["patch"] = base64.b64encode(json.dumps(verdict.patch).encode()).decode()
     return {
-        "apiVersion": review.get("apiVersion", "admission.k8s.io/v1"),
+        "apiVersion": REVIEW_API_VERSION,
         "kind": "AdmissionReview",
         "response": response,
     }
 
 
+def _shown(value: Any) -> str:
+    """A short rendering of any JSON value (``reprlib`` bounds depth and length: input may be huge)."""
+    return _SHOWN.repr(value)
+
+
+def _field(parent: Mapping[str, Any], name: str, kind: type, where: str, *, required: bool = False) -> Any:
+    """``parent[name]`` when it is a ``kind`` (absent or null: None, unless ``required``)."""
+    value = parent.get(name)
+    if value is None and not required:
+        return None
+    if not isinstance(value, kind):
+        wanted = {dict: "an object", list: "an array", str: "a string"}[kind]
+        raise MalformedReview(f"{where}{name} must be {wanted}, got {_shown(value)}")
+    return value
+
+
+def read_request(review: Any) -> Mapping[str, Any]:
+    """The ``request`` of an AdmissionReview, after checking the fields this webhook reads."""
+    if not isinstance(review, Mapping):
+        raise MalformedReview("an AdmissionReview is a JSON object")
+    if review.get("apiVersion") != REVIEW_API_VERSION or review.get("kind") != "AdmissionReview":
+        raise MalformedReview(
+            f"expected apiVersion {REVIEW_API_VERSION} and kind AdmissionReview, got "
+            f"{_shown(review.get('apiVersion'))} and {_shown(review.get('kind'))}"
+        )
+    request = _field(review, "request", dict, "", required=True)
+    uid = _field(request, "uid", str, "request.", required=True)
+    if not uid:
+        raise MalformedReview("request.uid must not be empty")
+    _field(request, "operation", str, "request.", required=True)
+    _field(request, "subResource", str, "request.")
+    for name in ("kind", "resource"):
+        part = _field(request, name, dict, "request.", required=True)
+        for item in ("group", "kind" if name == "kind" else "resource"):
+            _field(part, item, str, f"request.{name}.")
+    user = _field(request, "userInfo", dict, "request.")
+    if user is not None:
+        _field(user, "username", str, "request.userInfo.")
+    for name in ("object", "oldObject"):
+        obj = _field(request, name, dict, "request.")
+        if obj is not None:
+            check_object(obj, where=f"request.{name}.")
+    return request
+
+
+def check_object(obj: Mapping[str, Any], *, where: str = "") -> None:
+    """Check the parts of a Pod or Binding that the contract reads (the rest is the API server's);
+    raises ``MalformedReview`` naming the field (prefixed by ``where``). ``gpufrac validate`` uses it too,
+    on manifests that never met an API server."""
+    metadata = _field(obj, "metadata", dict, where)
+    annotations = _field(metadata, "annotations", dict, f"{where}metadata.") if metadata else None
+    for key, value in (annotations or {}).items():
+        if not isinstance(key, str):
+            raise MalformedReview(f"{where}metadata.annotations keys must be strings, got {_shown(key)}")
+        if not isinstance(value, str):
+            raise MalformedReview(
+                f"{where}metadata.annotations values must be strings (quote numbers in YAML),"
+                f" got {_shown(value)}"
+            )
+    spec = _field(obj, "spec", dict, where)
+    if spec is None:
+        return
+    _field(spec, "schedulerName", str, f"{where}spec.")
+    containers = _field(spec, "containers", list, f"{where}spec.")
+    for index, container in enumerate(containers or []):
+        at = f"{where}spec.containers[{index}]"
+        if not isinstance(container, dict):
+            raise MalformedReview(f"{at} must be an object, got {_shown(container)}")
+        _field(container, "name", str, f"{at}.")
+        resources = _field(container, "resources", dict, f"{at}.")
+        for section in ("limits", "requests"):
+            if resources is not None:
+                _field(resources, section, dict, f"{at}.resources.")
+    for toleration in _field(spec, "tolerations", list, f"{where}spec.") or []:
+        if not isinstance(toleration, dict):
+            raise MalformedReview(f"{where}spec.tolerations items must be objects, got {_shown(toleration)}")
+
+
 def _is_pod(request: Mapping[str, Any]) -> bool:
+    """A pod itself, or its status subresource (which can rewrite the pod's annotations too)."""
     kind = request.get("kind") or {}
-    return kind.get("group", "") == "" and kind.get("kind") == "Pod" and not request.get("subResource")
+    return (
+        kind.get("group", "") == ""
+        and kind.get("kind") == "Pod"
+        and request.get("subResource", "") in ("", "status", None)
+    )
 
 
 def _is_binding(request: Mapping[str, Any]) -> bool:
+    """A Binding, posted to ``pods/binding`` or to the namespaced ``bindings`` resource."""
     kind = request.get("kind") or {}
     resource = request.get("resource") or {}
-    return (
-        kind.get("group", "") == ""
-        and kind.get("kind") == "Binding"
-        and resource.get("resource") == "pods"
-        and request.get("subResource") == "binding"
-    )
+    if kind.get("group", "") != "" or kind.get("kind") != "Binding":
+        return False
+    subresource = request.get("subResource") or ""
+    return (resource.get("resource"), subresource) in (("pods", "binding"), ("bindings", ""))
 
 
 def _annotations(obj: Mapping[str, Any] | None) -> dict[str, str]:
     metadata = (obj or {}).get("metadata") or {}
-    return {str(key): str(value) for key, value in (metadata.get("annotations") or {}).items()}
+    return dict(metadata.get("annotations") or {})
 
 
 def _invalid(error: InvalidPodRequest) -> Verdict:
@@ -95,8 +198,8 @@ def _invalid(error: InvalidPodRequest) -> Verdict:
 
 
 def validate_review(review: Mapping[str, Any], policy: AdmissionPolicy) -> dict[str, Any]:
-    """The validating webhook's answer to ``review``."""
-    return _response(review, decide_validate(review.get("request") or {}, policy))
+    """The validating webhook's answer to ``review``; raises ``MalformedReview``."""
+    return _response(review, decide_validate(read_request(review), policy))
 
 
 def _forbidden(violations: list[RuleViolation]) -> Verdict:
@@ -110,6 +213,8 @@ def decide_validate(request: Mapping[str, Any], policy: AdmissionPolicy) -> Verd
         return _decide_binding(request, is_binder=is_binder)
     if not _is_pod(request) or request.get("operation") not in ("CREATE", "UPDATE"):
         return Verdict(allowed=True)
+    if request["operation"] == "CREATE" and request.get("subResource"):
+        return Verdict(allowed=True)  # no pod is created through a subresource
     pod = request.get("object") or {}
     new = _annotations(pod)
     if request["operation"] == "UPDATE":
@@ -136,12 +241,13 @@ def _decide_binding(request: Mapping[str, Any], *, is_binder: bool) -> Verdict:
 
 
 def mutate_review(review: Mapping[str, Any], policy: AdmissionPolicy) -> dict[str, Any]:
-    """The mutating webhook's answer to ``review``: always allowed, with a JSONPatch when needed."""
-    return _response(review, decide_mutate(review.get("request") or {}, policy))
+    """The mutating webhook's answer to ``review``: always allowed, with a JSONPatch when needed; raises
+    ``MalformedReview``."""
+    return _response(review, decide_mutate(read_request(review), policy))
 
 
 def decide_mutate(request: Mapping[str, Any], policy: AdmissionPolicy) -> Verdict:
-    if not _is_pod(request) or request.get("operation") != "CREATE":
+    if not _is_pod(request) or request.get("operation") != "CREATE" or request.get("subResource"):
         return Verdict(allowed=True)
     pod = request.get("object") or {}
     spec = pod.get("spec") or {}

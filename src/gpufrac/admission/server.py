@@ -3,10 +3,12 @@
 The standard library's threading HTTP server is enough: an admission request is a small JSON document
 answered from memory in microseconds, and the API server keeps a handful of connections. Two details
 make it robust: the TLS handshake runs in the connection's own thread (a slow or broken client cannot
-stall the accept loop), and every connection has a read timeout. Any failure inside a handler answers
-500 rather than dropping the connection, so the API server reports a clear error (and, with
-failurePolicy Fail, rejects only the GPU pod at hand, never ordinary pods: the configuration's
-matchConditions keep those away).
+stall the accept loop), and every connection has a read timeout. A request that is not a readable
+AdmissionReview (bad length, bad JSON, nesting too deep, a field of the wrong type) answers 400 with what
+is wrong; property tests post arbitrary documents and check that nothing else comes back. Any other
+failure inside a handler answers 500 rather than dropping the connection, so the API server reports a
+clear error (and, with failurePolicy Fail, rejects only the GPU pod at hand, never ordinary pods: the
+configuration's matchConditions keep those away).
 """
 
 from __future__ import annotations
@@ -22,12 +24,13 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from gpufrac.admission.review import AdmissionPolicy, mutate_review, validate_review
+from gpufrac.admission.review import AdmissionPolicy, MalformedReview, mutate_review, validate_review
 
 log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 8 << 20  # an AdmissionReview holds the old and new object; etcd caps each near 1.5 MiB
 CONNECTION_TIMEOUT_S = 30.0
+_MAX_ERROR_CHARS = 500
 
 Handler = Callable[[Mapping[str, Any], AdmissionPolicy], dict[str, Any]]
 ROUTES: dict[str, Handler] = {"/validate": validate_review, "/mutate": mutate_review}
@@ -122,19 +125,25 @@ class _RequestHandler(BaseHTTPRequestHandler):
         if handler is None:
             self._send(404, b"not found", "text/plain")
             return
-        length = int(self.headers.get("Content-Length") or 0)
+        try:
+            length = int(self.headers.get("Content-Length") or 0)
+        except ValueError:
+            length = -1
         if length <= 0 or length > MAX_BODY_BYTES:
+            self.close_connection = True  # a body of unknown length may follow: do not read it as a request
             self._send(400 if length <= 0 else 413, b"bad body length", "text/plain")
             return
         try:
             review = json.loads(self.rfile.read(length))
-            if not isinstance(review, dict):
-                raise ValueError("an AdmissionReview is a JSON object")
-        except ValueError as error:
-            self._send(400, f"bad AdmissionReview: {error}".encode(), "text/plain")
+        except (ValueError, RecursionError) as error:  # RecursionError: nesting deeper than the parser goes
+            message = f"bad AdmissionReview: {type(error).__name__}: {error}"[:_MAX_ERROR_CHARS]
+            self._send(400, message.encode(), "text/plain")
             return
         try:
             answer = handler(review, self.server.policy)
+        except MalformedReview as error:
+            self._send(400, f"bad AdmissionReview: {error}".encode(), "text/plain")
+            return
         except Exception:  # answer 500 so the API server reports it; the connection stays usable
             log.exception("admission handler %s failed", self.path)
             self._send(500, b"internal error", "text/plain")

@@ -4,7 +4,9 @@ Reads YAML (multi-document) or JSON files, finds every pod in them (Pods, the po
 Deployments, StatefulSets, DaemonSets, ReplicaSets, ReplicationControllers, Jobs, CronJobs and
 PodTemplates, and the items of List kinds), and prints each pod's normalized GPU request or every
 violation. Exit status 1 when anything is invalid or unreadable, so it fits in CI. The rules are the
-contract's own (``parse_pod_manifest`` with ``user_written=True``): what passes here passes the webhook.
+contract's own (``parse_pod_manifest`` with ``user_written=True``), after the webhook's own shape check
+(``review.check_object``): what passes here passes the webhook, and a malformed pod is reported, not a
+traceback.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Annotated, Any
 import typer
 import yaml
 
+from gpufrac.admission.review import MalformedReview, check_object
 from gpufrac.contract.errors import InvalidPodRequest
 from gpufrac.contract.parse import parse_pod_manifest
 from gpufrac.contract.request import ContainerGpuRequest, GpuMemory, PodGpuRequest
@@ -109,7 +112,11 @@ def validate(
             for found in find_pods(document, source=str(path)):
                 entry: dict[str, Any] = {"file": found.source, "kind": found.kind, "name": found.name}
                 try:
+                    check_object(found.pod)
                     request = parse_pod_manifest(found.pod, user_written=True)
+                except MalformedReview as malformed:
+                    failed = True
+                    entry["errors"] = [f"the pod is malformed: {malformed}"]
                 except InvalidPodRequest as invalid:
                     failed = True
                     entry["errors"] = invalid.messages

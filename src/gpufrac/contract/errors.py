@@ -87,7 +87,17 @@ class BelowMinimum(RuleViolation):
 
 
 class TooLarge(RuleViolation):
-    summary = "the amount must be at most 8Ei"
+    summary = "the amount must be less than 8Ei (a Kubernetes quantity holds at most 2^63 - 1 bytes)"
+
+
+#: The longest quantity text the contract reads: an int64 has 19 digits, so 64 characters leave room for
+#: any real amount with its fraction, exponent and suffix, and keep arbitrary-precision arithmetic (and
+#: Python's 4,300-digit limit on int conversion) away from hostile input.
+MAX_QUANTITY_CHARS = 64
+
+
+class QuantityTooLong(RuleViolation):
+    summary = f"a quantity must be at most {MAX_QUANTITY_CHARS} characters long"
 
 
 class QuantityNeedsUnit(RuleViolation):
@@ -169,6 +179,16 @@ class NotTheRequestingContainer(RuleViolation):
 
 class InvalidMps(RuleViolation):
     summary = 'mps must be "true" or "false"'
+
+
+class UnwritableKey(RuleViolation):
+    """The scheduler would have to write a key the API server refuses (its ``detail`` names the key and
+    the API server's rule); raised at admission, by ``gpufrac validate``, and by ``render_binding``."""
+
+    summary = (
+        "the container name is too long or malformed for the annotation keys the scheduler writes when it"
+        " places the pod"
+    )
 
 
 # -- who may write what ----------------------------------------------------------------------------------

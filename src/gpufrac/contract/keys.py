@@ -11,6 +11,7 @@ names, spelled exactly as they do; everything gpufrac adds lives under ``gpufrac
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 # -- per-container NvFractions keys (nvidia.com/container.<c>.<suffix>) ---------------------------------
@@ -187,3 +188,47 @@ def split_container_key(key: str) -> ContainerKey | None:
 def is_contract_key(key: str) -> bool:
     """Whether ``key`` belongs to the GPU contract (per-container or pod-level form)."""
     return key in POD_LEVEL_KEYS or key == KAI_MPS or split_container_key(key) is not None
+
+
+# -- the API server's rule for annotation keys ----------------------------------------------------------
+
+#: The longest name part of a qualified name (the part after ``<prefix>/``).
+QUALIFIED_NAME_MAX_CHARS = 63
+#: The longest prefix of a qualified name (a DNS-1123 subdomain).
+QUALIFIED_PREFIX_MAX_CHARS = 253
+_QUALIFIED_NAME = re.compile(r"([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]", re.ASCII)
+_DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*", re.ASCII)
+
+
+def annotation_key_problem(key: str) -> str | None:
+    """Why the API server would refuse ``key`` as an annotation key, in its own words; None if it is valid.
+
+    The API server checks annotation keys with ``IsQualifiedName`` on the lower-cased key
+    (k8s.io/apimachinery, pkg/api/validation/objectmeta.go): an optional DNS-1123 subdomain prefix of at
+    most 253 characters and a ``/``, then a name of at most 63 characters that starts and ends with an
+    alphanumeric character and holds only alphanumerics, ``-``, ``_`` and ``.``. A Binding's annotations
+    are merged into the pod WITHOUT this check, so whatever the scheduler writes must pass it here first:
+    a pod holding an invalid key fails every later update, finalizer removal included.
+    """
+    parts = key.lower().split("/")
+    if len(parts) > 2:
+        return "a qualified name has at most one '/', between an optional DNS subdomain prefix and the name"
+    name = parts[-1]
+    if len(parts) == 2:
+        prefix = parts[0]
+        if not prefix:
+            return "the prefix part must be non-empty"
+        if len(prefix) > QUALIFIED_PREFIX_MAX_CHARS:
+            return f"the prefix part must be no more than {QUALIFIED_PREFIX_MAX_CHARS} characters"
+        if not _DNS_SUBDOMAIN.fullmatch(prefix):
+            return "the prefix part must be a lowercase DNS-1123 subdomain"
+    if not name:
+        return "the name part must be non-empty"
+    if len(name) > QUALIFIED_NAME_MAX_CHARS:
+        return f"the name part must be no more than {QUALIFIED_NAME_MAX_CHARS} characters, it has {len(name)}"
+    if not _QUALIFIED_NAME.fullmatch(name):
+        return (
+            "the name part must consist of alphanumeric characters, '-', '_' or '.', "
+            "and must start and end with an alphanumeric character"
+        )
+    return None

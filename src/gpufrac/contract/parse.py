@@ -65,11 +65,13 @@ from gpufrac.contract.errors import (
 )
 from gpufrac.contract.quantities import parse_bytes, parse_mib
 from gpufrac.contract.request import ComputeMode, ContainerGpuRequest, GpuMemory, PodGpuRequest
+from gpufrac.contract.writable import unwritable_keys
 
 MAX_DEVICE_COUNT = 256
 
-_DECIMAL = re.compile(r"\+?(\d+\.?\d*|\.\d+)([eE][+-]?\d{1,3})?")
-_WHOLE = re.compile(r"\d{1,6}")
+# ASCII digits only, as Kubernetes: Python's \d matches every Unicode digit, and float() accepts them.
+_DECIMAL = re.compile(r"\+?(\d+\.?\d*|\.\d+)([eE][+-]?\d{1,3})?", re.ASCII)
+_WHOLE = re.compile(r"\d{1,6}", re.ASCII)
 _DEVICE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/=-]*")
 
 
@@ -206,9 +208,12 @@ def parse_pod(
                 detail="it multiplies a fractional request; the pod has none",
             )
         )
+    parsed = PodGpuRequest(containers=tuple(requests))
+    for violation in unwritable_keys(parsed):  # the scheduler could never bind it: refuse it now
+        found.add(violation)
     if found.found:
         raise InvalidPodRequest(found.found)
-    return PodGpuRequest(containers=tuple(requests))
+    return parsed
 
 
 def pod_level_target(annotations: Mapping[str, str], names: Sequence[str]) -> str | None:

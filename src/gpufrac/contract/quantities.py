@@ -15,9 +15,11 @@ import re
 from fractions import Fraction
 
 from gpufrac.contract.errors import (
+    MAX_QUANTITY_CHARS,
     BelowMinimum,
     NotAQuantity,
     NotPositive,
+    QuantityTooLong,
     TooLarge,
     UnknownQuantitySuffix,
 )
@@ -36,15 +38,20 @@ _DECIMAL_SUFFIXES: dict[str, Fraction] = {
     "P": Fraction(10**15),
     "E": Fraction(10**18),
 }
-_NUMBER = re.compile(r"([+-]?)(\d+\.?\d*|\.\d+)(.*)", re.DOTALL)
-_EXPONENT = re.compile(r"[eE]([+-]?\d{1,6})")
-_LETTERS = re.compile(r"[A-Za-z]+")
+# ASCII digits only, as Kubernetes: Python's \d matches every Unicode digit, and Fraction() accepts them.
+_NUMBER = re.compile(r"([+-]?)(\d+\.?\d*|\.\d+)(.*)", re.DOTALL | re.ASCII)
+_EXPONENT = re.compile(r"[eE]([+-]?\d{1,6})", re.ASCII)
+_LETTERS = re.compile(r"[A-Za-z]+", re.ASCII)
 _MAX_EXPONENT = 40  # beyond this any non-zero number is below 1 byte or above MAX_BYTES
 
 
 def parse_bytes(text: str, *, key: str) -> Fraction:
     """The exact number of bytes in a positive quantity; raises a ``RuleViolation`` naming ``key``."""
     value = text.strip()
+    if len(value) > MAX_QUANTITY_CHARS:
+        raise QuantityTooLong(key=key, value=text, detail=f"it has {len(value)}")
+    if not value.isascii():
+        raise NotAQuantity(key=key, value=text, detail="only the ASCII digits 0-9 are digits in a quantity")
     match = _NUMBER.fullmatch(value)
     if match is None:
         raise NotAQuantity(key=key, value=text)

@@ -13,6 +13,11 @@ marker, the device count); its docstring lists what it accepts and refuses. The 
 
 ``render -> parse`` is stable too: parsing a pod with the rendered keys and rendering again gives the
 same keys (an explicit request wins over ``gpu-fraction`` once devices are assigned).
+Every key rendered passes the API server's annotation-key rule (``keys.annotation_key_problem``). The
+Binding that carries them is merged into the pod without that check, and a pod holding an invalid key
+can never be updated again (not even to remove a finalizer), so an unwritable key is a ``ContractError``
+here, and ``parse_pod`` refuses such a pod up front (``writable.unwritable_keys``): the webhook at creation,
+``gpufrac validate`` on a manifest, the scheduler as an unschedulable pod.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from gpufrac.contract.errors import (
 from gpufrac.contract.parse import _DEVICE, MAX_DEVICE_COUNT, _binder_compute_portion, _Violations, _whole
 from gpufrac.contract.quantities import format_mib, parse_mib
 from gpufrac.contract.request import ComputeMode, ContainerGpuRequest, PodGpuRequest
+from gpufrac.contract.writable import unwritable_key
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,7 +74,8 @@ def render_binding(request: PodGpuRequest, placements: Iterable[DeviceChoice]) -
     """The binder-owned (and resolved) annotations for ``request`` placed as ``placements``.
 
     Every container of the request needs exactly one placement with ``device_count`` devices; anything
-    else is a bug in the caller and raises ``ValueError``.
+    else is a bug in the caller and raises ``ValueError``. A key the API server would refuse raises
+    ``InvalidPodRequest`` (``UnwritableKey``): the pod cannot be placed, and a Binding would store it.
     """
     by_name = {p.container: p for p in placements}
     wanted = {c.container for c in request.containers}
@@ -77,8 +84,17 @@ def render_binding(request: PodGpuRequest, placements: Iterable[DeviceChoice]) -
             f"placements for {sorted(by_name)} do not match the request's containers {sorted(wanted)}"
         )
     rendered: dict[str, str] = {}
+    problems: list[RuleViolation] = []
     for container in request.containers:
-        rendered.update(_render_container(container, by_name[container.container]))
+        written = _render_container(container, by_name[container.container])
+        for key in written:
+            problem = k.annotation_key_problem(key)
+            if problem is not None:
+                problems.append(unwritable_key(container.container, key, problem))
+                break
+        rendered.update(written)
+    if problems:
+        raise InvalidPodRequest(problems)
     return rendered
 
 

@@ -16,6 +16,10 @@ Two ways, one contract (``bind_mode``):
   the pod: bound means the Binding did succeed (its answer was lost), otherwise it retries on the fresh
   version, touching only keys that still hold what this binder wrote.
 
+Nothing is written when the contract refuses to render the placement (``UNWRITABLE``: a key the API
+server would refuse, which a Binding would store unchecked and so make the pod impossible to update
+again); the scheduler reports the pod unschedulable with the contract's sentence.
+
 Either way, a pod left with binder-owned keys and no node (a two-step binder died between its writes,
 or another binder misbehaved) is cleaned by ``clean_stale`` before it is placed again.
 """
@@ -32,6 +36,7 @@ from lightkube import AsyncClient
 from lightkube.resources.core_v1 import Pod
 
 from gpufrac.contract import keys
+from gpufrac.contract.errors import ContractError
 from gpufrac.contract.render import DeviceChoice, render_binding
 from gpufrac.contract.request import PodGpuRequest
 from gpufrac.kube.binding import bind_pod
@@ -52,6 +57,7 @@ class Outcome(enum.Enum):
     NOT_LEADER = "not_leader"  # the lease was lost before a write
     FAILED = "failed"  # anything else: back off and retry
     CLEANED = "cleaned"  # stale binder-owned keys were removed
+    UNWRITABLE = "unwritable"  # the contract refused to render the placement: nothing was written
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,7 +170,12 @@ class Binder:
     async def bind(
         self, pod: Pod, *, request: PodGpuRequest, placement: Placement, gpu_mib: Mapping[str, int]
     ) -> BindResult:
-        written = binding_annotations(request, placement, gpu_mib=gpu_mib, device_style=self._device_style)
+        try:
+            written = binding_annotations(
+                request, placement, gpu_mib=gpu_mib, device_style=self._device_style
+            )
+        except ContractError as error:  # e.g. a key the API server refuses, which a Binding would store
+            return BindResult(Outcome.UNWRITABLE, str(error), "invalid")
         if self._mode is BindMode.ATOMIC:
             return await self._bind_atomically(pod, placement=placement, written=written)
         return await self._patch_then_bind(pod, placement=placement, written=written)

@@ -382,6 +382,9 @@ class SchedulerService:
             )
             return
         self._release_assumed(uid)
+        if result.outcome is Outcome.UNWRITABLE:
+            self._unschedulable(pod, result.detail)
+            return
         if result.outcome in (Outcome.GONE, Outcome.BOUND_ELSEWHERE):
             if result.outcome is Outcome.GONE:
                 self.queue.remove(uid)

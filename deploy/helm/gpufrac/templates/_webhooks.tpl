@@ -24,9 +24,14 @@ rules:
     operations: ["CREATE", "UPDATE"]
     resources: ["pods"]
     scope: "Namespaced"
+  - apiGroups: [""]
+    apiVersions: ["v1"]
+    operations: ["UPDATE"]
+    resources: ["pods/status"]
+    scope: "Namespaced"
 matchConditions:
   - name: "gpu-pods"
-    expression: "((has(object.metadata.annotations) && object.metadata.annotations.exists(key, key.startsWith('nvidia.com/container.') || key.startsWith('kai.scheduler/container.') || key.startsWith('gpufrac.io/container.') || key in ['gpu-fraction', 'gpu-fraction.limit', 'gpu-fraction-num-devices', 'gpu-fraction-container-name', 'gpu-memory', 'gpu-memory.limit'])) || (has(object.spec.containers) && object.spec.containers.exists(c, has(c.resources) && ((has(c.resources.limits) && 'nvidia.com/gpu' in c.resources.limits) || (has(c.resources.requests) && 'nvidia.com/gpu' in c.resources.requests))))) || (oldObject != null && ((has(oldObject.metadata.annotations) && oldObject.metadata.annotations.exists(key, key.startsWith('nvidia.com/container.') || key.startsWith('kai.scheduler/container.') || key.startsWith('gpufrac.io/container.') || key in ['gpu-fraction', 'gpu-fraction.limit', 'gpu-fraction-num-devices', 'gpu-fraction-container-name', 'gpu-memory', 'gpu-memory.limit'])) || (has(oldObject.spec.containers) && oldObject.spec.containers.exists(c, has(c.resources) && ((has(c.resources.limits) && 'nvidia.com/gpu' in c.resources.limits) || (has(c.resources.requests) && 'nvidia.com/gpu' in c.resources.requests))))))"
+    expression: "(oldObject == null && ((has(object.metadata.annotations) && object.metadata.annotations.exists(key, key.startsWith('nvidia.com/container.') || key.startsWith('kai.scheduler/container.') || key.startsWith('gpufrac.io/container.') || key in ['gpu-fraction', 'gpu-fraction.limit', 'gpu-fraction-num-devices', 'gpu-fraction-container-name', 'gpu-memory', 'gpu-memory.limit'])) || (has(object.spec.containers) && object.spec.containers.exists(c, has(c.resources) && ((has(c.resources.limits) && 'nvidia.com/gpu' in c.resources.limits) || (has(c.resources.requests) && 'nvidia.com/gpu' in c.resources.requests)))))) || (oldObject != null && ((has(object.metadata.annotations) && object.metadata.annotations.exists(key, (key.startsWith('nvidia.com/container.') || key.startsWith('kai.scheduler/container.') || key.startsWith('gpufrac.io/container.') || key in ['gpu-fraction', 'gpu-fraction.limit', 'gpu-fraction-num-devices', 'gpu-fraction-container-name', 'gpu-memory', 'gpu-memory.limit']) && !(has(oldObject.metadata.annotations) && key in oldObject.metadata.annotations && oldObject.metadata.annotations[key] == object.metadata.annotations[key]))) || (has(oldObject.metadata.annotations) && oldObject.metadata.annotations.exists(key, (key.startsWith('nvidia.com/container.') || key.startsWith('kai.scheduler/container.') || key.startsWith('gpufrac.io/container.') || key in ['gpu-fraction', 'gpu-fraction.limit', 'gpu-fraction-num-devices', 'gpu-fraction-container-name', 'gpu-memory', 'gpu-memory.limit']) && !(has(object.metadata.annotations) && key in object.metadata.annotations)))))"
 failurePolicy: "Fail"
 sideEffects: "None"
 admissionReviewVersions: ["v1"]
@@ -37,6 +42,11 @@ rules:
     apiVersions: ["v1"]
     operations: ["CREATE"]
     resources: ["pods/binding"]
+    scope: "Namespaced"
+  - apiGroups: [""]
+    apiVersions: ["v1"]
+    operations: ["CREATE"]
+    resources: ["bindings"]
     scope: "Namespaced"
 matchConditions:
   - name: "gpu-bindings"
