@@ -16,17 +16,20 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import yaml
 from lightkube import AsyncClient
 from lightkube.resources.core_v1 import Event, Node, Pod
+from lightkube.types import PatchType
 
 from gpufrac.contract import keys
 from gpufrac.local.simnodes import NodeShape, create_sim_nodes
 from gpufrac.scheduler.audit import AuditReport, audit
 from gpufrac.scheduler.config import SchedulerConfig
+from gpufrac.scheduler.engine import PlacementEngine
 from gpufrac.scheduler.service import SchedulerService, build_service
 
 POOL_LABEL = "gpufrac.io/test-pool"
@@ -167,6 +170,21 @@ async def wait_bound(client: AsyncClient, namespace: str, count: int, *, timeout
     return pods
 
 
+async def set_agent_heartbeat(client: AsyncClient, node: str, when: datetime) -> None:
+    """Write the node agent's Ready condition with heartbeat ``when``, as the agent's publisher does."""
+    stamp = when.strftime("%Y-%m-%dT%H:%M:%SZ")
+    condition = {
+        "type": keys.NODE_READY_CONDITION,
+        "status": "True",
+        "reason": "SimulatedNode",
+        "message": "simulated node agent",
+        "lastHeartbeatTime": stamp,
+    }
+    await client.patch(
+        Node.Status, node, {"status": {"conditions": [condition]}}, patch_type=PatchType.STRATEGIC
+    )
+
+
 def condition(pod: Pod, kind: str = "PodScheduled") -> tuple[str | None, str | None, str | None]:
     for c in (pod.status.conditions if pod.status else None) or []:
         if c.type == kind:
@@ -176,10 +194,19 @@ def condition(pod: Pod, kind: str = "PodScheduled") -> tuple[str | None, str | N
 
 @contextlib.asynccontextmanager
 async def running(
-    client: AsyncClient, config: SchedulerConfig, *, identity: str | None = None, wait: bool = True
+    client: AsyncClient,
+    config: SchedulerConfig,
+    *,
+    identity: str | None = None,
+    wait: bool = True,
+    engine: PlacementEngine | None = None,
 ) -> AsyncIterator[SchedulerService]:
-    """An in-process scheduler service; stopped (and checked to stop) on exit."""
-    service = build_service(client=client, config=config, identity=identity)
+    """An in-process scheduler service (with ``engine``, else the one ``config`` describes); stopped,
+    and checked to stop, on exit."""
+    if engine is None:
+        service = build_service(client=client, config=config, identity=identity)
+    else:
+        service = SchedulerService(client=client, config=config, engine=engine, identity=identity)
     task = asyncio.create_task(service.run(), name=f"scheduler-{service.identity}")
     try:
         if wait:
