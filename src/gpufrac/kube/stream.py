@@ -158,7 +158,9 @@ async def watch_objects(
                 status = decoders.decode_status(event.object)
                 raise from_status(code=status.code, reason=status.reason, message=status.message)
             if event.type == "BOOKMARK":
-                yield WatchEvent(type="BOOKMARK", object=None, resource_version=decode_bookmark_version(event.object))
+                yield WatchEvent(
+                    type="BOOKMARK", object=None, resource_version=decode_bookmark_version(event.object)
+                )
                 continue
             obj = decoders.decode_object(event.object, resource)
             yield WatchEvent(type=event.type, object=obj, resource_version=obj.metadata.resourceVersion or "")
