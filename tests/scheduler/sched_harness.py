@@ -79,6 +79,9 @@ def new_pool() -> Pool:
 async def add_nodes(
     client: AsyncClient, pool: Pool, *, count: int, shape: NodeShape = NodeShape(), prefix: str = "n"
 ) -> list[str]:
+    """Simulated nodes of the pool. No node agent re-writes their heartbeat: it is the creation time,
+    so they expire after the scheduler's ``node_heartbeat_expiry_s`` (180 s by default); a test that
+    runs longer refreshes it (``set_agent_heartbeat``) or turns the expiry off in its config."""
     return await create_sim_nodes(
         client, count=count, shape=shape, prefix=f"{pool.id}-{prefix}-", labels={POOL_LABEL: pool.id}
     )
