@@ -332,10 +332,14 @@ async def test_a_pod_the_scheduler_fails_on_is_reported_and_every_other_pod_is_p
     async with running(client, config, engine=_FailsOn(build_engine(config), "poison-place")) as service:
         half = {"gpu-fraction": "0.5"}
         huge = {keys.memory_request_key("app"): "1" + "0" * 5000}
-        for name, annotations in [("poison-read", half), ("good-1", half), ("poison-place", half)]:
-            await client.create(gpu_pod(pool, name, annotations))
-        await client.create(gpu_pod(pool, "huge", huge))
-        await client.create(gpu_pod(pool, "good-2", half))
+        pods_in = [
+            ("poison-read", half),
+            ("good-1", half),
+            ("poison-place", half),
+            ("huge", huge),
+            ("good-2", half),
+        ]
+        await asyncio.gather(*(client.create(gpu_pod(pool, name, notes)) for name, notes in pods_in))
 
         async def all_answered() -> bool:
             pods = await pods_of(client, pool.namespace)
