@@ -279,6 +279,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                         "http_host": "127.0.0.1",
                         "http_port": port,
                         "leader_election": {"lease_namespace": "default"},
+                        # The simulated nodes have no node agent re-writing their heartbeat, and node
+                        # setup plus the baseline can outlast its expiry.
+                        "node_heartbeat_expiry_s": None,
                     }
                 )
             )

@@ -7,13 +7,15 @@ compacts etcd every second.
 from __future__ import annotations
 
 import asyncio
-import uuid
-from collections.abc import Callable
+import contextlib
+import itertools
+from collections.abc import AsyncIterator, Callable
 
 import pytest
 from lightkube import AsyncClient
+from lightkube.models.core_v1 import Container, PodSpec
 from lightkube.models.meta_v1 import ObjectMeta
-from lightkube.resources.core_v1 import ConfigMap
+from lightkube.resources.core_v1 import ConfigMap, Namespace, Pod
 
 from gpufrac.kube.informer import Informer
 from gpufrac.kube.stream import Selection, watch_objects
@@ -67,9 +69,19 @@ async def test_lists_existing_objects_then_delivers_every_change(client: AsyncCl
         await client.patch(ConfigMap, "before", {"data": {"k": "v"}}, namespace=namespace)
         await client.delete(ConfigMap, "after", namespace=namespace)
         await client.create(ConfigMap(metadata=ObjectMeta(name="unlabelled", namespace=namespace)))
-        await eventually(lambda: ("delete", "after") in seen.events)
-        assert seen.events == [("add", "before"), ("add", "after"), ("update", "before"), ("delete", "after")]
-        assert informer.store.keys() == [f"{namespace}/before"]
+        # The watch delivers in resourceVersion order, so once the labelled object created after the
+        # unlabelled one is seen, the watch has passed the unlabelled one: its absence is then a fact,
+        # not a race with a watch that has not caught up yet.
+        await client.create(configmap("last", namespace))
+        await eventually(lambda: ("add", "last") in seen.events)
+        assert seen.events == [
+            ("add", "before"),
+            ("add", "after"),
+            ("update", "before"),
+            ("delete", "after"),
+            ("add", "last"),
+        ]
+        assert sorted(informer.store.keys()) == [f"{namespace}/before", f"{namespace}/last"]
         assert informer.store.get(f"{namespace}/before").data == {"k": "v"}
     finally:
         task.cancel()
@@ -114,63 +126,78 @@ async def test_a_failing_handler_does_not_stop_the_others(client: AsyncClient, n
         await asyncio.gather(task, return_exceptions=True)
 
 
-async def test_pod_watch_survives_the_api_servers_bookmark(client: AsyncClient, namespace: str) -> None:
-    """The watch cache sends a BOOKMARK two seconds before a watch's deadline (and every minute) once
-    the pods' resourceVersion moved past the watch's; a Pod bookmark carries ``"spec":{"containers":null}``,
-    which the typed Pod decoder refuses. Decoding it as a Pod killed every informer about a minute after
-    it started."""
-    from lightkube.models.core_v1 import Container, PodSpec
-    from lightkube.resources.core_v1 import Namespace, Pod
+@contextlib.asynccontextmanager
+async def cache_moving(client: AsyncClient, pod: Pod) -> AsyncIterator[None]:
+    """Keep re-labelling ``pod`` (outside the watched selection) while the block runs.
 
-    def pod(name: str, ns: str) -> Pod:
-        return Pod(
-            metadata=ObjectMeta(name=name, namespace=ns),
-            spec=PodSpec(containers=[Container(name="c", image="i")]),
-        )
+    The watch cache sends a bookmark only when its version has moved past the version a watch stands
+    at; a watch that already saw everything of a quiet resource gets none. A busy cluster moves it all
+    the time; a test moves it with a write the watch does not select.
+    """
 
-    elsewhere = f"{namespace}-other"
-    await client.create(Namespace(metadata=ObjectMeta(name=elsewhere)))
-    watched = await client.create(pod("bm", namespace))
+    async def write() -> None:
+        for i in itertools.count():
+            await client.patch(
+                Pod,
+                pod.metadata.name,
+                {"metadata": {"labels": {"tick": str(i)}}},
+                namespace=pod.metadata.namespace,
+            )
+            await asyncio.sleep(0.3)
 
-    async def move_the_pods_version_elsewhere() -> None:
-        # A pod in another namespace advances the pods' version without an event for our watch: the
-        # next bookmark is newer than anything the watch saw, so the server sends it.
-        await client.create(pod(f"other-{uuid.uuid4().hex[:6]}", elsewhere))
-
-    mover = asyncio.create_task(move_the_pods_version_elsewhere())
-    events = [
-        event
-        async for event in watch_objects(
-            client,
-            Pod,
-            selection=Selection(namespace=namespace),
-            resource_version=watched.metadata.resourceVersion,
-            timeout_seconds=4,
-        )
-    ]
-    await mover
-    bookmarks = [event for event in events if event.type == "BOOKMARK"]
-    assert bookmarks, f"the API server sent no bookmark within the watch: {[e.type for e in events]}"
-    assert all(
-        event.object is None and int(event.resource_version) > int(watched.metadata.resourceVersion)
-        for event in bookmarks
-    )
-
-    informer: Informer[Pod] = Informer(
-        client=client, resource=Pod, selection=Selection(namespace=namespace), watch_timeout=3
-    )
-    task = asyncio.create_task(informer.run())
+    task = asyncio.create_task(write())
     try:
-        await asyncio.wait_for(informer.synced.wait(), 10)
-        start_version = int(informer.resource_version)
-        await move_the_pods_version_elsewhere()
-        # Only a bookmark can move the informer's version past the other namespace's pod.
-        await eventually(lambda: int(informer.resource_version) > start_version or task.done(), timeout=20)
-        assert not task.done(), task.exception()
-        await client.patch(Pod, "bm", {"metadata": {"labels": {"seen": "yes"}}}, namespace=namespace)
-        await eventually(
-            lambda: (informer.store.get(f"{namespace}/bm").metadata.labels or {}).get("seen") == "yes"
-        )
+        yield
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+
+
+def busybox(name: str, namespace: str) -> Pod:
+    return Pod(
+        metadata=ObjectMeta(name=name, namespace=namespace),
+        spec=PodSpec(containers=[Container(name="c", image="busybox")]),
+    )
+
+
+async def test_pod_watch_survives_the_api_servers_bookmark(client: AsyncClient, namespace: str) -> None:
+    """The watch cache sends a BOOKMARK two seconds before a watch's deadline (and every minute); a Pod
+    bookmark carries ``"spec":{"containers":null}``, which the typed Pod decoder refuses. Decoding it as a
+    Pod killed every informer about a minute after it started."""
+    pod = await client.create(busybox("bm", namespace))
+    await client.create(Namespace(metadata=ObjectMeta(name=f"{namespace}-x")))
+    elsewhere = await client.create(busybox("elsewhere", f"{namespace}-x"))
+    async with cache_moving(client, elsewhere):
+        events = [
+            event
+            async for event in watch_objects(
+                client,
+                Pod,
+                selection=Selection(namespace=namespace),
+                resource_version=pod.metadata.resourceVersion,
+                timeout_seconds=4,
+            )
+        ]
+        bookmarks = [event for event in events if event.type == "BOOKMARK"]
+        assert bookmarks, f"the API server sent no bookmark within the watch: {[e.type for e in events]}"
+        assert all(event.object is None and int(event.resource_version) > 0 for event in bookmarks)
+
+        informer: Informer[Pod] = Informer(
+            client=client, resource=Pod, selection=Selection(namespace=namespace), watch_timeout=3
+        )
+        task = asyncio.create_task(informer.run())
+        try:
+            await asyncio.wait_for(informer.synced.wait(), 10)
+            # Past two bookmarks and two watch ends, the informer still runs and still sees changes.
+            await eventually(
+                lambda: (informer.bookmarks >= 2 and informer.watch_restarts >= 2) or task.done(), timeout=30
+            )
+            assert not task.done(), task.exception()
+            await client.patch(Pod, "bm", {"metadata": {"labels": {"seen": "yes"}}}, namespace=namespace)
+            await eventually(
+                lambda: (informer.store.get(f"{namespace}/bm").metadata.labels or {}).get("seen") == "yes"
+            )
+            assert informer.store.keys() == [f"{namespace}/bm"]
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)

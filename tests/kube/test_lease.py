@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 import pytest
 from lightkube import AsyncClient
@@ -27,27 +27,55 @@ def elector(client: AsyncClient, name: str, identity: str) -> LeaderElector:
     return LeaderElector(client=client, name=name, namespace="default", identity=identity, timing=FAST)
 
 
-async def test_one_leader_at_a_time_and_a_release_hands_over_at_once(client: AsyncClient) -> None:
+async def test_a_leader_keeps_its_lease_over_many_renewals_and_a_rival_never_leads(
+    client: AsyncClient,
+) -> None:
+    """Renewal is a periodic event: the leader must stay leader across many of them, past several lease
+    durations (measured by the lease's own renewTime, as every candidate measures it), while a rival
+    keeps trying."""
     name = f"lease-{uuid.uuid4().hex[:8]}"
     a, b = elector(client, name, "a"), elector(client, name, "b")
     task_a = asyncio.create_task(a.run())
     await asyncio.wait_for(a.leading.wait(), 5)
     task_b = asyncio.create_task(b.run())
     try:
-        # b keeps trying for longer than a lease duration: a renews, so b never leads.
-        for _ in range(int(FAST.lease_duration / 0.1) + 5):
-            assert not (a.is_leader and b.is_leader)
-            assert not b.leading.is_set()
-            await asyncio.sleep(0.1)
-        lease = await client.get(Lease, name, namespace="default")
-        assert lease.spec.holderIdentity == "a"
+        first = await client.get(Lease, name, namespace="default")
+        renewals = {first.spec.renewTime}
+        until = first.spec.renewTime + timedelta(seconds=3 * FAST.lease_duration)
+        latest = first
+        while latest.spec.renewTime < until:
+            assert not task_a.done() and not task_b.done()
+            assert a.is_leader and not b.leading.is_set()
+            assert latest.spec.holderIdentity == "a" and latest.spec.leaseTransitions == 0
+            assert latest.spec.acquireTime == first.spec.acquireTime
+            await asyncio.sleep(FAST.retry_period / 2)
+            latest = await client.get(Lease, name, namespace="default")
+            renewals.add(latest.spec.renewTime)
+        # Three lease durations at one renewal per retry period: dozens of renewals, one holder.
+        assert len(renewals) >= 6
+        assert latest.spec.holderIdentity == "a" and not b.leading.is_set()
+    finally:
+        for task in (task_a, task_b):
+            task.cancel()
+        await asyncio.gather(task_a, task_b, return_exceptions=True)
 
+
+async def test_a_release_hands_the_lease_over_at_once(client: AsyncClient) -> None:
+    # A lease of a minute: b can lead within the test's few seconds only because a released it.
+    slow = LeaseTiming(lease_duration=60.0, renew_deadline=40.0, retry_period=0.25)
+    name = f"lease-{uuid.uuid4().hex[:8]}"
+    a, b = (
+        LeaderElector(client=client, name=name, namespace="default", identity=who, timing=slow)
+        for who in ("a", "b")
+    )
+    task_a = asyncio.create_task(a.run())
+    await asyncio.wait_for(a.leading.wait(), 5)
+    task_b = asyncio.create_task(b.run())
+    try:
         task_a.cancel()
         await asyncio.gather(task_a, return_exceptions=True)
-        released_at = time.monotonic()
-        await asyncio.wait_for(b.leading.wait(), 5)
-        # released, so b did not have to wait for the lease to expire
-        assert time.monotonic() - released_at < FAST.lease_duration
+        assert not a.is_leader
+        await asyncio.wait_for(b.leading.wait(), 10)
         lease = await client.get(Lease, name, namespace="default")
         assert lease.spec.holderIdentity == "b" and lease.spec.leaseTransitions == 1
     finally:

@@ -16,17 +16,20 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import yaml
 from lightkube import AsyncClient
 from lightkube.resources.core_v1 import Event, Node, Pod
+from lightkube.types import PatchType
 
 from gpufrac.contract import keys
 from gpufrac.local.simnodes import NodeShape, create_sim_nodes
 from gpufrac.scheduler.booking_audit import AuditReport, audit
 from gpufrac.scheduler.config import SchedulerConfig
+from gpufrac.scheduler.engine import PlacementEngine
 from gpufrac.scheduler.service import SchedulerService, build_service
 
 POOL_LABEL = "gpufrac.io/test-pool"
@@ -76,6 +79,9 @@ def new_pool() -> Pool:
 async def add_nodes(
     client: AsyncClient, pool: Pool, *, count: int, shape: NodeShape = NodeShape(), prefix: str = "n"
 ) -> list[str]:
+    """Simulated nodes of the pool. No node agent re-writes their heartbeat: it is the creation time,
+    so they expire after the scheduler's ``node_heartbeat_expiry_s`` (180 s by default); a test that
+    runs longer refreshes it (``set_agent_heartbeat``) or turns the expiry off in its config."""
     return await create_sim_nodes(
         client, count=count, shape=shape, prefix=f"{pool.id}-{prefix}-", labels={POOL_LABEL: pool.id}
     )
@@ -167,6 +173,21 @@ async def wait_bound(client: AsyncClient, namespace: str, count: int, *, timeout
     return pods
 
 
+async def set_agent_heartbeat(client: AsyncClient, node: str, when: datetime) -> None:
+    """Write the node agent's Ready condition with heartbeat ``when``, as the agent's publisher does."""
+    stamp = when.strftime("%Y-%m-%dT%H:%M:%SZ")
+    condition = {
+        "type": keys.NODE_READY_CONDITION,
+        "status": "True",
+        "reason": "SimulatedNode",
+        "message": "simulated node agent",
+        "lastHeartbeatTime": stamp,
+    }
+    await client.patch(
+        Node.Status, node, {"status": {"conditions": [condition]}}, patch_type=PatchType.STRATEGIC
+    )
+
+
 def condition(pod: Pod, kind: str = "PodScheduled") -> tuple[str | None, str | None, str | None]:
     for c in (pod.status.conditions if pod.status else None) or []:
         if c.type == kind:
@@ -176,10 +197,19 @@ def condition(pod: Pod, kind: str = "PodScheduled") -> tuple[str | None, str | N
 
 @contextlib.asynccontextmanager
 async def running(
-    client: AsyncClient, config: SchedulerConfig, *, identity: str | None = None, wait: bool = True
+    client: AsyncClient,
+    config: SchedulerConfig,
+    *,
+    identity: str | None = None,
+    wait: bool = True,
+    engine: PlacementEngine | None = None,
 ) -> AsyncIterator[SchedulerService]:
-    """An in-process scheduler service; stopped (and checked to stop) on exit."""
-    service = build_service(client=client, config=config, identity=identity)
+    """An in-process scheduler service (with ``engine``, else the one ``config`` describes); stopped,
+    and checked to stop, on exit."""
+    if engine is None:
+        service = build_service(client=client, config=config, identity=identity)
+    else:
+        service = SchedulerService(client=client, config=config, engine=engine, identity=identity)
     task = asyncio.create_task(service.run(), name=f"scheduler-{service.identity}")
     try:
         if wait:

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import math
+from collections.abc import Sequence
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 import httpx2
 import pytest
@@ -27,6 +30,7 @@ from sched_harness import (
     pods_of,
     running,
     scheduled_events,
+    set_agent_heartbeat,
     wait_bound,
     wait_for,
 )
@@ -36,8 +40,11 @@ from gpufrac.contract.errors import InvalidPodRequest
 from gpufrac.contract.parse import ContainerSpec, parse_pod
 from gpufrac.kube.patch import set_annotations
 from gpufrac.local.simnodes import GPU_MODELS, NodeShape
-from gpufrac.placement.decision import ContainerPlacement, DeviceAssignment, Placement
+from gpufrac.placement.decision import ContainerPlacement, Decision, DeviceAssignment, Placement
+from gpufrac.placement.model import PendingPod
+from gpufrac.scheduler import service as service_module
 from gpufrac.scheduler.binder import binding_annotations
+from gpufrac.scheduler.engine import PlacementEngine, build_engine
 from gpufrac.scheduler.objects import gpu_request, node_inventory
 
 pytestmark = pytest.mark.kube
@@ -288,3 +295,184 @@ async def test_a_burst_of_500_mixed_pods_on_20_nodes_never_overcommits_nor_mixes
         assert metric(text, "gpufrac_scheduler_schedule_attempts_total", result="scheduled") == 500
         for uuid, booking in report.gpus.items():
             assert allocated(text, node=booking.node, gpu=uuid) == booking.request_mib
+
+
+class _FailsOn:
+    """The real engine, except that placing the pod named ``name`` raises: a stand-in for an engine bug
+    that one pod's data triggers (none is known; the service must survive the next one)."""
+
+    def __init__(self, engine: PlacementEngine, name: str) -> None:
+        self._engine = engine
+        self._name = name
+
+    def schedule(self, pods: Sequence[PendingPod]) -> list[Decision]:
+        if any(p.name == self._name for p in pods):
+            raise ZeroDivisionError(f"injected engine failure on {self._name}")
+        return self._engine.schedule(pods)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+
+async def test_a_pod_the_scheduler_fails_on_is_reported_and_every_other_pod_is_placed(
+    client: AsyncClient, pool: Pool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Reading or placing one pod raised out of the scheduling loop, and the scheduler exited (a
+    5000-digit quantity did it, crash-looping the scheduler while the pod was pending)."""
+    real_parse = service_module.gpu_request
+
+    def parse(pod: Pod) -> Any:
+        if pod.metadata.name == "poison-read":
+            raise KeyError("injected parser failure")
+        return real_parse(pod)
+
+    monkeypatch.setattr(service_module, "gpu_request", parse)
+    await add_nodes(client, pool, count=1)
+    config = pool.config(batch_window_ms=200)  # the poison pods and the good ones in one batch
+    async with running(client, config, engine=_FailsOn(build_engine(config), "poison-place")) as service:
+        half = {"gpu-fraction": "0.5"}
+        huge = {keys.memory_request_key("app"): "1" + "0" * 5000}
+        pods_in = [
+            ("poison-read", half),
+            ("good-1", half),
+            ("poison-place", half),
+            ("huge", huge),
+            ("good-2", half),
+        ]
+        await asyncio.gather(*(client.create(gpu_pod(pool, name, notes)) for name, notes in pods_in))
+
+        async def all_answered() -> bool:
+            pods = await pods_of(client, pool.namespace)
+            return all(p.spec.nodeName or condition(p)[0] == "False" for p in pods)
+
+        await wait_for(all_answered, timeout=30, what="every pod bound or reported")
+        pods = {p.metadata.name: p for p in await pods_of(client, pool.namespace)}
+        assert pods["good-1"].spec.nodeName and pods["good-2"].spec.nodeName
+        assert condition(pods["poison-read"]) == (
+            "False",
+            "SchedulerError",
+            "the scheduler failed reading this pod (KeyError: 'injected parser failure'); "
+            "it is tried again when the cluster changes",
+        )
+        assert condition(pods["poison-place"]) == (
+            "False",
+            "SchedulerError",
+            "the scheduler failed placing this pod (ZeroDivisionError: injected engine failure on "
+            "poison-place); it is tried again when the cluster changes",
+        )
+        # However the contract answers a 5000-digit quantity, the pod is told, and nothing else stops.
+        assert condition(pods["huge"])[0] == "False" and not pods["huge"].spec.nodeName
+        assert len(condition(pods["huge"])[2]) < 1000
+        text = await scrape(service.probe_port)
+        assert metric(text, "gpufrac_scheduler_schedule_attempts_total", result="scheduled") == 2
+
+
+async def test_a_pod_naming_a_queue_that_is_not_configured_stays_pending_and_says_so(
+    client: AsyncClient, pool: Pool
+) -> None:
+    """An unknown queue label used to give an unlimited queue: a tenant escaped its cap by relabelling."""
+    await add_nodes(client, pool, count=1)
+    config = pool.config(queues=[{"name": "default"}, {"name": "capped", "gpu_memory_limit_mib": 100_000}])
+    half = {"gpu-fraction": "0.5"}
+    async with running(client, config):
+        await client.create(gpu_pod(pool, "mine", half, labels={keys.QUEUE_LABEL: "escape"}))
+        await client.create(gpu_pod(pool, "kai", half, labels={keys.KAI_QUEUE_LABEL: "elsewhere"}))
+        await client.create(gpu_pod(pool, "unlabelled", half))
+        await wait_bound(client, pool.namespace, 1, timeout=20)
+
+        async def reported() -> bool:
+            pods = await pods_of(client, pool.namespace)
+            return all(p.spec.nodeName or condition(p)[0] == "False" for p in pods)
+
+        await wait_for(reported, timeout=20, what="the unknown queues reported")
+        pods = {p.metadata.name: p for p in await pods_of(client, pool.namespace)}
+        assert pods["unlabelled"].spec.nodeName  # no label: the default queue, as before
+        assert condition(pods["mine"]) == (
+            "False",
+            "Unschedulable",
+            "queue escape (label gpufrac.io/queue) is not configured",
+        )
+        assert condition(pods["kai"]) == (
+            "False",
+            "Unschedulable",
+            "queue elsewhere (label kai.scheduler/queue) is not configured",
+        )
+        assert not pods["mine"].spec.nodeName and not pods["kai"].spec.nodeName
+
+        # Relabelled into a configured queue, the pod is placed under that queue's cap.
+        await client.patch(
+            Pod, "mine", {"metadata": {"labels": {keys.QUEUE_LABEL: "capped"}}}, namespace=pool.namespace
+        )
+        pods_now = await wait_bound(client, pool.namespace, 2, timeout=20)
+        assert {p.metadata.name for p in pods_now if p.spec.nodeName} == {"unlabelled", "mine"}
+
+
+async def test_a_node_whose_agent_heartbeat_is_old_takes_no_pod_until_the_heartbeat_is_refreshed(
+    client: AsyncClient, pool: Pool
+) -> None:
+    """A SIGKILLed node agent left its condition True for ever, and pods were placed on its node
+    without any enforcement. The heartbeat in that condition is now read, with an expiry."""
+    (node,) = await add_nodes(client, pool, count=1)
+    await set_agent_heartbeat(client, node, datetime.now(UTC) - timedelta(hours=1))
+    async with running(client, pool.config()):
+        await client.create(gpu_pod(pool, "p", {"gpu-fraction": "0.5"}))
+
+        async def reported() -> bool:
+            return condition(await client.get(Pod, "p", namespace=pool.namespace))[0] == "False"
+
+        await wait_for(reported, timeout=20, what="PodScheduled=False")
+        pod = await client.get(Pod, "p", namespace=pool.namespace)
+        assert condition(pod) == (
+            "False",
+            "Unschedulable",
+            "0/1 nodes are available: 1 node agent heartbeat(s) expired.",
+        )
+        await set_agent_heartbeat(client, node, datetime.now(UTC))
+        (bound,) = await wait_bound(client, pool.namespace, 1, timeout=20)
+        assert bound.spec.nodeName == node
+
+
+async def test_a_node_expires_when_its_agent_stops_heartbeating_and_comes_back_when_it_resumes(
+    client: AsyncClient, pool: Pool
+) -> None:
+    """Expiry is time passing, with no API event: the scheduler re-evaluates on its own."""
+    (node,) = await add_nodes(client, pool, count=1)
+
+    async def agent() -> None:  # the node agent's heartbeat, every second
+        while True:
+            await set_agent_heartbeat(client, node, datetime.now(UTC))
+            await asyncio.sleep(1.0)
+
+    async def expired_nodes(port: int) -> float:
+        return metric(await scrape(port), "gpufrac_scheduler_nodes_heartbeat_expired")
+
+    heartbeat = asyncio.create_task(agent())
+    try:
+        async with running(client, pool.config(node_heartbeat_expiry_s=6)) as service:
+            await client.create(gpu_pod(pool, "while-alive", {"gpu-fraction": "0.25"}))
+            await wait_bound(client, pool.namespace, 1, timeout=20)
+            assert await expired_nodes(service.probe_port) == 0
+
+            heartbeat.cancel()  # the agent is SIGKILLed: nothing writes the Node any more
+            await asyncio.gather(heartbeat, return_exceptions=True)
+
+            async def expired() -> bool:
+                return await expired_nodes(service.probe_port) == 1
+
+            await wait_for(expired, timeout=20, what="the heartbeat expired")
+            await client.create(gpu_pod(pool, "while-dead", {"gpu-fraction": "0.25"}))
+
+            async def reported() -> bool:
+                return condition(await client.get(Pod, "while-dead", namespace=pool.namespace))[0] == "False"
+
+            await wait_for(reported, timeout=20, what="PodScheduled=False")
+            pod = await client.get(Pod, "while-dead", namespace=pool.namespace)
+            assert condition(pod)[2] == "0/1 nodes are available: 1 node agent heartbeat(s) expired."
+
+            heartbeat = asyncio.create_task(agent())  # the agent restarts
+            pods = await wait_bound(client, pool.namespace, 2, timeout=20)
+            assert all(p.spec.nodeName == node for p in pods)
+            assert await expired_nodes(service.probe_port) == 0
+    finally:
+        heartbeat.cancel()
+        await asyncio.gather(heartbeat, return_exceptions=True)

@@ -89,7 +89,7 @@ async def test_a_cancellation_that_arrives_with_a_pod_stops_the_wait_and_loses_n
     q: SchedulingQueue[str] = SchedulingQueue(unschedulable_resync=60.0)
     q.park("unfit", "parked pod", queue="default")  # gives the wait a deadline (its resync)
     waiting = asyncio.create_task(q.next_batch(window=0, max_batch=10))
-    await asyncio.sleep(0.01)  # waiting on the wake-up event
+    await asyncio.sleep(0)  # one step: next_batch runs until it waits on the wake-up event
     q.add("p", "pod", queue="default")
     waiting.cancel()
     with pytest.raises(asyncio.CancelledError):

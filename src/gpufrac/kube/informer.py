@@ -102,6 +102,9 @@ class Informer(Generic[T]):
         self.synced = asyncio.Event()
         self.relists = 0
         self.watch_restarts = 0
+        #: BOOKMARK events received. The API server sends one (before a watch's deadline, and about
+        #: every minute) only when its cache has moved past the version this watch stands at.
+        self.bookmarks = 0
 
     def add_handler(self, handler: EventHandler[T]) -> None:
         self._handlers.append(handler)
@@ -188,6 +191,7 @@ class Informer(Generic[T]):
         if event.resource_version:
             self._version = event.resource_version
         if event.type == "BOOKMARK":
+            self.bookmarks += 1
             return
         items = self.store._items
         key = object_key(event.object)

@@ -25,23 +25,24 @@ class Reason(IntEnum):
 
     FITS = 0
     NOT_READY = 1
-    UNSCHEDULABLE = 2
-    UNTOLERATED_TAINT = 3
-    NODE_SELECTOR = 4
-    NODE_AFFINITY = 5
-    MODE_UNSUPPORTED = 6
-    TOO_MANY_PODS = 7
-    INSUFFICIENT_CPU = 8
-    INSUFFICIENT_MEMORY = 9
-    NO_GPUS = 10
-    TOO_FEW_GPUS = 11
-    NO_WHOLE_GPU = 12
-    MODE_CONFLICT = 13
-    TENANT_CONFLICT = 14
-    INSUFFICIENT_GPU_MEMORY = 15
-    INSUFFICIENT_COMPUTE = 16
-    LIMIT_OVERCOMMIT = 17
-    DEVICE_ASSIGNMENT = 18
+    AGENT_HEARTBEAT_EXPIRED = 2
+    UNSCHEDULABLE = 3
+    UNTOLERATED_TAINT = 4
+    NODE_SELECTOR = 5
+    NODE_AFFINITY = 6
+    MODE_UNSUPPORTED = 7
+    TOO_MANY_PODS = 8
+    INSUFFICIENT_CPU = 9
+    INSUFFICIENT_MEMORY = 10
+    NO_GPUS = 11
+    TOO_FEW_GPUS = 12
+    NO_WHOLE_GPU = 13
+    MODE_CONFLICT = 14
+    TENANT_CONFLICT = 15
+    INSUFFICIENT_GPU_MEMORY = 16
+    INSUFFICIENT_COMPUTE = 17
+    LIMIT_OVERCOMMIT = 18
+    DEVICE_ASSIGNMENT = 19
 
     @property
     def message(self) -> str:
@@ -51,6 +52,7 @@ class Reason(IntEnum):
 _MESSAGES = {
     Reason.FITS: "fits",
     Reason.NOT_READY: "node(s) were not ready",
+    Reason.AGENT_HEARTBEAT_EXPIRED: "node agent heartbeat(s) expired",
     Reason.UNSCHEDULABLE: "node(s) were unschedulable",
     Reason.UNTOLERATED_TAINT: "node(s) had untolerated taint",
     Reason.NODE_SELECTOR: "node(s) didn't match Pod's node selector",

@@ -2,9 +2,11 @@
 
 Two kinds, as two small protocols, because they change at very different rates:
 
-- ``StaticFilter`` looks only at a node's spec (readiness, taints, labels, compute-mode capability) and
-  the pod's constraints. Its answer changes only when the node spec does, so the engine caches it per
-  pod constraint signature and per node spec version.
+- ``StaticFilter`` looks only at a node's spec (readiness, the node agent's heartbeat, taints, labels,
+  compute-mode capability) and the pod's constraints. Its answer changes only when the node spec does,
+  so the engine caches it per pod constraint signature and per node spec version. (A heartbeat expires
+  with time, not with an API event: the scheduler turns the expiry into a new node spec, see
+  ``gpufrac.scheduler.heartbeat``.)
 - ``ResourceFilter`` looks at the ledgers (free CPU, memory, pod slots, per-GPU memory, modes, tenants,
   compute portions, limits). It is vectorised over a set of nodes and returns a reason per node.
 
@@ -52,6 +54,8 @@ class NodeReady:
     def check(self, node: NodeSpec, demand: Demand) -> Reason:
         if not node.ready:
             return Reason.NOT_READY
+        if node.agent_heartbeat_expired:
+            return Reason.AGENT_HEARTBEAT_EXPIRED
         if not node.schedulable:
             return Reason.UNSCHEDULABLE
         return Reason.FITS

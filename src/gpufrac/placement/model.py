@@ -118,7 +118,10 @@ class NodeSpec:
     """A node as the engine sees it: allocatable resources, scheduling constraints, physical GPUs.
 
     ``compute_modes`` is what the node can enforce (the node agent's capability labels); a pod asking
-    for a mode the node cannot enforce is filtered out there.
+    for a mode the node cannot enforce is filtered out there. ``agent_heartbeat_expired`` says that the
+    node agent has stopped proving it is alive: its Ready condition may still say True, but nothing would
+    inject the limits of a new fraction. Whoever builds the spec decides it against its clock (the
+    scheduler: ``gpufrac.scheduler.heartbeat``); the engine reads no clock.
     """
 
     name: str
@@ -132,6 +135,7 @@ class NodeSpec:
     gpu_model: str = ""
     gpus: tuple[GpuDevice, ...] = ()
     compute_modes: frozenset[ComputeMode] = BOTH_MODES
+    agent_heartbeat_expired: bool = False
 
 
 class ModePolicy(StrEnum):

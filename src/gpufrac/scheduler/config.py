@@ -87,6 +87,12 @@ class SchedulerConfig(_Strict):
     unschedulable_resync_s: float = Field(default=60.0, gt=0)
     """Unschedulable pods are retried at once when the cluster changes, and at least this often."""
 
+    node_heartbeat_expiry_s: float | None = Field(default=180.0, gt=0)
+    """A node is not placeable once its node agent's heartbeat (``lastHeartbeatTime`` of the
+    ``gpu-fractioning.nvidia.com/Ready`` condition) is older than this. The agent writes one every
+    ``heartbeat_s`` (60 s by default), so the default tolerates two lost heartbeats; keep it at least
+    twice the agents' ``heartbeat_s``. None turns the check off (a node agent that never heartbeats)."""
+
     device_names: Literal["uuid", "cdi"] = "uuid"
     """How ``.gpus.devices`` names GPUs: physical UUIDs, or CDI names (``nvidia.com/gpu=<uuid>``)."""
 

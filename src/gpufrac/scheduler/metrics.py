@@ -34,6 +34,7 @@ class StateReaders:
     gpu_allocations: Callable[[], Iterable[GpuAllocation]]
     is_leader: Callable[[], bool]
     informer_relists: Callable[[], dict[str, int]]
+    heartbeat_expired_nodes: Callable[[], int]
 
 
 class _StateCollector(Collector):
@@ -82,6 +83,12 @@ class _StateCollector(Collector):
         for name, count in sorted(r.informer_relists().items()):
             relists.add_metric([name], count)
         yield relists
+        expired = GaugeMetricFamily(
+            "gpufrac_scheduler_nodes_heartbeat_expired",
+            "Managed nodes whose node agent's heartbeat expired (they take no new pods).",
+        )
+        expired.add_metric([], r.heartbeat_expired_nodes())
+        yield expired
 
 
 class SchedulerMetrics:

@@ -4,7 +4,8 @@ The engine sees no Kubernetes object (it is the simulator's engine too), so this
 becomes a ``NodeSpec`` and a Pod a ``PendingPod``, with Kubernetes' own arithmetic: a pod's host request
 is the larger of the sum of its containers and its largest init container, plus overhead; a node is
 Ready only when both the kubelet's condition and the node agent's are True (a node whose agent is not
-running cannot enforce a fraction, so it must not get one).
+running cannot enforce a fraction, so it must not get one), and the agent's condition must also keep
+being re-written (its heartbeat; the service decides its expiry).
 
 The GPU request itself is parsed by the contract and nowhere else. A bound pod's placement is rebuilt
 from the same parse: the devices the binder wrote, and the request it resolved (or the portion
@@ -17,6 +18,7 @@ import json
 import logging
 import math
 from collections.abc import Mapping
+from datetime import UTC, datetime
 from decimal import Decimal
 
 from lightkube.resources.core_v1 import Node, Pod
@@ -84,6 +86,15 @@ def _condition_true(node: Node, kind: str) -> bool:
     return any(c.type == kind and c.status == "True" for c in conditions)
 
 
+def agent_heartbeat(node: Node) -> datetime | None:
+    """``lastHeartbeatTime`` of the node agent's Ready condition (None when there is none)."""
+    for c in (node.status.conditions if node.status else None) or []:
+        if c.type == keys.NODE_READY_CONDITION and c.lastHeartbeatTime is not None:
+            stamp = c.lastHeartbeatTime
+            return stamp if stamp.tzinfo is not None else stamp.replace(tzinfo=UTC)
+    return None
+
+
 def compute_modes(labels: Mapping[str, str]) -> frozenset[ComputeMode]:
     """The compute modes the node says it can enforce (both, when it says nothing)."""
     said = {m: labels.get(keys.COMPUTE_MODE_LABEL_PREFIX + m.value) for m in ComputeMode}
@@ -100,8 +111,12 @@ def _whole(value: Decimal | None) -> int:
     return 0 if value is None else math.ceil(value)
 
 
-def node_spec(node: Node) -> NodeSpec:
-    """The engine's view of a node; a node with an unreadable inventory has no GPUs (and is logged)."""
+def node_spec(node: Node, *, agent_heartbeat_expired: bool = False) -> NodeSpec:
+    """The engine's view of a node; a node with an unreadable inventory has no GPUs (and is logged).
+
+    Whether the agent's heartbeat expired is a matter of time, which the caller decides
+    (``gpufrac.scheduler.heartbeat``).
+    """
     meta, spec, status = node.metadata, node.spec, node.status
     allocatable: Mapping[str, str] = (status.allocatable if status else None) or {}
     try:
@@ -130,6 +145,7 @@ def node_spec(node: Node) -> NodeSpec:
         gpu_model=model,
         gpus=gpus,
         compute_modes=compute_modes(labels),
+        agent_heartbeat_expired=agent_heartbeat_expired,
     )
 
 
@@ -180,9 +196,20 @@ def host_request(pod: Pod) -> tuple[int, int]:
     return cpu, mem
 
 
-def pod_queue(pod: Pod, *, default: str) -> str:
+def queue_label(pod: Pod) -> tuple[str, str] | None:
+    """(label key, queue name) of the label that puts the pod in a queue (ours before KAI's); None
+    when the pod names no queue."""
     labels = pod.metadata.labels or {}
-    return labels.get(keys.QUEUE_LABEL) or labels.get(keys.KAI_QUEUE_LABEL) or default
+    for key in (keys.QUEUE_LABEL, keys.KAI_QUEUE_LABEL):
+        if labels.get(key):
+            return key, labels[key]
+    return None
+
+
+def pod_queue(pod: Pod, *, default: str) -> str:
+    """The queue the pod names, or ``default`` when it names none."""
+    found = queue_label(pod)
+    return default if found is None else found[1]
 
 
 #: Managed nodes are tainted to keep OTHER schedulers off; pods of this scheduler tolerate the taint

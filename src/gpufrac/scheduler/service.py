@@ -14,8 +14,16 @@ without waiting for the watch; the bind runs in the background. The watch later 
 backoff). A pod held but not yet confirmed is never queued again, whatever events its own bind causes.
 
 Unschedulable pods get PodScheduled=False with the engine's counted reasons (or the contract's sentence
-for an invalid request) and a FailedScheduling Event, written only when the message changes, and wait
-until the cluster changes: a node added or changed, a pod released.
+for an invalid request, or the queue's name when the pod names a queue that is not configured) and a
+FailedScheduling Event, written only when the message changes, and wait until the cluster changes: a
+node added or changed, a pod released. One pod never stops the others: an unexpected error while reading
+or placing a pod is logged and reported on that pod (PodScheduled=False, reason SchedulerError), and the
+loop goes on.
+
+Node agents prove they are alive by re-writing their condition (a heartbeat). A node whose heartbeat is
+older than ``node_heartbeat_expiry_s`` takes no new pods; since an expiry is time passing and not an API
+event, a timer re-evaluates nodes as their heartbeats expire (``gpufrac.scheduler.heartbeat``), and a
+heartbeat that resumes is a Node update like any other.
 
 Shutdown order matters: stop placing, let binds in flight finish (bounded), then release the lease, so a
 successor never places while this replica still writes.
@@ -26,12 +34,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import socket
 import time
 import uuid
 from collections.abc import Callable, Coroutine, Iterable
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any
 
 import httpx2
@@ -45,19 +55,36 @@ from gpufrac.kube.informer import Informer, object_key
 from gpufrac.kube.lease import LeaderElector, LeadershipLost, LeaseTiming
 from gpufrac.kube.patch import set_pod_condition
 from gpufrac.kube.stream import ALL_NAMESPACES, Selection
-from gpufrac.placement.decision import Placement
+from gpufrac.placement.decision import Decision, Placement
 from gpufrac.placement.model import ModePolicy, NodeSpec, PendingPod
 from gpufrac.process.probes import ProbeServer
 from gpufrac.scheduler.binder import Binder, BindMode, BindResult, Outcome, stale_binding_keys
 from gpufrac.scheduler.config import SchedulerConfig
+from gpufrac.scheduler.heartbeat import AgentHeartbeats
 from gpufrac.scheduler.metrics import GpuAllocation, SchedulerMetrics, StateReaders
-from gpufrac.scheduler.objects import bound_placement, gpu_request, node_spec, pending_pod, pod_queue
+from gpufrac.scheduler.objects import (
+    agent_heartbeat,
+    bound_placement,
+    gpu_request,
+    node_spec,
+    pending_pod,
+    pod_queue,
+    queue_label,
+)
 from gpufrac.scheduler.placement_engine import PlacementEngine
 from gpufrac.scheduler.scheduling_queue import SchedulingQueue
 
 log = logging.getLogger(__name__)
 
 COMPONENT = "gpufrac-scheduler"
+
+#: PodScheduled reasons: no node fits (or the pod's request cannot be placed as written), and the
+#: scheduler itself failed on the pod (kube-scheduler's two reasons).
+UNSCHEDULABLE = "Unschedulable"
+SCHEDULER_ERROR = "SchedulerError"
+
+#: How much of an unexpected error's text goes into a pod's condition.
+_ERROR_TEXT_MAX = 300
 
 
 @dataclass(slots=True)
@@ -108,6 +135,7 @@ class SchedulerService:
         self._engine = engine
         self._shutdown_grace = shutdown_grace
         self._mode_policy = ModePolicy(config.mode_policy)
+        self._specs: dict[str, NodeSpec] = {}  # before the metrics: their collector reads it at once
         name = config.scheduler_name
         live = "status.phase!=Succeeded,status.phase!=Failed"
         self.pods: Informer[Pod] = Informer(
@@ -175,6 +203,9 @@ class SchedulerService:
                 gpu_allocations=self._gpu_allocations,
                 is_leader=self.is_leader,
                 informer_relists=lambda: {i.name: i.relists for i in self._informers},
+                heartbeat_expired_nodes=lambda: sum(
+                    1 for spec in self._specs.values() if spec.agent_heartbeat_expired
+                ),
             )
         )
         self._probes = ProbeServer(
@@ -185,8 +216,11 @@ class SchedulerService:
             ready=self._ready,
         )
         self._bind_gate = asyncio.Semaphore(config.bind_concurrency)
+        self._queue_names = frozenset(q.name for q in config.queues)
+        self._heartbeats = AgentHeartbeats(expiry_s=config.node_heartbeat_expiry_s)
+        self._heartbeat_wake = asyncio.Event()
+        self._heartbeat_due = math.inf
 
-        self._specs: dict[str, NodeSpec] = {}
         self._gpu_mib: dict[str, int] = {}
         self._held: dict[str, _Held] = {}
         self._on_node: dict[str, set[str]] = {}
@@ -239,6 +273,7 @@ class SchedulerService:
         )
         background = [asyncio.create_task(i.run(), name=f"informer-{i.name}") for i in self._informers]
         background.append(asyncio.create_task(self.events.run(), name="events"))
+        background.append(asyncio.create_task(self._expire_heartbeats(), name="heartbeats"))
         elector = asyncio.create_task(self.elector.run(), name="lease") if self.elector else None
         lead = asyncio.create_task(self._lead(), name="schedule")
         watched = [*background, lead, *([elector] if elector else [])]
@@ -323,35 +358,88 @@ class SchedulerService:
                 continue  # deleted (or replaced by a new pod of the same name) since it was queued
             if (pod.spec and pod.spec.nodeName) or uid in self._held or uid in self._in_flight:
                 continue
-            if stale_binding_keys(pod.metadata.annotations or {}):
-                self._in_flight.add(uid)
-                self._spawn(self._clean(uid, pod), self._chores)
-                continue
             try:
-                gpu = gpu_request(pod)
-            except InvalidPodRequest as error:
-                self._unschedulable(pod, str(error))
+                if stale_binding_keys(pod.metadata.annotations or {}):
+                    self._in_flight.add(uid)
+                    self._spawn(self._clean(uid, pod), self._chores)
+                    continue
+                prepared = self._prepare(pod)
+            except Exception as error:
+                self._failed_on(pod, error, doing="reading")
                 continue
-            self._arrivals += 1
-            pending = pending_pod(
-                pod,
-                gpu=gpu,
-                arrival=self._arrivals,
-                default_queue=self.config.default_queue,
-                mode_policy=self._mode_policy,
-            )
-            todo.append((pending, pod, gpu))
+            if isinstance(prepared, str):
+                self._unschedulable(pod, prepared)
+            else:
+                todo.append((prepared[0], pod, prepared[1]))
         if not todo:
             return
-        decisions = self._engine.schedule([p for p, _, _ in todo])
         self.metrics.batches.observe(len(todo))
-        for (pending, pod, gpu), decision in zip(todo, decisions, strict=True):
+        for (pending, pod, gpu), decision in zip(todo, self._decide(todo), strict=True):
             if isinstance(decision, Placement):
                 self._book(pod, decision.node, bound=False)
                 self._in_flight.add(pending.uid)
                 self._spawn(self._bind(pod, gpu, decision), self._binds)
+            elif isinstance(decision, BaseException):
+                self._failed_on(pod, decision, doing="placing")
             else:
                 self._unschedulable(pod, decision.message)
+
+    def _prepare(self, pod: Pod) -> tuple[PendingPod, PodGpuRequest] | str:
+        """The engine's view of a pending pod, or the sentence that says why it cannot be placed as is."""
+        named = queue_label(pod)
+        if named is not None and named[1] not in self._queue_names:
+            label, queue = named
+            return f"queue {queue} (label {label}) is not configured"
+        try:
+            gpu = gpu_request(pod)
+        except InvalidPodRequest as error:
+            return str(error)
+        self._arrivals += 1
+        pending = pending_pod(
+            pod,
+            gpu=gpu,
+            arrival=self._arrivals,
+            default_queue=self.config.default_queue,
+            mode_policy=self._mode_policy,
+        )
+        return pending, gpu
+
+    def _decide(self, todo: list[tuple[PendingPod, Pod, PodGpuRequest]]) -> list[Decision | BaseException]:
+        """The engine's decisions for the batch; if the engine fails on the batch, each pod is placed on
+        its own so that the failure stays with the pod that causes it (the engine undoes a failed
+        batch, see ``Statement``)."""
+        pods = [pending for pending, _, _ in todo]
+        try:
+            return list(self._engine.schedule(pods))
+        except Exception:
+            log.exception("placing a batch of %d pods failed; placing them one at a time", len(pods))
+        decisions: list[Decision | BaseException] = []
+        for pending in pods:
+            try:
+                decisions.extend(self._engine.schedule([pending]))
+            except Exception as error:
+                decisions.append(error)
+        return decisions
+
+    def _failed_on(self, pod: Pod, error: BaseException, *, doing: str) -> None:
+        """An unexpected error on one pod: logged with its traceback and reported on the pod."""
+        meta = pod.metadata
+        log.error(
+            "%s pod %s/%s failed unexpectedly",
+            doing,
+            meta.namespace,
+            meta.name,
+            exc_info=error,
+            extra={"pod": f"{meta.namespace}/{meta.name}"},
+        )
+        text = f"{type(error).__name__}: {error}"
+        if len(text) > _ERROR_TEXT_MAX:
+            text = text[: _ERROR_TEXT_MAX - 3] + "..."
+        self._unschedulable(
+            pod,
+            f"the scheduler failed {doing} this pod ({text}); it is tried again when the cluster changes",
+            reason=SCHEDULER_ERROR,
+        )
 
     async def _bind(self, pod: Pod, gpu: PodGpuRequest, placement: Placement) -> None:
         uid = pod.metadata.uid
@@ -427,9 +515,9 @@ class SchedulerService:
         else:
             self.queue.back_off(uid, latest, queue=pod_queue(latest, default=self.config.default_queue))
 
-    def _unschedulable(self, pod: Pod, message: str) -> None:
+    def _unschedulable(self, pod: Pod, message: str, *, reason: str = UNSCHEDULABLE) -> None:
         uid, meta = pod.metadata.uid, pod.metadata
-        self.metrics.attempts.labels("unschedulable").inc()
+        self.metrics.attempts.labels("unschedulable" if reason == UNSCHEDULABLE else "error").inc()
         self.queue.park(uid, pod, queue=pod_queue(pod, default=self.config.default_queue))
         status, current = _condition(pod, "PodScheduled")
         if self._reported.get(uid) == message and status == "False" and current == message:
@@ -443,9 +531,9 @@ class SchedulerService:
             extra={"pod": f"{meta.namespace}/{meta.name}"},
         )
         self.events.emit(regarding=_ref(pod), type=WARNING, reason="FailedScheduling", message=message)
-        self._spawn(self._report_unschedulable(pod, message), self._chores)
+        self._spawn(self._report_unschedulable(pod, message, reason=reason), self._chores)
 
-    async def _report_unschedulable(self, pod: Pod, message: str) -> None:
+    async def _report_unschedulable(self, pod: Pod, message: str, *, reason: str) -> None:
         if not self.is_leader():
             return
         try:
@@ -455,7 +543,7 @@ class SchedulerService:
                 namespace=pod.metadata.namespace,
                 type="PodScheduled",
                 status="False",
-                reason="Unschedulable",
+                reason=reason,
                 message=message,
             )
         except Exception as error:  # a report is best effort; the pod stays parked either way
@@ -490,7 +578,7 @@ class SchedulerService:
         node = pod.spec.nodeName
         try:
             gpu = gpu_request(pod)
-        except InvalidPodRequest as error:
+        except Exception as error:  # InvalidPodRequest, or anything else one pod's data may raise
             log.warning(
                 "bound pod %s/%s has an invalid GPU request; booking its host resources only: %s",
                 pod.metadata.namespace,
@@ -577,10 +665,32 @@ class SchedulerService:
             self.queue.cluster_changed()
 
     def _node_changed(self, old: Node | None, node: Node) -> None:
-        spec = node_spec(node)
+        loop = asyncio.get_running_loop()
+        expires = self._heartbeats.observe(
+            node.metadata.name, agent_heartbeat(node), now=loop.time(), wall_now=datetime.now(UTC)
+        )
+        if expires < self._heartbeat_due:
+            self._heartbeat_wake.set()
+        self._set_node(node, now=loop.time())
+
+    def _set_node(self, node: Node, *, now: float) -> None:
+        name = node.metadata.name
+        expired = self._heartbeats.expired(name, now=now)
+        spec = node_spec(node, agent_heartbeat_expired=expired)
         previous = self._specs.get(spec.name)
         if previous == spec:
             return
+        if expired and (previous is None or not previous.agent_heartbeat_expired):
+            log.warning(
+                "node %s: the node agent's heartbeat expired (last %s, expiry %.0fs); no new pods go there "
+                "until it resumes",
+                name,
+                self._heartbeats.last_seen(name) or "never",
+                self._heartbeats.expiry_s,
+                extra={"node": name},
+            )
+        elif previous is not None and previous.agent_heartbeat_expired and not expired:
+            log.info("node %s: the node agent's heartbeat resumed", name, extra={"node": name})
         if previous is None:
             self._add_node(spec)
         elif previous.gpus == spec.gpus:
@@ -593,8 +703,27 @@ class SchedulerService:
         self.queue.cluster_changed()
 
     def _node_deleted(self, node: Node) -> None:
+        self._heartbeats.forget(node.metadata.name)
         if node.metadata.name in self._specs:
             self._drop_node(node.metadata.name)
+
+    async def _expire_heartbeats(self) -> None:
+        """Re-evaluate nodes when their agents' heartbeats expire: time passing is no API event."""
+        loop = asyncio.get_running_loop()
+        while True:
+            now = loop.time()
+            for name, spec in list(self._specs.items()):
+                if spec.agent_heartbeat_expired != self._heartbeats.expired(name, now=now):
+                    node = self.nodes.store.get(name)
+                    if node is not None:
+                        self._set_node(node, now=now)
+            due = self._heartbeats.next_expiry(now=now)
+            self._heartbeat_due = math.inf if due is None else due
+            self._heartbeat_wake.clear()
+            # asyncio.timeout, not wait_for: on Python 3.11 wait_for loses a cancellation.
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout_at(None if due is None else due):
+                    await self._heartbeat_wake.wait()
 
     def _add_node(self, spec: NodeSpec) -> None:
         self._engine.add_node(spec)
