@@ -29,7 +29,7 @@ from gpufrac.contract import keys
 from gpufrac.local.simnodes import NodeShape, create_sim_nodes
 from gpufrac.scheduler.booking_audit import AuditReport, audit
 from gpufrac.scheduler.config import SchedulerConfig
-from gpufrac.scheduler.engine import PlacementEngine
+from gpufrac.scheduler.placement_engine import PlacementEngine
 from gpufrac.scheduler.service import SchedulerService, build_service
 
 POOL_LABEL = "gpufrac.io/test-pool"

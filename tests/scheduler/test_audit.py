@@ -2,7 +2,7 @@
 
 ``audit`` judges every burst, restart and soak test; an oracle that reports nothing passes them all.
 Each test here breaks exactly one promise and expects exactly the sentence of the check that guards it,
-so deleting any one check of ``gpufrac.scheduler.audit`` fails a test.
+so deleting any one check of ``gpufrac.scheduler.booking_audit`` fails a test.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from lightkube.resources.core_v1 import Node, Pod
 
 from gpufrac.contract import keys
 from gpufrac.local.simnodes import GPU_MODELS, NodeShape, gpu_uuid, sim_node
-from gpufrac.scheduler.audit import AuditReport, audit
+from gpufrac.scheduler.booking_audit import AuditReport, audit
 
 SHAPE = NodeShape(gpus=2, model="H100-80GB")
 CAPACITY = GPU_MODELS["H100-80GB"]

@@ -44,7 +44,7 @@ from gpufrac.placement.decision import ContainerPlacement, Decision, DeviceAssig
 from gpufrac.placement.model import PendingPod
 from gpufrac.scheduler import service as service_module
 from gpufrac.scheduler.binder import binding_annotations
-from gpufrac.scheduler.engine import PlacementEngine, build_engine
+from gpufrac.scheduler.placement_engine import PlacementEngine, build_engine
 from gpufrac.scheduler.objects import gpu_request, node_inventory
 
 pytestmark = pytest.mark.kube
