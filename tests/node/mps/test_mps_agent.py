@@ -17,7 +17,7 @@ import pytest
 from mps_harness import MpsEnv, processes_of, until
 
 from gpufrac.local.nriruntime import NriRuntime, binary_path
-from gpufrac.node.mps.containers import namespace_name
+from gpufrac.node.mps.names import namespace_name
 
 ROOT = Path(__file__).resolve().parents[3]
 
