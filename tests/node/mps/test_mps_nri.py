@@ -62,12 +62,12 @@ class MpsNode:
         return f"pod-{name}"
 
 
-def connect_agent(runtime: NriRuntime, supervisor: MpsSupervisor, root: Path) -> asyncio.Task[None]:
+def connect_agent(runtime: NriRuntime, supervisor: MpsSupervisor, env: MpsEnv) -> asyncio.Task[None]:
     """The node agent's NRI half with the MPS hooks, connecting to ``runtime``; the hooks read client
-    PIDs' cgroups under ``<root>/proc`` (``MpsEnv.in_container``)."""
-    hooks = MpsContainerHooks(supervisor=supervisor, proc_root=root / "proc")
+    PIDs' cgroups where ``MpsEnv.in_container`` writes them."""
+    hooks = MpsContainerHooks(supervisor=supervisor, proc_root=env.proc_root)
     injector = GpuInjector(
-        store=MappingStore(directory=root / "state"), pipe_root=root / "leaves", hooks=hooks
+        store=MappingStore(directory=env.root / "state"), pipe_root=env.root / "leaves", hooks=hooks
     )
     plugin = NriPlugin(handler=injector, socket_path=str(runtime.socket_path), backoff_initial_s=0.02)
     return asyncio.create_task(plugin.run())
@@ -92,7 +92,7 @@ async def mps_node(make_supervisor, mps_env: MpsEnv) -> AsyncIterator[MpsNode]:
         runtime=runtime,
         supervisor=supervisor,
         leaves=mps_env.root / "leaves",
-        tasks=[connect_agent(runtime, supervisor, mps_env.root)],
+        tasks=[connect_agent(runtime, supervisor, mps_env)],
     )
     try:
         await runtime.wait_plugins(1, timeout_s=10)
@@ -171,7 +171,7 @@ async def test_an_agent_restart_recreates_running_containers_namespaces_in_place
     await mps_node.supervisor.stop()
     await mps_node.runtime.remove_container("9" * 64)
     supervisor = await started(make_supervisor())
-    mps_node.tasks.append(connect_agent(mps_node.runtime, supervisor, mps_env.root))
+    mps_node.tasks.append(connect_agent(mps_node.runtime, supervisor, mps_env))
     await mps_node.runtime.wait_plugins(1, timeout_s=10)
 
     await until(lambda: (directory / "control").exists())

@@ -212,10 +212,13 @@ class StandInDaemon:
         a closed stdin exits at once, as the real one does)."""
 
         def reader() -> None:
-            for line in sys.stdin:
-                if line.strip():
-                    asyncio.run_coroutine_threadsafe(self._stdin_command(line.split()), loop)
-            loop.call_soon_threadsafe(self._stdin_closed)
+            try:
+                for line in sys.stdin:
+                    if line.strip():
+                        asyncio.run_coroutine_threadsafe(self._stdin_command(line.split()), loop)
+                loop.call_soon_threadsafe(self._stdin_closed)
+            except RuntimeError:  # the daemon stopped (its loop is closed) before its stdin did
+                return
 
         threading.Thread(target=reader, name="stdin", daemon=True).start()
 
