@@ -16,6 +16,13 @@ from gpufrac.node.mps.config import BackoffSettings, MpsSettings
 from gpufrac.node.mps.standin import SERVER_MARKER
 from gpufrac.node.mps.supervisor import MpsSupervisor
 
+#: NRI's plugin request timeout in the tests that put the stand-in behind NRI. An sm-sharing
+#: CreateContainer runs three control commands (namespace create, set, get); the real control binary
+#: answers each in milliseconds, well inside containerd's 2 s, but each stand-in command is a Python
+#: process (~0.3 s, several times that on a loaded test machine), and past the timeout the runtime creates
+#: the container without the plugin's adjustment.
+STANDIN_NRI_REQUEST_TIMEOUT_S = 6.0
+
 
 @dataclass
 class RecordingSink:

@@ -311,6 +311,28 @@ async def test_create_fails_closed_when_the_daemon_cannot_serve(make_supervisor,
     assert supervisor.live_namespaces() == ()
 
 
+async def test_a_create_refused_while_mps_started_is_served_on_the_retry(make_supervisor, mps_env) -> None:
+    # CreateContainer arrives while the daemon starts: the startup reconcile takes its namespace in, but
+    # the wait (create_wait_s) ends first, so the container fails and the reconcile deletes the namespace
+    # as an orphan. The kubelet's retry must get a working namespace, not the deleted one's directory.
+    mps_env.arm("slow-on=0.5 namespace list", "slow-on=3 namespace create")
+    supervisor = make_supervisor(create_wait_s=1.0)
+    hooks = MpsContainerHooks(supervisor=supervisor)
+    await supervisor.start()
+    await until(lambda: "-p 3 namespace list --server=shared" in mps_env.commands())
+    with pytest.raises(MpsUnavailable, match="not serving"):
+        await hooks.on_create(sm(CID_A, 0.5), container_id=CID_A)
+    assert await supervisor.wait_ready(timeout_s=20)
+    assert namespace_name(CID_A) not in await supervisor.control.list_namespaces(server="shared")
+
+    retried = apply_adjustment(sm(CID_A, 0.5), await hooks.on_create(sm(CID_A, 0.5), container_id=CID_A))
+
+    client, greeting = await mps_env.client(Path(retried.mounts[0].source))
+    assert greeting == f"connected shared {namespace_name(CID_A)} 50"
+    client.kill()
+    await client.wait()
+
+
 async def test_classic_mode_gives_env_limits_and_time_slicing_nothing(make_supervisor, mps_env) -> None:
     supervisor = await started(make_supervisor(driver="580.65.06"))
     hooks = MpsContainerHooks(supervisor=supervisor)

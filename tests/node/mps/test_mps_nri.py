@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from mps_harness import MpsEnv, started, until
+from mps_harness import STANDIN_NRI_REQUEST_TIMEOUT_S, MpsEnv, started, until
 
 ROOT = Path(__file__).resolve().parents[3]
 if importlib.util.find_spec("gpufrac._generated.nri") is None:  # `make testenv` not run yet
@@ -86,7 +86,9 @@ async def mps_node(make_supervisor, mps_env: MpsEnv) -> AsyncIterator[MpsNode]:
         pytest.skip(f"the NRI runtime driver cannot be built here: {build.stderr.decode()[-300:]}")
     # No idle recycle: the test looks at the namespaces right after a drain that leaves no client.
     supervisor = await started(make_supervisor(recycle_when_idle=False))
-    runtime = NriRuntime(socket_path=mps_env.root / "nri.sock")
+    runtime = NriRuntime(
+        socket_path=mps_env.root / "nri.sock", request_timeout_s=STANDIN_NRI_REQUEST_TIMEOUT_S
+    )
     await runtime.start()
     node = MpsNode(
         runtime=runtime,

@@ -32,7 +32,8 @@ vanished daemon with 2.
 Injectable faults — persistent from ``--fault`` flags or ``$GPUFRAC_STANDIN_FAULTS`` (comma-separated),
 one-shot from the lines of ``$GPUFRAC_STANDIN_FAULT_FILE`` (a line is removed when its fault fires, and the
 file is re-read at start and on every command, so a test can arm a fault for the next daemon or the next
-command): ``crash-after=<s>``, ``crash-on=<command words>``, ``slow-start=<s>``, ``hang-on-terminate``,
+command): ``crash-after=<s>``, ``crash-on=<command words>``, ``slow-on=<s> <command words>`` (that
+command answers ``<s>`` seconds late), ``slow-start=<s>``, ``hang-on-terminate``,
 ``slow-terminate=<s>`` (a client whose GPU work takes that long to drain), ``ignore-quit``,
 ``leave-servers``.
 
@@ -52,6 +53,7 @@ import subprocess
 import sys
 import threading
 import tomllib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -103,16 +105,17 @@ class Faults:
             return []
         return [line.strip() for line in self._file.read_text().splitlines() if line.strip()]
 
-    def get(self, name: str) -> str | None:
-        """The value of fault ``name`` (``""`` when it takes none), consuming it if it is one-shot."""
+    def get(self, name: str, *, when: Callable[[str], bool] = lambda value: True) -> str | None:
+        """The value of fault ``name`` (``""`` when it takes none) whose value satisfies ``when``,
+        consuming it if it is one-shot."""
         for entry in self._persistent:
             key, _, value = entry.partition("=")
-            if key == name:
+            if key == name and when(value):
                 return value
         lines = self._file_lines()
         for i, entry in enumerate(lines):
             key, _, value = entry.partition("=")
-            if key == name:
+            if key == name and when(value):
                 assert self._file is not None
                 rest = lines[:i] + lines[i + 1 :]
                 self._file.write_text("".join(f"{line}\n" for line in rest))
@@ -392,9 +395,17 @@ class StandInDaemon:
         protocol, _, text = line.removeprefix("CMD ").partition(" ")
         command = text.split()
         self.log(f"command: {' '.join(command)}")
-        crash_on = self.faults.get("crash-on")
-        if crash_on and command[: len(crash_on.split())] == crash_on.split():
+        crash_on = self.faults.get(
+            "crash-on", when=lambda words: command[: len(words.split())] == words.split()
+        )
+        if crash_on:
             self._crash(f"crash-on {crash_on}")
+        slow = self.faults.get(
+            "slow-on", when=lambda spec: command[: len(spec.split()) - 1] == spec.split()[1:]
+        )
+        if slow:
+            self.log(f"fault: slow-on {slow}")
+            await asyncio.sleep(float(slow.split()[0]))
         try:
             if protocol != str(self.protocol):
                 raise CommandError(

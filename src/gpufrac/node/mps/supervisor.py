@@ -322,7 +322,7 @@ class MpsSupervisor:
         has these settings: a set is refused once a client attached), then the pipe directory read back
         and its length checked. A namespace created here and not usable is deleted again."""
         pipe = self._pipe_dirs.get(spec.name)
-        if self._applied.get(spec.name) == spec and pipe is not None:
+        if spec.name in self._on_daemon and self._applied.get(spec.name) == spec and pipe is not None:
             return pipe  # a retried CreateContainer, or a Synchronize of a running container
         directory = self.namespace_dir(spec.name)
         try:
@@ -384,6 +384,8 @@ class MpsSupervisor:
                 log.info("deleting orphan MPS namespace %s", orphan)
                 await self.control.delete_namespace(server=self.settings.server_name, name=orphan)
                 self._on_daemon.discard(orphan)
+                self._applied.pop(orphan, None)
+                self._pipe_dirs.pop(orphan, None)
 
     # --- drain -----------------------------------------------------------------------------------------
 
