@@ -7,12 +7,13 @@ shows which namespace and thread ceiling a process in that container would get.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 from pathlib import Path
 
 import pytest
-from mps_harness import RecordingSink, started, until
+from mps_harness import RecordingSink, processes_of, started, until
 
 from gpufrac.contract.request import ComputeMode
 from gpufrac.node.inject import InjectionPlan, pipe_leaf, plan_container
@@ -224,6 +225,29 @@ async def test_a_slow_terminate_is_a_drain_not_a_wedge_and_it_runs_once_in_the_b
     assert neighbour.returncode is None
     neighbour.kill()
     await neighbour.wait()
+
+
+async def test_at_shutdown_a_slow_drain_gets_its_grace_then_is_cancelled_leaving_no_command(
+    make_supervisor, mps_env
+) -> None:
+    supervisor = await started(make_supervisor())
+    hooks = MpsContainerHooks(supervisor=supervisor, proc_root=mps_env.proc_root)
+    await hooks.on_create(sm(CID_A, 0.3), container_id=CID_A)
+    client, _ = await mps_env.client(supervisor.namespace_dir(namespace_name(CID_A)))
+    mps_env.in_container(client.pid, CID_A)
+    mps_env.arm("slow-terminate=30")
+    await hooks.on_stop(container_id=CID_A)
+
+    await hooks.close(timeout_s=0.2)  # the agent is stopping: it does not wait out a 30 s drain
+
+    assert await hooks.drained(container_id=CID_A) is None  # nothing in flight any more
+    commands = []
+    for pid in processes_of(mps_env.root / "pipe"):
+        with contextlib.suppress(OSError):  # exited meanwhile
+            commands.append(Path(f"/proc/{pid}/cmdline").read_bytes())
+    assert not [c for c in commands if b"terminate" in c]  # the terminate's control process is gone
+    client.kill()
+    await client.wait()
 
 
 async def test_a_terminate_hanging_past_its_timeout_is_a_wedge_and_the_daemon_restarts(
