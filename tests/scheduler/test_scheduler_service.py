@@ -44,8 +44,8 @@ from gpufrac.placement.decision import ContainerPlacement, Decision, DeviceAssig
 from gpufrac.placement.model import PendingPod
 from gpufrac.scheduler import service as service_module
 from gpufrac.scheduler.binder import binding_annotations
-from gpufrac.scheduler.placement_engine import PlacementEngine, build_engine
 from gpufrac.scheduler.objects import gpu_request, node_inventory
+from gpufrac.scheduler.placement_engine import PlacementEngine, build_engine
 
 pytestmark = pytest.mark.kube
 

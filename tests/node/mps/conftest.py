@@ -22,7 +22,10 @@ from gpufrac.node.mps.supervisor import MpsSupervisor
 def mps_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[MpsEnv]:
     root = Path(tempfile.mkdtemp(prefix="mps", dir="/tmp"))
     wrapper = root / "nvidia-cuda-mps-control"
-    wrapper.write_text(f'#!/bin/sh\nexec {sys.executable} {STANDIN} "$@"\n')
+    # The wrapper records every invocation's argv (one line each), so tests see the exact command grammar.
+    wrapper.write_text(
+        f'#!/bin/sh\nprintf "%s\\n" "$*" >> {root / "argv.log"}\nexec {sys.executable} {STANDIN} "$@"\n'
+    )
     wrapper.chmod(0o755)
     fault_file = root / "faults"
     monkeypatch.setenv("GPUFRAC_STANDIN_FAULT_FILE", str(fault_file))

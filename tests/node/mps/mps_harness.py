@@ -19,6 +19,12 @@ from gpufrac.node.mps.supervisor import MpsSupervisor
 
 #: The stand-in control daemon's program (a test double: it lives with the tests, run as a script).
 STANDIN = Path(__file__).with_name("mps_standin.py")
+#: NRI's plugin request timeout in the tests that put the stand-in behind NRI. An sm-sharing
+#: CreateContainer runs three control commands (namespace create, set, get); the real control binary
+#: answers each in milliseconds, well inside containerd's 2 s, but each stand-in command is a Python
+#: process (~0.3 s, several times that on a loaded test machine), and past the timeout the runtime creates
+#: the container without the plugin's adjustment.
+STANDIN_NRI_REQUEST_TIMEOUT_S = 6.0
 
 
 @dataclass
@@ -67,14 +73,32 @@ class MpsEnv:
             ready_timeout_s=10.0,
             command_timeout_s=5.0,
             create_wait_s=1.0,
-            drain_timeout_s=4.0,
-            terminate_timeout_s=1.0,
             quit_timeout_s=3.0,
             kill_timeout_s=3.0,
             backoff=BackoffSettings(initial_s=0.05, factor=2.0, max_s=0.4, stable_s=30.0, degraded_after=3),
         )
         base.update(overrides)
         return MpsSettings(**base)  # type: ignore[arg-type]
+
+    @property
+    def proc_root(self) -> Path:
+        """A /proc of cgroup files only: where the stand-in clients are put into containers (the test
+        machine cannot run processes in a kubelet's container cgroups; the file layout is containerd's)."""
+        return self.root / "proc"
+
+    def in_container(self, pid: int, container_id: str) -> None:
+        """Makes ``pid`` a process of container ``container_id`` as ``/proc/<pid>/cgroup`` tells it."""
+        directory = self.proc_root / str(pid)
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / "cgroup").write_text(
+            f"0::/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod1.slice/"
+            f"cri-containerd-{container_id}.scope\n"
+        )
+
+    def commands(self) -> list[str]:
+        """The argv of every control-binary invocation so far (daemon, commands, clients), in order."""
+        log = self.root / "argv.log"
+        return log.read_text().splitlines() if log.exists() else []
 
     def arm(self, *faults: str) -> None:
         """One-shot faults for the next daemon start / command."""

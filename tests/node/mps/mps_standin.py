@@ -1,14 +1,22 @@
 """STAND-IN MPS control daemon — FOR TESTS ONLY. It controls no GPU and enforces nothing.
 
-It behaves like ``nvidia-cuda-mps-control`` at the interface gpufrac's supervisor uses, so the supervisor
-under test is the production code path, run against a separate process through the same binary-as-client
-calls it makes on a GPU node:
+It behaves like ``nvidia-cuda-mps-control`` of driver 615 at the interface gpufrac's supervisor uses, so
+the supervisor under test is the production code path, run against a separate process through the same
+binary-as-client calls it makes on a GPU node. Its grammar and output shapes follow what NVIDIA's GPU
+Fractioning Operator verified on driver 615 (docs/mps.md, "Sources", lists each command and its source):
 
-- daemon: ``-f`` (foreground) or ``-d`` (background), ``-p 2|3``, ``-m``, ``-a <toml>`` (v3 only), ``-q``;
-  the control socket is ``$CUDA_MPS_PIPE_DIRECTORY/control`` (a unix socket, as in real MPS), the pid file
+- daemon: ``-f`` (foreground; reads commands on stdin — ``quit`` — and exits at end of file, as the real
+  one does) or ``-d`` (background), ``-p 2|3``, ``-m``, ``-a <toml>`` (v3 only), ``-q``; the control
+  socket is ``$CUDA_MPS_PIPE_DIRECTORY/control`` (a unix socket, as in real MPS), the pid file
   ``nvidia-cuda-mps-control.pid`` beside it, a log in ``$CUDA_MPS_LOG_DIRECTORY/control.log``.
-- v3 commands as argv (``... namespace create shared ns1 active_thread_percentage=25``): ``server list``,
-  ``client list``, ``client terminate <pid>``, ``namespace create|set|get|delete|list``, ``quit``.
+- a command's protocol (``-p``, default 2) must be the daemon's: a v3 command without ``-p 3`` is refused.
+- v3 commands as argv, the server as a flag except for ``namespace get``: ``server list``, ``client list
+  [--format=table|csv[,noheader]]`` (the table truncates long PIDs, ``316...``), ``client terminate
+  <pid>``, ``namespace create <ns> --server=<s>``, ``namespace set <ns> --server=<s>
+  [--active-thread-percentage=N] [--pinned-memory-limit=<n>M]`` (refused while a client is attached),
+  ``namespace get <ns> <s> pipe_directory|active_thread_percentage|pinned_memory_limit``, ``namespace
+  delete <ns> --server=<s>`` (refused while a client is attached), ``namespace list --server=<s>`` (a
+  table), ``quit``. Namespace names must match ``[a-z0-9_]+``, as the real daemon requires.
 - classic commands on stdin (``echo get_server_list | ...``): ``get_server_list``, ``get_client_list``,
   ``terminate_client``, ``start_server -uid``, ``set_default_active_thread_percentage``,
   ``get_default_active_thread_percentage``, ``set_default_device_pinned_mem_limit``, ``quit``.
@@ -24,8 +32,10 @@ vanished daemon with 2.
 Injectable faults — persistent from ``--fault`` flags or ``$GPUFRAC_STANDIN_FAULTS`` (comma-separated),
 one-shot from the lines of ``$GPUFRAC_STANDIN_FAULT_FILE`` (a line is removed when its fault fires, and the
 file is re-read at start and on every command, so a test can arm a fault for the next daemon or the next
-command): ``crash-after=<s>``, ``crash-on=<command words>``, ``slow-start=<s>``, ``hang-on-terminate``,
-``ignore-quit``, ``leave-servers``.
+command): ``crash-after=<s>``, ``crash-on=<command words>``, ``slow-on=<s> <command words>`` (that
+command answers ``<s>`` seconds late), ``slow-start=<s>``, ``hang-on-terminate``,
+``slow-terminate=<s>`` (a client whose GPU work takes that long to drain), ``ignore-quit``,
+``leave-servers``.
 
 The wire protocol between this program's client and daemon halves is its own (one text line, a text
 answer); the real daemon's socket protocol is private to NVIDIA and never spoken by gpufrac.
@@ -37,10 +47,13 @@ import argparse
 import asyncio
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
+import threading
 import tomllib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -55,6 +68,18 @@ _SERVER_KEYS = {
     "locality_domains",
 }
 _NAMESPACE_KEYS = {"pinned_memory_limit", "active_thread_percentage", "client_priority"}
+#: ``namespace set`` flags and the setting (TOML key) each one sets.
+_SET_FLAGS = {
+    "active-thread-percentage": "active_thread_percentage",
+    "pinned-memory-limit": "pinned_memory_limit",
+}
+_GET_FIELDS = ("pipe_directory", "active_thread_percentage", "pinned_memory_limit")
+_NAME = re.compile(r"[a-z0-9_]+")
+_MEMORY = re.compile(r"\d+[KMG]?")
+#: The device every stand-in client is listed on (no GPU here).
+STANDIN_DEVICE = "GPU-00000000-0000-0000-0000-000000000000"
+#: The ``client list`` table's PID column: longer PIDs are cut to 3 digits and ``...`` (captured on 615).
+_PID_COLUMN = 6
 
 
 def _pipe_dir() -> Path:
@@ -80,16 +105,17 @@ class Faults:
             return []
         return [line.strip() for line in self._file.read_text().splitlines() if line.strip()]
 
-    def get(self, name: str) -> str | None:
-        """The value of fault ``name`` (``""`` when it takes none), consuming it if it is one-shot."""
+    def get(self, name: str, *, when: Callable[[str], bool] = lambda value: True) -> str | None:
+        """The value of fault ``name`` (``""`` when it takes none) whose value satisfies ``when``,
+        consuming it if it is one-shot."""
         for entry in self._persistent:
             key, _, value = entry.partition("=")
-            if key == name:
+            if key == name and when(value):
                 return value
         lines = self._file_lines()
         for i, entry in enumerate(lines):
             key, _, value = entry.partition("=")
-            if key == name:
+            if key == name and when(value):
                 assert self._file is not None
                 rest = lines[:i] + lines[i + 1 :]
                 self._file.write_text("".join(f"{line}\n" for line in rest))
@@ -126,8 +152,11 @@ class CommandError(Exception):
 
 
 class StandInDaemon:
-    def __init__(self, *, protocol: int, multiuser: bool, config: Path | None, faults: Faults) -> None:
+    def __init__(
+        self, *, protocol: int, multiuser: bool, config: Path | None, faults: Faults, read_stdin: bool
+    ) -> None:
         self.protocol = protocol
+        self.read_stdin = read_stdin
         self.multiuser = multiuser
         self.config = config
         self.faults = faults
@@ -175,9 +204,39 @@ class StandInDaemon:
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGTERM, self.done.set)
         loop.add_signal_handler(signal.SIGINT, self.done.set)
+        if self.read_stdin:
+            self._read_stdin(loop)
         await self.done.wait()
         await self._shutdown()
         return 0
+
+    def _read_stdin(self, loop: asyncio.AbstractEventLoop) -> None:
+        """A foreground daemon takes commands on stdin and quits at end of file (so a daemon started with
+        a closed stdin exits at once, as the real one does)."""
+
+        def reader() -> None:
+            try:
+                for line in sys.stdin:
+                    if line.strip():
+                        asyncio.run_coroutine_threadsafe(self._stdin_command(line.split()), loop)
+                loop.call_soon_threadsafe(self._stdin_closed)
+            except RuntimeError:  # the daemon stopped (its loop is closed) before its stdin did
+                return
+
+        threading.Thread(target=reader, name="stdin", daemon=True).start()
+
+    def _stdin_closed(self) -> None:
+        self.log("stdin closed: quitting")
+        self.done.set()
+
+    async def _stdin_command(self, command: list[str]) -> None:
+        self.log(f"command (stdin): {' '.join(command)}")
+        try:
+            answer = await self._dispatch(command)
+        except CommandError as error:
+            answer = f"{error}\n"
+        sys.stdout.write(answer)
+        sys.stdout.flush()
 
     def _crash(self, why: str) -> None:
         self.log(f"fault: {why}: crashing")
@@ -200,6 +259,11 @@ class StandInDaemon:
                 raise SystemExit(f"configuration error: servers.{name}: unknown keys {sorted(unknown)}")
             ns_out: dict[str, dict[str, str]] = {}
             for ns_name, ns_body in namespaces.items():
+                if not _NAME.fullmatch(ns_name):
+                    raise SystemExit(
+                        f"configuration error: servers.{name}.namespaces.{ns_name}: "
+                        "a namespace name must match [a-z0-9_]+"
+                    )
                 unknown = set(ns_body) - _NAMESPACE_KEYS
                 if unknown:
                     raise SystemExit(
@@ -256,7 +320,12 @@ class StandInDaemon:
             directory = self.pipe / server.name / name
             directory.mkdir(parents=True, exist_ok=True)  # reused if it exists: containers bind-mount it
             directory.chmod(0o755 if not self.multiuser else 0o777)
-            namespace.listener = await self._listen(directory / "control", server=server.name, namespace=name)
+            try:
+                namespace.listener = await self._listen(
+                    directory / "control", server=server.name, namespace=name
+                )
+            except OSError as error:  # e.g. a socket path over sun_path's 108 bytes
+                raise CommandError(f"Failed to create namespace {name!r}") from error
         server.namespaces[name] = namespace
 
     async def _shutdown(self) -> None:
@@ -323,12 +392,26 @@ class StandInDaemon:
         if line.startswith("CLIENT "):
             await self._serve_client(int(line.split()[1]), None, "default", reader, writer)
             return
-        command = line.removeprefix("CMD ").split()
+        protocol, _, text = line.removeprefix("CMD ").partition(" ")
+        command = text.split()
         self.log(f"command: {' '.join(command)}")
-        crash_on = self.faults.get("crash-on")
-        if crash_on and command[: len(crash_on.split())] == crash_on.split():
+        crash_on = self.faults.get(
+            "crash-on", when=lambda words: command[: len(words.split())] == words.split()
+        )
+        if crash_on:
             self._crash(f"crash-on {crash_on}")
+        slow = self.faults.get(
+            "slow-on", when=lambda spec: command[: len(spec.split()) - 1] == spec.split()[1:]
+        )
+        if slow:
+            self.log(f"fault: slow-on {slow}")
+            await asyncio.sleep(float(slow.split()[0]))
         try:
+            if protocol != str(self.protocol):
+                raise CommandError(
+                    f"the MPS control daemon speaks protocol {self.protocol}, this command {protocol} "
+                    f"(pass -p {self.protocol})"
+                )
             answer = "OK\n" + await self._dispatch(command)
         except CommandError as error:
             answer = f"ERR {error}\n"
@@ -357,18 +440,56 @@ class StandInDaemon:
         return server
 
     async def _dispatch_v3(self, words: list[str]) -> str:
-        module, verb, args = words[0], (words[1] if len(words) > 1 else ""), words[2:]
+        module, verb, rest = words[0], (words[1] if len(words) > 1 else ""), words[2:]
+        args = [w for w in rest if not w.startswith("--")]
+        flags: dict[str, str] = {}
+        for word in rest:
+            if word.startswith("--"):
+                key, _, value = word[2:].partition("=")
+                flags[key] = value
         if (module, verb) == ("server", "list"):
             return "".join(f"{s.name} {s.process.pid}\n" for s in self.servers.values())
         if (module, verb) == ("client", "list"):
-            return "".join(f"{c.pid} {c.server} {c.namespace}\n" for c in self.clients.values())
+            _expect(flags, allowed={"format"}, usage="client list [--format=table|csv[,noheader]]")
+            return self._client_list(flags.get("format", "table"))
         if (module, verb) == ("client", "terminate"):
-            if len(args) != 1 or not args[0].isdigit():
+            if len(args) != 1 or not args[0].isdigit() or flags:
                 raise CommandError("usage: client terminate <pid>")
             return await self._terminate(int(args[0]))
         if module == "namespace":
-            return await self._namespace(verb, args)
+            return await self._namespace(verb, args, flags)
         raise CommandError(f"unknown command {' '.join(words)!r}")
+
+    def _client_list(self, form: str) -> str:
+        kind, _, header = form.partition(",")
+        if kind not in ("table", "csv") or header not in ("", "noheader"):
+            raise CommandError(f"unknown format {form!r}; expected table|csv[,noheader]")
+        rows = []
+        for client in self.clients.values():
+            server = self.servers[client.server]
+            ns_id = (
+                list(server.namespaces).index(client.namespace)
+                if client.namespace in server.namespaces
+                else 0
+            )
+            rows.append(
+                (
+                    client.pid,
+                    client.server,
+                    f"{client.server}/{client.namespace} ({ns_id})",
+                    _comm(client.pid),
+                )
+            )
+        if kind == "csv":
+            lines = [f"{pid},{server},{STANDIN_DEVICE},{ns},{cmd}" for pid, server, ns, cmd in rows]
+            head = "PID,SERVER,DEVICE,NS,CMD"
+        else:
+            lines = [
+                f"{_cut(str(pid)):<8}{server:<14}{STANDIN_DEVICE:<47}{ns:<26}{cmd}"
+                for pid, server, ns, cmd in rows
+            ]
+            head = f"{'PID':<8}{'SERVER':<14}{'DEVICE':<47}{'MAWS NS':<26}CMD"
+        return "".join(f"{line}\n" for line in ([] if header else [head]) + lines)
 
     async def _terminate(self, pid: int) -> str:
         client = self.clients.get(pid)
@@ -377,6 +498,10 @@ class StandInDaemon:
         if self.faults.get("hang-on-terminate") is not None:
             self.log(f"fault: hanging on terminate {pid}")
             await asyncio.Event().wait()
+        slow = self.faults.get("slow-terminate")
+        if slow:
+            self.log(f"fault: client {pid} drains its GPU work for {slow}s")
+            await asyncio.sleep(float(slow))
         client.writer.write(b"TERMINATE\n")
         with contextlib.suppress(ConnectionError):
             await client.writer.drain()
@@ -384,51 +509,83 @@ class StandInDaemon:
             await asyncio.wait_for(client.gone.wait(), timeout=2.0)
         return ""
 
-    async def _namespace(self, verb: str, args: list[str]) -> str:
-        if verb not in ("create", "set", "get", "delete", "list"):
-            raise CommandError(f"unknown namespace verb {verb!r}")
+    async def _namespace(self, verb: str, args: list[str], flags: dict[str, str]) -> str:
         if verb == "list":
-            if len(args) != 1:
-                raise CommandError("usage: namespace list <server>")
-            return "".join(f"{name}\n" for name in self._server(args[0]).namespaces)
-        if len(args) < 2:
-            raise CommandError(f"usage: namespace {verb} <server> <name> ...")
-        server, name, rest = self._server(args[0]), args[1], args[2:]
-        settings: dict[str, str] = {}
-        for item in rest if verb in ("create", "set") else ():
-            key, sep, value = item.partition("=")
-            if not sep or key not in _NAMESPACE_KEYS:
-                raise CommandError(f"bad setting {item!r}; expected one of {sorted(_NAMESPACE_KEYS)}=<value>")
-            if key == "active_thread_percentage" and not (value.isdigit() and 1 <= int(value) <= 100):
-                raise CommandError(f"active_thread_percentage {value!r} is not an integer in [1, 100]")
-            settings[key] = value
+            _expect(flags, allowed={"server"}, required={"server"}, usage="namespace list --server=<server>")
+            if args:
+                raise CommandError("usage: namespace list --server=<server>")
+            return self._namespace_table(self._server(flags["server"]))
+        if verb == "get":  # the server is positional here (as on 615), the field names what to print
+            if len(args) != 3 or flags:
+                raise CommandError(f"usage: namespace get <namespace> <server> <{'|'.join(_GET_FIELDS)}>")
+            name, server_name, what = args
+            server = self._server(server_name)
+            namespace = self._existing(server, name)
+            if what not in _GET_FIELDS:
+                raise CommandError(f"unknown field {what!r}; expected one of {list(_GET_FIELDS)}")
+            if what == "pipe_directory":
+                return f"{self.pipe / server.name / name}\n"
+            return f"{namespace.settings.get(what, 'N/A')}\n"
+        if verb not in ("create", "set", "delete"):
+            raise CommandError(f"unknown namespace verb {verb!r}")
+        allowed = {"server", *_SET_FLAGS} if verb == "set" else {"server"}
+        _expect(
+            flags,
+            allowed=allowed,
+            required={"server"},
+            usage=f"namespace {verb} <namespace> --server=<server> ...",
+        )
+        if len(args) != 1:
+            raise CommandError(f"usage: namespace {verb} <namespace> --server=<server> ...")
+        name, server = args[0], self._server(flags["server"])
+        if not _NAME.fullmatch(name):
+            raise CommandError(f"Invalid namespace name {name!r}: only [a-z0-9_]+ is accepted")
         if verb == "create":
             if name in server.namespaces:
                 raise CommandError(f"namespace {name!r} already exists on server {server.name!r}")
-            await self._create_namespace(server, name, settings)
+            await self._create_namespace(server, name, {})
             return ""
+        namespace = self._existing(server, name)
+        attached = any(c.server == server.name and c.namespace == name for c in self.clients.values())
+        if verb == "set":
+            settings = {}
+            for flag, key in _SET_FLAGS.items():
+                if flag in flags:
+                    settings[key] = _setting(key, flags[flag])
+            if not settings:
+                raise CommandError(f"namespace set: nothing to set; expected --{'=, --'.join(_SET_FLAGS)}=")
+            if attached:
+                raise CommandError(f"Cannot set namespace {name!r}: it has active clients")
+            namespace.settings.update(settings)
+            return ""
+        if name == "default":
+            raise CommandError("the default namespace cannot be deleted")
+        if attached:
+            raise CommandError(f"Cannot delete namespace {name!r}: it has active clients")
+        if namespace.listener is not None:
+            namespace.listener.close()
+        directory = self.pipe / server.name / name
+        with contextlib.suppress(FileNotFoundError):
+            (directory / "control").unlink()
+        with contextlib.suppress(OSError):
+            directory.rmdir()
+        del server.namespaces[name]
+        return ""
+
+    def _existing(self, server: Server, name: str) -> Namespace:
         namespace = server.namespaces.get(name)
         if namespace is None:
             raise CommandError(f"no namespace {name!r} on server {server.name!r}")
-        if verb == "set":
-            namespace.settings.update(settings)
-            return ""
-        if verb == "get":
-            return "".join(f"{k}={v}\n" for k, v in sorted(namespace.settings.items()))
-        if verb == "delete":
-            if name == "default":
-                raise CommandError("the default namespace cannot be deleted")
-            if any(c.server == server.name and c.namespace == name for c in self.clients.values()):
-                raise CommandError(f"namespace {name!r} has connected clients")
-            if namespace.listener is not None:
-                namespace.listener.close()
-            directory = self.pipe / server.name / name
-            with contextlib.suppress(FileNotFoundError):
-                (directory / "control").unlink()
-            with contextlib.suppress(OSError):
-                directory.rmdir()
-            del server.namespaces[name]
-        return ""
+        return namespace
+
+    def _namespace_table(self, server: Server) -> str:
+        lines = [f"{'NAME':<42}{'ID':<5}{'ACTIVE THREAD %':<17}{'PINNED MEM':<12}CLIENTS"]
+        for ns_id, (name, namespace) in enumerate(server.namespaces.items()):
+            clients = sum(1 for c in self.clients.values() if c.server == server.name and c.namespace == name)
+            threads = namespace.settings.get("active_thread_percentage", "100")
+            pinned = namespace.settings.get("pinned_memory_limit", "N/A")
+            lines.append(f"{name:<42}{ns_id:<5}{threads:<17}{pinned:<12}{clients}")
+        return "".join(f"{line}\n" for line in lines)
 
     async def _dispatch_classic(self, words: list[str]) -> str:
         verb, args = words[0], words[1:]
@@ -460,6 +617,34 @@ class StandInDaemon:
         raise CommandError(f"unknown command {' '.join(words)!r}")
 
 
+def _expect(
+    flags: dict[str, str], *, allowed: set[str], usage: str, required: frozenset[str] | set[str] = frozenset()
+) -> None:
+    unknown = set(flags) - allowed
+    missing = set(required) - set(flags)
+    if unknown or missing or any(not flags[k] for k in flags):
+        raise CommandError(f"usage: {usage}")
+
+
+def _setting(key: str, value: str) -> str:
+    if key == "active_thread_percentage" and not (value.isdigit() and 1 <= int(value) <= 100):
+        raise CommandError(f"active thread percentage {value!r} is not an integer in [1, 100]")
+    if key == "pinned_memory_limit" and not _MEMORY.fullmatch(value):
+        raise CommandError(f"pinned memory limit {value!r} is not <n>[K|M|G]")
+    return value
+
+
+def _cut(pid: str) -> str:
+    return pid if len(pid) <= _PID_COLUMN else pid[:3] + "..."
+
+
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return "?"
+
+
 async def _listening(path: Path) -> bool:
     try:
         _, writer = await asyncio.open_unix_connection(str(path))
@@ -469,12 +654,12 @@ async def _listening(path: Path) -> bool:
     return True
 
 
-async def _send(line: str) -> tuple[bool, str]:
+async def _send(line: str, *, protocol: int) -> tuple[bool, str]:
     try:
         reader, writer = await asyncio.open_unix_connection(str(_pipe_dir() / "control"))
     except OSError as error:
         return False, f"Cannot find MPS control daemon process ({error})\n"
-    writer.write(f"CMD {line}\n".encode())
+    writer.write(f"CMD {protocol} {line}\n".encode())
     await writer.drain()
     answer = (await reader.read()).decode()
     writer.close()
@@ -513,7 +698,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == [SERVER_MARKER]:
         return _server_main()
-    parser = argparse.ArgumentParser(prog="nvidia-cuda-mps-control (gpufrac STAND-IN)")
+    parser = argparse.ArgumentParser(prog="nvidia-cuda-mps-control (gpufrac STAND-IN)", allow_abbrev=False)
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("-d", "--daemon", action="store_true")
     mode.add_argument("-f", "--foreground", action="store_true")
@@ -529,14 +714,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("-a", "--apply", type=Path)
     parser.add_argument("--fault", action="append", default=[])
+    parser.add_argument("--detached", action="store_true", help=argparse.SUPPRESS)  # the child of -d
     parser.add_argument("command", nargs="*")
-    args = parser.parse_args(argv)
+    args, flags = parser.parse_known_args(argv)
+    words = [*args.command, *flags]  # a command's own flags (--server=...) follow its positional words
+    if flags and not args.command:
+        parser.error(f"unrecognized arguments: {' '.join(flags)}")
     if args.mps_client:
         return asyncio.run(_client_main())
     if args.daemon:
         child = [a for a in argv if a not in ("-d", "--daemon")]
         subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__), "-f", *child],
+            [sys.executable, os.path.abspath(__file__), "-f", "--detached", *child],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -549,18 +738,19 @@ def main(argv: list[str] | None = None) -> int:
             multiuser=args.multiuser,
             config=args.apply,
             faults=Faults(persistent=args.fault),
+            read_stdin=not args.detached,
         )
         return asyncio.run(daemon.run())
     lines = (
         ["quit"]
         if args.quit
-        else [" ".join(args.command)]
-        if args.command
+        else [" ".join(words)]
+        if words
         else [line.strip() for line in sys.stdin if line.strip()]
     )
     status = 0
     for line in lines:
-        ok, text = asyncio.run(_send(line))
+        ok, text = asyncio.run(_send(line, protocol=args.protocol))
         (sys.stdout if ok else sys.stderr).write(text)
         status = status or (0 if ok else 1)
     return status

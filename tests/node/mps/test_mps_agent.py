@@ -14,10 +14,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-from mps_harness import MpsEnv, processes_of, until
+from mps_harness import STANDIN_NRI_REQUEST_TIMEOUT_S, MpsEnv, processes_of, until
 
-from gpufrac.local.nriruntime import NriRuntime, binary_path
-from gpufrac.node.mps.containers import namespace_name
+from gpufrac.local.nriruntime import ContainerCreateFailed, NriRuntime, binary_path
+from gpufrac.node.mps.names import namespace_name
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -29,7 +29,9 @@ async def test_node_agent_with_mps_serves_namespaces_and_stops_mps_on_sigterm(mp
     pipe = mps_env.root / "pipe"
     config = mps_env.root / "agent.yaml"
     config.write_text(f"mps_pipe_dir: {pipe}\nmps_log_dir: {mps_env.root / 'log'}\n")
-    runtime = NriRuntime(socket_path=mps_env.root / "nri.sock")
+    runtime = NriRuntime(
+        socket_path=mps_env.root / "nri.sock", request_timeout_s=STANDIN_NRI_REQUEST_TIMEOUT_S
+    )
     await runtime.start()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -77,7 +79,17 @@ async def test_node_agent_with_mps_serves_namespaces_and_stops_mps_on_sigterm(mp
                 prefix + "gpus.devices": "GPU-0000-4444",
             },
         )
-        created = await runtime.create_container(id="a" * 64, pod_id="p1", name="main")
+        # The shared server's socket appears before the daemon is READY (namespaces reconciled): until
+        # then an sm-sharing container fails closed, and the kubelet retries it, as here.
+        for _ in range(100):
+            try:
+                created = await runtime.create_container(id="a" * 64, pod_id="p1", name="main")
+                break
+            except ContainerCreateFailed as refused:
+                assert "not serving" in str(refused)
+                await asyncio.sleep(0.2)
+        else:
+            raise AssertionError("the sm-sharing container was refused for 20 s")
         mount = created.mount_at("/run/nvidia/mps")
         assert mount is not None and mount["source"] == str(pipe / "shared" / namespace_name("a" * 64))
         client, greeting = await mps_env.client(Path(mount["source"]))

@@ -7,12 +7,13 @@ shows which namespace and thread ceiling a process in that container would get.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 from pathlib import Path
 
 import pytest
-from mps_harness import RecordingSink, started, until
+from mps_harness import RecordingSink, processes_of, started, until
 
 from gpufrac.contract.request import ComputeMode
 from gpufrac.node.inject import InjectionPlan, pipe_leaf, plan_container
@@ -20,10 +21,10 @@ from gpufrac.node.mps.containers import (
     MpsAdjustment,
     MpsContainerHooks,
     apply_adjustment,
-    namespace_name,
     thread_ceiling,
 )
-from gpufrac.node.mps.events import REASON_RESTARTED, REASON_WEDGED
+from gpufrac.node.mps.events import REASON_RECYCLED, REASON_RESTARTED, REASON_WEDGED
+from gpufrac.node.mps.names import MAX_PIPE_DIR_BYTES, namespace_name
 from gpufrac.node.mps.supervisor import MpsUnavailable, SupervisorState
 
 CID_A = "a" * 64
@@ -59,6 +60,10 @@ def mounts(plan: InjectionPlan) -> list[tuple[str, str]]:
     return [(m.source, m.destination) for m in plan.mounts]
 
 
+async def field(supervisor, name: str, what: str) -> str:
+    return await supervisor.control.namespace_field(server="shared", name=name, field=what)
+
+
 def test_thread_ceiling_floors_to_whole_percent_with_a_minimum_of_one() -> None:
     portions = (0.257, 0.29, 0.5, 0.999, 1.0, 0.004, None)
     assert [thread_ceiling(p) for p in portions] == [25, 29, 50, 99, 100, 1, 100]
@@ -81,8 +86,8 @@ async def test_sm_sharing_container_gets_its_own_namespace_directory_and_ceiling
     assert created.env_map["CUDA_MPS_PIPE_DIRECTORY"] == "/run/nvidia/mps"
     assert adjustment_t == MpsAdjustment()  # time-slicing keeps its empty private leaf: no MPS client
     assert mounts(apply_adjustment(plan_t, adjustment_t)) == [(f"{LEAVES}/{CID_T}", "/run/nvidia/mps")]
-    settings = await supervisor.control.namespace_settings(server="shared", name=ns)
-    assert settings == {"active_thread_percentage": "25", "pinned_memory_limit": "3000M"}
+    assert await field(supervisor, ns, "active_thread_percentage") == "25"
+    assert await field(supervisor, ns, "pinned_memory_limit") == "3000M"
     # A process inside the container reaches its namespace and only that (its only MPS directory).
     client, greeting = await mps_env.client(host_dir)
     assert greeting == f"connected shared {ns} 25"
@@ -104,14 +109,14 @@ async def test_namespaces_survive_a_daemon_restart_in_the_same_directory_and_orp
     inode = dir_a.stat().st_ino
     assert not supervisor.namespace_dir(namespace_name(CID_B)).exists()
 
-    await supervisor.control.create_namespace(server="shared", name="ctr-stale", settings={})
     os.kill(supervisor.daemon_pid, signal.SIGKILL)
     await until(lambda: supervisor.restarts == 1 and supervisor.state is SupervisorState.READY)
 
-    assert sorted(await supervisor.control.list_namespaces(server="shared")) == ["ctr-" + "a" * 20, "default"]
-    assert (await supervisor.control.namespace_settings(server="shared", name=namespace_name(CID_A)))[
-        "active_thread_percentage"
-    ] == "50"
+    assert sorted(await supervisor.control.list_namespaces(server="shared")) == [
+        "default",
+        namespace_name(CID_A),
+    ]
+    assert await field(supervisor, namespace_name(CID_A), "active_thread_percentage") == "50"
     # The very directory a running container has bind-mounted serves again (same inode, fresh socket).
     assert dir_a.stat().st_ino == inode
     client, greeting = await mps_env.client(dir_a)
@@ -119,26 +124,69 @@ async def test_namespaces_survive_a_daemon_restart_in_the_same_directory_and_orp
     client.kill()
     await client.wait()
 
-    # A namespace no live container owns (left by anyone) is deleted by the reconcile after a restart.
-    await supervisor.control.create_namespace(server="shared", name="ctr-orphan", settings={})
+    # A namespace of gpufrac's that no live container owns is deleted by the reconcile; one that is not
+    # gpufrac's (an operator's, another tool's) is left alone, and the table's header is no namespace.
+    orphan = namespace_name("0" * 64)
+    await supervisor.control.create_namespace(server="shared", name=orphan)
+    await supervisor.control.create_namespace(server="shared", name="someone_elses")
     await supervisor.reconcile()
-    assert "ctr-orphan" not in await supervisor.control.list_namespaces(server="shared")
+    assert sorted(await supervisor.control.list_namespaces(server="shared")) == [
+        "default",
+        namespace_name(CID_A),
+        "someone_elses",
+    ]
 
 
-async def test_stop_drains_the_containers_clients_and_remove_deletes_its_namespace(
+async def test_every_command_is_issued_in_the_r615_grammar(make_supervisor, mps_env) -> None:
+    supervisor = await started(make_supervisor(recycle_when_idle=False))
+    hooks = MpsContainerHooks(supervisor=supervisor, proc_root=mps_env.proc_root)
+    plan = planned(CID_A, portion=0.5, limit="4Gi")
+    await hooks.on_create(plan, container_id=CID_A)
+    ns = namespace_name(CID_A)
+    client, _ = await mps_env.client(supervisor.namespace_dir(ns))
+    mps_env.in_container(client.pid, CID_A)
+    await hooks.on_stop(container_id=CID_A)
+    await hooks.drained(container_id=CID_A)
+    await hooks.on_remove(container_id=CID_A)
+    await supervisor.stop()
+
+    issued = [c for c in mps_env.commands() if not c.startswith("--mps-client")]
+    issued = [c for i, c in enumerate(issued) if i == 0 or c != issued[i - 1]]  # readiness probes repeat
+    config = mps_env.root / "state" / "mps-v3.toml"
+    assert issued == [
+        f"-p 3 -m -f -a {config}",
+        "-p 3 server list",
+        "-p 3 namespace list --server=shared",
+        f"-p 3 namespace create {ns} --server=shared",
+        f"-p 3 namespace set {ns} --server=shared --active-thread-percentage=50 --pinned-memory-limit=4096M",
+        f"-p 3 namespace get {ns} shared pipe_directory",
+        "-p 3 client list --format=csv,noheader",
+        f"-p 3 client terminate {client.pid}",
+        f"-p 3 namespace delete {ns} --server=shared",
+        "-p 3 server list",  # at stop, before `quit` on the daemon's stdin
+    ]
+    assert await client.wait() == 3
+
+
+async def test_stop_drains_the_containers_clients_by_pid_and_remove_deletes_its_namespace(
     make_supervisor, mps_env
 ) -> None:
     supervisor = await started(make_supervisor())
-    hooks = MpsContainerHooks(supervisor=supervisor)
+    hooks = MpsContainerHooks(supervisor=supervisor, proc_root=mps_env.proc_root)
     await hooks.on_create(sm(CID_A, 0.5), container_id=CID_A)
     await hooks.on_create(sm(CID_B, 0.5), container_id=CID_B)
     mine = [await mps_env.client(supervisor.namespace_dir(namespace_name(CID_A))) for _ in range(2)]
     other, _ = await mps_env.client(supervisor.namespace_dir(namespace_name(CID_B)))
+    for process, _ in mine:
+        mps_env.in_container(process.pid, CID_A)
+    mps_env.in_container(other.pid, CID_B)
 
     await hooks.on_stop(container_id=CID_A)
+    result = await hooks.drained(container_id=CID_A) or hooks.last_drain
 
-    assert [await asyncio.wait_for(p.wait(), 5) for p, _ in mine] == [3, 3]  # 3: terminated by the server
-    assert hooks.last_drain is not None and not hooks.last_drain.wedged
+    assert [await asyncio.wait_for(p.wait(), 15) for p, _ in mine] == [3, 3]  # 3: terminated by the server
+    assert result is not None and sorted(result.terminated) == sorted(p.pid for p, _ in mine)
+    assert not result.wedged and not result.recycled  # the neighbour is still attached
     assert other.returncode is None  # the neighbour keeps running
     await hooks.on_remove(container_id=CID_A)
     assert namespace_name(CID_A) not in await supervisor.control.list_namespaces(server="shared")
@@ -147,31 +195,128 @@ async def test_stop_drains_the_containers_clients_and_remove_deletes_its_namespa
     await other.wait()
 
 
-async def test_hanging_terminate_means_wedged_drain_is_bounded_and_daemon_restarts(
+async def test_a_slow_terminate_is_a_drain_not_a_wedge_and_it_runs_once_in_the_background(
     make_supervisor, mps_env
 ) -> None:
     sink = RecordingSink()
-    supervisor = await started(make_supervisor(sink=sink, terminate_timeout_s=0.5, drain_timeout_s=3.0))
-    hooks = MpsContainerHooks(supervisor=supervisor)
+    supervisor = await started(make_supervisor(sink=sink))  # terminate_timeout_s: the default 30 s
+    hooks = MpsContainerHooks(supervisor=supervisor, proc_root=mps_env.proc_root)
     await hooks.on_create(sm(CID_A, 0.3), container_id=CID_A)
     await hooks.on_create(sm(CID_B, 0.3), container_id=CID_B)
     client, _ = await mps_env.client(supervisor.namespace_dir(namespace_name(CID_A)))
+    neighbour, _ = await mps_env.client(supervisor.namespace_dir(namespace_name(CID_B)))
+    mps_env.in_container(client.pid, CID_A)
+    mps_env.in_container(neighbour.pid, CID_B)
+    daemon = supervisor.daemon_pid
+    mps_env.arm("slow-terminate=3")  # its GPU work takes 3 s to drain
+
+    await hooks.on_stop(container_id=CID_A)  # returns after drain_timeout_s; the drain goes on
+    assert client.returncode is None
+    await hooks.on_stop(container_id=CID_A)  # the runtime asks again: it joins the drain in flight
+    result = await hooks.drained(container_id=CID_A) or hooks.last_drain
+
+    assert result is not None and result.terminated == (client.pid,) and not result.wedged
+    assert await asyncio.wait_for(client.wait(), 15) == 3
+    assert [c for c in mps_env.commands() if "client terminate" in c] == [
+        f"-p 3 client terminate {client.pid}"
+    ]
+    # Not a wedge: no restart, and the neighbour on the same server keeps running.
+    assert sink.reasons() == [] and supervisor.daemon_pid == daemon
+    assert neighbour.returncode is None
+    neighbour.kill()
+    await neighbour.wait()
+
+
+async def test_at_shutdown_a_slow_drain_gets_its_grace_then_is_cancelled_leaving_no_command(
+    make_supervisor, mps_env
+) -> None:
+    supervisor = await started(make_supervisor())
+    hooks = MpsContainerHooks(supervisor=supervisor, proc_root=mps_env.proc_root)
+    await hooks.on_create(sm(CID_A, 0.3), container_id=CID_A)
+    client, _ = await mps_env.client(supervisor.namespace_dir(namespace_name(CID_A)))
+    mps_env.in_container(client.pid, CID_A)
+    mps_env.arm("slow-terminate=30")
+    await hooks.on_stop(container_id=CID_A)
+
+    await hooks.close(timeout_s=0.2)  # the agent is stopping: it does not wait out a 30 s drain
+
+    assert await hooks.drained(container_id=CID_A) is None  # nothing in flight any more
+    commands = []
+    for pid in processes_of(mps_env.root / "pipe"):
+        with contextlib.suppress(OSError):  # exited meanwhile
+            commands.append(Path(f"/proc/{pid}/cmdline").read_bytes())
+    assert not [c for c in commands if b"terminate" in c]  # the terminate's control process is gone
+    client.kill()
+    await client.wait()
+
+
+async def test_a_terminate_hanging_past_its_timeout_is_a_wedge_and_the_daemon_restarts(
+    make_supervisor, mps_env
+) -> None:
+    sink = RecordingSink()
+    supervisor = await started(make_supervisor(sink=sink, terminate_timeout_s=0.5))
+    hooks = MpsContainerHooks(supervisor=supervisor, proc_root=mps_env.proc_root)
+    await hooks.on_create(sm(CID_A, 0.3), container_id=CID_A)
+    await hooks.on_create(sm(CID_B, 0.3), container_id=CID_B)
+    client, _ = await mps_env.client(supervisor.namespace_dir(namespace_name(CID_A)))
+    mps_env.in_container(client.pid, CID_A)
     old_pid = supervisor.daemon_pid
     mps_env.arm("hang-on-terminate")
 
-    loop = asyncio.get_running_loop()
-    began = loop.time()
     await hooks.on_stop(container_id=CID_A)
-    took = loop.time() - began
+    result = await hooks.drained(container_id=CID_A) or hooks.last_drain
 
-    assert took < 3.0, f"StopContainer's drain took {took:.1f}s"
-    assert hooks.last_drain is not None and hooks.last_drain.wedged
+    assert result is not None and result.wedged and result.remaining == (client.pid,)
     await until(lambda: supervisor.restarts == 1 and supervisor.state is SupervisorState.READY)
     assert supervisor.daemon_pid != old_pid
     assert sink.reasons() == [REASON_WEDGED]
-    assert await asyncio.wait_for(client.wait(), 5) == 2  # its server went away with the killed daemon
+    assert await asyncio.wait_for(client.wait(), 15) == 2  # its server went away with the killed daemon
     # The neighbour's namespace is back on the new daemon.
     assert namespace_name(CID_B) in await supervisor.control.list_namespaces(server="shared")
+
+
+async def test_mps_is_recycled_once_a_drain_leaves_no_client(make_supervisor, mps_env) -> None:
+    sink = RecordingSink()
+    supervisor = await started(make_supervisor(sink=sink))
+    hooks = MpsContainerHooks(supervisor=supervisor, proc_root=mps_env.proc_root)
+    await hooks.on_create(sm(CID_A, 0.5), container_id=CID_A)
+    await hooks.on_create(sm(CID_B, 0.25), container_id=CID_B)  # created, no process yet
+    dir_b = supervisor.namespace_dir(namespace_name(CID_B))
+    inode = dir_b.stat().st_ino
+    client, _ = await mps_env.client(supervisor.namespace_dir(namespace_name(CID_A)))
+    mps_env.in_container(client.pid, CID_A)
+    old_pid = supervisor.daemon_pid
+
+    await hooks.on_stop(container_id=CID_A)
+    result = await hooks.drained(container_id=CID_A) or hooks.last_drain
+
+    assert result is not None and result.recycled
+    await until(lambda: supervisor.restarts == 1 and supervisor.state is SupervisorState.READY)
+    assert supervisor.daemon_pid != old_pid
+    assert [(kind, reason) for kind, reason, _ in sink.events] == [("Normal", REASON_RECYCLED)]
+    assert supervisor.capability().labels()["gpufrac.io/mps"] == "v3"
+    # The container that has not started yet finds its namespace, in the same directory, on the new daemon.
+    assert dir_b.stat().st_ino == inode
+    late, greeting = await mps_env.client(dir_b)
+    assert greeting == f"connected shared {namespace_name(CID_B)} 25"
+    late.kill()
+    await late.wait()
+
+
+async def test_a_pipe_directory_too_long_for_a_socket_fails_the_container_with_a_clear_reason(
+    make_supervisor, mps_env
+) -> None:
+    # 60 bytes: the daemon's own sockets fit; a namespace's (<pipe>/shared/<41>/control) would not.
+    pipe = mps_env.root / ("p" * (60 - len(str(mps_env.root)) - 1))
+    supervisor = await started(make_supervisor(pipe_dir=pipe))
+    hooks = MpsContainerHooks(supervisor=supervisor)
+
+    with pytest.raises(MpsUnavailable) as failed:
+        await hooks.on_create(sm(CID_A, 0.5), container_id=CID_A)
+
+    directory = str(supervisor.namespace_dir(namespace_name(CID_A)))
+    assert directory in str(failed.value) and f"{MAX_PIPE_DIR_BYTES}-byte limit" in str(failed.value)
+    assert await supervisor.control.list_namespaces(server="shared") == ["default"]
 
 
 async def test_create_fails_closed_when_the_daemon_cannot_serve(make_supervisor, mps_env) -> None:
@@ -188,6 +333,28 @@ async def test_create_fails_closed_when_the_daemon_cannot_serve(make_supervisor,
     else:
         raise AssertionError("an sm-sharing container was created without its MPS namespace")
     assert supervisor.live_namespaces() == ()
+
+
+async def test_a_create_refused_while_mps_started_is_served_on_the_retry(make_supervisor, mps_env) -> None:
+    # CreateContainer arrives while the daemon starts: the startup reconcile takes its namespace in, but
+    # the wait (create_wait_s) ends first, so the container fails and the reconcile deletes the namespace
+    # as an orphan. The kubelet's retry must get a working namespace, not the deleted one's directory.
+    mps_env.arm("slow-on=0.5 namespace list", "slow-on=3 namespace create")
+    supervisor = make_supervisor(create_wait_s=1.0)
+    hooks = MpsContainerHooks(supervisor=supervisor)
+    await supervisor.start()
+    await until(lambda: "-p 3 namespace list --server=shared" in mps_env.commands())
+    with pytest.raises(MpsUnavailable, match="not serving"):
+        await hooks.on_create(sm(CID_A, 0.5), container_id=CID_A)
+    assert await supervisor.wait_ready(timeout_s=20)
+    assert namespace_name(CID_A) not in await supervisor.control.list_namespaces(server="shared")
+
+    retried = apply_adjustment(sm(CID_A, 0.5), await hooks.on_create(sm(CID_A, 0.5), container_id=CID_A))
+
+    client, greeting = await mps_env.client(Path(retried.mounts[0].source))
+    assert greeting == f"connected shared {namespace_name(CID_A)} 50"
+    client.kill()
+    await client.wait()
 
 
 async def test_classic_mode_gives_env_limits_and_time_slicing_nothing(make_supervisor, mps_env) -> None:
@@ -223,7 +390,7 @@ async def test_daemon_crashing_on_namespace_create_fails_that_container_and_reco
     hooks = MpsContainerHooks(supervisor=supervisor)
     mps_env.arm("crash-on=namespace create")
 
-    with pytest.raises(MpsUnavailable, match="ctr-a"):
+    with pytest.raises(MpsUnavailable, match=namespace_name(CID_A)):
         await hooks.on_create(sm(CID_A, 0.5), container_id=CID_A)
 
     await until(lambda: supervisor.restarts == 1 and supervisor.state is SupervisorState.READY)

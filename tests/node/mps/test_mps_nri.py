@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from mps_harness import MpsEnv, started, until
+from mps_harness import STANDIN_NRI_REQUEST_TIMEOUT_S, MpsEnv, started, until
 
 ROOT = Path(__file__).resolve().parents[3]
 if importlib.util.find_spec("gpufrac._generated.nri") is None:  # `make testenv` not run yet
@@ -26,7 +26,8 @@ if importlib.util.find_spec("gpufrac._generated.nri") is None:  # `make testenv`
 
 from gpufrac.local.nriruntime import ContainerCreateFailed, NriRuntime, binary_path  # noqa: E402
 from gpufrac.node.mapping import MappingStore  # noqa: E402
-from gpufrac.node.mps.containers import MpsContainerHooks, namespace_name  # noqa: E402
+from gpufrac.node.mps.containers import MpsContainerHooks  # noqa: E402
+from gpufrac.node.mps.names import namespace_name  # noqa: E402
 from gpufrac.node.mps.supervisor import MpsSupervisor  # noqa: E402
 from gpufrac.node.nri.handler import GpuInjector  # noqa: E402
 from gpufrac.node.nri.plugin import NriPlugin  # noqa: E402
@@ -61,11 +62,12 @@ class MpsNode:
         return f"pod-{name}"
 
 
-def connect_agent(runtime: NriRuntime, supervisor: MpsSupervisor, root: Path) -> asyncio.Task[None]:
-    """The node agent's NRI half with the MPS hooks, connecting to ``runtime``."""
-    hooks = MpsContainerHooks(supervisor=supervisor)
+def connect_agent(runtime: NriRuntime, supervisor: MpsSupervisor, env: MpsEnv) -> asyncio.Task[None]:
+    """The node agent's NRI half with the MPS hooks, connecting to ``runtime``; the hooks read client
+    PIDs' cgroups where ``MpsEnv.in_container`` writes them."""
+    hooks = MpsContainerHooks(supervisor=supervisor, proc_root=env.proc_root)
     injector = GpuInjector(
-        store=MappingStore(directory=root / "state"), pipe_root=root / "leaves", hooks=hooks
+        store=MappingStore(directory=env.root / "state"), pipe_root=env.root / "leaves", hooks=hooks
     )
     plugin = NriPlugin(handler=injector, socket_path=str(runtime.socket_path), backoff_initial_s=0.02)
     return asyncio.create_task(plugin.run())
@@ -82,14 +84,17 @@ async def mps_node(make_supervisor, mps_env: MpsEnv) -> AsyncIterator[MpsNode]:
     build = subprocess.run(["bash", str(ROOT / "testenv" / "nriruntime" / "build.sh")], capture_output=True)
     if build.returncode != 0 and not binary_path().exists():
         pytest.skip(f"the NRI runtime driver cannot be built here: {build.stderr.decode()[-300:]}")
-    supervisor = await started(make_supervisor(drain_timeout_s=1.5, terminate_timeout_s=0.7))
-    runtime = NriRuntime(socket_path=mps_env.root / "nri.sock")
+    # No idle recycle: the test looks at the namespaces right after a drain that leaves no client.
+    supervisor = await started(make_supervisor(recycle_when_idle=False))
+    runtime = NriRuntime(
+        socket_path=mps_env.root / "nri.sock", request_timeout_s=STANDIN_NRI_REQUEST_TIMEOUT_S
+    )
     await runtime.start()
     node = MpsNode(
         runtime=runtime,
         supervisor=supervisor,
         leaves=mps_env.root / "leaves",
-        tasks=[connect_agent(runtime, supervisor, mps_env.root)],
+        tasks=[connect_agent(runtime, supervisor, mps_env)],
     )
     try:
         await runtime.wait_plugins(1, timeout_s=10)
@@ -112,11 +117,13 @@ async def test_sm_sharing_gets_its_namespace_directory_and_ceiling_time_slicing_
     ns = namespace_name("c" * 64)
     sm_mount = sm.mount_at(PIPE_IN_CONTAINER)
     ts_mount = ts.mount_at(PIPE_IN_CONTAINER)
-    assert sm_mount is not None and sm_mount["source"] == str(mps_node.supervisor.namespace_dir(ns))
+    assert sm_mount is not None and sm_mount["source"] == str(mps_node.supervisor.pipe_directory(ns))
     assert sm.env["CUDA_MPS_PIPE_DIRECTORY"] == PIPE_IN_CONTAINER
     assert sm.env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "37"
-    settings = await mps_node.supervisor.control.namespace_settings(server="shared", name=ns)
-    assert settings["active_thread_percentage"] == "37"
+    threads = await mps_node.supervisor.control.namespace_field(
+        server="shared", name=ns, field="active_thread_percentage"
+    )
+    assert threads == "37"
     assert ts_mount is not None and ts_mount["source"] == str(mps_node.leaves / ("d" * 64))
     assert sorted(await mps_node.supervisor.control.list_namespaces(server="shared")) == sorted(
         ["default", ns]
@@ -125,6 +132,7 @@ async def test_sm_sharing_gets_its_namespace_directory_and_ceiling_time_slicing_
     # Processes see what the mounts give them: the sm-sharing one its namespace, the other no MPS at all.
     client, greeting = await mps_env.client(Path(sm_mount["source"]))
     assert greeting == f"connected shared {ns} 37"
+    mps_env.in_container(client.pid, "c" * 64)
     lonely = await asyncio.create_subprocess_exec(
         str(mps_env.bin),
         "--mps-client",
@@ -165,7 +173,7 @@ async def test_an_agent_restart_recreates_running_containers_namespaces_in_place
     await mps_node.supervisor.stop()
     await mps_node.runtime.remove_container("9" * 64)
     supervisor = await started(make_supervisor())
-    mps_node.tasks.append(connect_agent(mps_node.runtime, supervisor, mps_env.root))
+    mps_node.tasks.append(connect_agent(mps_node.runtime, supervisor, mps_env))
     await mps_node.runtime.wait_plugins(1, timeout_s=10)
 
     await until(lambda: (directory / "control").exists())

@@ -15,8 +15,8 @@ from mps_harness import MpsEnv, RecordingSink, processes_of, until
 from gpufrac.contract.request import ComputeMode
 from gpufrac.node.inject import InjectionPlan, pipe_leaf, plan_container
 from gpufrac.node.inventory.backend import InventoryUnavailable
-from gpufrac.node.mps.containers import namespace_name
 from gpufrac.node.mps.mode import DriverVersion
+from gpufrac.node.mps.names import namespace_name
 from gpufrac.node.mps.service import MpsService
 from gpufrac.node.mps.supervisor import MpsUnavailable, SupervisorState
 

@@ -23,8 +23,10 @@ async def test_v3_daemon_starts_ready_with_capped_default_namespace(make_supervi
     assert cmdline[at + 1 : at + 6] == [b"-p", b"3", b"-m", b"-f", b"-a"]
     assert (mps_env.root / "pipe" / "control").exists()
     assert await supervisor.control.list_namespaces(server="shared") == ["default"]
-    default = await supervisor.control.namespace_settings(server="shared", name="default")
-    assert default["active_thread_percentage"] == "1"
+    default = await supervisor.control.namespace_field(
+        server="shared", name="default", field="active_thread_percentage"
+    )
+    assert default == "1"
     assert supervisor.capability().enforceable == {ComputeMode.TIME_SLICING, ComputeMode.SM_SHARING}
     assert supervisor.capability().labels()["gpufrac.io/mps"] == "v3"
 
@@ -107,7 +109,25 @@ async def test_graceful_stop_uses_quit_when_the_daemon_obeys(make_supervisor, mp
     assert labels[-1] == "false" and "true" in labels
     assert processes_of(mps_env.root / "pipe") == []
     assert not (mps_env.root / "pipe" / "control").exists()  # removed by the daemon itself on quit
-    assert "stopped" in (mps_env.root / "log" / "control.log").read_text()
+    log = (mps_env.root / "log" / "control.log").read_text()
+    assert "command (stdin): quit" in log and "stopped" in log
+    # `quit` went to the daemon's stdin, as a foreground r615 daemon takes it; the binary never ran it.
+    assert not [c for c in mps_env.commands() if c.endswith("quit")]
+
+
+async def test_a_foreground_daemon_whose_stdin_closes_quits(mps_env) -> None:
+    """The stand-in behaves as the 615 daemon does: -f reads commands on stdin and exits at its end
+    (why the supervisor holds the daemon's stdin open: a daemon given /dev/null never serves)."""
+    env = {
+        **os.environ,
+        "CUDA_MPS_PIPE_DIRECTORY": str(mps_env.root / "pipe"),
+        "CUDA_MPS_LOG_DIRECTORY": str(mps_env.root / "log"),
+    }
+    daemon = await asyncio.create_subprocess_exec(
+        str(mps_env.bin), "-p", "3", "-f", env=env, stdin=asyncio.subprocess.DEVNULL
+    )
+    assert await asyncio.wait_for(daemon.wait(), 30) == 0
+    assert "stdin closed: quitting" in (mps_env.root / "log" / "control.log").read_text()
 
 
 async def test_stop_during_backoff_leaves_nothing(make_supervisor, mps_env) -> None:

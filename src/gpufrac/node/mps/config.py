@@ -45,9 +45,21 @@ class MpsSettings(BaseModel):
         lt=2.0,
         description="CreateContainer's wait for a restarting daemon; under NRI's 2 s timeout",
     )
-    drain_timeout_s: float = Field(1.5, gt=0, description="bound on StopContainer's drain; never more")
+    drain_timeout_s: float = Field(
+        1.5,
+        gt=0,
+        lt=2.0,
+        description="how long StopContainer waits for its drain (under NRI's 2 s timeout); the drain "
+        "itself goes on in the background",
+    )
     terminate_timeout_s: float = Field(
-        1.0, gt=0, description="a `client terminate` slower than this = wedged"
+        30.0,
+        gt=0,
+        description="a `client terminate` (which blocks while the client's GPU work drains) slower "
+        "than this = the server is wedged",
+    )
+    recycle_when_idle: bool = Field(
+        True, description="restart MPS when a drain leaves no client attached (clears a latent fault)"
     )
     quit_timeout_s: float = Field(5.0, gt=0)
     kill_timeout_s: float = Field(5.0, gt=0)

@@ -6,18 +6,22 @@ the MPS directory mount at a private, empty per-container leaf). MPS owns its da
 - ``on_create(plan, container_id=)`` at CreateContainer, before answering: returns an ``MpsAdjustment``
   that ``apply_adjustment`` folds into the plan, or raises ``MpsUnavailable``, which the plugin turns into
   a failed container (fail-closed: an sm-sharing container must not run without its ceiling);
-- ``on_stop(container_id=)`` at StopContainer: drains the container's MPS clients, bounded by
-  ``drain_timeout_s`` so the runtime is never held up;
+- ``on_stop(container_id=)`` at StopContainer: drains the container's MPS clients — those whose PID is
+  in the container's cgroup (``/proc/<pid>/cgroup`` ∩ ``client list``) — in a background task, one per
+  container (a second StopContainer joins the first: terminating a client twice would fail the second
+  time and look like a wedge); StopContainer waits for it ``drain_timeout_s`` at most, under NRI's 2 s,
+  while each ``client terminate`` may take ``terminate_timeout_s`` (30 s) to drain its GPU work;
 - ``on_remove(container_id=)`` at RemoveContainer: deletes the namespace and its directory;
 - ``on_synchronize(containers)`` at Synchronize (every NRI connection): the live set, so an agent restart
   recreates the namespaces of running containers instead of stranding them.
 
 Per mode:
 
-- v3, sm-sharing: a namespace ``ctr-<id prefix>`` on the shared server with an active-thread ceiling of
-  floor(portion x 100) % (at least 1) and the container's memory limit as its pinned-memory limit; the
-  mount is re-pointed at the namespace's own directory, the container's only MPS directory, so its
-  processes reach that namespace and nothing else. The ceiling is enforced by the server; the plan's
+- v3, sm-sharing: a namespace ``names.namespace_name(<id>)`` (``gpufrac_<id prefix>_<digest>``) on the
+  shared server with an active-thread ceiling of floor(portion x 100) % (at least 1) and the container's
+  memory limit as its pinned-memory limit; the mount is re-pointed at the namespace's pipe directory as
+  the daemon reports it, the container's only MPS directory, so its processes reach that namespace and
+  nothing else. The ceiling is enforced by the server; the plan's
   client env (same values) only narrows it further.
 - classic, sm-sharing: the mount is re-pointed at the node's pipe directory; the ceiling and the memory
   limit are the plan's ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` and ``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT``
@@ -29,15 +33,19 @@ Per mode:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Protocol
 
 from gpufrac.contract.request import ComputeMode
 from gpufrac.node.inject import CUDA_MPS_PIPE_DIRECTORY, InjectionPlan, active_thread_percentage
 from gpufrac.node.mps.control import MpsClient
 from gpufrac.node.mps.mode import MpsMode
+from gpufrac.node.mps.names import namespace_name
 from gpufrac.node.mps.supervisor import (
     DrainResult,
     MpsSupervisor,
@@ -47,7 +55,7 @@ from gpufrac.node.mps.supervisor import (
 )
 from gpufrac.node.usage.cgroup import container_id_of
 
-NAMESPACE_PREFIX = "ctr-"
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,10 +103,6 @@ def thread_ceiling(portion: float | None) -> int:
     return 100 if portion is None else active_thread_percentage(portion)
 
 
-def namespace_name(container_id: str) -> str:
-    return f"{NAMESPACE_PREFIX}{container_id[:20]}"
-
-
 def uses_mps(plan: InjectionPlan) -> bool:
     """Whether a container with this plan is an MPS client (sm-sharing, not a whole GPU)."""
     return plan.bound.mode is ComputeMode.SM_SHARING and not plan.bound.exclusive
@@ -107,10 +111,14 @@ def uses_mps(plan: InjectionPlan) -> bool:
 class MpsContainerHooks:
     """The ``ContainerHooks`` of a node running MPS."""
 
-    def __init__(self, *, supervisor: MpsSupervisor) -> None:
+    def __init__(self, *, supervisor: MpsSupervisor, proc_root: Path = Path("/proc")) -> None:
+        """``proc_root``: the host's /proc (the agent runs with hostPID), where a client PID's cgroup
+        names its container."""
         self._supervisor = supervisor
+        self._proc_root = proc_root
         self._sm: set[str] = set()
         self._reconciling: asyncio.Task[None] | None = None
+        self._drains: dict[str, asyncio.Task[DrainResult]] = {}
         self.last_drain: DrainResult | None = None
 
     async def on_synchronize(self, containers: Iterable[tuple[str, InjectionPlan]]) -> None:
@@ -135,6 +143,7 @@ class MpsContainerHooks:
             name=namespace_name(container_id),
             active_thread_percentage=thread_ceiling(plan.bound.compute_portion),
             pinned_memory_limit_mib=plan.bound.limit_mib,
+            container_id=container_id,
         )
 
     async def on_create(self, plan: InjectionPlan, *, container_id: str) -> MpsAdjustment:
@@ -143,9 +152,9 @@ class MpsContainerHooks:
         supervisor = self._supervisor
         if supervisor.mode is MpsMode.V3:
             spec = self._spec(plan, container_id=container_id)
-            await supervisor.ensure_namespace(spec)
+            pipe_directory = await supervisor.ensure_namespace(spec)
             self._sm.add(container_id)
-            return MpsAdjustment(pipe_source=str(supervisor.namespace_dir(spec.name)))
+            return MpsAdjustment(pipe_source=str(pipe_directory))
         if not await supervisor.wait_ready(timeout_s=supervisor.settings.create_wait_s):
             raise MpsUnavailable(f"the MPS daemon is {supervisor.state}, not serving")
         self._sm.add(container_id)
@@ -153,19 +162,51 @@ class MpsContainerHooks:
         return MpsAdjustment(pipe_source=str(supervisor.settings.pipe_dir))
 
     async def on_stop(self, *, container_id: str) -> None:
+        """Starts (or joins) the container's drain and waits for it ``drain_timeout_s`` at most."""
         if container_id not in self._sm:
             return
-        if self._supervisor.mode is MpsMode.V3:
-            name = namespace_name(container_id)
+        task = self._drains.get(container_id)
+        if task is None:
+            task = asyncio.create_task(self._drain(container_id), name=f"mps-drain-{container_id[:12]}")
+            self._drains[container_id] = task
+            task.add_done_callback(lambda done: self._drained(container_id, done))
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self._supervisor.settings.drain_timeout_s):
+                await asyncio.shield(task)  # past the timeout the drain goes on; StopContainer does not wait
 
-            def owns(client: MpsClient) -> bool:
-                return client.namespace == name
-        else:
+    async def drained(self, *, container_id: str) -> DrainResult | None:
+        """The result of the container's drain in flight (None when none is)."""
+        task = self._drains.get(container_id)
+        return None if task is None else await asyncio.shield(task)
 
-            def owns(client: MpsClient) -> bool:
-                return container_id_of(pid=client.pid) == container_id
+    async def close(self, *, timeout_s: float) -> None:
+        """At shutdown: waits ``timeout_s`` for the drains in flight, then cancels what is left."""
+        tasks = list(self._drains.values())
+        if not tasks:
+            return
+        _, pending = await asyncio.wait(tasks, timeout=timeout_s)
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
 
-        self.last_drain = await self._supervisor.drain(owns=owns)
+    async def _drain(self, container_id: str) -> DrainResult:
+        proc_root = self._proc_root
+
+        def owns(client: MpsClient) -> bool:
+            return container_id_of(pid=client.pid, proc_root=proc_root) == container_id
+
+        return await self._supervisor.drain(owns=owns)
+
+    def _drained(self, container_id: str, task: asyncio.Task[DrainResult]) -> None:
+        if self._drains.get(container_id) is task:
+            del self._drains[container_id]
+        if task.cancelled():
+            return
+        error = task.exception()
+        if error is not None:
+            log.warning("MPS drain of container %s failed: %r", container_id, error)
+            return
+        self.last_drain = task.result()
 
     async def on_remove(self, *, container_id: str) -> None:
         if container_id not in self._sm:

@@ -1,10 +1,13 @@
 """One MPS control daemon process: spawn it, know when it serves, stop it, leave nothing behind (REAL).
 
 The daemon runs in the foreground (``-f``) as the agent's child, so its exit is noticed at once instead of
-by polling a pid file. Ready means more than "the process exists": the control socket is in the pipe
-directory AND the daemon answers a harmless query (``server list`` / ``get_server_list``).
+by polling a pid file. A foreground daemon reads commands on its stdin and exits at end of file (driver
+615, as NVIDIA's GPU Fractioning Operator found: ``mpsd/internal/supervisor.go``), so its stdin is a pipe
+the agent holds open for the daemon's whole life. Ready means more than "the process exists": the control
+socket is in the pipe directory AND the daemon answers a harmless query (``server list`` /
+``get_server_list``).
 
-Stopping is graceful first and certain last: ``quit``; if the daemon is still there after
+Stopping is graceful first and certain last: ``quit`` on the daemon's stdin; if it is still there after
 ``quit_timeout_s``, SIGKILL; then MPS *server* processes that outlived their daemon (a crashed daemon
 leaves them, and they keep the GPU context and its memory) are killed. A server is ours when its argv
 carries the server marker AND it runs with our ``CUDA_MPS_PIPE_DIRECTORY``, or when our daemon listed it
@@ -24,7 +27,7 @@ import signal
 from pathlib import Path
 
 from gpufrac.node.mps.config import MpsSettings
-from gpufrac.node.mps.control import MpsCommandError, MpsControl
+from gpufrac.node.mps.control import V3_PROTOCOL, MpsCommandError, MpsControl
 from gpufrac.node.mps.mode import MpsMode
 from gpufrac.node.mps.v3config import render_v3_config
 
@@ -51,7 +54,7 @@ class MpsDaemon:
 
     def argv(self, *, config_file: Path) -> list[str]:
         if self._mode is MpsMode.V3:
-            return [self._settings.control_bin, "-p", "3", "-m", "-f", "-a", str(config_file)]
+            return [self._settings.control_bin, "-p", V3_PROTOCOL, "-m", "-f", "-a", str(config_file)]
         return [self._settings.control_bin, "-f"]
 
     async def start(self) -> None:
@@ -72,7 +75,7 @@ class MpsDaemon:
             self._process = await asyncio.create_subprocess_exec(
                 *self.argv(config_file=config_file),
                 env=self._control.environment(),
-                stdin=asyncio.subprocess.DEVNULL,
+                stdin=asyncio.subprocess.PIPE,  # held open: a foreground daemon exits at end of file
                 stdout=output,
                 stderr=output,
                 start_new_session=True,
@@ -117,17 +120,26 @@ class MpsDaemon:
         return await self._process.wait()
 
     async def stop(self) -> None:
-        """``quit``, then SIGKILL, then the stray servers. Safe to call on a dead daemon."""
+        """``quit`` on its stdin, then SIGKILL, then the stray servers. Safe to call on a dead daemon."""
         process = self._process
         if process is not None and process.returncode is None:
             with contextlib.suppress(MpsCommandError):
                 self._servers |= {int(w) for w in (await self._list_servers()).split() if w.isdigit()}
             try:
-                await self._control.quit(timeout_s=self._settings.quit_timeout_s)
-                await asyncio.wait_for(process.wait(), timeout=self._settings.quit_timeout_s)
-            except (MpsCommandError, TimeoutError) as error:
-                log.warning("MPS daemon did not quit (%s); killing it", error)
+                async with asyncio.timeout(self._settings.quit_timeout_s):
+                    await self._quit_on_stdin(process)
+                    await process.wait()
+            except (OSError, TimeoutError) as error:
+                log.warning("MPS daemon did not quit (%r); killing it", error)
         await self.kill()
+
+    @staticmethod
+    async def _quit_on_stdin(process: asyncio.subprocess.Process) -> None:
+        stdin = process.stdin
+        if stdin is None or stdin.is_closing():
+            raise OSError("the daemon's stdin is closed")
+        stdin.write(b"quit\n")
+        await stdin.drain()
 
     async def kill(self) -> None:
         """SIGKILL the daemon (if alive) and every stray server of ours."""
@@ -137,6 +149,8 @@ class MpsDaemon:
                 process.kill()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(process.wait(), timeout=self._settings.kill_timeout_s)
+        if process is not None and process.stdin is not None:
+            process.stdin.close()
         await sweep_servers(settings=self._settings, known=self._servers)
         self._servers.clear()
 

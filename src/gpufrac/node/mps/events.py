@@ -15,6 +15,8 @@ from gpufrac.kube.events import EventRecorder, ObjectRef
 REASON_RESTARTED = "MpsDaemonRestarted"
 REASON_START_FAILED = "MpsDaemonStartFailed"
 REASON_WEDGED = "MpsServerWedged"
+#: A restart asked for (type Normal): MPS recycled because no client was left after a drain.
+REASON_RECYCLED = "MpsDaemonRecycled"
 
 
 class EventSink(Protocol):

@@ -121,6 +121,7 @@ class MpsService:
             await supervisor.start()
             await asyncio.Event().wait()
         finally:
+            await hooks.close(timeout_s=self._settings.drain_timeout_s)  # drains in flight, briefly
             await supervisor.stop()
             if recording is not None:  # after the stop: its Events are flushed on cancellation
                 recording.cancel()

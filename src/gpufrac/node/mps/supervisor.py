@@ -9,11 +9,17 @@ State machine (``state``)::
 
 - Every transition into BACKOFF is a restart and emits an Event on the Node (reason, cause, attempt,
   delay). The delay grows exponentially and resets once the daemon has been READY for ``stable_s``.
-- Wedged: a ``client terminate`` that does not answer means the server no longer processes requests;
-  draining is abandoned (StopContainer must not wait for it) and the daemon is killed — servers included —
-  and started again at once with a ``MpsServerWedged`` Event.
+- Wedged: a ``client terminate`` that does not answer within ``terminate_timeout_s`` (30 s: the command
+  blocks while the client's GPU work drains, and a slow drain is a legitimate one) means the server no
+  longer processes requests; the daemon is killed — servers included — and started again at once with a
+  ``MpsServerWedged`` Event.
+- Recycled: after a drain leaves no client attached (``recycle_when_idle``), the daemon is quit and
+  started again at once (a Normal ``MpsDaemonRecycled`` Event, no backoff): restarting an idle MPS costs
+  nobody anything, and it is the one way to be sure a fault left by a client killed mid-kernel does not
+  hang the next one.
 - After every start, namespaces are reconciled (v3): each live container's namespace is created again
-  (the daemon keeps nothing across restarts), namespaces no live container owns are deleted.
+  (the daemon keeps nothing across restarts) with its settings, its pipe directory read back; namespaces
+  with gpufrac's prefix that no live container owns are deleted (``names.is_managed``).
 - The namespace directory ``<pipe>/<server>/<namespace>`` is created by the supervisor before
   ``namespace create`` and kept across daemon restarts, because the container bind-mounts that very
   directory: a recreated directory would be a different inode, invisible inside a running container.
@@ -35,13 +41,20 @@ from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 
-from gpufrac.kube.events import WARNING
+from gpufrac.kube.events import NORMAL, WARNING
 from gpufrac.node.mps.backoff import Backoff
 from gpufrac.node.mps.config import MpsSettings
 from gpufrac.node.mps.control import MpsClient, MpsCommandError, MpsCommandTimeout, MpsControl
 from gpufrac.node.mps.daemon import DaemonStartError, MpsDaemon
-from gpufrac.node.mps.events import REASON_RESTARTED, REASON_START_FAILED, REASON_WEDGED, EventSink
+from gpufrac.node.mps.events import (
+    REASON_RECYCLED,
+    REASON_RESTARTED,
+    REASON_START_FAILED,
+    REASON_WEDGED,
+    EventSink,
+)
 from gpufrac.node.mps.mode import DriverVersion, MpsMode, NodeMpsCapability, capability_for, mode_for_driver
+from gpufrac.node.mps.names import PipeDirTooLong, check_pipe_dir, is_managed
 
 log = logging.getLogger(__name__)
 
@@ -60,25 +73,27 @@ class MpsUnavailable(Exception):
 
 @dataclass(frozen=True, slots=True)
 class NamespaceSpec:
-    """A container's namespace on the shared server."""
+    """A container's namespace on the shared server; ``container_id`` records whose it is."""
 
     name: str
     active_thread_percentage: int
     pinned_memory_limit_mib: int | None = None
+    container_id: str | None = None
 
-    def settings(self) -> dict[str, str]:
-        out = {"active_thread_percentage": str(self.active_thread_percentage)}
-        if self.pinned_memory_limit_mib is not None:
-            out["pinned_memory_limit"] = f"{self.pinned_memory_limit_mib}M"
-        return out
+    @property
+    def pinned_memory_limit(self) -> str | None:
+        return None if self.pinned_memory_limit_mib is None else f"{self.pinned_memory_limit_mib}M"
 
 
 @dataclass(frozen=True, slots=True)
 class DrainResult:
-    terminated: tuple[int, ...]
-    remaining: tuple[int, ...]
-    wedged: bool
-    timed_out: bool
+    """What one drain did: the clients it terminated, those it did not reach (the server wedged first),
+    and whether it restarted MPS (wedged) or recycled it (nothing left attached)."""
+
+    terminated: tuple[int, ...] = ()
+    remaining: tuple[int, ...] = ()
+    wedged: bool = False
+    recycled: bool = False
 
 
 class MpsSupervisor:
@@ -116,8 +131,11 @@ class MpsSupervisor:
         self._task: asyncio.Task[None] | None = None
         self._ready = asyncio.Event()
         self._wedged = asyncio.Event()
+        self._recycle = asyncio.Event()
         self._namespaces: dict[str, NamespaceSpec] = {}
         self._on_daemon: set[str] = set()  # namespaces the running daemon has (listed at reconcile)
+        self._applied: dict[str, NamespaceSpec] = {}  # settings the running daemon has for each
+        self._pipe_dirs: dict[str, Path] = {}  # each namespace's pipe directory, as the daemon reported it
         self._ns_lock = asyncio.Lock()
 
     # --- what the rest of the agent reads --------------------------------------------------------------
@@ -144,7 +162,13 @@ class MpsSupervisor:
         return capability_for(driver=self.driver, mps_running=running)
 
     def namespace_dir(self, name: str) -> Path:
+        """Where a namespace's directory is created before ``namespace create`` (the daemon reuses it);
+        what a container mounts is the directory the daemon reports (``pipe_directory``)."""
         return self.settings.pipe_dir / self.settings.server_name / name
+
+    def pipe_directory(self, name: str) -> Path | None:
+        """The pipe directory the running daemon reported for namespace ``name``."""
+        return self._pipe_dirs.get(name)
 
     async def wait_ready(self, *, timeout_s: float) -> bool:
         """True once READY; waits at most ``timeout_s``, and not at all when nothing is (re)starting."""
@@ -184,8 +208,10 @@ class MpsSupervisor:
         while True:
             self.state = SupervisorState.STARTING
             self._wedged.clear()
+            self._recycle.clear()
             daemon = MpsDaemon(settings=self.settings, mode=self.mode, control=self.control)
             self._daemon = daemon
+            self._on_daemon, self._applied, self._pipe_dirs = set(), {}, {}  # a new daemon knows nothing
             try:
                 await daemon.start()
                 await self.reconcile()
@@ -200,35 +226,46 @@ class MpsSupervisor:
             log.info("MPS control daemon ready (mode %s, pid %s)", self.mode, daemon.pid)
             cause, reason = await self._until_down(daemon)
             self._ready.clear()
-            await daemon.kill()
+            if reason == REASON_RECYCLED:
+                await daemon.stop()  # nothing attached: quit gracefully, then the stray sweep
+            else:
+                await daemon.kill()
             self._restart_later(reason=reason, cause=cause)
             await asyncio.sleep(self._delay)
 
     async def _until_down(self, daemon: MpsDaemon) -> tuple[str, str]:
         exited = asyncio.create_task(daemon.wait())
         wedged = asyncio.create_task(self._wedged.wait())
+        recycle = asyncio.create_task(self._recycle.wait())
         try:
-            await asyncio.wait({exited, wedged}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({exited, wedged, recycle}, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            for task in (exited, wedged):
+            for task in (exited, wedged, recycle):
                 task.cancel()
         if exited.done() and not exited.cancelled():
             return f"exited with status {exited.result()}", REASON_RESTARTED
-        return "stopped answering `client terminate` (server wedged); killed", REASON_WEDGED
+        if wedged.done() and not wedged.cancelled():
+            return "stopped answering `client terminate` (server wedged); killed", REASON_WEDGED
+        return "recycled: no MPS client left attached after a drain", REASON_RECYCLED
 
     def _restart_later(self, *, reason: str, cause: str) -> None:
         self.state = SupervisorState.BACKOFF
-        self._delay = 0.0 if reason == REASON_WEDGED else self.backoff.failed(now=self._clock())
+        if reason in (REASON_WEDGED, REASON_RECYCLED):
+            self._delay = 0.0  # asked for, not a failure to back off from
+        else:
+            self._delay = self.backoff.failed(now=self._clock())
         self.restarts += 1
         message = f"MPS control daemon {cause}; restart {self.restarts} in {self._delay:.2f}s"
-        log.warning("%s", message)
-        self._events.emit(type=WARNING, reason=reason, message=message)
+        kind = NORMAL if reason == REASON_RECYCLED else WARNING
+        (log.info if kind == NORMAL else log.warning)("%s", message)
+        self._events.emit(type=kind, reason=reason, message=message)
 
     # --- namespaces (v3) -------------------------------------------------------------------------------
 
-    async def ensure_namespace(self, spec: NamespaceSpec) -> None:
-        """Creates ``spec`` on the shared server (or updates it); the daemon must be serving within
-        ``create_wait_s`` or ``MpsUnavailable`` is raised and nothing is kept."""
+    async def ensure_namespace(self, spec: NamespaceSpec) -> Path:
+        """Creates ``spec`` on the shared server (or updates it) and returns its pipe directory as the
+        daemon reports it; the daemon must be serving within ``create_wait_s`` or ``MpsUnavailable`` is
+        raised and nothing is kept."""
         if self.mode is not MpsMode.V3:
             raise RuntimeError("namespaces exist in MPS v3 only")
         self._namespaces[spec.name] = spec
@@ -236,7 +273,7 @@ class MpsSupervisor:
             if not await self.wait_ready(timeout_s=self.settings.create_wait_s):
                 raise MpsUnavailable(f"the MPS daemon is {self.state}, not serving")
             async with self._ns_lock:
-                await self._create(spec)
+                return await self._create(spec)
         except MpsUnavailable:
             self._namespaces.pop(spec.name, None)
             raise
@@ -258,14 +295,19 @@ class MpsSupervisor:
     async def release_namespace(self, name: str) -> None:
         """Forgets and deletes a container's namespace and its directory (after the container is gone).
 
-        If the daemon is down, the next reconcile deletes it as an orphan."""
+        If the daemon is down, or refuses (a client still attached), the next reconcile deletes it as
+        an orphan."""
         self._namespaces.pop(name, None)
         if self.state is SupervisorState.READY:
             async with self._ns_lock:
-                with contextlib.suppress(MpsCommandError):
+                try:
                     if name in self._on_daemon:
                         await self.control.delete_namespace(server=self.settings.server_name, name=name)
                         self._on_daemon.discard(name)
+                except MpsCommandError as error:
+                    log.warning("MPS namespace %s not deleted yet: %s", name, error)
+                self._applied.pop(name, None)
+                self._pipe_dirs.pop(name, None)
         directory = self.namespace_dir(name)
         with contextlib.suppress(FileNotFoundError):
             (directory / "control").unlink()
@@ -275,86 +317,117 @@ class MpsSupervisor:
     def live_namespaces(self) -> Iterable[NamespaceSpec]:
         return tuple(self._namespaces.values())
 
-    async def _list(self) -> list[str]:
-        return await self.control.list_namespaces(server=self.settings.server_name)
-
-    async def _create(self, spec: NamespaceSpec) -> None:
+    async def _create(self, spec: NamespaceSpec) -> Path:
+        """``namespace create`` (unless the daemon has it), ``namespace set`` (unless the daemon already
+        has these settings: a set is refused once a client attached), then the pipe directory read back
+        and its length checked. A namespace created here and not usable is deleted again."""
+        pipe = self._pipe_dirs.get(spec.name)
+        if spec.name in self._on_daemon and self._applied.get(spec.name) == spec and pipe is not None:
+            return pipe  # a retried CreateContainer, or a Synchronize of a running container
         directory = self.namespace_dir(spec.name)
+        try:
+            check_pipe_dir(directory)  # before the daemon is asked: its own failure says nothing useful
+        except PipeDirTooLong as error:
+            raise MpsCommandError(str(error)) from error
         directory.mkdir(parents=True, exist_ok=True)
         directory.chmod(0o755)  # any uid may reach the socket; only the agent changes the directory
         server = self.settings.server_name
-        if spec.name in self._on_daemon:
-            await self.control.run(
-                "namespace",
-                "set",
-                server,
-                spec.name,
-                *(f"{k}={v}" for k, v in sorted(spec.settings().items())),
-            )
-        else:
-            await self.control.create_namespace(server=server, name=spec.name, settings=spec.settings())
+        fresh = spec.name not in self._on_daemon
+        if fresh:
+            try:
+                await self.control.create_namespace(server=server, name=spec.name)
+            except MpsCommandError as refused:
+                # Inconclusive: the daemon may have it already (a list that did not show it). Whether it
+                # answers for its pipe directory settles it; if not, the create's refusal stands.
+                try:
+                    await self.control.namespace_pipe_directory(server=server, name=spec.name)
+                except MpsCommandError:
+                    raise refused from None
+                fresh = False
             self._on_daemon.add(spec.name)
+        try:
+            await self.control.set_namespace(
+                server=server,
+                name=spec.name,
+                active_thread_percentage=spec.active_thread_percentage,
+                pinned_memory_limit=spec.pinned_memory_limit,
+            )
+            pipe = await self.control.namespace_pipe_directory(server=server, name=spec.name)
+            try:
+                check_pipe_dir(pipe)
+            except PipeDirTooLong as error:
+                raise MpsCommandError(str(error)) from error
+        except MpsCommandError:
+            if fresh:  # never leave an uncapped namespace behind
+                with contextlib.suppress(MpsCommandError):
+                    await self.control.delete_namespace(server=server, name=spec.name)
+                    self._on_daemon.discard(spec.name)
+            raise
+        self._applied[spec.name] = spec
+        self._pipe_dirs[spec.name] = pipe
+        return pipe
 
     async def reconcile(self) -> None:
         """Makes the daemon's namespaces those of the live containers (run after every start)."""
         if self.mode is not MpsMode.V3:
             return
         async with self._ns_lock:
-            self._on_daemon = set(await self._list())
+            self._on_daemon = set(await self.control.list_namespaces(server=self.settings.server_name))
+            for name in set(self._applied) - self._on_daemon:  # gone from the daemon meanwhile
+                self._applied.pop(name, None)
+                self._pipe_dirs.pop(name, None)
             for spec in list(self._namespaces.values()):
                 await self._create(spec)
-            for orphan in sorted(self._on_daemon - set(self._namespaces) - {"default"}):
+            for orphan in sorted(self._on_daemon - set(self._namespaces)):
+                if not is_managed(orphan):  # `default`, someone else's, or a table cell: never ours
+                    continue
                 log.info("deleting orphan MPS namespace %s", orphan)
                 await self.control.delete_namespace(server=self.settings.server_name, name=orphan)
                 self._on_daemon.discard(orphan)
+                self._applied.pop(orphan, None)
+                self._pipe_dirs.pop(orphan, None)
 
     # --- drain -----------------------------------------------------------------------------------------
 
     async def drain(self, *, owns: Callable[[MpsClient], bool]) -> DrainResult:
-        """Terminates the MPS clients ``owns`` picks, never taking longer than ``drain_timeout_s``.
-
-        A terminate that does not answer within ``terminate_timeout_s`` marks the server wedged: the drain
-        stops there and the supervision task hard-restarts the daemon in the background."""
-        terminated: list[int] = []
-        mine: list[MpsClient] = []
+        """Terminates the MPS clients ``owns`` picks, one after the other, each given
+        ``terminate_timeout_s`` to drain its GPU work (not bounded as a whole: the caller runs it in the
+        background). A terminate past its timeout marks the server wedged: the drain stops there and the
+        supervision task hard-restarts the daemon. A drain that leaves no client attached recycles MPS
+        when ``recycle_when_idle``."""
         if self.state is not SupervisorState.READY:
-            return DrainResult(terminated=(), remaining=(), wedged=False, timed_out=False)
+            return DrainResult()
         try:
-            async with asyncio.timeout(self.settings.drain_timeout_s):
-                mine = [c for c in await self.control.list_clients() if owns(c)]
-                for client in mine:
-                    try:
-                        await self.control.terminate_client(
-                            client, timeout_s=self.settings.terminate_timeout_s
-                        )
-                    except MpsCommandTimeout:
-                        self._declare_wedged()
-                        return DrainResult(
-                            terminated=tuple(terminated),
-                            remaining=tuple(c.pid for c in mine if c.pid not in terminated),
-                            wedged=True,
-                            timed_out=False,
-                        )
-                    except MpsCommandError as error:  # gone already: that is what we wanted
-                        log.debug("terminate %d: %s", client.pid, error)
-                    terminated.append(client.pid)
-                while True:
-                    left = {c.pid for c in await self.control.list_clients() if owns(c)}
-                    if not left:
-                        return DrainResult(
-                            terminated=tuple(terminated), remaining=(), wedged=False, timed_out=False
-                        )
-                    await asyncio.sleep(0.05)
-        except TimeoutError:
-            return DrainResult(
-                terminated=tuple(terminated),
-                remaining=tuple(c.pid for c in mine if c.pid not in terminated),
-                wedged=False,
-                timed_out=True,
-            )
+            mine = [c for c in await self.control.list_clients() if owns(c)]
         except MpsCommandError as error:
-            log.warning("drain: %s", error)
-            return DrainResult(terminated=tuple(terminated), remaining=(), wedged=False, timed_out=False)
+            log.warning("drain: cannot list the MPS clients: %s", error)
+            return DrainResult()
+        terminated: list[int] = []
+        for client in mine:
+            try:
+                await self.control.terminate_client(client, timeout_s=self.settings.terminate_timeout_s)
+            except MpsCommandTimeout:
+                self._declare_wedged()
+                return DrainResult(
+                    terminated=tuple(terminated),
+                    remaining=tuple(c.pid for c in mine if c.pid not in terminated),
+                    wedged=True,
+                )
+            except MpsCommandError as error:  # gone already: that is what we wanted
+                log.debug("terminate %d: %s", client.pid, error)
+            terminated.append(client.pid)
+        recycled = False
+        if mine and self.settings.recycle_when_idle and self.state is SupervisorState.READY:
+            try:
+                idle = not await self.control.list_clients()
+            except MpsCommandError as error:
+                log.warning("drain: cannot re-list the MPS clients, not recycling: %s", error)
+                idle = False
+            if idle:
+                self._recycle.set()
+                self._ready.clear()
+                recycled = True
+        return DrainResult(terminated=tuple(terminated), recycled=recycled)
 
     def _declare_wedged(self) -> None:
         if self.state is SupervisorState.READY:
