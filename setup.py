@@ -57,7 +57,10 @@ def check_generated() -> None:
 
 class BuildPy(build_py):
     def run(self) -> None:
-        check_generated()
+        # An editable install (`make venv`) comes before `make testenv` generates the messages, and reads
+        # them from src/ whenever they appear: only a real build must carry them.
+        if not self.editable_mode:
+            check_generated()
         super().run()
 
 
