@@ -42,7 +42,7 @@ def _no_go_env(bindir: Path) -> dict[str, str]:
     """An environment with the venv first and no Go, no PYTHONPATH, no clone."""
     path = [str(bindir), "/usr/bin", "/bin"]
     assert not any((Path(p) / "go").exists() for p in path), "Go is on the test venv's PATH"
-    return {"PATH": os.pathsep.join(path), "HOME": os.environ.get("HOME", "/root"), "LANG": "C.UTF-8"}
+    return {"PATH": os.pathsep.join(path), "HOME": str(bindir.parents[1] / "home"), "LANG": "C.UTF-8"}
 
 
 def test_the_wheel_installs_and_runs_without_go_or_a_clone(tmp_path: Path) -> None:
@@ -81,6 +81,11 @@ def test_the_wheel_installs_and_runs_without_go_or_a_clone(tmp_path: Path) -> No
     )
     assert plugin.returncode == 0, plugin.stderr
     assert Path(plugin.stdout.strip()).is_relative_to(tmp_path / "venv"), plugin.stdout
+
+    # No clone beside an installed package: named traces come from the user's cache, nowhere else.
+    where = "from gpufrac.sim.trace import default_data_dir as d; print(d())"
+    data = run(str(bindir / "python"), "-c", where)
+    assert data.stdout.strip() == str(tmp_path / "home" / ".cache" / "gpufrac" / "openb"), data.stderr
 
 
 def test_a_build_without_the_generated_messages_fails_and_says_how_to_make_them(tmp_path: Path) -> None:
