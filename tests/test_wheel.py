@@ -3,7 +3,8 @@
 Builds the wheel and sdist with ``python -m build`` (no isolation: the project venv has setuptools, wheel
 and build from the test extras), installs the wheel into a fresh venv whose process sees no Go on PATH and
 runs outside the clone, then asks that venv's ``gpufrac`` for its version, validates an example pod, and
-imports the node agent's NRI plugin (which imports the generated NRI and ttrpc messages). Dependencies
+imports the node agent's NRI plugin (which imports the generated NRI and ttrpc messages), runs the
+``kubectl-gpufrac`` plugin and checks named traces default to the user's cache. Dependencies
 come from the package index as a user's would (pip's cache keeps a rerun quick).
 
 Deselect with ``-m "not wheel"`` (it installs ~40 packages into a new venv).
@@ -81,6 +82,11 @@ def test_the_wheel_installs_and_runs_without_go_or_a_clone(tmp_path: Path) -> No
     )
     assert plugin.returncode == 0, plugin.stderr
     assert Path(plugin.stdout.strip()).is_relative_to(tmp_path / "venv"), plugin.stdout
+
+    # The kubectl plugin comes with the wheel, under the name kubectl looks for.
+    plugin_help = run(str(bindir / "kubectl-gpufrac"), "--help")
+    assert plugin_help.returncode == 0, plugin_help.stderr
+    assert "explain" in plugin_help.stdout
 
     # No clone beside an installed package: named traces come from the user's cache, nowhere else.
     where = "from gpufrac.sim.trace import default_data_dir as d; print(d())"

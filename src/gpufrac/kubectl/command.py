@@ -1,0 +1,239 @@
+"""``kubectl-gpufrac``: ``kubectl gpufrac nodes | explain POD | top``, with kubectl's own conventions.
+
+Flags as kubectl spells them: ``--kubeconfig``, ``--context``, ``-n/--namespace`` (default: the
+context's namespace), ``-o/--output`` ``wide|json|yaml`` (default: a plain column table, upper-case
+headers, as kubectl prints). Read-only: it lists and gets, never writes. Exit codes: 0 shown, 1 the API
+server said no (the message names what), 2 bad usage.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import typer
+import yaml
+from lightkube import ApiError, Client, KubeConfig
+from lightkube.core.exceptions import ConfigError
+from lightkube.resources.core_v1 import Event, Node, Pod
+
+from gpufrac.kubectl.view import Explanation, GpuRow, explain, gpu_rows
+from gpufrac.node.top import top
+
+OUTPUTS = ("table", "wide", "json", "yaml")
+
+app = typer.Typer(
+    name="kubectl-gpufrac",
+    help="gpufrac's GPU fractions from kubectl: `kubectl gpufrac nodes | explain POD | top`.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+class _Globals:
+    kubeconfig: Path | None = None
+    context: str | None = None
+    namespace: str | None = None
+
+
+_globals = _Globals()
+
+
+# kubectl accepts its global flags before or after the subcommand; so does the plugin (the callback takes
+# them first, a subcommand's own copy overrides).
+KUBECONFIG = typer.Option(None, "--kubeconfig", help="Path to the kubeconfig file to use.")
+CONTEXT = typer.Option(None, "--context", help="The kubeconfig context to use.")
+NAMESPACE = typer.Option(None, "-n", "--namespace", help="Namespace (default: the context's).")
+OUTPUT = typer.Option("table", "-o", "--output", help="wide, json or yaml.")
+
+
+def _set(kubeconfig: Path | None, context: str | None, namespace: str | None) -> None:
+    _globals.kubeconfig = kubeconfig or _globals.kubeconfig
+    _globals.context = context or _globals.context
+    _globals.namespace = namespace or _globals.namespace
+
+
+@app.callback()
+def _root(
+    kubeconfig: Path | None = KUBECONFIG, context: str | None = CONTEXT, namespace: str | None = NAMESPACE
+) -> None:
+    _set(kubeconfig, context, namespace)
+
+
+def _client() -> Client:
+    """kubectl's order: --kubeconfig, else $KUBECONFIG / ~/.kube/config / in-cluster; --context picks one."""
+    try:
+        base = KubeConfig.from_file(_globals.kubeconfig) if _globals.kubeconfig else KubeConfig.from_env()
+        config = base.get(context_name=_globals.context)
+    except (ConfigError, OSError, KeyError, ValueError) as error:
+        _fail(f"kubeconfig: {error}", code=2)
+    return Client(config=config, field_manager="kubectl-gpufrac")
+
+
+def _fail(message: str, *, code: int = 1) -> None:
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(code=code)
+
+
+def _check_output(output: str) -> str:
+    if output not in OUTPUTS:
+        _fail(
+            f"--output {output!r}: allowed formats are {', '.join(o for o in OUTPUTS if o != 'table')}",
+            code=2,
+        )
+    return output
+
+
+def _print_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
+    cells = [list(headers), *[[str(c) for c in r] for r in rows]]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    for row in cells:
+        typer.echo("   ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
+
+
+def _dump(data: Any, output: str) -> None:
+    if output == "json":
+        typer.echo(json.dumps(data, indent=2))
+    else:
+        typer.echo(yaml.safe_dump(data, sort_keys=False).rstrip())
+
+
+def _api(call):
+    try:
+        return call()
+    except ApiError as error:
+        _fail(f"{error.status.reason}: {error.status.message}")
+
+
+@app.command("nodes")
+def nodes(
+    output: str = OUTPUT,
+    kubeconfig: Path | None = KUBECONFIG,
+    context: str | None = CONTEXT,
+    namespace: str | None = NAMESPACE,
+) -> None:
+    """Per GPU: model, usable/guaranteed/free MiB, mode, tenants, health (all namespaces)."""
+    _set(kubeconfig, context, namespace)
+    _check_output(output)
+    client = _client()
+    node_list = _api(lambda: list(client.list(Node)))
+    pods = _api(lambda: list(client.list(Pod, namespace="*")))
+    rows, warnings = gpu_rows(node_list, pods)
+    for warning in warnings:
+        typer.echo(f"warning: {warning}", err=True)
+    if output in ("json", "yaml"):
+        _dump({"kind": "GpuList", "items": [r.as_dict() for r in rows]}, output)
+        return
+    if not rows:
+        typer.echo("No GPUs published (no node has a gpufrac.io/gpus annotation).", err=True)
+        return
+    _print_table(*_gpu_table(rows, wide=output == "wide"))
+
+
+def _gpu_table(rows: list[GpuRow], *, wide: bool) -> tuple[list[str], list[list[Any]]]:
+    headers = [
+        "NODE",
+        "GPU",
+        "MODEL",
+        "USABLE(MiB)",
+        "GUARANTEED(MiB)",
+        "FREE(MiB)",
+        "MODE",
+        "TENANTS",
+        "HEALTH",
+    ]
+    if wide:
+        headers[7:7] = ["LIMITS(MiB)"]
+        headers.append("UUID")
+    table = []
+    for r in rows:
+        tenants = (
+            ",".join(f"{t.name}({t.request_mib})" for t in r.tenants)
+            if wide
+            else ",".join(t.pod for t in r.tenants)
+        )
+        row: list[Any] = [r.node, r.index, r.model or "-", r.usable_mib, r.guaranteed_mib, r.free_mib, r.mode]
+        row += [r.limit_mib] if wide else []
+        row += [tenants or "<none>", r.health]
+        row += [r.uuid] if wide else []
+        table.append(row)
+    return headers, table
+
+
+@app.command("explain")
+def explain_pod(
+    pod: str = typer.Argument(..., help="The pod's name (its namespace: -n, else the context's)."),
+    output: str = OUTPUT,
+    kubeconfig: Path | None = KUBECONFIG,
+    context: str | None = CONTEXT,
+    namespace: str | None = NAMESPACE,
+) -> None:
+    """Where the pod went and why, or why it is pending: PodScheduled and the scheduler's Events."""
+    _set(kubeconfig, context, namespace)
+    _check_output(output)
+    client = _client()
+    namespace = _globals.namespace or client.namespace
+    found = _api(lambda: client.get(Pod, pod, namespace=namespace))
+    node = None
+    if found.spec and found.spec.nodeName:
+        node = _api(lambda: client.get(Node, found.spec.nodeName))
+    events = _api(
+        lambda: list(
+            client.list(
+                Event,
+                namespace=namespace,
+                fields={"involvedObject.name": pod, "involvedObject.kind": "Pod"},
+            )
+        )
+    )
+    uid = found.metadata.uid
+    events = [e for e in events if not e.involvedObject.uid or e.involvedObject.uid == uid]
+    result = explain(found, node=node, events=events)
+    if output in ("json", "yaml"):
+        _dump(result.as_dict(), output)
+        return
+    _print_explanation(result, wide=output == "wide")
+
+
+def _print_explanation(e: Explanation, *, wide: bool) -> None:
+    typer.echo(f"Pod:        {e.namespace}/{e.pod}")
+    typer.echo(f"Scheduler:  {e.scheduler}")
+    typer.echo(f"Phase:      {e.phase}")
+    if e.request:
+        typer.echo(f"GPU:        {e.request}")
+    if e.node:
+        typer.echo(f"Node:       {e.node}")
+        if e.gpus:
+            typer.echo("GPUs:")
+            headers = ["CONTAINER", "GPU", "MODE", "REQUEST(MiB)", "LIMIT(MiB)"] + (["UUID"] if wide else [])
+            rows = [
+                [g["container"], g["gpu"], g["mode"], g["requestMiB"], g["limitMiB"]]
+                + ([g["uuid"]] if wide else [])
+                for g in e.gpus
+            ]
+            _print_table(headers, rows)
+    else:
+        typer.echo("Node:       <none> (not scheduled)")
+    if e.scheduled is not None:
+        s = e.scheduled
+        typer.echo(f"PodScheduled: {s['status']} ({s['reason'] or '-'}): {s['message'] or ''}".rstrip(": "))
+    typer.echo("Events:" if e.events else "Events:     <none>")
+    if e.events:
+        _print_table(
+            ["TIME", "TYPE", "REASON", "COUNT", "MESSAGE"],
+            [[v["time"], v["type"], v["reason"], v["count"], v["message"]] for v in e.events],
+        )
+
+
+app.command("top")(top)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

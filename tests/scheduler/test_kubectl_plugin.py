@@ -1,0 +1,159 @@
+"""``kubectl gpufrac`` against the real API server, with pods the real scheduler service placed.
+
+The plugin runs as a separate process (``python -m gpufrac.kubectl``, what the ``kubectl-gpufrac``
+console script runs) with ``--kubeconfig``, exactly as a user's shell would; its answers are checked
+against the scheduler's own writes: the contract annotations on the bound pod, the PodScheduled
+condition and the Events it recorded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from lightkube import AsyncClient
+from lightkube.resources.core_v1 import Pod
+from sched_harness import Pool, add_nodes, condition, gpu_pod, running, wait_bound, wait_for
+
+from gpufrac.contract import keys
+from gpufrac.local.controlplane import ControlPlane
+from gpufrac.local.simnodes import NodeShape
+
+SHAPE = NodeShape(gpus=2, model="H100-80GB")
+
+
+async def plugin(kubeconfig: Path, *args: str, kubectl: bool = False) -> tuple[int, str, str]:
+    if kubectl:  # kubectl finds kubectl-gpufrac on PATH (the venv's bin, where the wheel puts it)
+        command = ["kubectl", "gpufrac", *args, "--kubeconfig", str(kubeconfig)]
+        env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    else:
+        command = [sys.executable, "-m", "gpufrac.kubectl", "--kubeconfig", str(kubeconfig), *args]
+        env = dict(os.environ)
+    proc = await asyncio.create_subprocess_exec(
+        *command, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), timeout=60)
+    return proc.returncode or 0, out.decode(), err.decode()
+
+
+@pytest.fixture
+async def placed(client: AsyncClient, pool: Pool):
+    """One 2-GPU node; ``small`` bound by the scheduler, ``big`` reported unschedulable."""
+    [node] = await add_nodes(client, pool, count=1, shape=SHAPE)
+    async with running(client, pool.config()):
+        await client.create(
+            gpu_pod(
+                pool,
+                "small",
+                {keys.memory_request_key("app"): "20Gi", keys.memory_limit_key("app"): "30Gi"},
+            )
+        )
+        await client.create(gpu_pod(pool, "big", {keys.memory_request_key("app"): "200Gi"}))
+        await wait_bound(client, pool.namespace, 1, timeout=30)
+        small = await client.get(Pod, "small", namespace=pool.namespace)
+
+        async def reported() -> bool:
+            return condition(await client.get(Pod, "big", namespace=pool.namespace))[0] == "False"
+
+        await wait_for(reported, timeout=20, what="PodScheduled=False on big")
+        yield node, small
+
+
+async def test_nodes_shows_each_gpu_with_its_tenants_as_the_scheduler_placed_them(
+    controlplane: ControlPlane, pool: Pool, placed
+) -> None:
+    node, small = placed
+    code, out, err = await plugin(controlplane.kubeconfig, "nodes", "-o", "json")
+    assert code == 0, err
+    rows = [r for r in json.loads(out)["items"] if r["node"] == node]
+    assert [r["index"] for r in rows] == [0, 1]
+    [used] = [r for r in rows if r["tenants"]]
+    assert used["uuid"] == small.metadata.annotations[keys.devices_key("app")].removeprefix("nvidia.com/gpu=")
+    assert used["tenants"] == [
+        {
+            "namespace": pool.namespace,
+            "pod": "small",
+            "container": "app",
+            "mode": "time-slicing",
+            "request_mib": 20480,
+            "limit_mib": 30720,
+        }
+    ]
+    assert used["guaranteedMiB"] == 20480
+    assert used["freeMiB"] == used["usableMiB"] - 20480 == SHAPE.mib - 20480
+    assert used["mode"] == "time-slicing" and used["model"] == SHAPE.model and used["health"] == "Ready"
+    [idle] = [r for r in rows if not r["tenants"]]
+    assert (idle["guaranteedMiB"], idle["freeMiB"], idle["mode"]) == (0, SHAPE.mib, "-")
+
+    code, out, err = await plugin(controlplane.kubeconfig, "nodes", "-o", "yaml")
+    assert code == 0, err
+    assert [r for r in yaml.safe_load(out)["items"] if r["node"] == node] == rows
+
+    code, out, _ = await plugin(controlplane.kubeconfig, "nodes")
+    lines = [line.split() for line in out.splitlines()]
+    assert lines[0] == [
+        "NODE",
+        "GPU",
+        "MODEL",
+        "USABLE(MiB)",
+        "GUARANTEED(MiB)",
+        "FREE(MiB)",
+        "MODE",
+        "TENANTS",
+        "HEALTH",
+    ]
+    assert [node, str(used["index"]), SHAPE.model, str(SHAPE.mib), "20480", str(SHAPE.mib - 20480)] == lines[
+        [line[:2] for line in lines].index([node, str(used["index"])])
+    ][:6]
+    code, out, _ = await plugin(controlplane.kubeconfig, "nodes", "-o", "wide")
+    assert f"{pool.namespace}/small/app(20480)" in out and used["uuid"] in out
+
+
+async def test_explain_says_where_a_pod_went_and_why_another_waits(
+    controlplane: ControlPlane, pool: Pool, placed
+) -> None:
+    node, _ = placed
+    code, out, err = await plugin(
+        controlplane.kubeconfig, "explain", "small", "-n", pool.namespace, "-o", "json"
+    )
+    assert code == 0, err
+    small = json.loads(out)
+    assert small["node"] == node and small["scheduler"] == pool.scheduler_name
+    assert [(g["container"], g["requestMiB"], g["limitMiB"]) for g in small["gpus"]] == [
+        ("app", 20480, 30720)
+    ]
+    assert [e["reason"] for e in small["events"]] == ["Scheduled"]
+    assert small["events"][0]["message"].startswith(f"Successfully assigned {pool.namespace}/small to {node}")
+
+    code, out, err = await plugin(controlplane.kubeconfig, "explain", "big", "-n", pool.namespace)
+    assert code == 0, err
+    assert "Node:       <none> (not scheduled)" in out
+    assert "PodScheduled: False (Unschedulable): 0/1 nodes are available: 1 insufficient GPU memory." in out
+    assert "FailedScheduling" in out
+
+
+async def test_conventions_bad_output_missing_pod_and_kubectl_discovery(
+    controlplane: ControlPlane, pool: Pool
+) -> None:
+    code, _, err = await plugin(controlplane.kubeconfig, "nodes", "-o", "xml")
+    assert code == 2
+    assert "--output 'xml': allowed formats are wide, json, yaml" in err
+
+    code, _, err = await plugin(controlplane.kubeconfig, "explain", "nope", "-n", pool.namespace)
+    assert code == 1
+    assert 'pods "nope" not found' in err
+
+    code, _, err = await plugin(controlplane.kubeconfig, "nodes", "--context", "no-such-context")
+    assert code == 2 and "no-such-context" in err
+
+    if shutil.which("kubectl") is None:
+        pytest.skip("kubectl is not installed: plugin discovery not checked")
+    code, out, err = await plugin(controlplane.kubeconfig, "nodes", "-o", "json", kubectl=True)
+    assert code == 0, err
+    assert json.loads(out)["kind"] == "GpuList"
