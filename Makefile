@@ -38,6 +38,7 @@ test-latest: testenv
 # from the pinned Go modules (NRI, CRI); every step is a no-op when already up to date.
 testenv: venv
 	bash testenv/build.sh
+	bash testenv/promtool.sh
 	$(PY) scripts/gen-nri-protos
 	$(PY) scripts/gen-cri-protos
 
