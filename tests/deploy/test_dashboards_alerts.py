@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 import yaml
-from helm_chart import CHART, kinds, one, render
+from helm_chart import CHART, helm, kinds, one, render
 from metric_catalog import exposed
 
 HERE = Path(__file__).resolve().parent
@@ -111,8 +111,10 @@ def test_every_alert_names_only_exported_metrics_and_labels(
     assert not problems, "\n".join(problems)
 
 
-def test_the_prometheus_rule_is_off_by_default(tmp_path: Path) -> None:
+def test_the_prometheus_rule_is_off_by_default_and_lints_when_on(tmp_path: Path) -> None:
     assert not [o for o in render(tmp_path=tmp_path) if o["kind"] == "PrometheusRule"]
+    done = helm("lint", CHART, "--strict", "--set", "prometheusRule.enabled=true")
+    assert "1 chart(s) linted, 0 chart(s) failed" in done.stdout
 
 
 def _promtool(promtool: str, *args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
