@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
-# promtool (Prometheus' rule checker and rule unit-test runner) for the chart's alert tests
-# (tests/deploy/test_dashboards_alerts.py). A no-op when promtool is already on PATH; otherwise Debian's
-# `prometheus` package provides /usr/bin/promtool (installed with apt as root, as CI runs; elsewhere
-# the script says what to run). The package's daemon is not started in a container without an init.
+# promtool (Prometheus' rule checker and rule unit-test runner) and prometheus itself for the chart's
+# dashboard and alert tests (tests/deploy/test_dashboards_alerts.py, test_dashboard_prometheus.py). A
+# no-op when both are on PATH; otherwise Debian's `prometheus` package provides them (installed with apt
+# as root, as CI runs; elsewhere the script says what to run). The tests start their own Prometheus; the
+# package's service is not started in a container without an init.
 set -euo pipefail
-if command -v promtool >/dev/null 2>&1; then
-    echo "testenv: promtool is present ($(command -v promtool))"
+if command -v promtool >/dev/null 2>&1 && command -v prometheus >/dev/null 2>&1; then
+    echo "testenv: promtool and prometheus are present ($(command -v promtool))"
     exit 0
 fi
 if [[ $(id -u) -ne 0 ]] || ! command -v apt-get >/dev/null 2>&1; then
-    echo "testenv: promtool missing; install it (Debian/Ubuntu: sudo apt-get install prometheus)" >&2
+    echo "testenv: promtool/prometheus missing; install them (Debian/Ubuntu: sudo apt-get install prometheus)" >&2
     exit 1
 fi
 echo "testenv: installing promtool (Debian package prometheus)"
