@@ -12,8 +12,11 @@ import asyncio
 import json
 import os
 import shutil
+import socket
 import sys
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import yaml
@@ -24,6 +27,9 @@ from sched_harness import Pool, add_nodes, condition, gpu_pod, running, wait_bou
 from gpufrac.contract import keys
 from gpufrac.local.controlplane import ControlPlane
 from gpufrac.local.simnodes import NodeShape
+from gpufrac.node.metrics import EnforcementCounters, MetricsServer, UsageExporter, registry_for
+from gpufrac.node.usage.collect import FractionUsage, GpuUsage, UsageSnapshot
+from gpufrac.operator.render import APP_NAME, METRICS_PORT_NAME
 
 SHAPE = NodeShape(gpus=2, model="H100-80GB")
 
@@ -157,3 +163,89 @@ async def test_conventions_bad_output_missing_pod_and_kubectl_discovery(
     code, out, err = await plugin(controlplane.kubeconfig, "nodes", "-o", "json", kubectl=True)
     assert code == 0, err
     assert json.loads(out)["kind"] == "GpuList"
+
+
+def _routable_ip() -> str:
+    """This machine's address on its outgoing interface (the API server refuses to proxy to loopback)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("10.255.255.255", 9))  # UDP connect sends nothing: it only picks the interface
+        except OSError:
+            pytest.skip("no non-loopback interface: the API server's pod proxy cannot reach this machine")
+        return s.getsockname()[0]
+
+
+def _agent_exporter() -> UsageExporter:
+    """A node agent's exporter holding one fraction (the GPU itself is simulated: no NVML here)."""
+    exporter = UsageExporter(node="gpu-node-7", counters=EnforcementCounters())
+    allocation = SimpleNamespace(
+        container_id="c1",
+        pod_namespace="team-a",
+        pod_name="infer",
+        pod_uid="u1",
+        container_name="app",
+        devices=("GPU-7",),
+        request_mib=10240,
+        limit_mib=20480,
+        mode="time-slicing",
+        portion=None,
+    )
+    fraction = FractionUsage(
+        allocation=allocation,
+        gpu_uuid="GPU-7",
+        gpu_index=0,
+        request_bytes=10240 << 20,
+        limit_bytes=20480 << 20,
+        used_bytes=3 << 30,
+        sm_ratio=0.25,
+        pids=(7,),
+        entitlement_ratio=1.0,
+        received_ratio=1.0,
+    )
+    gpu = GpuUsage("GPU-7", 0, 80 << 30, 3 << 30, 10240 << 20, 0, 1, True)
+    exporter.update(UsageSnapshot(time.time(), (gpu,), (fraction,), ()), duration_seconds=0.01)
+    return exporter
+
+
+async def test_top_finds_the_node_agent_pods_and_reads_them_through_the_api_server(
+    controlplane: ControlPlane, client: AsyncClient, pool: Pool
+) -> None:
+    code, _, err = await plugin(controlplane.kubeconfig, "top", "--once", "-n", pool.namespace)
+    assert code == 1 and "no running node agent pods" in err
+
+    ip = _routable_ip()
+    server = MetricsServer(registry=registry_for(_agent_exporter()), host="0.0.0.0", port=0)
+    try:
+        agent = Pod.from_dict(
+            {
+                "metadata": {
+                    "name": "agent-7",
+                    "namespace": pool.namespace,
+                    "labels": {"app.kubernetes.io/name": APP_NAME},
+                },
+                "spec": {
+                    "containers": [
+                        {
+                            "name": "agent",
+                            "image": "gpufrac",
+                            "ports": [{"name": METRICS_PORT_NAME, "containerPort": server.port}],
+                        }
+                    ]
+                },
+            }
+        )
+        await client.create(agent)
+        # No kubelet runs here: the test reports the pod Running at this machine's address, as one would.
+        await client.patch(
+            Pod.Status,
+            "agent-7",
+            {"status": {"phase": "Running", "podIP": ip, "podIPs": [{"ip": ip}]}},
+            namespace=pool.namespace,
+        )
+        code, out, err = await plugin(controlplane.kubeconfig, "top", "--once", "-n", pool.namespace)
+    finally:
+        server.close()
+    assert code == 0, err
+    assert "gpu-node-7" in out
+    assert "team-a/infer/app" in out
+    assert "unreachable" not in out

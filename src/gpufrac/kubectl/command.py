@@ -9,18 +9,25 @@ server said no (the message names what), 2 bad usage.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import httpx2
 import typer
 import yaml
 from lightkube import ApiError, Client, KubeConfig
+from lightkube.config import client_adapter
 from lightkube.core.exceptions import ConfigError
 from lightkube.resources.core_v1 import Event, Node, Pod
+from rich.console import Console
+from rich.live import Live
 
 from gpufrac.kubectl.view import Explanation, GpuRow, explain, gpu_rows
-from gpufrac.node.top import top
+from gpufrac.node.top import AgentView, parse_agent, render
+from gpufrac.node.top import top as top_by_address
+from gpufrac.operator.render import APP_NAME, METRICS_PORT_NAME
 
 OUTPUTS = ("table", "wide", "json", "yaml")
 
@@ -63,14 +70,17 @@ def _root(
     _set(kubeconfig, context, namespace)
 
 
-def _client() -> Client:
+def _config():
     """kubectl's order: --kubeconfig, else $KUBECONFIG / ~/.kube/config / in-cluster; --context picks one."""
     try:
         base = KubeConfig.from_file(_globals.kubeconfig) if _globals.kubeconfig else KubeConfig.from_env()
-        config = base.get(context_name=_globals.context)
+        return base.get(context_name=_globals.context)
     except (ConfigError, OSError, KeyError, ValueError) as error:
         _fail(f"kubeconfig: {error}", code=2)
-    return Client(config=config, field_manager="kubectl-gpufrac")
+
+
+def _client() -> Client:
+    return Client(config=_config(), field_manager="kubectl-gpufrac")
 
 
 def _fail(message: str, *, code: int = 1) -> None:
@@ -228,7 +238,79 @@ def _print_explanation(e: Explanation, *, wide: bool) -> None:
         )
 
 
-app.command("top")(top)
+@app.command("top")
+def top(
+    addresses: list[str] | None = typer.Argument(
+        None, help="Agents' host:port or metrics URLs; default: every node agent pod, via the API server."
+    ),
+    once: bool = typer.Option(False, "--once", help="Print one snapshot and exit."),
+    interval: float = typer.Option(2.0, "--interval", min=0.2, help="Seconds between refreshes."),
+    kubeconfig: Path | None = KUBECONFIG,
+    context: str | None = CONTEXT,
+    namespace: str | None = NAMESPACE,
+) -> None:
+    """Per node and GPU: the fractions with request, limit, used memory and SM%, live (`gpufrac top`).
+
+    Without addresses, the node agents are the pods labelled app.kubernetes.io/name=gpufrac-node-agent
+    (-n narrows the namespace), read through the API server's pod proxy on their "metrics" port, so it
+    works from wherever kubectl does.
+    """
+    if addresses:
+        top_by_address(urls=addresses, once=once, interval=interval)
+        return
+    _set(kubeconfig, context, namespace)
+    config = _config()
+    client = Client(config=config, field_manager="kubectl-gpufrac")
+    agents = _agent_endpoints(client)
+    if not agents:
+        _fail(f"no running node agent pods (label app.kubernetes.io/name={APP_NAME}) to read")
+    with client_adapter.Client(config, client_adapter.ConnectionParams()) as http:
+
+        def snapshot() -> list[AgentView]:
+            return [_scrape_through_proxy(http, path) for path in agents]
+
+        if once:
+            views = snapshot()
+            Console(width=200).print(render(views))
+            if all(v.error is not None for v in views):
+                raise typer.Exit(code=1)
+            return
+        with Live(render(snapshot()), refresh_per_second=4, screen=False) as live:
+            try:
+                while True:
+                    time.sleep(interval)
+                    live.update(render(snapshot()))
+            except KeyboardInterrupt:
+                pass
+
+
+def _agent_endpoints(client: Client) -> list[str]:
+    """The API server's proxy path to each running agent pod's metrics port."""
+    paths = []
+    pods = _api(
+        lambda: list(
+            client.list(Pod, namespace=_globals.namespace or "*", labels={"app.kubernetes.io/name": APP_NAME})
+        )
+    )
+    for pod in pods:
+        if not pod.status or pod.status.phase != "Running" or not pod.status.podIP:
+            continue
+        ports = [p for c in pod.spec.containers for p in c.ports or [] if p.name == METRICS_PORT_NAME]
+        if ports:
+            ns, name = pod.metadata.namespace, pod.metadata.name
+            paths.append(f"/api/v1/namespaces/{ns}/pods/{name}:{ports[0].containerPort}/proxy/metrics")
+    return sorted(paths)
+
+
+def _scrape_through_proxy(http: httpx2.Client, path: str) -> AgentView:
+    try:
+        response = http.get(path)
+        response.raise_for_status()
+        return parse_agent(url=path, text=response.text)
+    except (httpx2.HTTPError, ValueError) as error:
+        return AgentView(
+            url=path, node=path.split("/")[6].split(":")[0], error=f"{type(error).__name__}: {error}"
+        )
 
 
 def main() -> None:
