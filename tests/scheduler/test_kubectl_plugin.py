@@ -50,7 +50,8 @@ async def plugin(kubeconfig: Path, *args: str, kubectl: bool = False) -> tuple[i
 
 @pytest.fixture
 async def placed(client: AsyncClient, pool: Pool):
-    """One 2-GPU node; ``small`` bound by the scheduler, ``big`` reported unschedulable."""
+    """One 2-GPU node; ``small`` bound by the scheduler, ``big`` (too much memory) and ``picky`` (a node
+    selector nothing matches) reported unschedulable."""
     [node] = await add_nodes(client, pool, count=1, shape=SHAPE)
     async with running(client, pool.config()):
         await client.create(
@@ -61,13 +62,17 @@ async def placed(client: AsyncClient, pool: Pool):
             )
         )
         await client.create(gpu_pod(pool, "big", {keys.memory_request_key("app"): "200Gi"}))
+        picky = gpu_pod(pool, "picky", {keys.memory_request_key("app"): "10Gi"})
+        picky.spec.nodeSelector = {"example.com/no-such-label": "x"}  # memory fits; the selector does not
+        await client.create(picky)
         await wait_bound(client, pool.namespace, 1, timeout=30)
         small = await client.get(Pod, "small", namespace=pool.namespace)
 
         async def reported() -> bool:
-            return condition(await client.get(Pod, "big", namespace=pool.namespace))[0] == "False"
+            waiting = [await client.get(Pod, name, namespace=pool.namespace) for name in ("big", "picky")]
+            return all(condition(pod)[0] == "False" for pod in waiting)
 
-        await wait_for(reported, timeout=20, what="PodScheduled=False on big")
+        await wait_for(reported, timeout=20, what="PodScheduled=False on big and picky")
         yield node, small
 
 
@@ -142,6 +147,20 @@ async def test_explain_says_where_a_pod_went_and_why_another_waits(
     assert "Node:       <none> (not scheduled)" in out
     assert "PodScheduled: False (Unschedulable): 0/1 nodes are available: 1 insufficient GPU memory." in out
     assert "FailedScheduling" in out
+    assert (
+        "Fit now:    app: needs 1 GPU(s) on one node with 204800 MiB free each; "
+        "the most any node has now is 0; the largest free is"
+    ) in out
+
+    code, out, err = await plugin(
+        controlplane.kubeconfig, "explain", "picky", "-n", pool.namespace, "-o", "yaml"
+    )
+    assert code == 0, err
+    picky = yaml.safe_load(out)
+    assert picky["node"] is None and picky["scheduled"]["status"] == "False"
+    [hint] = picky["fit"]
+    assert hint.startswith("app: needs 1 GPU(s) on one node with 10240 MiB free each; node ")
+    assert "GPU memory is not what blocks it" in hint
 
 
 async def test_conventions_bad_output_missing_pod_and_kubectl_discovery(

@@ -201,7 +201,12 @@ def explain_pod(
     )
     uid = found.metadata.uid
     events = [e for e in events if not e.involvedObject.uid or e.involvedObject.uid == uid]
-    result = explain(found, node=node, events=events)
+    rows = None
+    if node is None:  # waiting: what the cluster's GPUs have free says what would make it fit
+        rows, _ = gpu_rows(
+            _api(lambda: list(client.list(Node))), _api(lambda: list(client.list(Pod, namespace="*")))
+        )
+    result = explain(found, node=node, events=events, rows=rows)
     if output in ("json", "yaml"):
         _dump(result.as_dict(), output)
         return
@@ -230,6 +235,8 @@ def _print_explanation(e: Explanation, *, wide: bool) -> None:
     if e.scheduled is not None:
         s = e.scheduled
         typer.echo(f"PodScheduled: {s['status']} ({s['reason'] or '-'}): {s['message'] or ''}".rstrip(": "))
+    for hint in e.fit:
+        typer.echo(f"Fit now:    {hint}")
     typer.echo("Events:" if e.events else "Events:     <none>")
     if e.events:
         _print_table(

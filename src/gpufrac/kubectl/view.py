@@ -8,6 +8,7 @@ usable minus guaranteed (what a new guaranteed request can still get).
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -15,6 +16,7 @@ from typing import Any
 from lightkube.resources.core_v1 import Event, Node, Pod
 
 from gpufrac.contract.errors import ContractError
+from gpufrac.contract.request import ContainerGpuRequest, PodGpuRequest
 from gpufrac.scheduler.objects import (
     InvalidInventory,
     bound_placement,
@@ -148,12 +150,67 @@ class Explanation:
     gpus: list[dict[str, Any]]
     events: list[dict[str, Any]]
     request: str | None
+    fit: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
-def explain(pod: Pod, *, node: Node | None, events: Iterable[Event]) -> Explanation:
+def _need(container: ContainerGpuRequest) -> str:
+    if container.exclusive or container.request is None:
+        return "a whole GPU"
+    if container.request.mib is not None:
+        return f"{container.request.mib} MiB"
+    return f"{container.request.portion:g} of a GPU"
+
+
+def _room_for(container: ContainerGpuRequest, row: GpuRow) -> bool:
+    """Whether ``row`` could take one device of ``container`` by memory and mode, as things stand."""
+    if row.health != "Ready":
+        return False
+    if container.exclusive:
+        return not row.tenants
+    modes = {t.mode for t in row.tenants}
+    return modes <= {container.mode.value} and row.free_mib >= container.request_mib(row.usable_mib)
+
+
+def fit_hints(request: PodGpuRequest, rows: list[GpuRow]) -> list[str]:
+    """For a waiting pod, per GPU container: is GPU memory what blocks it now, and what would make it fit.
+
+    Memory and compute mode only, GPU by GPU, from the same rows ``nodes`` shows; the scheduler's own
+    reasons (the PodScheduled message) cover everything else (selectors, taints, CPU, host memory).
+    """
+    hints = []
+    for container in request.containers:
+        fitting = [row for row in rows if _room_for(container, row)]
+        per_node = Counter(row.node for row in fitting)
+        best = per_node.most_common(1)[0] if per_node else ("", 0)
+        wanted = f"{container.device_count} GPU(s) on one node with {_need(container)} free each"
+        if best[1] >= container.device_count:
+            hints.append(
+                f"{container.container}: needs {wanted}; node {best[0]} has {best[1]} such GPUs now, so GPU "
+                "memory is not what blocks it: see the scheduler's reasons (selector, taints, compute "
+                "mode support, CPU or host memory)"
+            )
+            continue
+        ready = [row for row in rows if row.health == "Ready"]
+        largest = max(ready, key=lambda r: r.free_mib, default=None)
+        where = (
+            f"; the largest free is {largest.free_mib} MiB ({largest.node} GPU {largest.index})"
+            if largest
+            else ""
+        )
+        hints.append(
+            f"{container.container}: needs {wanted}; the most any node has now is {best[1]}{where}. It fits "
+            "when tenants leave, with a smaller request or fewer GPUs, or on an added node"
+        )
+    return hints
+
+
+def explain(
+    pod: Pod, *, node: Node | None, events: Iterable[Event], rows: list[GpuRow] | None = None
+) -> Explanation:
+    """``rows`` (the cluster's GPUs, as ``gpu_rows`` builds them) adds fit hints for a waiting pod."""
     meta, spec, status = pod.metadata, pod.spec, pod.status
     condition = next(
         (c for c in (status.conditions if status else None) or [] if c.type == "PodScheduled"), None
@@ -208,4 +265,5 @@ def explain(pod: Pod, *, node: Node | None, events: Iterable[Event]) -> Explanat
             for e in ordered
         ],
         request=request_text,
+        fit=fit_hints(request, rows) if request is not None and rows is not None and not gpus else [],
     )
