@@ -164,7 +164,7 @@ async def test_explain_says_where_a_pod_went_and_why_another_waits(
 
 
 async def test_conventions_bad_output_missing_pod_and_kubectl_discovery(
-    controlplane: ControlPlane, pool: Pool
+    controlplane: ControlPlane, pool: Pool, tmp_path: Path
 ) -> None:
     code, _, err = await plugin(controlplane.kubeconfig, "nodes", "-o", "xml")
     assert code == 2
@@ -177,11 +177,25 @@ async def test_conventions_bad_output_missing_pod_and_kubectl_discovery(
     code, _, err = await plugin(controlplane.kubeconfig, "nodes", "--context", "no-such-context")
     assert code == 2 and "no-such-context" in err
 
+    unreachable = tmp_path / "unreachable.kubeconfig"
+    config = yaml.safe_load(controlplane.kubeconfig.read_text())
+    for cluster in config["clusters"]:
+        cluster["cluster"]["server"] = f"https://127.0.0.1:{_closed_port()}"
+    unreachable.write_text(yaml.safe_dump(config))
+    code, _, err = await plugin(unreachable, "nodes")
+    assert code == 1 and "error: cannot reach the API server: ConnectError" in err, err
+
     if shutil.which("kubectl") is None:
         pytest.skip("kubectl is not installed: plugin discovery not checked")
     code, out, err = await plugin(controlplane.kubeconfig, "nodes", "-o", "json", kubectl=True)
     assert code == 0, err
     assert json.loads(out)["kind"] == "GpuList"
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _routable_ip() -> str:

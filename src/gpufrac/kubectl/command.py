@@ -12,13 +12,14 @@ import json
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import httpx2
 import typer
 import yaml
 from lightkube import ApiError, Client, KubeConfig
 from lightkube.config import client_adapter
+from lightkube.config.kubeconfig import SingleConfig
 from lightkube.core.exceptions import ConfigError
 from lightkube.resources.core_v1 import Event, Node, Pod
 from rich.console import Console
@@ -70,7 +71,7 @@ def _root(
     _set(kubeconfig, context, namespace)
 
 
-def _config():
+def _config() -> SingleConfig:
     """kubectl's order: --kubeconfig, else $KUBECONFIG / ~/.kube/config / in-cluster; --context picks one."""
     try:
         base = KubeConfig.from_file(_globals.kubeconfig) if _globals.kubeconfig else KubeConfig.from_env()
@@ -83,7 +84,7 @@ def _client() -> Client:
     return Client(config=_config(), field_manager="kubectl-gpufrac")
 
 
-def _fail(message: str, *, code: int = 1) -> None:
+def _fail(message: str, *, code: int = 1) -> NoReturn:
     typer.echo(f"error: {message}", err=True)
     raise typer.Exit(code=code)
 
@@ -112,10 +113,13 @@ def _dump(data: Any, output: str) -> None:
 
 
 def _api(call):
+    """``call()``'s result, or exit 1 with what the API server said (or why it could not be reached)."""
     try:
         return call()
     except ApiError as error:
         _fail(f"{error.status.reason}: {error.status.message}")
+    except httpx2.HTTPError as error:
+        _fail(f"cannot reach the API server: {type(error).__name__}: {error}")
 
 
 @app.command("nodes")
