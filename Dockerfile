@@ -29,7 +29,7 @@ LABEL org.opencontainers.image.title="gpufrac" \
       org.opencontainers.image.licenses="Apache-2.0" \
       org.opencontainers.image.description="Memory-enforced GPU sharing for Kubernetes"
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
 COPY src/ src/
 COPY --from=protos /src/src/gpufrac/_generated/ src/gpufrac/_generated/
 RUN pip install --no-cache-dir . && rm -rf /src
