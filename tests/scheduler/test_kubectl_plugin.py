@@ -9,6 +9,7 @@ condition and the Events it recorded.
 from __future__ import annotations
 
 import asyncio
+import csv
 import json
 import os
 import shutil
@@ -282,3 +283,72 @@ async def test_top_finds_the_node_agent_pods_and_reads_them_through_the_api_serv
     assert "gpu-node-7" in out
     assert "team-a/infer/app" in out
     assert "unreachable" not in out
+
+
+async def test_whatif_replays_the_cluster_and_exports_it_for_offline_replay(
+    controlplane: ControlPlane, pool: Pool, placed, tmp_path: Path
+) -> None:
+    node, _ = placed
+    args = [
+        "whatif",
+        "--policy",
+        "binpack,fgd-align",
+        "--seeds",
+        "42",
+        "--export",
+        str(tmp_path),
+        "-o",
+        "json",
+    ]
+    code, out, err = await plugin(controlplane.kubeconfig, *args)
+    assert code == 0, err
+    assert f"pod {pool.namespace}/big: asks for more than a whole GPU" in err  # 200Gi on an 80 GB GPU
+
+    nodes = {row["sn"]: row for row in csv.DictReader((tmp_path / "cluster_nodes.csv").open())}
+    assert (nodes[node]["gpu"], nodes[node]["model"]) == ("2", SHAPE.model)
+    pods = {row["name"]: row for row in csv.DictReader((tmp_path / "cluster_pods.csv").open())}
+    assert pods[f"{pool.namespace}/small"]["gpu_milli"] == str(round(20480 / SHAPE.mib * 1000))
+    assert pods[f"{pool.namespace}/picky"]["num_gpu"] == "1"  # waiting pods are part of the mix too
+    assert f"{pool.namespace}/big" not in pods
+
+    report = json.loads(out)
+    assert [r["policy"] for r in report["runs"]] == ["binpack", "fgd-align"]
+    today = report["today"]
+    assert today["allocatedGpus"] >= round(20480 / SHAPE.mib, 2) - 0.01  # at least small's share
+    assert [row["policy"] for row in today["policies"]] == ["binpack", "fgd-align"]
+    for row in today["policies"]:
+        assert 0 < row["gpusPlaced"] <= today["gpus"]
+        assert row["moreThanToday"] == pytest.approx(row["gpusPlaced"] - today["allocatedGpus"], abs=0.011)
+
+    code, out, err = await plugin(controlplane.kubeconfig, "whatif", "--policy", "binpack", "--seeds", "42")
+    assert code == 0, err
+    assert "GPU allocation on trace cluster" in out
+    assert f"of {today['gpus']} GPUs' worth guaranteed" in out
+    assert "binpack: " in out and " than today)" in out
+
+    # The export replays offline to the same figure (same pods, nodes and seed).
+    done = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "gpufrac",
+        "simulate",
+        "--trace",
+        str(tmp_path / "cluster_pods.csv"),
+        "--nodes",
+        str(tmp_path / "cluster_nodes.csv"),
+        "--policy",
+        "binpack",
+        "--seeds",
+        "42",
+        "--workers",
+        "1",
+        "--json",
+        "--no-plot",
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    replay_out, replay_err = await asyncio.wait_for(done.communicate(), timeout=120)
+    assert done.returncode == 0, replay_err.decode()
+    [offline] = json.loads(replay_out)["runs"]
+    [online] = [r for r in report["runs"] if r["policy"] == "binpack"]
+    assert (offline["placed"], offline["failed"]) == (online["placed"], online["failed"])

@@ -9,6 +9,7 @@ server said no (the message names what), 2 bad usage.
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -24,11 +25,17 @@ from lightkube.core.exceptions import ConfigError
 from lightkube.resources.core_v1 import Event, Node, Pod
 from rich.console import Console
 from rich.live import Live
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
+from gpufrac.kubectl.snapshot import MILLI, ClusterTrace, cluster_trace
 from gpufrac.kubectl.view import Explanation, GpuRow, explain, gpu_rows
 from gpufrac.node.top import AgentView, parse_agent, render
 from gpufrac.node.top import top as top_by_address
 from gpufrac.operator.render import APP_NAME, METRICS_PORT_NAME
+from gpufrac.sim.experiment import by_policy, mean, parse_policies, parse_seeds, run_experiment
+from gpufrac.sim.replay import RunResult
+from gpufrac.sim.report import as_json, table
+from gpufrac.sim.trace import save_nodes, save_pods
 
 OUTPUTS = ("table", "wide", "json", "yaml")
 
@@ -293,6 +300,105 @@ def top(
                     live.update(render(snapshot()))
             except KeyboardInterrupt:
                 pass
+
+
+#: File names of an exported snapshot (replay: ``gpufrac simulate --trace DIR/cluster_pods.csv --nodes
+#: DIR/cluster_nodes.csv``).
+EXPORT_NODES, EXPORT_PODS = "cluster_nodes.csv", "cluster_pods.csv"
+
+
+@app.command("whatif")
+def whatif(
+    policy: str = typer.Option("all", "--policy", help="Policy, comma list, or 'all' (as gpufrac simulate)."),
+    seeds: str = typer.Option("42-46", "--seeds", help="Seeds: 42-46, 42,43 or 42."),
+    workers: int = typer.Option(1, "--workers", min=1, help="Worker processes for the replays."),
+    export: Path | None = typer.Option(None, "--export", help="Also write the snapshot as openb CSVs here."),
+    output: str = OUTPUT,
+    kubeconfig: Path | None = KUBECONFIG,
+    context: str | None = CONTEXT,
+) -> None:
+    """Replay this cluster's GPU pods on its GPU nodes under each policy: what fits beyond today's placement.
+
+    The snapshot (GPU nodes, GPU pods, bound or waiting) is replayed with the simulator's published
+    protocol: the pods drawn until 130% of GPU capacity is offered, one seed per run.
+    """
+    _check_output(output)
+    _set(kubeconfig, context, None)
+    try:
+        policies, seed_list = parse_policies(policy), parse_seeds(seeds)
+    except ValueError as error:
+        _fail(str(error), code=2)
+    client = _client()
+    trace = cluster_trace(
+        _api(lambda: list(client.list(Node))), _api(lambda: list(client.list(Pod, namespace="*")))
+    )
+    for note in trace.left_out:
+        typer.echo(f"warning: left out of the snapshot: {note}", err=True)
+    if not trace.nodes or not trace.pods:
+        _fail("nothing to replay: the cluster has no published GPU nodes or no GPU pods")
+    if export is not None:
+        export.mkdir(parents=True, exist_ok=True)
+        save_nodes(export / EXPORT_NODES, trace.nodes)
+        save_pods(export / EXPORT_PODS, trace.pods)
+        typer.echo(f"snapshot: {export / EXPORT_NODES}, {export / EXPORT_PODS}", err=True)
+    err = Console(stderr=True)
+    with Progress(
+        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), console=err, transient=True
+    ) as bar:
+        task = bar.add_task("replaying the cluster", total=len(policies) * len(seed_list))
+
+        def advance(result: RunResult) -> None:
+            bar.update(task, advance=1, description=f"{result.policy} seed {result.seed}")
+
+        results = run_experiment(
+            trace="cluster",
+            nodes=trace.nodes,
+            pods=trace.pods,
+            policies=policies,
+            seeds=seed_list,
+            workers=workers,
+            progress=advance,
+        )
+    comparison = _against_today(trace, results)
+    if output in ("json", "yaml"):
+        _dump({**as_json("cluster", "plain", results), "today": comparison}, output)
+        return
+    Console(width=200).print(table("cluster", results))
+    typer.echo(
+        f"today: {comparison['allocatedGpus']:.2f} of {comparison['gpus']} GPUs' worth guaranteed "
+        f"({comparison['allocatedPercent']:.1f}%)"
+    )
+    for row in comparison["policies"]:
+        typer.echo(
+            f"{row['policy']}: {row['gpusPlaced']:.2f} GPUs' worth of the same pods fit "
+            f"({row['moreThanToday']:+.2f} than today)"
+        )
+
+
+def _placed_share(run: RunResult) -> float:
+    """Percent of GPU capacity allocated once the whole 130% has been offered (no deletions: the maximum).
+
+    Read from the curve, not ``alloc_130``: on a cluster of a few GPUs no arrival rounds to exactly 130%.
+    """
+    return max((v for v in run.curve if not math.isnan(v)), default=0.0)
+
+
+def _against_today(trace: ClusterTrace, results: list[RunResult]) -> dict[str, Any]:
+    """Today's guaranteed GPUs' worth against each policy's, the same pod mix offered up to 130%."""
+    gpus = trace.capacity_milli // MILLI
+    today = trace.allocated_milli / MILLI
+    rows = []
+    for policy, runs in by_policy(results).items():
+        placed = mean([_placed_share(r) for r in runs]) / 100 * gpus
+        rows.append(
+            {"policy": policy, "gpusPlaced": round(placed, 2), "moreThanToday": round(placed - today, 2)}
+        )
+    return {
+        "gpus": gpus,
+        "allocatedGpus": round(today, 2),
+        "allocatedPercent": round(100 * today / gpus, 2) if gpus else 0.0,
+        "policies": rows,
+    }
 
 
 def _agent_endpoints(client: Client) -> list[str]:
