@@ -23,8 +23,13 @@ COPY src/gpufrac/__init__.py src/gpufrac/__init__.py
 RUN python scripts/gen-nri-protos && python scripts/gen-cri-protos
 
 FROM python:3.11-slim
+# The version repeats gpufrac.__version__ (its one home); tests/test_version.py checks that they agree.
+LABEL org.opencontainers.image.title="gpufrac" \
+      org.opencontainers.image.version="0.1.0" \
+      org.opencontainers.image.licenses="Apache-2.0" \
+      org.opencontainers.image.description="Memory-enforced GPU sharing for Kubernetes"
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
 COPY src/ src/
 COPY --from=protos /src/src/gpufrac/_generated/ src/gpufrac/_generated/
 RUN pip install --no-cache-dir . && rm -rf /src

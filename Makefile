@@ -4,20 +4,41 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench lint testenv venv clean
+.PHONY: demo test test-latest bench lint lock testenv venv clean
 
-$(STAMP): pyproject.toml
+# The venv installs the exact versions of requirements.lock (what the suite last passed with; `make lock`
+# renews it from pyproject's ranges), then the package itself without resolving anything again.
+$(STAMP): pyproject.toml requirements.lock
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet -r requirements.lock
+	$(PY) -m pip install --quiet --no-deps -e .
 	touch $(STAMP)
 
 venv: $(STAMP)
+
+# Re-resolve pyproject's ranges (runtime + test extras) to the newest versions into requirements.lock.
+lock: venv
+	$(PY) -m pip install --quiet 'pip-tools>=7.4,<8'
+	$(VENV)/bin/pip-compile --quiet --upgrade --allow-unsafe --extra test --strip-extras --no-emit-index-url \
+	  --no-emit-find-links --output-file requirements.lock pyproject.toml
+
+# The suite against the newest versions pyproject's ranges allow (not the lock), in its own venv: what a
+# user's `pip install gpufrac` may get tomorrow. PYTEST_ARGS narrows it, e.g. PYTEST_ARGS=tests/contract.
+LATEST_VENV ?= .venv-latest
+PYTEST_ARGS ?=
+test-latest: testenv
+	test -x $(LATEST_VENV)/bin/python || $(PYTHON) -m venv $(LATEST_VENV)
+	$(LATEST_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(LATEST_VENV)/bin/python -m pip install --quiet --upgrade --upgrade-strategy eager -e '.[test]'
+	$(LATEST_VENV)/bin/python -m pip list --format=freeze > $(LATEST_VENV)/versions.txt
+	$(LATEST_VENV)/bin/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 
 # The Go programs (real kube-apiserver + etcd, NRI runtime driver) and the protobuf messages generated
 # from the pinned Go modules (NRI, CRI); every step is a no-op when already up to date.
 testenv: venv
 	bash testenv/build.sh
+	bash testenv/promtool.sh
 	$(PY) scripts/gen-nri-protos
 	$(PY) scripts/gen-cri-protos
 
@@ -43,4 +64,4 @@ lint: venv
 	$(VENV)/bin/ruff format --check src tests bench
 
 clean:
-	rm -rf $(VENV) testenv/bin
+	rm -rf $(VENV) $(LATEST_VENV) testenv/bin

@@ -18,6 +18,23 @@ app = typer.Typer(
 )
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from gpufrac import __version__
+
+        typer.echo(f"gpufrac {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(
+        False, "--version", help="Print the version and exit.", is_eager=True, callback=_print_version
+    ),
+) -> None:
+    """Memory-enforced GPU sharing for Kubernetes."""
+
+
 def _register() -> None:
     from gpufrac.local.command import demo, up
 

@@ -10,6 +10,7 @@ import pytest
 from gpufrac.contract.keys import GPU_MODEL_LABEL
 from gpufrac.contract.request import GpuMemory
 from gpufrac.placement.model import SelectorOperator
+from gpufrac.sim import trace as trace_module
 from gpufrac.sim.experiment import parse_policies, parse_seeds
 from gpufrac.sim.metrics import allocation_at, curve, unallocated_gpus
 from gpufrac.sim.scenarios import prepare
@@ -117,7 +118,10 @@ def test_data_dir_resolution(monkeypatch, tmp_path):
     assert default_data_dir() == tmp_path
     assert pod_file("default") == tmp_path / "openb_pod_list_default.csv"
     monkeypatch.delenv("GPUFRAC_DATA_DIR")
-    assert default_data_dir().parts[-3:] == ("shared", "data", "openb")
+    monkeypatch.delenv("GPUFRAC_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(trace_module, "checkout_data_dir", lambda: None)  # as installed: no clone around
+    assert default_data_dir() == tmp_path / "cache" / "gpufrac" / "openb"
     csv_path = tmp_path / "mine.csv"
     save_pods(csv_path, [tp("a", 1, 250, spec=("T4", "A10"))])
     assert pod_file(str(csv_path)) == csv_path

@@ -29,6 +29,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 
 from gpufrac.node.mps.events import REASON_RESTARTED, REASON_START_FAILED, REASON_WEDGED, EventSink
 from gpufrac.node.usage.collect import UsageCollector, UsageSnapshot
+from gpufrac.process.build_info import register_build_info
 
 log = logging.getLogger(__name__)
 
@@ -299,6 +300,7 @@ def registry_for(exporter: UsageExporter) -> CollectorRegistry:
     """A registry holding only the agent's metrics (no process/platform collectors of the default one)."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(exporter)
+    register_build_info(registry, component="node-agent")
     return registry
 
 

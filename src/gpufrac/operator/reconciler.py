@@ -49,6 +49,7 @@ from gpufrac.kube.stream import ALL_NAMESPACES, Selection
 from gpufrac.operator.render import CONFIG_LABEL, HASH_ANNOTATION, MANAGED_BY, render_daemonset
 from gpufrac.operator.resource import GpuFractioningConfig, read_config
 from gpufrac.operator.status import DaemonSetView, NodeView, compute_status
+from gpufrac.process.build_info import register_build_info
 from gpufrac.process.probes import ProbeServer
 
 log = logging.getLogger(__name__)
@@ -78,6 +79,7 @@ def default_identity() -> str:
 class _Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
+        register_build_info(self.registry, component="operator")
         self.reconciles = Counter(
             "gpufrac_operator_reconciles", "Config reconciles by result.", ["result"], registry=self.registry
         )

@@ -29,6 +29,8 @@ from gpufrac.contract.keys import managed_toleration
 from gpufrac.operator.resource import API_VERSION, KIND, ConfigSpec
 
 APP_NAME = "gpufrac-node-agent"
+#: The agent container's port serving /metrics (`kubectl gpufrac top` finds it by this name).
+METRICS_PORT_NAME = "metrics"
 SERVICE_ACCOUNT = "gpufrac-node-agent"
 MANAGED_BY = "gpufrac-operator"
 #: Names the config a DaemonSet belongs to (the informer selects on it; deletion finds orphans by it).
@@ -142,7 +144,7 @@ def render_daemonset(config: ConfigSpec) -> dict[str, Any]:
         "securityContext": {"privileged": True},
         "ports": [
             {"name": "health", "containerPort": agent.health_port, "protocol": "TCP"},
-            {"name": "metrics", "containerPort": agent.metrics_port, "protocol": "TCP"},
+            {"name": METRICS_PORT_NAME, "containerPort": agent.metrics_port, "protocol": "TCP"},
         ],
         "livenessProbe": _probe("/healthz", period=10, failures=3),
         # NRI synchronized and the Node published: the runtime's path has the plugin in it.

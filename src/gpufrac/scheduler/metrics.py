@@ -15,6 +15,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from gpufrac.process.build_info import register_build_info
+
 
 @dataclass(frozen=True, slots=True)
 class GpuAllocation:
@@ -94,6 +96,7 @@ class _StateCollector(Collector):
 class SchedulerMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        register_build_info(self.registry, component="scheduler")
         self.attempts = Counter(
             "gpufrac_scheduler_schedule_attempts",
             "Scheduling attempts by result (scheduled, unschedulable, error).",

@@ -23,10 +23,11 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from .experiment import parse_policies, parse_seeds, run_experiment
+from .openb import TraceUnavailable
 from .replay import RunResult
 from .report import as_json, plot, table
 from .scenarios import SCENARIOS
-from .trace import load_nodes, load_pods, node_file, pod_file
+from .trace import load_nodes, load_pods, resolve
 
 
 def simulate(
@@ -38,7 +39,10 @@ def simulate(
     nodes: Annotated[str | None, typer.Option(help="Node CSV (default: the openb GPU nodes).")] = None,
     data_dir: Annotated[
         Path | None,
-        typer.Option(help="Where named traces live (default $GPUFRAC_DATA_DIR or ../shared/data/openb)."),
+        typer.Option(
+            help="Where named traces live (default $GPUFRAC_DATA_DIR, else downloaded once into "
+            "~/.cache/gpufrac/openb and checked; docs/placement.md)."
+        ),
     ] = None,
     scenario: Annotated[str, typer.Option(help=f"Workload variant: {', '.join(SCENARIOS)}.")] = "plain",
     online: Annotated[
@@ -62,7 +66,11 @@ def simulate(
     if scenario not in SCENARIOS:
         err.print(f"gpufrac simulate: unknown scenario {scenario!r}; known: {', '.join(SCENARIOS)}")
         raise typer.Exit(code=2)
-    pods_path, nodes_path = pod_file(trace, data_dir), node_file(nodes, data_dir)
+    try:
+        pods_path, nodes_path = resolve(trace, nodes, data_dir)
+    except TraceUnavailable as error:
+        err.print(f"gpufrac simulate: {error}", soft_wrap=True, markup=False)
+        raise typer.Exit(code=2) from error
     for path in (pods_path, nodes_path):
         if not path.is_file():
             err.print(f"gpufrac simulate: {path} not found (set --data-dir or GPUFRAC_DATA_DIR)")

@@ -6,9 +6,11 @@ optionally ``gpu_spec,qos,...``. ``gpu_milli`` is thousandths of ONE GPU; a pod 
 takes ``num_gpu`` whole GPUs. Two fields the trace does not have but our scenarios need (compute mode,
 namespace) default to time-slicing in one namespace.
 
-Named traces resolve against a data directory: ``--data-dir``, else ``$GPUFRAC_DATA_DIR``, else the
-first ``shared/data/openb`` found beside the repository (the checkout's parent) or beside the working
-directory.
+Named traces resolve against a data directory: ``--data-dir``, else ``$GPUFRAC_DATA_DIR``, else (only
+when running from a source checkout, for the repository's tests and benchmarks) ``shared/data/openb``
+beside the checkout, else the download cache of ``gpufrac.sim.openb``, filled on first use from the
+published trace and checked against pinned checksums. An installed package never looks outside itself
+and its cache.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gpufrac.contract.request import ComputeMode
+
+from . import openb
 
 TRACES = (
     "default",
@@ -77,16 +81,43 @@ class TracePod:
         return self.num_gpu * self.gpu_milli
 
 
-def default_data_dir() -> Path:
-    env = os.environ.get("GPUFRAC_DATA_DIR")
-    if env:
-        return Path(env)
-    repo = Path(__file__).resolve().parents[3]
-    for base in (repo.parent, Path.cwd().parent, Path.cwd()):
+def checkout_data_dir() -> Path | None:
+    """``shared/data/openb`` beside a source checkout (``<checkout>/src/gpufrac``), if there is one.
+
+    Only a checkout qualifies (``src/`` with a pyproject.toml above it): a package installed into
+    site-packages has no such neighbour, and must not guess one.
+    """
+    package = Path(__file__).resolve().parents[1]
+    root = package.parents[1]
+    if package.parent.name != "src" or not (root / "pyproject.toml").is_file():
+        return None
+    for base in (root.parent, root.parent.parent):  # a clone beside shared/, or a worktree one level down
         candidate = base / "shared" / "data" / "openb"
         if candidate.is_dir():
             return candidate
-    return repo.parent / "shared" / "data" / "openb"
+    return None
+
+
+def default_data_dir() -> Path:
+    """``$GPUFRAC_DATA_DIR``, else a checkout's ``shared/data/openb``, else the download cache."""
+    env = os.environ.get("GPUFRAC_DATA_DIR")
+    if env:
+        return Path(env)
+    return checkout_data_dir() or openb.cache_dir()
+
+
+def resolve(trace: str, nodes: str | None, data_dir: Path | None) -> tuple[Path, Path]:
+    """The pod and node CSV paths of a simulation; named files missing from the cache are fetched first.
+
+    Raises ``openb.TraceUnavailable`` when a download fails or does not match its pinned checksum.
+    Files in ``--data-dir``, ``$GPUFRAC_DATA_DIR`` or a checkout are used as they are.
+    """
+    pods_path, nodes_path = pod_file(trace, data_dir), node_file(nodes, data_dir)
+    cache = openb.cache_dir()
+    if data_dir is None and default_data_dir() == cache:
+        wanted = [path.name for path in (pods_path, nodes_path) if path.parent == cache]
+        openb.fetch(wanted, into=cache, base_url=openb.source())
+    return pods_path, nodes_path
 
 
 def pod_file(trace: str, data_dir: Path | None = None) -> Path:

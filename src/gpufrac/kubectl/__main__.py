@@ -1,0 +1,3 @@
+from gpufrac.kubectl.command import main
+
+main()

@@ -1,0 +1,438 @@
+"""``kubectl-gpufrac``: ``kubectl gpufrac nodes | explain POD | top``, with kubectl's own conventions.
+
+Flags as kubectl spells them: ``--kubeconfig``, ``--context``, ``-n/--namespace`` (default: the
+context's namespace), ``-o/--output`` ``wide|json|yaml`` (default: a plain column table, upper-case
+headers, as kubectl prints). Read-only: it lists and gets, never writes. Exit codes: 0 shown, 1 the API
+server said no (the message names what), 2 bad usage.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, NoReturn
+
+import httpx2
+import typer
+import yaml
+from lightkube import ApiError, Client, KubeConfig
+from lightkube.config import client_adapter
+from lightkube.config.kubeconfig import SingleConfig
+from lightkube.core.exceptions import ConfigError
+from lightkube.resources.core_v1 import Event, Node, Pod
+from rich.console import Console
+from rich.live import Live
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+from gpufrac.kubectl.snapshot import MILLI, ClusterTrace, cluster_trace
+from gpufrac.kubectl.view import Explanation, GpuRow, explain, gpu_rows
+from gpufrac.node.top import AgentView, parse_agent, render
+from gpufrac.node.top import top as top_by_address
+from gpufrac.operator.render import APP_NAME, METRICS_PORT_NAME
+from gpufrac.sim.experiment import by_policy, mean, parse_policies, parse_seeds, run_experiment
+from gpufrac.sim.replay import RunResult
+from gpufrac.sim.report import as_json, table
+from gpufrac.sim.trace import save_nodes, save_pods
+
+OUTPUTS = ("table", "wide", "json", "yaml")
+
+app = typer.Typer(
+    name="kubectl-gpufrac",
+    help="gpufrac's GPU fractions from kubectl: `kubectl gpufrac nodes | explain POD | top`.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+class _Globals:
+    kubeconfig: Path | None = None
+    context: str | None = None
+    namespace: str | None = None
+
+
+_globals = _Globals()
+
+
+# kubectl accepts its global flags before or after the subcommand; so does the plugin (the callback takes
+# them first, a subcommand's own copy overrides).
+KUBECONFIG = typer.Option(None, "--kubeconfig", help="Path to the kubeconfig file to use.")
+CONTEXT = typer.Option(None, "--context", help="The kubeconfig context to use.")
+NAMESPACE = typer.Option(None, "-n", "--namespace", help="Namespace (default: the context's).")
+OUTPUT = typer.Option("table", "-o", "--output", help="wide, json or yaml.")
+
+
+def _set(kubeconfig: Path | None, context: str | None, namespace: str | None) -> None:
+    _globals.kubeconfig = kubeconfig or _globals.kubeconfig
+    _globals.context = context or _globals.context
+    _globals.namespace = namespace or _globals.namespace
+
+
+@app.callback()
+def _root(
+    kubeconfig: Path | None = KUBECONFIG, context: str | None = CONTEXT, namespace: str | None = NAMESPACE
+) -> None:
+    _set(kubeconfig, context, namespace)
+
+
+def _config() -> SingleConfig:
+    """kubectl's order: --kubeconfig, else $KUBECONFIG / ~/.kube/config / in-cluster; --context picks one."""
+    try:
+        base = KubeConfig.from_file(_globals.kubeconfig) if _globals.kubeconfig else KubeConfig.from_env()
+        return base.get(context_name=_globals.context)
+    except (ConfigError, OSError, KeyError, ValueError) as error:
+        _fail(f"kubeconfig: {error}", code=2)
+
+
+def _client() -> Client:
+    return Client(config=_config(), field_manager="kubectl-gpufrac")
+
+
+def _fail(message: str, *, code: int = 1) -> NoReturn:
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(code=code)
+
+
+def _check_output(output: str) -> str:
+    if output not in OUTPUTS:
+        _fail(
+            f"--output {output!r}: allowed formats are {', '.join(o for o in OUTPUTS if o != 'table')}",
+            code=2,
+        )
+    return output
+
+
+def _print_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
+    cells = [list(headers), *[[str(c) for c in r] for r in rows]]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    for row in cells:
+        typer.echo("   ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
+
+
+def _dump(data: Any, output: str) -> None:
+    if output == "json":
+        typer.echo(json.dumps(data, indent=2))
+    else:
+        typer.echo(yaml.safe_dump(data, sort_keys=False).rstrip())
+
+
+def _api(call):
+    """``call()``'s result, or exit 1 with what the API server said (or why it could not be reached)."""
+    try:
+        return call()
+    except ApiError as error:
+        _fail(f"{error.status.reason}: {error.status.message}")
+    except httpx2.HTTPError as error:
+        _fail(f"cannot reach the API server: {type(error).__name__}: {error}")
+
+
+@app.command("nodes")
+def nodes(
+    output: str = OUTPUT,
+    kubeconfig: Path | None = KUBECONFIG,
+    context: str | None = CONTEXT,
+    namespace: str | None = NAMESPACE,
+) -> None:
+    """Per GPU: model, usable/guaranteed/free MiB, mode, tenants, health (all namespaces)."""
+    _set(kubeconfig, context, namespace)
+    _check_output(output)
+    client = _client()
+    node_list = _api(lambda: list(client.list(Node)))
+    pods = _api(lambda: list(client.list(Pod, namespace="*")))
+    rows, warnings = gpu_rows(node_list, pods)
+    for warning in warnings:
+        typer.echo(f"warning: {warning}", err=True)
+    if output in ("json", "yaml"):
+        _dump({"kind": "GpuList", "items": [r.as_dict() for r in rows]}, output)
+        return
+    if not rows:
+        typer.echo("No GPUs published (no node has a gpufrac.io/gpus annotation).", err=True)
+        return
+    _print_table(*_gpu_table(rows, wide=output == "wide"))
+
+
+def _gpu_table(rows: list[GpuRow], *, wide: bool) -> tuple[list[str], list[list[Any]]]:
+    headers = [
+        "NODE",
+        "GPU",
+        "MODEL",
+        "USABLE(MiB)",
+        "GUARANTEED(MiB)",
+        "FREE(MiB)",
+        "MODE",
+        "TENANTS",
+        "HEALTH",
+    ]
+    if wide:
+        headers[7:7] = ["LIMITS(MiB)"]
+        headers.append("UUID")
+    table = []
+    for r in rows:
+        tenants = (
+            ",".join(f"{t.name}({t.request_mib})" for t in r.tenants)
+            if wide
+            else ",".join(t.pod for t in r.tenants)
+        )
+        row: list[Any] = [r.node, r.index, r.model or "-", r.usable_mib, r.guaranteed_mib, r.free_mib, r.mode]
+        row += [r.limit_mib] if wide else []
+        row += [tenants or "<none>", r.health]
+        row += [r.uuid] if wide else []
+        table.append(row)
+    return headers, table
+
+
+@app.command("explain")
+def explain_pod(
+    pod: str = typer.Argument(..., help="The pod's name (its namespace: -n, else the context's)."),
+    output: str = OUTPUT,
+    kubeconfig: Path | None = KUBECONFIG,
+    context: str | None = CONTEXT,
+    namespace: str | None = NAMESPACE,
+) -> None:
+    """Where the pod went and why, or why it is pending: PodScheduled and the scheduler's Events."""
+    _set(kubeconfig, context, namespace)
+    _check_output(output)
+    client = _client()
+    namespace = _globals.namespace or client.namespace
+    found = _api(lambda: client.get(Pod, pod, namespace=namespace))
+    node = None
+    if found.spec and found.spec.nodeName:
+        node = _api(lambda: client.get(Node, found.spec.nodeName))
+    events = _api(
+        lambda: list(
+            client.list(
+                Event,
+                namespace=namespace,
+                fields={"involvedObject.name": pod, "involvedObject.kind": "Pod"},
+            )
+        )
+    )
+    uid = found.metadata.uid
+    events = [e for e in events if not e.involvedObject.uid or e.involvedObject.uid == uid]
+    rows = None
+    if node is None:  # waiting: what the cluster's GPUs have free says what would make it fit
+        rows, _ = gpu_rows(
+            _api(lambda: list(client.list(Node))), _api(lambda: list(client.list(Pod, namespace="*")))
+        )
+    result = explain(found, node=node, events=events, rows=rows)
+    if output in ("json", "yaml"):
+        _dump(result.as_dict(), output)
+        return
+    _print_explanation(result, wide=output == "wide")
+
+
+def _print_explanation(e: Explanation, *, wide: bool) -> None:
+    typer.echo(f"Pod:        {e.namespace}/{e.pod}")
+    typer.echo(f"Scheduler:  {e.scheduler}")
+    typer.echo(f"Phase:      {e.phase}")
+    if e.request:
+        typer.echo(f"GPU:        {e.request}")
+    if e.node:
+        typer.echo(f"Node:       {e.node}")
+        if e.gpus:
+            typer.echo("GPUs:")
+            headers = ["CONTAINER", "GPU", "MODE", "REQUEST(MiB)", "LIMIT(MiB)"] + (["UUID"] if wide else [])
+            rows = [
+                [g["container"], g["gpu"], g["mode"], g["requestMiB"], g["limitMiB"]]
+                + ([g["uuid"]] if wide else [])
+                for g in e.gpus
+            ]
+            _print_table(headers, rows)
+    else:
+        typer.echo("Node:       <none> (not scheduled)")
+    if e.scheduled is not None:
+        s = e.scheduled
+        typer.echo(f"PodScheduled: {s['status']} ({s['reason'] or '-'}): {s['message'] or ''}".rstrip(": "))
+    for hint in e.fit:
+        typer.echo(f"Fit now:    {hint}")
+    typer.echo("Events:" if e.events else "Events:     <none>")
+    if e.events:
+        _print_table(
+            ["TIME", "TYPE", "REASON", "COUNT", "MESSAGE"],
+            [[v["time"], v["type"], v["reason"], v["count"], v["message"]] for v in e.events],
+        )
+
+
+@app.command("top")
+def top(
+    addresses: list[str] | None = typer.Argument(
+        None, help="Agents' host:port or metrics URLs; default: every node agent pod, via the API server."
+    ),
+    once: bool = typer.Option(False, "--once", help="Print one snapshot and exit."),
+    interval: float = typer.Option(2.0, "--interval", min=0.2, help="Seconds between refreshes."),
+    kubeconfig: Path | None = KUBECONFIG,
+    context: str | None = CONTEXT,
+    namespace: str | None = NAMESPACE,
+) -> None:
+    """Per node and GPU: the fractions with request, limit, used memory and SM%, live (`gpufrac top`).
+
+    Without addresses, the node agents are the pods labelled app.kubernetes.io/name=gpufrac-node-agent
+    (-n narrows the namespace), read through the API server's pod proxy on their "metrics" port, so it
+    works from wherever kubectl does.
+    """
+    if addresses:
+        top_by_address(urls=addresses, once=once, interval=interval)
+        return
+    _set(kubeconfig, context, namespace)
+    config = _config()
+    client = Client(config=config, field_manager="kubectl-gpufrac")
+    agents = _agent_endpoints(client)
+    if not agents:
+        _fail(f"no running node agent pods (label app.kubernetes.io/name={APP_NAME}) to read")
+    with client_adapter.Client(config, client_adapter.ConnectionParams()) as http:
+
+        def snapshot() -> list[AgentView]:
+            return [_scrape_through_proxy(http, path) for path in agents]
+
+        if once:
+            views = snapshot()
+            Console(width=200).print(render(views))
+            if all(v.error is not None for v in views):
+                raise typer.Exit(code=1)
+            return
+        with Live(render(snapshot()), refresh_per_second=4, screen=False) as live:
+            try:
+                while True:
+                    time.sleep(interval)
+                    live.update(render(snapshot()))
+            except KeyboardInterrupt:
+                pass
+
+
+#: File names of an exported snapshot (replay: ``gpufrac simulate --trace DIR/cluster_pods.csv --nodes
+#: DIR/cluster_nodes.csv``).
+EXPORT_NODES, EXPORT_PODS = "cluster_nodes.csv", "cluster_pods.csv"
+
+
+@app.command("whatif")
+def whatif(
+    policy: str = typer.Option("all", "--policy", help="Policy, comma list, or 'all' (as gpufrac simulate)."),
+    seeds: str = typer.Option("42-46", "--seeds", help="Seeds: 42-46, 42,43 or 42."),
+    workers: int = typer.Option(1, "--workers", min=1, help="Worker processes for the replays."),
+    export: Path | None = typer.Option(None, "--export", help="Also write the snapshot as openb CSVs here."),
+    output: str = OUTPUT,
+    kubeconfig: Path | None = KUBECONFIG,
+    context: str | None = CONTEXT,
+) -> None:
+    """Replay this cluster's GPU pods on its GPU nodes under each policy: what fits beyond today's placement.
+
+    The snapshot (GPU nodes, GPU pods, bound or waiting) is replayed with the simulator's published
+    protocol: the pods drawn until 130% of GPU capacity is offered, one seed per run.
+    """
+    _check_output(output)
+    _set(kubeconfig, context, None)
+    try:
+        policies, seed_list = parse_policies(policy), parse_seeds(seeds)
+    except ValueError as error:
+        _fail(str(error), code=2)
+    client = _client()
+    trace = cluster_trace(
+        _api(lambda: list(client.list(Node))), _api(lambda: list(client.list(Pod, namespace="*")))
+    )
+    for note in trace.left_out:
+        typer.echo(f"warning: left out of the snapshot: {note}", err=True)
+    if not trace.nodes or not trace.pods:
+        _fail("nothing to replay: the cluster has no published GPU nodes or no GPU pods")
+    if export is not None:
+        export.mkdir(parents=True, exist_ok=True)
+        save_nodes(export / EXPORT_NODES, trace.nodes)
+        save_pods(export / EXPORT_PODS, trace.pods)
+        typer.echo(f"snapshot: {export / EXPORT_NODES}, {export / EXPORT_PODS}", err=True)
+    err = Console(stderr=True)
+    with Progress(
+        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), console=err, transient=True
+    ) as bar:
+        task = bar.add_task("replaying the cluster", total=len(policies) * len(seed_list))
+
+        def advance(result: RunResult) -> None:
+            bar.update(task, advance=1, description=f"{result.policy} seed {result.seed}")
+
+        results = run_experiment(
+            trace="cluster",
+            nodes=trace.nodes,
+            pods=trace.pods,
+            policies=policies,
+            seeds=seed_list,
+            workers=workers,
+            progress=advance,
+        )
+    comparison = _against_today(trace, results)
+    if output in ("json", "yaml"):
+        _dump({**as_json("cluster", "plain", results), "today": comparison}, output)
+        return
+    Console(width=200).print(table("cluster", results))
+    typer.echo(
+        f"today: {comparison['allocatedGpus']:.2f} of {comparison['gpus']} GPUs' worth guaranteed "
+        f"({comparison['allocatedPercent']:.1f}%)"
+    )
+    for row in comparison["policies"]:
+        typer.echo(
+            f"{row['policy']}: {row['gpusPlaced']:.2f} GPUs' worth of the same pods fit "
+            f"({row['moreThanToday']:+.2f} than today)"
+        )
+
+
+def _placed_share(run: RunResult) -> float:
+    """Percent of GPU capacity allocated once the whole 130% has been offered (no deletions: the maximum).
+
+    Read from the curve, not ``alloc_130``: on a cluster of a few GPUs no arrival rounds to exactly 130%.
+    """
+    return max((v for v in run.curve if not math.isnan(v)), default=0.0)
+
+
+def _against_today(trace: ClusterTrace, results: list[RunResult]) -> dict[str, Any]:
+    """Today's guaranteed GPUs' worth against each policy's, the same pod mix offered up to 130%."""
+    gpus = trace.capacity_milli // MILLI
+    today = trace.allocated_milli / MILLI
+    rows = []
+    for policy, runs in by_policy(results).items():
+        placed = mean([_placed_share(r) for r in runs]) / 100 * gpus
+        rows.append(
+            {"policy": policy, "gpusPlaced": round(placed, 2), "moreThanToday": round(placed - today, 2)}
+        )
+    return {
+        "gpus": gpus,
+        "allocatedGpus": round(today, 2),
+        "allocatedPercent": round(100 * today / gpus, 2) if gpus else 0.0,
+        "policies": rows,
+    }
+
+
+def _agent_endpoints(client: Client) -> list[str]:
+    """The API server's proxy path to each running agent pod's metrics port."""
+    paths = []
+    pods = _api(
+        lambda: list(
+            client.list(Pod, namespace=_globals.namespace or "*", labels={"app.kubernetes.io/name": APP_NAME})
+        )
+    )
+    for pod in pods:
+        if not pod.status or pod.status.phase != "Running" or not pod.status.podIP:
+            continue
+        ports = [p for c in pod.spec.containers for p in c.ports or [] if p.name == METRICS_PORT_NAME]
+        if ports:
+            ns, name = pod.metadata.namespace, pod.metadata.name
+            paths.append(f"/api/v1/namespaces/{ns}/pods/{name}:{ports[0].containerPort}/proxy/metrics")
+    return sorted(paths)
+
+
+def _scrape_through_proxy(http: httpx2.Client, path: str) -> AgentView:
+    try:
+        response = http.get(path)
+        response.raise_for_status()
+        return parse_agent(url=path, text=response.text)
+    except (httpx2.HTTPError, ValueError) as error:
+        return AgentView(
+            url=path, node=path.split("/")[6].split(":")[0], error=f"{type(error).__name__}: {error}"
+        )
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,269 @@
+"""What ``kubectl gpufrac nodes`` and ``explain`` show, computed from API objects (no I/O here).
+
+Per GPU: the inventory the node agent published (``gpufrac.io/gpus``), and what the bound pods on it
+hold, rebuilt from their contract annotations exactly as the scheduler rebuilds them after a restart
+(``gpu_request`` + ``bound_placement``). Guaranteed MiB is the sum of the tenants' requests; free is
+usable minus guaranteed (what a new guaranteed request can still get).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from lightkube.resources.core_v1 import Event, Node, Pod
+
+from gpufrac.contract.errors import ContractError
+from gpufrac.contract.request import ContainerGpuRequest, PodGpuRequest
+from gpufrac.scheduler.objects import (
+    InvalidInventory,
+    bound_placement,
+    gpu_request,
+    node_inventory,
+    node_spec,
+)
+
+#: Pods in these phases hold nothing (the scheduler's informer skips them too).
+TERMINAL_PHASES = ("Succeeded", "Failed")
+
+
+@dataclass(frozen=True, slots=True)
+class Tenant:
+    namespace: str
+    pod: str
+    container: str
+    mode: str
+    request_mib: int
+    limit_mib: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.namespace}/{self.pod}/{self.container}"
+
+
+@dataclass(slots=True)
+class GpuRow:
+    node: str
+    index: int
+    uuid: str
+    model: str
+    usable_mib: int
+    health: str
+    tenants: list[Tenant] = field(default_factory=list)
+
+    @property
+    def guaranteed_mib(self) -> int:
+        return sum(t.request_mib for t in self.tenants)
+
+    @property
+    def limit_mib(self) -> int:
+        return sum(t.limit_mib for t in self.tenants)
+
+    @property
+    def free_mib(self) -> int:
+        return self.usable_mib - self.guaranteed_mib
+
+    @property
+    def mode(self) -> str:
+        return ",".join(sorted({t.mode for t in self.tenants})) or "-"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "node": self.node,
+            "index": self.index,
+            "uuid": self.uuid,
+            "model": self.model,
+            "usableMiB": self.usable_mib,
+            "guaranteedMiB": self.guaranteed_mib,
+            "limitMiB": self.limit_mib,
+            "freeMiB": self.free_mib,
+            "mode": self.mode,
+            "health": self.health,
+            "tenants": [asdict(t) for t in self.tenants],
+        }
+
+
+def _health(node: Node) -> str:
+    return "Ready" if node_spec(node).ready else "NotReady"
+
+
+def gpu_rows(nodes: Iterable[Node], pods: Iterable[Pod]) -> tuple[list[GpuRow], list[str]]:
+    """Every published GPU with its tenants, and warnings (unreadable inventories or requests)."""
+    rows: dict[str, dict[str, GpuRow]] = {}
+    devices = {}
+    warnings: list[str] = []
+    for node in nodes:
+        try:
+            inventory = node_inventory(node)
+        except InvalidInventory as error:
+            warnings.append(str(error))
+            continue
+        health = _health(node)
+        name = node.metadata.name
+        devices[name] = {g.uuid: g for g in inventory}
+        rows[name] = {
+            g.uuid: GpuRow(
+                node=name, index=g.index, uuid=g.uuid, model=g.model, usable_mib=g.memory_mib, health=health
+            )
+            for g in inventory
+        }
+    for pod in pods:
+        node = pod.spec.nodeName if pod.spec else None
+        if not node or node not in rows or (pod.status and pod.status.phase in TERMINAL_PHASES):
+            continue
+        try:
+            request = gpu_request(pod)
+        except ContractError as error:
+            warnings.append(f"pod {pod.metadata.namespace}/{pod.metadata.name}: {error}")
+            continue
+        if not request.wants_gpu:
+            continue
+        for container in bound_placement(pod, gpu=request, gpus_by_uuid=devices[node]).containers:
+            mode = "exclusive" if container.exclusive else container.mode.value
+            for device in container.devices:
+                rows[node][device.uuid].tenants.append(
+                    Tenant(
+                        namespace=pod.metadata.namespace,
+                        pod=pod.metadata.name,
+                        container=container.container,
+                        mode=mode,
+                        request_mib=device.request_mib,
+                        limit_mib=device.limit_mib,
+                    )
+                )
+    ordered = [row for node in sorted(rows) for row in sorted(rows[node].values(), key=lambda r: r.index)]
+    return ordered, warnings
+
+
+@dataclass(slots=True)
+class Explanation:
+    """Where a pod went and why, or why it waits: the scheduler's condition and Events, newest last."""
+
+    namespace: str
+    pod: str
+    scheduler: str
+    node: str | None
+    phase: str
+    scheduled: dict[str, str | None] | None
+    gpus: list[dict[str, Any]]
+    events: list[dict[str, Any]]
+    request: str | None
+    fit: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _need(container: ContainerGpuRequest) -> str:
+    if container.exclusive or container.request is None:
+        return "a whole GPU"
+    if container.request.mib is not None:
+        return f"{container.request.mib} MiB"
+    return f"{container.request.portion:g} of a GPU"
+
+
+def _room_for(container: ContainerGpuRequest, row: GpuRow) -> bool:
+    """Whether ``row`` could take one device of ``container`` by memory and mode, as things stand."""
+    if row.health != "Ready":
+        return False
+    if container.exclusive:
+        return not row.tenants
+    modes = {t.mode for t in row.tenants}
+    return modes <= {container.mode.value} and row.free_mib >= container.request_mib(row.usable_mib)
+
+
+def fit_hints(request: PodGpuRequest, rows: list[GpuRow]) -> list[str]:
+    """For a waiting pod, per GPU container: is GPU memory what blocks it now, and what would make it fit.
+
+    Memory and compute mode only, GPU by GPU, from the same rows ``nodes`` shows; the scheduler's own
+    reasons (the PodScheduled message) cover everything else (selectors, taints, CPU, host memory).
+    """
+    hints = []
+    for container in request.containers:
+        fitting = [row for row in rows if _room_for(container, row)]
+        per_node = Counter(row.node for row in fitting)
+        best = per_node.most_common(1)[0] if per_node else ("", 0)
+        wanted = f"{container.device_count} GPU(s) on one node with {_need(container)} free each"
+        if best[1] >= container.device_count:
+            hints.append(
+                f"{container.container}: needs {wanted}; node {best[0]} has {best[1]} such GPUs now, so GPU "
+                "memory is not what blocks it: see the scheduler's reasons (selector, taints, compute "
+                "mode support, CPU or host memory)"
+            )
+            continue
+        ready = [row for row in rows if row.health == "Ready"]
+        largest = max(ready, key=lambda r: r.free_mib, default=None)
+        where = (
+            f"; the largest free is {largest.free_mib} MiB ({largest.node} GPU {largest.index})"
+            if largest
+            else ""
+        )
+        hints.append(
+            f"{container.container}: needs {wanted}; the most any node has now is {best[1]}{where}. It fits "
+            "when tenants leave, with a smaller request or fewer GPUs, or on an added node"
+        )
+    return hints
+
+
+def explain(
+    pod: Pod, *, node: Node | None, events: Iterable[Event], rows: list[GpuRow] | None = None
+) -> Explanation:
+    """``rows`` (the cluster's GPUs, as ``gpu_rows`` builds them) adds fit hints for a waiting pod."""
+    meta, spec, status = pod.metadata, pod.spec, pod.status
+    condition = next(
+        (c for c in (status.conditions if status else None) or [] if c.type == "PodScheduled"), None
+    )
+    gpus: list[dict[str, Any]] = []
+    request_text = None
+    try:
+        request = gpu_request(pod)
+        if not request.wants_gpu:
+            request_text = "no GPU"
+    except ContractError as error:
+        request, request_text = None, f"invalid: {error}"
+    if request is not None and request.wants_gpu and node is not None and spec and spec.nodeName:
+        by_uuid = {g.uuid: g for g in node_inventory(node)}
+        for container in bound_placement(pod, gpu=request, gpus_by_uuid=by_uuid).containers:
+            for device in container.devices:
+                gpus.append(
+                    {
+                        "container": container.container,
+                        "gpu": device.index,
+                        "uuid": device.uuid,
+                        "mode": "exclusive" if container.exclusive else container.mode.value,
+                        "requestMiB": device.request_mib,
+                        "limitMiB": device.limit_mib,
+                    }
+                )
+
+    def when(e: Event) -> str:
+        stamp = (
+            e.lastTimestamp
+            or e.eventTime
+            or e.firstTimestamp
+            or (e.metadata.creationTimestamp if e.metadata else None)
+        )
+        return stamp.isoformat() if stamp else ""
+
+    ordered = sorted(events, key=when)
+    return Explanation(
+        namespace=meta.namespace,
+        pod=meta.name,
+        scheduler=(spec.schedulerName if spec else None) or "default-scheduler",
+        node=(spec.nodeName if spec else None) or None,
+        phase=(status.phase if status else None) or "Pending",
+        scheduled=(
+            {"status": condition.status, "reason": condition.reason, "message": condition.message}
+            if condition is not None
+            else None
+        ),
+        gpus=gpus,
+        events=[
+            {"time": when(e), "type": e.type, "reason": e.reason, "count": e.count or 1, "message": e.message}
+            for e in ordered
+        ],
+        request=request_text,
+        fit=fit_hints(request, rows) if request is not None and rows is not None and not gpus else [],
+    )
