@@ -23,6 +23,11 @@
 //	                      new image re-opens the socket and announces itself with {"event":"ready"}
 //	{"op":"exit"}
 //
+// With -default-validator the adaptation runs NRI's built-in default validator (containerd's
+// default_validator section): a container whose pod names a plugin in the annotation
+// required-plugins.noderesource.dev (or that -required-plugins lists) is refused while that plugin is
+// not connected.
+//
 // Send one command at a time and read its reply before the next: a restart replaces the process
 // image, and input read ahead by the old image would be lost.
 package main
@@ -44,6 +49,8 @@ import (
 	nri "github.com/containerd/nri/pkg/adaptation"
 	"github.com/containerd/nri/pkg/api"
 	nrilog "github.com/containerd/nri/pkg/log"
+	nriplugin "github.com/containerd/nri/pkg/plugin"
+	validator "github.com/containerd/nri/plugins/default-validator/builtin"
 	"github.com/sirupsen/logrus"
 	"google.golang.org/protobuf/encoding/protojson"
 	"google.golang.org/protobuf/proto"
@@ -200,11 +207,14 @@ func (s *state) load(path string) error {
 }
 
 // pluginCounter learns from the adaptation's own metrics hook how many plugins are active; the
-// adaptation updates the count only after a plugin has been configured and synchronized.
+// adaptation updates the count only after a plugin has been configured and synchronized. The count is of
+// plugins connected over the socket: the adaptation's own count includes its built-in ones (the default
+// validator), which are there from the start.
 type pluginCounter struct {
-	mu    sync.Mutex
-	cond  *sync.Cond
-	count int
+	mu      sync.Mutex
+	cond    *sync.Cond
+	count   int
+	builtin int
 }
 
 func newPluginCounter() *pluginCounter {
@@ -218,7 +228,7 @@ func (c *pluginCounter) RecordPluginLatency(string, string, time.Duration)      
 func (c *pluginCounter) RecordPluginAdjustments(string, string, *api.ContainerAdjustment, int, int) {}
 func (c *pluginCounter) UpdatePluginCount(count int) {
 	c.mu.Lock()
-	c.count = count
+	c.count = count - c.builtin
 	c.mu.Unlock()
 	c.cond.Broadcast()
 }
@@ -441,6 +451,10 @@ func main() {
 	requestTimeout := flag.Duration("request-timeout", api.DefaultPluginRequestTimeout, "plugin request timeout")
 	registrationTimeout := flag.Duration("registration-timeout", api.DefaultPluginRegistrationTimeout, "plugin registration timeout")
 	logLevel := flag.String("log-level", "warning", "logrus level for NRI's logs on stderr")
+	defaultValidator := flag.Bool("default-validator", false,
+		"enable NRI's built-in default validator, as containerd's [plugins.\"io.containerd.nri.v1.nri\".default_validator] enable = true does: "+
+			"a container whose pod annotation "+nriplugin.RequiredPluginsAnnotation+" names a plugin that is not connected is refused")
+	requiredPlugins := flag.String("required-plugins", "", "comma-separated plugins every container requires (default_validator.required_plugins)")
 	flag.Parse()
 
 	logrus.SetOutput(os.Stderr)
@@ -482,12 +496,21 @@ func main() {
 	}
 	defer os.RemoveAll(empty)
 
-	r.nri, err = nri.New(runtimeName, runtimeVersion, r.syncPlugin, r.updateFromPlugin,
+	options := []nri.Option{
 		nri.WithSocketPath(*socket),
 		nri.WithPluginPath(filepath.Join(empty, "plugins")),
 		nri.WithPluginConfigPath(filepath.Join(empty, "conf.d")),
 		nri.WithMetrics(r.plugins),
-	)
+	}
+	if *defaultValidator {
+		cfg := &validator.DefaultValidatorConfig{Enable: true}
+		if *requiredPlugins != "" {
+			cfg.RequiredPlugins = strings.Split(*requiredPlugins, ",")
+		}
+		options = append(options, nri.WithDefaultValidator(cfg))
+		r.plugins.builtin = 1
+	}
+	r.nri, err = nri.New(runtimeName, runtimeVersion, r.syncPlugin, r.updateFromPlugin, options...)
 	if err != nil {
 		fail(err)
 	}
