@@ -35,7 +35,12 @@ from prometheus_client import CollectorRegistry
 from gpufrac.kube.events import EventRecorder, ObjectRef
 from gpufrac.node.config import NodeAgentSettings
 from gpufrac.node.inject import EnvPlanner
-from gpufrac.node.inventory.backend import GpuInventoryBackend, InventoryUnavailable, NodeInventory
+from gpufrac.node.inventory.backend import (
+    GpuInfo,
+    GpuInventoryBackend,
+    InventoryUnavailable,
+    NodeInventory,
+)
 from gpufrac.node.inventory.publish import InventoryPublisher
 from gpufrac.node.mapping import MappingStore
 from gpufrac.node.metrics import CountingMpsEvents, EnforcementCounters
@@ -98,6 +103,7 @@ class NodeAgent:
         self._gpu_mib: dict[str, int] = {}
         self._inventory: NodeInventory | None = None
         self._managed_gpus: set[str] = set()  # usable GPUs of the latest inventory (the audit's strays)
+        self._usable_gpus: tuple[GpuInfo, ...] | None = None  # what CreateContainer checks devices against
         self.counters = EnforcementCounters()
         self.recorder = (
             EventRecorder(
@@ -131,6 +137,7 @@ class NodeAgent:
             container_pipe_dir=settings.container_pipe_dir,
             fail_open=settings.fail_open,
             device_mib=self._gpu_mib.get,
+            node_gpus=lambda: self._usable_gpus,
             hooks=self.mps.hooks if self.mps is not None else None,
         )
         self.plugin = NriPlugin(
@@ -173,6 +180,8 @@ class NodeAgent:
     def _ready(self) -> tuple[bool, str]:
         if not self.plugin.synchronized.is_set():
             return False, f"NRI plugin not connected to {self.settings.nri_socket} ({self.plugin.last_error})"
+        if self._usable_gpus is None:
+            return False, "GPU inventory not read yet (GPU containers are refused until it is)"
         if self.publisher is not None and self.publisher.published is None:
             return False, "node inventory not published yet"
         return True, "NRI plugin synchronized" + (", node published" if self.publisher is not None else "")
@@ -188,6 +197,7 @@ class NodeAgent:
                 self._inventory = inventory
                 self._gpu_mib.clear()
                 self._gpu_mib.update({g.uuid: g.mib for g in inventory.gpus})
+                self._usable_gpus = inventory.usable
                 usable = {g.uuid for g in inventory.usable}
                 # In place, without a moment of "nothing managed": the collector reads it from a thread.
                 self._managed_gpus |= usable

@@ -33,11 +33,20 @@ if not _generated():  # `make testenv` not run yet
     importlib.invalidate_caches()
 
 from gpufrac.local.nriruntime import CreatedContainer, NriRuntime  # noqa: E402
+from gpufrac.node.inventory.backend import GpuInfo  # noqa: E402
 from gpufrac.node.mapping import MappingStore  # noqa: E402
 from gpufrac.node.nri.handler import GpuInjector  # noqa: E402
 from gpufrac.node.nri.plugin import NriPlugin  # noqa: E402
 
 _ids = itertools.count(1)
+
+#: The node's GPUs (simulated: this machine has none); devices the tests assign are these.
+GPU_A = "GPU-8f3c6a2e-0000-4000-8000-00000000000a"
+GPU_B = "GPU-8f3c6a2e-0000-4000-8000-00000000000b"
+NODE_GPUS = (
+    GpuInfo(uuid=GPU_A, index=0, minor=0, model="NVIDIA H100 80GB HBM3", mib=81559),
+    GpuInfo(uuid=GPU_B, index=1, minor=1, model="NVIDIA H100 80GB HBM3", mib=81559),
+)
 
 
 @dataclass
@@ -82,9 +91,13 @@ class Node:
     def store(self) -> MappingStore:
         return self.agent.store
 
-    async def start_agent(self, *, fail_open: bool = False, wait: bool = True) -> Agent:
+    async def start_agent(
+        self, *, fail_open: bool = False, wait: bool = True, gpus: Sequence[GpuInfo] | None = NODE_GPUS
+    ) -> Agent:
         store = MappingStore(directory=self.state_dir)
-        injector = GpuInjector(store=store, pipe_root=self.pipe_root, fail_open=fail_open)
+        injector = GpuInjector(
+            store=store, pipe_root=self.pipe_root, fail_open=fail_open, node_gpus=lambda: gpus
+        )
         plugin = NriPlugin(
             handler=injector, socket_path=str(self.socket), backoff_initial_s=0.02, backoff_max_s=0.2
         )

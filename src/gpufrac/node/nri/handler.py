@@ -9,6 +9,12 @@ When the MPS supervisor runs (``hooks``), it may re-point the MPS directory moun
 directory or the classic pipe directory (``gpufrac.node.mps.containers.apply_adjustment``); the private
 leaf is created only when the mount still points at it.
 
+Devices are checked against this node's inventory before anything is injected: every assigned device
+must be a usable GPU of the node, by UUID, by index, or as the CDI name ``nvidia.com/gpu=<uuid|index>``.
+``all``, a UUID of another node's GPU or a withdrawn (MIG, prohibited) one fails the container, naming
+the key, the value and the device; so does any device while the inventory has not been read. What the
+scheduler assigned is on the node by construction, so only a forged or stale assignment is refused.
+
 Failure policy. A pod that breaks the contract, or is not placed yet, fails the container with the
 contract's message, which names the key (fail-closed): the kubelet shows it as the container's error
 and retries. With ``fail_open`` the container is created instead, without GPU enforcement -- and
@@ -26,12 +32,21 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
 from gpufrac._generated.nri import api_pb2 as api
+from gpufrac.contract import keys
 from gpufrac.contract.errors import ContractError
-from gpufrac.node.inject import CONTAINER_PIPE_DIR, ENFORCEMENT_ENV, InjectionPlan, pipe_leaf, plan_container
+from gpufrac.node.inject import (
+    CONTAINER_PIPE_DIR,
+    ENFORCEMENT_ENV,
+    InjectionPlan,
+    is_cdi_name,
+    pipe_leaf,
+    plan_container,
+)
+from gpufrac.node.inventory.backend import GpuInfo
 from gpufrac.node.mapping import AllocationRecord, MappingStore
 from gpufrac.node.mps.containers import ContainerHooks, apply_adjustment
 from gpufrac.node.mps.supervisor import MpsUnavailable
@@ -41,6 +56,24 @@ log = logging.getLogger(__name__)
 
 #: Looks up a GPU's total MiB by UUID (the inventory); None when unknown.
 DeviceMib = Callable[[str], int | None]
+#: The node's usable GPUs (the latest inventory); None while it has not been read.
+NodeGpus = Callable[[], Sequence[GpuInfo] | None]
+#: The CDI kind NVIDIA's CDI specs give whole GPUs (``nvidia.com/gpu=<index|uuid|all>``).
+CDI_GPU_KIND = "nvidia.com/gpu"
+
+
+def foreign_device(devices: Sequence[str], gpus: Sequence[GpuInfo]) -> str | None:
+    """The first of ``devices`` that is not one of ``gpus`` (by UUID, index or CDI name); None if all are."""
+    names = {g.uuid for g in gpus} | {str(g.index) for g in gpus}
+    for device in devices:
+        name = device
+        if is_cdi_name(device):
+            kind, _, name = device.partition("=")
+            if kind != CDI_GPU_KIND:
+                return device
+        if name not in names:
+            return device
+    return None
 
 
 class GpuInjector:
@@ -55,13 +88,17 @@ class GpuInjector:
         fail_open: bool = False,
         hooks: ContainerHooks | None = None,
         device_mib: DeviceMib | None = None,
+        node_gpus: NodeGpus | None = None,
     ) -> None:
+        """``node_gpus`` is what assigned devices are checked against (the agent always gives it; None
+        skips the check, for tests of the plan alone)."""
         self._store = store
         self._pipe_root = pipe_root
         self._container_pipe_dir = container_pipe_dir
         self._fail_open = fail_open
         self._hooks = hooks
         self._device_mib = device_mib or (lambda _uuid: None)
+        self._node_gpus = node_gpus
         self.runtime: tuple[str, str] | None = None
         self.refused = 0
         self.failed_open = 0
@@ -95,6 +132,9 @@ class GpuInjector:
             return self._refuse(f"gpufrac: {exc}", container=container, where=where)
         if plan is None:
             return None
+        unknown = self._not_on_node(plan, annotations=pod.annotations)
+        if unknown is not None:
+            return self._refuse(f"gpufrac: {unknown}", container=container, where=where)
 
         if self._hooks is not None:
             try:
@@ -138,6 +178,24 @@ class GpuInjector:
             },
         )
         return adjust
+
+    def _not_on_node(self, plan: InjectionPlan, *, annotations: Mapping[str, str]) -> str | None:
+        """Why ``plan``'s devices cannot be given on this node; None when they are all its usable GPUs."""
+        if self._node_gpus is None:
+            return None
+        key = keys.devices_key(plan.container)
+        value = annotations.get(key, ",".join(plan.devices))
+        gpus = self._node_gpus()
+        if gpus is None:
+            return f'{key}="{value}" cannot be checked: this node\'s GPU inventory has not been read yet'
+        device = foreign_device(plan.devices, gpus)
+        if device is None:
+            return None
+        return (
+            f'{key}="{value}" is invalid: "{device}" is not in this node\'s GPU inventory '
+            f"({len(gpus)} usable GPU{'' if len(gpus) == 1 else 's'}, named by UUID, index or "
+            f"{CDI_GPU_KIND}=<UUID|index>)"
+        )
 
     def _refuse(
         self, message: str, *, container: api.Container, where: dict[str, str]
