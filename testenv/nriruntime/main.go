@@ -17,7 +17,9 @@
 //	{"op":"start_container"|"stop_container"|"remove_container","id":"<container id>"}
 //	{"op":"stop_pod"|"remove_pod","id":"<pod id>"}
 //	{"op":"wait_plugins","count":N,"timeout_ms":M}   -> waits until N plugins are connected AND synchronized
-//	{"op":"list"}                                      -> {"pods":[...],"containers":[...]}
+//	{"op":"wait_registrations","count":N,"timeout_ms":M} -> waits until N plugins have registered and
+//	                                                      synchronized since this runtime (re)started
+//	{"op":"list"}   -> {"pods":[...],"containers":[...],"plugins":N,"registrations":N}
 //	{"op":"restart"}   -> saves its pods and containers, then re-executes itself (same pid, same pipes):
 //	                      like a containerd restart, the kernel closes every plugin connection, and the
 //	                      new image re-opens the socket and announces itself with {"event":"ready"}
@@ -210,11 +212,42 @@ func (s *state) load(path string) error {
 // adaptation updates the count only after a plugin has been configured and synchronized. The count is of
 // plugins connected over the socket: the adaptation's own count includes its built-in ones (the default
 // validator), which are there from the start.
+//
+// It also counts registrations: a plugin whose connection closed stays counted until the adaptation's
+// next call prunes it (any call, or the next registration), so "one more plugin" cannot tell that a new
+// one is in; "one more registration" can. A registration is complete at the first count update after
+// its synchronization returned, when the adaptation has added the plugin.
 type pluginCounter struct {
-	mu      sync.Mutex
-	cond    *sync.Cond
-	count   int
-	builtin int
+	mu         sync.Mutex
+	cond       *sync.Cond
+	count      int
+	builtin    int
+	synced     int
+	registered int
+}
+
+func (c *pluginCounter) synchronized() {
+	c.mu.Lock()
+	c.synced++
+	c.mu.Unlock()
+}
+
+func (c *pluginCounter) registrations() int {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.registered
+}
+
+func (c *pluginCounter) waitRegistrations(n int, timeout time.Duration) (int, bool) {
+	deadline := time.Now().Add(timeout)
+	timer := time.AfterFunc(timeout, c.cond.Broadcast)
+	defer timer.Stop()
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	for c.registered < n && time.Now().Before(deadline) {
+		c.cond.Wait()
+	}
+	return c.registered, c.registered >= n
 }
 
 func newPluginCounter() *pluginCounter {
@@ -229,6 +262,7 @@ func (c *pluginCounter) RecordPluginAdjustments(string, string, *api.ContainerAd
 func (c *pluginCounter) UpdatePluginCount(count int) {
 	c.mu.Lock()
 	c.count = count - c.builtin
+	c.registered = c.synced
 	c.mu.Unlock()
 	c.cond.Broadcast()
 }
@@ -263,6 +297,9 @@ type runtime struct {
 func (r *runtime) syncPlugin(ctx context.Context, cb nri.SyncCB) error {
 	pods, ctrs := r.state.snapshot()
 	_, err := cb(ctx, pods, ctrs)
+	if err == nil {
+		r.plugins.synchronized()
+	}
 	return err
 }
 
@@ -407,6 +444,17 @@ func (r *runtime) handle(ctx context.Context, cmd *command) (reply, error) {
 		}
 		return reply{"plugins": count}, nil
 
+	case "wait_registrations":
+		timeout := time.Duration(cmd.TimeoutMs) * time.Millisecond
+		if timeout <= 0 {
+			timeout = 10 * time.Second
+		}
+		n, ok := r.plugins.waitRegistrations(cmd.Count, timeout)
+		if !ok {
+			return reply{"registrations": n}, fmt.Errorf("%d plugin registration(s) after %v, wanted %d", n, timeout, cmd.Count)
+		}
+		return reply{"registrations": n}, nil
+
 	case "list":
 		pods, ctrs := r.state.snapshot()
 		p := make([]json.RawMessage, 0, len(pods))
@@ -420,7 +468,8 @@ func (r *runtime) handle(ctx context.Context, cmd *command) (reply, error) {
 		r.umu.Lock()
 		updates := len(r.updates)
 		r.umu.Unlock()
-		return reply{"pods": p, "containers": c, "plugins": r.plugins.current(), "updates": updates}, nil
+		return reply{"pods": p, "containers": c, "plugins": r.plugins.current(),
+			"registrations": r.plugins.registrations(), "updates": updates}, nil
 	}
 	return nil, fmt.Errorf("unknown op %q", cmd.Op)
 }

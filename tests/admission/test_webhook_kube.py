@@ -116,7 +116,7 @@ def rejection(create: Any) -> tuple[int, str]:
 def test_a_valid_pod_is_admitted_with_the_managed_toleration(kube: Client, webhook: Webhook) -> None:
     manifest = yaml.safe_load((EXAMPLES / "inference-sm-sharing.yaml").read_text())
     stored = kube.create(codecs.from_dict(manifest), namespace=webhook.namespace)
-    assert stored.metadata.annotations == manifest["metadata"]["annotations"]
+    assert stored.metadata.annotations == {**manifest["metadata"]["annotations"], **REQUIRES_AGENT}
     tolerations = [(t.key, t.operator, t.effect) for t in stored.spec.tolerations or []]
     assert ("gpufrac.io/managed", "Exists", "NoSchedule") in tolerations
 

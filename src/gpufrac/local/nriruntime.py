@@ -259,6 +259,13 @@ class NriRuntime:
         reply = await self.command("wait_plugins", count=count, timeout_ms=int(timeout_s * 1000))
         return int(reply["plugins"])
 
+    async def wait_registrations(self, count: int, *, timeout_s: float = 10.0) -> int:
+        """Wait until ``count`` plugins have registered and synchronized since the runtime (re)started
+        (``list()["registrations"]`` says how many have); unlike the plugin count, a plugin that has gone
+        but is not pruned yet cannot make it look like a new one is in."""
+        reply = await self.command("wait_registrations", count=count, timeout_ms=int(timeout_s * 1000))
+        return int(reply["registrations"])
+
     async def restart(self) -> None:
         """Restart the runtime: every plugin connection drops; pods and containers are kept, and the
         plugins that reconnect are synchronized with them."""

@@ -138,6 +138,8 @@ class NodeAgent:
             fail_open=settings.fail_open,
             device_mib=self._gpu_mib.get,
             node_gpus=lambda: self._usable_gpus,
+            events=self.recorder if self.recorder is not None else _LoggedEvents(),
+            counters=self.counters,
             hooks=self.mps.hooks if self.mps is not None else None,
         )
         self.plugin = NriPlugin(

@@ -32,9 +32,11 @@ if not _generated():  # `make testenv` not run yet
     subprocess.run([sys.executable, str(ROOT / "scripts" / "gen-nri-protos")], check=True)
     importlib.invalidate_caches()
 
+from gpufrac.kube.events import ObjectRef  # noqa: E402
 from gpufrac.local.nriruntime import CreatedContainer, NriRuntime  # noqa: E402
 from gpufrac.node.inventory.backend import GpuInfo  # noqa: E402
 from gpufrac.node.mapping import MappingStore  # noqa: E402
+from gpufrac.node.metrics import EnforcementCounters  # noqa: E402
 from gpufrac.node.nri.handler import GpuInjector  # noqa: E402
 from gpufrac.node.nri.plugin import NriPlugin  # noqa: E402
 
@@ -50,6 +52,16 @@ NODE_GPUS = (
 
 
 @dataclass
+class Events:
+    """The agent's Events as the API server would receive them (the agent writes them through this seam)."""
+
+    emitted: list[tuple[ObjectRef, str, str, str]] = field(default_factory=list)
+
+    def emit(self, *, regarding: ObjectRef, type: str, reason: str, message: str) -> None:
+        self.emitted.append((regarding, type, reason, message))
+
+
+@dataclass
 class Agent:
     """The node agent's NRI half: plugin, handler and mapping store, running as a task."""
 
@@ -57,6 +69,8 @@ class Agent:
     injector: GpuInjector
     plugin: NriPlugin
     task: asyncio.Task[None]
+    events: Events
+    counters: EnforcementCounters
 
     async def stop(self) -> None:
         self.task.cancel()
@@ -94,17 +108,33 @@ class Node:
     async def start_agent(
         self, *, fail_open: bool = False, wait: bool = True, gpus: Sequence[GpuInfo] | None = NODE_GPUS
     ) -> Agent:
+        # The runtime counts a plugin whose connection closed until it prunes it, so "connected" is one
+        # more registration, not one more plugin.
+        registered = int((await self.runtime.list())["registrations"]) + 1 if wait else 0
         store = MappingStore(directory=self.state_dir)
+        events, counters = Events(), EnforcementCounters()
         injector = GpuInjector(
-            store=store, pipe_root=self.pipe_root, fail_open=fail_open, node_gpus=lambda: gpus
+            store=store,
+            pipe_root=self.pipe_root,
+            fail_open=fail_open,
+            node_gpus=lambda: gpus,
+            events=events,
+            counters=counters,
         )
         plugin = NriPlugin(
             handler=injector, socket_path=str(self.socket), backoff_initial_s=0.02, backoff_max_s=0.2
         )
-        agent = Agent(store=store, injector=injector, plugin=plugin, task=asyncio.create_task(plugin.run()))
+        agent = Agent(
+            store=store,
+            injector=injector,
+            plugin=plugin,
+            task=asyncio.create_task(plugin.run()),
+            events=events,
+            counters=counters,
+        )
         self.agents.append(agent)
         if wait:
-            await self.runtime.wait_plugins(1, timeout_s=10)
+            await self.runtime.wait_registrations(registered, timeout_s=10)
         return agent
 
     async def pod(

@@ -23,7 +23,12 @@ and a warning is logged; an MPS daemon that is not serving then only costs the M
 
 Synchronize (after every connection) recomputes the plan of every container the runtime reports and
 makes the mapping store equal to it; a container whose annotations no longer parse is logged and left
-out (it exists, it cannot be failed any more, and the audit reports it).
+out (it exists, it cannot be failed any more, and the audit reports it). Synchronize does not take a
+running container's injection on trust: the runtime reports each container's environment as created,
+and a GPU container whose enforcement variables differ from its plan (created while the agent was away,
+or fail-open) is not recorded as enforced; it is reported instead -- a Warning Event on its pod
+(``GpuInjectionMissing``, as the audit says it) and the ``gpufrac_containers_without_injection`` gauge,
+which drops again when the container is removed.
 """
 
 from __future__ import annotations
@@ -38,6 +43,8 @@ from pathlib import Path
 from gpufrac._generated.nri import api_pb2 as api
 from gpufrac.contract import keys
 from gpufrac.contract.errors import ContractError
+from gpufrac.kube.events import WARNING, ObjectRef
+from gpufrac.node.audit import REASON_MISSING_INJECTION, EventSink, injection_problems
 from gpufrac.node.inject import (
     CONTAINER_PIPE_DIR,
     ENFORCEMENT_ENV,
@@ -48,6 +55,7 @@ from gpufrac.node.inject import (
 )
 from gpufrac.node.inventory.backend import GpuInfo
 from gpufrac.node.mapping import AllocationRecord, MappingStore
+from gpufrac.node.metrics import EnforcementCounters
 from gpufrac.node.mps.containers import ContainerHooks, apply_adjustment
 from gpufrac.node.mps.supervisor import MpsUnavailable
 from gpufrac.node.nri.plugin import ContainerRejected
@@ -89,6 +97,8 @@ class GpuInjector:
         hooks: ContainerHooks | None = None,
         device_mib: DeviceMib | None = None,
         node_gpus: NodeGpus | None = None,
+        events: EventSink | None = None,
+        counters: EnforcementCounters | None = None,
     ) -> None:
         """``node_gpus`` is what assigned devices are checked against (the agent always gives it; None
         skips the check, for tests of the plan alone)."""
@@ -99,6 +109,10 @@ class GpuInjector:
         self._hooks = hooks
         self._device_mib = device_mib or (lambda _uuid: None)
         self._node_gpus = node_gpus
+        self._events = events
+        self._counters = counters
+        #: Running GPU containers Synchronize found without their injection: id -> what is wrong.
+        self.unenforced: dict[str, str] = {}
         self.runtime: tuple[str, str] | None = None
         self.refused = 0
         self.failed_open = 0
@@ -245,6 +259,8 @@ class GpuInjector:
             await self._hooks.on_stop(container_id=container.id)
 
     async def remove_container(self, *, pod: api.PodSandbox, container: api.Container) -> None:
+        if self.unenforced.pop(container.id, None) is not None:
+            self._count_unenforced()
         record = self._store.remove(container.id)
         if record is None:
             return
@@ -260,6 +276,7 @@ class GpuInjector:
         by_id = {p.id: p for p in pods}
         records: list[AllocationRecord] = []
         live: list[tuple[str, InjectionPlan]] = []
+        unenforced: dict[str, str] = {}
         for container in containers:
             pod = by_id.get(container.pod_sandbox_id)
             if pod is None:
@@ -282,9 +299,22 @@ class GpuInjector:
                     extra={"id": container.id},
                 )
                 continue
-            if plan is not None:
-                records.append(self._record(pod=pod, container=container, plan=plan))
-                live.append((container.id, plan))
+            if plan is None:
+                continue
+            problems = injection_problems(
+                expected=plan.env_map,
+                actual=dict(entry.partition("=")[::2] for entry in container.env),
+                managed_keys=ENFORCEMENT_ENV,
+            )
+            if problems:  # never recorded as enforced; reported while it can still run
+                if container.state != api.CONTAINER_STOPPED:
+                    unenforced[container.id] = "; ".join(problems)
+                    self._report_unenforced(pod=pod, container=container, problems=unenforced[container.id])
+                continue
+            records.append(self._record(pod=pod, container=container, plan=plan))
+            live.append((container.id, plan))
+        self.unenforced = unenforced
+        self._count_unenforced()
         written, removed = self._store.replace_all(records)
         if self._hooks is not None:  # MPS: namespaces of running containers survive an agent restart
             await self._hooks.on_synchronize(live)
@@ -294,7 +324,27 @@ class GpuInjector:
                 "pods": len(pods),
                 "containers": len(containers),
                 "gpu_containers": len(records),
+                "without_injection": len(unenforced),
                 "records_written": written,
                 "records_removed": removed,
             },
         )
+
+    def _report_unenforced(self, *, pod: api.PodSandbox, container: api.Container, problems: str) -> None:
+        where = f"{pod.namespace}/{pod.name} container {container.name}"
+        message = (
+            f"{where} runs without the GPU enforcement it needs ({problems}): it was created while the "
+            "node agent was not in the runtime's path; it is not recorded as enforced"
+        )
+        log.warning("nri: synchronize: %s", message, extra={"id": container.id})
+        if self._events is not None:
+            self._events.emit(
+                regarding=ObjectRef(kind="Pod", namespace=pod.namespace, name=pod.name, uid=pod.uid),
+                type=WARNING,
+                reason=REASON_MISSING_INJECTION,
+                message=message,
+            )
+
+    def _count_unenforced(self) -> None:
+        if self._counters is not None:
+            self._counters.running_without_injection(len(self.unenforced))
