@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 from nri_harness import GPU_A, GPU_B, Node
@@ -413,3 +414,46 @@ async def test_fail_open_creates_a_foreign_device_container_without_any_gpu(make
     )
     created = await node.create(pod, "c", env={"NVIDIA_VISIBLE_DEVICES": "all", "APP": "1"})
     assert created.env == {"APP": "1"} and node.store.allocations() == []
+
+
+# -- container ids a hostile runtime could send -----------------------------------------------------------
+
+HOSTILE_IDS = ["../../escape", "a/b", "with\x00nul", "x" * 300, ".hidden", "..", "-flag"]
+
+
+def paths_under(root: Path) -> set[Path]:
+    return set(root.rglob("*")) if root.exists() else set()
+
+
+@pytest.mark.parametrize(
+    "container_id", HOSTILE_IDS, ids=["traversal", "slash", "nul", "overlong", "dot", "dotdot", "dash"]
+)
+async def test_a_container_id_that_could_name_a_path_fails_before_anything_is_made(
+    node: Node, container_id: str
+) -> None:
+    pod = await node.pod(
+        {"nvidia.com/container.c.gpu-memory.request": "1Gi", "nvidia.com/container.c.gpus.devices": GPU_A}
+    )
+    escape = node.root.parent / f"escape-{node.root.name}"  # where ../../ from the pipe root leads
+    container_id = container_id.replace("escape", escape.name)
+    before = paths_under(node.root)
+    with pytest.raises(ContainerCreateFailed) as failed:
+        await node.runtime.create_container(id=container_id, pod_id=pod, name="c")
+    assert "container id" in str(failed.value) and "is invalid" in str(failed.value)
+    assert node.store.allocations() == []
+    assert paths_under(node.root) - before == set()  # no leaf directory, no record
+    assert not escape.exists()
+
+
+async def test_synchronize_skips_a_hostile_container_id_without_making_a_path(make_node) -> None:  # type: ignore[no-untyped-def]
+    node = await make_node(agent=False)
+    pod = await node.pod(
+        {"nvidia.com/container.c.gpu-memory.request": "1Gi", "nvidia.com/container.c.gpus.devices": GPU_A}
+    )
+    escape = node.root.parent / f"escape-{node.root.name}"
+    await node.runtime.create_container(id=f"../../{escape.name}", pod_id=pod, name="c")  # nobody refuses
+    before = paths_under(node.root)
+    agent = await node.start_agent()
+    assert agent.store.allocations() == [] and agent.injector.unenforced == {}
+    assert {p for p in paths_under(node.root) - before if p.is_file()} == set()
+    assert not escape.exists()

@@ -14,6 +14,9 @@ must be a usable GPU of the node, by UUID, by index, or as the CDI name ``nvidia
 ``all``, a UUID of another node's GPU or a withdrawn (MIG, prohibited) one fails the container, naming
 the key, the value and the device; so does any device while the inventory has not been read. What the
 scheduler assigned is on the node by construction, so only a forged or stale assignment is refused.
+A GPU container's id names its leaf directory and its mapping record, so it is checked first
+(``gpufrac.node.mapping.check_container_id``): an id with a slash, a NUL, a leading dot or over 128
+characters fails the container (and is skipped at Synchronize) before any path is made from it.
 
 Failure policy. A pod that breaks the contract, or is not placed yet, fails the container with the
 contract's message, which names the key (fail-closed): the kubelet shows it as the container's error
@@ -54,7 +57,7 @@ from gpufrac.node.inject import (
     plan_container,
 )
 from gpufrac.node.inventory.backend import GpuInfo
-from gpufrac.node.mapping import AllocationRecord, MappingStore
+from gpufrac.node.mapping import AllocationRecord, InvalidContainerId, MappingStore, check_container_id
 from gpufrac.node.metrics import EnforcementCounters
 from gpufrac.node.mps.containers import ContainerHooks, apply_adjustment
 from gpufrac.node.mps.supervisor import MpsUnavailable
@@ -146,6 +149,10 @@ class GpuInjector:
             return self._refuse(f"gpufrac: {exc}", container=container, where=where)
         if plan is None:
             return None
+        try:  # before any path is made from it: the leaf directory, the mapping record, MPS's state
+            check_container_id(container.id)
+        except InvalidContainerId as exc:
+            return self._refuse(f"gpufrac: {exc}", container=container, where=where)
         unknown = self._not_on_node(plan, annotations=pod.annotations)
         if unknown is not None:
             return self._refuse(f"gpufrac: {unknown}", container=container, where=where)
@@ -280,6 +287,13 @@ class GpuInjector:
         for container in containers:
             pod = by_id.get(container.pod_sandbox_id)
             if pod is None:
+                continue
+            try:
+                check_container_id(container.id)
+            except InvalidContainerId as exc:
+                log.warning(
+                    "nri: synchronize: skipping a container of %s/%s: %s", pod.namespace, pod.name, exc
+                )
                 continue
             source = pipe_leaf(root=str(self._pipe_root), container_id=container.id)
             try:
