@@ -53,6 +53,16 @@ class NodeAgentSettings(BaseModel):
     )
     container_pipe_dir: str = CONTAINER_PIPE_DIR
     fail_open: bool = False
+    foreign_gpus: Literal["report", "refuse"] = Field(
+        "report",
+        description="a container outside gpufrac that got one of this node's GPUs from the device plugin: "
+        "report it (Event, metric) or refuse to create it (docs/node-agent.md)",
+    )
+    foreign_gpus_exempt_namespaces: tuple[str, ...] = Field(
+        (),
+        description="namespaces whose GPU containers outside gpufrac are neither reported nor refused "
+        "(the GPU Operator's and gpufrac's own, whose pods set NVIDIA_VISIBLE_DEVICES in their manifests)",
+    )
     health_host: str = "0.0.0.0"
     health_port: int = Field(8082, ge=0, le=65535)
     publish_interval_s: float = Field(5.0, gt=0)

@@ -35,7 +35,9 @@ log = logging.getLogger(__name__)
 MISSING_INJECTION = "missing_injection"
 UNKNOWN_PROCESS = "unknown_process"
 OVER_LIMIT = "over_limit"
-VIOLATION_KINDS = (MISSING_INJECTION, UNKNOWN_PROCESS, OVER_LIMIT)
+#: A container the device plugin gave a GPU of this node to, outside gpufrac (counted at its creation).
+FOREIGN_GPU = "foreign_gpu"
+VIOLATION_KINDS = (MISSING_INJECTION, UNKNOWN_PROCESS, OVER_LIMIT, FOREIGN_GPU)
 
 FRACTION_LABELS = ("node", "namespace", "pod", "container", "gpu_uuid", "gpu_index", "mode")
 GPU_LABELS = ("node", "gpu_uuid", "gpu_index")
@@ -58,7 +60,7 @@ class EnforcementCounters:
             self._without_injection = count
 
     def violation(self, *, kind: str) -> None:
-        """One enforcement violation found (``MISSING_INJECTION``, ``UNKNOWN_PROCESS``, ``OVER_LIMIT``)."""
+        """One enforcement violation found (one of ``VIOLATION_KINDS``)."""
         with self._lock:
             self._violations[kind] = self._violations.get(kind, 0) + 1
 

@@ -106,7 +106,12 @@ class Node:
         return self.agent.store
 
     async def start_agent(
-        self, *, fail_open: bool = False, wait: bool = True, gpus: Sequence[GpuInfo] | None = NODE_GPUS
+        self,
+        *,
+        fail_open: bool = False,
+        wait: bool = True,
+        gpus: Sequence[GpuInfo] | None = NODE_GPUS,
+        foreign_gpus: str = "report",
     ) -> Agent:
         # The runtime counts a plugin whose connection closed until it prunes it, so "connected" is one
         # more registration, not one more plugin.
@@ -120,6 +125,8 @@ class Node:
             node_gpus=lambda: gpus,
             events=events,
             counters=counters,
+            foreign_gpus=foreign_gpus,
+            foreign_gpus_exempt=frozenset({"gpu-operator"}),
         )
         plugin = NriPlugin(
             handler=injector, socket_path=str(self.socket), backoff_initial_s=0.02, backoff_max_s=0.2

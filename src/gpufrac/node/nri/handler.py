@@ -18,6 +18,14 @@ A GPU container's id names its leaf directory and its mapping record, so it is c
 (``gpufrac.node.mapping.check_container_id``): an id with a slash, a NUL, a leading dot or over 128
 characters fails the container (and is skipped at Synchronize) before any path is made from it.
 
+A container gpufrac has no ask for, but that the device plugin gave a GPU (``NVIDIA_VISIBLE_DEVICES``
+other than ``void``/``none``, a device-list mount under ``/var/run/nvidia-container-devices``, or an
+``nvidia.com/`` CDI device) -- a pod of another scheduler on a node whose GPUs gpufrac shares -- uses a
+GPU outside gpufrac's books. By default it is created as it is and reported (a Warning Event
+``GpuOutsideGpufrac`` on its pod, ``gpufrac_enforcement_violations_total{kind="foreign_gpu"}``);
+``foreign_gpus="refuse"`` fails it instead, with that reason. Namespaces in ``foreign_gpus_exempt``
+(system pods that set ``NVIDIA_VISIBLE_DEVICES`` in their manifests) are left alone.
+
 Failure policy. A pod that breaks the contract, or is not placed yet, fails the container with the
 contract's message, which names the key (fail-closed): the kubelet shows it as the container's error
 and retries. With ``fail_open`` the container is created instead, without GPU enforcement -- and
@@ -51,6 +59,7 @@ from gpufrac.node.audit import REASON_MISSING_INJECTION, EventSink, injection_pr
 from gpufrac.node.inject import (
     CONTAINER_PIPE_DIR,
     ENFORCEMENT_ENV,
+    NVIDIA_VISIBLE_DEVICES,
     InjectionPlan,
     is_cdi_name,
     pipe_leaf,
@@ -58,7 +67,7 @@ from gpufrac.node.inject import (
 )
 from gpufrac.node.inventory.backend import GpuInfo
 from gpufrac.node.mapping import AllocationRecord, InvalidContainerId, MappingStore, check_container_id
-from gpufrac.node.metrics import EnforcementCounters
+from gpufrac.node.metrics import FOREIGN_GPU, EnforcementCounters
 from gpufrac.node.mps.containers import ContainerHooks, apply_adjustment
 from gpufrac.node.mps.supervisor import MpsUnavailable
 from gpufrac.node.nri.plugin import ContainerRejected
@@ -69,8 +78,26 @@ log = logging.getLogger(__name__)
 DeviceMib = Callable[[str], int | None]
 #: The node's usable GPUs (the latest inventory); None while it has not been read.
 NodeGpus = Callable[[], Sequence[GpuInfo] | None]
+#: Where NVIDIA's device plugin lists a container's devices with its volume-mounts strategy.
+DEVICE_LIST_MOUNT_ROOT = "/var/run/nvidia-container-devices"
+REASON_FOREIGN_GPU = "GpuOutsideGpufrac"
 #: The CDI kind NVIDIA's CDI specs give whole GPUs (``nvidia.com/gpu=<index|uuid|all>``).
 CDI_GPU_KIND = "nvidia.com/gpu"
+
+
+def device_plugin_gpu(container: api.Container) -> str | None:
+    """How ``container`` was given a GPU without gpufrac (the device plugin's ways), or None."""
+    for entry in container.env:
+        key, _, value = entry.partition("=")
+        if key == NVIDIA_VISIBLE_DEVICES and value.strip() not in ("", "void", "none"):
+            return f"{NVIDIA_VISIBLE_DEVICES}={value}"
+    for mount in container.mounts:
+        if mount.destination.startswith(DEVICE_LIST_MOUNT_ROOT + "/"):
+            return f"the device-list mount {mount.destination}"
+    for device in container.CDI_devices:
+        if device.name.startswith("nvidia.com/"):
+            return f"the CDI device {device.name}"
+    return None
 
 
 def foreign_device(devices: Sequence[str], gpus: Sequence[GpuInfo]) -> str | None:
@@ -102,6 +129,8 @@ class GpuInjector:
         node_gpus: NodeGpus | None = None,
         events: EventSink | None = None,
         counters: EnforcementCounters | None = None,
+        foreign_gpus: str = "report",
+        foreign_gpus_exempt: frozenset[str] = frozenset(),
     ) -> None:
         """``node_gpus`` is what assigned devices are checked against (the agent always gives it; None
         skips the check, for tests of the plan alone)."""
@@ -114,6 +143,8 @@ class GpuInjector:
         self._node_gpus = node_gpus
         self._events = events
         self._counters = counters
+        self._refuse_foreign = foreign_gpus == "refuse"
+        self._foreign_exempt = foreign_gpus_exempt
         #: Running GPU containers Synchronize found without their injection: id -> what is wrong.
         self.unenforced: dict[str, str] = {}
         self.runtime: tuple[str, str] | None = None
@@ -148,6 +179,7 @@ class GpuInjector:
         except ContractError as exc:
             return self._refuse(f"gpufrac: {exc}", container=container, where=where)
         if plan is None:
+            self._check_foreign_gpu(pod=pod, container=container, where=where)
             return None
         try:  # before any path is made from it: the leaf directory, the mapping record, MPS's state
             check_container_id(container.id)
@@ -199,6 +231,33 @@ class GpuInjector:
             },
         )
         return adjust
+
+    def _check_foreign_gpu(
+        self, *, pod: api.PodSandbox, container: api.Container, where: dict[str, str]
+    ) -> None:
+        how = device_plugin_gpu(container)
+        if how is None or pod.namespace in self._foreign_exempt:
+            return
+        message = (
+            f"gpufrac: container {container.name} of pod {pod.namespace}/{pod.name} was given a GPU outside "
+            f"gpufrac ({how}), on a node whose GPUs gpufrac shares: it would use memory no one accounts "
+            "for; schedule it with gpufrac's scheduler (nvidia.com/gpu becomes an exclusive gpufrac "
+            "request) or run it on a node gpufrac does not manage"
+        )
+        if self._counters is not None:
+            self._counters.violation(kind=FOREIGN_GPU)
+        if self._events is not None:
+            self._events.emit(
+                regarding=ObjectRef(kind="Pod", namespace=pod.namespace, name=pod.name, uid=pod.uid),
+                type=WARNING,
+                reason=REASON_FOREIGN_GPU,
+                message=message + ("; refused" if self._refuse_foreign else ""),
+            )
+        if self._refuse_foreign:
+            self.refused += 1
+            log.warning("nri: refusing container: %s", message, extra=where)
+            raise ContainerRejected(message)
+        log.warning("nri: %s", message, extra=where)
 
     def _not_on_node(self, plan: InjectionPlan, *, annotations: Mapping[str, str]) -> str | None:
         """Why ``plan``'s devices cannot be given on this node; None when they are all its usable GPUs."""
