@@ -47,6 +47,11 @@ class NodeAgentSettings(BaseModel):
     mps_control_bin: str = "nvidia-cuda-mps-control"
     mps_pipe_dir: Path = Path("/run/nvidia/mps")
     mps_log_dir: Path = Path("/var/log/nvidia-mps")
+    mps_classic_pipe_writable: bool = Field(
+        False,
+        description="mount classic MPS's shared pipe directory read-write into sm-sharing containers "
+        "(default read-only: docs/node-agent.md)",
+    )
     state_dir: Path = Path("/run/gpufrac/node-agent")
     mps_pipe_root: Path | None = Field(
         None, description="host leaf directories (default <state_dir>/mps-pipes)"

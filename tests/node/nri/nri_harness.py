@@ -37,6 +37,7 @@ from gpufrac.local.nriruntime import CreatedContainer, NriRuntime  # noqa: E402
 from gpufrac.node.inventory.backend import GpuInfo  # noqa: E402
 from gpufrac.node.mapping import MappingStore  # noqa: E402
 from gpufrac.node.metrics import EnforcementCounters  # noqa: E402
+from gpufrac.node.mps.containers import ContainerHooks  # noqa: E402
 from gpufrac.node.nri.handler import GpuInjector  # noqa: E402
 from gpufrac.node.nri.plugin import NriPlugin  # noqa: E402
 
@@ -112,6 +113,8 @@ class Node:
         wait: bool = True,
         gpus: Sequence[GpuInfo] | None = NODE_GPUS,
         foreign_gpus: str = "report",
+        hooks: ContainerHooks | None = None,
+        shared_pipe_dir: str | None = None,
     ) -> Agent:
         # The runtime counts a plugin whose connection closed until it prunes it, so "connected" is one
         # more registration, not one more plugin.
@@ -127,6 +130,8 @@ class Node:
             counters=counters,
             foreign_gpus=foreign_gpus,
             foreign_gpus_exempt=frozenset({"gpu-operator"}),
+            hooks=hooks,
+            shared_pipe_dir=shared_pipe_dir,
         )
         plugin = NriPlugin(
             handler=injector, socket_path=str(self.socket), backoff_initial_s=0.02, backoff_max_s=0.2

@@ -9,6 +9,18 @@ When the MPS supervisor runs (``hooks``), it may re-point the MPS directory moun
 directory or the classic pipe directory (``gpufrac.node.mps.containers.apply_adjustment``); the private
 leaf is created only when the mount still points at it.
 
+Classic MPS has ONE pipe directory for the node: its control daemon, its server and every client talk
+through named pipes and sockets in it (NVIDIA: the directory "should be consistent across all MPS
+clients sharing the same MPS server, and the MPS control daemon"), and the server makes its own there
+when it starts -- after the container exists -- so no per-container leaf can hold what a client needs,
+and a bind mount of single files would miss what appears later. Every sm-sharing container therefore
+sees the control socket and can send the control daemon its commands, as any local client can; v3
+(per-namespace directories) is what isolates tenants. What the plan can narrow, it does: the shared
+directory (``shared_pipe_dir``) is mounted read-only, nosuid, nodev, noexec (``SHARED_PIPE_MOUNT_OPTIONS``)
+-- connecting to a socket or opening a pipe does not need a writable mount, so a container can use MPS
+but cannot remove, replace or plant an entry that other tenants' clients would then talk to.
+``shared_pipe_writable`` gives the write access back should a driver's client need it.
+
 Devices are checked against this node's inventory before anything is injected: every assigned device
 must be a usable GPU of the node, by UUID, by index, or as the CDI name ``nvidia.com/gpu=<uuid|index>``.
 ``all``, a UUID of another node's GPU or a withdrawn (MIG, prohibited) one fails the container, naming
@@ -45,6 +57,7 @@ which drops again when the container is removed.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import time
@@ -81,6 +94,8 @@ NodeGpus = Callable[[], Sequence[GpuInfo] | None]
 #: Where NVIDIA's device plugin lists a container's devices with its volume-mounts strategy.
 DEVICE_LIST_MOUNT_ROOT = "/var/run/nvidia-container-devices"
 REASON_FOREIGN_GPU = "GpuOutsideGpufrac"
+#: The classic MPS pipe directory's mount: read-only, nothing executable or a device (see the docstring).
+SHARED_PIPE_MOUNT_OPTIONS = ("rbind", "ro", "nosuid", "nodev", "noexec")
 #: The CDI kind NVIDIA's CDI specs give whole GPUs (``nvidia.com/gpu=<index|uuid|all>``).
 CDI_GPU_KIND = "nvidia.com/gpu"
 
@@ -131,6 +146,8 @@ class GpuInjector:
         counters: EnforcementCounters | None = None,
         foreign_gpus: str = "report",
         foreign_gpus_exempt: frozenset[str] = frozenset(),
+        shared_pipe_dir: str | None = None,
+        shared_pipe_writable: bool = False,
     ) -> None:
         """``node_gpus`` is what assigned devices are checked against (the agent always gives it; None
         skips the check, for tests of the plan alone)."""
@@ -145,6 +162,7 @@ class GpuInjector:
         self._counters = counters
         self._refuse_foreign = foreign_gpus == "refuse"
         self._foreign_exempt = foreign_gpus_exempt
+        self._shared_pipe_dir = None if shared_pipe_writable else shared_pipe_dir
         #: Running GPU containers Synchronize found without their injection: id -> what is wrong.
         self.unenforced: dict[str, str] = {}
         self.runtime: tuple[str, str] | None = None
@@ -200,6 +218,16 @@ class GpuInjector:
                 self.failed_open += 1
                 log.warning("nri: MPS unavailable, creating without it (fail-open): %s", exc, extra=where)
 
+        if self._shared_pipe_dir is not None:
+            plan = dataclasses.replace(
+                plan,
+                mounts=tuple(
+                    dataclasses.replace(m, options=SHARED_PIPE_MOUNT_OPTIONS)
+                    if m.source.rstrip("/") == self._shared_pipe_dir.rstrip("/")
+                    else m
+                    for m in plan.mounts
+                ),
+            )
         mount_source = next((m.source for m in plan.mounts), None)
         if mount_source == source:  # our private leaf (MPS may have re-pointed the mount at its own)
             os.makedirs(source, mode=0o755, exist_ok=True)
