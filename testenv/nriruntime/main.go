@@ -286,18 +286,22 @@ func (c *pluginCounter) wait(count int, timeout time.Duration) (int, bool) {
 }
 
 type runtime struct {
-	nri     *nri.Adaptation
-	state   *state
-	plugins *pluginCounter
-	updates []*api.ContainerUpdate
-	umu     sync.Mutex
+	startupSynced bool
+	nri           *nri.Adaptation
+	state         *state
+	plugins       *pluginCounter
+	updates       []*api.ContainerUpdate
+	umu           sync.Mutex
 }
 
 // syncPlugin hands a newly connected plugin the pods and containers this runtime has.
 func (r *runtime) syncPlugin(ctx context.Context, cb nri.SyncCB) error {
 	pods, ctrs := r.state.snapshot()
 	_, err := cb(ctx, pods, ctrs)
-	if err == nil {
+	switch {
+	case !r.startupSynced: // the adaptation's Start synchronizes its pre-installed plugins (none) once
+		r.startupSynced = true
+	case err == nil:
 		r.plugins.synchronized()
 	}
 	return err

@@ -78,6 +78,11 @@ async def test_agent_restart_rebuilds_the_mapping_from_synchronize(node: Node) -
     assert "ml/late container late runs without the GPU enforcement it needs" in message
     assert "NVIDIA_VISIBLE_DEVICES missing" in message and "NVIDIA_GPU_MEMORY_LIMIT missing" in message
 
+    await node.runtime.restart()  # synchronized again: still counted, not reported twice
+    await node.runtime.wait_registrations(1, timeout_s=10)
+    assert list(agent.injector.unenforced) == [late.id] and agent.counters.read().without_injection == 1
+    assert len(agent.events.emitted) == 1
+
     await node.runtime.stop_container(late.id)
     await node.runtime.remove_container(late.id)  # the kubelet replaces it; the gauge drops with it
     assert agent.injector.unenforced == {} and agent.counters.read().without_injection == 0

@@ -410,7 +410,10 @@ class GpuInjector:
             if problems:  # never recorded as enforced; reported while it can still run
                 if container.state != api.CONTAINER_STOPPED:
                     unenforced[container.id] = "; ".join(problems)
-                    self._report_unenforced(pod=pod, container=container, problems=unenforced[container.id])
+                    if container.id not in self.unenforced:  # once per container, not per reconnection
+                        self._report_unenforced(
+                            pod=pod, container=container, problems=unenforced[container.id]
+                        )
                 continue
             records.append(self._record(pod=pod, container=container, plan=plan))
             live.append((container.id, plan))
@@ -435,7 +438,7 @@ class GpuInjector:
         where = f"{pod.namespace}/{pod.name} container {container.name}"
         message = (
             f"{where} runs without the GPU enforcement it needs ({problems}): it was created while the "
-            "node agent was not in the runtime's path; it is not recorded as enforced"
+            "node agent was not in the runtime's path (or fail-open); it is not recorded as enforced"
         )
         log.warning("nri: synchronize: %s", message, extra={"id": container.id})
         if self._events is not None:
