@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from gpufrac.contract import keys
 from gpufrac.node.inject import CONTAINER_PIPE_DIR
+from gpufrac.node.nri.handler import ForeignGpuPolicy
 from gpufrac.node.nri.plugin import DEFAULT_SOCKET
 from gpufrac.node.reporting import UsageSettings
 
@@ -58,7 +59,7 @@ class NodeAgentSettings(BaseModel):
     )
     container_pipe_dir: str = CONTAINER_PIPE_DIR
     fail_open: bool = False
-    foreign_gpus: Literal["report", "refuse"] = Field(
+    foreign_gpus: ForeignGpuPolicy = Field(
         "report",
         description="a container outside gpufrac that got one of this node's GPUs from the device plugin: "
         "report it (Event, metric) or refuse to create it (docs/node-agent.md)",

@@ -38,7 +38,7 @@ from gpufrac.node.inventory.backend import GpuInfo  # noqa: E402
 from gpufrac.node.mapping import MappingStore  # noqa: E402
 from gpufrac.node.metrics import EnforcementCounters  # noqa: E402
 from gpufrac.node.mps.containers import ContainerHooks  # noqa: E402
-from gpufrac.node.nri.handler import GpuInjector  # noqa: E402
+from gpufrac.node.nri.handler import ForeignGpuPolicy, GpuInjector  # noqa: E402
 from gpufrac.node.nri.plugin import NriPlugin  # noqa: E402
 
 _ids = itertools.count(1)
@@ -112,7 +112,7 @@ class Node:
         fail_open: bool = False,
         wait: bool = True,
         gpus: Sequence[GpuInfo] | None = NODE_GPUS,
-        foreign_gpus: str = "report",
+        foreign_gpus: ForeignGpuPolicy = "report",
         hooks: ContainerHooks | None = None,
         shared_pipe_dir: str | None = None,
     ) -> Agent:

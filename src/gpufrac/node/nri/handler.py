@@ -63,6 +63,7 @@ import os
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
+from typing import Literal
 
 from gpufrac._generated.nri import api_pb2 as api
 from gpufrac.contract import keys
@@ -94,6 +95,8 @@ NodeGpus = Callable[[], Sequence[GpuInfo] | None]
 #: Where NVIDIA's device plugin lists a container's devices with its volume-mounts strategy.
 DEVICE_LIST_MOUNT_ROOT = "/var/run/nvidia-container-devices"
 REASON_FOREIGN_GPU = "GpuOutsideGpufrac"
+#: What the agent does with such a container: create it and report it, or refuse it.
+ForeignGpuPolicy = Literal["report", "refuse"]
 #: The classic MPS pipe directory's mount: read-only, nothing executable or a device (see the docstring).
 SHARED_PIPE_MOUNT_OPTIONS = ("rbind", "ro", "nosuid", "nodev", "noexec")
 #: The CDI kind NVIDIA's CDI specs give whole GPUs (``nvidia.com/gpu=<index|uuid|all>``).
@@ -144,7 +147,7 @@ class GpuInjector:
         node_gpus: NodeGpus | None = None,
         events: EventSink | None = None,
         counters: EnforcementCounters | None = None,
-        foreign_gpus: str = "report",
+        foreign_gpus: ForeignGpuPolicy = "report",
         foreign_gpus_exempt: frozenset[str] = frozenset(),
         shared_pipe_dir: str | None = None,
         shared_pipe_writable: bool = False,
