@@ -71,8 +71,16 @@ frames = st.builds(
     ttrpc_messages | st.binary(max_size=64),
     length=st.none() | st.sampled_from([0, 3, MAX_PAYLOAD, MAX_PAYLOAD + 1, 2**32 - 1]),
 )
+#: A reply to the plugin's first call (RegisterPlugin: stream 1 on the runtime connection) whose body is
+#: random bytes -- mostly an undecodable ttrpc Response.
+replies = st.builds(
+    lambda body: mux_frame(RUNTIME_SERVICE_CONN, ttrpc_message(1, TYPE_RESPONSE, body)),
+    st.binary(min_size=1, max_size=24),
+)
 #: A session's worth of bytes from a broken or hostile runtime.
-streams = st.lists(frames | st.binary(min_size=1, max_size=16), min_size=1, max_size=6).map(b"".join)
+streams = st.lists(replies | frames | st.binary(min_size=1, max_size=16), min_size=1, max_size=6).map(
+    b"".join
+)
 
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
