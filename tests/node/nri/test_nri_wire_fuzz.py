@@ -247,4 +247,6 @@ async def test_the_plugin_outlives_every_malformed_session_and_reconnects(
         assert not task.done(), task.exception() if task.done() else None
     runtime.payload = b""
     await runtime.wait_served(b"", after=runtime.sessions)  # and it still connects after the last one
-    assert not task.done() and plugin.sessions == 0  # never registered with garbage
+    # (Random bytes sometimes form a valid, empty RegisterPlugin reply; the plugin registers then, and
+    # the session ends like any other when the runtime hangs up.)
+    assert not task.done() and plugin.last_error is not None
