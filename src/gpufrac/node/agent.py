@@ -7,10 +7,12 @@ scheduler stops placing GPU pods on a node where nothing would inject their limi
 connection closes (the runtime carries on without the plugin); then the probes stop. A failure in one
 step does not skip the next.
 
-Readiness (/readyz) is "the NRI plugin is registered and synchronized with the runtime, and the Node
-has been published" (when publishing); liveness (/healthz) is the event loop answering. With ``mps``
-the MPS supervisor runs here too (``gpufrac.node.mps.service``): it gives the NRI handler its hooks and
-the publisher the capability it enforces; without it, whether MPS serves is a setting (``mps_running``).
+Readiness (/readyz) is "the NRI plugin is registered and synchronized with the runtime, the GPU inventory
+has been read, and the Node has been published" (when publishing). The plugin enters the runtime's
+path after the first inventory read (CreateContainer checks devices against it); liveness (/healthz)
+is the event loop answering. With ``mps`` the MPS supervisor runs here too (``gpufrac.node.mps.service``):
+it gives the NRI handler its hooks and the publisher the capability it enforces; without it, whether MPS
+serves is a setting (``mps_running``).
 
 Usage reporting (``gpufrac.node.reporting``: /metrics, collection, audit) reads the same mapping store the
 NRI plugin writes, treats the GPUs of the latest inventory as managed, audits with the planner the plugin
@@ -104,6 +106,7 @@ class NodeAgent:
         self._inventory: NodeInventory | None = None
         self._managed_gpus: set[str] = set()  # usable GPUs of the latest inventory (the audit's strays)
         self._usable_gpus: tuple[GpuInfo, ...] | None = None  # what CreateContainer checks devices against
+        self._inventory_tried = asyncio.Event()  # the first inventory read is over (read or not)
         self.counters = EnforcementCounters()
         self.recorder = (
             EventRecorder(
@@ -204,6 +207,7 @@ class NodeAgent:
                 # In place, without a moment of "nothing managed": the collector reads it from a thread.
                 self._managed_gpus |= usable
                 self._managed_gpus &= usable
+            self._inventory_tried.set()
             await asyncio.sleep(self.settings.publish_interval_s)
 
     def _inventory_gpus(self) -> Sequence[GpuProcesses]:
@@ -272,10 +276,19 @@ class NodeAgent:
                 "fail_open": self.settings.fail_open,
             },
         )
-        tasks = [
-            asyncio.create_task(self.plugin.run(), name="nri-plugin"),
-            asyncio.create_task(self._refresh_gpu_sizes(), name="gpu-sizes"),
-        ]
+        sizes = asyncio.create_task(self._refresh_gpu_sizes(), name="gpu-sizes")
+        # Enter the runtime's path once the GPUs are known, so that the first GPU containers are not
+        # refused for an inventory not read yet; an unreadable one does not keep the plugin out (its
+        # containers are refused with that reason instead of starting bare).
+        try:
+            async with asyncio.timeout(10):
+                await self._inventory_tried.wait()
+        except TimeoutError:
+            pass
+        except asyncio.CancelledError:
+            sizes.cancel()
+            raise
+        tasks = [asyncio.create_task(self.plugin.run(), name="nri-plugin"), sizes]
         if self.publisher is not None:
             tasks.append(asyncio.create_task(self.publisher.run(), name="inventory-publisher"))
         if self.mps is not None:  # cancelled with the publisher; its run() stops the daemon in a finally

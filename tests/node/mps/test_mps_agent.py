@@ -17,6 +17,7 @@ import pytest
 from mps_harness import MpsEnv, processes_of, until
 
 from gpufrac.local.nriruntime import NriRuntime, binary_path
+from gpufrac.node.inventory.simulated import simulated_uuid
 from gpufrac.node.mps.containers import namespace_name
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -74,7 +75,7 @@ async def test_node_agent_with_mps_serves_namespaces_and_stops_mps_on_sigterm(mp
                 prefix + "gpu-memory.request": "8Gi",
                 prefix + "gpu-compute.mode": "sm-sharing",
                 prefix + "gpu-compute.portion": "0.5",
-                prefix + "gpus.devices": "GPU-0000-4444",
+                prefix + "gpus.devices": simulated_uuid("gpu-node-mps", 0),  # the node's (simulated) GPU
             },
         )
         created = await runtime.create_container(id="a" * 64, pod_id="p1", name="main")
