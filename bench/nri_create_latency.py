@@ -34,7 +34,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-GPUS = [f"GPU-00000000-0000-4000-8000-{i:012d}" for i in range(8)]
+NODE = "bench-node"
+#: The simulated node's GPUs (filled in by main once gpufrac is importable): the agent refuses others.
+GPUS: list[str] = []
 TARGET_P99_MS = 20.0
 
 
@@ -146,6 +148,9 @@ async def serve_noop(socket_path: str) -> None:
 async def main(args: argparse.Namespace) -> dict[str, object]:
     sys.path.insert(0, str(ROOT / "src"))
     from gpufrac.local.nriruntime import NriRuntime
+    from gpufrac.node.inventory.simulated import simulated_uuid
+
+    GPUS[:] = [simulated_uuid(NODE, i) for i in range(8)]
 
     root = Path(tempfile.mkdtemp(prefix="nribench", dir="/tmp"))
     state_dir = (
@@ -183,7 +188,7 @@ async def main(args: argparse.Namespace) -> dict[str, object]:
 
         agent = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "gpufrac", "node-agent",
-            "--node-name", "bench-node", "--no-publish",
+            "--node-name", NODE, "--no-publish",
             "--backend", "simulated", "--sim-gpus", "8xH100-80GB",
             "--nri-socket", str(socket_path),
             "--state-dir", str(state_dir),

@@ -17,11 +17,18 @@
 //	{"op":"start_container"|"stop_container"|"remove_container","id":"<container id>"}
 //	{"op":"stop_pod"|"remove_pod","id":"<pod id>"}
 //	{"op":"wait_plugins","count":N,"timeout_ms":M}   -> waits until N plugins are connected AND synchronized
-//	{"op":"list"}                                      -> {"pods":[...],"containers":[...]}
+//	{"op":"wait_registrations","count":N,"timeout_ms":M} -> waits until N plugins have registered and
+//	                                                      synchronized since this runtime (re)started
+//	{"op":"list"}   -> {"pods":[...],"containers":[...],"plugins":N,"registrations":N}
 //	{"op":"restart"}   -> saves its pods and containers, then re-executes itself (same pid, same pipes):
 //	                      like a containerd restart, the kernel closes every plugin connection, and the
 //	                      new image re-opens the socket and announces itself with {"event":"ready"}
 //	{"op":"exit"}
+//
+// With -default-validator the adaptation runs NRI's built-in default validator (containerd's
+// default_validator section): a container whose pod names a plugin in the annotation
+// required-plugins.noderesource.dev (or that -required-plugins lists) is refused while that plugin is
+// not connected.
 //
 // Send one command at a time and read its reply before the next: a restart replaces the process
 // image, and input read ahead by the old image would be lost.
@@ -44,6 +51,8 @@ import (
 	nri "github.com/containerd/nri/pkg/adaptation"
 	"github.com/containerd/nri/pkg/api"
 	nrilog "github.com/containerd/nri/pkg/log"
+	nriplugin "github.com/containerd/nri/pkg/plugin"
+	validator "github.com/containerd/nri/plugins/default-validator/builtin"
 	"github.com/sirupsen/logrus"
 	"google.golang.org/protobuf/encoding/protojson"
 	"google.golang.org/protobuf/proto"
@@ -200,11 +209,45 @@ func (s *state) load(path string) error {
 }
 
 // pluginCounter learns from the adaptation's own metrics hook how many plugins are active; the
-// adaptation updates the count only after a plugin has been configured and synchronized.
+// adaptation updates the count only after a plugin has been configured and synchronized. The count is of
+// plugins connected over the socket: the adaptation's own count includes its built-in ones (the default
+// validator), which are there from the start.
+//
+// It also counts registrations: a plugin whose connection closed stays counted until the adaptation's
+// next call prunes it (any call, or the next registration), so "one more plugin" cannot tell that a new
+// one is in; "one more registration" can. A registration is complete at the first count update after
+// its synchronization returned, when the adaptation has added the plugin.
 type pluginCounter struct {
-	mu    sync.Mutex
-	cond  *sync.Cond
-	count int
+	mu         sync.Mutex
+	cond       *sync.Cond
+	count      int
+	builtin    int
+	synced     int
+	registered int
+}
+
+func (c *pluginCounter) synchronized() {
+	c.mu.Lock()
+	c.synced++
+	c.mu.Unlock()
+}
+
+func (c *pluginCounter) registrations() int {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.registered
+}
+
+func (c *pluginCounter) waitRegistrations(n int, timeout time.Duration) (int, bool) {
+	deadline := time.Now().Add(timeout)
+	timer := time.AfterFunc(timeout, c.cond.Broadcast)
+	defer timer.Stop()
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	for c.registered < n && time.Now().Before(deadline) {
+		c.cond.Wait()
+	}
+	return c.registered, c.registered >= n
 }
 
 func newPluginCounter() *pluginCounter {
@@ -218,7 +261,8 @@ func (c *pluginCounter) RecordPluginLatency(string, string, time.Duration)      
 func (c *pluginCounter) RecordPluginAdjustments(string, string, *api.ContainerAdjustment, int, int) {}
 func (c *pluginCounter) UpdatePluginCount(count int) {
 	c.mu.Lock()
-	c.count = count
+	c.count = count - c.builtin
+	c.registered = c.synced
 	c.mu.Unlock()
 	c.cond.Broadcast()
 }
@@ -242,17 +286,24 @@ func (c *pluginCounter) wait(count int, timeout time.Duration) (int, bool) {
 }
 
 type runtime struct {
-	nri     *nri.Adaptation
-	state   *state
-	plugins *pluginCounter
-	updates []*api.ContainerUpdate
-	umu     sync.Mutex
+	startupSynced bool
+	nri           *nri.Adaptation
+	state         *state
+	plugins       *pluginCounter
+	updates       []*api.ContainerUpdate
+	umu           sync.Mutex
 }
 
 // syncPlugin hands a newly connected plugin the pods and containers this runtime has.
 func (r *runtime) syncPlugin(ctx context.Context, cb nri.SyncCB) error {
 	pods, ctrs := r.state.snapshot()
 	_, err := cb(ctx, pods, ctrs)
+	switch {
+	case !r.startupSynced: // the adaptation's Start synchronizes its pre-installed plugins (none) once
+		r.startupSynced = true
+	case err == nil:
+		r.plugins.synchronized()
+	}
 	return err
 }
 
@@ -397,6 +448,17 @@ func (r *runtime) handle(ctx context.Context, cmd *command) (reply, error) {
 		}
 		return reply{"plugins": count}, nil
 
+	case "wait_registrations":
+		timeout := time.Duration(cmd.TimeoutMs) * time.Millisecond
+		if timeout <= 0 {
+			timeout = 10 * time.Second
+		}
+		n, ok := r.plugins.waitRegistrations(cmd.Count, timeout)
+		if !ok {
+			return reply{"registrations": n}, fmt.Errorf("%d plugin registration(s) after %v, wanted %d", n, timeout, cmd.Count)
+		}
+		return reply{"registrations": n}, nil
+
 	case "list":
 		pods, ctrs := r.state.snapshot()
 		p := make([]json.RawMessage, 0, len(pods))
@@ -410,7 +472,8 @@ func (r *runtime) handle(ctx context.Context, cmd *command) (reply, error) {
 		r.umu.Lock()
 		updates := len(r.updates)
 		r.umu.Unlock()
-		return reply{"pods": p, "containers": c, "plugins": r.plugins.current(), "updates": updates}, nil
+		return reply{"pods": p, "containers": c, "plugins": r.plugins.current(),
+			"registrations": r.plugins.registrations(), "updates": updates}, nil
 	}
 	return nil, fmt.Errorf("unknown op %q", cmd.Op)
 }
@@ -441,6 +504,10 @@ func main() {
 	requestTimeout := flag.Duration("request-timeout", api.DefaultPluginRequestTimeout, "plugin request timeout")
 	registrationTimeout := flag.Duration("registration-timeout", api.DefaultPluginRegistrationTimeout, "plugin registration timeout")
 	logLevel := flag.String("log-level", "warning", "logrus level for NRI's logs on stderr")
+	defaultValidator := flag.Bool("default-validator", false,
+		"enable NRI's built-in default validator, as containerd's [plugins.\"io.containerd.nri.v1.nri\".default_validator] enable = true does: "+
+			"a container whose pod annotation "+nriplugin.RequiredPluginsAnnotation+" names a plugin that is not connected is refused")
+	requiredPlugins := flag.String("required-plugins", "", "comma-separated plugins every container requires (default_validator.required_plugins)")
 	flag.Parse()
 
 	logrus.SetOutput(os.Stderr)
@@ -482,12 +549,21 @@ func main() {
 	}
 	defer os.RemoveAll(empty)
 
-	r.nri, err = nri.New(runtimeName, runtimeVersion, r.syncPlugin, r.updateFromPlugin,
+	options := []nri.Option{
 		nri.WithSocketPath(*socket),
 		nri.WithPluginPath(filepath.Join(empty, "plugins")),
 		nri.WithPluginConfigPath(filepath.Join(empty, "conf.d")),
 		nri.WithMetrics(r.plugins),
-	)
+	}
+	if *defaultValidator {
+		cfg := &validator.DefaultValidatorConfig{Enable: true}
+		if *requiredPlugins != "" {
+			cfg.RequiredPlugins = strings.Split(*requiredPlugins, ",")
+		}
+		options = append(options, nri.WithDefaultValidator(cfg))
+		r.plugins.builtin = 1
+	}
+	r.nri, err = nri.New(runtimeName, runtimeVersion, r.syncPlugin, r.updateFromPlugin, options...)
 	if err != nil {
 		fail(err)
 	}

@@ -16,6 +16,8 @@ from gpufrac.contract.parse import parse_pod_manifest
 SCHEDULER = "system:serviceaccount:gpufrac-system:gpufrac-scheduler"
 POLICY = AdmissionPolicy()
 NV = "nvidia.com/container."
+#: NRI's required-plugins annotation naming the node agent, which every gpufrac GPU pod gets.
+REQUIRES_AGENT = {"required-plugins.noderesource.dev": '["gpufrac"]'}
 
 
 def mutated(obj: dict, policy: AdmissionPolicy = POLICY) -> dict:
@@ -33,6 +35,7 @@ def test_a_legacy_gpu_memory_pod_is_stored_with_per_container_keys() -> None:
     assert stored["metadata"]["annotations"] == {
         f"{NV}side.gpu-memory.request": "4096Mi",
         f"{NV}side.gpu-memory.limit": "8192Mi",
+        **REQUIRES_AGENT,
     }
     assert parse_pod_manifest(stored) == parse_pod_manifest(original)
 
@@ -41,7 +44,7 @@ def test_whole_gpus_of_our_pods_become_exclusive_requests_with_the_managed_toler
     stored = mutated(pod(gpus=2))
     app = stored["spec"]["containers"][0]
     assert app["resources"]["limits"] == {"cpu": "1"}
-    assert stored["metadata"]["annotations"] == {"gpufrac.io/container.app.gpus": "2"}
+    assert stored["metadata"]["annotations"] == {"gpufrac.io/container.app.gpus": "2", **REQUIRES_AGENT}
     assert stored["spec"]["tolerations"] == [
         {"key": "gpufrac.io/managed", "operator": "Exists", "effect": "NoSchedule"}
     ]
@@ -54,13 +57,43 @@ def test_fractional_pods_of_our_scheduler_get_the_toleration_once() -> None:
     fractional["spec"]["tolerations"] = [{"key": "other", "operator": "Exists"}]
     stored = mutated(fractional)
     assert stored["spec"]["tolerations"][-1]["key"] == "gpufrac.io/managed"
-    assert stored["metadata"]["annotations"] == {"gpu-fraction": "0.5"}  # a portion stays as written
+    assert stored["metadata"]["annotations"] == {"gpu-fraction": "0.5", **REQUIRES_AGENT}  # a portion stays
     assert mutated(stored) == stored
 
 
 def test_whole_gpu_pods_of_other_schedulers_are_left_to_the_device_plugin() -> None:
     other = pod(gpus=1, scheduler="default-scheduler")
     assert mutated(other) == other
+
+
+def test_a_contract_pod_of_another_scheduler_requires_the_node_agent_too() -> None:
+    stored = mutated(pod({f"{NV}app.gpu-memory.request": "4Gi"}, scheduler="kai-scheduler"))
+    assert stored["metadata"]["annotations"]["required-plugins.noderesource.dev"] == '["gpufrac"]'
+
+
+def test_scoped_required_plugin_lists_of_the_user_keep_theirs_and_gain_the_node_agent() -> None:
+    # NRI reads <key>/container.<c> first, then <key>/pod, then <key>: a tenant's scoped "[]" must not
+    # hide the node agent from the runtime's validator.
+    stored = mutated(
+        pod(
+            {
+                "gpu-fraction": "0.5",
+                "required-plugins.noderesource.dev/container.app": "[]",
+                "required-plugins.noderesource.dev/pod": "[audit, gpufrac]",
+                "required-plugins.noderesource.dev": '["audit"]',
+            }
+        )
+    )
+    annotations = stored["metadata"]["annotations"]
+    assert annotations["required-plugins.noderesource.dev/container.app"] == '["gpufrac"]'
+    assert annotations["required-plugins.noderesource.dev/pod"] == "[audit, gpufrac]"
+    assert annotations["required-plugins.noderesource.dev"] == '["audit", "gpufrac"]'
+    assert mutated(stored) == stored
+
+
+def test_a_renamed_node_agent_plugin_is_the_one_required() -> None:
+    stored = mutated(pod({"gpu-fraction": "0.5"}), AdmissionPolicy(nri_plugin="gpufrac-b"))
+    assert stored["metadata"]["annotations"]["required-plugins.noderesource.dev"] == '["gpufrac-b"]'
 
 
 @pytest.mark.parametrize(

@@ -21,8 +21,13 @@ anything else is a client to refuse clearly, never a crash.
 Mutating (CREATE of pods that ask for a GPU): legacy pod-level forms become per-container keys (unless the
 policy turns that off); on pods of
 our scheduler, ``nvidia.com/gpu: N`` becomes the exclusive ``gpufrac.io/container.<c>.gpus`` key with the
-resource removed, and the managed-node toleration is added. An invalid pod is passed through untouched:
-the validating webhook rejects it with the contract's message, which names the keys the user wrote.
+resource removed, and the managed-node toleration is added. Every pod that asks for a GPU is marked as
+requiring the node agent's NRI plugin (NRI's ``required-plugins.noderesource.dev``): a runtime whose
+default validator is on (docs/deploy.md) then refuses to create its containers while the agent is away,
+instead of starting them without limits. A scoped form of that annotation the user wrote (``/pod``,
+``/container.<c>``, which NRI reads first) gets the plugin added too, so no form can leave it out. An
+invalid pod is passed through untouched: the validating webhook rejects it with the contract's message,
+which names the keys the user wrote.
 """
 
 from __future__ import annotations
@@ -31,8 +36,10 @@ import base64
 import json
 import reprlib
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
+
+import yaml
 
 from gpufrac.contract import keys as k
 from gpufrac.contract.changes import changed_contract_keys, forbidden_changes
@@ -48,6 +55,8 @@ class AdmissionPolicy:
     """Who the scheduler is: the pods it schedules, and the users allowed to write binder-owned keys."""
 
     scheduler_name: str = k.DEFAULT_SCHEDULER_NAME
+    #: The NRI plugin every GPU pod requires (the node agent's ``plugin_name``).
+    nri_plugin: str = k.NRI_PLUGIN_NAME
     binder_users: frozenset[str] = field(default_factory=lambda: frozenset({DEFAULT_SCHEDULER_USER}))
     #: Rewrite legacy ``gpu-memory`` into per-container keys; off where KAI Scheduler schedules, whose other
     #: sharing modes read ``gpu-memory`` as written (docs/deploy.md, "KAI schedules").
@@ -261,18 +270,26 @@ def decide_mutate(request: Mapping[str, Any], policy: AdmissionPolicy) -> Verdic
             if wants_gpu
             else None
         )
+        # gpufrac enforces the pod's GPUs when its scheduler places it or the pod carries the contract;
+        # a device-plugin GPU of another scheduler's pod is not ours to require a plugin for.
+        served = wants_gpu and (
+            ours or parse_pod(annotations, [replace(c, gpus=0) for c in containers]).wants_gpu
+        )
     except InvalidPodRequest:
         return Verdict(allowed=True)  # the validating webhook rejects it, naming the user's own keys
     if translation is None:
         return Verdict(allowed=True)
 
     patch: list[dict[str, Any]] = []
-    if translation.annotations:
+    changes = dict(translation.annotations)
+    if served:
+        changes.update(required_plugin_changes(annotations, plugin=policy.nri_plugin))
+    if changes:
         if "annotations" not in (pod.get("metadata") or {}) or pod["metadata"]["annotations"] is None:
-            stored = {key: value for key, value in translation.annotations.items() if value is not None}
+            stored = {key: value for key, value in changes.items() if value is not None}
             patch.append({"op": "add", "path": "/metadata/annotations", "value": stored})
         else:
-            for key, value in sorted(translation.annotations.items()):
+            for key, value in sorted(changes.items()):
                 path = "/metadata/annotations/" + _escape(key)
                 if value is None:
                     patch.append({"op": "remove", "path": path})
@@ -292,6 +309,35 @@ def decide_mutate(request: Mapping[str, Any], policy: AdmissionPolicy) -> Verdic
         else:
             patch.append({"op": "add", "path": "/spec/tolerations/-", "value": k.managed_toleration()})
     return Verdict(allowed=True, patch=patch)
+
+
+def required_plugin_changes(annotations: Mapping[str, str], *, plugin: str) -> dict[str, str]:
+    """The annotations that make NRI's default validator require ``plugin`` for every container of the pod.
+
+    The pod-wide key always lists it; a scoped key the user wrote (NRI reads ``<key>/container.<c>``, then
+    ``<key>/pod``, then ``<key>``) gets it appended to its list. A value that is not a list of names is
+    left alone: the validator refuses the container for it, which is as closed as requiring the plugin.
+    """
+    base = k.NRI_REQUIRED_PLUGINS_ANNOTATION
+    changes: dict[str, str] = {}
+    if base not in annotations:
+        changes[base] = json.dumps([plugin])
+    for key, value in annotations.items():
+        if key != base and not key.startswith(base + "/"):
+            continue
+        try:
+            listed = yaml.safe_load(value)  # NRI decodes the value as YAML (JSON is a subset)
+        except yaml.YAMLError:
+            continue
+        if listed is None:
+            listed = []
+        if (
+            isinstance(listed, list)
+            and all(isinstance(name, str) for name in listed)
+            and plugin not in listed
+        ):
+            changes[key] = json.dumps([*listed, plugin])
+    return changes
 
 
 def _escape(key: str) -> str:

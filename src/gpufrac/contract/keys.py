@@ -98,6 +98,12 @@ GPU_MODEL_LABEL = "gpufrac.io/gpu-model"
 COMPUTE_MODE_LABEL_PREFIX = "gpufrac.io/compute-mode."
 
 DEFAULT_SCHEDULER_NAME = "gpufrac-scheduler"
+#: The node agent's name as an NRI plugin (what it registers with the runtime).
+NRI_PLUGIN_NAME = "gpufrac"
+#: NRI's per-pod list of plugins that must have seen a container before it is created
+#: (``plugin.RequiredPluginsAnnotation`` of github.com/containerd/nri, checked by the runtime's default
+#: validator); ``<key>/pod`` and ``<key>/container.<name>`` are its scoped forms, the container's first.
+NRI_REQUIRED_PLUGINS_ANNOTATION = "required-plugins.noderesource.dev"
 #: A pod's own placement policy (``binpack``, ``spread``, ``kai``, ``fgd``, ``fgd-align``), overriding
 #: the scheduler's configured one; an unknown name makes the pod unschedulable with the known names.
 PLACEMENT_POLICY_ANNOTATION = "gpufrac.io/placement-policy"

@@ -84,7 +84,12 @@ class NriRuntime:
         request_timeout_s: float = 2.0,
         registration_timeout_s: float = 5.0,
         log_level: str = "warning",
+        default_validator: bool = False,
+        required_plugins: Sequence[str] = (),
     ) -> None:
+        """``default_validator`` turns on NRI's built-in default validator (containerd's
+        ``default_validator`` section): a container whose pod requires a plugin that is not connected
+        (``required-plugins.noderesource.dev``, or ``required_plugins`` for every container) is refused."""
         self.socket_path = socket_path
         self._binary = binary or binary_path()
         self._args = [
@@ -97,6 +102,10 @@ class NriRuntime:
             "-log-level",
             log_level,
         ]
+        if default_validator:
+            self._args.append("-default-validator")
+            if required_plugins:
+                self._args += ["-required-plugins", ",".join(required_plugins)]
         self._proc: asyncio.subprocess.Process | None = None
         self._lock = asyncio.Lock()
 
@@ -249,6 +258,13 @@ class NriRuntime:
         """Wait until ``count`` plugins are registered, configured and synchronized."""
         reply = await self.command("wait_plugins", count=count, timeout_ms=int(timeout_s * 1000))
         return int(reply["plugins"])
+
+    async def wait_registrations(self, count: int, *, timeout_s: float = 10.0) -> int:
+        """Wait until ``count`` plugins have registered and synchronized since the runtime (re)started
+        (``list()["registrations"]`` says how many have); unlike the plugin count, a plugin that has gone
+        but is not pruned yet cannot make it look like a new one is in."""
+        reply = await self.command("wait_registrations", count=count, timeout_ms=int(timeout_s * 1000))
+        return int(reply["registrations"])
 
     async def restart(self) -> None:
         """Restart the runtime: every plugin connection drops; pods and containers are kept, and the

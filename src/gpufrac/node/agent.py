@@ -7,10 +7,12 @@ scheduler stops placing GPU pods on a node where nothing would inject their limi
 connection closes (the runtime carries on without the plugin); then the probes stop. A failure in one
 step does not skip the next.
 
-Readiness (/readyz) is "the NRI plugin is registered and synchronized with the runtime, and the Node
-has been published" (when publishing); liveness (/healthz) is the event loop answering. With ``mps``
-the MPS supervisor runs here too (``gpufrac.node.mps.service``): it gives the NRI handler its hooks and
-the publisher the capability it enforces; without it, whether MPS serves is a setting (``mps_running``).
+Readiness (/readyz) is "the NRI plugin is registered and synchronized with the runtime, the GPU inventory
+has been read, and the Node has been published" (when publishing). The plugin enters the runtime's
+path after the first inventory read (CreateContainer checks devices against it); liveness (/healthz)
+is the event loop answering. With ``mps`` the MPS supervisor runs here too (``gpufrac.node.mps.service``):
+it gives the NRI handler its hooks and the publisher the capability it enforces; without it, whether MPS
+serves is a setting (``mps_running``).
 
 Usage reporting (``gpufrac.node.reporting``: /metrics, collection, audit) reads the same mapping store the
 NRI plugin writes, treats the GPUs of the latest inventory as managed, audits with the planner the plugin
@@ -36,7 +38,12 @@ from gpufrac.contract.quantities import MIB
 from gpufrac.kube.events import EventRecorder, ObjectRef
 from gpufrac.node.config import NodeAgentSettings
 from gpufrac.node.inject import EnvPlanner
-from gpufrac.node.inventory.backend import GpuInventoryBackend, InventoryUnavailable, NodeInventory
+from gpufrac.node.inventory.backend import (
+    GpuInfo,
+    GpuInventoryBackend,
+    InventoryUnavailable,
+    NodeInventory,
+)
 from gpufrac.node.inventory.publish import InventoryPublisher
 from gpufrac.node.mapping import MappingStore
 from gpufrac.node.metrics import CountingMpsEvents, EnforcementCounters
@@ -98,6 +105,8 @@ class NodeAgent:
         self._gpu_mib: dict[str, int] = {}
         self._inventory: NodeInventory | None = None
         self._managed_gpus: set[str] = set()  # usable GPUs of the latest inventory (the audit's strays)
+        self._usable_gpus: tuple[GpuInfo, ...] | None = None  # what CreateContainer checks devices against
+        self._inventory_tried = asyncio.Event()  # the first inventory read is over (read or not)
         self.counters = EnforcementCounters()
         self.recorder = (
             EventRecorder(
@@ -131,6 +140,9 @@ class NodeAgent:
             container_pipe_dir=settings.container_pipe_dir,
             fail_open=settings.fail_open,
             device_mib=self._gpu_mib.get,
+            node_gpus=lambda: self._usable_gpus,
+            events=self.recorder if self.recorder is not None else _LoggedEvents(),
+            counters=self.counters,
             hooks=self.mps.hooks if self.mps is not None else None,
         )
         self.plugin = NriPlugin(
@@ -174,6 +186,8 @@ class NodeAgent:
     def _ready(self) -> tuple[bool, str]:
         if not self.plugin.synchronized.is_set():
             return False, f"NRI plugin not connected to {self.settings.nri_socket} ({self.plugin.last_error})"
+        if self._usable_gpus is None:
+            return False, "GPU inventory not read yet (GPU containers are refused until it is)"
         if self.publisher is not None and self.publisher.published is None:
             return False, "node inventory not published yet"
         return True, "NRI plugin synchronized" + (", node published" if self.publisher is not None else "")
@@ -189,10 +203,12 @@ class NodeAgent:
                 self._inventory = inventory
                 self._gpu_mib.clear()
                 self._gpu_mib.update({g.uuid: g.mib for g in inventory.gpus})
+                self._usable_gpus = inventory.usable
                 usable = {g.uuid for g in inventory.usable}
                 # In place, without a moment of "nothing managed": the collector reads it from a thread.
                 self._managed_gpus |= usable
                 self._managed_gpus &= usable
+            self._inventory_tried.set()
             await asyncio.sleep(self.settings.publish_interval_s)
 
     def _inventory_gpus(self) -> Sequence[GpuProcesses]:
@@ -261,10 +277,19 @@ class NodeAgent:
                 "fail_open": self.settings.fail_open,
             },
         )
-        tasks = [
-            asyncio.create_task(self.plugin.run(), name="nri-plugin"),
-            asyncio.create_task(self._refresh_gpu_sizes(), name="gpu-sizes"),
-        ]
+        sizes = asyncio.create_task(self._refresh_gpu_sizes(), name="gpu-sizes")
+        # Enter the runtime's path once the GPUs are known, so that the first GPU containers are not
+        # refused for an inventory not read yet; an unreadable one does not keep the plugin out (its
+        # containers are refused with that reason instead of starting bare).
+        try:
+            async with asyncio.timeout(10):
+                await self._inventory_tried.wait()
+        except TimeoutError:
+            pass
+        except asyncio.CancelledError:
+            sizes.cancel()
+            raise
+        tasks = [asyncio.create_task(self.plugin.run(), name="nri-plugin"), sizes]
         if self.publisher is not None:
             tasks.append(asyncio.create_task(self.publisher.run(), name="inventory-publisher"))
         if self.mps is not None:  # cancelled with the publisher; its run() stops the daemon in a finally

@@ -19,7 +19,9 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from gpufrac.contract import keys
 from gpufrac.node.inject import CONTAINER_PIPE_DIR
+from gpufrac.node.nri.handler import ForeignGpuPolicy
 from gpufrac.node.nri.plugin import DEFAULT_SOCKET
 from gpufrac.node.reporting import UsageSettings
 
@@ -36,7 +38,7 @@ class NodeAgentSettings(BaseModel):
         "places pods on it; off when another scheduler (KAI Scheduler) places the GPU pods",
     )
     nri_socket: str = DEFAULT_SOCKET
-    plugin_name: str = "gpufrac"
+    plugin_name: str = keys.NRI_PLUGIN_NAME  # the webhook names it in every GPU pod's required plugins
     plugin_index: str = Field("10", pattern=r"^[0-9]{2}$")
     backend: Literal["nvml", "simulated"] = "nvml"
     sim_gpus: str | None = Field(None, description="COUNTxMODEL[:MIB] groups, e.g. 8xH100-80GB")
@@ -51,12 +53,27 @@ class NodeAgentSettings(BaseModel):
     mps_control_bin: str = "nvidia-cuda-mps-control"
     mps_pipe_dir: Path = Path("/run/nvidia/mps")
     mps_log_dir: Path = Path("/var/log/nvidia-mps")
+    mps_classic_pipe_writable: bool = Field(
+        False,
+        description="mount classic MPS's shared pipe directory read-write into sm-sharing containers "
+        "(default read-only: docs/node-agent.md)",
+    )
     state_dir: Path = Path("/run/gpufrac/node-agent")
     mps_pipe_root: Path | None = Field(
         None, description="host leaf directories (default <state_dir>/mps-pipes)"
     )
     container_pipe_dir: str = CONTAINER_PIPE_DIR
     fail_open: bool = False
+    foreign_gpus: ForeignGpuPolicy = Field(
+        "report",
+        description="a container outside gpufrac that got one of this node's GPUs from the device plugin: "
+        "report it (Event, metric) or refuse to create it (docs/node-agent.md)",
+    )
+    foreign_gpus_exempt_namespaces: tuple[str, ...] = Field(
+        (),
+        description="namespaces whose GPU containers outside gpufrac are neither reported nor refused "
+        "(the GPU Operator's and gpufrac's own, whose pods set NVIDIA_VISIBLE_DEVICES in their manifests)",
+    )
     health_host: str = "0.0.0.0"
     health_port: int = Field(8082, ge=0, le=65535)
     publish_interval_s: float = Field(5.0, gt=0)

@@ -30,6 +30,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -41,6 +42,31 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 1
+
+#: What the agent accepts as a container id before it names a file or directory after it: containerd and
+#: CRI-O use 64 hex digits; anything with a slash, a NUL, a leading dot or over 128 characters could
+#: escape the state directory or fail to be a file name, and comes only from a broken or hostile runtime.
+CONTAINER_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
+
+
+class InvalidContainerId(ValueError):
+    """A container id the agent will not make a path of."""
+
+    def __init__(self, container_id: str) -> None:
+        shown = container_id if len(container_id) <= 80 else container_id[:80] + "..."
+        super().__init__(
+            f"container id {shown!r} is invalid: a container id is 1 to 128 letters, digits, '_', '.' or '-',"
+            " starting with a letter or digit (the runtime sent something that could name a path outside"
+            " the agent's state directory)"
+        )
+        self.container_id = container_id
+
+
+def check_container_id(container_id: str) -> str:
+    """``container_id`` when it is safe to name a file or directory after; raises ``InvalidContainerId``."""
+    if CONTAINER_ID.fullmatch(container_id) is None:
+        raise InvalidContainerId(container_id)
+    return container_id
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,9 +131,7 @@ class MappingStore:
         return self._dir
 
     def _path(self, container_id: str) -> Path:
-        if not container_id or "/" in container_id or container_id.startswith("."):
-            raise ValueError(f"not a container id: {container_id!r}")
-        return self._dir / f"{container_id}.json"
+        return self._dir / f"{check_container_id(container_id)}.json"
 
     def _load(self) -> None:
         for path in sorted(self._dir.glob("*.json")):

@@ -36,7 +36,9 @@ log = logging.getLogger(__name__)
 MISSING_INJECTION = "missing_injection"
 UNKNOWN_PROCESS = "unknown_process"
 OVER_LIMIT = "over_limit"
-VIOLATION_KINDS = (MISSING_INJECTION, UNKNOWN_PROCESS, OVER_LIMIT)
+#: A container the device plugin gave a GPU of this node to, outside gpufrac (counted at its creation).
+FOREIGN_GPU = "foreign_gpu"
+VIOLATION_KINDS = (MISSING_INJECTION, UNKNOWN_PROCESS, OVER_LIMIT, FOREIGN_GPU)
 
 FRACTION_LABELS = ("node", "namespace", "pod", "container", "gpu_uuid", "gpu_index", "mode")
 GPU_LABELS = ("node", "gpu_uuid", "gpu_index")
@@ -66,9 +68,15 @@ class EnforcementCounters:
         self._mps_restarts = 0
         self._mps_wedges = 0
         self._collection_errors = 0
+        self._without_injection = 0
+
+    def running_without_injection(self, count: int) -> None:
+        """How many running GPU containers the last Synchronize found without their injection (a gauge)."""
+        with self._lock:
+            self._without_injection = count
 
     def violation(self, *, kind: str) -> None:
-        """One enforcement violation found (``MISSING_INJECTION``, ``UNKNOWN_PROCESS``, ``OVER_LIMIT``)."""
+        """One enforcement violation found (one of ``VIOLATION_KINDS``)."""
         with self._lock:
             self._violations[kind] = self._violations.get(kind, 0) + 1
 
@@ -93,6 +101,7 @@ class EnforcementCounters:
                 mps_restarts=self._mps_restarts,
                 mps_wedges=self._mps_wedges,
                 collection_errors=self._collection_errors,
+                without_injection=self._without_injection,
             )
 
 
@@ -121,6 +130,7 @@ class CounterValues:
     mps_restarts: int
     mps_wedges: int
     collection_errors: int
+    without_injection: int = 0
 
 
 class UsageExporter(Collector):
@@ -248,6 +258,14 @@ class UsageExporter(Collector):
             counter = CounterMetricFamily(name, doc, labels=["node"])
             counter.add_metric([self._node], value)
             yield counter
+        unenforced = GaugeMetricFamily(
+            "gpufrac_containers_without_injection",
+            "Running GPU containers that NRI's Synchronize showed without their injection (created while "
+            "the agent was away); not recorded as enforced.",
+            labels=["node"],
+        )
+        unenforced.add_metric([self._node], values.without_injection)
+        yield unenforced
 
 
 Listener = Callable[[UsageSnapshot], Awaitable[None] | None]

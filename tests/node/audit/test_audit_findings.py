@@ -11,7 +11,7 @@ from gpufrac.node.enforcement_audit import (
     Auditor,
 )
 from gpufrac.node.mapping import AllocationRecord
-from gpufrac.node.metrics import EnforcementCounters
+from gpufrac.node.metrics import VIOLATION_KINDS, EnforcementCounters
 from gpufrac.node.usage.collect import UsageCollector
 from gpufrac.node.usage.simulated import SimulatedUsage
 
@@ -118,7 +118,7 @@ async def test_correctly_injected_and_non_fractional_containers_are_left_alone(
     await audit(node.collector.collect())
 
     assert events.emitted == []
-    assert counters.read().violations == {"missing_injection": 0, "unknown_process": 0, "over_limit": 0}
+    assert counters.read().violations == dict.fromkeys(VIOLATION_KINDS, 0)
     assert runtime.stopped == []
 
 

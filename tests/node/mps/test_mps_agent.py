@@ -17,6 +17,7 @@ import pytest
 from mps_harness import STANDIN_NRI_REQUEST_TIMEOUT_S, MpsEnv, processes_of, until
 
 from gpufrac.local.nriruntime import ContainerCreateFailed, NriRuntime, binary_path
+from gpufrac.node.inventory.simulated import simulated_uuid
 from gpufrac.node.mps.names import namespace_name
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -76,7 +77,7 @@ async def test_node_agent_with_mps_serves_namespaces_and_stops_mps_on_sigterm(mp
                 prefix + "gpu-memory.request": "8Gi",
                 prefix + "gpu-compute.mode": "sm-sharing",
                 prefix + "gpu-compute.portion": "0.5",
-                prefix + "gpus.devices": "GPU-0000-4444",
+                prefix + "gpus.devices": simulated_uuid("gpu-node-mps", 0),  # the node's (simulated) GPU
             },
         )
         # The shared server's socket appears before the daemon is READY (namespaces reconciled): until

@@ -32,12 +32,34 @@ if not _generated():  # `make testenv` not run yet
     subprocess.run([sys.executable, str(ROOT / "scripts" / "gen-nri-protos")], check=True)
     importlib.invalidate_caches()
 
+from gpufrac.kube.events import ObjectRef  # noqa: E402
 from gpufrac.local.nriruntime import CreatedContainer, NriRuntime  # noqa: E402
+from gpufrac.node.inventory.backend import GpuInfo  # noqa: E402
 from gpufrac.node.mapping import MappingStore  # noqa: E402
-from gpufrac.node.nri.handler import GpuInjector  # noqa: E402
+from gpufrac.node.metrics import EnforcementCounters  # noqa: E402
+from gpufrac.node.mps.containers import ContainerHooks  # noqa: E402
+from gpufrac.node.nri.handler import ForeignGpuPolicy, GpuInjector  # noqa: E402
 from gpufrac.node.nri.plugin import NriPlugin  # noqa: E402
 
 _ids = itertools.count(1)
+
+#: The node's GPUs (simulated: this machine has none); devices the tests assign are these.
+GPU_A = "GPU-8f3c6a2e-0000-4000-8000-00000000000a"
+GPU_B = "GPU-8f3c6a2e-0000-4000-8000-00000000000b"
+NODE_GPUS = (
+    GpuInfo(uuid=GPU_A, index=0, minor=0, model="NVIDIA H100 80GB HBM3", mib=81559),
+    GpuInfo(uuid=GPU_B, index=1, minor=1, model="NVIDIA H100 80GB HBM3", mib=81559),
+)
+
+
+@dataclass
+class Events:
+    """The agent's Events as the API server would receive them (the agent writes them through this seam)."""
+
+    emitted: list[tuple[ObjectRef, str, str, str]] = field(default_factory=list)
+
+    def emit(self, *, regarding: ObjectRef, type: str, reason: str, message: str) -> None:
+        self.emitted.append((regarding, type, reason, message))
 
 
 @dataclass
@@ -48,6 +70,8 @@ class Agent:
     injector: GpuInjector
     plugin: NriPlugin
     task: asyncio.Task[None]
+    events: Events
+    counters: EnforcementCounters
 
     async def stop(self) -> None:
         self.task.cancel()
@@ -82,16 +106,47 @@ class Node:
     def store(self) -> MappingStore:
         return self.agent.store
 
-    async def start_agent(self, *, fail_open: bool = False, wait: bool = True) -> Agent:
+    async def start_agent(
+        self,
+        *,
+        fail_open: bool = False,
+        wait: bool = True,
+        gpus: Sequence[GpuInfo] | None = NODE_GPUS,
+        foreign_gpus: ForeignGpuPolicy = "report",
+        hooks: ContainerHooks | None = None,
+        shared_pipe_dir: str | None = None,
+    ) -> Agent:
+        # The runtime counts a plugin whose connection closed until it prunes it, so "connected" is one
+        # more registration, not one more plugin.
+        registered = int((await self.runtime.list())["registrations"]) + 1 if wait else 0
         store = MappingStore(directory=self.state_dir)
-        injector = GpuInjector(store=store, pipe_root=self.pipe_root, fail_open=fail_open)
+        events, counters = Events(), EnforcementCounters()
+        injector = GpuInjector(
+            store=store,
+            pipe_root=self.pipe_root,
+            fail_open=fail_open,
+            node_gpus=lambda: gpus,
+            events=events,
+            counters=counters,
+            foreign_gpus=foreign_gpus,
+            foreign_gpus_exempt=frozenset({"gpu-operator"}),
+            hooks=hooks,
+            shared_pipe_dir=shared_pipe_dir,
+        )
         plugin = NriPlugin(
             handler=injector, socket_path=str(self.socket), backoff_initial_s=0.02, backoff_max_s=0.2
         )
-        agent = Agent(store=store, injector=injector, plugin=plugin, task=asyncio.create_task(plugin.run()))
+        agent = Agent(
+            store=store,
+            injector=injector,
+            plugin=plugin,
+            task=asyncio.create_task(plugin.run()),
+            events=events,
+            counters=counters,
+        )
         self.agents.append(agent)
         if wait:
-            await self.runtime.wait_plugins(1, timeout_s=10)
+            await self.runtime.wait_registrations(registered, timeout_s=10)
         return agent
 
     async def pod(

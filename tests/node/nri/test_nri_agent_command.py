@@ -13,7 +13,9 @@ from pathlib import Path
 import httpx
 from nri_harness import Node
 
-GPU = "GPU-8f3c6a2e-0000-4000-8000-00000000000a"
+from gpufrac.node.inventory.simulated import simulated_uuid
+
+GPU = simulated_uuid("gpu-node-000", 0)  # the first of the agent's simulated GPUs
 
 
 def free_port() -> int:

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
-from nri_harness import Node
+from nri_harness import GPU_A, GPU_B, Node
 
 from gpufrac.local.nriruntime import ContainerCreateFailed
+from gpufrac.node.inventory.backend import GpuInfo
 
-GPU_A = "GPU-8f3c6a2e-0000-4000-8000-00000000000a"
-GPU_B = "GPU-8f3c6a2e-0000-4000-8000-00000000000b"
 MPS_DIR = "/run/nvidia/mps"
 
 ENFORCEMENT = {
@@ -228,10 +228,16 @@ async def test_pod_without_gpu_annotations_is_untouched(node: Node) -> None:
     assert created.mounts == [] and node.store.allocations() == []
 
 
-async def test_many_devices_make_an_answer_larger_than_one_mux_frame(node: Node) -> None:
+async def test_many_devices_make_an_answer_larger_than_one_mux_frame(make_node) -> None:  # type: ignore[no-untyped-def]
     # 128 CDI devices: the adjustment is several KiB, which NRI's Go reader only accepts in frames of at
     # most 4 KiB followed by the rest of the message (see gpufrac.node.nri.mux).
-    devices = [f"vendor.example/gpu=device-{i:03d}" for i in range(128)]
+    gpus = [
+        GpuInfo(uuid=f"GPU-8f3c6a2e-0000-4000-8000-{i:012d}", index=i, minor=i, model="H100", mib=81559)
+        for i in range(128)
+    ]
+    node = await make_node(agent=False)
+    await node.start_agent(gpus=gpus)
+    devices = [f"nvidia.com/gpu={gpu.uuid}" for gpu in gpus]
     pod = await node.pod(
         {
             "nvidia.com/container.c.gpu-memory.request": "1Gi",
@@ -331,3 +337,123 @@ async def test_remove_deletes_the_record_and_the_leaf_directory(node: Node) -> N
     assert not leaf.exists()
     node.store.flush()
     assert not (node.store.directory / f"{created.id}.json").exists()
+
+
+# -- devices the node does not have --------------------------------------------------------------------
+
+OTHER_NODES_GPU = "GPU-0b0b0b0b-0000-4000-8000-0000000000ff"
+
+
+@pytest.mark.parametrize(
+    ("devices", "offender"),
+    [
+        ("all", "all"),
+        (OTHER_NODES_GPU, OTHER_NODES_GPU),
+        (f"{GPU_A},{OTHER_NODES_GPU}", OTHER_NODES_GPU),
+        ("nvidia.com/gpu=all", "nvidia.com/gpu=all"),
+        ("nvidia.com/gpu=7", "nvidia.com/gpu=7"),
+        ("vendor.example/gpu=0", "vendor.example/gpu=0"),
+    ],
+    ids=["all", "other-node-uuid", "one-of-two", "cdi-all", "cdi-missing-index", "cdi-other-kind"],
+)
+async def test_devices_not_in_the_nodes_inventory_fail_the_container_before_any_injection(
+    node: Node, devices: str, offender: str
+) -> None:
+    count = len(devices.split(","))
+    pod = await node.pod(
+        {
+            "nvidia.com/container.c.gpu-memory.request": "1Gi",
+            "nvidia.com/container.c.gpus.devices": devices,
+            "gpu-fraction-num-devices": str(count),
+        }
+    )
+    with pytest.raises(ContainerCreateFailed) as failed:
+        await node.create(pod, "c", env={"NVIDIA_VISIBLE_DEVICES": "all"})
+    message = str(failed.value)
+    assert f'nvidia.com/container.c.gpus.devices="{devices}" is invalid' in message
+    assert f'"{offender}" is not in this node\'s GPU inventory' in message
+    listed = await node.runtime.list()
+    assert listed["containers"] == [] and node.store.allocations() == []
+    assert not node.pipe_root.exists() or os.listdir(node.pipe_root) == []
+
+
+async def test_whole_gpus_named_all_are_refused_too(node: Node) -> None:
+    pod = await node.pod({"gpufrac.io/container.t.gpus": "1", "nvidia.com/container.t.gpus.devices": "all"})
+    with pytest.raises(ContainerCreateFailed, match='"all" is not in this node\'s GPU inventory'):
+        await node.create(pod, "t")
+
+
+async def test_the_nodes_gpus_by_index_and_cdi_name_are_accepted(node: Node) -> None:
+    pod = await node.pod(
+        {
+            "nvidia.com/container.c.gpu-memory.request": "1Gi",
+            "nvidia.com/container.c.gpus.devices": f"1,nvidia.com/gpu={GPU_A}",
+            "gpu-fraction-num-devices": "2",
+        }
+    )
+    created = await node.create(pod, "c")
+    assert created.env["NVIDIA_VISIBLE_DEVICES"] == f"1,nvidia.com/gpu={GPU_A}"
+
+
+async def test_until_the_inventory_is_read_gpu_containers_are_refused(make_node) -> None:  # type: ignore[no-untyped-def]
+    node = await make_node(agent=False)
+    await node.start_agent(gpus=None)
+    pod = await node.pod(
+        {"nvidia.com/container.c.gpu-memory.request": "1Gi", "nvidia.com/container.c.gpus.devices": GPU_A}
+    )
+    with pytest.raises(ContainerCreateFailed, match="GPU inventory has not been read yet"):
+        await node.create(pod, "c")
+    plain = await node.pod({"team": "a"})
+    await node.create(plain, "web")  # containers without GPUs do not wait for it
+
+
+async def test_fail_open_creates_a_foreign_device_container_without_any_gpu(make_node) -> None:  # type: ignore[no-untyped-def]
+    node = await make_node(fail_open=True)
+    pod = await node.pod(
+        {"nvidia.com/container.c.gpu-memory.request": "1Gi", "nvidia.com/container.c.gpus.devices": "all"}
+    )
+    created = await node.create(pod, "c", env={"NVIDIA_VISIBLE_DEVICES": "all", "APP": "1"})
+    assert created.env == {"APP": "1"} and node.store.allocations() == []
+
+
+# -- container ids a hostile runtime could send -----------------------------------------------------------
+
+HOSTILE_IDS = ["../../escape", "a/b", "with\x00nul", "x" * 300, ".hidden", "..", "-flag"]
+
+
+def paths_under(root: Path) -> set[Path]:
+    return set(root.rglob("*")) if root.exists() else set()
+
+
+@pytest.mark.parametrize(
+    "container_id", HOSTILE_IDS, ids=["traversal", "slash", "nul", "overlong", "dot", "dotdot", "dash"]
+)
+async def test_a_container_id_that_could_name_a_path_fails_before_anything_is_made(
+    node: Node, container_id: str
+) -> None:
+    pod = await node.pod(
+        {"nvidia.com/container.c.gpu-memory.request": "1Gi", "nvidia.com/container.c.gpus.devices": GPU_A}
+    )
+    escape = node.root.parent / f"escape-{node.root.name}"  # where ../../ from the pipe root leads
+    container_id = container_id.replace("escape", escape.name)
+    before = paths_under(node.root)
+    with pytest.raises(ContainerCreateFailed) as failed:
+        await node.runtime.create_container(id=container_id, pod_id=pod, name="c")
+    assert "container id" in str(failed.value) and "is invalid" in str(failed.value)
+    assert node.store.allocations() == []
+    assert paths_under(node.root) - before == set()  # no leaf directory, no record
+    assert not escape.exists()
+
+
+async def test_synchronize_skips_a_hostile_container_id_without_making_a_path(make_node) -> None:  # type: ignore[no-untyped-def]
+    node = await make_node(agent=False)
+    pod = await node.pod(
+        {"nvidia.com/container.c.gpu-memory.request": "1Gi", "nvidia.com/container.c.gpus.devices": GPU_A}
+    )
+    escape = node.root.parent / f"escape-{node.root.name}"
+    await node.runtime.create_container(id=f"../../{escape.name}", pod_id=pod, name="c")  # nobody refuses
+    before = paths_under(node.root)
+    agent = await node.start_agent()
+    assert agent.store.allocations() == [] and agent.injector.unenforced == {}
+    assert {p for p in paths_under(node.root) - before if p.is_file()} == set()
+    assert not escape.exists()

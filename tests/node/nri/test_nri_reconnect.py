@@ -60,10 +60,44 @@ async def test_agent_restart_rebuilds_the_mapping_from_synchronize(node: Node) -
 
     agent = await node.start_agent()  # reads the stale records left on disk, then connects
     records = {r.container_id: r for r in agent.store.allocations()}
-    assert set(records) == {kept.id, late.id}
+    # Synchronize looks at what each container received: the late one runs bare and is not recorded
+    # as enforced; it is reported on its pod and counted instead.
+    assert set(records) == {kept.id}
     assert records[kept.id].request_mib == 4096 and records[kept.id].pod_name == "kept"
-    assert records[late.id].request_mib == 1024 and records[late.id].devices == (GPU_B,)
     assert not (agent.store.directory / f"{gone.id}.json").exists()
+    assert list(agent.injector.unenforced) == [late.id]
+    assert agent.counters.read().without_injection == 1
+    ((regarding, kind, reason, message),) = agent.events.emitted
+    assert (regarding.kind, regarding.namespace, regarding.name, regarding.uid) == (
+        "Pod",
+        "ml",
+        "late",
+        "uid-" + late_pod[3:],
+    )
+    assert (kind, reason) == ("Warning", "GpuInjectionMissing")
+    assert "ml/late container late runs without the GPU enforcement it needs" in message
+    assert "NVIDIA_VISIBLE_DEVICES missing" in message and "NVIDIA_GPU_MEMORY_LIMIT missing" in message
+
+    await node.runtime.restart()  # synchronized again: still counted, not reported twice
+    await node.runtime.wait_registrations(1, timeout_s=10)
+    assert list(agent.injector.unenforced) == [late.id] and agent.counters.read().without_injection == 1
+    assert len(agent.events.emitted) == 1
+
+    await node.runtime.stop_container(late.id)
+    await node.runtime.remove_container(late.id)  # the kubelet replaces it; the gauge drops with it
+    assert agent.injector.unenforced == {} and agent.counters.read().without_injection == 0
+
+
+async def test_a_fail_open_container_is_reported_after_an_agent_restart(make_node) -> None:  # type: ignore[no-untyped-def]
+    node: Node = await make_node(fail_open=True)
+    pod = await node.pod(fractional("c", "all"), name="wide")
+    bare = await node.create(pod, "c")  # "all" is refused; fail-open creates it without any GPU
+    assert "NVIDIA_VISIBLE_DEVICES" not in bare.env and node.store.allocations() == []
+    await node.agent.stop()
+
+    agent = await node.start_agent(fail_open=True)
+    assert agent.store.allocations() == [] and list(agent.injector.unenforced) == [bare.id]
+    assert [e[2] for e in agent.events.emitted] == ["GpuInjectionMissing"]
 
 
 async def test_plugin_waits_for_a_runtime_that_is_not_there_yet(make_node) -> None:  # type: ignore[no-untyped-def]
@@ -84,7 +118,6 @@ async def test_plugin_waits_for_a_runtime_that_is_not_there_yet(make_node) -> No
 async def test_synchronize_of_a_large_node_arrives_split_and_is_reassembled(node: Node) -> None:
     # ttrpc messages stop at 4 MiB; a runtime with more state splits Synchronize into parts flagged
     # "more", which a plugin must collect before acting on the whole.
-    await node.agent.stop()
     padding = "x" * 16_000
     ids = []
     for i in range(300):
@@ -92,6 +125,7 @@ async def test_synchronize_of_a_large_node_arrives_split_and_is_reassembled(node
         pod = await node.pod(annotations, name=f"big-{i}")
         created = await node.create(pod, "c")
         ids.append(created.id)
+    await node.agent.stop()
     agent = await node.start_agent()
     assert agent.plugin.last_sync_parts > 1
     assert sorted(r.container_id for r in agent.store.allocations()) == sorted(ids)

@@ -9,6 +9,35 @@ When the MPS supervisor runs (``hooks``), it may re-point the MPS directory moun
 directory or the classic pipe directory (``gpufrac.node.mps.containers.apply_adjustment``); the private
 leaf is created only when the mount still points at it.
 
+Classic MPS has ONE pipe directory for the node: its control daemon, its server and every client talk
+through named pipes and sockets in it (NVIDIA: the directory "should be consistent across all MPS
+clients sharing the same MPS server, and the MPS control daemon"), and the server makes its own there
+when it starts -- after the container exists -- so no per-container leaf can hold what a client needs,
+and a bind mount of single files would miss what appears later. Every sm-sharing container therefore
+sees the control socket and can send the control daemon its commands, as any local client can; v3
+(per-namespace directories) is what isolates tenants. What the plan can narrow, it does: the shared
+directory (``shared_pipe_dir``) is mounted read-only, nosuid, nodev, noexec (``SHARED_PIPE_MOUNT_OPTIONS``)
+-- connecting to a socket or opening a pipe does not need a writable mount, so a container can use MPS
+but cannot remove, replace or plant an entry that other tenants' clients would then talk to.
+``shared_pipe_writable`` gives the write access back should a driver's client need it.
+
+Devices are checked against this node's inventory before anything is injected: every assigned device
+must be a usable GPU of the node, by UUID, by index, or as the CDI name ``nvidia.com/gpu=<uuid|index>``.
+``all``, a UUID of another node's GPU or a withdrawn (MIG, prohibited) one fails the container, naming
+the key, the value and the device; so does any device while the inventory has not been read. What the
+scheduler assigned is on the node by construction, so only a forged or stale assignment is refused.
+A GPU container's id names its leaf directory and its mapping record, so it is checked first
+(``gpufrac.node.mapping.check_container_id``): an id with a slash, a NUL, a leading dot or over 128
+characters fails the container (and is skipped at Synchronize) before any path is made from it.
+
+A container gpufrac has no ask for, but that the device plugin gave a GPU (``NVIDIA_VISIBLE_DEVICES``
+other than ``void``/``none``, a device-list mount under ``/var/run/nvidia-container-devices``, or an
+``nvidia.com/`` CDI device) -- a pod of another scheduler on a node whose GPUs gpufrac shares -- uses a
+GPU outside gpufrac's books. By default it is created as it is and reported (a Warning Event
+``GpuOutsideGpufrac`` on its pod, ``gpufrac_enforcement_violations_total{kind="foreign_gpu"}``);
+``foreign_gpus="refuse"`` fails it instead, with that reason. Namespaces in ``foreign_gpus_exempt``
+(system pods that set ``NVIDIA_VISIBLE_DEVICES`` in their manifests) are left alone.
+
 Failure policy. A pod that breaks the contract, or is not placed yet, fails the container with the
 contract's message, which names the key (fail-closed): the kubelet shows it as the container's error
 and retries. With ``fail_open`` the container is created instead, without GPU enforcement -- and
@@ -17,22 +46,42 @@ and a warning is logged; an MPS daemon that is not serving then only costs the M
 
 Synchronize (after every connection) recomputes the plan of every container the runtime reports and
 makes the mapping store equal to it; a container whose annotations no longer parse is logged and left
-out (it exists, it cannot be failed any more, and the audit reports it).
+out (it exists, it cannot be failed any more, and the audit reports it). Synchronize does not take a
+running container's injection on trust: the runtime reports each container's environment as created,
+and a GPU container whose enforcement variables differ from its plan (created while the agent was away,
+or fail-open) is not recorded as enforced; it is reported instead -- a Warning Event on its pod
+(``GpuInjectionMissing``, as the audit says it) and the ``gpufrac_containers_without_injection`` gauge,
+which drops again when the container is removed.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
+from typing import Literal
 
 from gpufrac._generated.nri import api_pb2 as api
+from gpufrac.contract import keys
 from gpufrac.contract.errors import ContractError
-from gpufrac.node.inject import CONTAINER_PIPE_DIR, ENFORCEMENT_ENV, InjectionPlan, pipe_leaf, plan_container
-from gpufrac.node.mapping import AllocationRecord, MappingStore
+from gpufrac.kube.events import WARNING, ObjectRef
+from gpufrac.node.audit import REASON_MISSING_INJECTION, EventSink, injection_problems
+from gpufrac.node.inject import (
+    CONTAINER_PIPE_DIR,
+    ENFORCEMENT_ENV,
+    NVIDIA_VISIBLE_DEVICES,
+    InjectionPlan,
+    is_cdi_name,
+    pipe_leaf,
+    plan_container,
+)
+from gpufrac.node.inventory.backend import GpuInfo
+from gpufrac.node.mapping import AllocationRecord, InvalidContainerId, MappingStore, check_container_id
+from gpufrac.node.metrics import FOREIGN_GPU, EnforcementCounters
 from gpufrac.node.mps.containers import ContainerHooks, apply_adjustment
 from gpufrac.node.mps.supervisor import MpsUnavailable
 from gpufrac.node.nri.plugin import ContainerRejected
@@ -41,6 +90,46 @@ log = logging.getLogger(__name__)
 
 #: Looks up a GPU's total MiB by UUID (the inventory); None when unknown.
 DeviceMib = Callable[[str], int | None]
+#: The node's usable GPUs (the latest inventory); None while it has not been read.
+NodeGpus = Callable[[], Sequence[GpuInfo] | None]
+#: Where NVIDIA's device plugin lists a container's devices with its volume-mounts strategy.
+DEVICE_LIST_MOUNT_ROOT = "/var/run/nvidia-container-devices"
+REASON_FOREIGN_GPU = "GpuOutsideGpufrac"
+#: What the agent does with such a container: create it and report it, or refuse it.
+ForeignGpuPolicy = Literal["report", "refuse"]
+#: The classic MPS pipe directory's mount: read-only, nothing executable or a device (see the docstring).
+SHARED_PIPE_MOUNT_OPTIONS = ("rbind", "ro", "nosuid", "nodev", "noexec")
+#: The CDI kind NVIDIA's CDI specs give whole GPUs (``nvidia.com/gpu=<index|uuid|all>``).
+CDI_GPU_KIND = "nvidia.com/gpu"
+
+
+def device_plugin_gpu(container: api.Container) -> str | None:
+    """How ``container`` was given a GPU without gpufrac (the device plugin's ways), or None."""
+    for entry in container.env:
+        key, _, value = entry.partition("=")
+        if key == NVIDIA_VISIBLE_DEVICES and value.strip() not in ("", "void", "none"):
+            return f"{NVIDIA_VISIBLE_DEVICES}={value}"
+    for mount in container.mounts:
+        if mount.destination.startswith(DEVICE_LIST_MOUNT_ROOT + "/"):
+            return f"the device-list mount {mount.destination}"
+    for device in container.CDI_devices:
+        if device.name.startswith("nvidia.com/"):
+            return f"the CDI device {device.name}"
+    return None
+
+
+def foreign_device(devices: Sequence[str], gpus: Sequence[GpuInfo]) -> str | None:
+    """The first of ``devices`` that is not one of ``gpus`` (by UUID, index or CDI name); None if all are."""
+    names = {g.uuid for g in gpus} | {str(g.index) for g in gpus}
+    for device in devices:
+        name = device
+        if is_cdi_name(device):
+            kind, _, name = device.partition("=")
+            if kind != CDI_GPU_KIND:
+                return device
+        if name not in names:
+            return device
+    return None
 
 
 class GpuInjector:
@@ -55,13 +144,30 @@ class GpuInjector:
         fail_open: bool = False,
         hooks: ContainerHooks | None = None,
         device_mib: DeviceMib | None = None,
+        node_gpus: NodeGpus | None = None,
+        events: EventSink | None = None,
+        counters: EnforcementCounters | None = None,
+        foreign_gpus: ForeignGpuPolicy = "report",
+        foreign_gpus_exempt: frozenset[str] = frozenset(),
+        shared_pipe_dir: str | None = None,
+        shared_pipe_writable: bool = False,
     ) -> None:
+        """``node_gpus`` is what assigned devices are checked against (the agent always gives it; None
+        skips the check, for tests of the plan alone)."""
         self._store = store
         self._pipe_root = pipe_root
         self._container_pipe_dir = container_pipe_dir
         self._fail_open = fail_open
         self._hooks = hooks
         self._device_mib = device_mib or (lambda _uuid: None)
+        self._node_gpus = node_gpus
+        self._events = events
+        self._counters = counters
+        self._refuse_foreign = foreign_gpus == "refuse"
+        self._foreign_exempt = foreign_gpus_exempt
+        self._shared_pipe_dir = None if shared_pipe_writable else shared_pipe_dir
+        #: Running GPU containers Synchronize found without their injection: id -> what is wrong.
+        self.unenforced: dict[str, str] = {}
         self.runtime: tuple[str, str] | None = None
         self.refused = 0
         self.failed_open = 0
@@ -94,7 +200,15 @@ class GpuInjector:
         except ContractError as exc:
             return self._refuse(f"gpufrac: {exc}", container=container, where=where)
         if plan is None:
+            self._check_foreign_gpu(pod=pod, container=container, where=where)
             return None
+        try:  # before any path is made from it: the leaf directory, the mapping record, MPS's state
+            check_container_id(container.id)
+        except InvalidContainerId as exc:
+            return self._refuse(f"gpufrac: {exc}", container=container, where=where)
+        unknown = self._not_on_node(plan, annotations=pod.annotations)
+        if unknown is not None:
+            return self._refuse(f"gpufrac: {unknown}", container=container, where=where)
 
         if self._hooks is not None:
             try:
@@ -107,6 +221,16 @@ class GpuInjector:
                 self.failed_open += 1
                 log.warning("nri: MPS unavailable, creating without it (fail-open): %s", exc, extra=where)
 
+        if self._shared_pipe_dir is not None:
+            plan = dataclasses.replace(
+                plan,
+                mounts=tuple(
+                    dataclasses.replace(m, options=SHARED_PIPE_MOUNT_OPTIONS)
+                    if m.source.rstrip("/") == self._shared_pipe_dir.rstrip("/")
+                    else m
+                    for m in plan.mounts
+                ),
+            )
         mount_source = next((m.source for m in plan.mounts), None)
         if mount_source == source:  # our private leaf (MPS may have re-pointed the mount at its own)
             os.makedirs(source, mode=0o755, exist_ok=True)
@@ -138,6 +262,51 @@ class GpuInjector:
             },
         )
         return adjust
+
+    def _check_foreign_gpu(
+        self, *, pod: api.PodSandbox, container: api.Container, where: dict[str, str]
+    ) -> None:
+        how = device_plugin_gpu(container)
+        if how is None or pod.namespace in self._foreign_exempt:
+            return
+        message = (
+            f"gpufrac: container {container.name} of pod {pod.namespace}/{pod.name} was given a GPU outside "
+            f"gpufrac ({how}), on a node whose GPUs gpufrac shares: it would use memory no one accounts "
+            "for; schedule it with gpufrac's scheduler (nvidia.com/gpu becomes an exclusive gpufrac "
+            "request) or run it on a node gpufrac does not manage"
+        )
+        if self._counters is not None:
+            self._counters.violation(kind=FOREIGN_GPU)
+        if self._events is not None:
+            self._events.emit(
+                regarding=ObjectRef(kind="Pod", namespace=pod.namespace, name=pod.name, uid=pod.uid),
+                type=WARNING,
+                reason=REASON_FOREIGN_GPU,
+                message=message + ("; refused" if self._refuse_foreign else ""),
+            )
+        if self._refuse_foreign:
+            self.refused += 1
+            log.warning("nri: refusing container: %s", message, extra=where)
+            raise ContainerRejected(message)
+        log.warning("nri: %s", message, extra=where)
+
+    def _not_on_node(self, plan: InjectionPlan, *, annotations: Mapping[str, str]) -> str | None:
+        """Why ``plan``'s devices cannot be given on this node; None when they are all its usable GPUs."""
+        if self._node_gpus is None:
+            return None
+        key = keys.devices_key(plan.container)
+        value = annotations.get(key, ",".join(plan.devices))
+        gpus = self._node_gpus()
+        if gpus is None:
+            return f'{key}="{value}" cannot be checked: this node\'s GPU inventory has not been read yet'
+        device = foreign_device(plan.devices, gpus)
+        if device is None:
+            return None
+        return (
+            f'{key}="{value}" is invalid: "{device}" is not in this node\'s GPU inventory '
+            f"({len(gpus)} usable GPU{'' if len(gpus) == 1 else 's'}, named by UUID, index or "
+            f"{CDI_GPU_KIND}=<UUID|index>)"
+        )
 
     def _refuse(
         self, message: str, *, container: api.Container, where: dict[str, str]
@@ -188,6 +357,8 @@ class GpuInjector:
             await self._hooks.on_stop(container_id=container.id)
 
     async def remove_container(self, *, pod: api.PodSandbox, container: api.Container) -> None:
+        if self.unenforced.pop(container.id, None) is not None:
+            self._count_unenforced()
         record = self._store.remove(container.id)
         if record is None:
             return
@@ -203,9 +374,17 @@ class GpuInjector:
         by_id = {p.id: p for p in pods}
         records: list[AllocationRecord] = []
         live: list[tuple[str, InjectionPlan]] = []
+        unenforced: dict[str, str] = {}
         for container in containers:
             pod = by_id.get(container.pod_sandbox_id)
             if pod is None:
+                continue
+            try:
+                check_container_id(container.id)
+            except InvalidContainerId as exc:
+                log.warning(
+                    "nri: synchronize: skipping a container of %s/%s: %s", pod.namespace, pod.name, exc
+                )
                 continue
             source = pipe_leaf(root=str(self._pipe_root), container_id=container.id)
             try:
@@ -225,9 +404,25 @@ class GpuInjector:
                     extra={"id": container.id},
                 )
                 continue
-            if plan is not None:
-                records.append(self._record(pod=pod, container=container, plan=plan))
-                live.append((container.id, plan))
+            if plan is None:
+                continue
+            problems = injection_problems(
+                expected=plan.env_map,
+                actual=dict(entry.partition("=")[::2] for entry in container.env),
+                managed_keys=ENFORCEMENT_ENV,
+            )
+            if problems:  # never recorded as enforced; reported while it can still run
+                if container.state != api.CONTAINER_STOPPED:
+                    unenforced[container.id] = "; ".join(problems)
+                    if container.id not in self.unenforced:  # once per container, not per reconnection
+                        self._report_unenforced(
+                            pod=pod, container=container, problems=unenforced[container.id]
+                        )
+                continue
+            records.append(self._record(pod=pod, container=container, plan=plan))
+            live.append((container.id, plan))
+        self.unenforced = unenforced
+        self._count_unenforced()
         written, removed = self._store.replace_all(records)
         if self._hooks is not None:  # MPS: namespaces of running containers survive an agent restart
             await self._hooks.on_synchronize(live)
@@ -237,7 +432,27 @@ class GpuInjector:
                 "pods": len(pods),
                 "containers": len(containers),
                 "gpu_containers": len(records),
+                "without_injection": len(unenforced),
                 "records_written": written,
                 "records_removed": removed,
             },
         )
+
+    def _report_unenforced(self, *, pod: api.PodSandbox, container: api.Container, problems: str) -> None:
+        where = f"{pod.namespace}/{pod.name} container {container.name}"
+        message = (
+            f"{where} runs without the GPU enforcement it needs ({problems}): it was created while the "
+            "node agent was not in the runtime's path (or fail-open); it is not recorded as enforced"
+        )
+        log.warning("nri: synchronize: %s", message, extra={"id": container.id})
+        if self._events is not None:
+            self._events.emit(
+                regarding=ObjectRef(kind="Pod", namespace=pod.namespace, name=pod.name, uid=pod.uid),
+                type=WARNING,
+                reason=REASON_MISSING_INJECTION,
+                message=message,
+            )
+
+    def _count_unenforced(self) -> None:
+        if self._counters is not None:
+            self._counters.running_without_injection(len(self.unenforced))

@@ -12,6 +12,10 @@ ttrpc writer is a 4 KiB ``bufio.Writer``: a message goes out as one frame of at 
 rest of the message as one more frame, which the reader reads straight into the message buffer. ``send``
 frames every ttrpc message exactly so. Reading needs no such care: frames are appended to a byte stream
 per connection, so frame boundaries never matter here.
+
+Whatever the runtime sends cannot take the agent down: a frame longer than the Go side ever writes, or
+bytes a receiver cannot make sense of (a broken ttrpc header, an undecodable reply), end the session
+with ``MalformedData`` -- a ``TrunkClosed`` -- so the plugin logs it, drops the socket and reconnects.
 """
 
 from __future__ import annotations
@@ -33,6 +37,10 @@ MAX_PAYLOAD = 10 + (4 << 20)
 
 class TrunkClosed(ConnectionError):
     """The runtime closed the socket (or it broke): every logical connection is gone."""
+
+
+class MalformedData(TrunkClosed):
+    """The runtime sent what NRI's protocol cannot carry; the session is over, as if the socket broke."""
 
 
 class Mux:
@@ -70,10 +78,22 @@ class Mux:
             while True:
                 header = await reader.readexactly(HEADER.size)
                 conn_id, length = HEADER.unpack(header)
+                if length > MAX_PAYLOAD:
+                    raise MalformedData(
+                        f"NRI frame of {length} bytes on connection {conn_id} exceeds {MAX_PAYLOAD}"
+                    )
                 payload = await reader.readexactly(length) if length else b""
                 receiver = self._receivers.get(conn_id)
-                if receiver is not None:  # frames for a connection nobody opened are dropped, as in Go
+                if receiver is None:  # frames for a connection nobody opened are dropped, as in Go
+                    continue
+                try:
                     receiver(payload)
+                except Exception as exc:
+                    raise MalformedData(
+                        f"malformed data on NRI connection {conn_id}: {type(exc).__name__}: {exc}"
+                    ) from exc
+        except MalformedData:
+            raise
         except (asyncio.IncompleteReadError, ConnectionError, OSError) as exc:
             raise TrunkClosed(f"the NRI socket closed ({exc.__class__.__name__})") from exc
 

@@ -10,7 +10,9 @@ plugin built on NRI's ``pkg/stub`` would make it:
 
 When the runtime restarts or drops us the socket closes; ``run`` connects again with exponential backoff
 (reset once a session got as far as registering), and the next ``Synchronize`` brings the handler up to
-date. Everything gpufrac-specific lives behind ``NriHandler``; this module only speaks the protocol.
+date. A runtime that sends malformed data (``mux.MalformedData``) is treated the same way: the session
+ends, the socket is dropped, and the plugin reconnects; nothing a runtime sends ends ``run``.
+Everything gpufrac-specific lives behind ``NriHandler``; this module only speaks the protocol.
 
 CreateContainer sits on the runtime's critical path with a 2 s budget per plugin (after which the runtime
 drops the plugin), so requests are decoded and answered on the event loop with no thread hops, and each
@@ -20,7 +22,6 @@ runs in its own task so a slow StopContainer never holds up a create.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -28,7 +29,8 @@ from importlib import resources
 from typing import Protocol
 
 from gpufrac._generated.nri import api_pb2 as api
-from gpufrac.node.nri.mux import PLUGIN_SERVICE_CONN, RUNTIME_SERVICE_CONN, Mux, TrunkClosed
+from gpufrac.contract import keys
+from gpufrac.node.nri.mux import PLUGIN_SERVICE_CONN, RUNTIME_SERVICE_CONN, MalformedData, Mux, TrunkClosed
 from gpufrac.node.nri.ttrpc import Code, Method, TtrpcClient, TtrpcError, TtrpcServer
 
 log = logging.getLogger(__name__)
@@ -89,7 +91,7 @@ def event_mask(events: Iterable[int]) -> int:
 
 @dataclass(frozen=True, slots=True)
 class PluginIdentity:
-    name: str = "gpufrac"
+    name: str = keys.NRI_PLUGIN_NAME
     #: Two digits; the runtime calls plugins in ascending index order. 10 runs gpufrac early, so plugins
     #: after it see the enforcement env (and cannot silently take it over: NRI refuses a second owner).
     index: str = "10"
@@ -133,6 +135,9 @@ class NriPlugin:
             registered = False
             try:
                 registered = await self._session()
+            except MalformedData as exc:  # the runtime's bytes, not the network: say so louder
+                self.last_error = f"{type(exc).__name__}: {exc}"
+                log.warning("nri: dropped the connection: %s", exc, extra={"socket": self._socket_path})
             except (OSError, TrunkClosed, TtrpcError, TimeoutError) as exc:
                 self.last_error = f"{type(exc).__name__}: {exc}"
                 log.info(
@@ -140,6 +145,9 @@ class NriPlugin:
                     self.last_error,
                     extra={"socket": self._socket_path},
                 )
+            except Exception as exc:  # whatever else a session meets, the plugin stays in the runtime's path
+                self.last_error = f"{type(exc).__name__}: {exc}"
+                log.exception("nri: session failed; reconnecting", extra={"socket": self._socket_path})
             finally:
                 self._set_synchronized(False)
             if registered:
@@ -181,8 +189,8 @@ class NriPlugin:
             done, _ = await asyncio.wait({registering, reading}, return_when=asyncio.FIRST_COMPLETED)
             if registering not in done:  # the socket closed first
                 registering.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await registering
+                # gather, not suppress(CancelledError): a cancellation of this task must not be swallowed
+                await asyncio.gather(registering, return_exceptions=True)
                 await reading  # raises TrunkClosed
                 raise TrunkClosed("the runtime closed the socket before registration")
             await registering  # raises when the runtime refused the registration
@@ -199,8 +207,7 @@ class NriPlugin:
             reading.cancel()
             client.fail_pending(TrunkClosed("the NRI session ended"))
             await server.close()
-            with contextlib.suppress(asyncio.CancelledError, TrunkClosed):
-                await reading
+            await asyncio.gather(reading, return_exceptions=True)  # as above: our own cancel propagates
             await mux.close()
         return registered
 

@@ -15,6 +15,7 @@ ttrpc's own request.proto (scripts/gen-nri-protos).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import struct
 from collections.abc import Awaitable, Callable
@@ -86,6 +87,10 @@ class _Deframer:
         buffer += data
         while len(buffer) >= HEADER.size:
             length, stream_id, kind, flags = HEADER.unpack_from(buffer)
+            if length > MESSAGE_LENGTH_MAX:  # ttrpc refuses these; buffering it would only grow memory
+                raise TtrpcError(
+                    Code.RESOURCE_EXHAUSTED, f"ttrpc message of {length} bytes exceeds {MESSAGE_LENGTH_MAX}"
+                )
             end = HEADER.size + length
             if len(buffer) < end:
                 return
@@ -128,7 +133,10 @@ class TtrpcServer:
             log.exception("ttrpc: handler failed")
             response.status.code = int(Code.INTERNAL)
             response.status.message = f"{type(exc).__name__}: {exc}"
-        self._mux.send(self._conn_id, encode_message(stream_id, TYPE_RESPONSE, response.SerializeToString()))
+        with contextlib.suppress(ConnectionError):  # the session ended meanwhile: nobody to answer
+            self._mux.send(
+                self._conn_id, encode_message(stream_id, TYPE_RESPONSE, response.SerializeToString())
+            )
 
     async def close(self) -> None:
         for task in list(self._tasks):
@@ -154,7 +162,12 @@ class TtrpcClient:
         if kind != TYPE_RESPONSE:
             future.set_exception(TtrpcError(Code.INTERNAL, f"unexpected ttrpc message type {kind}"))
             return
-        future.set_result(request_pb2.Response.FromString(body))
+        try:
+            response = request_pb2.Response.FromString(body)
+        except Exception as exc:  # the caller learns now; the reader ends the session (mux.MalformedData)
+            future.set_exception(TtrpcError(Code.DATA_LOSS, f"undecodable ttrpc reply: {exc}"))
+            raise
+        future.set_result(response)
 
     async def call(self, *, service: str, method: str, payload: bytes, timeout_s: float) -> bytes:
         stream_id = self._next_stream
