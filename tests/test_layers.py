@@ -25,6 +25,9 @@ ALLOWED: dict[str, set[str]] = {
     "sim": {"contract", "placement"},
     "operator": {"contract", "kube", "process"},
     "local": {"contract", "kube", "node"},
+    # kubectl-gpufrac is an entry like the cli: it reads through the layers below so that what it shows
+    # is what they count; nothing imports it.
+    "kubectl": {"contract", "placement", "kube", "scheduler", "sim", "node", "operator"},
 }
 
 #: Where a layer may import only some modules of a layer below it (module prefixes).
@@ -32,6 +35,9 @@ ONLY: dict[str, dict[str, tuple[str, ...]]] = {
     # local starts the components as processes; of the node agent it uses only what describes a
     # simulated Node (label names, the simulated inventory's models, the MPS capability labels).
     "local": {"node": ("gpufrac.node.labels", "gpufrac.node.inventory.simulated", "gpufrac.node.mps.mode")},
+    # kubectl's `top` reuses the node agent's view of its metrics, and it finds the agents' pods by the
+    # names the operator renders them with.
+    "kubectl": {"node": ("gpufrac.node.top",), "operator": ("gpufrac.operator.render",)},
 }
 
 #: The ``gpufrac`` command: a table of contents that registers each component's command.

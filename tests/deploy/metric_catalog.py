@@ -48,6 +48,7 @@ def _scheduler() -> CollectorRegistry:
             gpu_allocations=lambda: [GpuAllocation("n", "GPU-0", 0, 80000, 1000, 2000)],
             is_leader=lambda: True,
             informer_relists=lambda: {"pods": 0},
+            heartbeat_expired_nodes=lambda: 0,
         )
     )
     return metrics.registry
