@@ -69,7 +69,7 @@ from gpufrac._generated.nri import api_pb2 as api
 from gpufrac.contract import keys
 from gpufrac.contract.errors import ContractError
 from gpufrac.kube.events import WARNING, ObjectRef
-from gpufrac.node.audit import REASON_MISSING_INJECTION, EventSink, injection_problems
+from gpufrac.node.enforcement_audit import REASON_MISSING_INJECTION, EventSink, injection_problems
 from gpufrac.node.inject import (
     CONTAINER_PIPE_DIR,
     ENFORCEMENT_ENV,
