@@ -26,7 +26,7 @@ class ClassicAnswers:
         self.pipe_dir = pipe_dir
 
     async def on_create(self, plan: InjectionPlan, *, container_id: str) -> MpsAdjustment:
-        if plan.mode is not ComputeMode.SM_SHARING:
+        if plan.bound.mode is not ComputeMode.SM_SHARING:
             return MpsAdjustment()
         return MpsAdjustment(pipe_source=str(self.pipe_dir))
 

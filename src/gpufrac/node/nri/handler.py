@@ -294,12 +294,12 @@ class GpuInjector:
         """Why ``plan``'s devices cannot be given on this node; None when they are all its usable GPUs."""
         if self._node_gpus is None:
             return None
-        key = keys.devices_key(plan.container)
-        value = annotations.get(key, ",".join(plan.devices))
+        key = keys.devices_key(plan.bound.container)
+        value = annotations.get(key, ",".join(plan.bound.devices))
         gpus = self._node_gpus()
         if gpus is None:
             return f'{key}="{value}" cannot be checked: this node\'s GPU inventory has not been read yet'
-        device = foreign_device(plan.devices, gpus)
+        device = foreign_device(plan.bound.devices, gpus)
         if device is None:
             return None
         return (
