@@ -23,26 +23,41 @@ if TYPE_CHECKING:
     from gpufrac.local.cluster import ClusterShape
 
 
-def _shape(nodes: int, gpus: int, model: str, policy: str) -> ClusterShape:
-    from gpufrac.local.cluster import ClusterShape
+def _shape(nodes: int, gpus: int, model: str, policy: str, runtime: str = "simulated") -> ClusterShape:
+    from gpufrac.local.cluster import RUNTIMES, ClusterShape
 
     if model not in GPU_MODELS:
         raise typer.BadParameter(f"--gpu-model {model!r} is not one of {', '.join(GPU_MODELS)}")
-    return ClusterShape(nodes=nodes, node=NodeShape(gpus=gpus, model=model), policy=policy)
+    if runtime not in RUNTIMES:
+        raise typer.BadParameter(f"--runtime {runtime!r} is not one of {', '.join(RUNTIMES)}")
+    if runtime == "containerd" and nodes != 1:
+        raise typer.BadParameter(
+            f"--nodes {nodes} with --runtime containerd: the real node is one per machine"
+        )
+    return ClusterShape(nodes=nodes, node=NodeShape(gpus=gpus, model=model), policy=policy, runtime=runtime)
 
 
 def up(
-    nodes: int = typer.Option(2, "--nodes", min=1, help="Simulated GPU nodes."),
+    nodes: int | None = typer.Option(
+        None, "--nodes", min=1, help="GPU nodes (default 2 simulated, 1 with --runtime containerd)."
+    ),
     gpus: int = typer.Option(4, "--gpus", min=1, help="GPUs per node."),
     gpu_model: str = typer.Option("H100-80GB", "--gpu-model", help="GPU model of every node."),
     policy: str = typer.Option("binpack", "--policy", help="Scheduler placement policy."),
     work_dir: Path | None = typer.Option(
         None, "--work-dir", help="Keep the cluster's state and logs here (default: a temporary directory)."
     ),
+    runtime: str = typer.Option(
+        "simulated",
+        "--runtime",
+        help="simulated: NRI's runtime side and a simulated kubelet; containerd: one real node "
+        "(containerd, runc, kubelet; needs root and cgroups).",
+    ),
 ) -> None:
     """Start the embedded cluster (control plane, webhook, scheduler, node agents) until Ctrl-C."""
     console = Console()
-    asyncio.run(_up(console, _shape(nodes, gpus, gpu_model, policy), work_dir))
+    count = nodes if nodes is not None else (1 if runtime == "containerd" else 2)
+    asyncio.run(_up(console, _shape(count, gpus, gpu_model, policy, runtime), work_dir))
 
 
 async def _up(console: Console, shape: ClusterShape, work_dir: Path | None) -> None:
@@ -56,6 +71,7 @@ async def _up(console: Console, shape: ClusterShape, work_dir: Path | None) -> N
     async with cluster:
         console.print(
             f"[bold green]gpufrac is up[/]: {shape.nodes} nodes x {shape.node.gpus} {shape.node.model}"
+            f" ({shape.runtime} runtime)"
         )
         console.print(f"  export KUBECONFIG={cluster.kubeconfig}")
         console.print(f"  logs: {cluster.logs}")

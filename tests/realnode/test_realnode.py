@@ -1,0 +1,185 @@
+"""The real node: our scheduler places a pod, a real kubelet runs it through containerd and runc, and
+what the container's process got is read from the kernel (``/proc/<pid>/environ``), not from our records.
+
+One embedded cluster with ``runtime="containerd"`` (``gpufrac.local.realnode``) serves the module. These
+tests need root and cgroups; where the machine has them they must run (CI here has both), so they skip
+only when ``missing_requirements`` names what is missing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import pytest
+from lightkube.models.core_v1 import Container, EnvVar, PodSpec, Toleration
+from lightkube.models.meta_v1 import ObjectMeta
+from lightkube.resources.core_v1 import Node, Pod
+
+from gpufrac.contract import keys
+from gpufrac.local import ociimage
+from gpufrac.local.cluster import ClusterShape, LocalCluster
+from gpufrac.local.realnode import missing_requirements, process_environ, process_mount_points
+from gpufrac.local.simnodes import NodeShape
+from gpufrac.node.inject import (
+    CONTAINER_PIPE_DIR,
+    ENFORCEMENT_ENV,
+    NVIDIA_GPU_MEMORY_LIMIT,
+    NVIDIA_VISIBLE_DEVICES,
+    plan_container,
+)
+
+pytestmark = pytest.mark.kube
+
+_missing = missing_requirements()
+if _missing:
+    pytest.skip(f"no real node on this machine: it lacks {'; '.join(_missing)}", allow_module_level=True)
+
+NODE = "real-gpu-000"
+SCHEDULER = "gpufrac-scheduler"
+#: What a user writes to widen the limit; the node agent must remove it.
+USER_LIMIT = "999999"
+
+
+@pytest.fixture(scope="module")
+async def cluster() -> AsyncIterator[LocalCluster]:
+    shape = ClusterShape(
+        nodes=1, prefix="real-gpu-", node=NodeShape(gpus=2, model="H100-80GB"), runtime="containerd"
+    )
+    assert shape.node_names == [NODE]
+    async with LocalCluster(shape=shape) as local:
+        yield local
+
+
+def _pod(name: str, *, annotations: dict[str, str] | None = None, gpu: bool = True) -> Pod:
+    """A host-network busybox pod that sleeps until stopped (SIGTERM ends it at once)."""
+    app = Container(
+        name="app",
+        image=ociimage.WORKLOAD.ref,
+        imagePullPolicy="Never",
+        command=["/bin/sh", "-c", "trap 'exit 0' TERM; sleep 3600 & wait"],
+        env=[EnvVar(name=NVIDIA_GPU_MEMORY_LIMIT, value=USER_LIMIT), EnvVar(name="USER_VAR", value="kept")],
+    )
+    spec = PodSpec(
+        containers=[app],
+        hostNetwork=True,
+        automountServiceAccountToken=False,
+        terminationGracePeriodSeconds=1,
+    )
+    if gpu:
+        spec.schedulerName = SCHEDULER
+    else:
+        # Not a GPU pod: bound directly, tolerating the managed taint as a DaemonSet pod would.
+        spec.nodeName = NODE
+        spec.tolerations = [Toleration(**keys.managed_toleration())]
+    return Pod(metadata=ObjectMeta(name=name, annotations=annotations or {}), spec=spec)
+
+
+FRACTION = {"gpu-fraction": "0.25", "gpu-fraction.limit": "0.5"}
+
+
+async def _wait_pod(
+    cluster: LocalCluster, name: str, done: Callable[[Pod], bool], *, what: str, timeout_s: float = 60.0
+) -> Pod:
+    assert cluster.client is not None
+    deadline = time.monotonic() + timeout_s
+    while True:
+        pod = await cluster.client.get(Pod, name, namespace="default")
+        if done(pod):
+            return pod
+        if time.monotonic() > deadline:
+            raise AssertionError(f"pod {name} did not {what} within {timeout_s:.0f}s: {pod.status}")
+        await asyncio.sleep(0.2)
+
+
+def _running(pod: Pod) -> bool:
+    statuses = (pod.status.containerStatuses or []) if pod.status else []
+    return bool(statuses) and all(s.state is not None and s.state.running is not None for s in statuses)
+
+
+def _container_id(pod: Pod) -> str:
+    assert pod.status is not None and pod.status.containerStatuses
+    (status,) = pod.status.containerStatuses
+    assert status.containerID
+    return status.containerID
+
+
+async def _delete(cluster: LocalCluster, *names: str) -> None:
+    assert cluster.client is not None
+    for name in names:
+        await cluster.client.delete(Pod, name, namespace="default", grace_period=0)
+
+
+def _expected_env(pod: Pod) -> dict[str, Any]:
+    assert pod.metadata is not None
+    plan, _ = plan_container(annotations=pod.metadata.annotations or {}, container="app", pipe_source="")
+    assert plan is not None
+    return plan.env_map
+
+
+async def test_a_fractional_pod_runs_in_runc_with_the_plan_in_its_process_environment(
+    cluster: LocalCluster,
+) -> None:
+    assert cluster.client is not None and cluster.real_node is not None
+    await cluster.client.create(_pod("fraction", annotations=FRACTION), namespace="default")
+    pod = await _wait_pod(cluster, "fraction", _running, what="run")
+    assert pod.spec is not None and pod.spec.nodeName == NODE
+
+    pid = cluster.real_node.container_pid(_container_id(pod))
+    environ = process_environ(pid)
+    expected = _expected_env(pod)
+    # Every variable gpufrac owns is exactly what the contract plans: the scheduler's devices, the
+    # resolved MiB, the MPS directory -- and the user's own NVIDIA_GPU_MEMORY_LIMIT is gone.
+    assert {k: environ.get(k) for k in ENFORCEMENT_ENV} == {k: expected.get(k) for k in ENFORCEMENT_ENV}
+    assert environ[NVIDIA_GPU_MEMORY_LIMIT] != USER_LIMIT
+    assert environ["USER_VAR"] == "kept"
+    assert CONTAINER_PIPE_DIR in process_mount_points(pid)
+    await _delete(cluster, "fraction")
+
+
+async def test_without_the_node_agent_a_fractional_pod_waits_and_a_plain_pod_runs(
+    cluster: LocalCluster,
+) -> None:
+    assert cluster.client is not None and cluster.real_node is not None
+    node = cluster.real_node
+    await node.stop_agent()
+
+    async def agent_down() -> bool:
+        assert cluster.client is not None
+        got = await cluster.client.get(Node, NODE)
+        conditions = {c.type: c.status for c in (got.status.conditions or [])} if got.status else {}
+        return conditions.get(keys.NODE_READY_CONDITION) == "False"
+
+    deadline = time.monotonic() + 30
+    while not await agent_down():
+        assert time.monotonic() < deadline, "the stopped agent did not mark the node not ready"
+        await asyncio.sleep(0.2)
+
+    await cluster.client.create(_pod("waits", annotations=FRACTION), namespace="default")
+    # The scheduler says why it does not place the pod (the node's GPU fractioning is not ready).
+    waiting = await _wait_pod(
+        cluster,
+        "waits",
+        lambda p: any(
+            c.type == "PodScheduled" and c.status == "False"
+            for c in ((p.status.conditions or []) if p.status else [])
+        ),
+        what="be reported unschedulable",
+    )
+    assert waiting.spec is not None and not waiting.spec.nodeName
+
+    await cluster.client.create(_pod("plain", gpu=False), namespace="default")
+    plain = await _wait_pod(cluster, "plain", _running, what="run")
+    # Nothing was injected into it: the user's variables are all it has.
+    plain_env = process_environ(node.container_pid(_container_id(plain)))
+    assert plain_env[NVIDIA_GPU_MEMORY_LIMIT] == USER_LIMIT and NVIDIA_VISIBLE_DEVICES not in plain_env
+
+    # The agent returns: nobody touches the pod, and it runs with its limits.
+    await node.start_agent()
+    started = await _wait_pod(cluster, "waits", _running, what="run once the agent returned")
+    environ = process_environ(node.container_pid(_container_id(started)))
+    expected = _expected_env(started)
+    assert {k: environ.get(k) for k in ENFORCEMENT_ENV} == {k: expected.get(k) for k in ENFORCEMENT_ENV}
+    await _delete(cluster, "waits", "plain")
