@@ -11,11 +11,13 @@ from admission_reviews import apply_patch, binding_review, pod, review
 
 from gpufrac.admission.configuration import binding_match_expression, webhook_configurations
 from gpufrac.admission.review import AdmissionPolicy, mutate_review, validate_review
+from gpufrac.contract import keys
 from gpufrac.contract.parse import parse_pod_manifest
 
 SCHEDULER = "system:serviceaccount:gpufrac-system:gpufrac-scheduler"
 POLICY = AdmissionPolicy()
 NV = "nvidia.com/container."
+REQUIRES_GPUFRAC = '["gpufrac"]'
 
 
 def mutated(obj: dict, policy: AdmissionPolicy = POLICY) -> dict:
@@ -33,6 +35,7 @@ def test_a_legacy_gpu_memory_pod_is_stored_with_per_container_keys() -> None:
     assert stored["metadata"]["annotations"] == {
         f"{NV}side.gpu-memory.request": "4096Mi",
         f"{NV}side.gpu-memory.limit": "8192Mi",
+        keys.nri_required_plugins_key("side"): REQUIRES_GPUFRAC,
     }
     assert parse_pod_manifest(stored) == parse_pod_manifest(original)
 
@@ -41,7 +44,10 @@ def test_whole_gpus_of_our_pods_become_exclusive_requests_with_the_managed_toler
     stored = mutated(pod(gpus=2))
     app = stored["spec"]["containers"][0]
     assert app["resources"]["limits"] == {"cpu": "1"}
-    assert stored["metadata"]["annotations"] == {"gpufrac.io/container.app.gpus": "2"}
+    assert stored["metadata"]["annotations"] == {
+        "gpufrac.io/container.app.gpus": "2",
+        keys.nri_required_plugins_key("app"): REQUIRES_GPUFRAC,
+    }
     assert stored["spec"]["tolerations"] == [
         {"key": "gpufrac.io/managed", "operator": "Exists", "effect": "NoSchedule"}
     ]
@@ -54,8 +60,19 @@ def test_fractional_pods_of_our_scheduler_get_the_toleration_once() -> None:
     fractional["spec"]["tolerations"] = [{"key": "other", "operator": "Exists"}]
     stored = mutated(fractional)
     assert stored["spec"]["tolerations"][-1]["key"] == "gpufrac.io/managed"
-    assert stored["metadata"]["annotations"] == {"gpu-fraction": "0.5"}  # a portion stays as written
+    assert stored["metadata"]["annotations"] == {  # a portion stays as written
+        "gpu-fraction": "0.5",
+        keys.nri_required_plugins_key("app"): REQUIRES_GPUFRAC,
+    }
     assert mutated(stored) == stored
+
+
+def test_every_container_the_node_enforces_requires_the_gpufrac_nri_plugin_whatever_the_user_wrote() -> None:
+    # NRI's validator in containerd then refuses these containers while the node agent is away.
+    opted_out = pod({f"{NV}app.gpu-memory.request": "1Gi", keys.nri_required_plugins_key("app"): "[]"})
+    stored = mutated(opted_out)["metadata"]["annotations"]
+    assert stored[keys.nri_required_plugins_key("app")] == REQUIRES_GPUFRAC
+    assert keys.nri_required_plugins_key("side") not in stored  # asks for no GPU: nothing required
 
 
 def test_whole_gpu_pods_of_other_schedulers_are_left_to_the_device_plugin() -> None:

@@ -31,12 +31,15 @@ from gpufrac.admission.certs import TlsFiles, generate_tls
 from gpufrac.admission.configuration import webhook_configurations
 from gpufrac.admission.review import DEFAULT_SCHEDULER_USER
 from gpufrac.admission.server import AdmissionServer
+from gpufrac.contract import keys
 from gpufrac.local.controlplane import ControlPlane
 
 pytestmark = pytest.mark.kube
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 NV = "nvidia.com/container."
+#: What the mutating webhook adds to every pod whose container "app" asks for a GPU.
+REQUIRES_GPUFRAC = {keys.nri_required_plugins_key("app"): keys.nri_required_plugins_value()}
 USER = "alice@example.com"
 
 
@@ -114,7 +117,7 @@ def rejection(create: Any) -> tuple[int, str]:
 def test_a_valid_pod_is_admitted_with_the_managed_toleration(kube: Client, webhook: Webhook) -> None:
     manifest = yaml.safe_load((EXAMPLES / "inference-sm-sharing.yaml").read_text())
     stored = kube.create(codecs.from_dict(manifest), namespace=webhook.namespace)
-    assert stored.metadata.annotations == manifest["metadata"]["annotations"]
+    assert stored.metadata.annotations == {**manifest["metadata"]["annotations"], **REQUIRES_GPUFRAC}
     tolerations = [(t.key, t.operator, t.effect) for t in stored.spec.tolerations or []]
     assert ("gpufrac.io/managed", "Exists", "NoSchedule") in tolerations
 
@@ -165,7 +168,11 @@ def test_a_fraction_next_to_a_whole_gpu_is_rejected(kube: Client, webhook: Webho
 
 def test_a_legacy_pod_is_stored_translated(kube: Client, webhook: Webhook) -> None:
     stored = kube.create(pod("legacy", {"gpu-memory": "4096", "team": "a"}), namespace=webhook.namespace)
-    assert stored.metadata.annotations == {f"{NV}app.gpu-memory.request": "4096Mi", "team": "a"}
+    assert stored.metadata.annotations == {
+        f"{NV}app.gpu-memory.request": "4096Mi",
+        "team": "a",
+        **REQUIRES_GPUFRAC,
+    }
     assert (
         kube.get(Pod, "legacy", namespace=webhook.namespace).metadata.annotations
         == stored.metadata.annotations
@@ -175,7 +182,7 @@ def test_a_legacy_pod_is_stored_translated(kube: Client, webhook: Webhook) -> No
 def test_whole_gpus_are_stored_as_an_exclusive_gpufrac_request(kube: Client, webhook: Webhook) -> None:
     whole = pod("whole", resources={"limits": {"nvidia.com/gpu": "2", "cpu": "1"}})
     stored = kube.create(whole, namespace=webhook.namespace)
-    assert stored.metadata.annotations == {"gpufrac.io/container.app.gpus": "2"}
+    assert stored.metadata.annotations == {"gpufrac.io/container.app.gpus": "2", **REQUIRES_GPUFRAC}
     resources = stored.spec.containers[0].resources
     assert "nvidia.com/gpu" not in (resources.limits or {})
     assert "nvidia.com/gpu" not in (resources.requests or {})
@@ -232,11 +239,12 @@ def test_only_the_scheduler_may_write_devices(
         assert code == 403 and "cannot be changed" in shown
 
         bound = scheduler.patch(Pod, "mine", {"metadata": {"annotations": devices}})
-        assert bound.metadata.annotations == {**request, **devices}
+        assert bound.metadata.annotations == {**request, **devices, **REQUIRES_GPUFRAC}
         alice.patch(Pod, "mine", {"metadata": {"labels": {"owner": "alice"}}})  # the rest stays editable
         assert scheduler.create(pod("placed", {**request, **devices})).metadata.annotations == {
             **request,
             **devices,
+            **REQUIRES_GPUFRAC,
         }
 
 
@@ -312,12 +320,19 @@ def test_only_the_scheduler_may_bind_with_devices(
             f'{NV}app.gpus.devices="GPU-0a1b" is invalid: only the scheduler may set or change this key.'
         )
         untouched = kube.get(Pod, "target", namespace=ns)
-        assert not untouched.spec.nodeName and untouched.metadata.annotations == request
+        assert not untouched.spec.nodeName and untouched.metadata.annotations == {
+            **request,
+            **REQUIRES_GPUFRAC,
+        }
 
         answer = bind(scheduler, ns, "target", devices)
         assert answer.status_code == 201, answer.text
         bound = kube.get(Pod, "target", namespace=ns)
-        assert bound.spec.nodeName == "node-1" and bound.metadata.annotations == {**request, **devices}
+        assert bound.spec.nodeName == "node-1" and bound.metadata.annotations == {
+            **request,
+            **devices,
+            **REQUIRES_GPUFRAC,
+        }
 
         webhook.server.stop()  # a binding without contract keys never depends on the webhook
         answer = bind(alice, ns, "plain", {"team": "a"})

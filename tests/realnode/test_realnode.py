@@ -9,6 +9,8 @@ only when ``missing_requirements`` names what is missing.
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -183,3 +185,47 @@ async def test_without_the_node_agent_a_fractional_pod_waits_and_a_plain_pod_run
     expected = _expected_env(started)
     assert {k: environ.get(k) for k in ENFORCEMENT_ENV} == {k: expected.get(k) for k in ENFORCEMENT_ENV}
     await _delete(cluster, "waits", "plain")
+
+
+def _restarted(pod: Pod) -> bool:
+    statuses = (pod.status.containerStatuses or []) if pod.status else []
+    return any(s.restartCount and s.state is not None and s.state.running is not None for s in statuses)
+
+
+def _waiting(pod: Pod) -> tuple[str, str]:
+    statuses = (pod.status.containerStatuses or []) if pod.status else []
+    for status in statuses:
+        if status.state is not None and status.state.waiting is not None:
+            return status.state.waiting.reason or "", status.state.waiting.message or ""
+    return "", ""
+
+
+async def test_a_gpu_container_restarting_while_the_agent_is_away_is_refused_by_containerd(
+    cluster: LocalCluster,
+) -> None:
+    """The scheduler cannot help here (the pod is bound already): the webhook's NRI required-plugins
+    annotation makes containerd's own NRI validator refuse the container instead of starting it bare."""
+    assert cluster.client is not None and cluster.real_node is not None
+    node = cluster.real_node
+    await cluster.client.create(_pod("restarts", annotations=FRACTION), namespace="default")
+    pod = await _wait_pod(cluster, "restarts", _running, what="run")
+
+    await node.stop_agent()
+    os.kill(node.container_pid(_container_id(pod)), signal.SIGKILL)  # the workload crashes
+    # Either containerd refuses the new container, or it runs again -- without our plugin.
+    settled = await _wait_pod(
+        cluster,
+        "restarts",
+        lambda p: _restarted(p) or _waiting(p)[0] == "CreateContainerError",
+        what="be refused by containerd or restart",
+    )
+    assert not _restarted(settled), "the GPU container restarted without the node agent: no limits"
+    assert f'required plugin "{keys.NRI_PLUGIN_NAME}" not present' in _waiting(settled)[1]
+
+    # The agent returns: the kubelet's next try creates the container, with its limits.
+    await node.start_agent()
+    started = await _wait_pod(cluster, "restarts", _running, what="run once the agent returned", timeout_s=90)
+    environ = process_environ(node.container_pid(_container_id(started)))
+    expected = _expected_env(started)
+    assert {k: environ.get(k) for k in ENFORCEMENT_ENV} == {k: expected.get(k) for k in ENFORCEMENT_ENV}
+    await _delete(cluster, "restarts")

@@ -27,7 +27,7 @@ from typing import Any
 from gpufrac.contract import keys as k
 from gpufrac.contract.changes import changed_contract_keys, forbidden_changes
 from gpufrac.contract.errors import InvalidPodRequest, RuleViolation
-from gpufrac.contract.parse import container_specs, parse_pod
+from gpufrac.contract.parse import ContainerSpec, container_specs, parse_pod
 from gpufrac.contract.translate import translate
 
 DEFAULT_SCHEDULER_USER = "system:serviceaccount:gpufrac-system:gpufrac-scheduler"
@@ -152,13 +152,16 @@ def decide_mutate(request: Mapping[str, Any], policy: AdmissionPolicy) -> Verdic
     if translation is None:
         return Verdict(allowed=True)
 
+    changes: dict[str, str | None] = dict(translation.annotations)
+    changes.update(_required_plugins(annotations, changes, containers))
+
     patch: list[dict[str, Any]] = []
-    if translation.annotations:
+    if changes:
         if "annotations" not in (pod.get("metadata") or {}) or pod["metadata"]["annotations"] is None:
-            stored = {key: value for key, value in translation.annotations.items() if value is not None}
+            stored = {key: value for key, value in changes.items() if value is not None}
             patch.append({"op": "add", "path": "/metadata/annotations", "value": stored})
         else:
-            for key, value in sorted(translation.annotations.items()):
+            for key, value in sorted(changes.items()):
                 path = "/metadata/annotations/" + _escape(key)
                 if value is None:
                     patch.append({"op": "remove", "path": path})
@@ -178,6 +181,25 @@ def decide_mutate(request: Mapping[str, Any], policy: AdmissionPolicy) -> Verdic
         else:
             patch.append({"op": "add", "path": "/spec/tolerations/-", "value": k.managed_toleration()})
     return Verdict(allowed=True, patch=patch)
+
+
+def _required_plugins(
+    annotations: Mapping[str, str], changes: Mapping[str, str | None], containers: list[ContainerSpec]
+) -> dict[str, str]:
+    """NRI's required-plugins annotation for every container the node agent will enforce limits on.
+
+    A runtime with NRI's validator on then refuses to create such a container while the node agent is
+    not connected (``k.NRI_REQUIRED_PLUGINS_PREFIX``), instead of starting it without its limits. The
+    containers are those the node's own parse finds in the stored annotations (the node sees no
+    resources), so a whole-GPU pod left to the device plugin requires nothing. Always written: a user's
+    own value cannot drop the requirement.
+    """
+    stored = {key: value for key, value in {**annotations, **changes}.items() if value is not None}
+    try:
+        enforced = parse_pod(stored, [ContainerSpec(name=c.name) for c in containers]).containers
+    except InvalidPodRequest:
+        return {}
+    return {k.nri_required_plugins_key(c.container): k.nri_required_plugins_value() for c in enforced}
 
 
 def _escape(key: str) -> str:

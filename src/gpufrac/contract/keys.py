@@ -84,6 +84,26 @@ DEFAULT_SCHEDULER_NAME = "gpufrac-scheduler"
 PLACEMENT_POLICY_ANNOTATION = "gpufrac.io/placement-policy"
 
 
+#: The name the node agent registers with the runtime's NRI (``PluginIdentity``), and the one GPU
+#: containers require.
+NRI_PLUGIN_NAME = "gpufrac"
+#: NRI's own annotation (github.com/containerd/nri, ``plugin.RequiredPluginsAnnotation``): a YAML list of
+#: NRI plugins that must process the container. With containerd's built-in NRI validator enabled
+#: (``[plugins."io.containerd.nri.v1.nri".default_validator] enable = true``) the runtime refuses to
+#: create the container while one of them is not connected -- fail-closed even when the node agent is
+#: down. The mutating webhook writes it for every container that asks for a GPU.
+NRI_REQUIRED_PLUGINS_PREFIX = "required-plugins.noderesource.dev/container."
+
+
+def nri_required_plugins_key(container: str) -> str:
+    return f"{NRI_REQUIRED_PLUGINS_PREFIX}{container}"
+
+
+def nri_required_plugins_value() -> str:
+    """The annotation's value: our plugin, as the YAML (JSON) list NRI's validator reads."""
+    return f'["{NRI_PLUGIN_NAME}"]'
+
+
 def container_key(container: str, suffix: str) -> str:
     """``nvidia.com/container.<container>.<suffix>``."""
     return f"{NVIDIA_CONTAINER_PREFIX}{container}.{suffix}"

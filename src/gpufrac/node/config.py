@@ -19,6 +19,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from gpufrac.contract import keys
 from gpufrac.node.inject import CONTAINER_PIPE_DIR
 from gpufrac.node.nri.plugin import DEFAULT_SOCKET
 from gpufrac.node.reporting import UsageSettings
@@ -31,7 +32,7 @@ class NodeAgentSettings(BaseModel):
     kubeconfig: Path | None = None
     publish: bool = Field(True, description="write the inventory and readiness on the Node")
     nri_socket: str = DEFAULT_SOCKET
-    plugin_name: str = "gpufrac"
+    plugin_name: str = keys.NRI_PLUGIN_NAME
     plugin_index: str = Field("10", pattern=r"^[0-9]{2}$")
     backend: Literal["nvml", "simulated"] = "nvml"
     sim_gpus: str | None = Field(None, description="COUNTxMODEL[:MIB] groups, e.g. 8xH100-80GB")

@@ -28,6 +28,7 @@ from importlib import resources
 from typing import Protocol
 
 from gpufrac._generated.nri import api_pb2 as api
+from gpufrac.contract import keys
 from gpufrac.node.nri.mux import PLUGIN_SERVICE_CONN, RUNTIME_SERVICE_CONN, Mux, TrunkClosed
 from gpufrac.node.nri.ttrpc import Code, Method, TtrpcClient, TtrpcError, TtrpcServer
 
@@ -89,7 +90,7 @@ def event_mask(events: Iterable[int]) -> int:
 
 @dataclass(frozen=True, slots=True)
 class PluginIdentity:
-    name: str = "gpufrac"
+    name: str = keys.NRI_PLUGIN_NAME
     #: Two digits; the runtime calls plugins in ascending index order. 10 runs gpufrac early, so plugins
     #: after it see the enforcement env (and cannot silently take it over: NRI refuses a second owner).
     index: str = "10"
