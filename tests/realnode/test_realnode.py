@@ -229,3 +229,22 @@ async def test_a_gpu_container_restarting_while_the_agent_is_away_is_refused_by_
     expected = _expected_env(started)
     assert {k: environ.get(k) for k in ENFORCEMENT_ENV} == {k: expected.get(k) for k in ENFORCEMENT_ENV}
     await _delete(cluster, "restarts")
+
+
+async def test_a_fractional_pod_bound_around_the_scheduler_never_runs_and_says_why(
+    cluster: LocalCluster,
+) -> None:
+    """``spec.nodeName`` set by hand: no devices were assigned, so the node agent refuses the container
+    with the contract's message naming the missing key (it must not run unlimited on a GPU node)."""
+    assert cluster.client is not None
+    bypass = _pod("bypass", annotations=FRACTION, gpu=False)  # bound directly, like a non-GPU pod
+    await cluster.client.create(bypass, namespace="default")
+    refused = await _wait_pod(
+        cluster,
+        "bypass",
+        lambda p: _running(p) or _waiting(p)[0] == "CreateContainerError",
+        what="be refused or run",
+    )
+    assert not _running(refused), "a fractional pod without devices runs on the GPU node"
+    assert keys.devices_key("app") in _waiting(refused)[1]
+    await _delete(cluster, "bypass")
