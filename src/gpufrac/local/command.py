@@ -79,6 +79,15 @@ async def _up(console: Console, shape: ClusterShape, work_dir: Path | None) -> N
         for node, url in metrics:
             console.print(f"  metrics of {node}: {url}")
         console.print(f"  per-fraction usage: gpufrac top {' '.join(url for _, url in metrics)}")
+        if cluster.real_node is not None:
+            from gpufrac.local import ociimage
+
+            node = cluster.real_node
+            console.print(f"  containerd: {' '.join(node.ctr_argv())} containers list")
+            console.print(
+                f"  pods run for real: image {ociimage.WORKLOAD.ref}, imagePullPolicy: Never, "
+                "hostNetwork: true"
+            )
         console.print("  submit pods with schedulerName: gpufrac-scheduler (see examples/); Ctrl-C stops")
         await stop.wait()
         console.print("stopping…")
