@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench lint testenv venv clean
+.PHONY: demo demo-realnode test bench lint testenv venv clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,6 +23,11 @@ testenv: venv
 
 demo: venv testenv
 	$(VENV)/bin/gpufrac demo
+
+# The same demo on one REAL node (containerd, runc, kubelet; root and cgroups): the pods run, and what
+# each container got is read from inside its process.
+demo-realnode: venv testenv
+	$(VENV)/bin/gpufrac demo --runtime containerd
 
 test: venv testenv
 	$(PY) -m pytest -q -p no:cacheprovider

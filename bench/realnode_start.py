@@ -34,7 +34,7 @@ from lightkube.resources.core_v1 import Pod
 from gpufrac.contract import keys
 from gpufrac.local import ociimage
 from gpufrac.local.cluster import ClusterShape, LocalCluster
-from gpufrac.local.realnode import missing_requirements
+from gpufrac.local.realnode import SLEEP_COMMAND, missing_requirements
 from gpufrac.local.simnodes import NodeShape
 
 FRACTION = {"gpu-fraction": "0.25"}
@@ -47,7 +47,7 @@ def _pod(name: str, *, node: str | None) -> Pod:
                 name="app",
                 image=ociimage.WORKLOAD.ref,
                 imagePullPolicy="Never",
-                command=["/bin/sh", "-c", "trap 'exit 0' TERM; sleep 3600 & wait"],
+                command=list(SLEEP_COMMAND),
             )
         ],
         hostNetwork=True,

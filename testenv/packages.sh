@@ -11,7 +11,8 @@
 #   network is not ready, even if every pod uses the host's network. Debian's build of
 #   github.com/containernetworking/plugins saves compiling them.
 #
-# Needs root (apt-get); without it, prints what to install and fails.
+# Needs root (apt-get); without root it only says what is missing (the real node needs root anyway, and
+# tests/realnode skips without it).
 #
 # Usage: bash testenv/packages.sh
 set -euo pipefail
@@ -26,8 +27,9 @@ if [[ ${#missing[@]} == 0 ]]; then
     exit 0
 fi
 if [[ $(id -u) != 0 ]]; then
-    echo "testenv: missing Debian packages ${missing[*]}: run 'apt-get install ${missing[*]}' as root" >&2
-    exit 1
+    # Not fatal: without root the real node cannot run anyway, and tests/realnode skips, saying so.
+    echo "testenv: missing Debian packages ${missing[*]} (the real node's; needs root): skipped" >&2
+    exit 0
 fi
 echo "testenv: installing Debian packages ${missing[*]}"
 start=$SECONDS

@@ -23,7 +23,8 @@ from lightkube.resources.core_v1 import Node, Pod
 from gpufrac.contract import keys
 from gpufrac.local import ociimage
 from gpufrac.local.cluster import ClusterShape, LocalCluster
-from gpufrac.local.realnode import missing_requirements, process_environ, process_mount_points
+from gpufrac.local.demo import DEMO_PODS, gpu_names, real_outcome, submit_and_wait
+from gpufrac.local.realnode import SLEEP_COMMAND, missing_requirements, process_environ, process_mounts
 from gpufrac.local.simnodes import NodeShape
 from gpufrac.node.inject import (
     CONTAINER_PIPE_DIR,
@@ -48,7 +49,7 @@ USER_LIMIT = "999999"
 @pytest.fixture(scope="module")
 async def cluster() -> AsyncIterator[LocalCluster]:
     shape = ClusterShape(
-        nodes=1, prefix="real-gpu-", node=NodeShape(gpus=2, model="H100-80GB"), runtime="containerd"
+        nodes=1, prefix="real-gpu-", node=NodeShape(gpus=8, model="H100-80GB"), runtime="containerd"
     )
     assert shape.node_names == [NODE]
     async with LocalCluster(shape=shape) as local:
@@ -61,7 +62,7 @@ def _pod(name: str, *, annotations: dict[str, str] | None = None, gpu: bool = Tr
         name="app",
         image=ociimage.WORKLOAD.ref,
         imagePullPolicy="Never",
-        command=["/bin/sh", "-c", "trap 'exit 0' TERM; sleep 3600 & wait"],
+        command=list(SLEEP_COMMAND),
         env=[EnvVar(name=NVIDIA_GPU_MEMORY_LIMIT, value=USER_LIMIT), EnvVar(name="USER_VAR", value="kept")],
     )
     spec = PodSpec(
@@ -137,7 +138,7 @@ async def test_a_fractional_pod_runs_in_runc_with_the_plan_in_its_process_enviro
     assert {k: environ.get(k) for k in ENFORCEMENT_ENV} == {k: expected.get(k) for k in ENFORCEMENT_ENV}
     assert environ[NVIDIA_GPU_MEMORY_LIMIT] != USER_LIMIT
     assert environ["USER_VAR"] == "kept"
-    assert CONTAINER_PIPE_DIR in process_mount_points(pid)
+    assert CONTAINER_PIPE_DIR in [m["destination"] for m in process_mounts(pid)]
     await _delete(cluster, "fraction")
 
 
@@ -248,3 +249,27 @@ async def test_a_fractional_pod_bound_around_the_scheduler_never_runs_and_says_w
     assert not _running(refused), "a fractional pod without devices runs on the GPU node"
     assert keys.devices_key("app") in _waiting(refused)[1]
     await _delete(cluster, "bypass")
+
+
+async def test_the_demo_pods_run_on_the_real_node_with_their_plan_inside(cluster: LocalCluster) -> None:
+    """`gpufrac demo --runtime containerd`: the reference pods run as runc containers, and the table is
+    read from inside their processes."""
+    assert cluster.client is not None and cluster.real_node is not None
+    pods = [await submit_and_wait(cluster.client, m, real_node=cluster.real_node) for m in DEMO_PODS]
+    names = await gpu_names(cluster.client)
+    outcomes = {o.name: o for o in (real_outcome(p, names, cluster.real_node) for p in pods)}
+    assert {n: o.state for n, o in outcomes.items()} == {
+        "inference": "Running",
+        "notebook": "Running",
+        "packed": "Running",
+        "mode-conflict": "Unschedulable",
+        "too-big": "Unschedulable",
+    }
+    for pod in pods:
+        assert pod.metadata is not None and pod.metadata.name is not None
+        got = outcomes[pod.metadata.name]
+        if got.state == "Running":
+            assert got.injected["app"]["env"] == _expected_env(pod)
+            assert got.injected["app"]["mps_mount"]["destination"] == CONTAINER_PIPE_DIR
+    assert outcomes["inference"].injected["app"]["env"]["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "50"
+    await _delete(cluster, *(p.metadata.name for p in pods if p.metadata and p.metadata.name))

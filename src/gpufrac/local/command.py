@@ -96,18 +96,26 @@ async def _up(console: Console, shape: ClusterShape, work_dir: Path | None) -> N
 
 def demo(
     keep: bool = typer.Option(False, "--keep", help="Leave the cluster running after the demo until Ctrl-C."),
+    runtime: str = typer.Option(
+        "simulated",
+        "--runtime",
+        help="simulated (two nodes, NRI's runtime side) or containerd (one real node with 8 GPUs: the pods "
+        "really run and the environment is read from inside them; needs root and cgroups).",
+    ),
 ) -> None:
     """Start the embedded cluster, submit the reference pods, show where they went, and stop."""
     console = Console(width=None if Console().is_terminal else 150)
-    code = asyncio.run(_demo(console, keep=keep))
+    code = asyncio.run(_demo(console, keep=keep, runtime=runtime))
     raise typer.Exit(code=code)
 
 
-async def _demo(console: Console, *, keep: bool) -> int:
+async def _demo(console: Console, *, keep: bool, runtime: str = "simulated") -> int:
     from gpufrac.local.cluster import LocalCluster
-    from gpufrac.local.demo import DEMO_PODS, gpu_names, outcome, render, submit_and_wait
+    from gpufrac.local.demo import DEMO_PODS, gpu_names, outcome, real_outcome, render, submit_and_wait
 
-    shape = _shape(2, 4, "H100-80GB", "binpack")
+    # One real node gets the two simulated nodes' eight GPUs, so the demo tells the same story.
+    real = runtime == "containerd"
+    shape = _shape(1, 8, "H100-80GB", "binpack", runtime) if real else _shape(2, 4, "H100-80GB", "binpack")
     started = time.monotonic()
     cluster = LocalCluster(shape=shape, progress=lambda m: console.print(f"• {m}"))
     async with cluster:
@@ -117,10 +125,11 @@ async def _demo(console: Console, *, keep: bool) -> int:
         pods = []
         for manifest in DEMO_PODS:
             console.print(f"• submitting {manifest.relative_to(manifest.parents[1])}")
-            pods.append(await submit_and_wait(client, manifest))
+            pods.append(await submit_and_wait(client, manifest, real_node=cluster.real_node))
         names = await gpu_names(client)
-        outcomes = [outcome(pod, names) for pod in pods]
-        render(console, outcomes)
+        node = cluster.real_node
+        outcomes = [real_outcome(p, names, node) if node else outcome(p, names) for p in pods]
+        render(console, outcomes, read_inside=node is not None)
         if keep:
             console.print(f"cluster kept: export KUBECONFIG={cluster.kubeconfig}; Ctrl-C stops")
             with contextlib.suppress(asyncio.CancelledError):

@@ -49,7 +49,7 @@ from pathlib import Path
 
 import yaml
 from lightkube import AsyncClient
-from lightkube.resources.core_v1 import Node
+from lightkube.resources.core_v1 import Node, Pod
 
 from gpufrac.contract import keys
 from gpufrac.kube.errors import KubeError, api_errors
@@ -62,6 +62,9 @@ TESTENV_BIN = Path(__file__).resolve().parents[3] / "testenv" / "bin"
 #: The cgroup hierarchy the kubelet (cgroupfs driver, cgroup v1) and runc need.
 CGROUP_MEMORY = Path("/sys/fs/cgroup/memory")
 
+
+#: What a container of a test pod runs: sleep until stopped, and stop at once on SIGTERM.
+SLEEP_COMMAND = ("/bin/sh", "-c", "trap 'exit 0' TERM; sleep 3600 & wait")
 
 #: Debian's containernetworking-plugins (testenv/packages.sh).
 CNI_BIN = Path("/usr/lib/cni")
@@ -232,10 +235,30 @@ def process_environ(pid: int) -> dict[str, str]:
     return env
 
 
-def process_mount_points(pid: int) -> list[str]:
-    """Where things are mounted in process ``pid``'s mount namespace (``/proc/<pid>/mountinfo``)."""
-    lines = Path(f"/proc/{pid}/mountinfo").read_text().splitlines()
-    return [line.split()[4] for line in lines if len(line.split()) > 4]
+def process_mounts(pid: int) -> list[dict[str, str]]:
+    """The mounts of process ``pid``'s mount namespace (``/proc/<pid>/mountinfo``): ``destination`` is
+    where it is mounted, ``source`` the path inside the filesystem it comes from."""
+    mounts = []
+    for line in Path(f"/proc/{pid}/mountinfo").read_text().splitlines():
+        fields = line.split()
+        if len(fields) > 4:
+            mounts.append({"source": fields[3], "destination": fields[4]})
+    return mounts
+
+
+def runnable_here(pod: Pod) -> Pod:
+    """``pod`` made runnable on this node: no registry (the busybox image, never pulled; the command
+    sleeps until SIGTERM), the host's network, no service-account token (no controller issues one)."""
+    assert pod.spec is not None
+    for container in pod.spec.containers:
+        container.image = ociimage.WORKLOAD.ref
+        container.imagePullPolicy = "Never"
+        container.command = list(SLEEP_COMMAND)
+        container.args = None
+    pod.spec.hostNetwork = True
+    pod.spec.automountServiceAccountToken = False
+    pod.spec.terminationGracePeriodSeconds = 1
+    return pod
 
 
 class RealNode:
