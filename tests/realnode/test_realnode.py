@@ -273,3 +273,30 @@ async def test_the_demo_pods_run_on_the_real_node_with_their_plan_inside(cluster
             assert got.injected["app"]["mps_mount"]["destination"] == CONTAINER_PIPE_DIR
     assert outcomes["inference"].injected["app"]["env"]["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "50"
     await _delete(cluster, *(p.metadata.name for p in pods if p.metadata and p.metadata.name))
+
+
+async def test_a_containerd_restart_leaves_running_containers_alone_and_the_plugin_reconnects(
+    cluster: LocalCluster,
+) -> None:
+    assert cluster.client is not None and cluster.real_node is not None
+    node = cluster.real_node
+    await cluster.client.create(_pod("before", annotations=FRACTION), namespace="default")
+    before = await _wait_pod(cluster, "before", _running, what="run")
+    pid = node.container_pid(_container_id(before))
+    environ = process_environ(pid)
+
+    await node.restart_containerd()
+
+    # The container was not touched: the same process, with the same environment.
+    assert node.container_pid(_container_id(before)) == pid and process_environ(pid) == environ
+    # The agent is back in containerd's path: a new GPU container is created (containerd's validator
+    # would refuse it otherwise) and gets its plan.
+    await cluster.client.create(_pod("after", annotations=FRACTION), namespace="default")
+    after = await _wait_pod(cluster, "after", _running, what="run after the restart", timeout_s=90)
+    after_env = process_environ(node.container_pid(_container_id(after)))
+    expected = _expected_env(after)
+    assert {k: after_env.get(k) for k in ENFORCEMENT_ENV} == {k: expected.get(k) for k in ENFORCEMENT_ENV}
+    fetched = await cluster.client.get(Pod, "before", namespace="default")
+    assert fetched.status is not None and fetched.status.containerStatuses is not None
+    assert fetched.status.containerStatuses[0].restartCount == 0
+    await _delete(cluster, "before", "after")

@@ -364,6 +364,14 @@ class RealNode:
         )
         await self._wait(self._containerd, "answer on its socket", self._containerd_answers)
 
+    async def restart_containerd(self) -> None:
+        """Stop containerd (SIGTERM) and start it again on the same state, as an upgrade does: running
+        containers stay (their shims outlive containerd), every NRI plugin connection drops."""
+        containerd, self._containerd = self._containerd, None
+        if containerd is not None:
+            await asyncio.to_thread(terminate, containerd.popen)
+        await self._start_containerd()
+
     async def _containerd_answers(self) -> bool:
         if not self.containerd_socket.exists():
             return False
