@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from lightkube.models.core_v1 import Container, EnvVar, PodSpec, Toleration
 from lightkube.models.meta_v1 import ObjectMeta
-from lightkube.resources.core_v1 import Node, Pod
+from lightkube.resources.core_v1 import Event, Node, Pod
 
 from gpufrac.contract import keys
 from gpufrac.local import ociimage
@@ -26,6 +26,7 @@ from gpufrac.local.cluster import ClusterShape, LocalCluster
 from gpufrac.local.demo import DEMO_PODS, gpu_names, real_outcome, submit_and_wait
 from gpufrac.local.realnode import SLEEP_COMMAND, missing_requirements, process_environ, process_mounts
 from gpufrac.local.simnodes import NodeShape
+from gpufrac.node.audit import REASON_MISSING_INJECTION
 from gpufrac.node.inject import (
     CONTAINER_PIPE_DIR,
     ENFORCEMENT_ENV,
@@ -300,3 +301,44 @@ async def test_a_containerd_restart_leaves_running_containers_alone_and_the_plug
     assert fetched.status is not None and fetched.status.containerStatuses is not None
     assert fetched.status.containerStatuses[0].restartCount == 0
     await _delete(cluster, "before", "after")
+
+
+async def test_without_nri_validation_a_bare_restart_is_stopped_by_the_audit_through_containerds_cri(
+    cluster: LocalCluster,
+) -> None:
+    """A node whose containerd does not validate: a GPU container restarted while the agent was away runs
+    without its limits -- until the agent is back and its audit, reading the container's environment
+    through containerd's CRI, stops it so the kubelet recreates it with them."""
+    assert cluster.client is not None and cluster.real_node is not None
+    node = cluster.real_node
+    await node.restart_containerd(nri_validator=False)
+    try:
+        await cluster.client.create(_pod("audited", annotations=FRACTION), namespace="default")
+        pod = await _wait_pod(cluster, "audited", _running, what="run")
+        await node.stop_agent()
+        os.kill(node.container_pid(_container_id(pod)), signal.SIGKILL)
+        bare = await _wait_pod(cluster, "audited", _restarted, what="restart without the agent")
+        bare_env = process_environ(node.container_pid(_container_id(bare)))
+        assert bare_env[NVIDIA_GPU_MEMORY_LIMIT] == USER_LIMIT  # the user's value: nothing enforced
+
+        await node.start_agent()
+        expected = _expected_env(bare)
+
+        def enforced(p: Pod) -> bool:
+            if not _running(p) or _container_id(p) == _container_id(bare):
+                return False
+            env = process_environ(node.container_pid(_container_id(p)))
+            return {k: env.get(k) for k in ENFORCEMENT_ENV} == {k: expected.get(k) for k in ENFORCEMENT_ENV}
+
+        await _wait_pod(
+            cluster, "audited", enforced, what="be stopped by the audit and recreated", timeout_s=90
+        )
+        events = [
+            e
+            async for e in cluster.client.list(Event, namespace="default")
+            if e.involvedObject.name == "audited" and e.reason == REASON_MISSING_INJECTION
+        ]
+        assert events and "runs without the GPU enforcement it needs" in (events[0].message or "")
+        await _delete(cluster, "audited")
+    finally:
+        await node.restart_containerd()
