@@ -303,42 +303,41 @@ async def test_a_containerd_restart_leaves_running_containers_alone_and_the_plug
     await _delete(cluster, "before", "after")
 
 
-async def test_without_nri_validation_a_bare_restart_is_stopped_by_the_audit_through_containerds_cri(
+async def test_an_agent_that_hangs_in_create_lets_one_container_start_bare_until_its_audit_recreates_it(
     cluster: LocalCluster,
 ) -> None:
-    """A node whose containerd does not validate: a GPU container restarted while the agent was away runs
-    without its limits -- until the agent is back and its audit, reading the container's environment
-    through containerd's CRI, stops it so the kubelet recreates it with them."""
+    """What NRI does, and how the agent recovers. The agent stops answering in the middle of a
+    CreateContainer (SIGSTOP): NRI's request timeout (2 s) closes the plugin and creates the container
+    WITHOUT it -- NRI skips a plugin that times out or drops the connection mid-request, and its validator
+    already counted the plugin as present. The agent is then SIGKILLed and a new one started: its audit
+    reads the container's environment through containerd's CRI, reports GpuInjectionMissing and stops
+    it, and the kubelet recreates it with its limits."""
     assert cluster.client is not None and cluster.real_node is not None
     node = cluster.real_node
-    await node.restart_containerd(nri_validator=False)
+    pid = node.agent_pid
+    assert pid is not None
+    os.kill(pid, signal.SIGSTOP)
     try:
-        await cluster.client.create(_pod("audited", annotations=FRACTION), namespace="default")
-        pod = await _wait_pod(cluster, "audited", _running, what="run")
-        await node.stop_agent()
-        os.kill(node.container_pid(_container_id(pod)), signal.SIGKILL)
-        bare = await _wait_pod(cluster, "audited", _restarted, what="restart without the agent")
+        await cluster.client.create(_pod("hung", annotations=FRACTION), namespace="default")
+        bare = await _wait_pod(cluster, "hung", _running, what="be created past the hung plugin")
         bare_env = process_environ(node.container_pid(_container_id(bare)))
         assert bare_env[NVIDIA_GPU_MEMORY_LIMIT] == USER_LIMIT  # the user's value: nothing enforced
-
-        await node.start_agent()
-        expected = _expected_env(bare)
-
-        def enforced(p: Pod) -> bool:
-            if not _running(p) or _container_id(p) == _container_id(bare):
-                return False
-            env = process_environ(node.container_pid(_container_id(p)))
-            return {k: env.get(k) for k in ENFORCEMENT_ENV} == {k: expected.get(k) for k in ENFORCEMENT_ENV}
-
-        await _wait_pod(
-            cluster, "audited", enforced, what="be stopped by the audit and recreated", timeout_s=90
-        )
-        events = [
-            e
-            async for e in cluster.client.list(Event, namespace="default")
-            if e.involvedObject.name == "audited" and e.reason == REASON_MISSING_INJECTION
-        ]
-        assert events and "runs without the GPU enforcement it needs" in (events[0].message or "")
-        await _delete(cluster, "audited")
     finally:
-        await node.restart_containerd()
+        await node.kill_agent()
+    await node.start_agent()
+    expected = _expected_env(bare)
+
+    def enforced(p: Pod) -> bool:
+        if not _running(p) or _container_id(p) == _container_id(bare):
+            return False
+        env = process_environ(node.container_pid(_container_id(p)))
+        return {k: env.get(k) for k in ENFORCEMENT_ENV} == {k: expected.get(k) for k in ENFORCEMENT_ENV}
+
+    await _wait_pod(cluster, "hung", enforced, what="be stopped by the audit and recreated", timeout_s=90)
+    events = [
+        e
+        async for e in cluster.client.list(Event, namespace="default")
+        if e.involvedObject.name == "hung" and e.reason == REASON_MISSING_INJECTION
+    ]
+    assert events and "runs without the GPU enforcement it needs" in (events[0].message or "")
+    await _delete(cluster, "hung")

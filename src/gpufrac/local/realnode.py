@@ -130,11 +130,11 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def containerd_config(*, root: Path, bins: Binaries, nri_validator: bool = True) -> str:
+def containerd_config(*, root: Path, bins: Binaries) -> str:
     """containerd's config (version 3): everything under ``root``, NRI on, the CRI as a test node needs.
 
-    ``nri_validator``: NRI's built-in validator, which refuses a container whose pod requires a plugin
-    that is not connected (what makes GPU containers fail closed while the node agent is away)."""
+    NRI's built-in validator is on: it refuses a container whose pod requires a plugin that is not
+    connected (what makes GPU containers fail closed while the node agent is away)."""
     return f"""version = 3
 root = "{root}/root"
 state = "{root}/state"
@@ -162,7 +162,7 @@ disabled_plugins = ["io.containerd.internal.v1.tracing", "io.containerd.tracing.
   plugin_request_timeout = "2s"
 
 [plugins."io.containerd.nri.v1.nri".default_validator]
-  enable = {"true" if nri_validator else "false"}
+  enable = true
 
 [plugins."io.containerd.cri.v1.images"]
   snapshotter = "native"
@@ -353,10 +353,10 @@ class RealNode:
         }
         (conf_dir / "10-gpufrac-test.conflist").write_text(json.dumps(network, indent=2))
 
-    async def _start_containerd(self, *, nri_validator: bool = True) -> None:
+    async def _start_containerd(self) -> None:
         self._write_cni_config()
         config = self.root / "containerd.toml"
-        config.write_text(containerd_config(root=self.root, bins=self.bins, nri_validator=nri_validator))
+        config.write_text(containerd_config(root=self.root, bins=self.bins))
         # containerd finds the shim on PATH (containerd-shim-runc-v2, next to it in testenv/bin).
         path = f"{self.bins.shim.parent}:{os.environ.get('PATH', '/usr/bin:/bin')}"
         self._containerd = spawn(
@@ -367,14 +367,13 @@ class RealNode:
         )
         await self._wait(self._containerd, "answer on its socket", self._containerd_answers)
 
-    async def restart_containerd(self, *, nri_validator: bool = True) -> None:
+    async def restart_containerd(self) -> None:
         """Stop containerd (SIGTERM) and start it again on the same state, as an upgrade does: running
-        containers stay (their shims outlive containerd), every NRI plugin connection drops.
-        ``nri_validator=False`` restarts it as a node without NRI's validator is configured."""
+        containers stay (their shims outlive containerd), every NRI plugin connection drops."""
         containerd, self._containerd = self._containerd, None
         if containerd is not None:
             await asyncio.to_thread(terminate, containerd.popen)
-        await self._start_containerd(nri_validator=nri_validator)
+        await self._start_containerd()
 
     async def _containerd_answers(self) -> bool:
         if not self.containerd_socket.exists():
@@ -486,6 +485,17 @@ class RealNode:
         return bool(annotations.get(keys.NODE_GPUS_ANNOTATION)) and (
             conditions.get(keys.NODE_READY_CONDITION) == "True"
         )
+
+    @property
+    def agent_pid(self) -> int | None:
+        return self._agent.popen.pid if self._agent is not None else None
+
+    async def kill_agent(self) -> None:
+        """SIGKILL the node agent, as a crash or the OOM killer does: none of its shutdown runs."""
+        agent, self._agent = self._agent, None
+        if agent is not None:
+            agent.popen.kill()
+            await asyncio.to_thread(agent.popen.wait)
 
     async def stop_agent(self) -> None:
         """SIGTERM the node agent (it leaves containerd's NRI path) and wait until it has exited."""
