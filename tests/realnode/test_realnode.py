@@ -42,7 +42,7 @@ if _missing:
     pytest.skip(f"no real node on this machine: it lacks {'; '.join(_missing)}", allow_module_level=True)
 
 NODE = "real-gpu-000"
-SCHEDULER = "gpufrac-scheduler"
+SCHEDULER = keys.DEFAULT_SCHEDULER_NAME
 #: What a user writes to widen the limit; the node agent must remove it.
 USER_LIMIT = "999999"
 
