@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-latest bench lint lock testenv venv clean
+.PHONY: demo demo-realnode test test-latest bench lint lock testenv venv clean
 
 # The venv installs the exact versions of requirements.lock (what the suite last passed with; `make lock`
 # renews it from pyproject's ranges), then the package itself without resolving anything again.
@@ -44,6 +44,11 @@ testenv: venv
 
 demo: venv testenv
 	$(VENV)/bin/gpufrac demo
+
+# The same demo on one REAL node (containerd, runc, kubelet; root and cgroups): the pods run, and what
+# each container got is read from inside its process.
+demo-realnode: venv testenv
+	$(VENV)/bin/gpufrac demo --runtime containerd
 
 test: venv testenv
 	$(PY) -m pytest -q -p no:cacheprovider

@@ -14,10 +14,11 @@ bin="$here/bin"
 force=0
 [[ "${1:-}" == "--force" ]] && force=1
 
-# build_module DIR NAME [LDFLAGS]: go build DIR's main package into bin/NAME unless the binary is newer
-# than the module's sources and this script (which holds the flags).
+# build_module DIR NAME [LDFLAGS [PACKAGE]]: go build PACKAGE (default: DIR's main package) with DIR's
+# module graph into bin/NAME unless the binary is newer than the module's sources and this script
+# (which holds the flags).
 build_module() {
-    local dir="$here/$1" name="$2" ldflags="${3:-}"
+    local dir="$here/$1" name="$2" ldflags="${3:-}" package="${4:-.}"
     local out="$bin/$name"
     if [[ $force == 0 && -x "$out" && ! "${BASH_SOURCE[0]}" -nt "$out" ]] \
         && [[ -z "$(find "$dir" \( -name go.mod -o -name go.sum -o -name '*.go' \) -newer "$out" -print -quit)" ]]; then
@@ -30,7 +31,7 @@ build_module() {
     (
         cd "$dir"
         GOFLAGS="${GOFLAGS:-} -mod=readonly" CGO_ENABLED=0 \
-            go build -trimpath -ldflags="-s -w $ldflags" -o "$out.tmp" .
+            go build -trimpath -ldflags="-s -w $ldflags" -o "$out.tmp" "$package"
     )
     mv -f "$out.tmp" "$out"
     echo "testenv: built $out in $((SECONDS - start))s"
@@ -40,16 +41,21 @@ command -v go >/dev/null || { echo "testenv: go is not installed (needed to buil
 
 # kube-apiserver reports the version stamped into k8s.io/component-base/version at link time, as
 # Kubernetes' own build does; unstamped it says v0.0.0-master, which kubectl and Helm cannot parse.
+# The kubelet of the real test node (tests/realnode/) is a `tool` of the control plane's module, so it
+# is built from the same module graph, and stamped the same way, as the API server it registers with.
 build_controlplane() {
     local version
     version="$(cd "$here/controlplane" && go list -m -f '{{.Version}}' k8s.io/kubernetes)"
     local major="${version#v}"; major="${major%%.*}"
     local minor="${version#v*.}"; minor="${minor%%.*}"
     local pkg=k8s.io/component-base/version
-    build_module controlplane gpufrac-controlplane \
-        "-X $pkg.gitVersion=$version -X $pkg.gitMajor=$major -X $pkg.gitMinor=$minor -X $pkg.gitTreeState=clean"
+    local stamp="-X $pkg.gitVersion=$version -X $pkg.gitMajor=$major -X $pkg.gitMinor=$minor -X $pkg.gitTreeState=clean"
+    build_module controlplane gpufrac-controlplane "$stamp"
+    build_module controlplane kubelet "$stamp" k8s.io/kubernetes/cmd/kubelet
 }
 
+bash "$here/packages.sh"  # runc and busybox-static from Debian for the real node (apt-get only when missing)
 build_controlplane
+bash "$here/containerd/build.sh" "$@"  # containerd 2.x with NRI, ctr and the runc shim, for the real node
 bash "$here/nriruntime/build.sh" "$@"  # NRI runtime driver: its own script (build tag nri_no_wasm)
 bash "$here/helm/build.sh" "$@"  # helm for the chart tests (tests/deploy/): a main package in a dependency

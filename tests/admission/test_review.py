@@ -11,13 +11,13 @@ from admission_reviews import apply_patch, binding_review, pod, review
 
 from gpufrac.admission.configuration import binding_match_expression, webhook_configurations
 from gpufrac.admission.review import AdmissionPolicy, MalformedReview, mutate_review, validate_review
+from gpufrac.contract import keys
 from gpufrac.contract.parse import parse_pod_manifest
 
 SCHEDULER = "system:serviceaccount:gpufrac-system:gpufrac-scheduler"
 POLICY = AdmissionPolicy()
 NV = "nvidia.com/container."
-#: NRI's required-plugins annotation naming the node agent, which every gpufrac GPU pod gets.
-REQUIRES_AGENT = {"required-plugins.noderesource.dev": '["gpufrac"]'}
+REQUIRES_GPUFRAC = '["gpufrac"]'
 
 
 def mutated(obj: dict, policy: AdmissionPolicy = POLICY) -> dict:
@@ -35,7 +35,7 @@ def test_a_legacy_gpu_memory_pod_is_stored_with_per_container_keys() -> None:
     assert stored["metadata"]["annotations"] == {
         f"{NV}side.gpu-memory.request": "4096Mi",
         f"{NV}side.gpu-memory.limit": "8192Mi",
-        **REQUIRES_AGENT,
+        keys.nri_required_plugins_key("side"): REQUIRES_GPUFRAC,
     }
     assert parse_pod_manifest(stored) == parse_pod_manifest(original)
 
@@ -44,7 +44,10 @@ def test_whole_gpus_of_our_pods_become_exclusive_requests_with_the_managed_toler
     stored = mutated(pod(gpus=2))
     app = stored["spec"]["containers"][0]
     assert app["resources"]["limits"] == {"cpu": "1"}
-    assert stored["metadata"]["annotations"] == {"gpufrac.io/container.app.gpus": "2", **REQUIRES_AGENT}
+    assert stored["metadata"]["annotations"] == {
+        "gpufrac.io/container.app.gpus": "2",
+        keys.nri_required_plugins_key("app"): REQUIRES_GPUFRAC,
+    }
     assert stored["spec"]["tolerations"] == [
         {"key": "gpufrac.io/managed", "operator": "Exists", "effect": "NoSchedule"}
     ]
@@ -57,8 +60,19 @@ def test_fractional_pods_of_our_scheduler_get_the_toleration_once() -> None:
     fractional["spec"]["tolerations"] = [{"key": "other", "operator": "Exists"}]
     stored = mutated(fractional)
     assert stored["spec"]["tolerations"][-1]["key"] == "gpufrac.io/managed"
-    assert stored["metadata"]["annotations"] == {"gpu-fraction": "0.5", **REQUIRES_AGENT}  # a portion stays
+    assert stored["metadata"]["annotations"] == {  # a portion stays as written
+        "gpu-fraction": "0.5",
+        keys.nri_required_plugins_key("app"): REQUIRES_GPUFRAC,
+    }
     assert mutated(stored) == stored
+
+
+def test_every_container_the_node_enforces_requires_the_gpufrac_nri_plugin_whatever_the_user_wrote() -> None:
+    # NRI's validator in containerd then refuses these containers while the node agent is away.
+    opted_out = pod({f"{NV}app.gpu-memory.request": "1Gi", keys.nri_required_plugins_key("app"): "[]"})
+    stored = mutated(opted_out)["metadata"]["annotations"]
+    assert stored[keys.nri_required_plugins_key("app")] == REQUIRES_GPUFRAC
+    assert keys.nri_required_plugins_key("side") not in stored  # asks for no GPU: nothing required
 
 
 def test_whole_gpu_pods_of_other_schedulers_are_left_to_the_device_plugin() -> None:
@@ -68,32 +82,31 @@ def test_whole_gpu_pods_of_other_schedulers_are_left_to_the_device_plugin() -> N
 
 def test_a_contract_pod_of_another_scheduler_requires_the_node_agent_too() -> None:
     stored = mutated(pod({f"{NV}app.gpu-memory.request": "4Gi"}, scheduler="kai-scheduler"))
-    assert stored["metadata"]["annotations"]["required-plugins.noderesource.dev"] == '["gpufrac"]'
+    assert stored["metadata"]["annotations"][keys.nri_required_plugins_key("app")] == '["gpufrac"]'
 
 
-def test_scoped_required_plugin_lists_of_the_user_keep_theirs_and_gain_the_node_agent() -> None:
-    # NRI reads <key>/container.<c> first, then <key>/pod, then <key>: a tenant's scoped "[]" must not
-    # hide the node agent from the runtime's validator.
+def test_scoped_required_plugin_lists_of_the_user_cannot_hide_the_node_agent() -> None:
+    # NRI reads <key>/container.<c> first, then <key>/pod, then <key>: the container's own key, which the
+    # webhook always writes, decides; a tenant's "[]" there is replaced, its other lists are left alone.
     stored = mutated(
         pod(
             {
                 "gpu-fraction": "0.5",
                 "required-plugins.noderesource.dev/container.app": "[]",
-                "required-plugins.noderesource.dev/pod": "[audit, gpufrac]",
+                "required-plugins.noderesource.dev/pod": "[audit]",
                 "required-plugins.noderesource.dev": '["audit"]',
             }
         )
     )
     annotations = stored["metadata"]["annotations"]
     assert annotations["required-plugins.noderesource.dev/container.app"] == '["gpufrac"]'
-    assert annotations["required-plugins.noderesource.dev/pod"] == "[audit, gpufrac]"
-    assert annotations["required-plugins.noderesource.dev"] == '["audit", "gpufrac"]'
+    assert annotations["required-plugins.noderesource.dev/pod"] == "[audit]"
     assert mutated(stored) == stored
 
 
 def test_a_renamed_node_agent_plugin_is_the_one_required() -> None:
     stored = mutated(pod({"gpu-fraction": "0.5"}), AdmissionPolicy(nri_plugin="gpufrac-b"))
-    assert stored["metadata"]["annotations"]["required-plugins.noderesource.dev"] == '["gpufrac-b"]'
+    assert stored["metadata"]["annotations"][keys.nri_required_plugins_key("app")] == '["gpufrac-b"]'
 
 
 @pytest.mark.parametrize(

@@ -32,6 +32,7 @@ from gpufrac.admission.certs import TlsFiles, generate_tls
 from gpufrac.admission.configuration import webhook_configurations
 from gpufrac.admission.review import DEFAULT_SCHEDULER_USER
 from gpufrac.admission.server import AdmissionServer
+from gpufrac.contract import keys
 from gpufrac.contract.changes import changed_contract_keys
 from gpufrac.local.controlplane import ControlPlane
 
@@ -39,8 +40,8 @@ pytestmark = pytest.mark.kube
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 NV = "nvidia.com/container."
-#: NRI's required-plugins annotation naming the node agent: the mutating webhook adds it to GPU pods.
-REQUIRES_AGENT = {"required-plugins.noderesource.dev": '["gpufrac"]'}
+#: What the mutating webhook adds to every pod whose container "app" asks for a GPU.
+REQUIRES_GPUFRAC = {keys.nri_required_plugins_key("app"): keys.nri_required_plugins_value()}
 USER = "alice@example.com"
 
 
@@ -118,7 +119,7 @@ def rejection(create: Any) -> tuple[int, str]:
 def test_a_valid_pod_is_admitted_with_the_managed_toleration(kube: Client, webhook: Webhook) -> None:
     manifest = yaml.safe_load((EXAMPLES / "inference-sm-sharing.yaml").read_text())
     stored = kube.create(codecs.from_dict(manifest), namespace=webhook.namespace)
-    assert stored.metadata.annotations == {**manifest["metadata"]["annotations"], **REQUIRES_AGENT}
+    assert stored.metadata.annotations == {**manifest["metadata"]["annotations"], **REQUIRES_GPUFRAC}
     tolerations = [(t.key, t.operator, t.effect) for t in stored.spec.tolerations or []]
     assert ("gpufrac.io/managed", "Exists", "NoSchedule") in tolerations
 
@@ -172,7 +173,7 @@ def test_a_legacy_pod_is_stored_translated(kube: Client, webhook: Webhook) -> No
     assert stored.metadata.annotations == {
         f"{NV}app.gpu-memory.request": "4096Mi",
         "team": "a",
-        **REQUIRES_AGENT,
+        **REQUIRES_GPUFRAC,
     }
     assert (
         kube.get(Pod, "legacy", namespace=webhook.namespace).metadata.annotations
@@ -183,7 +184,7 @@ def test_a_legacy_pod_is_stored_translated(kube: Client, webhook: Webhook) -> No
 def test_whole_gpus_are_stored_as_an_exclusive_gpufrac_request(kube: Client, webhook: Webhook) -> None:
     whole = pod("whole", resources={"limits": {"nvidia.com/gpu": "2", "cpu": "1"}})
     stored = kube.create(whole, namespace=webhook.namespace)
-    assert stored.metadata.annotations == {"gpufrac.io/container.app.gpus": "2", **REQUIRES_AGENT}
+    assert stored.metadata.annotations == {"gpufrac.io/container.app.gpus": "2", **REQUIRES_GPUFRAC}
     resources = stored.spec.containers[0].resources
     assert "nvidia.com/gpu" not in (resources.limits or {})
     assert "nvidia.com/gpu" not in (resources.requests or {})
@@ -240,12 +241,12 @@ def test_only_the_scheduler_may_write_devices(
         assert code == 403 and "cannot be changed" in shown
 
         bound = scheduler.patch(Pod, "mine", {"metadata": {"annotations": devices}})
-        assert bound.metadata.annotations == {**request, **devices, **REQUIRES_AGENT}
+        assert bound.metadata.annotations == {**request, **devices, **REQUIRES_GPUFRAC}
         alice.patch(Pod, "mine", {"metadata": {"labels": {"owner": "alice"}}})  # the rest stays editable
         assert scheduler.create(pod("placed", {**request, **devices})).metadata.annotations == {
             **request,
             **devices,
-            **REQUIRES_AGENT,
+            **REQUIRES_GPUFRAC,
         }
 
 
@@ -321,7 +322,10 @@ def test_only_the_scheduler_may_bind_with_devices(
             f'{NV}app.gpus.devices="GPU-0a1b" is invalid: only the scheduler may set or change this key.'
         )
         untouched = kube.get(Pod, "target", namespace=ns)
-        assert not untouched.spec.nodeName and untouched.metadata.annotations == {**request, **REQUIRES_AGENT}
+        assert not untouched.spec.nodeName and untouched.metadata.annotations == {
+            **request,
+            **REQUIRES_GPUFRAC,
+        }
 
         answer = bind(scheduler, ns, "target", devices)
         assert answer.status_code == 201, answer.text
@@ -329,7 +333,7 @@ def test_only_the_scheduler_may_bind_with_devices(
         assert bound.spec.nodeName == "node-1" and bound.metadata.annotations == {
             **request,
             **devices,
-            **REQUIRES_AGENT,
+            **REQUIRES_GPUFRAC,
         }
 
         webhook.server.stop()  # a binding without contract keys never depends on the webhook

@@ -21,11 +21,10 @@ anything else is a client to refuse clearly, never a crash.
 Mutating (CREATE of pods that ask for a GPU): legacy pod-level forms become per-container keys (unless the
 policy turns that off); on pods of
 our scheduler, ``nvidia.com/gpu: N`` becomes the exclusive ``gpufrac.io/container.<c>.gpus`` key with the
-resource removed, and the managed-node toleration is added. Every pod that asks for a GPU is marked as
-requiring the node agent's NRI plugin (NRI's ``required-plugins.noderesource.dev``): a runtime whose
-default validator is on (docs/deploy.md) then refuses to create its containers while the agent is away,
-instead of starting them without limits. A scoped form of that annotation the user wrote (``/pod``,
-``/container.<c>``, which NRI reads first) gets the plugin added too, so no form can leave it out. An
+resource removed, and the managed-node toleration is added. Every container the node agent will enforce
+is marked as requiring the agent's NRI plugin (NRI's ``required-plugins.noderesource.dev/container.<c>``,
+the form NRI reads first, always overwritten): a runtime whose default validator is on (docs/deploy.md)
+then refuses to create it while the agent is away, instead of starting it without limits. An
 invalid pod is passed through untouched: the validating webhook rejects it with the contract's message,
 which names the keys the user wrote.
 """
@@ -36,15 +35,13 @@ import base64
 import json
 import reprlib
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
-
-import yaml
 
 from gpufrac.contract import keys as k
 from gpufrac.contract.changes import changed_contract_keys, forbidden_changes
 from gpufrac.contract.errors import InvalidPodRequest, RuleViolation
-from gpufrac.contract.parse import container_specs, parse_pod
+from gpufrac.contract.parse import ContainerSpec, container_specs, parse_pod
 from gpufrac.contract.translate import translate
 
 DEFAULT_SCHEDULER_USER = "system:serviceaccount:gpufrac-system:gpufrac-scheduler"
@@ -270,20 +267,15 @@ def decide_mutate(request: Mapping[str, Any], policy: AdmissionPolicy) -> Verdic
             if wants_gpu
             else None
         )
-        # gpufrac enforces the pod's GPUs when its scheduler places it or the pod carries the contract;
-        # a device-plugin GPU of another scheduler's pod is not ours to require a plugin for.
-        served = wants_gpu and (
-            ours or parse_pod(annotations, [replace(c, gpus=0) for c in containers]).wants_gpu
-        )
     except InvalidPodRequest:
         return Verdict(allowed=True)  # the validating webhook rejects it, naming the user's own keys
     if translation is None:
         return Verdict(allowed=True)
 
+    changes: dict[str, str | None] = dict(translation.annotations)
+    changes.update(_required_plugins(annotations, changes, containers, plugin=policy.nri_plugin))
+
     patch: list[dict[str, Any]] = []
-    changes = dict(translation.annotations)
-    if served:
-        changes.update(required_plugin_changes(annotations, plugin=policy.nri_plugin))
     if changes:
         if "annotations" not in (pod.get("metadata") or {}) or pod["metadata"]["annotations"] is None:
             stored = {key: value for key, value in changes.items() if value is not None}
@@ -311,33 +303,28 @@ def decide_mutate(request: Mapping[str, Any], policy: AdmissionPolicy) -> Verdic
     return Verdict(allowed=True, patch=patch)
 
 
-def required_plugin_changes(annotations: Mapping[str, str], *, plugin: str) -> dict[str, str]:
-    """The annotations that make NRI's default validator require ``plugin`` for every container of the pod.
+def _required_plugins(
+    annotations: Mapping[str, str],
+    changes: Mapping[str, str | None],
+    containers: list[ContainerSpec],
+    *,
+    plugin: str,
+) -> dict[str, str]:
+    """NRI's required-plugins annotation for every container the node agent will enforce limits on.
 
-    The pod-wide key always lists it; a scoped key the user wrote (NRI reads ``<key>/container.<c>``, then
-    ``<key>/pod``, then ``<key>``) gets it appended to its list. A value that is not a list of names is
-    left alone: the validator refuses the container for it, which is as closed as requiring the plugin.
+    A runtime with NRI's validator on then refuses to create such a container while the node agent is
+    not connected (``k.NRI_REQUIRED_PLUGINS_PREFIX``), instead of starting it without its limits. The
+    containers are those the node's own parse finds in the stored annotations (the node sees no
+    resources), so a whole-GPU pod left to the device plugin requires nothing. Always written: a user's
+    own value cannot drop the requirement (NRI reads the container's key before ``<key>/pod`` and
+    ``<key>``, so those cannot either).
     """
-    base = k.NRI_REQUIRED_PLUGINS_ANNOTATION
-    changes: dict[str, str] = {}
-    if base not in annotations:
-        changes[base] = json.dumps([plugin])
-    for key, value in annotations.items():
-        if key != base and not key.startswith(base + "/"):
-            continue
-        try:
-            listed = yaml.safe_load(value)  # NRI decodes the value as YAML (JSON is a subset)
-        except yaml.YAMLError:
-            continue
-        if listed is None:
-            listed = []
-        if (
-            isinstance(listed, list)
-            and all(isinstance(name, str) for name in listed)
-            and plugin not in listed
-        ):
-            changes[key] = json.dumps([*listed, plugin])
-    return changes
+    stored = {key: value for key, value in {**annotations, **changes}.items() if value is not None}
+    try:
+        enforced = parse_pod(stored, [ContainerSpec(name=c.name) for c in containers]).containers
+    except InvalidPodRequest:
+        return {}
+    return {k.nri_required_plugins_key(c.container): json.dumps([plugin]) for c in enforced}
 
 
 def _escape(key: str) -> str:

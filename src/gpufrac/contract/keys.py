@@ -98,15 +98,31 @@ GPU_MODEL_LABEL = "gpufrac.io/gpu-model"
 COMPUTE_MODE_LABEL_PREFIX = "gpufrac.io/compute-mode."
 
 DEFAULT_SCHEDULER_NAME = "gpufrac-scheduler"
-#: The node agent's name as an NRI plugin (what it registers with the runtime).
-NRI_PLUGIN_NAME = "gpufrac"
-#: NRI's per-pod list of plugins that must have seen a container before it is created
-#: (``plugin.RequiredPluginsAnnotation`` of github.com/containerd/nri, checked by the runtime's default
-#: validator); ``<key>/pod`` and ``<key>/container.<name>`` are its scoped forms, the container's first.
-NRI_REQUIRED_PLUGINS_ANNOTATION = "required-plugins.noderesource.dev"
 #: A pod's own placement policy (``binpack``, ``spread``, ``kai``, ``fgd``, ``fgd-align``), overriding
 #: the scheduler's configured one; an unknown name makes the pod unschedulable with the known names.
 PLACEMENT_POLICY_ANNOTATION = "gpufrac.io/placement-policy"
+
+
+#: The name the node agent registers with the runtime's NRI (``PluginIdentity``), and the one GPU
+#: containers require.
+NRI_PLUGIN_NAME = "gpufrac"
+#: NRI's own annotation (github.com/containerd/nri, ``plugin.RequiredPluginsAnnotation``): a YAML list of
+#: NRI plugins that must process the container. With containerd's built-in NRI validator enabled
+#: (``[plugins."io.containerd.nri.v1.nri".default_validator] enable = true``) the runtime refuses to
+#: create the container while one of them is not connected -- fail-closed even when the node agent is
+#: down. The mutating webhook writes it for every container that asks for a GPU.
+#: ``<key>/pod`` and ``<key>/container.<name>`` are its scoped forms; NRI reads the container's first.
+NRI_REQUIRED_PLUGINS_ANNOTATION = "required-plugins.noderesource.dev"
+NRI_REQUIRED_PLUGINS_PREFIX = f"{NRI_REQUIRED_PLUGINS_ANNOTATION}/container."
+
+
+def nri_required_plugins_key(container: str) -> str:
+    return f"{NRI_REQUIRED_PLUGINS_PREFIX}{container}"
+
+
+def nri_required_plugins_value() -> str:
+    """The annotation's value: our plugin, as the YAML (JSON) list NRI's validator reads."""
+    return f'["{NRI_PLUGIN_NAME}"]'
 
 
 def container_key(container: str, suffix: str) -> str:

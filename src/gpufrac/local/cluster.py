@@ -15,6 +15,10 @@ What runs, and what is real:
 - the simulated kubelet (in this process): creates the containers of bound pods through the node's
   runtime, so the node agent's injection is what the pod records.
 
+With ``runtime="containerd"`` the one node is REAL instead (``gpufrac.local.realnode``): containerd with
+NRI, runc and a real kubelet, which registers the Node itself; the node agent (still with simulated
+GPUs) is containerd's NRI plugin, and pods run as runc containers. It needs root and cgroups.
+
 Every process logs to ``<work dir>/logs/``; ``stop()`` ends them all (SIGTERM, then SIGKILL), in the
 reverse order of starting, even when starting failed half-way.
 """
@@ -23,11 +27,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import shutil
-import signal
 import ssl
-import subprocess
 import sys
 import tempfile
 import time
@@ -50,11 +51,17 @@ from gpufrac.kube.errors import Conflict, api_errors
 from gpufrac.local.controlplane import ControlPlane
 from gpufrac.local.kubelet import SimulatedKubelet
 from gpufrac.local.nriruntime import NriRuntime
+from gpufrac.local.processes import Spawned, spawn, terminate
+from gpufrac.local.realnode import RealNode
 from gpufrac.local.simnodes import NodeShape, node_names, sim_node
 
 SYSTEM_NAMESPACE = "gpufrac-system"
 SCHEDULER_ACCOUNT = "gpufrac-scheduler"
 SCHEDULER_USER = f"system:serviceaccount:{SYSTEM_NAMESPACE}:{SCHEDULER_ACCOUNT}"
+
+
+#: The node runtimes ``ClusterShape.runtime`` accepts.
+RUNTIMES = ("simulated", "containerd")
 
 
 class ClusterError(RuntimeError):
@@ -69,17 +76,19 @@ class ClusterShape:
     node: NodeShape = field(default_factory=lambda: NodeShape(gpus=4, model="H100-80GB"))
     prefix: str = "gpu-node-"
     policy: str = "binpack"
+    #: ``simulated`` (NRI's runtime side + the simulated kubelet, any number of nodes) or ``containerd``
+    #: (one real node: containerd, runc and a kubelet).
+    runtime: str = "simulated"
+
+    def __post_init__(self) -> None:
+        if self.runtime not in RUNTIMES:
+            raise ValueError(f"runtime {self.runtime!r}: must be one of {', '.join(RUNTIMES)}")
+        if self.runtime == "containerd" and self.nodes != 1:
+            raise ValueError(f"nodes={self.nodes} with runtime 'containerd': a real node is one per machine")
 
     @property
     def node_names(self) -> list[str]:
         return node_names(self.nodes, prefix=self.prefix)
-
-
-@dataclass(slots=True)
-class _Process:
-    name: str
-    popen: subprocess.Popen[bytes]
-    log: Path
 
 
 class LocalCluster:
@@ -97,8 +106,9 @@ class LocalCluster:
         self._progress = progress
         self.work_dir = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="gpufrac-up-"))
         self.controlplane = ControlPlane(data_dir=self.work_dir / "controlplane")
-        self._processes: list[_Process] = []
+        self._processes: list[Spawned] = []
         self._runtimes: dict[str, NriRuntime] = {}
+        self.real_node: RealNode | None = None
         self.metrics_urls: dict[str, str] = {}  # node name → its agent's /metrics
         self._kubelet_task: asyncio.Task[None] | None = None
         self.client: AsyncClient | None = None
@@ -128,38 +138,31 @@ class LocalCluster:
             self.client = self.controlplane.async_client(field_manager="gpufrac-local")
             self._progress("starting the admission webhook")
             await self._start_admission()
-            self._progress(f"registering {self.shape.nodes} simulated GPU nodes")
-            await self._create_nodes()
-            self._progress("starting a node agent and an NRI runtime per node")
-            await asyncio.gather(*(self._start_node(name) for name in self.shape.node_names))
+            if self.shape.runtime == "containerd":
+                await self._start_real_node()
+            else:
+                self._progress(f"registering {self.shape.nodes} simulated GPU nodes")
+                await self._create_nodes()
+                self._progress("starting a node agent and an NRI runtime per node")
+                await asyncio.gather(*(self._start_node(name) for name in self.shape.node_names))
             await self._wait_nodes_published()
             self._progress("starting the scheduler")
             await self._start_scheduler()
-            self._kubelet_task = asyncio.create_task(
-                SimulatedKubelet(client=self.client, runtimes=self._runtimes).run(), name="kubelet"
-            )
+            if self.shape.runtime == "simulated":
+                self._kubelet_task = asyncio.create_task(
+                    SimulatedKubelet(client=self.client, runtimes=self._runtimes).run(), name="kubelet"
+                )
         except BaseException:
             await self.stop()
             raise
 
-    def _spawn(self, name: str, argv: list[str]) -> _Process:
-        log = self.logs / f"{name}.log"
-        with log.open("ab") as out:
-            popen = subprocess.Popen(
-                argv,
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                env={**os.environ, "PYTHONUNBUFFERED": "1"},
-            )
-        process = _Process(name=name, popen=popen, log=log)
+    def _spawn(self, name: str, argv: list[str]) -> Spawned:
+        process = spawn(name=name, argv=argv, logs=self.logs)
         self._processes.append(process)
         return process
 
-    def _failed(self, process: _Process, what: str) -> ClusterError:
-        tail = "\n".join(process.log.read_text(errors="replace").splitlines()[-20:])
-        return ClusterError(f"{process.name}: {what}; last lines of {process.log}:\n{tail}")
+    def _failed(self, process: Spawned, what: str) -> ClusterError:
+        return ClusterError(f"{process.name}: {what}; last lines of {process.log}:\n{process.tail()}")
 
     async def _start_admission(self) -> None:
         port = _free_port()
@@ -185,7 +188,7 @@ class LocalCluster:
                 await self.client.create(obj)
 
     async def _wait_http(
-        self, process: _Process, url: str, *, ca_file: Path | None = None, timeout_s: float = 60.0
+        self, process: Spawned, url: str, *, ca_file: Path | None = None, timeout_s: float = 60.0
     ) -> None:
         """Wait for ``url`` to answer 200 (over TLS trusting ``ca_file``, once the process wrote it)."""
         deadline = time.monotonic() + timeout_s
@@ -252,6 +255,23 @@ class LocalCluster:
             await runtime.wait_plugins(1, timeout_s=60)
         except Exception as error:
             raise self._failed(process, f"did not register with the NRI runtime ({error})") from error
+
+    async def _start_real_node(self) -> None:
+        assert self.client is not None
+        (name,) = self.shape.node_names
+        node = RealNode(
+            name=name,
+            kubeconfig=self.kubeconfig,
+            client=self.client,
+            work_dir=self.work_dir / "nodes" / name,
+            logs=self.logs,
+            shape=self.shape.node,
+            agent_argv=_gpufrac,
+            progress=self._progress,
+        )
+        self.real_node = node
+        await node.start()
+        self.metrics_urls[name] = node.metrics_url
 
     async def _wait_nodes_published(self, timeout_s: float = 60.0) -> None:
         assert self.client is not None
@@ -347,8 +367,11 @@ class LocalCluster:
                 await asyncio.gather(self._kubelet_task, return_exceptions=True)
                 self._kubelet_task = None
             for process in reversed(self._processes):
-                await asyncio.to_thread(_terminate, process.popen)
+                await asyncio.to_thread(terminate, process.popen)
             self._processes.clear()
+            if self.real_node is not None:
+                await self.real_node.stop()
+                self.real_node = None
             self.metrics_urls.clear()
             for runtime in self._runtimes.values():
                 with contextlib.suppress(Exception):
@@ -376,16 +399,3 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
-
-
-def _terminate(popen: subprocess.Popen[bytes], timeout_s: float = 10.0) -> None:
-    if popen.poll() is not None:
-        return
-    with contextlib.suppress(ProcessLookupError):
-        popen.send_signal(signal.SIGTERM)
-    try:
-        popen.wait(timeout_s)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(popen.pid, signal.SIGKILL)
-        popen.wait()

@@ -23,26 +23,41 @@ if TYPE_CHECKING:
     from gpufrac.local.cluster import ClusterShape
 
 
-def _shape(nodes: int, gpus: int, model: str, policy: str) -> ClusterShape:
-    from gpufrac.local.cluster import ClusterShape
+def _shape(nodes: int, gpus: int, model: str, policy: str, runtime: str = "simulated") -> ClusterShape:
+    from gpufrac.local.cluster import RUNTIMES, ClusterShape
 
     if model not in GPU_MODELS:
         raise typer.BadParameter(f"--gpu-model {model!r} is not one of {', '.join(GPU_MODELS)}")
-    return ClusterShape(nodes=nodes, node=NodeShape(gpus=gpus, model=model), policy=policy)
+    if runtime not in RUNTIMES:
+        raise typer.BadParameter(f"--runtime {runtime!r} is not one of {', '.join(RUNTIMES)}")
+    if runtime == "containerd" and nodes != 1:
+        raise typer.BadParameter(
+            f"--nodes {nodes} with --runtime containerd: the real node is one per machine"
+        )
+    return ClusterShape(nodes=nodes, node=NodeShape(gpus=gpus, model=model), policy=policy, runtime=runtime)
 
 
 def up(
-    nodes: int = typer.Option(2, "--nodes", min=1, help="Simulated GPU nodes."),
+    nodes: int | None = typer.Option(
+        None, "--nodes", min=1, help="GPU nodes (default 2 simulated, 1 with --runtime containerd)."
+    ),
     gpus: int = typer.Option(4, "--gpus", min=1, help="GPUs per node."),
     gpu_model: str = typer.Option("H100-80GB", "--gpu-model", help="GPU model of every node."),
     policy: str = typer.Option("binpack", "--policy", help="Scheduler placement policy."),
     work_dir: Path | None = typer.Option(
         None, "--work-dir", help="Keep the cluster's state and logs here (default: a temporary directory)."
     ),
+    runtime: str = typer.Option(
+        "simulated",
+        "--runtime",
+        help="simulated: NRI's runtime side and a simulated kubelet; containerd: one real node "
+        "(containerd, runc, kubelet; needs root and cgroups).",
+    ),
 ) -> None:
     """Start the embedded cluster (control plane, webhook, scheduler, node agents) until Ctrl-C."""
     console = Console()
-    asyncio.run(_up(console, _shape(nodes, gpus, gpu_model, policy), work_dir))
+    count = nodes if nodes is not None else (1 if runtime == "containerd" else 2)
+    asyncio.run(_up(console, _shape(count, gpus, gpu_model, policy, runtime), work_dir))
 
 
 async def _up(console: Console, shape: ClusterShape, work_dir: Path | None) -> None:
@@ -56,6 +71,7 @@ async def _up(console: Console, shape: ClusterShape, work_dir: Path | None) -> N
     async with cluster:
         console.print(
             f"[bold green]gpufrac is up[/]: {shape.nodes} nodes x {shape.node.gpus} {shape.node.model}"
+            f" ({shape.runtime} runtime)"
         )
         console.print(f"  export KUBECONFIG={cluster.kubeconfig}")
         console.print(f"  logs: {cluster.logs}")
@@ -63,6 +79,15 @@ async def _up(console: Console, shape: ClusterShape, work_dir: Path | None) -> N
         for node, url in metrics:
             console.print(f"  metrics of {node}: {url}")
         console.print(f"  per-fraction usage: gpufrac top {' '.join(url for _, url in metrics)}")
+        if cluster.real_node is not None:
+            from gpufrac.local import ociimage
+
+            node = cluster.real_node
+            console.print(f"  containerd: {' '.join(node.ctr_argv())} containers list")
+            console.print(
+                f"  pods run for real: image {ociimage.WORKLOAD.ref}, imagePullPolicy: Never, "
+                "hostNetwork: true"
+            )
         console.print("  submit pods with schedulerName: gpufrac-scheduler (see examples/); Ctrl-C stops")
         await stop.wait()
         console.print("stopping…")
@@ -71,18 +96,26 @@ async def _up(console: Console, shape: ClusterShape, work_dir: Path | None) -> N
 
 def demo(
     keep: bool = typer.Option(False, "--keep", help="Leave the cluster running after the demo until Ctrl-C."),
+    runtime: str = typer.Option(
+        "simulated",
+        "--runtime",
+        help="simulated (two nodes, NRI's runtime side) or containerd (one real node with 8 GPUs: the pods "
+        "really run and the environment is read from inside them; needs root and cgroups).",
+    ),
 ) -> None:
     """Start the embedded cluster, submit the reference pods, show where they went, and stop."""
     console = Console(width=None if Console().is_terminal else 150)
-    code = asyncio.run(_demo(console, keep=keep))
+    code = asyncio.run(_demo(console, keep=keep, runtime=runtime))
     raise typer.Exit(code=code)
 
 
-async def _demo(console: Console, *, keep: bool) -> int:
+async def _demo(console: Console, *, keep: bool, runtime: str = "simulated") -> int:
     from gpufrac.local.cluster import LocalCluster
-    from gpufrac.local.demo import DEMO_PODS, gpu_names, outcome, render, submit_and_wait
+    from gpufrac.local.demo import DEMO_PODS, gpu_names, outcome, real_outcome, render, submit_and_wait
 
-    shape = _shape(2, 4, "H100-80GB", "binpack")
+    # One real node gets the two simulated nodes' eight GPUs, so the demo tells the same story.
+    real = runtime == "containerd"
+    shape = _shape(1, 8, "H100-80GB", "binpack", runtime) if real else _shape(2, 4, "H100-80GB", "binpack")
     started = time.monotonic()
     cluster = LocalCluster(shape=shape, progress=lambda m: console.print(f"• {m}"))
     async with cluster:
@@ -92,10 +125,11 @@ async def _demo(console: Console, *, keep: bool) -> int:
         pods = []
         for manifest in DEMO_PODS:
             console.print(f"• submitting {manifest.relative_to(manifest.parents[1])}")
-            pods.append(await submit_and_wait(client, manifest))
+            pods.append(await submit_and_wait(client, manifest, real_node=cluster.real_node))
         names = await gpu_names(client)
-        outcomes = [outcome(pod, names) for pod in pods]
-        render(console, outcomes)
+        node = cluster.real_node
+        outcomes = [real_outcome(p, names, node) if node else outcome(p, names) for p in pods]
+        render(console, outcomes, read_inside=node is not None)
         if keep:
             console.print(f"cluster kept: export KUBECONFIG={cluster.kubeconfig}; Ctrl-C stops")
             with contextlib.suppress(asyncio.CancelledError):

@@ -7,7 +7,10 @@ node; a small pod is packed next to the notebook; a four-GPU request fails on a 
 and too little memory; a request larger than any GPU fails on memory.
 
 Everything printed is read back from the API objects (the binder's annotations, PodScheduled, and what
-the simulated kubelet recorded that the node agent injected), not from any component's memory.
+the simulated kubelet recorded that the node agent injected), not from any component's memory. On the
+real node (``gpufrac demo --runtime containerd``: one node with eight GPUs, so the same story fits) the
+pods really run, in busybox (``realnode.runnable_here``), and what each container got is read from
+inside its running process: ``/proc/<pid>/environ`` and its mountinfo.
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ from gpufrac.contract import keys
 from gpufrac.contract.errors import InvalidPodRequest
 from gpufrac.contract.render import read_binding
 from gpufrac.kube.errors import api_errors
-from gpufrac.local.kubelet import CONTAINERS_ANNOTATION
+from gpufrac.local.kubelet import CONTAINERS_ANNOTATION, injected_view
+from gpufrac.local.realnode import RealNode, process_environ, process_mounts, runnable_here
 
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
 DEMO_PODS = (
@@ -92,6 +96,47 @@ def outcome(pod: Pod, gpu_index: dict[str, str]) -> PodOutcome:
     return result
 
 
+def _waiting(pod: Pod) -> tuple[str, str] | None:
+    for status in (pod.status.containerStatuses or []) if pod.status else []:
+        waiting = status.state.waiting if status.state is not None else None
+        if waiting is not None and waiting.reason in ("CreateContainerError", "CreateContainerConfigError"):
+            return status.name, waiting.message or waiting.reason
+    return None
+
+
+def _running(pod: Pod) -> dict[str, str]:
+    """Container name -> container ID of each running container of ``pod``."""
+    out: dict[str, str] = {}
+    for status in (pod.status.containerStatuses or []) if pod.status else []:
+        if status.state is not None and status.state.running is not None and status.containerID:
+            out[status.name] = status.containerID
+    return out
+
+
+def settled_on_real_node(pod: Pod) -> bool:
+    """Every container running, one refused at create, or the pod reported unschedulable."""
+    containers = len(pod.spec.containers) if pod.spec else 0
+    if containers and len(_running(pod)) == containers:
+        return True
+    return _waiting(pod) is not None or settled(pod)
+
+
+def real_outcome(pod: Pod, gpu_index: dict[str, str], node: RealNode) -> PodOutcome:
+    """``outcome`` on the real node: what each container got, read from its running process."""
+    result = outcome(pod, gpu_index)
+    refused = _waiting(pod)
+    if refused is not None:
+        container, message = refused
+        result.injected[container] = {"error": message}
+        result.state, result.reason = "CreateContainerError", message
+        return result
+    for container, container_id in sorted(_running(pod).items()):
+        pid = node.container_pid(container_id)
+        result.injected[container] = injected_view(process_environ(pid), process_mounts(pid))
+        result.state = "Running"
+    return result
+
+
 async def gpu_names(client: AsyncClient) -> dict[str, str]:
     """GPU UUID -> ``node/index`` from the inventory the node agents published."""
     names: dict[str, str] = {}
@@ -103,21 +148,32 @@ async def gpu_names(client: AsyncClient) -> dict[str, str]:
 
 
 async def submit_and_wait(
-    client: AsyncClient, manifest: Path, *, namespace: str = "default", timeout_s: float = 60.0
+    client: AsyncClient,
+    manifest: Path,
+    *,
+    namespace: str = "default",
+    timeout_s: float = 60.0,
+    real_node: RealNode | None = None,
 ) -> Pod:
+    """Create the pod of ``manifest`` and wait until it settles (on ``real_node``: made runnable there,
+    and settled when its containers run or are refused)."""
     (obj,) = load_all_yaml(manifest.read_text())
+    done = settled
+    if real_node is not None:
+        obj, done = runnable_here(obj), settled_on_real_node
     with api_errors():
         created = await client.create(obj, namespace=namespace)
     name = created.metadata.name
     deadline = time.monotonic() + timeout_s
     while True:
         pod = await client.get(Pod, name, namespace=namespace)
-        if settled(pod) or time.monotonic() > deadline:
+        if done(pod) or time.monotonic() > deadline:
             return pod
         await asyncio.sleep(0.2)
 
 
-def render(console: Console, outcomes: list[PodOutcome]) -> None:
+def render(console: Console, outcomes: list[PodOutcome], *, read_inside: bool = False) -> None:
+    """The placement table and what each container got (``read_inside``: read from its running process)."""
     table = Table(title="gpufrac demo: where each pod went", show_lines=True)
     for column in ("pod", "state", "node", "GPUs", "guaranteed MiB/GPU", "limit MiB/GPU", "mode"):
         table.add_column(column, overflow="fold")
@@ -134,7 +190,11 @@ def render(console: Console, outcomes: list[PodOutcome]) -> None:
         )
     console.print(table)
 
-    env = Table(title="what the node agent injected before each container started (through NRI)")
+    env = Table(
+        title="what each running container's process has (its /proc environ and mounts; injected through NRI)"
+        if read_inside
+        else "what the node agent injected before each container started (through NRI)"
+    )
     env.add_column("pod/container")
     env.add_column("environment and MPS mount", overflow="fold")
     for o in outcomes:

@@ -1,0 +1,590 @@
+"""A real Kubernetes node on this machine: containerd 2.x with NRI, runc and a real kubelet.
+
+The simulated kubelet (``gpufrac.local.kubelet``) shows what the node agent injects; this shows that it
+happens in the real stack: the kubelet asks containerd's CRI to run the pod, containerd asks its NRI
+plugins (our node agent) to adjust each container, and runc starts the process with the result. The
+environment a test reads from ``/proc/<pid>/environ`` of the container's process is what the workload
+really gets.
+
+What is real and what is not:
+
+- containerd (testenv/containerd, built from github.com/containerd/containerd/v2), Debian's runc, the
+  kubelet (testenv/controlplane's module graph, so the API server's version) and the node agent are the
+  programs a cluster runs; the kubelet registers the Node itself, with the managed label and taint.
+- The GPUs are SIMULATED (the node agent's ``--backend=simulated``): this machine has none, no NVIDIA
+  driver and no MPS. Nothing else is.
+- Images come from no registry: ``gpufrac.local.ociimage`` writes a pause and a busybox image, imported
+  with ``ctr images import``.
+- The pod network is Debian's CNI plugins (a bridge with host-local addresses); the tests use host
+  networking, which needs none of it, but the kubelet reports the node NotReady until the runtime's
+  network is ready.
+
+Settings that a container-in-a-VM test node needs, NOT production settings (docs/development.md):
+kubelet ``cgroupDriver: cgroupfs``, ``cgroupsPerQOS: false``, ``enforceNodeAllocatable: []``,
+``failSwapOn: false``; containerd's CRI ``restrict_oom_score_adj = true`` (the processes here lack
+CAP_SYS_RESOURCE, and runc otherwise fails every sandbox with "can't get final child's PID from pipe:
+EOF"); the native snapshotter (no overlay mount needed). Everything lives under one work directory:
+sockets, containerd's root and state, the kubelet's root, pod logs.
+
+It needs root and a mounted cgroup hierarchy; ``missing_requirements`` says what is missing.
+
+containerd's built-in NRI validator is on: a pod that names our plugin in NRI's
+``required-plugins.noderesource.dev`` annotation is refused by containerd itself while the node agent is
+not connected, which is what keeps a GPU container from starting without its limits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+from lightkube import AsyncClient
+from lightkube.resources.core_v1 import Node, Pod
+
+from gpufrac.contract import keys
+from gpufrac.kube.errors import KubeError, api_errors
+from gpufrac.local import ociimage
+from gpufrac.local.processes import Spawned, spawn, terminate
+from gpufrac.local.simnodes import NodeShape
+
+TESTENV_BIN = Path(__file__).resolve().parents[3] / "testenv" / "bin"
+
+#: The cgroup hierarchy the kubelet (cgroupfs driver, cgroup v1) and runc need.
+CGROUP_MEMORY = Path("/sys/fs/cgroup/memory")
+
+
+#: What a container of a test pod runs: sleep until stopped, and stop at once on SIGTERM.
+SLEEP_COMMAND = ("/bin/sh", "-c", "trap 'exit 0' TERM; sleep 3600 & wait")
+
+#: Debian's containernetworking-plugins (testenv/packages.sh).
+CNI_BIN = Path("/usr/lib/cni")
+#: The pod network of the node: a bridge with host-local addresses, no masquerading (no iptables).
+POD_SUBNET = "10.244.0.0/24"
+
+#: The taint the API server's TaintNodesByCondition admission gives every new Node.
+NOT_READY_TAINT = "node.kubernetes.io/not-ready"
+
+
+class RealNodeError(RuntimeError):
+    """A part of the real node failed to start (the message says which, with its log)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Binaries:
+    containerd: Path
+    ctr: Path
+    shim: Path
+    kubelet: Path
+    runc: Path
+
+
+def binaries(bin_dir: Path = TESTENV_BIN) -> Binaries:
+    """The programs of the real node; raises ``RealNodeError`` naming what is missing and how to get it."""
+    runc = shutil.which("runc")
+    found = Binaries(
+        containerd=bin_dir / "containerd",
+        ctr=bin_dir / "ctr",
+        shim=bin_dir / "containerd-shim-runc-v2",
+        kubelet=bin_dir / "kubelet",
+        runc=Path(runc) if runc else Path("runc"),
+    )
+    missing = [str(p) for p in (found.containerd, found.ctr, found.shim, found.kubelet) if not p.exists()]
+    if missing:
+        raise RealNodeError(f"missing {', '.join(missing)}: build them with `make testenv`")
+    if runc is None:
+        raise RealNodeError("runc is not on PATH: install Debian's runc (bash testenv/packages.sh)")
+    if not (CNI_BIN / "bridge").exists():
+        raise RealNodeError(
+            f"no CNI plugins in {CNI_BIN}: install containernetworking-plugins (bash testenv/packages.sh)"
+        )
+    if not ociimage.BUSYBOX.exists():
+        raise RealNodeError(
+            f"{ociimage.BUSYBOX} is missing: install busybox-static (bash testenv/packages.sh)"
+        )
+    return found
+
+
+def missing_requirements() -> list[str]:
+    """What this machine lacks for a real node (empty: it can run one): root and cgroup v1 memory."""
+    missing = []
+    if os.geteuid() != 0:
+        missing.append("root (containerd, runc and the kubelet mount and create cgroups)")
+    if not (CGROUP_MEMORY / "cgroup.procs").exists():
+        missing.append(f"a cgroup v1 memory hierarchy at {CGROUP_MEMORY}")
+    return missing
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def containerd_config(*, root: Path, bins: Binaries) -> str:
+    """containerd's config (version 3): everything under ``root``, NRI on, the CRI as a test node needs.
+
+    NRI's built-in validator is on: it refuses a container whose pod requires a plugin that is not
+    connected (what makes GPU containers fail closed while the node agent is away)."""
+    return f"""version = 3
+root = "{root}/root"
+state = "{root}/state"
+temp = "{root}/tmp"
+disabled_plugins = ["io.containerd.internal.v1.tracing", "io.containerd.tracing.processor.v1.otlp"]
+
+[grpc]
+  address = "{root}/containerd.sock"
+
+[ttrpc]
+  address = "{root}/containerd.sock.ttrpc"
+
+[debug]
+  address = "{root}/debug.sock"
+
+[plugins."io.containerd.internal.v1.opt"]
+  path = "{root}/opt"
+
+[plugins."io.containerd.nri.v1.nri"]
+  disable = false
+  socket_path = "{root}/nri.sock"
+  plugin_path = "{root}/nri-plugins"
+  plugin_config_path = "{root}/nri-conf.d"
+  plugin_registration_timeout = "5s"
+  plugin_request_timeout = "2s"
+
+[plugins."io.containerd.nri.v1.nri".default_validator]
+  enable = true
+
+[plugins."io.containerd.cri.v1.images"]
+  snapshotter = "native"
+
+[plugins."io.containerd.cri.v1.images".pinned_images]
+  sandbox = "{ociimage.PAUSE.ref}"
+
+[plugins."io.containerd.cri.v1.runtime"]
+  restrict_oom_score_adj = true
+  enable_selinux = false
+  disable_apparmor = true
+
+[plugins."io.containerd.cri.v1.runtime".cni]
+  bin_dirs = ["{CNI_BIN}"]
+  conf_dir = "{root}/cni-conf.d"
+
+[plugins."io.containerd.cri.v1.runtime".containerd]
+  default_runtime_name = "runc"
+
+[plugins."io.containerd.cri.v1.runtime".containerd.runtimes.runc]
+  runtime_type = "io.containerd.runc.v2"
+  snapshotter = "native"
+
+[plugins."io.containerd.cri.v1.runtime".containerd.runtimes.runc.options]
+  BinaryName = "{bins.runc}"
+  SystemdCgroup = false
+"""
+
+
+def kubelet_config(*, root: Path, endpoint: str, port: int, healthz_port: int) -> dict[str, object]:
+    """The KubeletConfiguration of the test node (see the module docstring for why each setting)."""
+    return {
+        "apiVersion": "kubelet.config.k8s.io/v1beta1",
+        "kind": "KubeletConfiguration",
+        "containerRuntimeEndpoint": endpoint,
+        "imageServiceEndpoint": endpoint,
+        "cgroupDriver": "cgroupfs",
+        "cgroupsPerQOS": False,
+        "enforceNodeAllocatable": [],
+        "failSwapOn": False,
+        "localStorageCapacityIsolation": False,
+        "address": "127.0.0.1",
+        "port": port,
+        "readOnlyPort": 0,
+        "healthzBindAddress": "127.0.0.1",
+        "healthzPort": healthz_port,
+        "authentication": {"anonymous": {"enabled": False}, "webhook": {"enabled": False}},
+        "authorization": {"mode": "AlwaysAllow"},
+        "podLogsDirectory": str(root / "pod-logs"),
+        "registerWithTaints": [
+            {
+                "key": keys.MANAGED_TAINT_KEY,
+                "value": keys.MANAGED_TAINT_VALUE,
+                "effect": keys.MANAGED_TAINT_EFFECT,
+            }
+        ],
+        # The disk of a shared test machine may be fuller than a node's defaults allow.
+        "evictionHard": {"memory.available": "1Mi", "nodefs.available": "1%", "imagefs.available": "1%"},
+        "imageGCHighThresholdPercent": 100,
+        "imageGCLowThresholdPercent": 99,
+        "serializeImagePulls": False,
+    }
+
+
+def process_environ(pid: int) -> dict[str, str]:
+    """The environment process ``pid`` started with, as the kernel keeps it (``/proc/<pid>/environ``)."""
+    raw = Path(f"/proc/{pid}/environ").read_bytes()
+    env: dict[str, str] = {}
+    for entry in raw.split(b"\0"):
+        if entry:
+            key, _, value = entry.decode(errors="replace").partition("=")
+            env[key] = value
+    return env
+
+
+def process_mounts(pid: int) -> list[dict[str, str]]:
+    """The mounts of process ``pid``'s mount namespace (``/proc/<pid>/mountinfo``): ``destination`` is
+    where it is mounted, ``source`` the path inside the filesystem it comes from."""
+    mounts = []
+    for line in Path(f"/proc/{pid}/mountinfo").read_text().splitlines():
+        fields = line.split()
+        if len(fields) > 4:
+            mounts.append({"source": fields[3], "destination": fields[4]})
+    return mounts
+
+
+def runnable_here(pod: Pod) -> Pod:
+    """``pod`` made runnable on this node: no registry (the busybox image, never pulled; the command
+    sleeps until SIGTERM), the host's network, no service-account token (no controller issues one)."""
+    assert pod.spec is not None
+    for container in pod.spec.containers:
+        container.image = ociimage.WORKLOAD.ref
+        container.imagePullPolicy = "Never"
+        container.command = list(SLEEP_COMMAND)
+        container.args = None
+    pod.spec.hostNetwork = True
+    pod.spec.automountServiceAccountToken = False
+    pod.spec.terminationGracePeriodSeconds = 1
+    return pod
+
+
+class RealNode:
+    """containerd + runc + a real kubelet + our node agent (simulated GPUs) as one Kubernetes node.
+
+    ``await node.start()`` returns when the kubelet's Node is Ready and the node agent has published the
+    GPUs; ``stop_agent()`` / ``start_agent()`` take the node agent out of and back into containerd's
+    path; ``await node.stop()`` ends everything (newest first) and removes the containers' cgroups.
+    """
+
+    def __init__(
+        self,
+        *,
+        name: str,
+        kubeconfig: Path,
+        client: AsyncClient,
+        work_dir: Path,
+        logs: Path,
+        shape: NodeShape = NodeShape(gpus=4, model="H100-80GB"),
+        agent_argv: Callable[[], list[str]],
+        progress: Callable[[str], None] = lambda _msg: None,
+    ) -> None:
+        self.name = name
+        self.shape = shape
+        self._kubeconfig = kubeconfig
+        self._client = client
+        self.root = work_dir
+        self.logs = logs
+        self._agent_argv = agent_argv
+        self._progress = progress
+        self.bins = binaries()
+        self.metrics_url = ""
+        self._containerd: Spawned | None = None
+        self._kubelet: Spawned | None = None
+        self._agent: Spawned | None = None
+
+    @property
+    def containerd_socket(self) -> Path:
+        return self.root / "containerd.sock"
+
+    @property
+    def cri_endpoint(self) -> str:
+        return f"unix://{self.containerd_socket}"
+
+    @property
+    def nri_socket(self) -> Path:
+        return self.root / "nri.sock"
+
+    # -- start ----------------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        missing = missing_requirements()
+        if missing:
+            raise RealNodeError(f"this machine cannot run a real node: it lacks {'; '.join(missing)}")
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.logs.mkdir(parents=True, exist_ok=True)
+        try:
+            self._progress("starting containerd (NRI on) with runc")
+            await self._start_containerd()
+            self._progress("importing the pause and busybox images")
+            await self._import_images()
+            self._progress(f"starting the kubelet of {self.name}")
+            await self._start_kubelet()
+            self._progress("starting the node agent on containerd's NRI socket (simulated GPUs)")
+            await self.start_agent()
+        except BaseException:
+            await self.stop()
+            raise
+
+    def _write_cni_config(self) -> None:
+        conf_dir = self.root / "cni-conf.d"
+        conf_dir.mkdir(parents=True, exist_ok=True)
+        network = {
+            "cniVersion": "1.0.0",
+            "name": "gpufrac-test",
+            "plugins": [
+                {
+                    "type": "bridge",
+                    "bridge": "gpufrac0",
+                    "isGateway": True,
+                    "ipMasq": False,
+                    "ipam": {
+                        "type": "host-local",
+                        "ranges": [[{"subnet": POD_SUBNET}]],
+                        "dataDir": str(self.root / "cni-ipam"),
+                    },
+                }
+            ],
+        }
+        (conf_dir / "10-gpufrac-test.conflist").write_text(json.dumps(network, indent=2))
+
+    async def _start_containerd(self) -> None:
+        self._write_cni_config()
+        config = self.root / "containerd.toml"
+        config.write_text(containerd_config(root=self.root, bins=self.bins))
+        # containerd finds the shim on PATH (containerd-shim-runc-v2, next to it in testenv/bin).
+        path = f"{self.bins.shim.parent}:{os.environ.get('PATH', '/usr/bin:/bin')}"
+        self._containerd = spawn(
+            name="containerd",
+            argv=[str(self.bins.containerd), "--config", str(config), "--log-level", "info"],
+            logs=self.logs,
+            env={"PATH": path},
+        )
+        await self._wait(self._containerd, "answer on its socket", self._containerd_answers)
+
+    async def restart_containerd(self) -> None:
+        """Stop containerd (SIGTERM) and start it again on the same state, as an upgrade does: running
+        containers stay (their shims outlive containerd), every NRI plugin connection drops."""
+        containerd, self._containerd = self._containerd, None
+        if containerd is not None:
+            await asyncio.to_thread(terminate, containerd.popen)
+        await self._start_containerd()
+
+    async def _containerd_answers(self) -> bool:
+        if not self.containerd_socket.exists():
+            return False
+        done = await asyncio.to_thread(
+            subprocess.run, [*self.ctr_argv(), "version"], capture_output=True, timeout=10
+        )
+        return done.returncode == 0
+
+    def ctr_argv(self) -> list[str]:
+        """``ctr`` on this node's containerd, in the CRI's namespace."""
+        return [str(self.bins.ctr), "--address", str(self.containerd_socket), "--namespace", "k8s.io"]
+
+    async def _import_images(self) -> None:
+        for spec in (ociimage.PAUSE, ociimage.WORKLOAD):
+            archive = ociimage.write_archive(spec, self.root / "images" / f"{spec.ref.split('/')[-1]}.tar")
+            done = await asyncio.to_thread(
+                subprocess.run,
+                [*self.ctr_argv(), "images", "import", "--local", "--snapshotter", "native", str(archive)],
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
+            if done.returncode != 0:
+                raise RealNodeError(f"ctr images import {archive} failed: {done.stderr.strip()}")
+
+    async def _start_kubelet(self) -> None:
+        kubelet_root = self.root / "kubelet"
+        kubelet_root.mkdir(parents=True, exist_ok=True)
+        (self.root / "pod-logs").mkdir(exist_ok=True)
+        config = self.root / "kubelet.yaml"
+        healthz = _free_port()
+        config.write_text(
+            yaml.safe_dump(
+                kubelet_config(
+                    root=self.root, endpoint=self.cri_endpoint, port=_free_port(), healthz_port=healthz
+                )
+            )
+        )
+        self._kubelet = spawn(
+            name="kubelet",
+            argv=[
+                str(self.bins.kubelet),
+                f"--config={config}",
+                f"--kubeconfig={self._kubeconfig}",
+                f"--root-dir={kubelet_root}",
+                f"--cert-dir={kubelet_root / 'pki'}",
+                f"--hostname-override={self.name}",
+                f"--node-labels={keys.MANAGED_LABEL}=true",
+                "--v=1",
+            ],
+            logs=self.logs,
+        )
+        await self._wait(self._kubelet, "register a Ready Node", self._node_ready, timeout_s=120)
+        await self._untaint_ready_node()
+
+    async def _untaint_ready_node(self) -> None:
+        """Drop the ``not-ready`` taint admission put on the new Node, as kube-controller-manager's node
+        lifecycle controller does once the kubelet reports Ready (that controller does not run here)."""
+        with api_errors():
+            node = await self._client.get(Node, self.name)
+        taints = [t.to_dict() for t in (node.spec.taints or [])] if node.spec else []
+        kept = [t for t in taints if t.get("key") != NOT_READY_TAINT]
+        if kept != taints:
+            with api_errors():
+                await self._client.patch(Node, self.name, {"spec": {"taints": kept}})
+
+    async def _node_ready(self) -> bool:
+        try:
+            with api_errors():
+                node = await self._client.get(Node, self.name)
+        except KubeError:
+            return False
+        conditions = {c.type: c.status for c in (node.status.conditions or [])} if node.status else {}
+        return conditions.get("Ready") == "True"
+
+    async def start_agent(self) -> None:
+        """Start the node agent (simulated GPUs) on containerd's NRI and CRI sockets; wait until published."""
+        if self._agent is not None and self._agent.popen.poll() is None:
+            return
+        shape = self.shape
+        metrics_port = _free_port()
+        self._agent = spawn(
+            name="node-agent",
+            argv=[
+                *self._agent_argv(),
+                "node-agent",
+                f"--node-name={self.name}",
+                f"--kubeconfig={self._kubeconfig}",
+                f"--nri-socket={self.nri_socket}",
+                f"--cri-endpoint={self.cri_endpoint}",
+                "--backend=simulated",
+                f"--sim-gpus={shape.gpus}x{shape.model}:{shape.mib}",
+                f"--state-dir={self.root / 'node-agent'}",
+                "--health-port=0",
+                f"--metrics-port={metrics_port}",
+                "--log-format=text",
+            ],
+            logs=self.logs,
+        )
+        self.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+        await self._wait(self._agent, "publish the node's GPUs", self._agent_ready, timeout_s=60)
+
+    async def _agent_ready(self) -> bool:
+        with api_errors():
+            node = await self._client.get(Node, self.name)
+        conditions = {c.type: c.status for c in (node.status.conditions or [])} if node.status else {}
+        annotations = node.metadata.annotations or {}
+        return bool(annotations.get(keys.NODE_GPUS_ANNOTATION)) and (
+            conditions.get(keys.NODE_READY_CONDITION) == "True"
+        )
+
+    @property
+    def agent_pid(self) -> int | None:
+        return self._agent.popen.pid if self._agent is not None else None
+
+    async def kill_agent(self) -> None:
+        """SIGKILL the node agent, as a crash or the OOM killer does: none of its shutdown runs."""
+        agent, self._agent = self._agent, None
+        if agent is not None:
+            agent.popen.kill()
+            await asyncio.to_thread(agent.popen.wait)
+
+    async def stop_agent(self) -> None:
+        """SIGTERM the node agent (it leaves containerd's NRI path) and wait until it has exited."""
+        agent, self._agent = self._agent, None
+        if agent is not None:
+            await asyncio.to_thread(terminate, agent.popen)
+
+    async def _wait(
+        self, process: Spawned, what: str, ready: Callable[[], object], *, timeout_s: float = 60.0
+    ) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if process.popen.poll() is not None:
+                raise RealNodeError(
+                    f"{process.name} exited with {process.popen.returncode} before it could {what}; "
+                    f"last lines of {process.log}:\n{process.tail()}"
+                )
+            if await ready():  # type: ignore[misc]
+                return
+            await asyncio.sleep(0.2)
+        raise RealNodeError(
+            f"{process.name} did not {what} within {timeout_s:.0f}s; last lines of {process.log}:\n"
+            f"{process.tail()}"
+        )
+
+    # -- inside the containers ------------------------------------------------------------------------
+
+    def container_pid(self, container_id: str) -> int:
+        """The host PID of a running container's process (``containerd://<id>`` or ``<id>``), as runc
+        reported it to containerd's shim; raises ``RealNodeError`` when the container has no process."""
+        bare = container_id.removeprefix("containerd://")
+        pid_file = self.root / "state" / "io.containerd.runtime.v2.task" / "k8s.io" / bare / "init.pid"
+        try:
+            return int(pid_file.read_text().strip())
+        except (OSError, ValueError) as error:
+            raise RealNodeError(f"container {bare} has no process on {self.name} ({error})") from None
+
+    # -- stop -----------------------------------------------------------------------------------------
+
+    async def stop(self) -> None:
+        """End the agent, the kubelet, every container, then containerd; safe to call twice."""
+        await self.stop_agent()
+        kubelet, self._kubelet = self._kubelet, None
+        if kubelet is not None:
+            await asyncio.to_thread(terminate, kubelet.popen)
+        containerd, self._containerd = self._containerd, None
+        if containerd is not None:
+            with contextlib.suppress(Exception):
+                await self._remove_containers()
+            await asyncio.to_thread(terminate, containerd.popen)
+        await asyncio.to_thread(self._unmount)
+
+    async def _remove_containers(self) -> None:
+        """Kill every task and remove every container, so no shim or container process outlives us."""
+        listed = await asyncio.to_thread(
+            subprocess.run,
+            [*self.ctr_argv(), "containers", "list", "-q"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        for container in listed.stdout.split():
+            await asyncio.to_thread(
+                subprocess.run,
+                [*self.ctr_argv(), "tasks", "kill", "--signal", "SIGKILL", container],
+                capture_output=True,
+                timeout=30,
+            )
+        for container in listed.stdout.split():
+            for _ in range(50):
+                gone = await asyncio.to_thread(
+                    subprocess.run,
+                    [*self.ctr_argv(), "tasks", "delete", "--force", container],
+                    capture_output=True,
+                    timeout=30,
+                )
+                if gone.returncode == 0 or b"not found" in gone.stderr:
+                    break
+                await asyncio.sleep(0.1)
+            await asyncio.to_thread(
+                subprocess.run,
+                [*self.ctr_argv(), "containers", "delete", container],
+                capture_output=True,
+                timeout=30,
+            )
+
+    def _unmount(self) -> None:
+        """Unmount whatever the kubelet and containerd left mounted under the work directory."""
+        with open("/proc/self/mounts") as mounts:
+            targets = [line.split()[1] for line in mounts if line.split()[1].startswith(str(self.root) + "/")]
+        for target in sorted(targets, key=len, reverse=True):
+            subprocess.run(["umount", "-l", target], capture_output=True, check=False)

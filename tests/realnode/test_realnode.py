@@ -1,0 +1,343 @@
+"""The real node: our scheduler places a pod, a real kubelet runs it through containerd and runc, and
+what the container's process got is read from the kernel (``/proc/<pid>/environ``), not from our records.
+
+One embedded cluster with ``runtime="containerd"`` (``gpufrac.local.realnode``) serves the module. These
+tests need root and cgroups; where the machine has them they must run (CI here has both), so they skip
+only when ``missing_requirements`` names what is missing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import pytest
+from gpufrac.node.audit import REASON_MISSING_INJECTION
+from lightkube.models.core_v1 import Container, EnvVar, PodSpec, Toleration
+from lightkube.models.meta_v1 import ObjectMeta
+from lightkube.resources.core_v1 import Event, Node, Pod
+
+from gpufrac.contract import keys
+from gpufrac.local import ociimage
+from gpufrac.local.cluster import ClusterShape, LocalCluster
+from gpufrac.local.demo import DEMO_PODS, gpu_names, real_outcome, submit_and_wait
+from gpufrac.local.realnode import SLEEP_COMMAND, missing_requirements, process_environ, process_mounts
+from gpufrac.local.simnodes import NodeShape
+from gpufrac.node.inject import (
+    CONTAINER_PIPE_DIR,
+    ENFORCEMENT_ENV,
+    NVIDIA_GPU_MEMORY_LIMIT,
+    NVIDIA_VISIBLE_DEVICES,
+    plan_container,
+)
+
+pytestmark = pytest.mark.kube
+
+_missing = missing_requirements()
+if _missing:
+    pytest.skip(f"no real node on this machine: it lacks {'; '.join(_missing)}", allow_module_level=True)
+
+NODE = "real-gpu-000"
+SCHEDULER = keys.DEFAULT_SCHEDULER_NAME
+#: What a user writes to widen the limit; the node agent must remove it.
+USER_LIMIT = "999999"
+
+
+@pytest.fixture(scope="module")
+async def cluster() -> AsyncIterator[LocalCluster]:
+    shape = ClusterShape(
+        nodes=1, prefix="real-gpu-", node=NodeShape(gpus=8, model="H100-80GB"), runtime="containerd"
+    )
+    assert shape.node_names == [NODE]
+    async with LocalCluster(shape=shape) as local:
+        yield local
+
+
+def _pod(name: str, *, annotations: dict[str, str] | None = None, gpu: bool = True) -> Pod:
+    """A host-network busybox pod that sleeps until stopped (SIGTERM ends it at once)."""
+    app = Container(
+        name="app",
+        image=ociimage.WORKLOAD.ref,
+        imagePullPolicy="Never",
+        command=list(SLEEP_COMMAND),
+        env=[EnvVar(name=NVIDIA_GPU_MEMORY_LIMIT, value=USER_LIMIT), EnvVar(name="USER_VAR", value="kept")],
+    )
+    spec = PodSpec(
+        containers=[app],
+        hostNetwork=True,
+        automountServiceAccountToken=False,
+        terminationGracePeriodSeconds=1,
+    )
+    if gpu:
+        spec.schedulerName = SCHEDULER
+    else:
+        # Not a GPU pod: bound directly, tolerating the managed taint as a DaemonSet pod would.
+        spec.nodeName = NODE
+        spec.tolerations = [Toleration(**keys.managed_toleration())]
+    return Pod(metadata=ObjectMeta(name=name, annotations=annotations or {}), spec=spec)
+
+
+FRACTION = {"gpu-fraction": "0.25", "gpu-fraction.limit": "0.5"}
+
+
+async def _wait_pod(
+    cluster: LocalCluster, name: str, done: Callable[[Pod], bool], *, what: str, timeout_s: float = 60.0
+) -> Pod:
+    assert cluster.client is not None
+    deadline = time.monotonic() + timeout_s
+    while True:
+        pod = await cluster.client.get(Pod, name, namespace="default")
+        if done(pod):
+            return pod
+        if time.monotonic() > deadline:
+            raise AssertionError(f"pod {name} did not {what} within {timeout_s:.0f}s: {pod.status}")
+        await asyncio.sleep(0.2)
+
+
+def _running(pod: Pod) -> bool:
+    statuses = (pod.status.containerStatuses or []) if pod.status else []
+    return bool(statuses) and all(s.state is not None and s.state.running is not None for s in statuses)
+
+
+def _container_id(pod: Pod) -> str:
+    assert pod.status is not None and pod.status.containerStatuses
+    (status,) = pod.status.containerStatuses
+    assert status.containerID
+    return status.containerID
+
+
+async def _delete(cluster: LocalCluster, *names: str) -> None:
+    assert cluster.client is not None
+    for name in names:
+        await cluster.client.delete(Pod, name, namespace="default", grace_period=0)
+
+
+def _expected_env(pod: Pod) -> dict[str, Any]:
+    assert pod.metadata is not None
+    plan, _ = plan_container(annotations=pod.metadata.annotations or {}, container="app", pipe_source="")
+    assert plan is not None
+    return plan.env_map
+
+
+async def test_a_fractional_pod_runs_in_runc_with_the_plan_in_its_process_environment(
+    cluster: LocalCluster,
+) -> None:
+    assert cluster.client is not None and cluster.real_node is not None
+    await cluster.client.create(_pod("fraction", annotations=FRACTION), namespace="default")
+    pod = await _wait_pod(cluster, "fraction", _running, what="run")
+    assert pod.spec is not None and pod.spec.nodeName == NODE
+
+    pid = cluster.real_node.container_pid(_container_id(pod))
+    environ = process_environ(pid)
+    expected = _expected_env(pod)
+    # Every variable gpufrac owns is exactly what the contract plans: the scheduler's devices, the
+    # resolved MiB, the MPS directory -- and the user's own NVIDIA_GPU_MEMORY_LIMIT is gone.
+    assert {k: environ.get(k) for k in ENFORCEMENT_ENV} == {k: expected.get(k) for k in ENFORCEMENT_ENV}
+    assert environ[NVIDIA_GPU_MEMORY_LIMIT] != USER_LIMIT
+    assert environ["USER_VAR"] == "kept"
+    assert CONTAINER_PIPE_DIR in [m["destination"] for m in process_mounts(pid)]
+    await _delete(cluster, "fraction")
+
+
+async def test_without_the_node_agent_a_fractional_pod_waits_and_a_plain_pod_runs(
+    cluster: LocalCluster,
+) -> None:
+    assert cluster.client is not None and cluster.real_node is not None
+    node = cluster.real_node
+    await node.stop_agent()
+
+    async def agent_down() -> bool:
+        assert cluster.client is not None
+        got = await cluster.client.get(Node, NODE)
+        conditions = {c.type: c.status for c in (got.status.conditions or [])} if got.status else {}
+        return conditions.get(keys.NODE_READY_CONDITION) == "False"
+
+    deadline = time.monotonic() + 30
+    while not await agent_down():
+        assert time.monotonic() < deadline, "the stopped agent did not mark the node not ready"
+        await asyncio.sleep(0.2)
+
+    await cluster.client.create(_pod("waits", annotations=FRACTION), namespace="default")
+    # The scheduler says why it does not place the pod (the node's GPU fractioning is not ready).
+    waiting = await _wait_pod(
+        cluster,
+        "waits",
+        lambda p: any(
+            c.type == "PodScheduled" and c.status == "False"
+            for c in ((p.status.conditions or []) if p.status else [])
+        ),
+        what="be reported unschedulable",
+    )
+    assert waiting.spec is not None and not waiting.spec.nodeName
+
+    await cluster.client.create(_pod("plain", gpu=False), namespace="default")
+    plain = await _wait_pod(cluster, "plain", _running, what="run")
+    # Nothing was injected into it: the user's variables are all it has.
+    plain_env = process_environ(node.container_pid(_container_id(plain)))
+    assert plain_env[NVIDIA_GPU_MEMORY_LIMIT] == USER_LIMIT and NVIDIA_VISIBLE_DEVICES not in plain_env
+
+    # The agent returns: nobody touches the pod, and it runs with its limits.
+    await node.start_agent()
+    started = await _wait_pod(cluster, "waits", _running, what="run once the agent returned")
+    environ = process_environ(node.container_pid(_container_id(started)))
+    expected = _expected_env(started)
+    assert {k: environ.get(k) for k in ENFORCEMENT_ENV} == {k: expected.get(k) for k in ENFORCEMENT_ENV}
+    await _delete(cluster, "waits", "plain")
+
+
+def _restarted(pod: Pod) -> bool:
+    statuses = (pod.status.containerStatuses or []) if pod.status else []
+    return any(s.restartCount and s.state is not None and s.state.running is not None for s in statuses)
+
+
+def _waiting(pod: Pod) -> tuple[str, str]:
+    statuses = (pod.status.containerStatuses or []) if pod.status else []
+    for status in statuses:
+        if status.state is not None and status.state.waiting is not None:
+            return status.state.waiting.reason or "", status.state.waiting.message or ""
+    return "", ""
+
+
+async def test_a_gpu_container_restarting_while_the_agent_is_away_is_refused_by_containerd(
+    cluster: LocalCluster,
+) -> None:
+    """The scheduler cannot help here (the pod is bound already): the webhook's NRI required-plugins
+    annotation makes containerd's own NRI validator refuse the container instead of starting it bare."""
+    assert cluster.client is not None and cluster.real_node is not None
+    node = cluster.real_node
+    await cluster.client.create(_pod("restarts", annotations=FRACTION), namespace="default")
+    pod = await _wait_pod(cluster, "restarts", _running, what="run")
+
+    await node.stop_agent()
+    os.kill(node.container_pid(_container_id(pod)), signal.SIGKILL)  # the workload crashes
+    # Either containerd refuses the new container, or it runs again -- without our plugin.
+    settled = await _wait_pod(
+        cluster,
+        "restarts",
+        lambda p: _restarted(p) or _waiting(p)[0] == "CreateContainerError",
+        what="be refused by containerd or restart",
+    )
+    assert not _restarted(settled), "the GPU container restarted without the node agent: no limits"
+    assert f'required plugin "{keys.NRI_PLUGIN_NAME}" not present' in _waiting(settled)[1]
+
+    # The agent returns: the kubelet's next try creates the container, with its limits.
+    await node.start_agent()
+    started = await _wait_pod(cluster, "restarts", _running, what="run once the agent returned", timeout_s=90)
+    environ = process_environ(node.container_pid(_container_id(started)))
+    expected = _expected_env(started)
+    assert {k: environ.get(k) for k in ENFORCEMENT_ENV} == {k: expected.get(k) for k in ENFORCEMENT_ENV}
+    await _delete(cluster, "restarts")
+
+
+async def test_a_fractional_pod_bound_around_the_scheduler_never_runs_and_says_why(
+    cluster: LocalCluster,
+) -> None:
+    """``spec.nodeName`` set by hand: no devices were assigned, so the node agent refuses the container
+    with the contract's message naming the missing key (it must not run unlimited on a GPU node)."""
+    assert cluster.client is not None
+    bypass = _pod("bypass", annotations=FRACTION, gpu=False)  # bound directly, like a non-GPU pod
+    await cluster.client.create(bypass, namespace="default")
+    refused = await _wait_pod(
+        cluster,
+        "bypass",
+        lambda p: _running(p) or _waiting(p)[0] == "CreateContainerError",
+        what="be refused or run",
+    )
+    assert not _running(refused), "a fractional pod without devices runs on the GPU node"
+    assert keys.devices_key("app") in _waiting(refused)[1]
+    await _delete(cluster, "bypass")
+
+
+async def test_the_demo_pods_run_on_the_real_node_with_their_plan_inside(cluster: LocalCluster) -> None:
+    """`gpufrac demo --runtime containerd`: the reference pods run as runc containers, and the table is
+    read from inside their processes."""
+    assert cluster.client is not None and cluster.real_node is not None
+    pods = [await submit_and_wait(cluster.client, m, real_node=cluster.real_node) for m in DEMO_PODS]
+    names = await gpu_names(cluster.client)
+    outcomes = {o.name: o for o in (real_outcome(p, names, cluster.real_node) for p in pods)}
+    assert {n: o.state for n, o in outcomes.items()} == {
+        "inference": "Running",
+        "notebook": "Running",
+        "packed": "Running",
+        "mode-conflict": "Unschedulable",
+        "too-big": "Unschedulable",
+    }
+    for pod in pods:
+        assert pod.metadata is not None and pod.metadata.name is not None
+        got = outcomes[pod.metadata.name]
+        if got.state == "Running":
+            assert got.injected["app"]["env"] == _expected_env(pod)
+            assert got.injected["app"]["mps_mount"]["destination"] == CONTAINER_PIPE_DIR
+    assert outcomes["inference"].injected["app"]["env"]["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "50"
+    await _delete(cluster, *(p.metadata.name for p in pods if p.metadata and p.metadata.name))
+
+
+async def test_a_containerd_restart_leaves_running_containers_alone_and_the_plugin_reconnects(
+    cluster: LocalCluster,
+) -> None:
+    assert cluster.client is not None and cluster.real_node is not None
+    node = cluster.real_node
+    await cluster.client.create(_pod("before", annotations=FRACTION), namespace="default")
+    before = await _wait_pod(cluster, "before", _running, what="run")
+    pid = node.container_pid(_container_id(before))
+    environ = process_environ(pid)
+
+    await node.restart_containerd()
+
+    # The container was not touched: the same process, with the same environment.
+    assert node.container_pid(_container_id(before)) == pid and process_environ(pid) == environ
+    # The agent is back in containerd's path: a new GPU container is created (containerd's validator
+    # would refuse it otherwise) and gets its plan.
+    await cluster.client.create(_pod("after", annotations=FRACTION), namespace="default")
+    after = await _wait_pod(cluster, "after", _running, what="run after the restart", timeout_s=90)
+    after_env = process_environ(node.container_pid(_container_id(after)))
+    expected = _expected_env(after)
+    assert {k: after_env.get(k) for k in ENFORCEMENT_ENV} == {k: expected.get(k) for k in ENFORCEMENT_ENV}
+    fetched = await cluster.client.get(Pod, "before", namespace="default")
+    assert fetched.status is not None and fetched.status.containerStatuses is not None
+    assert fetched.status.containerStatuses[0].restartCount == 0
+    await _delete(cluster, "before", "after")
+
+
+async def test_an_agent_that_hangs_in_create_lets_one_container_start_bare_until_its_audit_recreates_it(
+    cluster: LocalCluster,
+) -> None:
+    """What NRI does, and how the agent recovers. The agent stops answering in the middle of a
+    CreateContainer (SIGSTOP): NRI's request timeout (2 s) closes the plugin and creates the container
+    WITHOUT it -- NRI skips a plugin that times out or drops the connection mid-request, and its validator
+    already counted the plugin as present. The agent is then SIGKILLed and a new one started: its audit
+    reads the container's environment through containerd's CRI, reports GpuInjectionMissing and stops
+    it, and the kubelet recreates it with its limits."""
+    assert cluster.client is not None and cluster.real_node is not None
+    node = cluster.real_node
+    pid = node.agent_pid
+    assert pid is not None
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        await cluster.client.create(_pod("hung", annotations=FRACTION), namespace="default")
+        bare = await _wait_pod(cluster, "hung", _running, what="be created past the hung plugin")
+        bare_env = process_environ(node.container_pid(_container_id(bare)))
+        assert bare_env[NVIDIA_GPU_MEMORY_LIMIT] == USER_LIMIT  # the user's value: nothing enforced
+    finally:
+        await node.kill_agent()
+    await node.start_agent()
+    expected = _expected_env(bare)
+
+    def enforced(p: Pod) -> bool:
+        if not _running(p) or _container_id(p) == _container_id(bare):
+            return False
+        env = process_environ(node.container_pid(_container_id(p)))
+        return {k: env.get(k) for k in ENFORCEMENT_ENV} == {k: expected.get(k) for k in ENFORCEMENT_ENV}
+
+    await _wait_pod(cluster, "hung", enforced, what="be stopped by the audit and recreated", timeout_s=90)
+    events = [
+        e
+        async for e in cluster.client.list(Event, namespace="default")
+        if e.involvedObject.name == "hung" and e.reason == REASON_MISSING_INJECTION
+    ]
+    assert events and "runs without the GPU enforcement it needs" in (events[0].message or "")
+    await _delete(cluster, "hung")
