@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import pytest
-from gpufrac.node.audit import REASON_MISSING_INJECTION
+from gpufrac.node.enforcement_audit import REASON_MISSING_INJECTION
 from lightkube.models.core_v1 import Container, EnvVar, PodSpec, Toleration
 from lightkube.models.meta_v1 import ObjectMeta
 from lightkube.resources.core_v1 import Event, Node, Pod
