@@ -9,6 +9,7 @@ import json
 from admission_reviews import apply_patch, pod, review
 
 from gpufrac.admission.review import AdmissionPolicy, mutate_review, validate_review
+from gpufrac.contract import keys
 
 KAI_BINDER = "system:serviceaccount:kai-scheduler:binder"
 KAI = AdmissionPolicy(binder_users=frozenset({KAI_BINDER}), translate_legacy=False)
@@ -25,7 +26,13 @@ def stored(obj: dict, policy: AdmissionPolicy) -> dict:
 
 def test_gpu_memory_is_left_as_written_for_kai() -> None:
     original = pod({"gpu-memory": "4096", "gpu-memory.limit": "8Gi"}, scheduler="kai-scheduler")
-    assert stored(original, KAI) == original
+    kept = stored(original, KAI)
+    # Only NRI's required-plugin mark is added (the node agent still decides on the container).
+    assert kept["metadata"]["annotations"] == {
+        **original["metadata"]["annotations"],
+        keys.nri_required_plugins_key("app"): '["gpufrac"]',
+    }
+    assert {**kept, "metadata": original["metadata"]} == original
     translated = stored(original, AdmissionPolicy())
     assert "gpu-memory" not in translated["metadata"]["annotations"]  # the default still translates
 

@@ -391,12 +391,19 @@ def test_a_tenant_may_not_bind_with_devices_through_the_namespaced_bindings_endp
         assert message.startswith('admission webhook "validate-binding.gpufrac.io" denied the request: ')
         assert f'{NV}app.gpus.devices="GPU-0a1b,GPU-2c3d" is invalid: only the scheduler' in message
         untouched = kube.get(Pod, "target", namespace=ns)
-        assert not untouched.spec.nodeName and untouched.metadata.annotations == request
+        assert not untouched.spec.nodeName and untouched.metadata.annotations == {
+            **request,
+            **REQUIRES_GPUFRAC,
+        }
 
         answer = bind_namespaced(scheduler, ns, "target", devices)
         assert answer.status_code == 201, answer.text
         bound = kube.get(Pod, "target", namespace=ns)
-        assert bound.spec.nodeName == "node-1" and bound.metadata.annotations == {**request, **devices}
+        assert bound.spec.nodeName == "node-1" and bound.metadata.annotations == {
+            **request,
+            **REQUIRES_GPUFRAC,
+            **devices,
+        }
 
 
 def patch_status(http: httpx2.Client, namespace: str, name: str, patch: dict[str, Any]) -> Any:
@@ -439,7 +446,7 @@ def test_a_tenant_with_status_rights_may_not_forge_devices_or_grow_the_request(
         grown = {"metadata": {"annotations": {f"{NV}app.gpu-memory.request": "300Gi"}}}
         answer = patch_status(alice, ns, "mine", grown)
         assert answer.status_code == 403 and "cannot be changed" in answer.json()["message"]
-        assert kube.get(Pod, "mine", namespace=ns).metadata.annotations == request
+        assert kube.get(Pod, "mine", namespace=ns).metadata.annotations == {**request, **REQUIRES_GPUFRAC}
 
         # A status write that leaves the contract alone is still the tenant's to make.
         condition = {"type": "example.com/Ready", "status": "True"}
@@ -471,7 +478,7 @@ def test_with_the_webhook_down_only_updates_of_contract_keys_fail(
         assert answer.status_code == 200, answer.text
     stored = kube.get(Pod, "gpu", namespace=ns)
     assert stored.metadata.labels == {"team": "a"}
-    assert stored.metadata.annotations == {**request, "example.com/note": "x"}
+    assert stored.metadata.annotations == {**request, **REQUIRES_GPUFRAC, "example.com/note": "x"}
 
     for change in (
         {f"{NV}app.gpu-memory.request": "2Gi"},
@@ -488,7 +495,11 @@ def test_with_the_webhook_down_only_updates_of_contract_keys_fail(
         )
         assert answer.status_code >= 500
         assert 'failed calling webhook "validate.gpufrac.io"' in answer.json()["message"]
-    assert kube.get(Pod, "gpu", namespace=ns).metadata.annotations == {**request, "example.com/note": "x"}
+    assert kube.get(Pod, "gpu", namespace=ns).metadata.annotations == {
+        **request,
+        **REQUIRES_GPUFRAC,
+        "example.com/note": "x",
+    }
 
 
 # Annotation changes to a GPU pod, to compare the matchCondition's CEL with the Python rule it encodes

@@ -16,7 +16,6 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import pytest
-from gpufrac.node.enforcement_audit import REASON_MISSING_INJECTION
 from lightkube.models.core_v1 import Container, EnvVar, PodSpec, Toleration
 from lightkube.models.meta_v1 import ObjectMeta
 from lightkube.resources.core_v1 import Event, Node, Pod
@@ -27,6 +26,7 @@ from gpufrac.local.cluster import ClusterShape, LocalCluster
 from gpufrac.local.demo import DEMO_PODS, gpu_names, real_outcome, submit_and_wait
 from gpufrac.local.realnode import SLEEP_COMMAND, missing_requirements, process_environ, process_mounts
 from gpufrac.local.simnodes import NodeShape
+from gpufrac.node.enforcement_audit import REASON_MISSING_INJECTION
 from gpufrac.node.inject import (
     CONTAINER_PIPE_DIR,
     ENFORCEMENT_ENV,
@@ -237,7 +237,8 @@ async def test_a_fractional_pod_bound_around_the_scheduler_never_runs_and_says_w
     cluster: LocalCluster,
 ) -> None:
     """``spec.nodeName`` set by hand: no devices were assigned, so the node agent refuses the container
-    with the contract's message naming the missing key (it must not run unlimited on a GPU node)."""
+    with the contract's message naming the request it cannot enforce (it must not run unlimited on a GPU
+    node)."""
     assert cluster.client is not None
     bypass = _pod("bypass", annotations=FRACTION, gpu=False)  # bound directly, like a non-GPU pod
     await cluster.client.create(bypass, namespace="default")
@@ -248,7 +249,10 @@ async def test_a_fractional_pod_bound_around_the_scheduler_never_runs_and_says_w
         what="be refused or run",
     )
     assert not _running(refused), "a fractional pod without devices runs on the GPU node"
-    assert keys.devices_key("app") in _waiting(refused)[1]
+    reason = _waiting(refused)[1]
+    assert 'gpu-fraction="0.25" is invalid' in reason and "no container has devices assigned" in reason, (
+        reason
+    )
     await _delete(cluster, "bypass")
 
 

@@ -101,6 +101,10 @@ ForeignGpuPolicy = Literal["report", "refuse"]
 SHARED_PIPE_MOUNT_OPTIONS = ("rbind", "ro", "nosuid", "nodev", "noexec")
 #: The CDI kind NVIDIA's CDI specs give whole GPUs (``nvidia.com/gpu=<index|uuid|all>``).
 CDI_GPU_KIND = "nvidia.com/gpu"
+#: The CDI kind of the NVIDIA device plugin's own specs, which KAI Scheduler's binder writes into
+#: ``.gpus.devices`` when the device plugin uses CDI (``k8s.device-plugin.nvidia.com/gpu=<uuid>``).
+DEVICE_PLUGIN_CDI_GPU_KIND = "k8s.device-plugin.nvidia.com/gpu"
+CDI_GPU_KINDS = (CDI_GPU_KIND, DEVICE_PLUGIN_CDI_GPU_KIND)
 
 
 def device_plugin_gpu(container: api.Container) -> str | None:
@@ -125,7 +129,7 @@ def foreign_device(devices: Sequence[str], gpus: Sequence[GpuInfo]) -> str | Non
         name = device
         if is_cdi_name(device):
             kind, _, name = device.partition("=")
-            if kind != CDI_GPU_KIND:
+            if kind not in CDI_GPU_KINDS:
                 return device
         if name not in names:
             return device
@@ -305,7 +309,7 @@ class GpuInjector:
         return (
             f'{key}="{value}" is invalid: "{device}" is not in this node\'s GPU inventory '
             f"({len(gpus)} usable GPU{'' if len(gpus) == 1 else 's'}, named by UUID, index or "
-            f"{CDI_GPU_KIND}=<UUID|index>)"
+            f"{' or '.join(CDI_GPU_KINDS)}=<UUID|index>)"
         )
 
     def _refuse(
