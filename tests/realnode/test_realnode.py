@@ -307,41 +307,60 @@ async def test_a_containerd_restart_leaves_running_containers_alone_and_the_plug
     await _delete(cluster, "before", "after")
 
 
-async def test_an_agent_that_hangs_in_create_lets_one_container_start_bare_until_its_audit_recreates_it(
+async def test_an_agent_that_hangs_in_create_never_leaves_a_container_running_bare(
     cluster: LocalCluster,
 ) -> None:
-    """What NRI does, and how the agent recovers. The agent stops answering in the middle of a
-    CreateContainer (SIGSTOP): NRI's request timeout (2 s) closes the plugin and creates the container
-    WITHOUT it -- NRI skips a plugin that times out or drops the connection mid-request, and its validator
-    already counted the plugin as present. The agent is then SIGKILLed and a new one started: its audit
-    reads the container's environment through containerd's CRI, reports GpuInjectionMissing and stops
-    it, and the kubelet recreates it with its limits."""
+    """The agent stops answering (SIGSTOP), a fractional pod arrives, then the agent is SIGKILLed and a new
+    one started. NRI's request timeout (2 s) closes the hung plugin; what happens to the container depends
+    on which NRI call meets the hang first:
+
+    * a call before CreateContainer (the pod sandbox's) prunes the plugin, and the validator refuses the
+      container (``required plugin "gpufrac" not present``) until the agent is back -- fail-closed;
+    * CreateContainer itself times out: NRI skips the plugin, its validator already counted it present, and
+      the container is created WITHOUT it. The new agent's audit reads the container's environment through
+      containerd's CRI, reports GpuInjectionMissing and stops it; the kubelet recreates it with its limits.
+
+    Either way the pod ends running with its limits, and a bare container never outlives the agent's
+    return."""
     assert cluster.client is not None and cluster.real_node is not None
     node = cluster.real_node
     pid = node.agent_pid
     assert pid is not None
     os.kill(pid, signal.SIGSTOP)
+    bare: Pod | None = None
     try:
         await cluster.client.create(_pod("hung", annotations=FRACTION), namespace="default")
-        bare = await _wait_pod(cluster, "hung", _running, what="be created past the hung plugin")
-        bare_env = process_environ(node.container_pid(_container_id(bare)))
-        assert bare_env[NVIDIA_GPU_MEMORY_LIMIT] == USER_LIMIT  # the user's value: nothing enforced
+        first = await _wait_pod(
+            cluster,
+            "hung",
+            lambda p: _running(p) or _waiting(p)[0] == "CreateContainerError",
+            what="be created past the hung plugin or refused by the validator",
+        )
+        if _running(first):
+            bare = first
+            bare_env = process_environ(node.container_pid(_container_id(bare)))
+            assert bare_env[NVIDIA_GPU_MEMORY_LIMIT] == USER_LIMIT  # the user's value: nothing enforced
+        else:
+            assert f'required plugin "{keys.NRI_PLUGIN_NAME}" not present' in _waiting(first)[1]
     finally:
         await node.kill_agent()
     await node.start_agent()
-    expected = _expected_env(bare)
 
     def enforced(p: Pod) -> bool:
-        if not _running(p) or _container_id(p) == _container_id(bare):
+        if not _running(p) or (bare is not None and _container_id(p) == _container_id(bare)):
             return False
         env = process_environ(node.container_pid(_container_id(p)))
+        expected = _expected_env(p)
         return {k: env.get(k) for k in ENFORCEMENT_ENV} == {k: expected.get(k) for k in ENFORCEMENT_ENV}
 
-    await _wait_pod(cluster, "hung", enforced, what="be stopped by the audit and recreated", timeout_s=90)
-    events = [
-        e
-        async for e in cluster.client.list(Event, namespace="default")
-        if e.involvedObject.name == "hung" and e.reason == REASON_MISSING_INJECTION
-    ]
-    assert events and "runs without the GPU enforcement it needs" in (events[0].message or "")
+    await _wait_pod(
+        cluster, "hung", enforced, what="run with its limits once the agent is back", timeout_s=90
+    )
+    if bare is not None:
+        events = [
+            e
+            async for e in cluster.client.list(Event, namespace="default")
+            if e.involvedObject.name == "hung" and e.reason == REASON_MISSING_INJECTION
+        ]
+        assert events and "runs without the GPU enforcement it needs" in (events[0].message or "")
     await _delete(cluster, "hung")
