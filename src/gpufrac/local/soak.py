@@ -413,7 +413,7 @@ async def verdict(cluster: LocalCluster, *, faults: Faults, settle_timeout_s: fl
     deadline = time.monotonic() + settle_timeout_s
     undecided: list[str] = []
     while True:
-        alive = [n for n, c in cluster.components.items() if not c.alive]
+        down = [n for n, c in cluster.components.items() if not c.alive]
         listed = [p async for p in client.list(Pod, namespace=NAMESPACE)]
         pods = Counter(outcome(p).value for p in listed)
         undecided = [p.metadata.name for p in listed if outcome(p) is Outcome.UNDECIDED]
@@ -422,11 +422,11 @@ async def verdict(cluster: LocalCluster, *, faults: Faults, settle_timeout_s: fl
         ledger_diff = {
             uuid: (ledger.get(uuid), mib) for uuid, mib in booked.items() if ledger.get(uuid, 0) != mib
         }
-        if not (alive or undecided or ledger_diff) or time.monotonic() > deadline:
+        if not (down or undecided or ledger_diff) or time.monotonic() > deadline:
             break
         await asyncio.sleep(1.0)
-    if alive:
-        failures.append(f"not running at the end: {alive}")
+    if down:
+        failures.append(f"not running at the end: {down}")
     if undecided:
         failures.append(f"{len(undecided)} pods neither placed nor explained: {sorted(undecided)[:10]}")
     failures.extend(f"audit: {p}" for p in problems)
