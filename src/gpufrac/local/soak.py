@@ -30,7 +30,7 @@ import os
 import signal
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -44,7 +44,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from gpufrac.contract import keys
 from gpufrac.kube.errors import Conflict, KubeError, api_errors
 from gpufrac.local.cluster import LocalCluster, Timings
-from gpufrac.local.supervisor import Backoff
+from gpufrac.local.supervisor import Backoff, Component
 from gpufrac.scheduler.audit import audit
 
 log = logging.getLogger(__name__)
@@ -376,6 +376,28 @@ class Auditor:
             self.problems.extend(problems)
 
 
+def judge_exits(
+    components: Mapping[str, Component], kills: Mapping[str, int]
+) -> tuple[dict[str, list[str]], list[str]]:
+    """Exits nobody caused, by component (each described), and kills that left no exit behind.
+
+    A component killed n times may show n SIGKILL exits; any other exit, or a SIGKILL beyond n, is
+    unexpected even though the supervisor restarted it.
+    """
+    unexpected: dict[str, list[str]] = {}
+    missing: list[str] = []
+    for name, component in components.items():
+        expected = kills.get(name, 0)
+        sigkills = [e for e in component.exits if e.code == -signal.SIGKILL]
+        others = [e.described for e in component.exits if e.code != -signal.SIGKILL]
+        others += ["killed by SIGKILL"] * max(0, len(sigkills) - expected)
+        if others:
+            unexpected[name] = others
+        if len(sigkills) < expected:
+            missing.append(f"{name} was killed {expected} times but exited only {len(sigkills)} times")
+    return unexpected, missing
+
+
 @dataclass(slots=True)
 class Verdict:
     failures: list[str]
@@ -393,17 +415,8 @@ async def verdict(cluster: LocalCluster, *, faults: Faults, settle_timeout_s: fl
     assert client is not None
     failures: list[str] = []
 
-    kills = faults.kills()
-    unexpected: dict[str, list[str]] = {}
-    for name, component in cluster.components.items():
-        expected = kills.get(name, 0)
-        sigkills = [e for e in component.exits if e.code == -signal.SIGKILL]
-        others = [e.described for e in component.exits if e.code != -signal.SIGKILL]
-        others += ["killed by SIGKILL"] * max(0, len(sigkills) - expected)
-        if others:
-            unexpected[name] = others
-        if len(sigkills) < expected:
-            failures.append(f"{name} was killed {expected} times but exited only {len(sigkills)} times")
+    unexpected, missing = judge_exits(cluster.components, faults.kills())
+    failures.extend(missing)
     for name, described in sorted(unexpected.items()):
         failures.append(f"{name} exited without being killed: {described} (see {cluster.logs})")
     for failure in cluster.kubelet_failures:
@@ -420,7 +433,9 @@ async def verdict(cluster: LocalCluster, *, faults: Faults, settle_timeout_s: fl
         problems, booked = await audit_problems(cluster)
         ledger = await scheduler_ledger(cluster)
         ledger_diff = {
-            uuid: (ledger.get(uuid), mib) for uuid, mib in booked.items() if ledger.get(uuid, 0) != mib
+            uuid: (ledger.get(uuid, 0), booked.get(uuid, 0))
+            for uuid in booked.keys() | ledger.keys()
+            if ledger.get(uuid, 0) != booked.get(uuid, 0)
         }
         if not (down or undecided or ledger_diff) or time.monotonic() > deadline:
             break
