@@ -112,3 +112,23 @@ async def test_killed_components_come_back_and_a_pod_created_afterwards_runs(clu
     assert env["NVIDIA_GPU_MEMORY_REQUEST"] == str(16 * 1024)
     assert env["NVIDIA_VISIBLE_DEVICES"]
     assert not cluster.kubelet_failures
+
+
+async def test_gpufrac_up_ends_with_the_code_of_a_control_plane_that_died(tmp_path: Path) -> None:
+    """Nothing is restarted without the control plane: `gpufrac up` must notice and say so, not hang."""
+    from gpufrac.local.command import _until_stopped
+    from gpufrac.local.controlplane import ControlPlane
+
+    class _Cluster:  # what _until_stopped reads of a LocalCluster: its control plane
+        def __init__(self, controlplane: ControlPlane) -> None:
+            self.controlplane = controlplane
+
+    controlplane = ControlPlane(data_dir=tmp_path / "cp")
+    await asyncio.to_thread(controlplane.start)
+    try:
+        os.kill(controlplane.pid, signal.SIGKILL)
+        async with asyncio.timeout(30):
+            code = await _until_stopped(_Cluster(controlplane), asyncio.Event())  # type: ignore[arg-type]
+        assert code == -signal.SIGKILL
+    finally:
+        await asyncio.to_thread(controlplane.stop)
