@@ -236,7 +236,7 @@ class LocalCluster:
                 error = "returned"
             except Exception as failure:
                 error = f"{type(failure).__name__}: {failure}"
-            quick = quick + 1 if time.monotonic() - started < self.timings.restart.reset_after_s else 1
+            quick = self.timings.restart.quick_exits(ran_s=time.monotonic() - started, before=quick)
             delay = self.timings.restart.delay(quick)
             self.kubelet_failures.append(KubeletFailure(error=error, restart_in_s=delay))
             line = f"simulated kubelet failed ({error}); restart {len(self.kubelet_failures)} in {delay:.1f}s"

@@ -56,6 +56,10 @@ class Backoff:
         if self.reset_after_s <= 0:
             raise ValueError(f"restart back-off: reset_after_s={self.reset_after_s} must be > 0")
 
+    def quick_exits(self, *, ran_s: float, before: int) -> int:
+        """Exits in a row after one that ran ``ran_s``: one more, or 1 when it ran long enough to reset."""
+        return before + 1 if ran_s < self.reset_after_s else 1
+
     def delay(self, quick_exits: int) -> float:
         """The wait before the restart that follows ``quick_exits`` exits in a row (1 for the first)."""
         return min(self.max_s, self.initial_s * 2 ** max(0, quick_exits - 1))
@@ -156,7 +160,7 @@ class Supervisor:
             while (code := component.popen.poll()) is None:
                 await asyncio.sleep(_POLL_S)
             ran = time.monotonic() - component.started_at
-            component.quick_exits = component.quick_exits + 1 if ran < self.backoff.reset_after_s else 1
+            component.quick_exits = self.backoff.quick_exits(ran_s=ran, before=component.quick_exits)
             delay = self.backoff.delay(component.quick_exits)
             crash_loop = component.quick_exits > 1
             record = Exit(code=code, ran_s=ran, restart_in_s=delay, crash_loop=crash_loop)
