@@ -63,12 +63,28 @@ def test_a_pod_is_placed_explained_or_undecided() -> None:
     assert outcome(_pod(conditions=[other])) is Outcome.UNDECIDED
 
 
-def test_rss_growth_is_the_slope_after_the_warm_up() -> None:
-    series = RssSeries(pid=1)
-    # A start-up jump of 100 MiB in the first minute, then 1 MiB more every minute: 60 MiB an hour.
-    series.samples = [(0.0, 0)] + [(60.0 * i, 100 * 1024 + (i - 1) * 1024) for i in range(1, 31)]
+def _life(series: RssSeries, *, pid: int, start: float, base_kib: int) -> None:
+    """A start-up jump in the first minute, then 1 MiB more every minute for half an hour."""
+    series.add(pid=pid, at=start, kib=0)
+    for i in range(1, 31):
+        series.add(pid=pid, at=start + 60.0 * i, kib=base_kib + (i - 1) * 1024)
+
+
+def test_rss_growth_is_the_slope_after_the_warm_up_pooled_over_restarts() -> None:
+    series = RssSeries()
+    _life(series, pid=1, start=0.0, base_kib=100 * 1024)
     growth = series.growth_mib_per_hour(skip_s=60)
     assert growth is not None and abs(growth - 60.0) < 1e-6
-    flat = RssSeries(pid=1, samples=[(10.0 * i, 5000) for i in range(20)])
+    # A restart starts lower (a new process): the drop is not negative growth, the slopes pool.
+    _life(series, pid=2, start=2000.0, base_kib=50 * 1024)
+    assert len(series.lives) == 2 and series.last_kib == 50 * 1024 + 29 * 1024
+    growth = series.growth_mib_per_hour(skip_s=60)
+    assert growth is not None and abs(growth - 60.0) < 1e-6
+    flat = RssSeries()
+    for i in range(20):
+        flat.add(pid=7, at=10.0 * i, kib=5000)
     assert flat.growth_mib_per_hour(skip_s=0) == 0.0
-    assert RssSeries(pid=1, samples=[(0.0, 1), (1.0, 2)]).growth_mib_per_hour(skip_s=0) is None
+    short = RssSeries()
+    short.add(pid=1, at=0.0, kib=1)
+    short.add(pid=1, at=1.0, kib=2)
+    assert short.growth_mib_per_hour(skip_s=0) is None

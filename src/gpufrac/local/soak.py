@@ -264,26 +264,45 @@ def rss_kib(pid: int) -> int | None:
 
 @dataclass(slots=True)
 class RssSeries:
-    """RSS samples of one process, restarted from scratch when the component got a new process."""
+    """RSS samples of one component, one list per process (a restart starts a new life)."""
 
     pid: int = 0
-    samples: list[tuple[float, int]] = field(default_factory=list)
+    lives: list[list[tuple[float, int]]] = field(default_factory=list)
+
+    def add(self, *, pid: int, at: float, kib: int) -> None:
+        if pid != self.pid or not self.lives:
+            self.pid = pid
+            self.lives.append([])
+        self.lives[-1].append((at, kib))
+
+    @property
+    def last_kib(self) -> int | None:
+        return self.lives[-1][-1][1] if self.lives and self.lives[-1] else None
+
+    @property
+    def sampled_s(self) -> float:
+        """Seconds covered by samples, over every life."""
+        return sum(life[-1][0] - life[0][0] for life in self.lives if life)
 
     def growth_mib_per_hour(self, *, skip_s: float) -> float | None:
-        """Least-squares slope of RSS over time, after the first ``skip_s`` (start-up, imports)."""
-        if not self.samples:
+        """Least-squares slope of RSS over time, pooled over the lives (each its own intercept: a
+        restart's drop is not growth), each without its first ``skip_s`` (start-up, imports)."""
+        covariance = variance = 0.0
+        points = 0
+        for life in self.lives:
+            if not life:
+                continue
+            kept = [(t, kib) for t, kib in life if t - life[0][0] >= skip_s]
+            if len(kept) < 2:
+                continue
+            mean_t = sum(t for t, _ in kept) / len(kept)
+            mean_m = sum(m for _, m in kept) / len(kept)
+            covariance += sum((t - mean_t) * (m - mean_m) for t, m in kept)
+            variance += sum((t - mean_t) ** 2 for t, _ in kept)
+            points += len(kept)
+        if points < 3 or variance == 0:
             return None
-        start = self.samples[0][0]
-        points = [(t, kib) for t, kib in self.samples if t - start >= skip_s]
-        if len(points) < 3:
-            return None
-        mean_t = sum(t for t, _ in points) / len(points)
-        mean_m = sum(m for _, m in points) / len(points)
-        var = sum((t - mean_t) ** 2 for t, _ in points)
-        if var == 0:
-            return None
-        slope_kib_s = sum((t - mean_t) * (m - mean_m) for t, m in points) / var
-        return slope_kib_s * 3600 / 1024
+        return covariance / variance * 3600 / 1024
 
 
 class RssSampler:
@@ -308,10 +327,7 @@ class RssSampler:
             kib = rss_kib(pid)
             if kib is None:
                 continue
-            series = self.series.setdefault(name, RssSeries())
-            if series.pid != pid:  # a restarted component: its growth starts again
-                series.pid, series.samples = pid, []
-            series.samples.append((now, kib))
+            self.series.setdefault(name, RssSeries()).add(pid=pid, at=now, kib=kib)
 
     async def run(self) -> None:
         while True:
@@ -322,11 +338,12 @@ class RssSampler:
         out: dict[str, dict[str, float | None]] = {}
         for name, series in sorted(self.series.items()):
             growth = series.growth_mib_per_hour(skip_s=skip_s)
-            last = series.samples[-1][1] / 1024 if series.samples else None
+            last = series.last_kib
             out[name] = {
-                "rss_mib": None if last is None else round(last, 1),
+                "rss_mib": None if last is None else round(last / 1024, 1),
                 "growth_mib_per_hour": None if growth is None else round(growth, 1),
-                "sampled_s": round(series.samples[-1][0] - series.samples[0][0], 1) if series.samples else 0,
+                "sampled_s": round(series.sampled_s, 1),
+                "processes": len(series.lives),
             }
         return out
 
