@@ -74,7 +74,7 @@ async def test_three_minutes_of_churn_and_faults_leave_every_component_up_and_ev
 
     assert [i.fault for i in faults.injected] == [s.fault for s in SCHEDULE]
     assert result.failures == [], result.failures
-    assert auditor.audits >= 10 and auditor.problems == []
+    assert auditor.audits >= 5 and auditor.problems == []
     # The churn really ran (every shape several times over, however slow the machine), and both outcomes
     # occurred: the 1000Gi shape fits nowhere, the others are placed.
     assert churn.counts.created >= 5 * len(SHAPES) and churn.counts.deleted >= 4 * len(SHAPES)
