@@ -40,6 +40,16 @@ RESOURCES = {
         False,
     ),
     "GpuFractioningConfig": ("/apis/gpufrac.io/v1alpha1", "gpufractioningconfigs", False),
+    "ValidatingAdmissionPolicy": (
+        "/apis/admissionregistration.k8s.io/v1",
+        "validatingadmissionpolicies",
+        False,
+    ),
+    "ValidatingAdmissionPolicyBinding": (
+        "/apis/admissionregistration.k8s.io/v1",
+        "validatingadmissionpolicybindings",
+        False,
+    ),
 }
 # Webhooks installed for real must not reach other tests' pods: no namespace carries this label.
 NOWHERE = {"admission": {"namespaceSelector": {"matchLabels": {"gpufrac-test/never": "true"}}}}
@@ -206,8 +216,11 @@ def test_operator_and_node_agent_rbac(controlplane: ControlPlane, installed_rbac
         assert not _allowed(http, operator, "", "patch", "nodes")
         assert _allowed(http, agent, "", "patch", "nodes")
         assert _allowed(http, agent, "", "patch", "nodes/status")
-        assert _allowed(http, agent, "team-a", "watch", "pods")
         assert _allowed(http, agent, "team-a", "create", "events")
+        # It reads no pods (what runs on its node comes from the runtime over NRI).
+        for verb in ("get", "list", "watch"):
+            assert not _allowed(http, agent, "team-a", verb, "pods")
+            assert not _allowed(http, agent, "", verb, "pods")
         assert not _allowed(http, agent, "", "delete", "nodes")
         assert not _allowed(http, agent, "team-a", "patch", "pods")
         assert not _allowed(http, agent, "team-a", "create", "pods/binding")

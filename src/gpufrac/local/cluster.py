@@ -15,18 +15,30 @@ What runs, and what is real:
 - the simulated kubelet (in this process): creates the containers of bound pods through the node's
   runtime, so the node agent's injection is what the pod records.
 
+Every process logs to ``<work dir>/logs/`` and is supervised as a Deployment's container would be
+(``gpufrac.local.supervisor``: a process that exits is restarted with back-off, each exit logged with its
+code); the simulated kubelet, a task of this process, is restarted the same way when its watch fails.
+Metrics and health ports listen on 127.0.0.1 only: the embedded cluster is a developer's, not a
+network's. ``stop()`` ends them all (SIGTERM, then SIGKILL), in the reverse order of starting, even when
+starting failed half-way. The control plane itself is not restarted: everything else keeps its state in
+it, so its death ends the session (``gpufrac up`` says so).
+
+``Timings`` shortens the periods the components allow to be configured (lease renewal, the scheduler's
+retry of unschedulable pods, the simulated kubelet's watch deadline and resync, the node heartbeat), so
+the soak test sees many of each within minutes; the defaults are the components' own.
+
 With ``runtime="containerd"`` the one node is REAL instead (``gpufrac.local.realnode``): containerd with
 NRI, runc and a real kubelet, which registers the Node itself; the node agent (still with simulated
-GPUs) is containerd's NRI plugin, and pods run as runc containers. It needs root and cgroups.
-
-Every process logs to ``<work dir>/logs/``; ``stop()`` ends them all (SIGTERM, then SIGKILL), in the
-reverse order of starting, even when starting failed half-way.
+GPUs) is containerd's NRI plugin, and pods run as runc containers. It needs root and cgroups. That node's
+processes are the real node's own (it stops and restarts its agent in tests); the supervisor restarts
+the control plane's other components as above.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import shutil
 import ssl
 import sys
@@ -35,6 +47,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx2
 import yaml
@@ -51,9 +64,14 @@ from gpufrac.kube.errors import Conflict, api_errors
 from gpufrac.local.controlplane import ControlPlane
 from gpufrac.local.kubelet import SimulatedKubelet
 from gpufrac.local.nriruntime import NriRuntime
-from gpufrac.local.processes import Spawned, spawn, terminate
 from gpufrac.local.realnode import RealNode
 from gpufrac.local.simnodes import NodeShape, node_names, sim_node
+from gpufrac.local.supervisor import Backoff, Component, Supervisor
+
+log = logging.getLogger(__name__)
+
+#: Where metrics and health endpoints listen: this machine only.
+LOOPBACK = "127.0.0.1"
 
 SYSTEM_NAMESPACE = "gpufrac-system"
 SCHEDULER_ACCOUNT = "gpufrac-scheduler"
@@ -91,6 +109,67 @@ class ClusterShape:
         return node_names(self.nodes, prefix=self.prefix)
 
 
+@dataclass(frozen=True, slots=True)
+class Timings:
+    """Periods of the components, for tests that must see many of them; None keeps a component's default.
+
+    Real-time and not configurable here: the API server's watch bookmarks (about one a minute per watch)
+    and the scheduler's and node agents' own watch deadlines.
+    """
+
+    lease_duration_s: float | None = None
+    lease_renew_deadline_s: float | None = None
+    lease_retry_period_s: float | None = None
+    """The scheduler's leader election: it renews its Lease every retry period."""
+    unschedulable_resync_s: float | None = None
+    """The scheduler retries unschedulable pods at least this often."""
+    node_heartbeat_s: float | None = None
+    node_publish_interval_s: float | None = None
+    kubelet_watch_timeout_s: int | None = None
+    """The simulated kubelet's watch deadline (the API server bookmarks 2 s before it, then ends it)."""
+    kubelet_resync_s: float | None = None
+    """The simulated kubelet's informer re-delivers its whole store this often."""
+    restart: Backoff = field(default_factory=Backoff)
+
+    def scheduler_config(self, *, policy: str) -> dict[str, Any]:
+        election: dict[str, Any] = {"lease_namespace": SYSTEM_NAMESPACE}
+        for key, value in (
+            ("lease_duration_s", self.lease_duration_s),
+            ("renew_deadline_s", self.lease_renew_deadline_s),
+            ("retry_period_s", self.lease_retry_period_s),
+        ):
+            if value is not None:
+                election[key] = value
+        config: dict[str, Any] = {"policy": policy, "http_host": LOOPBACK, "leader_election": election}
+        if self.unschedulable_resync_s is not None:
+            config["unschedulable_resync_s"] = self.unschedulable_resync_s
+        return config
+
+    def node_agent_config(self) -> dict[str, Any]:
+        config: dict[str, Any] = {"health_host": LOOPBACK, "usage": {"metrics_host": LOOPBACK}}
+        if self.node_heartbeat_s is not None:
+            config["heartbeat_s"] = self.node_heartbeat_s
+        if self.node_publish_interval_s is not None:
+            config["publish_interval_s"] = self.node_publish_interval_s
+        return config
+
+    def kubelet_informer(self) -> dict[str, Any]:
+        options: dict[str, Any] = {}
+        if self.kubelet_watch_timeout_s is not None:
+            options["watch_timeout"] = self.kubelet_watch_timeout_s
+        if self.kubelet_resync_s is not None:
+            options["resync_period"] = self.kubelet_resync_s
+        return options
+
+
+@dataclass(frozen=True, slots=True)
+class KubeletFailure:
+    """One failure of the simulated kubelet (restarted like the processes)."""
+
+    error: str
+    restart_in_s: float
+
+
 class LocalCluster:
     """Start with ``await cluster.start()`` (or ``async with``); ``await cluster.stop()`` ends it all."""
 
@@ -99,17 +178,23 @@ class LocalCluster:
         *,
         shape: ClusterShape = ClusterShape(),
         work_dir: Path | None = None,
+        timings: Timings = Timings(),
         progress: Callable[[str], None] = lambda _msg: None,
     ) -> None:
         self.shape = shape
+        self.timings = timings
         self._given_dir = work_dir
         self._progress = progress
         self.work_dir = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="gpufrac-up-"))
         self.controlplane = ControlPlane(data_dir=self.work_dir / "controlplane")
-        self._processes: list[Spawned] = []
+        self.supervisor = Supervisor(backoff=timings.restart, report=progress)
         self._runtimes: dict[str, NriRuntime] = {}
         self.real_node: RealNode | None = None
         self.metrics_urls: dict[str, str] = {}  # node name → its agent's /metrics
+        self.scheduler_url: str | None = None  # the scheduler's /metrics, /healthz, /readyz
+        self._readiness: dict[str, tuple[str, Path | None]] = {}  # component → its /readyz (and CA)
+        self.kubelet: SimulatedKubelet | None = None
+        self.kubelet_failures: list[KubeletFailure] = []
         self._kubelet_task: asyncio.Task[None] | None = None
         self.client: AsyncClient | None = None
 
@@ -127,6 +212,15 @@ class LocalCluster:
     @property
     def logs(self) -> Path:
         return self.work_dir / "logs"
+
+    def runtime_pids(self) -> dict[str, int]:
+        """The NRI runtime process of each node (what stands in for containerd)."""
+        return {node: pid for node, runtime in self._runtimes.items() if (pid := runtime.pid) is not None}
+
+    @property
+    def components(self) -> dict[str, Component]:
+        """The supervised processes by name: ``admission``, ``scheduler``, ``node-agent-<node>``."""
+        return self.supervisor.components
 
     # -- start ----------------------------------------------------------------------------------------
 
@@ -149,20 +243,54 @@ class LocalCluster:
             self._progress("starting the scheduler")
             await self._start_scheduler()
             if self.shape.runtime == "simulated":
+                self.kubelet = SimulatedKubelet(
+                    client=self.client,
+                    runtimes=self._runtimes,
+                    informer_options=self.timings.kubelet_informer(),
+                )
                 self._kubelet_task = asyncio.create_task(
-                    SimulatedKubelet(client=self.client, runtimes=self._runtimes).run(), name="kubelet"
+                    self._supervise_kubelet(self.kubelet), name="kubelet"
                 )
         except BaseException:
             await self.stop()
             raise
 
-    def _spawn(self, name: str, argv: list[str]) -> Spawned:
-        process = spawn(name=name, argv=argv, logs=self.logs)
-        self._processes.append(process)
-        return process
+    async def _supervise_kubelet(self, kubelet: SimulatedKubelet) -> None:
+        """Run the simulated kubelet; when it fails, report it and run it again after the back-off."""
+        quick = 0
+        while True:
+            started = time.monotonic()
+            try:
+                await kubelet.run()
+                error = "returned"
+            except Exception as failure:
+                error = f"{type(failure).__name__}: {failure}"
+            quick = self.timings.restart.quick_exits(ran_s=time.monotonic() - started, before=quick)
+            delay = self.timings.restart.delay(quick)
+            self.kubelet_failures.append(KubeletFailure(error=error, restart_in_s=delay))
+            line = f"simulated kubelet failed ({error}); restart {len(self.kubelet_failures)} in {delay:.1f}s"
+            log.info("%s", line)
+            self._progress(line)
+            await asyncio.sleep(delay)
 
-    def _failed(self, process: Spawned, what: str) -> ClusterError:
-        return ClusterError(f"{process.name}: {what}; last lines of {process.log}:\n{process.tail()}")
+    async def wait_ready(self, name: str, *, timeout_s: float = 60.0) -> None:
+        """Wait until component ``name`` runs and answers its readiness probe (after a restart too)."""
+        url, ca_file = self._readiness[name]
+        await self._wait_http(
+            self.components[name], url, ca_file=ca_file, timeout_s=timeout_s, starting=False
+        )
+
+    def _spawn(self, name: str, argv: list[str]) -> Component:
+        return self.supervisor.start(name, argv, log=self.logs / f"{name}.log")
+
+    def _write_config(self, name: str, config: dict[str, Any]) -> Path:
+        path = self.work_dir / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(config, sort_keys=True))
+        return path
+
+    def _failed(self, process: Component, what: str) -> ClusterError:
+        tail = "\n".join(process.log.read_text(errors="replace").splitlines()[-20:])
+        return ClusterError(f"{process.name}: {what}; last lines of {process.log}:\n{tail}")
 
     async def _start_admission(self) -> None:
         port = _free_port()
@@ -173,7 +301,7 @@ class LocalCluster:
             [
                 *_gpufrac(),
                 "admission",
-                "--host=127.0.0.1",
+                f"--host={LOOPBACK}",
                 f"--port={port}",
                 f"--tls-dir={tls_dir}",
                 f"--write-configuration={configuration}",
@@ -181,20 +309,32 @@ class LocalCluster:
                 "--log-format=text",
             ],
         )
-        await self._wait_http(process, f"https://127.0.0.1:{port}/readyz", ca_file=tls_dir / "ca.crt")
+        await self._wait_http(process, f"https://{LOOPBACK}:{port}/readyz", ca_file=tls_dir / "ca.crt")
         assert self.client is not None
         for obj in load_all_yaml(configuration.read_text()):
             with api_errors():
                 await self.client.create(obj)
 
     async def _wait_http(
-        self, process: Spawned, url: str, *, ca_file: Path | None = None, timeout_s: float = 60.0
+        self,
+        process: Component,
+        url: str,
+        *,
+        ca_file: Path | None = None,
+        timeout_s: float = 60.0,
+        starting: bool = True,
     ) -> None:
-        """Wait for ``url`` to answer 200 (over TLS trusting ``ca_file``, once the process wrote it)."""
+        """Wait for ``url`` to answer 200 (over TLS trusting ``ca_file``, once the process wrote it).
+
+        While ``starting``, an exit is a failure to start; later, the supervisor restarts it and this
+        waits for the new process.
+        """
+        self._readiness.setdefault(process.name, (url, ca_file))
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if process.popen.poll() is not None:
-                raise self._failed(process, f"exited with {process.popen.returncode}")
+            if starting and (process.exits or process.popen.poll() is not None):
+                code = process.exits[0].code if process.exits else process.popen.returncode
+                raise self._failed(process, f"exited with {code}")
             if ca_file is None or ca_file.exists():
                 verify = ssl.create_default_context(cafile=str(ca_file)) if ca_file else False
                 try:
@@ -231,30 +371,30 @@ class LocalCluster:
         await runtime.start()
         self._runtimes[name] = runtime
         shape = self.shape.node
-        metrics_port = _free_port()
+        metrics_port, health_port = _free_port(), _free_port()
+        config = self._write_config(f"node-agent-{name}", self.timings.node_agent_config())
         process = self._spawn(
             f"node-agent-{name}",
             [
                 *_gpufrac(),
                 "node-agent",
+                f"--config={config}",
                 f"--node-name={name}",
                 f"--kubeconfig={self.kubeconfig}",
                 f"--nri-socket={runtime.socket_path}",
                 "--backend=simulated",
                 f"--sim-gpus={shape.gpus}x{shape.model}:{shape.mib}",
                 f"--state-dir={node_dir / 'state'}",
-                "--health-port=0",
+                f"--health-port={health_port}",
                 f"--metrics-port={metrics_port}",
                 # No CRI runtime here (the NRI runtime side only): nothing to audit against.
                 "--no-audit",
                 "--log-format=text",
             ],
         )
-        self.metrics_urls[name] = f"http://127.0.0.1:{metrics_port}/metrics"
-        try:
-            await runtime.wait_plugins(1, timeout_s=60)
-        except Exception as error:
-            raise self._failed(process, f"did not register with the NRI runtime ({error})") from error
+        self.metrics_urls[name] = f"http://{LOOPBACK}:{metrics_port}/metrics"
+        # Ready means registered and synchronized with the NRI runtime (gpufrac.node.agent).
+        await self._wait_http(process, f"http://{LOOPBACK}:{health_port}/readyz")
 
     async def _start_real_node(self) -> None:
         assert self.client is not None
@@ -297,19 +437,23 @@ class LocalCluster:
     async def _start_scheduler(self) -> None:
         kubeconfig = await self._scheduler_kubeconfig()
         port = _free_port()
+        config = self._write_config("scheduler", self.timings.scheduler_config(policy=self.shape.policy))
         process = self._spawn(
             "scheduler",
             [
                 *_gpufrac(),
                 "scheduler",
+                f"--config={config}",
                 f"--kubeconfig={kubeconfig}",
-                f"--policy={self.shape.policy}",
                 f"--http-port={port}",
-                f"--lease-namespace={SYSTEM_NAMESPACE}",
+                # A Deployment's restarted container keeps its pod name, so it takes its own Lease back
+                # at once instead of waiting for it to expire.
+                f"--identity={SCHEDULER_ACCOUNT}-0",
                 "--log-format=text",
             ],
         )
-        await self._wait_http(process, f"http://127.0.0.1:{port}/readyz")
+        self.scheduler_url = f"http://{LOOPBACK}:{port}"
+        await self._wait_http(process, f"{self.scheduler_url}/readyz")
 
     async def _scheduler_kubeconfig(self) -> Path:
         """A kubeconfig for the scheduler's own service account, with a TokenRequest token."""
@@ -366,9 +510,7 @@ class LocalCluster:
                 self._kubelet_task.cancel()
                 await asyncio.gather(self._kubelet_task, return_exceptions=True)
                 self._kubelet_task = None
-            for process in reversed(self._processes):
-                await asyncio.to_thread(terminate, process.popen)
-            self._processes.clear()
+            await self.supervisor.stop()
             if self.real_node is not None:
                 await self.real_node.stop()
                 self.real_node = None
@@ -397,5 +539,5 @@ def _free_port() -> int:
     import socket
 
     with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
+        sock.bind((LOOPBACK, 0))
         return int(sock.getsockname()[1])

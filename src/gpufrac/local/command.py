@@ -20,7 +20,7 @@ from rich.console import Console
 from gpufrac.local.simnodes import GPU_MODELS, NodeShape
 
 if TYPE_CHECKING:
-    from gpufrac.local.cluster import ClusterShape
+    from gpufrac.local.cluster import ClusterShape, LocalCluster
 
 
 def _shape(nodes: int, gpus: int, model: str, policy: str, runtime: str = "simulated") -> ClusterShape:
@@ -89,9 +89,27 @@ async def _up(console: Console, shape: ClusterShape, work_dir: Path | None) -> N
                 "hostNetwork: true"
             )
         console.print("  submit pods with schedulerName: gpufrac-scheduler (see examples/); Ctrl-C stops")
-        await stop.wait()
+        console.print("  a component that exits is restarted with back-off, and said so here")
+        code = await _until_stopped(cluster, stop)
+        if code is not None:
+            console.print(
+                f"[red]the control plane exited with code {code}[/]; see {cluster.controlplane.log_path}"
+            )
+            raise typer.Exit(code=1)
         console.print("stopping…")
     console.print("stopped cleanly")
+
+
+async def _until_stopped(cluster: LocalCluster, stop: asyncio.Event) -> int | None:
+    """Wait for Ctrl-C (None) or the control plane's own exit (its code): nothing works without it."""
+    while not stop.is_set():
+        code = cluster.controlplane.exit_code()
+        if code is not None:
+            return code
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(1.0):
+                await stop.wait()
+    return None
 
 
 def demo(

@@ -156,6 +156,10 @@ class ControlPlane:
     def running(self) -> bool:
         return self._process is not None and self._process.poll() is None
 
+    def exit_code(self) -> int | None:
+        """The exit code of a control plane that exited on its own; None while it runs."""
+        return self._started_process().poll()
+
     @property
     def pid(self) -> int:
         return self._started_process().pid

@@ -65,10 +65,18 @@ class SimulatedKubelet:
     """Runs the pods bound to ``runtimes``' nodes (one NRI runtime per simulated node name).
 
     Run ``await kubelet.run()`` as a task; cancel it to stop (pods are left as they are, like a kubelet
-    that goes away).
+    that goes away). When its informer fails, ``run()`` raises that failure instead of going on deaf
+    (the embedded cluster reports it and runs the kubelet again); a second ``run()`` resumes with the
+    same store and the same running pods.
     """
 
-    def __init__(self, *, client: AsyncClient, runtimes: Mapping[str, NriRuntime]) -> None:
+    def __init__(
+        self,
+        *,
+        client: AsyncClient,
+        runtimes: Mapping[str, NriRuntime],
+        informer_options: Mapping[str, Any] | None = None,
+    ) -> None:
         self._client = client
         self._runtimes = dict(runtimes)
         self._queue: asyncio.Queue[tuple[str, Pod]] = asyncio.Queue()
@@ -78,6 +86,7 @@ class SimulatedKubelet:
             resource=Pod,
             selection=Selection(namespace=ALL_NAMESPACES, fields="spec.nodeName!="),
             name="kubelet-pods",
+            **dict(informer_options or {}),
         )
         self.informer.add_handler(self)
 
@@ -108,26 +117,32 @@ class SimulatedKubelet:
 
     async def run(self) -> None:
         watcher = asyncio.create_task(self.informer.run(), name="kubelet-informer")
+        worker = asyncio.create_task(self._work(), name="kubelet-worker")
         try:
-            while True:
-                op, pod = await self._queue.get()
-                try:
-                    if op == "run":
-                        await self._run_pod(pod)
-                    else:
-                        await self._remove_pod(pod)
-                except (KubeError, NriRuntimeError, OSError) as error:
-                    meta = pod.metadata
-                    assert meta is not None
-                    log.warning("kubelet: %s %s/%s failed: %s", op, meta.namespace, meta.name, error)
-                except Exception:
-                    # One pod must never stop the kubelet for all others.
-                    log.exception(
-                        "kubelet: %s %s failed unexpectedly", op, pod.metadata and pod.metadata.name
-                    )
+            done, _ = await asyncio.wait({watcher, worker}, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                task.result()  # raises the informer's (or the worker's) failure
+            raise RuntimeError("the kubelet's pod informer stopped")
         finally:
-            watcher.cancel()
-            await asyncio.gather(watcher, return_exceptions=True)
+            for task in (watcher, worker):
+                task.cancel()
+            await asyncio.gather(watcher, worker, return_exceptions=True)
+
+    async def _work(self) -> None:
+        while True:
+            op, pod = await self._queue.get()
+            try:
+                if op == "run":
+                    await self._run_pod(pod)
+                else:
+                    await self._remove_pod(pod)
+            except (KubeError, NriRuntimeError, OSError) as error:
+                meta = pod.metadata
+                assert meta is not None
+                log.warning("kubelet: %s %s/%s failed: %s", op, meta.namespace, meta.name, error)
+            except Exception:
+                # One pod must never stop the kubelet for all others.
+                log.exception("kubelet: %s %s failed unexpectedly", op, pod.metadata and pod.metadata.name)
 
     async def _run_pod(self, pod: Pod) -> None:
         meta, spec = pod.metadata, pod.spec

@@ -1,0 +1,296 @@
+"""The chart's ValidatingAdmissionPolicies on the real API server: what RBAC lets through, they refuse.
+
+RBAC grants the node agent `patch nodes` and the scheduler `patch pods` on every object of the kind.
+The policies (deploy/helm/gpufrac/templates/admission-policies.yaml) narrow them: a node agent's token
+writes only the Node it is bound to, and the scheduler's writes to pods change only the binder-owned
+annotations. Every write here is a real request: the node agent's with a real bound service-account
+token (TokenRequest bound to a pod on a node, as the kubelet projects it into the DaemonSet's pods),
+the scheduler's impersonated as its ServiceAccount, so authentication, RBAC and admission all decide.
+"""
+
+from __future__ import annotations
+
+import re
+import ssl
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx2
+import pytest
+from helm_chart import render
+from test_chart_kube import collection, create
+
+from gpufrac.contract import keys
+from gpufrac.local.controlplane import ControlPlane
+
+pytestmark = pytest.mark.kube
+
+CONTAINER = "app"
+POLICY_KINDS = ("ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding")
+INSTALLED = ("ServiceAccount", "ClusterRole", "ClusterRoleBinding", *POLICY_KINDS)
+
+
+@pytest.fixture
+def installed(controlplane: ControlPlane, namespace: str, tmp_path: Path) -> Iterator[dict[str, Any]]:
+    """The chart's ServiceAccounts, ClusterRoles and policies, created for real; cluster-scoped ones are
+    named after a unique release and removed afterwards."""
+    release = f"vap-{uuid.uuid4().hex[:6]}"
+    objects = [
+        o for o in render(tmp_path=tmp_path, namespace=namespace, release=release) if o["kind"] in INSTALLED
+    ]
+    assert {o["kind"] for o in objects} == set(INSTALLED)
+    with controlplane.http() as http:
+        for obj in objects:
+            answer = create(http, obj, dry_run=False)
+            assert answer.status_code == 201, answer.text
+    yield {"namespace": namespace, "objects": objects}
+    with controlplane.http() as http:
+        for obj in objects:
+            if obj["kind"] != "ServiceAccount":
+                http.delete(f"{collection(obj)}/{obj['metadata']['name']}")
+
+
+def _until_refused(send, *, timeout_s: float = 30.0) -> httpx2.Response:  # type: ignore[no-untyped-def]
+    """Policies take effect once the API server has loaded and type-checked them: wait for the first
+    refusal of a write that must be refused (a dry run, so nothing changes), and return it."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        answer = send()
+        if answer.status_code in (403, 422) or time.monotonic() > deadline:
+            return answer
+        time.sleep(0.2)
+
+
+def _merge(http: httpx2.Client, url: str, body: dict[str, Any], **params: str) -> httpx2.Response:
+    return http.patch(url, json=body, params=params, headers={"Content-Type": "application/merge-patch+json"})
+
+
+def _bearer(controlplane: ControlPlane, token: str) -> httpx2.Client:
+    """A client that authenticates with ``token`` only (no client certificate)."""
+    context = ssl.create_default_context(cafile=str(controlplane.ca_file))
+    return httpx2.Client(
+        base_url=controlplane.server,
+        verify=context,
+        headers={"Authorization": f"Bearer {token}"},
+        trust_env=False,
+        timeout=10.0,
+    )
+
+
+def test_a_node_agent_token_writes_only_its_own_node(
+    controlplane: ControlPlane, installed: dict[str, Any]
+) -> None:
+    ns = installed["namespace"]
+    suffix = uuid.uuid4().hex[:6]
+    own, other = f"gpu-a-{suffix}", f"gpu-b-{suffix}"
+    with controlplane.http() as admin:
+        for name in (own, other):
+            answer = admin.post(
+                "/api/v1/nodes", json={"apiVersion": "v1", "kind": "Node", "metadata": {"name": name}}
+            )
+            assert answer.status_code == 201, answer.text
+        try:
+            # The DaemonSet's pod on `own`, and the token the kubelet would project into it.
+            pod = admin.post(
+                f"/api/v1/namespaces/{ns}/pods",
+                json={
+                    "apiVersion": "v1",
+                    "kind": "Pod",
+                    "metadata": {"name": "node-agent"},
+                    "spec": {
+                        "nodeName": own,
+                        "serviceAccountName": "gpufrac-node-agent",
+                        "containers": [{"name": "agent", "image": "gpufrac"}],
+                    },
+                },
+            )
+            assert pod.status_code == 201, pod.text
+            token = admin.post(
+                f"/api/v1/namespaces/{ns}/serviceaccounts/gpufrac-node-agent/token",
+                json={
+                    "apiVersion": "authentication.k8s.io/v1",
+                    "kind": "TokenRequest",
+                    "spec": {
+                        "expirationSeconds": 3600,
+                        "boundObjectRef": {
+                            "apiVersion": "v1",
+                            "kind": "Pod",
+                            "name": "node-agent",
+                            "uid": pod.json()["metadata"]["uid"],
+                        },
+                    },
+                },
+            )
+            assert token.status_code == 201, token.text
+            with _bearer(controlplane, token.json()["status"]["token"]) as agent:
+                label = {"metadata": {"labels": {"gpufrac.io/test": "1"}}}
+                refused = _until_refused(lambda: _merge(agent, f"/api/v1/nodes/{other}", label, dryRun="All"))
+                assert refused.status_code == 403, refused.text
+                assert (
+                    f"may write only its own Node: this token is bound to node {own}, not {other}"
+                    in refused.text
+                )
+                # Its own Node and its status: allowed, for real.
+                assert _merge(agent, f"/api/v1/nodes/{own}", label).status_code == 200
+                condition = {
+                    "status": {"conditions": [{"type": keys.NODE_READY_CONDITION, "status": "True"}]}
+                }
+                assert _merge(agent, f"/api/v1/nodes/{own}/status", condition).status_code == 200
+                # Another node's status, labels or taints: refused, nothing written.
+                assert _merge(agent, f"/api/v1/nodes/{other}/status", condition).status_code == 403
+                taints = {"spec": {"taints": [{"key": "x", "effect": "NoSchedule"}]}}
+                assert _merge(agent, f"/api/v1/nodes/{other}", taints).status_code == 403
+                after = admin.get(f"/api/v1/nodes/{other}").json()
+                assert "gpufrac.io/test" not in (after["metadata"].get("labels") or {})
+                assert "x" not in {t["key"] for t in after["spec"].get("taints") or []}
+                conditions = (after.get("status") or {}).get("conditions") or []
+                assert keys.NODE_READY_CONDITION not in {c["type"] for c in conditions}
+                # RBAC: it reads no pods any more.
+                assert agent.get(f"/api/v1/namespaces/{ns}/pods").status_code == 403
+                assert agent.get("/api/v1/pods").status_code == 403
+        finally:
+            for name in (own, other):
+                admin.delete(f"/api/v1/nodes/{name}")
+    # Without a node-name claim (a token not bound to a pod on a node), no Node at all.
+    user = f"system:serviceaccount:{ns}:gpufrac-node-agent"
+    with controlplane.http(
+        impersonate=user, groups=["system:serviceaccounts", "system:authenticated"]
+    ) as agent:
+        refused = agent.patch(
+            "/api/v1/nodes/anything",
+            json={"metadata": {"labels": {"x": "y"}}},
+            headers={"Content-Type": "application/merge-patch+json"},
+            params={"dryRun": "All"},
+        )
+        assert refused.status_code in (403, 404)
+
+
+@pytest.fixture
+def gpu_pod(controlplane: ControlPlane, installed: dict[str, Any]) -> str:
+    """A GPU pod with a label, an unrelated annotation and a user's memory request; returns its URL."""
+    ns = installed["namespace"]
+    with controlplane.http() as admin:
+        answer = admin.post(
+            f"/api/v1/namespaces/{ns}/pods",
+            json={
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {
+                    "name": "gpu",
+                    "labels": {"team": "a"},
+                    "annotations": {keys.memory_request_key(CONTAINER): "10Gi", "example.com/owner": "alice"},
+                },
+                "spec": {
+                    "schedulerName": keys.DEFAULT_SCHEDULER_NAME,
+                    "containers": [{"name": CONTAINER, "image": "cuda:1"}],
+                },
+            },
+        )
+        assert answer.status_code == 201, answer.text
+    return f"/api/v1/namespaces/{ns}/pods/gpu"
+
+
+def _annotations(changes: dict[str, str | None]) -> dict[str, Any]:
+    return {"metadata": {"annotations": changes}}
+
+
+def test_the_scheduler_writes_only_binder_owned_annotations_of_pods(
+    controlplane: ControlPlane, installed: dict[str, Any], gpu_pod: str
+) -> None:
+    ns = installed["namespace"]
+    user = f"system:serviceaccount:{ns}:gpufrac-scheduler"
+    groups = ["system:serviceaccounts", f"system:serviceaccounts:{ns}", "system:authenticated"]
+    with controlplane.http(impersonate=user, groups=groups) as scheduler:
+        stolen = _annotations({keys.memory_request_key(CONTAINER): "80Gi"})
+        refused = _until_refused(lambda: _merge(scheduler, gpu_pod, stolen, dryRun="All"))
+        assert refused.status_code == 403, refused.text
+        assert "may change only the annotations the binder owns" in refused.text
+        assert keys.memory_request_key(CONTAINER) in refused.text
+
+        # What the binder writes (patch-then-bind) and how it rolls back: allowed.
+        owned = {keys.devices_key(CONTAINER): "GPU-1", keys.compute_portion_key(CONTAINER): "0.5"}
+        assert _merge(scheduler, gpu_pod, _annotations(owned)).status_code == 200
+        cleared = _annotations({k: None for k in owned})
+        assert _merge(scheduler, gpu_pod, cleared).status_code == 200
+
+        # Everything else: refused, each with what it tried.
+        for body, says in (
+            (_annotations({"example.com/owner": "mallory"}), "example.com/owner"),
+            (_annotations({"example.com/owner": None}), "example.com/owner"),
+            (_annotations({keys.GPU_FRACTION: "1"}), keys.GPU_FRACTION),
+            (_annotations({"nvidia.com/container.app.gpus.devices.extra": "x"}), "gpus.devices.extra"),
+            ({"metadata": {"labels": {"team": "b"}}}, "labels, finalizers or owners"),
+            ({"metadata": {"finalizers": ["example.com/hold"]}}, "labels, finalizers or owners"),
+            (
+                {"spec": {"containers": [{"name": CONTAINER, "image": "evil:1"}]}},
+                "may not change a pod's spec",
+            ),
+        ):
+            answer = _merge(scheduler, gpu_pod, body)
+            assert answer.status_code == 403, (body, answer.text)
+            assert says in answer.text, (body, answer.text)
+        # The status subresource: a condition is fine, an annotation smuggled through it is not.
+        condition = {
+            "status": {"conditions": [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable"}]}
+        }
+        assert _merge(scheduler, f"{gpu_pod}/status", condition).status_code == 200
+        smuggled = _merge(scheduler, f"{gpu_pod}/status", _annotations({"example.com/owner": "mallory"}))
+        assert smuggled.status_code == 403, smuggled.text
+
+        # A Binding carries annotations onto the pod: only binder-owned ones.
+        def binding(annotations: dict[str, str]) -> dict[str, Any]:
+            return {
+                "apiVersion": "v1",
+                "kind": "Binding",
+                "metadata": {"name": "gpu", "annotations": annotations},
+                "target": {"apiVersion": "v1", "kind": "Node", "name": "gpu-node-0"},
+            }
+
+        bad = scheduler.post(f"{gpu_pod}/binding", json=binding({"example.com/owner": "mallory"}))
+        assert bad.status_code == 403 and "example.com/owner" in bad.text, bad.text
+        good = scheduler.post(f"{gpu_pod}/binding", json=binding({keys.devices_key(CONTAINER): "GPU-1"}))
+        assert good.status_code == 201, good.text
+
+    with controlplane.http() as admin:
+        pod = admin.get(gpu_pod).json()
+        assert pod["spec"]["nodeName"] == "gpu-node-0"
+        assert pod["spec"]["containers"][0]["image"] == "cuda:1"
+        assert pod["metadata"]["labels"] == {"team": "a"}
+        annotations = pod["metadata"]["annotations"]
+        assert annotations["example.com/owner"] == "alice"
+        assert annotations[keys.memory_request_key(CONTAINER)] == "10Gi"
+        assert annotations[keys.devices_key(CONTAINER)] == "GPU-1"
+        # The policies bind the scheduler only: an administrator still changes what it must.
+        assert _merge(admin, gpu_pod, _annotations({"example.com/owner": "bob"})).status_code == 200
+
+
+def test_the_chart_pattern_is_exactly_the_contracts_binder_owned_keys(tmp_path: Path) -> None:
+    """The CEL regex in the chart and gpufrac.contract.keys.is_binder_owned agree (RE2 and Python's re
+    read this pattern alike: no escapes, no look-arounds)."""
+    (policy,) = [
+        o
+        for o in render(tmp_path=tmp_path)
+        if o["kind"] == "ValidatingAdmissionPolicy" and o["metadata"]["name"].endswith("scheduler-pod-writes")
+    ]
+    (variable,) = [v for v in policy["spec"]["variables"] if v["name"] == "notBinderOwned"]
+    pattern = re.search(r"k\.matches\('([^']+)'\)", variable["expression"]).group(1)  # type: ignore[union-attr]
+    candidates = [
+        keys.devices_key("app"),
+        keys.compute_portion_key("app"),
+        keys.devices_key("a-1"),
+        keys.memory_request_key("app"),
+        keys.memory_limit_key("app"),
+        keys.compute_mode_key("app"),
+        keys.portion_limit_key("app"),
+        keys.whole_gpus_key("app"),
+        "kai.scheduler/container.app.gpus.devices",
+        "nvidia.com/container.app.gpus.devices.x",
+        "nvidia.com/container..gpus.devices",
+        "xnvidia.com/container.app.gpus.devices",
+        *keys.POD_LEVEL_KEYS,
+    ]
+    for key in candidates:
+        assert bool(re.match(pattern, key)) == keys.is_binder_owned(key), key
