@@ -24,7 +24,7 @@ ALLOWED: dict[str, set[str]] = {
     "node": {"contract", "kube", "process", "_generated"},
     "sim": {"contract", "placement"},
     "operator": {"contract", "kube", "process"},
-    "local": {"contract", "kube", "node"},
+    "local": {"contract", "kube", "node", "scheduler"},
     # kubectl-gpufrac is an entry like the cli: it reads through the layers below so that what it shows
     # is what they count; nothing imports it.
     "kubectl": {"contract", "placement", "kube", "scheduler", "sim", "node", "operator"},
@@ -34,7 +34,12 @@ ALLOWED: dict[str, set[str]] = {
 ONLY: dict[str, dict[str, tuple[str, ...]]] = {
     # local starts the components as processes; of the node agent it uses only what describes a
     # simulated Node (label names, the simulated inventory's models, the MPS capability labels).
-    "local": {"node": ("gpufrac.node.labels", "gpufrac.node.inventory.simulated", "gpufrac.node.mps.mode")},
+    # The soak (local/soak.py) judges the cluster with the scheduler's booking audit over the API objects,
+    # the same oracle the scheduler's own tests use.
+    "local": {
+        "node": ("gpufrac.node.labels", "gpufrac.node.inventory.simulated", "gpufrac.node.mps.mode"),
+        "scheduler": ("gpufrac.scheduler.booking_audit",),
+    },
     # kubectl's `top` reuses the node agent's view of its metrics, and it finds the agents' pods by the
     # names the operator renders them with.
     "kubectl": {"node": ("gpufrac.node.top",), "operator": ("gpufrac.operator.render",)},

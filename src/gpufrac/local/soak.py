@@ -9,7 +9,7 @@ once ``live`` exist; every API error is counted by kind and retried with the nex
 faults make some calls fail on purpose. ``Faults`` injects one fault at a time: SIGKILL of the
 scheduler, of a node agent or of the webhook (the supervisor must restart it), or SIGSTOP of the control
 plane for a few seconds then SIGCONT (every client sees a server that hangs, then answers again). Every
-``audit_every_s`` the bookings in the API objects are audited (``gpufrac.scheduler.audit``): any
+``audit_every_s`` the bookings in the API objects are audited (``gpufrac.scheduler.booking_audit``): any
 over-committed GPU or mixed modes is a double-booking. ``RssSampler`` reads every process's resident
 memory from /proc, so growth per hour can be estimated per component.
 
@@ -45,7 +45,7 @@ from gpufrac.contract import keys
 from gpufrac.kube.errors import Conflict, KubeError, api_errors
 from gpufrac.local.cluster import LocalCluster, Timings
 from gpufrac.local.supervisor import Backoff, Component
-from gpufrac.scheduler.audit import audit
+from gpufrac.scheduler.booking_audit import audit
 
 log = logging.getLogger(__name__)
 
