@@ -1,6 +1,7 @@
 """Child processes of the embedded cluster: started with their output in a log file, ended for sure.
 
-The embedded cluster (``gpufrac.local.cluster``) and the real node (``gpufrac.local.realnode``) start
+The embedded cluster (``gpufrac.local.cluster``, through its ``supervisor``) and the real node
+(``gpufrac.local.realnode``) start
 many long-running programs; both need the same two things: a process whose output lands in
 ``<logs>/<name>.log`` (so a failure can quote its last lines), in its own session (so a signal to the
 test runner does not reach it and ``killpg`` ends its children too), and a stop that cannot hang
@@ -13,7 +14,7 @@ import contextlib
 import os
 import signal
 import subprocess
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,19 +29,26 @@ class Spawned:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
 
 
-def spawn(*, name: str, argv: list[str], logs: Path, env: Mapping[str, str] | None = None) -> Spawned:
-    """Start ``argv`` with stdout and stderr appended to ``logs/<name>.log``."""
-    log = logs / f"{name}.log"
+def start_logged(
+    argv: Sequence[str], *, log: Path, env: Mapping[str, str] | None = None
+) -> subprocess.Popen[bytes]:
+    """Start ``argv`` in its own session with stdout and stderr appended to ``log``; ``env`` is added to
+    this process's environment."""
     with log.open("ab") as out:
-        popen = subprocess.Popen(
-            argv,
+        return subprocess.Popen(
+            list(argv),
             stdin=subprocess.DEVNULL,
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
         )
-    return Spawned(name=name, popen=popen, log=log)
+
+
+def spawn(*, name: str, argv: list[str], logs: Path, env: Mapping[str, str] | None = None) -> Spawned:
+    """Start ``argv`` with stdout and stderr appended to ``logs/<name>.log``."""
+    log = logs / f"{name}.log"
+    return Spawned(name=name, popen=start_logged(argv, log=log, env=env), log=log)
 
 
 def terminate(popen: subprocess.Popen[bytes], timeout_s: float = 10.0) -> None:

@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from gpufrac.local.processes import start_logged, terminate
+
 log = logging.getLogger(__name__)
 
 State = Literal["Running", "BackOff", "CrashLoopBackOff", "Stopped"]
@@ -111,19 +113,6 @@ class Component:
         return self.state == "Running" and self.popen.poll() is None
 
 
-def spawn(argv: Sequence[str], *, log: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
-    """Start ``argv`` in its own session (a Ctrl-C reaches it through stop, once), appending to ``log``."""
-    with log.open("ab") as out:
-        return subprocess.Popen(
-            list(argv),
-            stdin=subprocess.DEVNULL,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            env=env,
-        )
-
-
 class Supervisor:
     """Starts processes and restarts each one that exits; ``stop()`` ends them all, newest first."""
 
@@ -144,7 +133,7 @@ class Supervisor:
             argv=list(argv),
             log=log,
             env=env,
-            popen=spawn(argv, log=log, env=env),
+            popen=start_logged(argv, log=log, env=env),
             started_at=time.monotonic(),
         )
         self.components[name] = component
@@ -175,7 +164,7 @@ class Supervisor:
             with component.log.open("a") as out:
                 out.write(f"\n--- gpufrac up: {line}\n")
             await asyncio.sleep(delay)
-            component.popen = spawn(component.argv, log=component.log, env=component.env)
+            component.popen = start_logged(component.argv, log=component.log, env=component.env)
             component.started_at = time.monotonic()
             component.state = "Running"
 
@@ -188,17 +177,3 @@ class Supervisor:
         for component in reversed(list(self.components.values())):
             await asyncio.to_thread(terminate, component.popen, timeout_s)
             component.state = "Stopped"
-
-
-def terminate(popen: subprocess.Popen[bytes], timeout_s: float = 10.0) -> None:
-    """SIGTERM, then SIGKILL of the process group after ``timeout_s``."""
-    if popen.poll() is not None:
-        return
-    with contextlib.suppress(ProcessLookupError):
-        popen.send_signal(signal.SIGTERM)
-    try:
-        popen.wait(timeout_s)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(popen.pid, signal.SIGKILL)
-        popen.wait()
