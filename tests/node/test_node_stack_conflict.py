@@ -210,14 +210,18 @@ async def conflict_reported_refused_and_not_fought(
     assert "1 node(s) run another GPU-fractioning node stack" in decision.message
 
     # It stops fighting: heartbeats go on (labels, inventory), the other stack's condition is not written
-    # over, and the Event is not repeated.
+    # over, and the Event is not repeated; the annotation follows what the other stack says.
     written = writes.count
-    for _ in range(5):
-        await other_stack_writes(client, node_name, reason=OTHER_STACK_REASON, message=other_message)
+    for i in range(5):  # the other stack keeps writing, and what it says changes
+        said = f"{other_message} ({i})"
+        await other_stack_writes(client, node_name, reason=OTHER_STACK_REASON, message=said)
         await pub.publish_once()
     assert writes.count == written
-    assert ready_condition(await client.get(Node, node_name)).reason == OTHER_STACK_REASON
+    node = await client.get(Node, node_name)
+    assert ready_condition(node).reason == OTHER_STACK_REASON
     assert events.emitted == 1
+    assert node.metadata is not None and node.metadata.annotations is not None
+    assert f"{other_message} (4)" in node.metadata.annotations[keys.NODE_STACK_CONFLICT_ANNOTATION]
 
     # The other stack is uninstalled: the agent writes its condition again and the node comes back.
     await other_stack_leaves(client, node_name)

@@ -31,8 +31,8 @@ changed since this agent last wrote it, was written by someone else. The agent t
 ``gpufrac.io/node-stack-conflict`` says what it found (the scheduler places nothing on such a node), a
 Warning Event goes on the Node -- and stops writing the condition, so the two writers do not flap it at
 every heartbeat. While the conflict lasts the Node is re-read each interval (a read, no write); once the
-condition is gone or is gpufrac's again, the annotation is removed and the agent writes the condition
-as before.
+condition is gone (or, to an agent that has not written it yet, carries one of gpufrac's reasons), the
+annotation is removed and the agent writes the condition as before.
 """
 
 from __future__ import annotations
@@ -306,16 +306,17 @@ class InventoryPublisher:
                 and (c.status, c.reason, c.message or "", heartbeat) != self._written
             ):
                 return (
-                    f"{keys.NODE_READY_CONDITION} is {said}, heartbeat {heartbeat}, which this agent did "
-                    f"not write (it wrote {self._written[1]!r} at {self._written[3]}): another node agent "
-                    "writes this node's condition too; gpufrac places no GPU pods here until only one runs"
+                    f"{keys.NODE_READY_CONDITION} is {said}, which this agent did not write (it wrote "
+                    f"{self._written[1]!r}): another node agent writes this node's condition too; gpufrac "
+                    "places no GPU pods here until only one runs"
                 )
         return None
 
     def _note_conflict(self, found: str | None, *, uid: str) -> None:
+        """Record what was found; the Event and the warning once per conflict, not per change in it."""
         if found == self.conflict:
             return
-        if found is not None:
+        if found is not None and self.conflict is None:
             log.warning("inventory: %s", found, extra={"node": self._node})
             if self._events is not None:
                 self._events.emit(
