@@ -45,6 +45,16 @@ def test_ready_and_schedulable():
     assert isinstance(placed, Placement) and placed.node == "c"
 
 
+def test_a_node_with_another_node_stack_is_refused_before_its_readiness_is_read():
+    """Its readiness condition is the other stack's: the sentence says why, not "not ready"."""
+    e = engine(node("a", node_stack_conflict=True, ready=False), node("b", node_stack_conflict=True))
+    p = pod(fraction(0.5))
+    assert code(e, p, "a") is Reason.NODE_STACK_CONFLICT
+    decision = e.place(p)
+    assert isinstance(decision, Unschedulable)
+    assert decision.message == "0/2 nodes are available: 2 node(s) run another GPU-fractioning node stack."
+
+
 def test_taints_and_tolerations():
     taint = Taint("gpufrac.io/managed", "true", TaintEffect.NO_SCHEDULE)
     e = engine(

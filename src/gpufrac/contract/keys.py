@@ -87,6 +87,30 @@ MANAGED_TAINT_EFFECT = "NoSchedule"
 MANAGED_LABEL = "gpufrac.io/managed"
 NODE_GPUS_ANNOTATION = "gpufrac.io/gpus"
 NODE_READY_CONDITION = "gpu-fractioning.nvidia.com/Ready"
+# The reasons gpufrac's node agent writes on NODE_READY_CONDITION. NVIDIA's GPU-fractioning operator writes
+# the same condition type with reasons of its own, so a reason outside this set is another node stack's.
+NODE_REASON_READY = "GpuFractioningReady"
+NODE_REASON_INVENTORY_UNAVAILABLE = "GpuInventoryUnavailable"
+NODE_REASON_NO_GPUS = "NoUsableGpus"
+NODE_REASON_NRI_NOT_CONNECTED = "NriPluginNotConnected"
+NODE_REASON_NO_ENFORCEABLE_MODE = "NoEnforceableComputeMode"
+NODE_REASON_AGENT_STOPPED = "NodeAgentStopped"
+NODE_AGENT_REASONS = frozenset(
+    {
+        NODE_REASON_READY,
+        NODE_REASON_INVENTORY_UNAVAILABLE,
+        NODE_REASON_NO_GPUS,
+        NODE_REASON_NRI_NOT_CONNECTED,
+        NODE_REASON_NO_ENFORCEABLE_MODE,
+        NODE_REASON_AGENT_STOPPED,
+    }
+)
+#: The node agent's readiness while another node stack writes NODE_READY_CONDITION. The agent then stops
+#: writing that condition (it would flap between the two writers) and says so here instead.
+NODE_REASON_CONFLICTING_STACK = "ConflictingNodeStack"
+#: Set by the node agent, to what it found, while another GPU-fractioning node stack writes
+#: NODE_READY_CONDITION on the node; absent otherwise. The scheduler places nothing on such a node.
+NODE_STACK_CONFLICT_ANNOTATION = "gpufrac.io/node-stack-conflict"
 #: The NVIDIA driver's major version, under the name the GPU-fractioning operator (KAI) uses for it; the
 #: node agent writes it, the operator gates on it (``GpuFractioningConfig.spec.minDriverMajor``).
 DRIVER_MAJOR_LABEL = "gpu-fractioning.kai.scheduler/nvidia-driver-version.major"

@@ -164,6 +164,7 @@ class NodeAgent:
                 interval_s=settings.publish_interval_s,
                 heartbeat_s=settings.heartbeat_s,
                 taint=settings.taint,
+                events=self.recorder if self.recorder is not None else _LoggedEvents(),
             )
         self.probes = ProbeServer(
             host=settings.health_host,

@@ -8,6 +8,8 @@ for operators and for selectors. The compute-mode capability labels are spelled 
 
 from __future__ import annotations
 
+from gpufrac.contract import keys as _contract
+
 # Re-exported: the contract owns these names (the operator reads the driver major and the scheduler the
 # GPU model; neither may import the node agent).
 from gpufrac.contract.keys import DRIVER_MAJOR_LABEL as DRIVER_MAJOR_LABEL
@@ -18,10 +20,12 @@ GPU_COUNT_LABEL = "gpufrac.io/gpu-count"
 #: The CUDA version the driver supports (``13.4``), for selectors; informational.
 CUDA_DRIVER_LABEL = "gpufrac.io/cuda-driver"
 
-# Reasons of the gpu-fractioning.nvidia.com/Ready condition: each tells an operator what is missing.
-REASON_READY = "GpuFractioningReady"
-REASON_INVENTORY_UNAVAILABLE = "GpuInventoryUnavailable"
-REASON_NO_GPUS = "NoUsableGpus"
-REASON_NRI_NOT_CONNECTED = "NriPluginNotConnected"
-REASON_NO_ENFORCEABLE_MODE = "NoEnforceableComputeMode"
-REASON_AGENT_STOPPED = "NodeAgentStopped"
+# Reasons of the gpu-fractioning.nvidia.com/Ready condition: each tells an operator what is missing. The
+# contract owns them, so that the scheduler can tell them from another node stack's.
+REASON_READY = _contract.NODE_REASON_READY
+REASON_INVENTORY_UNAVAILABLE = _contract.NODE_REASON_INVENTORY_UNAVAILABLE
+REASON_NO_GPUS = _contract.NODE_REASON_NO_GPUS
+REASON_NRI_NOT_CONNECTED = _contract.NODE_REASON_NRI_NOT_CONNECTED
+REASON_NO_ENFORCEABLE_MODE = _contract.NODE_REASON_NO_ENFORCEABLE_MODE
+REASON_AGENT_STOPPED = _contract.NODE_REASON_AGENT_STOPPED
+REASON_CONFLICTING_STACK = _contract.NODE_REASON_CONFLICTING_STACK

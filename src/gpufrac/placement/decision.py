@@ -24,25 +24,26 @@ class Reason(IntEnum):
     """Why a node cannot take a pod (0: it can). The order is the order filters run in."""
 
     FITS = 0
-    NOT_READY = 1
-    AGENT_HEARTBEAT_EXPIRED = 2
-    UNSCHEDULABLE = 3
-    UNTOLERATED_TAINT = 4
-    NODE_SELECTOR = 5
-    NODE_AFFINITY = 6
-    MODE_UNSUPPORTED = 7
-    TOO_MANY_PODS = 8
-    INSUFFICIENT_CPU = 9
-    INSUFFICIENT_MEMORY = 10
-    NO_GPUS = 11
-    TOO_FEW_GPUS = 12
-    NO_WHOLE_GPU = 13
-    MODE_CONFLICT = 14
-    TENANT_CONFLICT = 15
-    INSUFFICIENT_GPU_MEMORY = 16
-    INSUFFICIENT_COMPUTE = 17
-    LIMIT_OVERCOMMIT = 18
-    DEVICE_ASSIGNMENT = 19
+    NODE_STACK_CONFLICT = 1
+    NOT_READY = 2
+    AGENT_HEARTBEAT_EXPIRED = 3
+    UNSCHEDULABLE = 4
+    UNTOLERATED_TAINT = 5
+    NODE_SELECTOR = 6
+    NODE_AFFINITY = 7
+    MODE_UNSUPPORTED = 8
+    TOO_MANY_PODS = 9
+    INSUFFICIENT_CPU = 10
+    INSUFFICIENT_MEMORY = 11
+    NO_GPUS = 12
+    TOO_FEW_GPUS = 13
+    NO_WHOLE_GPU = 14
+    MODE_CONFLICT = 15
+    TENANT_CONFLICT = 16
+    INSUFFICIENT_GPU_MEMORY = 17
+    INSUFFICIENT_COMPUTE = 18
+    LIMIT_OVERCOMMIT = 19
+    DEVICE_ASSIGNMENT = 20
 
     @property
     def message(self) -> str:
@@ -51,6 +52,7 @@ class Reason(IntEnum):
 
 _MESSAGES = {
     Reason.FITS: "fits",
+    Reason.NODE_STACK_CONFLICT: "node(s) run another GPU-fractioning node stack",
     Reason.NOT_READY: "node(s) were not ready",
     Reason.AGENT_HEARTBEAT_EXPIRED: "node agent heartbeat(s) expired",
     Reason.UNSCHEDULABLE: "node(s) were unschedulable",

@@ -52,6 +52,8 @@ class ResourceFilter(Protocol):
 
 class NodeReady:
     def check(self, node: NodeSpec, demand: Demand) -> Reason:
+        if node.node_stack_conflict:  # first: readiness and heartbeat are then the other stack's
+            return Reason.NODE_STACK_CONFLICT
         if not node.ready:
             return Reason.NOT_READY
         if node.agent_heartbeat_expired:

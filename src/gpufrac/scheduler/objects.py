@@ -146,6 +146,7 @@ def node_spec(node: Node, *, agent_heartbeat_expired: bool = False) -> NodeSpec:
         gpus=gpus,
         compute_modes=compute_modes(labels),
         agent_heartbeat_expired=agent_heartbeat_expired,
+        node_stack_conflict=keys.NODE_STACK_CONFLICT_ANNOTATION in (meta.annotations or {}),
     )
 
 

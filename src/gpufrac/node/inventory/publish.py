@@ -22,6 +22,17 @@ and re-asserted every ``heartbeat_s`` (the condition's heartbeat, and a repair o
 removed). Writes are merge patches of our own keys only, and a strategic merge of the one condition, so
 the kubelet's labels and conditions are never touched. ``mark_stopped`` (SIGTERM) sets the condition to
 False so that the scheduler stops placing GPU pods while nothing would enforce their limits.
+
+Another node stack on the same node. NVIDIA's GPU-fractioning operator writes the same condition type
+for its own daemons (``fractiond``, ``mpsd``), with reasons of its own. Before each write the agent reads
+the Node back: a condition whose reason is none of gpufrac's (``keys.NODE_AGENT_REASONS``), or one that
+changed since this agent last wrote it, was written by someone else. The agent then reports the conflict
+-- its readiness becomes False with reason ``ConflictingNodeStack``, the annotation
+``gpufrac.io/node-stack-conflict`` says what it found (the scheduler places nothing on such a node), a
+Warning Event goes on the Node -- and stops writing the condition, so the two writers do not flap it at
+every heartbeat. While the conflict lasts the Node is re-read each interval (a read, no write); once the
+condition is gone (or, to an agent that has not written it yet, carries one of gpufrac's reasons), the
+annotation is removed and the agent writes the condition as before.
 """
 
 from __future__ import annotations
@@ -41,8 +52,10 @@ from lightkube.types import PatchType
 
 from gpufrac.contract import keys
 from gpufrac.kube.errors import Conflict, KubeError, api_errors
+from gpufrac.kube.events import WARNING, ObjectRef
 from gpufrac.kube.patch import merge_patch
 from gpufrac.node import labels as names
+from gpufrac.node.enforcement_audit import EventSink
 from gpufrac.node.inventory.backend import GpuInventoryBackend, InventoryUnavailable, NodeInventory
 from gpufrac.node.mps.mode import DriverVersion, NodeMpsCapability
 
@@ -160,6 +173,7 @@ class InventoryPublisher:
         interval_s: float = 5.0,
         heartbeat_s: float = 60.0,
         taint: bool = True,
+        events: EventSink | None = None,
     ) -> None:
         self._client = client
         self._node = node_name
@@ -169,6 +183,7 @@ class InventoryPublisher:
         self._interval_s = interval_s
         self._heartbeat_s = heartbeat_s
         self._taint = taint
+        self._events = events
         self._changed = asyncio.Event()
         self.published: NodeState | None = None
         self.inventory: NodeInventory | None = None  # the last successful read
@@ -176,6 +191,10 @@ class InventoryPublisher:
         self._last_write = 0.0
         self._transition: tuple[bool, str] | None = None
         self._seen: dict[str, int] = {}  # every GPU this agent has seen: uuid -> index
+        self._desired: NodeState | None = None  # what the backend said at the last write
+        self._written: tuple[str, str, str, str] | None = None  # status, reason, message, heartbeat
+        #: What another node stack's condition says while it writes ours (None: no conflict).
+        self.conflict: str | None = None
 
     def poke(self) -> None:
         """Re-read now (the NRI plugin connected or dropped, the MPS capability changed)."""
@@ -204,10 +223,14 @@ class InventoryPublisher:
         """Patch the Node if what it should say changed (or ``force``); returns the state."""
         state = await self.read_state()
         loop = asyncio.get_running_loop()
-        if force or state != self.published or loop.time() - self._last_write >= self._heartbeat_s:
+        due = force or state != self._desired or loop.time() - self._last_write >= self._heartbeat_s
+        if not due and self.conflict is not None:  # the other stack may be gone: look, without writing
+            with api_errors():
+                due = self._foreign_condition(await self._client.get(Node, self._node)) is None
+        if due:
             await self._write(state)
             self._last_write = loop.time()
-            if state != self.published:
+            if state != self._desired:
                 log.info(
                     "inventory: published %d GPU(s), %s=%s (%s)",
                     len(state.gpus),
@@ -216,9 +239,22 @@ class InventoryPublisher:
                     state.reason,
                     extra={"node": self._node, "detail": state.message},
                 )
-            self.published = state
+            self._desired = state
             self.publishes += 1
-        return state
+        self.published = self._shown(state)
+        return self.published
+
+    def _shown(self, state: NodeState) -> NodeState:
+        """The agent's readiness: the backend's, unless another node stack writes the condition."""
+        if self.conflict is None:
+            return state
+        return NodeState(
+            labels=state.labels,
+            gpus=state.gpus,
+            ready=False,
+            reason=names.REASON_CONFLICTING_STACK,
+            message=self.conflict,
+        )
 
     async def run(self) -> None:
         """Publish, then keep publishing on change; a failed write is retried at the next interval."""
@@ -237,6 +273,9 @@ class InventoryPublisher:
     async def mark_stopped(self) -> None:
         """Condition False: the agent is stopping, nothing would inject limits into new containers."""
         base = self.published or desired_state(inventory=None, unavailable="the agent has not read them")
+        self._desired = None
+        if self.conflict is not None:  # the condition is the other stack's: leave it alone
+            return
         await self._write_condition(
             ready=False,
             reason=names.REASON_AGENT_STOPPED,
@@ -248,7 +287,59 @@ class InventoryPublisher:
 
     # -- writes -----------------------------------------------------------------------------------------
 
+    def _foreign_condition(self, node: Node) -> str | None:
+        """What the readiness condition says when someone other than this agent wrote it; else None."""
+        for c in (node.status.conditions or []) if node.status else []:
+            if c.type != keys.NODE_READY_CONDITION:
+                continue
+            said = f"{c.status}, reason {c.reason!r}, message {c.message!r}"
+            if c.reason not in keys.NODE_AGENT_REASONS:
+                return (
+                    f"{keys.NODE_READY_CONDITION} is {said}: gpufrac's node agent never writes that reason, "
+                    "so another GPU-fractioning node stack (NVIDIA's gpu-fractioning operator) manages this "
+                    "node too; gpufrac places no GPU pods here until only one stack runs on it"
+                )
+            stamp = c.lastHeartbeatTime
+            heartbeat = stamp.strftime("%Y-%m-%dT%H:%M:%SZ") if isinstance(stamp, datetime) else str(stamp)
+            if (
+                self._written is not None
+                and (c.status, c.reason, c.message or "", heartbeat) != self._written
+            ):
+                return (
+                    f"{keys.NODE_READY_CONDITION} is {said}, which this agent did not write (it wrote "
+                    f"{self._written[1]!r}): another node agent writes this node's condition too; gpufrac "
+                    "places no GPU pods here until only one runs"
+                )
+        return None
+
+    def _note_conflict(self, found: str | None, *, uid: str) -> None:
+        """Record what was found; the Event and the warning once per conflict, not per change in it."""
+        if found == self.conflict:
+            return
+        if found is not None and self.conflict is None:
+            log.warning("inventory: %s", found, extra={"node": self._node})
+            if self._events is not None:
+                self._events.emit(
+                    regarding=ObjectRef(kind="Node", namespace="default", name=self._node, uid=uid),
+                    type=WARNING,
+                    reason=names.REASON_CONFLICTING_STACK,
+                    message=found,
+                )
+        elif self.conflict is not None:
+            log.info(
+                "inventory: %s is no longer written by another node stack; writing it again",
+                keys.NODE_READY_CONDITION,
+                extra={"node": self._node},
+            )
+            self._written = None  # the condition is not the one this agent wrote last
+        self.conflict = found
+
     async def _write(self, state: NodeState) -> None:
+        with api_errors():
+            current = await self._client.get(Node, self._node)
+        self._note_conflict(
+            self._foreign_condition(current), uid=(current.metadata.uid if current.metadata else None) or ""
+        )
         node = await merge_patch(
             self._client,
             Node,
@@ -256,18 +347,23 @@ class InventoryPublisher:
             patch={
                 "metadata": {
                     "labels": state.labels,
-                    "annotations": {keys.NODE_GPUS_ANNOTATION: state.gpus_annotation},
+                    "annotations": {
+                        keys.NODE_GPUS_ANNOTATION: state.gpus_annotation,
+                        keys.NODE_STACK_CONFLICT_ANNOTATION: self.conflict,
+                    },
                 }
             },
         )
+        if self._taint:
+            await self._ensure_taint(node)
+        if self.conflict is not None:  # the other stack's condition: writing it would start a flap
+            return
         if self._transition is None:  # keep the transition time of a condition an earlier agent set
             for condition in (node.status.conditions or []) if node.status else []:
                 if condition.type == keys.NODE_READY_CONDITION and condition.lastTransitionTime is not None:
                     stamp = condition.lastTransitionTime
                     text = stamp.strftime("%Y-%m-%dT%H:%M:%SZ") if isinstance(stamp, datetime) else str(stamp)
                     self._transition = (condition.status == "True", text)
-        if self._taint:
-            await self._ensure_taint(node)
         await self._write_condition(ready=state.ready, reason=state.reason, message=state.message)
 
     async def _ensure_taint(self, node: Node) -> None:
@@ -319,3 +415,4 @@ class InventoryPublisher:
                 {"status": {"conditions": [condition]}},
                 patch_type=PatchType.STRATEGIC,
             )
+        self._written = (status, reason, message, now)
