@@ -214,8 +214,8 @@ class NriRuntime:
     ) -> CreatedContainer:
         """Create through every connected plugin; raises ``ContainerCreateFailed`` when one refuses.
 
-        ``cdi_devices`` are the CDI devices the container asks for before NRI (a pod's CDI annotations or
-        a device plugin's CDI response, as containerd resolves them into the container it hands over)."""
+        ``cdi_devices`` are the CDI devices the container has before NRI: containerd reports the CRI
+        container config's, i.e. a device plugin's CDI response as the kubelet hands it over."""
         container = {
             "id": id,
             "pod_sandbox_id": pod_id,
