@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from gpufrac.contract.errors import InvalidPodRequest
 from gpufrac.contract.request import ComputeMode
+from gpufrac.node.config import NodeAgentSettings
 from gpufrac.node.inject import (
     CONTAINER_PIPE_DIR,
     ENFORCEMENT_ENV,
@@ -176,3 +177,26 @@ def test_audit_planner_expects_what_the_plugin_injects() -> None:
         planner.expected_env(container=Running("c", {"nvidia.com/container.c.gpu-memory.request": "x"}))
         is None
     )
+
+
+def test_uuids_and_indices_are_requested_as_cdi_devices_of_the_given_kind() -> None:
+    annotations = {
+        "gpu-fraction": "0.5",
+        "gpu-fraction-num-devices": "2",
+        "nvidia.com/container.c.gpu-memory.request": "1Gi",
+        "nvidia.com/container.c.gpus.devices": f"{GPU},1",
+    }
+    result, _ = plan_container(
+        annotations=annotations, container="c", pipe_source=LEAF, cdi_kind="nvidia.com/gpu"
+    )
+    assert result is not None and result.cdi_devices == (f"nvidia.com/gpu={GPU}", "nvidia.com/gpu=1")
+    assert result.env_map["NVIDIA_VISIBLE_DEVICES"] == f"{GPU},1"  # the variable keeps what was assigned
+    off, _ = plan_container(annotations=annotations, container="c", pipe_source=LEAF, cdi_kind="")
+    assert off is not None and off.cdi_devices == ()
+
+
+def test_the_node_agents_cdi_kind_defaults_to_the_toolkits_and_is_checked() -> None:
+    assert NodeAgentSettings(node_name="n").cdi_kind == "nvidia.com/gpu"
+    assert NodeAgentSettings(node_name="n", cdi_kind="").cdi_kind == ""
+    with pytest.raises(ValueError, match=r"cdi_kind='nvidia.com/gpu=0' is invalid: it must be a CDI kind"):
+        NodeAgentSettings(node_name="n", cdi_kind="nvidia.com/gpu=0")

@@ -20,15 +20,24 @@ from lightkube.models.core_v1 import Container, EnvVar, PodSpec, Toleration
 from lightkube.models.meta_v1 import ObjectMeta
 from lightkube.resources.core_v1 import Event, Node, Pod
 
+from gpufrac.admission.review import DEFAULT_SCHEDULER_USER
 from gpufrac.contract import keys
+from gpufrac.kube.binding import bind_pod
 from gpufrac.local import ociimage
 from gpufrac.local.cluster import ClusterShape, LocalCluster
 from gpufrac.local.demo import DEMO_PODS, gpu_names, real_outcome, submit_and_wait
-from gpufrac.local.realnode import SLEEP_COMMAND, missing_requirements, process_environ, process_mounts
-from gpufrac.local.simnodes import NodeShape
+from gpufrac.local.realnode import (
+    SIMULATED_CDI_ENV_PREFIX,
+    SLEEP_COMMAND,
+    missing_requirements,
+    process_environ,
+    process_mounts,
+)
+from gpufrac.local.simnodes import NodeShape, gpu_uuid
 from gpufrac.node.enforcement_audit import REASON_MISSING_INJECTION
 from gpufrac.node.inject import (
     CONTAINER_PIPE_DIR,
+    CUDA_MPS_ACTIVE_THREAD_PERCENTAGE,
     ENFORCEMENT_ENV,
     NVIDIA_GPU_MEMORY_LIMIT,
     NVIDIA_VISIBLE_DEVICES,
@@ -364,3 +373,48 @@ async def test_an_agent_that_hangs_in_create_never_leaves_a_container_running_ba
         ]
         assert events and "runs without the GPU enforcement it needs" in (events[0].message or "")
     await _delete(cluster, "hung")
+
+
+async def test_a_pod_bound_as_kais_newer_binder_binds_it_runs_with_its_gpu_and_the_plan_inside(
+    cluster: LocalCluster,
+) -> None:
+    """KAI Scheduler's newer NvFractions binder on a default-mode (time-slicing) pod: request, devices as
+    an NVML UUID of this node's inventory, and the compute portion it writes on every bind
+    (``tests/node/test_kai_binder_shapes.py``), merged by a Binding from the binder's identity (the
+    trusted binder; gpufrac's scheduler never sees the pod). The container runs in runc; its process has
+    the memory caps of the plan and no active-thread percentage, and containerd injected the CDI device
+    ``nvidia.com/gpu=<uuid>`` the node agent requested (the simulated spec's variable shows it)."""
+    assert cluster.client is not None and cluster.real_node is not None
+    uuid = gpu_uuid(NODE, 3)
+    pod = _pod("kai-notebook", annotations={"gpu-fraction": "0.5"}, gpu=False)
+    assert pod.spec is not None
+    pod.spec.nodeName = None
+    pod.spec.schedulerName = "kai-scheduler"  # nobody here schedules it: the "binder" below places it
+    created = await cluster.client.create(pod, namespace="default")
+    assert created.metadata is not None
+    binder = cluster.controlplane.async_client(impersonate=DEFAULT_SCHEDULER_USER)
+    try:
+        await bind_pod(
+            binder,
+            name="kai-notebook",
+            namespace="default",
+            node=NODE,
+            uid=created.metadata.uid,
+            annotations={
+                keys.memory_request_key("app"): "40779Mi",  # floor(81559 MiB x 0.5), as KAI writes it
+                keys.devices_key("app"): uuid,
+                keys.compute_portion_key("app"): "0.5",
+            },
+        )
+    finally:
+        await binder.close()
+
+    running = await _wait_pod(cluster, "kai-notebook", _running, what="run")
+    environ = process_environ(cluster.real_node.container_pid(_container_id(running)))
+    expected = _expected_env(running)
+    assert {k: environ.get(k) for k in ENFORCEMENT_ENV} == {k: expected.get(k) for k in ENFORCEMENT_ENV}
+    assert (environ[NVIDIA_VISIBLE_DEVICES], environ[NVIDIA_GPU_MEMORY_LIMIT]) == (uuid, "40779")
+    assert CUDA_MPS_ACTIVE_THREAD_PERCENTAGE not in environ
+    assert environ[f"{SIMULATED_CDI_ENV_PREFIX}3"] == uuid
+    assert not [k for k in environ if k.startswith(SIMULATED_CDI_ENV_PREFIX) and not k.endswith("_3")]
+    await _delete(cluster, "kai-notebook")

@@ -210,8 +210,12 @@ class NriRuntime:
         mounts: Sequence[Mapping[str, Any]] = (),
         annotations: Mapping[str, str] | None = None,
         args: Sequence[str] = (),
+        cdi_devices: Sequence[str] = (),
     ) -> CreatedContainer:
-        """Create through every connected plugin; raises ``ContainerCreateFailed`` when one refuses."""
+        """Create through every connected plugin; raises ``ContainerCreateFailed`` when one refuses.
+
+        ``cdi_devices`` are the CDI devices the container has before NRI: containerd reports the CRI
+        container config's, i.e. a device plugin's CDI response as the kubelet hands it over."""
         container = {
             "id": id,
             "pod_sandbox_id": pod_id,
@@ -220,6 +224,7 @@ class NriRuntime:
             "mounts": [dict(m) for m in mounts],
             "annotations": dict(annotations or {}),
             "args": list(args),
+            "CDI_devices": [{"name": n} for n in cdi_devices],
         }
         reply = await self._exchange({"op": "create_container", "container": container})
         if not reply.get("ok"):

@@ -55,7 +55,8 @@ from gpufrac.contract import keys
 from gpufrac.kube.errors import KubeError, api_errors
 from gpufrac.local import ociimage
 from gpufrac.local.processes import Spawned, spawn, terminate
-from gpufrac.local.simnodes import NodeShape
+from gpufrac.local.simnodes import NodeShape, gpu_uuid
+from gpufrac.node.nri.handler import CDI_GPU_KIND
 
 TESTENV_BIN = Path(__file__).resolve().parents[3] / "testenv" / "bin"
 
@@ -134,7 +135,9 @@ def containerd_config(*, root: Path, bins: Binaries) -> str:
     """containerd's config (version 3): everything under ``root``, NRI on, the CRI as a test node needs.
 
     NRI's built-in validator is on: it refuses a container whose pod requires a plugin that is not
-    connected (what makes GPU containers fail closed while the node agent is away)."""
+    connected (what makes GPU containers fail closed while the node agent is away). CDI is on, with specs
+    only from ``<root>/cdi`` (``simulated_cdi_spec``), so containerd resolves the node agent's CDI requests
+    as on a real GPU node and refuses unknown ones."""
     return f"""version = 3
 root = "{root}/root"
 state = "{root}/state"
@@ -174,6 +177,8 @@ disabled_plugins = ["io.containerd.internal.v1.tracing", "io.containerd.tracing.
   restrict_oom_score_adj = true
   enable_selinux = false
   disable_apparmor = true
+  enable_cdi = true
+  cdi_spec_dirs = ["{root}/cdi"]
 
 [plugins."io.containerd.cri.v1.runtime".cni]
   bin_dirs = ["{CNI_BIN}"]
@@ -190,6 +195,26 @@ disabled_plugins = ["io.containerd.internal.v1.tracing", "io.containerd.tracing.
   BinaryName = "{bins.runc}"
   SystemdCgroup = false
 """
+
+
+#: The variable each simulated CDI device sets in a container: ``<prefix><index>=<uuid>``.
+SIMULATED_CDI_ENV_PREFIX = "GPUFRAC_SIMULATED_CDI_GPU_"
+
+
+def simulated_cdi_spec(*, node: str, gpus: int) -> dict[str, object]:
+    """A CDI spec of kind ``nvidia.com/gpu`` for a simulated node's GPUs, named by UUID and by index.
+
+    Simulated because the machine has no GPU and no NVIDIA toolkit: ``nvidia-ctk cdi generate`` would
+    give each device its ``/dev/nvidia<N>`` node and the driver's libraries and hooks (and set
+    ``NVIDIA_VISIBLE_DEVICES=void``); these devices only set ``GPUFRAC_SIMULATED_CDI_GPU_<index>=<uuid>``,
+    which shows from inside the container that containerd injected exactly that device.
+    """
+    devices = []
+    for index in range(gpus):
+        uuid = gpu_uuid(node, index)
+        edits = {"env": [f"{SIMULATED_CDI_ENV_PREFIX}{index}={uuid}"]}
+        devices += [{"name": uuid, "containerEdits": edits}, {"name": str(index), "containerEdits": edits}]
+    return {"cdiVersion": "0.5.0", "kind": CDI_GPU_KIND, "devices": devices}
 
 
 def kubelet_config(*, root: Path, endpoint: str, port: int, healthz_port: int) -> dict[str, object]:
@@ -357,6 +382,10 @@ class RealNode:
         self._write_cni_config()
         config = self.root / "containerd.toml"
         config.write_text(containerd_config(root=self.root, bins=self.bins))
+        cdi_dir = self.root / "cdi"
+        cdi_dir.mkdir(exist_ok=True)
+        spec = simulated_cdi_spec(node=self.name, gpus=self.shape.gpus)
+        (cdi_dir / "gpufrac-simulated.json").write_text(json.dumps(spec, indent=1))
         # containerd finds the shim on PATH (containerd-shim-runc-v2, next to it in testenv/bin).
         path = f"{self.bins.shim.parent}:{os.environ.get('PATH', '/usr/bin:/bin')}"
         self._containerd = spawn(

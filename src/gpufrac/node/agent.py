@@ -144,6 +144,7 @@ class NodeAgent:
             events=self.recorder if self.recorder is not None else _LoggedEvents(),
             counters=self.counters,
             hooks=self.mps.hooks if self.mps is not None else None,
+            cdi_kind=settings.cdi_kind,
         )
         self.plugin = NriPlugin(
             handler=self.injector,

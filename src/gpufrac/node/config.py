@@ -20,8 +20,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from gpufrac.contract import keys
-from gpufrac.node.inject import CONTAINER_PIPE_DIR
-from gpufrac.node.nri.handler import ForeignGpuPolicy
+from gpufrac.node.inject import CDI_KIND_PATTERN, CONTAINER_PIPE_DIR
+from gpufrac.node.nri.handler import CDI_GPU_KIND, ForeignGpuPolicy
 from gpufrac.node.nri.plugin import DEFAULT_SOCKET
 from gpufrac.node.reporting import UsageSettings
 
@@ -74,6 +74,12 @@ class NodeAgentSettings(BaseModel):
         description="namespaces whose GPU containers outside gpufrac are neither reported nor refused "
         "(the GPU Operator's and gpufrac's own, whose pods set NVIDIA_VISIBLE_DEVICES in their manifests)",
     )
+    cdi_kind: str = Field(
+        CDI_GPU_KIND,
+        description="the CDI kind (vendor/class) requested for each GPU a container is given by UUID or "
+        "index, as <cdi_kind>=<device>; the NVIDIA toolkit's spec (named by UUID) must exist on the "
+        "node. Empty: no such request, for nodes without CDI specs (docs/node-agent.md)",
+    )
     health_host: str = "0.0.0.0"
     health_port: int = Field(8082, ge=0, le=65535)
     publish_interval_s: float = Field(5.0, gt=0)
@@ -85,6 +91,15 @@ class NodeAgentSettings(BaseModel):
     sim_usage: Path | None = Field(
         None, description="JSON table of simulated GPU processes, re-read every sample; none: idle GPUs"
     )
+
+    @model_validator(mode="after")
+    def _cdi_kind_is_a_kind(self) -> NodeAgentSettings:
+        if self.cdi_kind and CDI_KIND_PATTERN.fullmatch(self.cdi_kind) is None:
+            raise ValueError(
+                f"cdi_kind={self.cdi_kind!r} is invalid: it must be a CDI kind vendor/class "
+                "(e.g. nvidia.com/gpu), or empty to request no CDI devices"
+            )
+        return self
 
     @model_validator(mode="after")
     def _simulation_is_described(self) -> NodeAgentSettings:

@@ -21,8 +21,16 @@ What a container gets (docs/node-agent.md has the same table for operators):
 ``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT`` ``0=<limit>M,1=<limit>M,...``: ordinals as the container sees its
                                    devices (fractional only)
 ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` floor(portion x 100), at least 1 (sm-sharing with a portion)
-CDI devices                        every CDI name among the devices is also requested from the runtime
+CDI devices                        every CDI name among the devices is also requested from the runtime,
+                                   and with ``cdi_kind`` (the agent's default ``nvidia.com/gpu``) every
+                                   UUID or index as ``<cdi_kind>=<device>``
 ================================== ===================================================================
+
+Why the CDI request for UUIDs: the operator requirement (docs/node-agent.md) sets the NVIDIA toolkit to
+ignore ``NVIDIA_VISIBLE_DEVICES`` in unprivileged containers, so the variable alone would give the
+container no GPU; the toolkit's CDI spec for the device is what adds the device nodes, libraries and the
+memory-limit hook. The variable is still set (the legacy path, and the audit's record of what was
+assigned); the toolkit's spec overwrites it with ``void``, which grants nothing.
 
 Any of these variables the container already has (set by the user, or by a plugin before ours) is
 removed first, so nothing a user writes in a manifest can widen what the scheduler granted.
@@ -62,7 +70,9 @@ CONTAINER_PIPE_DIR = "/run/nvidia/mps"
 PIPE_MOUNT_OPTIONS = ("rbind", "rw", "nosuid", "nodev")
 
 # vendor/class=name, as the CDI specification spells a fully-qualified device name
-_CDI_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*=[A-Za-z0-9_.:-]+")
+_CDI_KIND = r"[A-Za-z0-9][A-Za-z0-9.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*"
+_CDI_NAME = re.compile(_CDI_KIND + r"=[A-Za-z0-9_.:-]+")
+CDI_KIND_PATTERN = re.compile(_CDI_KIND)
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,22 +127,33 @@ def plan_container(
     env: Iterable[str] = (),
     pipe_source: str,
     container_pipe_dir: str = CONTAINER_PIPE_DIR,
+    cdi_kind: str = "",
 ) -> tuple[InjectionPlan | None, tuple[str, ...]]:
     """The plan of ``container`` and the enforcement variables to remove from its current ``env``.
 
     Returns ``(None, ())`` for a container without a GPU ask (nothing is touched). ``env`` is the
     container's ``KEY=value`` list as the runtime hands it over; ``pipe_source`` the host leaf directory
-    (``pipe_leaf``). Raises ``InvalidPodRequest`` for a pod that breaks the contract or is not placed.
+    (``pipe_leaf``). ``cdi_kind`` (``vendor/class``, empty: none) names the CDI device requested for each
+    device that is a UUID or an index. Raises ``InvalidPodRequest`` for a pod that breaks the contract or
+    is not placed.
     """
     placed = next((c for c in read_binding(annotations) if c.container == container), None)
     if placed is None:
         return None, ()
-    plan = _plan(placed, pipe_source=pipe_source, container_pipe_dir=container_pipe_dir)
+    plan = _plan(placed, pipe_source=pipe_source, container_pipe_dir=container_pipe_dir, cdi_kind=cdi_kind)
     present = {entry.partition("=")[0] for entry in env}
     return plan, tuple(key for key in ENFORCEMENT_ENV if key in present)
 
 
-def _plan(placed: BoundContainer, *, pipe_source: str, container_pipe_dir: str) -> InjectionPlan:
+def cdi_requests(devices: Iterable[str], *, cdi_kind: str) -> tuple[str, ...]:
+    """The CDI devices to request for ``devices``: CDI names as they are, UUIDs and indices as
+    ``<cdi_kind>=<device>`` (none when ``cdi_kind`` is empty)."""
+    return tuple(d if is_cdi_name(d) else f"{cdi_kind}={d}" for d in devices if cdi_kind or is_cdi_name(d))
+
+
+def _plan(
+    placed: BoundContainer, *, pipe_source: str, container_pipe_dir: str, cdi_kind: str
+) -> InjectionPlan:
     devices = placed.devices
     env: list[tuple[str, str]] = [(NVIDIA_VISIBLE_DEVICES, ",".join(devices))]
     mounts: tuple[Mount, ...] = ()
@@ -156,7 +177,7 @@ def _plan(placed: BoundContainer, *, pipe_source: str, container_pipe_dir: str) 
         bound=placed,
         env=tuple(env),
         mounts=mounts,
-        cdi_devices=tuple(d for d in devices if is_cdi_name(d)),
+        cdi_devices=cdi_requests(devices, cdi_kind=cdi_kind),
     )
 
 

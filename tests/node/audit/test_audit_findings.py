@@ -122,6 +122,32 @@ async def test_correctly_injected_and_non_fractional_containers_are_left_alone(
     assert runtime.stopped == []
 
 
+async def test_the_toolkits_cdi_spec_setting_the_device_variable_to_void_is_not_a_finding(
+    node, runtime, planner, events, counters
+):
+    """The agent requests ``nvidia.com/gpu=<uuid>`` for the container; NVIDIA's generated CDI spec sets
+    ``NVIDIA_VISIBLE_DEVICES=void`` after the plan's variables (NRI applies CDI devices after env), and
+    ``void`` gives no GPU through the variable: a correctly injected container is left running."""
+    start_infer(runtime, env={**PLAN, "NVIDIA_VISIBLE_DEVICES": "void"})
+
+    await node.auditor()(node.collector.collect())
+
+    assert events.emitted == [] and runtime.stopped == []
+
+
+async def test_void_devices_without_the_memory_caps_are_still_a_missing_injection(
+    node, runtime, planner, events, counters
+):
+    start_infer(runtime, env={"NVIDIA_VISIBLE_DEVICES": "void"})
+
+    await node.auditor()(node.collector.collect())
+
+    assert events.reasons() == [REASON_MISSING_INJECTION]
+    assert "NVIDIA_GPU_MEMORY_LIMIT missing" in events.emitted[0][4]
+    assert "NVIDIA_VISIBLE_DEVICES" not in events.emitted[0][4]
+    assert runtime.stopped == [(INFER, 10)]
+
+
 async def test_with_stopping_disabled_the_finding_is_reported_once_and_the_container_keeps_running(
     node, runtime, planner, events, counters
 ):

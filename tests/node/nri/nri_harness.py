@@ -38,7 +38,7 @@ from gpufrac.node.inventory.backend import GpuInfo  # noqa: E402
 from gpufrac.node.mapping import MappingStore  # noqa: E402
 from gpufrac.node.metrics import EnforcementCounters  # noqa: E402
 from gpufrac.node.mps.containers import ContainerHooks  # noqa: E402
-from gpufrac.node.nri.handler import ForeignGpuPolicy, GpuInjector  # noqa: E402
+from gpufrac.node.nri.handler import CDI_GPU_KIND, ForeignGpuPolicy, GpuInjector  # noqa: E402
 from gpufrac.node.nri.plugin import NriPlugin  # noqa: E402
 
 _ids = itertools.count(1)
@@ -115,6 +115,7 @@ class Node:
         foreign_gpus: ForeignGpuPolicy = "report",
         hooks: ContainerHooks | None = None,
         shared_pipe_dir: str | None = None,
+        cdi_kind: str = CDI_GPU_KIND,
     ) -> Agent:
         # The runtime counts a plugin whose connection closed until it prunes it, so "connected" is one
         # more registration, not one more plugin.
@@ -132,6 +133,7 @@ class Node:
             foreign_gpus_exempt=frozenset({"gpu-operator"}),
             hooks=hooks,
             shared_pipe_dir=shared_pipe_dir,
+            cdi_kind=cdi_kind,
         )
         plugin = NriPlugin(
             handler=injector, socket_path=str(self.socket), backoff_initial_s=0.02, backoff_max_s=0.2
@@ -170,8 +172,14 @@ class Node:
         *,
         env: Mapping[str, str] | None = None,
         mounts: Sequence[Mapping[str, Any]] = (),
+        cdi_devices: Sequence[str] = (),
     ) -> CreatedContainer:
         container_id = f"{pod_id}-{name}-{next(_ids):04d}"
         return await self.runtime.create_container(
-            id=container_id, pod_id=pod_id, name=name, env=env or {"PATH": "/usr/bin"}, mounts=mounts
+            id=container_id,
+            pod_id=pod_id,
+            name=name,
+            env=env or {"PATH": "/usr/bin"},
+            mounts=mounts,
+            cdi_devices=cdi_devices,
         )

@@ -2,9 +2,13 @@
 
 At CreateContainer the pod's annotations become an ``InjectionPlan`` (``gpufrac.node.inject``, pure),
 which becomes NRI's ``ContainerAdjustment``: enforcement variables the container already has are removed
-(``-KEY``, NRI's removal marker), then the plan's variables, the per-container MPS directory mount and any
-CDI devices are added. The host leaf directory is created before answering (the runtime bind-mounts it),
-the container's record is written to the mapping store, and only then does the runtime get its answer.
+(``-KEY``, NRI's removal marker), then the plan's variables, the per-container MPS directory mount and the
+CDI devices are added: CDI names as assigned, UUIDs and indices as ``<cdi_kind>=<device>`` (the NVIDIA
+toolkit's spec brings the device nodes and the memory-limit hook; the toolkit ignores the plain variable
+in unprivileged containers). A container without a gpufrac ask gets nothing, so a CDI device it asked
+for itself is what the runtime resolved before NRI and is reported as a foreign GPU (below). The host
+leaf directory is created before answering (the runtime bind-mounts it), the container's record is
+written to the mapping store, and only then does the runtime get its answer.
 When the MPS supervisor runs (``hooks``), it may re-point the MPS directory mount at a v3 namespace
 directory or the classic pipe directory (``gpufrac.node.mps.containers.apply_adjustment``); the private
 leaf is created only when the mount still points at it.
@@ -155,9 +159,11 @@ class GpuInjector:
         foreign_gpus_exempt: frozenset[str] = frozenset(),
         shared_pipe_dir: str | None = None,
         shared_pipe_writable: bool = False,
+        cdi_kind: str = CDI_GPU_KIND,
     ) -> None:
         """``node_gpus`` is what assigned devices are checked against (the agent always gives it; None
-        skips the check, for tests of the plan alone)."""
+        skips the check, for tests of the plan alone). ``cdi_kind`` is the CDI kind requested for devices
+        given as UUIDs or indices (``gpufrac.node.inject.cdi_requests``; empty: none)."""
         self._store = store
         self._pipe_root = pipe_root
         self._container_pipe_dir = container_pipe_dir
@@ -170,6 +176,7 @@ class GpuInjector:
         self._refuse_foreign = foreign_gpus == "refuse"
         self._foreign_exempt = foreign_gpus_exempt
         self._shared_pipe_dir = None if shared_pipe_writable else shared_pipe_dir
+        self._cdi_kind = cdi_kind
         #: Running GPU containers Synchronize found without their injection: id -> what is wrong.
         self.unenforced: dict[str, str] = {}
         self.runtime: tuple[str, str] | None = None
@@ -200,6 +207,7 @@ class GpuInjector:
                 env=container.env,
                 pipe_source=source,
                 container_pipe_dir=self._container_pipe_dir,
+                cdi_kind=self._cdi_kind,
             )
         except ContractError as exc:
             return self._refuse(f"gpufrac: {exc}", container=container, where=where)
