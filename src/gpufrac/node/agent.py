@@ -145,6 +145,10 @@ class NodeAgent:
             counters=self.counters,
             hooks=self.mps.hooks if self.mps is not None else None,
             cdi_kind=settings.cdi_kind,
+            foreign_gpus=settings.foreign_gpus,
+            foreign_gpus_exempt=frozenset(settings.foreign_gpus_exempt_namespaces),
+            shared_pipe_dir=str(settings.mps_pipe_dir) if self.mps is not None else None,
+            shared_pipe_writable=settings.mps_classic_pipe_writable,
         )
         self.plugin = NriPlugin(
             handler=self.injector,

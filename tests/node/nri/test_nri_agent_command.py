@@ -11,8 +11,10 @@ import uuid
 from pathlib import Path
 
 import httpx
+import pytest
 from nri_harness import Node
 
+from gpufrac.local.nriruntime import ContainerCreateFailed
 from gpufrac.node.inventory.simulated import simulated_uuid
 
 GPU = simulated_uuid("gpu-node-000", 0)  # the first of the agent's simulated GPUs
@@ -95,6 +97,32 @@ async def test_node_agent_process_injects_and_stops_cleanly(make_node) -> None: 
     ]
     assert any(line["msg"] == "node agent stopped" for line in lines)
     assert all({"ts", "level", "component", "msg"} <= line.keys() for line in lines)
+
+
+async def test_the_configuration_file_reaches_the_injection(make_node) -> None:  # type: ignore[no-untyped-def]
+    """``foreign_gpus: refuse`` in ``--config`` makes the running agent refuse a container that got a GPU
+    outside gpufrac (the settings were once read and never handed to the injector)."""
+    node: Node = await make_node(agent=False)
+    port = free_port()
+    config = node.root / "agent.yaml"
+    config.write_text("foreign_gpus: refuse\nforeign_gpus_exempt_namespaces: [gpu-operator]\n")
+    agent = await asyncio.create_subprocess_exec(
+        *[sys.executable, "-m", "gpufrac", "node-agent", "--config", str(config)],
+        *["--node-name", "gpu-node-000", "--no-publish", "--backend", "simulated"],
+        *["--sim-gpus", "2xH100-80GB", "--nri-socket", str(node.socket)],
+        *["--state-dir", str(node.root / "agent"), "--health-port", str(port), "--metrics-port", "0"],
+        stderr=asyncio.subprocess.DEVNULL,
+    )
+    try:
+        await wait_probe(port, "/readyz", 200)
+        foreign = await node.pod(name="trainer")
+        with pytest.raises(ContainerCreateFailed, match="on a node whose GPUs gpufrac shares"):
+            await node.create(foreign, "train", env={"NVIDIA_VISIBLE_DEVICES": GPU})
+        exempt = await node.pod(name="dcgm", namespace="gpu-operator")
+        await node.create(exempt, "exporter", env={"NVIDIA_VISIBLE_DEVICES": GPU})
+    finally:
+        agent.kill()
+        await agent.wait()
 
 
 async def test_readyz_says_what_is_missing_without_a_runtime(tmp_path: Path) -> None:
