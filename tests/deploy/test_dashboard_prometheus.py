@@ -43,13 +43,8 @@ def _free_port() -> int:
 
 
 def _scheduler_port(cluster: LocalCluster) -> int:
-    # LocalCluster keeps the scheduler's port only in its argv (gpufrac.local has no public field for it).
-    for process in cluster._processes:
-        if process.name == "scheduler":
-            for arg in process.popen.args:
-                if str(arg).startswith("--http-port="):
-                    return int(str(arg).split("=", 1)[1])
-    raise AssertionError("the embedded cluster runs no scheduler")
+    assert cluster.scheduler_url is not None, "the embedded cluster runs no scheduler"
+    return int(cluster.scheduler_url.rsplit(":", 1)[1])
 
 
 @pytest.fixture(scope="module")
