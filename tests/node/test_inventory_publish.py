@@ -22,12 +22,8 @@ READY = "gpu-fractioning.nvidia.com/Ready"
 
 
 @pytest.fixture
-async def client(controlplane) -> AsyncIterator[AsyncClient]:  # type: ignore[no-untyped-def]
-    c = controlplane.async_client()
-    try:
-        yield c
-    finally:
-        await c.close()
+def client(akube: AsyncClient) -> AsyncClient:
+    return akube
 
 
 @pytest.fixture

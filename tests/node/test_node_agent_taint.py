@@ -18,12 +18,8 @@ from gpufrac.node.config import load_settings
 
 
 @pytest.fixture
-async def client(controlplane) -> AsyncIterator[AsyncClient]:  # type: ignore[no-untyped-def]
-    c = controlplane.async_client()
-    try:
-        yield c
-    finally:
-        await c.close()
+def client(akube: AsyncClient) -> AsyncClient:
+    return akube
 
 
 @pytest.fixture

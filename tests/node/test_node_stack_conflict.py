@@ -38,12 +38,8 @@ OTHER_STACK_REASON = "AllDaemonsReady"
 
 
 @pytest.fixture
-async def client(controlplane) -> AsyncIterator[AsyncClient]:  # type: ignore[no-untyped-def]
-    c = controlplane.async_client()
-    try:
-        yield c
-    finally:
-        await c.close()
+def client(akube: AsyncClient) -> AsyncClient:
+    return akube
 
 
 @pytest.fixture
