@@ -121,6 +121,13 @@ GPU_MODEL_LABEL = "gpufrac.io/gpu-model"
 #: compute modes the node can enforce memory for; the scheduler never places a mode a node cannot enforce.
 COMPUTE_MODE_LABEL_PREFIX = "gpufrac.io/compute-mode."
 
+#: The CDI kind NVIDIA's CDI specs give whole GPUs (``nvidia.com/gpu=<index|uuid|all>``): what the node
+#: agent requests for a GPU given by UUID or index, and what a simulated node's CDI spec declares.
+CDI_GPU_KIND = "nvidia.com/gpu"
+#: The CDI kind of the NVIDIA device plugin's own specs, which KAI Scheduler's binder writes into
+#: ``.gpus.devices`` when the device plugin uses CDI (``k8s.device-plugin.nvidia.com/gpu=<uuid>``).
+DEVICE_PLUGIN_CDI_GPU_KIND = "k8s.device-plugin.nvidia.com/gpu"
+
 DEFAULT_SCHEDULER_NAME = "gpufrac-scheduler"
 #: A pod's own placement policy (``binpack``, ``spread``, ``kai``, ``fgd``, ``fgd-align``), overriding
 #: the scheduler's configured one; an unknown name makes the pod unschedulable with the known names.

@@ -52,11 +52,11 @@ from lightkube import AsyncClient
 from lightkube.resources.core_v1 import Node, Pod
 
 from gpufrac.contract import keys
+from gpufrac.contract.keys import CDI_GPU_KIND
 from gpufrac.kube.errors import KubeError, api_errors
 from gpufrac.local import ociimage
 from gpufrac.local.processes import Spawned, spawn, terminate
 from gpufrac.local.simnodes import NodeShape, gpu_uuid
-from gpufrac.node.nri.handler import CDI_GPU_KIND
 
 TESTENV_BIN = Path(__file__).resolve().parents[3] / "testenv" / "bin"
 

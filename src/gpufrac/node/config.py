@@ -20,8 +20,9 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from gpufrac.contract import keys
+from gpufrac.contract.keys import CDI_GPU_KIND
 from gpufrac.node.inject import CDI_KIND_PATTERN, CONTAINER_PIPE_DIR
-from gpufrac.node.nri.handler import CDI_GPU_KIND, ForeignGpuPolicy
+from gpufrac.node.nri.handler import ForeignGpuPolicy
 from gpufrac.node.nri.plugin import DEFAULT_SOCKET
 from gpufrac.node.reporting import UsageSettings
 

@@ -32,13 +32,14 @@ if not _generated():  # `make testenv` not run yet
     subprocess.run([sys.executable, str(ROOT / "scripts" / "gen-nri-protos")], check=True)
     importlib.invalidate_caches()
 
+from gpufrac.contract.keys import CDI_GPU_KIND  # noqa: E402
 from gpufrac.kube.events import ObjectRef  # noqa: E402
 from gpufrac.local.nriruntime import CreatedContainer, NriRuntime  # noqa: E402
 from gpufrac.node.inventory.backend import GpuInfo  # noqa: E402
 from gpufrac.node.mapping import MappingStore  # noqa: E402
 from gpufrac.node.metrics import EnforcementCounters  # noqa: E402
 from gpufrac.node.mps.containers import ContainerHooks  # noqa: E402
-from gpufrac.node.nri.handler import CDI_GPU_KIND, ForeignGpuPolicy, GpuInjector  # noqa: E402
+from gpufrac.node.nri.handler import ForeignGpuPolicy, GpuInjector  # noqa: E402
 from gpufrac.node.nri.plugin import NriPlugin  # noqa: E402
 
 _ids = itertools.count(1)

@@ -72,6 +72,7 @@ from typing import Literal
 from gpufrac._generated.nri import api_pb2 as api
 from gpufrac.contract import keys
 from gpufrac.contract.errors import ContractError
+from gpufrac.contract.keys import CDI_GPU_KIND, DEVICE_PLUGIN_CDI_GPU_KIND
 from gpufrac.kube.events import WARNING, ObjectRef
 from gpufrac.node.enforcement_audit import REASON_MISSING_INJECTION, EventSink, injection_problems
 from gpufrac.node.inject import (
@@ -103,11 +104,6 @@ REASON_FOREIGN_GPU = "GpuOutsideGpufrac"
 ForeignGpuPolicy = Literal["report", "refuse"]
 #: The classic MPS pipe directory's mount: read-only, nothing executable or a device (see the docstring).
 SHARED_PIPE_MOUNT_OPTIONS = ("rbind", "ro", "nosuid", "nodev", "noexec")
-#: The CDI kind NVIDIA's CDI specs give whole GPUs (``nvidia.com/gpu=<index|uuid|all>``).
-CDI_GPU_KIND = "nvidia.com/gpu"
-#: The CDI kind of the NVIDIA device plugin's own specs, which KAI Scheduler's binder writes into
-#: ``.gpus.devices`` when the device plugin uses CDI (``k8s.device-plugin.nvidia.com/gpu=<uuid>``).
-DEVICE_PLUGIN_CDI_GPU_KIND = "k8s.device-plugin.nvidia.com/gpu"
 CDI_GPU_KINDS = (CDI_GPU_KIND, DEVICE_PLUGIN_CDI_GPU_KIND)
 
 
