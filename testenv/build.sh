@@ -41,8 +41,9 @@ command -v go >/dev/null || { echo "testenv: go is not installed (needed to buil
 
 # kube-apiserver reports the version stamped into k8s.io/component-base/version at link time, as
 # Kubernetes' own build does; unstamped it says v0.0.0-master, which kubectl and Helm cannot parse.
-# The kubelet of the real test node (tests/realnode/) is a `tool` of the control plane's module, so it
-# is built from the same module graph, and stamped the same way, as the API server it registers with.
+# The kubelet of the real test node (tests/realnode/), kube-controller-manager and kube-scheduler are
+# `tool`s of the control plane's module, so they are built from the same module graph, and stamped the
+# same way, as the API server they talk to.
 build_controlplane() {
     local version
     version="$(cd "$here/controlplane" && go list -m -f '{{.Version}}' k8s.io/kubernetes)"
@@ -52,6 +53,8 @@ build_controlplane() {
     local stamp="-X $pkg.gitVersion=$version -X $pkg.gitMajor=$major -X $pkg.gitMinor=$minor -X $pkg.gitTreeState=clean"
     build_module controlplane gpufrac-controlplane "$stamp"
     build_module controlplane kubelet "$stamp" k8s.io/kubernetes/cmd/kubelet
+    build_module controlplane kube-controller-manager "$stamp" k8s.io/kubernetes/cmd/kube-controller-manager
+    build_module controlplane kube-scheduler "$stamp" k8s.io/kubernetes/cmd/kube-scheduler
 }
 
 bash "$here/packages.sh"  # runc and busybox-static from Debian for the real node (apt-get only when missing)

@@ -2,9 +2,14 @@ module gpufrac.dev/testenv/controlplane
 
 go 1.24.0
 
-// kubelet for the real test node (tests/realnode/), built by testenv/build.sh from this same module
-// graph so that it and the API server are one Kubernetes version.
-tool k8s.io/kubernetes/cmd/kubelet
+// kubelet for the real test node (tests/realnode/), and the controller manager and default scheduler
+// the chart's Deployments and DaemonSet need on the real install, built by testenv/build.sh from this
+// same module graph so that they and the API server are one Kubernetes version.
+tool (
+	k8s.io/kubernetes/cmd/kube-controller-manager
+	k8s.io/kubernetes/cmd/kube-scheduler
+	k8s.io/kubernetes/cmd/kubelet
+)
 
 require (
 	github.com/spf13/pflag v1.0.6
@@ -151,7 +156,7 @@ require (
 	k8s.io/api v0.34.4 // indirect
 	k8s.io/apiextensions-apiserver v0.0.0 // indirect
 	k8s.io/apiserver v0.34.4 // indirect
-	k8s.io/cloud-provider v0.0.0 // indirect
+	k8s.io/cloud-provider v0.34.4 // indirect
 	k8s.io/cluster-bootstrap v0.0.0 // indirect
 	k8s.io/component-helpers v0.34.4 // indirect
 	k8s.io/controller-manager v0.34.4 // indirect
@@ -163,10 +168,12 @@ require (
 	k8s.io/externaljwt v0.0.0 // indirect
 	k8s.io/kms v0.34.4 // indirect
 	k8s.io/kube-aggregator v0.0.0 // indirect
+	k8s.io/kube-controller-manager v0.0.0 // indirect
 	k8s.io/kube-openapi v0.0.0-20250710124328-f3f2b991d03b // indirect
 	k8s.io/kube-scheduler v0.0.0 // indirect
 	k8s.io/kubectl v0.0.0 // indirect
 	k8s.io/kubelet v0.34.4 // indirect
+	k8s.io/metrics v0.34.4 // indirect
 	k8s.io/mount-utils v0.0.0 // indirect
 	k8s.io/pod-security-admission v0.0.0 // indirect
 	k8s.io/utils v0.0.0-20250604170112-4c0f3b243397 // indirect
