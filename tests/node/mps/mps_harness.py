@@ -104,12 +104,16 @@ class MpsEnv:
         """One-shot faults for the next daemon start / command."""
         self.fault_file.write_text("".join(f"{f}\n" for f in faults))
 
-    async def client(self, pipe_dir: Path) -> tuple[asyncio.subprocess.Process, str]:
-        """A stand-in CUDA process using MPS through ``pipe_dir``; returns it and its greeting."""
+    async def client(
+        self, pipe_dir: Path, *, env: dict[str, str] | None = None
+    ) -> tuple[asyncio.subprocess.Process, str]:
+        """A stand-in CUDA process using MPS through ``pipe_dir`` (with ``env`` on top, e.g. a
+        container's injected variables); returns it and its greeting (``memory_limit`` reads the next
+        line)."""
         process = await asyncio.create_subprocess_exec(
             str(self.bin),
             "--mps-client",
-            env={**os.environ, "CUDA_MPS_PIPE_DIRECTORY": str(pipe_dir)},
+            env={**os.environ, **(env or {}), "CUDA_MPS_PIPE_DIRECTORY": str(pipe_dir)},
             stdout=asyncio.subprocess.PIPE,
         )
         assert process.stdout is not None
@@ -129,3 +133,11 @@ async def until(predicate: Callable[[], bool], *, timeout_s: float = 15.0) -> No
     while not predicate():
         assert loop.time() < deadline, "condition not reached in time"
         await asyncio.sleep(0.05)
+
+
+async def memory_limit(client: asyncio.subprocess.Process) -> str:
+    """The pinned-memory limit a connected stand-in client runs under (its second line)."""
+    assert client.stdout is not None
+    line = (await asyncio.wait_for(client.stdout.readline(), timeout=10)).decode().strip()
+    assert line.startswith("memory-limit "), line
+    return line.removeprefix("memory-limit ")

@@ -26,8 +26,12 @@ Fractioning Operator verified on driver 615 (docs/mps.md, "Sources", lists each 
   they outlive a crashed control daemon, which is what the supervisor's stray sweep is for.
 
 A stand-in CUDA client (``--mps-client``) connects to ``$CUDA_MPS_PIPE_DIRECTORY/control``, prints
-``connected <server> <namespace> <thread%>`` and waits; ``client terminate`` makes it exit with 3, a
-vanished daemon with 2.
+``connected <server> <namespace> <thread%>`` and ``memory-limit <MiB>M|none`` (the pinned-memory limit it
+runs under: the lower of its namespace's and its own ``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT``, which memacct
+accounts it against) and waits; ``client terminate`` makes it exit with 3, a vanished daemon with 2.
+A client of the main control socket goes to the first configured server's ``default`` namespace, or, with
+``[features.context-share] default_socket = "off"``, to a ``default`` server of its own started on demand
+(not context-shared), as the time-slicing clients of NVIDIA's operator do.
 
 Injectable faults — persistent from ``--fault`` flags or ``$GPUFRAC_STANDIN_FAULTS`` (comma-separated),
 one-shot from the lines of ``$GPUFRAC_STANDIN_FAULT_FILE`` (a line is removed when its fault fires, and the
@@ -58,6 +62,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 SERVER_MARKER = "gpufrac-standin-mps-server"
+#: The server a client of the main control socket gets when no configured server takes it.
+DEFAULT_SERVER = "default"
 PID_FILE = "nvidia-cuda-mps-control.pid"
 _SERVER_KEYS = {
     "allowed_devices",
@@ -165,6 +171,9 @@ class StandInDaemon:
         self.clients: dict[int, Client] = {}
         self.default_thread_percentage = "100"
         self.default_pinned: dict[str, str] = {}
+        #: ``[features.context-share] default_socket``: "off" routes ``<pipe>/control`` clients to a server
+        #: of their own (``default``, no context sharing) instead of the first configured server.
+        self.default_socket_shared = True
         self.done = asyncio.Event()
         self._control: asyncio.Server | None = None
         self._log = None
@@ -250,6 +259,13 @@ class StandInDaemon:
         data = tomllib.loads(self.config.read_text())
         if data.get("schema_version") != "1.0":
             raise SystemExit(f"unsupported schema_version {data.get('schema_version')!r}")
+        share = data.get("features", {}).get("context-share", {})
+        if share.get("default_socket", "on") not in ("on", "off"):
+            raise SystemExit(
+                f"configuration error: features.context-share.default_socket {share['default_socket']!r} "
+                "is not on|off"
+            )
+        self.default_socket_shared = share.get("default_socket", "on") == "on"
         out: dict[str, tuple[dict[str, str], dict[str, dict[str, str]]]] = {}
         for name, body in data.get("servers", {}).items():
             namespaces = body.pop("namespaces", {})
@@ -308,7 +324,7 @@ class StandInDaemon:
         async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             line = (await reader.readline()).decode().strip()
             if line.startswith("CLIENT "):
-                await self._serve_client(int(line.split()[1]), server, namespace, reader, writer)
+                await self._serve_client(line.split()[1:], server, namespace, reader, writer)
             else:
                 writer.close()
 
@@ -357,26 +373,34 @@ class StandInDaemon:
 
     async def _serve_client(
         self,
-        pid: int,
+        hello: list[str],
         server_name: str | None,
         namespace: str,
         reader: asyncio.StreamReader,
         writer: asyncio.StreamWriter,
     ) -> None:
+        pid = int(hello[0])
+        client_pinned = hello[1] if len(hello) > 1 else ""
         if server_name is None:  # the main control socket: classic, or v3 auto-routing to the first server
-            if not self.servers:
-                await self._start_server(name="default", settings={}, namespaces={})
-            server_name = next(iter(self.servers))
+            if self.protocol == 3 and not self.default_socket_shared:
+                if DEFAULT_SERVER not in self.servers:  # default socket off context sharing: its own server
+                    await self._start_server(name=DEFAULT_SERVER, settings={}, namespaces={})
+                server_name = DEFAULT_SERVER
+            else:
+                if not self.servers:
+                    await self._start_server(name=DEFAULT_SERVER, settings={}, namespaces={})
+                server_name = next(iter(self.servers))
         server = self.servers.get(server_name)
         if server is None or (namespace not in server.namespaces and namespace != "default"):
             writer.close()
             return
         settings = server.namespaces[namespace].settings if namespace in server.namespaces else {}
         threads = settings.get("active_thread_percentage", self.default_thread_percentage)
+        memory = _effective_pinned(settings.get("pinned_memory_limit", ""), client_pinned)
         client = Client(pid=pid, server=server_name, namespace=namespace, writer=writer)
         self.clients[pid] = client
-        self.log(f"client {pid} -> {server_name}/{namespace}")
-        writer.write(f"OK {server_name} {namespace} {threads}\n".encode())
+        self.log(f"client {pid} -> {server_name}/{namespace} (memacct: pinned limit {memory})")
+        writer.write(f"OK {server_name} {namespace} {threads} {memory}\n".encode())
         await writer.drain()
         try:
             await reader.read()  # until the client goes away
@@ -390,7 +414,7 @@ class StandInDaemon:
     async def _on_control(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         line = (await reader.readline()).decode().strip()
         if line.startswith("CLIENT "):
-            await self._serve_client(int(line.split()[1]), None, "default", reader, writer)
+            await self._serve_client(line.split()[1:], None, "default", reader, writer)
             return
         protocol, _, text = line.removeprefix("CMD ").partition(" ")
         command = text.split()
@@ -634,6 +658,27 @@ def _setting(key: str, value: str) -> str:
     return value
 
 
+def _mib(value: str) -> int | None:
+    match = re.fullmatch(r"(\d+)([KMG]?)", value)
+    if match is None:
+        return None
+    number, unit = int(match[1]), match[2]
+    return {"K": number // 1024, "": number // (1024 * 1024), "M": number, "G": number * 1024}[unit]
+
+
+def _effective_pinned(namespace_limit: str, client_variable: str) -> str:
+    """The pinned-memory limit a client runs under, as ``<MiB>M`` or ``none``: the lower of its
+    namespace's and its own ``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT`` for device 0 (a client can only lower
+    what the server set)."""
+    limits = [_mib(namespace_limit)] if namespace_limit else []
+    for entry in client_variable.split(","):
+        ordinal, _, value = entry.partition("=")
+        if ordinal == "0":
+            limits.append(_mib(value))
+    known = [limit for limit in limits if limit is not None]
+    return f"{min(known)}M" if known else "none"
+
+
 def _cut(pid: str) -> str:
     return pid if len(pid) <= _PID_COLUMN else pid[:3] + "..."
 
@@ -677,13 +722,15 @@ async def _client_main() -> int:
     except OSError as error:
         print(f"no MPS control socket: {error}", file=sys.stderr)
         return 1
-    writer.write(f"CLIENT {os.getpid()}\n".encode())
+    pinned = os.environ.get("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "").replace(" ", "")
+    writer.write(f"CLIENT {os.getpid()} {pinned}\n".encode())
     await writer.drain()
     hello = (await reader.readline()).decode().split()
     if not hello or hello[0] != "OK":
         print("rejected by the MPS daemon", file=sys.stderr)
         return 1
-    print(f"connected {' '.join(hello[1:])}", flush=True)
+    print(f"connected {' '.join(hello[1:4])}", flush=True)
+    print(f"memory-limit {hello[4] if len(hello) > 4 else 'none'}", flush=True)
     message = (await reader.readline()).decode().strip()
     return 3 if message == "TERMINATE" else 2
 

@@ -61,6 +61,13 @@ class MpsSettings(BaseModel):
     recycle_when_idle: bool = Field(
         True, description="restart MPS when a drain leaves no client attached (clears a latent fault)"
     )
+    time_slicing_clients: bool = Field(
+        False,
+        description="make time-slicing containers MPS clients of the default server (v3), each through a "
+        "directory holding only a link to the default socket: memory accounting and the pinned-memory "
+        "variable as a second guard where the toolkit's memory-limit hook is missing; opt-in because it "
+        "exposes the control socket to those containers (docs/mps.md)",
+    )
     quit_timeout_s: float = Field(5.0, gt=0)
     kill_timeout_s: float = Field(5.0, gt=0)
     backoff: BackoffSettings = BackoffSettings()

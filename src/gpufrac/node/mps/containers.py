@@ -26,8 +26,12 @@ Per mode:
 - classic, sm-sharing: the mount is re-pointed at the node's pipe directory; the ceiling and the memory
   limit are the plan's ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` and ``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT``
   (client-side limits: the only ones classic MPS has).
-- time-slicing (and exclusive), either mode: no change — the private leaf holds no control socket, so
-  such containers are not MPS clients.
+- time-slicing, v3 with ``time_slicing_clients``: the mount is re-pointed at the container's own
+  directory holding only a hard link to the daemon's default socket (``default_socket``), so its
+  processes are MPS clients of the default server (memory accounting, the plan's pinned-memory variable)
+  and reach no sm-sharing namespace; they are drained at StopContainer as sm-sharing clients are.
+- time-slicing otherwise, and exclusive: no change — the private leaf holds no control socket, so such
+  containers are not MPS clients.
 """
 
 from __future__ import annotations
@@ -108,6 +112,12 @@ def uses_mps(plan: InjectionPlan) -> bool:
     return plan.bound.mode is ComputeMode.SM_SHARING and not plan.bound.exclusive
 
 
+def time_slicing_fraction(plan: InjectionPlan) -> bool:
+    """Whether a container with this plan is a time-slicing fraction (a default-socket client when
+    ``time_slicing_clients`` is on)."""
+    return plan.bound.mode is ComputeMode.TIME_SLICING and not plan.bound.exclusive
+
+
 class MpsContainerHooks:
     """The ``ContainerHooks`` of a node running MPS."""
 
@@ -117,6 +127,7 @@ class MpsContainerHooks:
         self._supervisor = supervisor
         self._proc_root = proc_root
         self._sm: set[str] = set()
+        self._ts: set[str] = set()  # time-slicing containers on the default socket
         self._reconciling: asyncio.Task[None] | None = None
         self._drains: dict[str, asyncio.Task[DrainResult]] = {}
         self.last_drain: DrainResult | None = None
@@ -129,9 +140,14 @@ class MpsContainerHooks:
         that went away meanwhile are deleted. Before the daemon is READY this only records them (the
         reconcile at READY does the rest); after, the reconcile runs in the background so Synchronize is
         answered at once."""
+        containers = list(containers)
         live = [(cid, plan) for cid, plan in containers if uses_mps(plan)]
         self._sm = {cid for cid, _ in live}
         supervisor = self._supervisor
+        links = supervisor.default_links
+        if links is not None:
+            self._ts = {cid for cid, plan in containers if time_slicing_fraction(plan)}
+            links.set_live(self._ts)
         if supervisor.mode is not MpsMode.V3:
             return
         supervisor.set_namespaces([self._spec(plan, container_id=cid) for cid, plan in live])
@@ -147,9 +163,19 @@ class MpsContainerHooks:
         )
 
     async def on_create(self, plan: InjectionPlan, *, container_id: str) -> MpsAdjustment:
+        supervisor = self._supervisor
+        links = supervisor.default_links
+        if links is not None and time_slicing_fraction(plan):
+            # Linked now if the daemon serves, else at its READY: the container never waits for MPS (its
+            # first guard is the cgroup limit; a CUDA process finding no socket runs without MPS).
+            try:
+                directory = links.add(container_id)
+            except (OSError, ValueError) as error:  # PipeDirTooLong is a ValueError
+                raise MpsUnavailable(f"default MPS socket for container {container_id}: {error}") from error
+            self._ts.add(container_id)
+            return MpsAdjustment(pipe_source=str(directory))
         if not uses_mps(plan):
             return MpsAdjustment()
-        supervisor = self._supervisor
         if supervisor.mode is MpsMode.V3:
             spec = self._spec(plan, container_id=container_id)
             pipe_directory = await supervisor.ensure_namespace(spec)
@@ -163,7 +189,7 @@ class MpsContainerHooks:
 
     async def on_stop(self, *, container_id: str) -> None:
         """Starts (or joins) the container's drain and waits for it ``drain_timeout_s`` at most."""
-        if container_id not in self._sm:
+        if container_id not in self._sm and container_id not in self._ts:
             return
         task = self._drains.get(container_id)
         if task is None:
@@ -209,6 +235,11 @@ class MpsContainerHooks:
         self.last_drain = task.result()
 
     async def on_remove(self, *, container_id: str) -> None:
+        if container_id in self._ts:
+            self._ts.discard(container_id)
+            if self._supervisor.default_links is not None:
+                self._supervisor.default_links.remove(container_id)
+            return
         if container_id not in self._sm:
             return
         self._sm.discard(container_id)

@@ -17,7 +17,8 @@ State machine (``state``)::
   started again at once (a Normal ``MpsDaemonRecycled`` Event, no backoff): restarting an idle MPS costs
   nobody anything, and it is the one way to be sure a fault left by a client killed mid-kernel does not
   hang the next one.
-- After every start, namespaces are reconciled (v3): each live container's namespace is created again
+- After every start, the time-slicing containers' links to the default socket are made again (v3 with
+  ``time_slicing_clients``: ``default_socket``), and namespaces are reconciled (v3): each live container's namespace is created again
   (the daemon keeps nothing across restarts) with its settings, its pipe directory read back; namespaces
   with gpufrac's prefix that no live container owns are deleted (``names.is_managed``).
 - The namespace directory ``<pipe>/<server>/<namespace>`` is created by the supervisor before
@@ -46,6 +47,7 @@ from gpufrac.node.mps.backoff import Backoff
 from gpufrac.node.mps.config import MpsSettings
 from gpufrac.node.mps.control import MpsClient, MpsCommandError, MpsCommandTimeout, MpsControl
 from gpufrac.node.mps.daemon import DaemonStartError, MpsDaemon
+from gpufrac.node.mps.default_socket import DefaultSocketLinks
 from gpufrac.node.mps.events import (
     REASON_RECYCLED,
     REASON_RESTARTED,
@@ -137,6 +139,12 @@ class MpsSupervisor:
         self._applied: dict[str, NamespaceSpec] = {}  # settings the running daemon has for each
         self._pipe_dirs: dict[str, Path] = {}  # each namespace's pipe directory, as the daemon reported it
         self._ns_lock = asyncio.Lock()
+        #: Time-slicing containers' links to the default socket (``settings.time_slicing_clients``, v3).
+        self.default_links = (
+            DefaultSocketLinks(pipe_dir=settings.pipe_dir)
+            if settings.time_slicing_clients and self.mode is MpsMode.V3
+            else None
+        )
 
     # --- what the rest of the agent reads --------------------------------------------------------------
 
@@ -215,6 +223,8 @@ class MpsSupervisor:
             try:
                 await daemon.start()
                 await self.reconcile()
+                if self.default_links is not None:  # the daemon made a new default socket
+                    self.default_links.refresh()
             except (DaemonStartError, MpsCommandError) as error:
                 await daemon.kill()
                 self._restart_later(reason=REASON_START_FAILED, cause=f"did not start: {error}")

@@ -6,6 +6,8 @@ server's ``default`` namespace capped, so a process that reaches the server with
 container's namespace socket gets a sliver of the GPU instead of all of it. Container namespaces are
 NOT in the file: they are created and deleted at run time with ``namespace create/delete`` and
 re-created by the supervisor after every restart (the daemon does not persist run-time changes).
+With ``time_slicing_clients`` the default socket is taken out of context sharing, as NVIDIA's operator
+does, so time-slicing containers on it are MPS clients (memacct) without sharing a context.
 """
 
 from __future__ import annotations
@@ -34,7 +36,9 @@ def render_v3_config(*, settings: MpsSettings) -> str:
         "",
         "[features.context-share]",
         "enabled = true",
-        'default_socket = "on"',
+        # Off when time-slicing containers are clients of the default socket: each then gets a server
+        # that shares no context with anyone's (gpufrac.node.mps.default_socket).
+        f'default_socket = "{"off" if settings.time_slicing_clients else "on"}"',
         "",
     ]
     return "\n".join(lines)
