@@ -95,8 +95,13 @@ NODE_REASON_NO_GPUS = "NoUsableGpus"
 NODE_REASON_NRI_NOT_CONNECTED = "NriPluginNotConnected"
 NODE_REASON_NO_ENFORCEABLE_MODE = "NoEnforceableComputeMode"
 NODE_REASON_AGENT_STOPPED = "NodeAgentStopped"
+# GPU stack gates (gpufrac.node.gpustack): the stack below gpufrac would not enforce the injected limits.
+NODE_REASON_OPERAND_UNSUPPORTED = "GPUOperandVersionUnsupported"
+NODE_REASON_DRIVER_UNSUPPORTED = "GPUDriverVersionUnsupported"
 NODE_AGENT_REASONS = frozenset(
     {
+        NODE_REASON_OPERAND_UNSUPPORTED,
+        NODE_REASON_DRIVER_UNSUPPORTED,
         NODE_REASON_READY,
         NODE_REASON_INVENTORY_UNAVAILABLE,
         NODE_REASON_NO_GPUS,
@@ -111,6 +116,8 @@ NODE_REASON_CONFLICTING_STACK = "ConflictingNodeStack"
 #: Set by the node agent, to what it found, while another GPU-fractioning node stack writes
 #: NODE_READY_CONDITION on the node; absent otherwise. The scheduler places nothing on such a node.
 NODE_STACK_CONFLICT_ANNOTATION = "gpufrac.io/node-stack-conflict"
+#: How many GPUs the node publishes; the node agent writes it, the operator sizes the agent's memory by it.
+GPU_COUNT_LABEL = "gpufrac.io/gpu-count"
 #: The NVIDIA driver's major version, under the name the GPU-fractioning operator (KAI) uses for it; the
 #: node agent writes it, the operator gates on it (``GpuFractioningConfig.spec.minDriverMajor``).
 DRIVER_MAJOR_LABEL = "gpu-fractioning.kai.scheduler/nvidia-driver-version.major"

@@ -37,6 +37,8 @@ from prometheus_client import CollectorRegistry
 from gpufrac.contract.quantities import MIB
 from gpufrac.kube.events import EventRecorder, ObjectRef
 from gpufrac.node.config import NodeAgentSettings
+from gpufrac.node.gpu_faults import GpuFaultNotifier
+from gpufrac.node.gpustack import SIMULATED_STACK, GpuStackGate
 from gpufrac.node.inject import EnvPlanner
 from gpufrac.node.inventory.backend import (
     GpuInfo,
@@ -125,6 +127,7 @@ class NodeAgent:
                     pipe_dir=settings.mps_pipe_dir,
                     log_dir=settings.mps_log_dir,
                     state_dir=settings.state_dir / "mps",
+                    time_slicing_clients=settings.mps_time_slicing_clients,
                 ),
                 read_driver=lambda: self.backend.read().driver_version,
                 on_change=lambda: self.publisher.poke() if self.publisher is not None else None,
@@ -170,6 +173,19 @@ class NodeAgent:
                 heartbeat_s=settings.heartbeat_s,
                 taint=settings.taint,
                 events=self.recorder if self.recorder is not None else _LoggedEvents(),
+                stack_gate=GpuStackGate(
+                    client=client,
+                    node_name=settings.node_name,
+                    settings=settings.gpu_stack,
+                    fallback=SIMULATED_STACK if settings.backend == "simulated" else None,
+                ),
+                memory_reserve=settings.memory_reserve,
+                mps_reserve=settings.mps,
+                on_inventory=GpuFaultNotifier(
+                    node_name=settings.node_name,
+                    store=self.store,
+                    recorder=self.recorder if self.recorder is not None else _LoggedEvents(),
+                ).observe,
             )
         self.probes = ProbeServer(
             host=settings.health_host,

@@ -50,6 +50,22 @@ def node_agent(
     mps_control_bin: str | None = typer.Option(
         None, "--mps-control-bin", help="The MPS control binary (default: nvidia-cuda-mps-control)."
     ),
+    mps_time_slicing_clients: bool | None = typer.Option(
+        None,
+        "--mps-time-slicing-clients/--no-mps-time-slicing-clients",
+        help="Time-slicing containers as MPS clients of the default server (docs/mps.md). Default: off.",
+    ),
+    gpu_toolkit_version: str | None = typer.Option(
+        None, "--gpu-toolkit-version", help="The NVIDIA container toolkit's version, where no GPU Operator says it."
+    ),
+    gpu_device_plugin_version: str | None = typer.Option(
+        None, "--gpu-device-plugin-version", help="The NVIDIA device plugin's version, where no GPU Operator says it."
+    ),
+    allow_unsupported_gpu_stack: bool | None = typer.Option(
+        None,
+        "--allow-unsupported-gpu-stack/--gate-gpu-stack",
+        help="Escape hatch: Ready although the GPU stack gate fails (the Node says so). Default: gate.",
+    ),
     state_dir: Path | None = typer.Option(
         None, "--state-dir", help="Mapping store and MPS leaf directories."
     ),
@@ -113,6 +129,12 @@ def node_agent(
             mps_running=mps_running,
             mps=mps,
             mps_control_bin=mps_control_bin,
+            mps_time_slicing_clients=mps_time_slicing_clients,
+            gpu_stack={
+                "toolkit_version": gpu_toolkit_version,
+                "device_plugin_version": gpu_device_plugin_version,
+                "allow_unsupported": allow_unsupported_gpu_stack,
+            },
             state_dir=state_dir,
             fail_open=fail_open,
             health_port=health_port,

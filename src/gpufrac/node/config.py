@@ -21,7 +21,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from gpufrac.contract import keys
 from gpufrac.contract.keys import CDI_GPU_KIND
+from gpufrac.node.gpustack import GpuStackSettings
 from gpufrac.node.inject import CDI_KIND_PATTERN, CONTAINER_PIPE_DIR
+from gpufrac.node.inventory.reserve import MemoryReserveSettings
 from gpufrac.node.nri.handler import ForeignGpuPolicy
 from gpufrac.node.nri.plugin import DEFAULT_SOCKET
 from gpufrac.node.reporting import UsageSettings
@@ -59,6 +61,12 @@ class NodeAgentSettings(BaseModel):
         description="mount classic MPS's shared pipe directory read-write into sm-sharing containers "
         "(default read-only: docs/node-agent.md)",
     )
+    mps_time_slicing_clients: bool = Field(
+        False,
+        description="time-slicing containers become MPS clients of the default server (memory accounting "
+        "and the pinned-memory variable as a second guard where the toolkit's memory-limit hook is "
+        "missing); opt-in: it exposes the MPS control socket to them (docs/mps.md)",
+    )
     state_dir: Path = Path("/run/gpufrac/node-agent")
     mps_pipe_root: Path | None = Field(
         None, description="host leaf directories (default <state_dir>/mps-pipes)"
@@ -80,6 +88,16 @@ class NodeAgentSettings(BaseModel):
         description="the CDI kind (vendor/class) requested for each GPU a container is given by UUID or "
         "index, as <cdi_kind>=<device>; the NVIDIA toolkit's spec (named by UUID) must exist on the "
         "node. Empty: no such request, for nodes without CDI specs (docs/node-agent.md)",
+    )
+    gpu_stack: GpuStackSettings = Field(
+        default_factory=GpuStackSettings,
+        description="the GPU stack gate: where the toolkit and device plugin versions come from, and the "
+        "escape hatch (gpufrac.node.gpustack, docs/node-agent.md)",
+    )
+    memory_reserve: MemoryReserveSettings = Field(
+        default_factory=MemoryReserveSettings,
+        description="GPU memory held back from scheduling per GPU: the driver's reserve where it does not "
+        "report it, and the MPS server's with --mps (gpufrac.node.inventory.reserve)",
     )
     health_host: str = "0.0.0.0"
     health_port: int = Field(8082, ge=0, le=65535)

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 from gpufrac.contract import keys as _contract
 
-# Re-exported: the contract owns these names (the operator reads the driver major and the scheduler the
-# GPU model; neither may import the node agent).
+# Re-exported: the contract owns these names (the operator reads the driver major and the GPU count, the
+# scheduler the GPU model; neither may import the node agent). The GPU count is of the GPUs the node
+# publishes (MIG-enabled or otherwise unusable GPUs are not counted).
 from gpufrac.contract.keys import DRIVER_MAJOR_LABEL as DRIVER_MAJOR_LABEL
+from gpufrac.contract.keys import GPU_COUNT_LABEL as GPU_COUNT_LABEL
 from gpufrac.contract.keys import GPU_MODEL_LABEL as GPU_MODEL_LABEL
-
-#: How many GPUs the node publishes (MIG-enabled or otherwise unusable GPUs are not counted).
-GPU_COUNT_LABEL = "gpufrac.io/gpu-count"
 #: The CUDA version the driver supports (``13.4``), for selectors; informational.
 CUDA_DRIVER_LABEL = "gpufrac.io/cuda-driver"
 

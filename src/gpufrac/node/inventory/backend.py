@@ -3,7 +3,15 @@
 A backend answers one question, "what GPUs does this node have right now, and what driver drives
 them", with plain frozen values; the publisher decides what is usable and writes it on the Node. A GPU
 is usable for fractioning when MIG is off (a MIG-enabled GPU is split by its own partitions, which
-gpufrac does not schedule) and its NVML compute mode allows contexts at all (``prohibited`` does not).
+gpufrac does not schedule), its NVML compute mode allows contexts at all (``prohibited`` does not), and it
+is healthy: not fallen off the bus (``lost``: NVML answers GPU_IS_LOST for it) and without a fatal XID
+error since its last reset (``xid``; the XIDs that are the application's fault, not the GPU's, are not
+recorded: ``APPLICATION_XIDS``).
+
+``reserved_mib`` is the framebuffer the driver keeps for itself (NVML's memory info v2: ``reserved``;
+None when the driver does not say), which no container can allocate: KAI Scheduler #2212 packed requests
+up to the total and pods within their request were killed. The publisher subtracts it
+(``gpufrac.node.inventory.reserve``).
 """
 
 from __future__ import annotations
@@ -31,10 +39,24 @@ class GpuInfo:
     mib: int
     compute_mode: NvmlComputeMode = NvmlComputeMode.DEFAULT
     mig: bool = False
+    reserved_mib: int | None = None
+    lost: bool = False
+    xid: int | None = None
+
+    @property
+    def fault(self) -> str | None:
+        """The hardware fault this GPU has (it returns once healthy); None when it has none."""
+        if self.lost:
+            return "it fell off the bus (NVML: GPU is lost)"
+        if self.xid is not None:
+            return f"XID {self.xid} (a fatal GPU error; it needs a GPU reset)"
+        return None
 
     @property
     def withdrawn_because(self) -> str | None:
         """Why this GPU is not offered for fractioning; None when it is usable."""
+        if self.fault is not None:
+            return self.fault
         if self.mig:
             return "MIG is enabled"
         if self.compute_mode is NvmlComputeMode.PROHIBITED:
@@ -55,6 +77,13 @@ class NodeInventory:
     @property
     def withdrawn(self) -> tuple[tuple[GpuInfo, str], ...]:
         return tuple((g, why) for g in self.gpus if (why := g.withdrawn_because) is not None)
+
+
+#: XIDs caused by the application, not the GPU (the NVIDIA device plugin's health check skips the same):
+#: 13 graphics engine exception, 31 GPU memory page fault, 43 GPU stopped processing, 45 preemptive
+#: cleanup, 68 video processor exception, 109 context switch timeout. Any other critical XID withdraws the
+#: GPU until it is reset.
+APPLICATION_XIDS = frozenset({13, 31, 43, 45, 68, 109})
 
 
 class InventoryUnavailable(Exception):

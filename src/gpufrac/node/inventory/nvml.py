@@ -3,21 +3,39 @@
 Written against NVML's documented API and only imported by the test suite. Per read: the driver version
 (``nvmlSystemGetDriverVersion``), the CUDA version the driver supports (``nvmlSystemGetCudaDriverVersion``,
 an int such as 12040 = 12.4), and per device: UUID, index, minor number (the /dev/nvidiaN node), name,
-total framebuffer memory (``nvmlDeviceGetMemoryInfo().total``, bytes, floored to MiB), compute mode and
-MIG mode. ``nvmlDeviceGetMigMode`` raises NOT_SUPPORTED on GPUs without MIG: that is MIG off. A GPU that
+total framebuffer memory and what the driver reserves of it (``nvmlDeviceGetMemoryInfo`` with
+``nvmlMemory_v2``: ``total`` floored and ``reserved`` rounded up to MiB; the v1 call and no reserve where
+the driver lacks v2), compute mode and MIG mode. ``nvmlDeviceGetMigMode`` raises NOT_SUPPORTED on GPUs without MIG: that is MIG off. A GPU that
 fails while being read (fell off the bus: GPU_IS_LOST) is left out of the inventory, so the publisher
 withdraws it; a failing NVML as a whole raises ``InventoryUnavailable``.
 
 NVML is initialised once and kept; a failed read re-initialises on the next call, so a driver reload
 (nvidia-smi -r, a driver upgrade) is picked up without restarting the agent.
+
+Faults. A device that answers GPU_IS_LOST (fell off the bus) is reported as the GPU it was at the last
+read with ``lost=True``, so the publisher names it and why; one that cannot be read at all and was never
+seen is left out. Critical XID errors arrive through an NVML event set (``nvmlDeviceRegisterEvents`` with
+``nvmlEventTypeXidCriticalError``), drained without waiting at every read; an XID that is not the
+application's (``APPLICATION_XIDS``) marks its GPU ``xid=<n>`` until NVML is initialised again — after a
+GPU reset or a driver reload, which is when such a GPU is healthy again.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from typing import Any
 
 from gpufrac.contract.quantities import MIB
-from gpufrac.node.inventory.backend import GpuInfo, InventoryUnavailable, NodeInventory, NvmlComputeMode
+from gpufrac.node.inventory.backend import (
+    APPLICATION_XIDS,
+    GpuInfo,
+    InventoryUnavailable,
+    NodeInventory,
+    NvmlComputeMode,
+)
+
+log = logging.getLogger(__name__)
 
 
 class NvmlInventory:
@@ -28,15 +46,53 @@ class NvmlInventory:
             raise InventoryUnavailable(f"nvidia-ml-py is not installed: {exc}") from exc
         self._nvml: Any = pynvml
         self._initialised = False
+        self._events: Any = None  # the XID event set
+        self._xids: dict[str, int] = {}  # uuid -> the fatal XID it reported since NVML was initialised
+        self._seen: dict[int, GpuInfo] = {}  # index -> the GPU as last read (to name a lost one)
 
     def _init(self) -> None:
         if not self._initialised:
             self._nvml.nvmlInit()
             self._initialised = True
+            self._xids.clear()  # a new NVML session: after a reset or a driver reload
+            self._events = self._register_xids()
+
+    def _register_xids(self) -> Any:
+        nvml = self._nvml
+        try:
+            events = nvml.nvmlEventSetCreate()
+        except nvml.NVMLError as exc:
+            log.warning("NVML: no event set, XID errors will not withdraw GPUs: %s", exc)
+            return None
+        for index in range(int(nvml.nvmlDeviceGetCount())):
+            try:
+                handle = nvml.nvmlDeviceGetHandleByIndex(index)
+                nvml.nvmlDeviceRegisterEvents(handle, nvml.nvmlEventTypeXidCriticalError, events)
+            except nvml.NVMLError as exc:  # NOT_SUPPORTED on some GPUs: their XIDs go unseen
+                log.warning("NVML: XID events of GPU %d not available: %s", index, exc)
+        return events
+
+    def _drain_xids(self) -> None:
+        nvml = self._nvml
+        while self._events is not None:
+            try:
+                data = nvml.nvmlEventSetWait_v2(self._events, 0)
+            except nvml.NVMLError_Timeout:
+                return
+            if data.eventType != nvml.nvmlEventTypeXidCriticalError:
+                continue
+            xid = int(data.eventData)
+            uuid = _text(nvml.nvmlDeviceGetUUID(data.device))
+            if xid not in APPLICATION_XIDS:
+                log.warning("NVML: GPU %s reported XID %d; withdrawn until it is reset", uuid, xid)
+                self._xids[uuid] = xid
 
     def close(self) -> None:
         if self._initialised:
             self._initialised = False
+            if self._events is not None:
+                self._nvml.nvmlEventSetFree(self._events)
+                self._events = None
             self._nvml.nvmlShutdown()
 
     def read(self) -> NodeInventory:
@@ -46,15 +102,23 @@ class NvmlInventory:
             driver = _text(nvml.nvmlSystemGetDriverVersion())
             cuda = _cuda_version(int(nvml.nvmlSystemGetCudaDriverVersion()))
             count = int(nvml.nvmlDeviceGetCount())
+            self._drain_xids()
         except nvml.NVMLError as exc:
             self._initialised = False  # re-initialise next time (driver reloaded, library appeared)
             raise InventoryUnavailable(f"NVML: {exc}") from exc
         gpus = []
         for index in range(count):
             try:
-                gpus.append(self._device(index))
+                gpu = self._device(index)
+            except nvml.NVMLError_GpuIsLost:
+                if index in self._seen:  # named as it was, so the Node and its pods are told which
+                    gpus.append(dataclasses.replace(self._seen[index], lost=True))
+                continue
             except nvml.NVMLError:
-                continue  # lost or unreadable: not offered (the publisher withdraws what is missing)
+                continue  # unreadable: not offered (the publisher withdraws what is missing)
+            gpu = dataclasses.replace(gpu, xid=self._xids.get(gpu.uuid))
+            self._seen[index] = gpu
+            gpus.append(gpu)
         return NodeInventory(driver_version=driver, cuda_driver_version=cuda, gpus=tuple(gpus))
 
     def _device(self, index: int) -> GpuInfo:
@@ -65,12 +129,18 @@ class NvmlInventory:
             mig = current == nvml.NVML_DEVICE_MIG_ENABLE
         except nvml.NVMLError_NotSupported:
             mig = False
+        try:  # memory info v2 (driver r510+) says what the driver reserves for itself
+            memory = nvml.nvmlDeviceGetMemoryInfo(handle, version=nvml.nvmlMemory_v2)
+            total, reserved = int(memory.total), -(-int(memory.reserved) // MIB)
+        except (nvml.NVMLError, AttributeError):
+            total, reserved = int(nvml.nvmlDeviceGetMemoryInfo(handle).total), None
         return GpuInfo(
             uuid=_text(nvml.nvmlDeviceGetUUID(handle)),
             index=int(nvml.nvmlDeviceGetIndex(handle)),
             minor=int(nvml.nvmlDeviceGetMinorNumber(handle)),
             model=_text(nvml.nvmlDeviceGetName(handle)),
-            mib=int(nvml.nvmlDeviceGetMemoryInfo(handle).total) // MIB,
+            mib=total // MIB,
+            reserved_mib=reserved,
             compute_mode=_COMPUTE_MODES.get(
                 int(nvml.nvmlDeviceGetComputeMode(handle)), NvmlComputeMode.DEFAULT
             ),

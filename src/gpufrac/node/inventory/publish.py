@@ -2,17 +2,22 @@
 
 What the scheduler (and an operator) reads from the Node:
 
-- annotation ``gpufrac.io/gpus``: the usable GPUs, ``[{"uuid", "index", "model", "mib"}]``. A GPU that
-  disappears, has MIG enabled or is prohibited from running contexts is left out -- withdrawn -- so no
-  new fraction lands on it (containers already there keep running).
+- annotation ``gpufrac.io/gpus``: the usable GPUs, ``[{"uuid", "index", "model", "mib", "total_mib",
+  "reserved_mib"}]``, ``mib`` being the memory the scheduler may pack (the total less the driver's and
+  the MPS server's reserve: ``gpufrac.node.inventory.reserve``). A GPU that disappears, falls off the bus,
+  reports a fatal XID, has MIG enabled or is prohibited from running contexts is left out -- withdrawn --
+  so no new fraction lands on it (containers already there keep running; their pods get an Event, see
+  ``gpufrac.node.gpu_faults``).
 - labels: ``gpufrac.io/managed=true``, the driver major
   (``gpu-fractioning.kai.scheduler/nvidia-driver-version.major``), the compute modes the node can enforce
   memory for (``gpufrac.io/compute-mode.time-slicing|sm-sharing``, ``gpufrac.io/mps``: an input, see
   below), and for selectors the GPU model (when all are one model), count and CUDA version.
 - the taint ``gpufrac.io/managed=true:NoSchedule``, so that other schedulers keep off the node.
 - condition ``gpu-fractioning.nvidia.com/Ready`` (status subresource): True only when there are usable
-  GPUs, the inventory can be read, the NRI plugin is in the runtime's path and at least one compute mode
-  is enforceable; otherwise False with a reason and a message that say what is missing.
+  GPUs, the inventory can be read, the NRI plugin is in the runtime's path, the GPU stack passes its gate
+  (``gpufrac.node.gpustack``: driver, toolkit and device plugin versions; label
+  ``gpufrac.io/gpu-stack-gate``) and at least one compute mode is enforceable; otherwise False with a
+  reason and a message that say what is missing.
 
 The capability is an input (``capability``): it follows the driver (r615+: the cgroup GPU-memory limit
 makes time-slicing enforceable) and whether MPS is serving (sm-sharing), which the MPS supervisor knows.
@@ -56,7 +61,9 @@ from gpufrac.kube.events import WARNING, ObjectRef
 from gpufrac.kube.patch import merge_patch
 from gpufrac.node import labels as names
 from gpufrac.node.enforcement_audit import EventSink
+from gpufrac.node.gpustack import GATE_LABEL, GpuStackGate, StackVerdict
 from gpufrac.node.inventory.backend import GpuInventoryBackend, InventoryUnavailable, NodeInventory
+from gpufrac.node.inventory.reserve import MemoryReserveSettings, driver_reserve_mib, usable_mib
 from gpufrac.node.mps.mode import DriverVersion, NodeMpsCapability
 
 log = logging.getLogger(__name__)
@@ -87,10 +94,17 @@ def desired_state(
     capability: NodeMpsCapability | None = None,
     nri_connected: bool = True,
     missing: dict[str, int] | None = None,
+    stack: StackVerdict | None = None,
+    reserve: MemoryReserveSettings | None = None,
+    mps_reserve: bool = False,
 ) -> NodeState:
     """Pure: the Node's labels, inventory and readiness for what the backend and the agent report.
 
     ``missing`` maps the UUIDs of GPUs seen earlier but no longer reported to their last index.
+    ``stack``: the GPU stack gate's verdict (``gpufrac.node.gpustack``; None: not gated).
+    ``reserve``: memory held back per GPU (``gpufrac.node.inventory.reserve``; ``mps_reserve``: the node
+    runs MPS, so the MPS server's share too); each GPU's ``mib`` is then its usable memory, with
+    ``total_mib`` and ``reserved_mib`` beside it. None: ``mib`` is the total.
     """
     node_labels: dict[str, str | None] = {keys.MANAGED_LABEL: "true"}
     if inventory is None:
@@ -102,7 +116,21 @@ def desired_state(
             message=f"the GPUs cannot be read ({unavailable}); every GPU is withdrawn until they can",
         )
     usable = inventory.usable
-    gpus = tuple({"uuid": g.uuid, "index": g.index, "model": g.model, "mib": g.mib} for g in usable)
+    if reserve is None:
+        gpus = tuple({"uuid": g.uuid, "index": g.index, "model": g.model, "mib": g.mib} for g in usable)
+    else:
+        gpus = tuple(
+            {
+                "uuid": g.uuid,
+                "index": g.index,
+                "model": g.model,
+                "mib": usable_mib(g, settings=reserve, mps=mps_reserve),
+                "total_mib": g.mib,
+                "reserved_mib": driver_reserve_mib(g, settings=reserve)
+                + (reserve.mps_server_mib if mps_reserve else 0),
+            }
+            for g in usable
+        )
     models = {g.model for g in usable}
     node_labels.update(
         {
@@ -119,6 +147,8 @@ def desired_state(
         node_labels[names.DRIVER_MAJOR_LABEL] = str(driver.major)
     if capability is not None:
         node_labels.update(capability.labels())
+    if stack is not None:
+        node_labels[GATE_LABEL] = stack.label
     notes = [f"GPU {g.index} ({g.uuid}) withdrawn: {why}" for g, why in inventory.withdrawn]
     notes += [
         f"GPU {index} ({uuid}) withdrawn: it is gone" for uuid, index in sorted((missing or {}).items())
@@ -138,6 +168,9 @@ def desired_state(
             "the NRI plugin is not connected to the container runtime, so GPU containers would start "
             "without their limits; check that NRI is enabled in the runtime and its socket is mounted",
         )
+    if stack is not None and stack.blocks:
+        assert stack.reason is not None
+        return state(False, stack.reason, stack.message)
     modes = sorted(m.value for m in capability.enforceable) if capability is not None else []
     if capability is not None and not modes:
         return state(
@@ -151,7 +184,8 @@ def desired_state(
         True,
         names.REASON_READY,
         f"{len(usable)} GPU(s) ({model_text}) on driver {inventory.driver_version}; enforceable: "
-        + (", ".join(modes) if modes else "as configured"),
+        + (", ".join(modes) if modes else "as configured")
+        + (f"; {stack.message}" if stack is not None and stack.overridden else ""),
     )
 
 
@@ -174,7 +208,18 @@ class InventoryPublisher:
         heartbeat_s: float = 60.0,
         taint: bool = True,
         events: EventSink | None = None,
+        stack_gate: GpuStackGate | None = None,
+        memory_reserve: MemoryReserveSettings | None = None,
+        mps_reserve: bool = False,
+        on_inventory: Callable[[NodeInventory], None] | None = None,
     ) -> None:
+        """``stack_gate``: the GPU stack gate (``gpufrac.node.gpustack``) readiness is withheld by.
+        ``memory_reserve`` / ``mps_reserve``: publish usable memory (``desired_state``).
+        ``on_inventory``: called with every successful read (``gpufrac.node.gpu_faults``)."""
+        self._on_inventory = on_inventory
+        self._stack_gate = stack_gate
+        self._memory_reserve = memory_reserve
+        self._mps_reserve = mps_reserve
         self._client = client
         self._node = node_name
         self._backend = backend
@@ -206,17 +251,27 @@ class InventoryPublisher:
         except InventoryUnavailable as exc:
             return desired_state(inventory=None, unavailable=str(exc))
         self.inventory = inventory
+        if self._on_inventory is not None:
+            self._on_inventory(inventory)
         self._seen.update({g.uuid: g.index for g in inventory.gpus})
         present = {g.uuid for g in inventory.gpus}
         missing = {uuid: index for uuid, index in self._seen.items() if uuid not in present}
         capability = None
-        if self._capability is not None:
-            try:
-                capability = self._capability(DriverVersion.parse(inventory.driver_version))
-            except ValueError:
-                capability = None
+        try:
+            driver: DriverVersion | None = DriverVersion.parse(inventory.driver_version)
+        except ValueError:
+            driver = None
+        if self._capability is not None and driver is not None:
+            capability = self._capability(driver)
+        stack = await self._stack_gate.verdict(driver=driver) if self._stack_gate is not None else None
         return desired_state(
-            inventory=inventory, capability=capability, nri_connected=self._nri_connected(), missing=missing
+            inventory=inventory,
+            capability=capability,
+            nri_connected=self._nri_connected(),
+            missing=missing,
+            stack=stack,
+            reserve=self._memory_reserve,
+            mps_reserve=self._mps_reserve,
         )
 
     async def publish_once(self, *, force: bool = False) -> NodeState:

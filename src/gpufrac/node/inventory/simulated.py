@@ -11,7 +11,14 @@ YAML::
     gpus:
       - {count: 4, model: H100-80GB}          # MiB from the model table below
       - {model: L4-24GB, mib: 23034, mig: true}
-      - {uuid: GPU-1234..., model: T4-16GB}   # an explicit UUID (count 1)
+      - {uuid: GPU-1234..., model: T4-16GB, reserved_mib: 450}   # an explicit UUID (count 1)
+      - {model: L4-24GB, xid: 79}             # a GPU with a fatal XID since its last reset
+      - {model: L4-24GB, lost: true}          # a GPU fallen off the bus
+
+``reserved_mib`` SIMULATES what the driver reports as reserved for itself (NVML memory info v2); the
+simulated driver reports 0 unless told, so a simulated GPU's usable memory is its total unless a test or
+file says otherwise. Faults are SIMULATED too: ``set_xid`` (a critical XID event, as NVML's event set
+delivers it), ``set_lost`` (GPU_IS_LOST), and ``reset_gpu`` (the GPU reset that clears an XID).
 
 Flag (``--sim-gpus``): ``COUNTxMODEL[:MIB]`` groups separated by commas, e.g. ``8xH100-80GB`` or
 ``2xA100-40GB,1xL4-24GB:23034``.
@@ -31,7 +38,13 @@ from typing import Any
 
 import yaml
 
-from gpufrac.node.inventory.backend import GpuInfo, InventoryUnavailable, NodeInventory, NvmlComputeMode
+from gpufrac.node.inventory.backend import (
+    APPLICATION_XIDS,
+    GpuInfo,
+    InventoryUnavailable,
+    NodeInventory,
+    NvmlComputeMode,
+)
 
 #: Framebuffer MiB as NVML reports it for common data-centre GPUs.
 MODEL_MIB: dict[str, int] = {
@@ -61,6 +74,9 @@ class SimGpu:
     uuid: str | None = None
     mig: bool = False
     compute_mode: NvmlComputeMode = NvmlComputeMode.DEFAULT
+    reserved_mib: int = 0
+    xid: int | None = None
+    lost: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,7 +126,12 @@ def parse_yaml(text: str) -> SimSpec:
             uuid=entry.get("uuid"),
             mig=bool(entry.get("mig", False)),
             compute_mode=NvmlComputeMode(entry.get("compute_mode", NvmlComputeMode.DEFAULT.value)),
+            reserved_mib=int(entry.get("reserved_mib", 0)),
+            xid=int(entry["xid"]) if entry.get("xid") is not None else None,
+            lost=bool(entry.get("lost", False)),
         )
+        if not 0 <= gpu.reserved_mib < gpu.mib:
+            raise ValueError(f"reserved_mib={gpu.reserved_mib} must be at least 0 and below the GPU's {gpu.mib} MiB")
         if gpu.uuid is not None and count != 1:
             raise ValueError(f"an explicit uuid ({gpu.uuid}) describes one GPU, not {count}")
         gpus += [gpu] * count
@@ -151,6 +172,9 @@ class SimulatedInventory:
                 mib=gpu.mib,
                 compute_mode=gpu.compute_mode,
                 mig=gpu.mig,
+                reserved_mib=gpu.reserved_mib,
+                xid=gpu.xid,
+                lost=gpu.lost,
             )
             for index, gpu in enumerate(spec.gpus)
         ]
@@ -195,6 +219,29 @@ class SimulatedInventory:
             self._gpus = [
                 replace(g, mig=enabled) if uuid_or_index in (g.uuid, g.index) else g for g in self._gpus
             ]
+
+    def _change(self, uuid_or_index: str | int, **fields: Any) -> None:
+        with self._lock:
+            self._gpus = [
+                replace(g, **fields) if uuid_or_index in (g.uuid, g.index) else g for g in self._gpus
+            ]
+
+    def set_xid(self, uuid_or_index: str | int, xid: int) -> None:
+        """A critical XID event on the GPU, as NVML's event set reports it (application XIDs are not
+        recorded, as the NVML backend does not record them)."""
+        if xid not in APPLICATION_XIDS:
+            self._change(uuid_or_index, xid=xid)
+
+    def set_lost(self, uuid_or_index: str | int, *, lost: bool = True) -> None:
+        """The GPU fell off the bus (NVML answers GPU_IS_LOST for it), or is back."""
+        self._change(uuid_or_index, lost=lost)
+
+    def reset_gpu(self, uuid_or_index: str | int) -> None:
+        """A GPU reset: its XID is cleared."""
+        self._change(uuid_or_index, xid=None)
+
+    def set_reserved(self, uuid_or_index: str | int, mib: int) -> None:
+        self._change(uuid_or_index, reserved_mib=mib)
 
     def set_driver(self, version: str) -> None:
         with self._lock:
