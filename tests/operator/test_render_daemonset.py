@@ -8,7 +8,7 @@ import pytest
 from lightkube.models.meta_v1 import ObjectMeta
 
 from gpufrac.contract.keys import MANAGED_TAINT_KEY
-from gpufrac.operator.render import daemonset_name, render_daemonset
+from gpufrac.operator.render import daemonset_name, render_daemonset, sized_gpu_count
 from gpufrac.operator.resource import GpuFractioningConfig, read_config
 
 
@@ -124,10 +124,18 @@ def test_node_selector_defaults_to_gpu_nodes_and_follows_the_spec() -> None:
     }
 
 
-def test_resources_are_passed_through_and_absent_when_not_asked() -> None:
-    assert "resources" not in container(render())
+def test_resources_are_passed_through_and_otherwise_sized_from_the_gpu_count() -> None:
     asked = {"requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"memory": "512Mi"}}
     assert container(render(resources=asked))["resources"] == asked
+    # Not asked: sized for 8 GPUs (one step) — 256 MiB of agent, 16 per GPU, and 50 per GPU's MPS server.
+    assert container(render())["resources"]["limits"] == {"memory": f"{256 + 8 * 16}Mi"}
+    with_mps = render_daemonset(read_config(config(mps={"enabled": True})), gpus_per_node=16)
+    assert container(with_mps)["resources"] == {
+        "requests": {"cpu": "100m", "memory": f"{256 + 16 * 66}Mi"},
+        "limits": {"memory": f"{256 + 16 * 66}Mi"},
+    }
+    # A 6-GPU node's agent with MPS gets more than the 256Mi that failed NVIDIA's daemon on > 5 GPUs.
+    assert sized_gpu_count([6, 2]) == 8 and sized_gpu_count([9]) == 16 and sized_gpu_count([]) == 8
 
 
 def test_the_config_owns_its_daemonset() -> None:
@@ -179,3 +187,19 @@ def test_the_toolkit_is_asked_for_nvml_and_with_mps_for_the_mps_binaries() -> No
 def test_runtime_class_only_when_asked() -> None:
     assert "runtimeClassName" not in render()["spec"]["template"]["spec"]
     assert render(runtimeClassName="nvidia")["spec"]["template"]["spec"]["runtimeClassName"] == "nvidia"
+
+
+def test_the_gpu_stack_gate_and_its_escape_hatch_reach_the_agent() -> None:
+    assert not any(a.startswith(("--gpu-", "--allow-unsupported")) for a in container(render())["args"])
+    args = container(
+        render(
+            gpuStack={"toolkitVersion": "1.20.1", "devicePluginVersion": "0.20.1", "allowUnsupported": True},
+            mps={"enabled": True, "timeSlicingClients": True},
+        )
+    )["args"]
+    assert {
+        "--gpu-toolkit-version=1.20.1",
+        "--gpu-device-plugin-version=0.20.1",
+        "--allow-unsupported-gpu-stack",
+        "--mps-time-slicing-clients",
+    } <= set(args)

@@ -46,9 +46,16 @@ from gpufrac.kube.informer import Informer, object_key
 from gpufrac.kube.lease import LeaderElector, LeaseTiming
 from gpufrac.kube.patch import merge_patch
 from gpufrac.kube.stream import ALL_NAMESPACES, Selection
-from gpufrac.operator.render import CONFIG_LABEL, HASH_ANNOTATION, MANAGED_BY, render_daemonset
+from gpufrac.operator.render import (
+    CONFIG_LABEL,
+    HASH_ANNOTATION,
+    MANAGED_BY,
+    node_gpu_count,
+    render_daemonset,
+    sized_gpu_count,
+)
 from gpufrac.operator.resource import GpuFractioningConfig, read_config
-from gpufrac.operator.status import DaemonSetView, NodeView, compute_status
+from gpufrac.operator.status import DaemonSetView, NodeView, compute_status, selects
 from gpufrac.process.build_info import register_build_info
 from gpufrac.process.probes import ProbeServer
 
@@ -309,7 +316,12 @@ class Operator:
         except ValueError as error:
             log.error("config %s cannot be rendered: %s", name, error, extra={"config": name})
             return True
-        desired = render_daemonset(spec)
+        gpus = sized_gpu_count(
+            node_gpu_count(labels)
+            for node in self.nodes.store
+            if selects(spec.agent.node_selector, labels := dict(node.metadata.labels or {}))
+        )
+        desired = render_daemonset(spec, gpus_per_node=gpus)
         key = f"{spec.namespace}/{desired['metadata']['name']}"
         for ds in owned:
             if object_key(ds) != key:

@@ -15,6 +15,13 @@ applies. The pod follows docs/node-agent.md:
   container toolkit mounts NVML and the MPS binaries into the privileged agent (``runtimeClassName``
   where the NVIDIA runtime is not the node's default).
 
+Host memory is sized from the GPU count (``agent_resources``), unless the spec gives ``resources``: the
+MPS control daemon and its servers are the agent's children, in its cgroup, and NVIDIA measured about
+50 MiB per GPU server (a 256Mi limit failed on nodes with more than 5 GPUs). The count is the most GPUs
+any selected node has (GPU feature discovery's ``nvidia.com/gpu.count``, or the agent's own
+``gpufrac.io/gpu-count``), rounded up to a multiple of ``GPU_COUNT_STEP`` so that a node joining with a
+few more GPUs does not roll every agent — and MPS with it — on the cluster.
+
 The rendered manifest carries a hash of itself in an annotation; the reconciler applies only when the
 hash on the cluster differs, so a Node heartbeat never turns into a write.
 """
@@ -23,9 +30,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
+from collections.abc import Iterable, Mapping
 from typing import Any
 
-from gpufrac.contract.keys import managed_toleration
+from gpufrac.contract.keys import GPU_COUNT_LABEL, managed_toleration
 from gpufrac.operator.resource import API_VERSION, KIND, ConfigSpec
 
 APP_NAME = "gpufrac-node-agent"
@@ -43,6 +52,39 @@ MPS_LOG_DIR = "/var/log/nvidia-mps"
 PROC_ROOT = "/host/proc"
 CONTAINERD_RUN_DIR = "/run/containerd"
 MAX_NAME = 63
+
+#: Host memory of the agent container: the agent process itself (Python, the NRI connection, the usage
+#: series) and, per GPU, its NVML and metrics share plus, with MPS, the GPU's MPS server.
+AGENT_BASE_MIB = 256
+AGENT_MIB_PER_GPU = 16
+MPS_SERVER_MIB_PER_GPU = 50
+GPU_COUNT_STEP = 8
+#: Labels that say how many GPUs a node has: GPU feature discovery's, then the node agent's own.
+GPU_COUNT_LABELS = ("nvidia.com/gpu.count", GPU_COUNT_LABEL)
+
+
+def sized_gpu_count(counts: Iterable[int]) -> int:
+    """The GPU count the agent is sized for: the largest, rounded up to ``GPU_COUNT_STEP`` (at least one
+    step, also when no node says)."""
+    most = max(counts, default=0)
+    return max(1, math.ceil(most / GPU_COUNT_STEP)) * GPU_COUNT_STEP
+
+
+def node_gpu_count(labels: Mapping[str, str]) -> int:
+    """How many GPUs a node's labels say it has (0 when none says, or says nonsense)."""
+    for key in GPU_COUNT_LABELS:
+        value = labels.get(key, "")
+        if value.isdigit():
+            return int(value)
+    return 0
+
+
+def agent_resources(*, gpus: int, mps: bool) -> dict[str, Any]:
+    """Requests and limits for an agent on nodes of up to ``gpus`` GPUs (request = limit for memory: the
+    agent must not be the first evicted under memory pressure, its exit leaves GPU pods unenforced)."""
+    per_gpu = AGENT_MIB_PER_GPU + (MPS_SERVER_MIB_PER_GPU if mps else 0)
+    memory = f"{AGENT_BASE_MIB + gpus * per_gpu}Mi"
+    return {"requests": {"cpu": "100m", "memory": memory}, "limits": {"memory": memory}}
 
 
 def daemonset_name(config_name: str) -> str:
@@ -73,6 +115,14 @@ def agent_args(config: ConfigSpec) -> list[str]:
         args.append("--no-taint")
     if agent.mps_enabled and agent.mps_control_bin:
         args.append(f"--mps-control-bin={agent.mps_control_bin}")
+    if agent.mps_enabled and agent.mps_time_slicing_clients:
+        args.append("--mps-time-slicing-clients")
+    if agent.gpu_toolkit_version:
+        args.append(f"--gpu-toolkit-version={agent.gpu_toolkit_version}")
+    if agent.gpu_device_plugin_version:
+        args.append(f"--gpu-device-plugin-version={agent.gpu_device_plugin_version}")
+    if agent.allow_unsupported_gpu_stack:
+        args.append("--allow-unsupported-gpu-stack")
     args += [f"--log-level={agent.log_level}", "--log-format=json"]
     return args
 
@@ -115,8 +165,9 @@ def _probe(path: str, *, period: int, failures: int) -> dict[str, Any]:
     }
 
 
-def render_daemonset(config: ConfigSpec) -> dict[str, Any]:
-    """The complete DaemonSet manifest (apps/v1) for ``config``, owned by the config."""
+def render_daemonset(config: ConfigSpec, *, gpus_per_node: int = GPU_COUNT_STEP) -> dict[str, Any]:
+    """The complete DaemonSet manifest (apps/v1) for ``config``, owned by the config; ``gpus_per_node``
+    (``sized_gpu_count``) sizes the agent's memory when the spec does not give ``resources``."""
     agent = config.agent
     labels = {
         **selector_labels(config.name),
@@ -151,8 +202,7 @@ def render_daemonset(config: ConfigSpec) -> dict[str, Any]:
         "readinessProbe": _probe("/readyz", period=5, failures=1),
         "volumeMounts": mounts,
     }
-    if agent.resources:
-        container["resources"] = agent.resources
+    container["resources"] = agent.resources or agent_resources(gpus=gpus_per_node, mps=agent.mps_enabled)
     template = {
         "metadata": {"labels": labels},
         "spec": {

@@ -45,6 +45,10 @@ class AgentSpec:
     taint: bool = True
     mps_enabled: bool = False
     mps_control_bin: str | None = None
+    mps_time_slicing_clients: bool = False
+    gpu_toolkit_version: str | None = None
+    gpu_device_plugin_version: str | None = None
+    allow_unsupported_gpu_stack: bool = False
     metrics_port: int = DEFAULT_METRICS_PORT
     health_port: int = DEFAULT_HEALTH_PORT
     nri_socket: str = DEFAULT_NRI_SOCKET
@@ -75,6 +79,7 @@ def read_config(config: Any) -> ConfigSpec:
     if not agent.get("image"):
         raise ValueError("spec.nodeAgent.image is required")
     mps = agent.get("mps") or {}
+    stack = agent.get("gpuStack") or {}
     selector = agent.get("nodeSelector")
     return ConfigSpec(
         name=meta.name,
@@ -93,6 +98,10 @@ def read_config(config: Any) -> ConfigSpec:
             taint=bool(agent.get("taint", True)),
             mps_enabled=bool(mps.get("enabled", False)),
             mps_control_bin=mps.get("controlBin") or None,
+            mps_time_slicing_clients=bool(mps.get("timeSlicingClients", False)),
+            gpu_toolkit_version=stack.get("toolkitVersion") or None,
+            gpu_device_plugin_version=stack.get("devicePluginVersion") or None,
+            allow_unsupported_gpu_stack=bool(stack.get("allowUnsupported", False)),
             metrics_port=int(agent.get("metricsPort", DEFAULT_METRICS_PORT)),
             health_port=int(agent.get("healthPort", DEFAULT_HEALTH_PORT)),
             nri_socket=agent.get("nriSocket") or DEFAULT_NRI_SOCKET,
