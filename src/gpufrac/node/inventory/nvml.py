@@ -16,8 +16,10 @@ Faults. A device that answers GPU_IS_LOST (fell off the bus) is reported as the 
 read with ``lost=True``, so the publisher names it and why; one that cannot be read at all and was never
 seen is left out. Critical XID errors arrive through an NVML event set (``nvmlDeviceRegisterEvents`` with
 ``nvmlEventTypeXidCriticalError``), drained without waiting at every read; an XID that is not the
-application's (``APPLICATION_XIDS``) marks its GPU ``xid=<n>`` until NVML is initialised again — after a
-GPU reset or a driver reload, which is when such a GPU is healthy again.
+application's (``APPLICATION_XIDS``) marks its GPU ``xid=<n>`` until the GPU has been reset: the agent
+sees that as the device being unreadable (or lost) at a read and readable again at a later one, or as NVML
+initialised again (after a driver reload, which resets every GPU; or an agent restart). A reset too quick
+to fall between two reads (5 s apart) is not seen: such a GPU stays withdrawn until the agent restarts.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ class NvmlInventory:
         self._events: Any = None  # the XID event set
         self._xids: dict[str, int] = {}  # uuid -> the fatal XID it reported since NVML was initialised
         self._seen: dict[int, GpuInfo] = {}  # index -> the GPU as last read (to name a lost one)
+        self._went_away: set[str] = set()  # uuids unreadable at some read since their XID: being reset
 
     def _init(self) -> None:
         if not self._initialised:
@@ -110,12 +113,16 @@ class NvmlInventory:
         for index in range(count):
             try:
                 gpu = self._device(index)
-            except nvml.NVMLError_GpuIsLost:
-                if index in self._seen:  # named as it was, so the Node and its pods are told which
-                    gpus.append(dataclasses.replace(self._seen[index], lost=True))
-                continue
-            except nvml.NVMLError:
+            except nvml.NVMLError as exc:
+                previous = self._seen.get(index)
+                if previous is not None:
+                    self._went_away.add(previous.uuid)
+                    if isinstance(exc, nvml.NVMLError_GpuIsLost):  # named as it was, so people are told which
+                        gpus.append(dataclasses.replace(previous, lost=True))
                 continue  # unreadable: not offered (the publisher withdraws what is missing)
+            if gpu.uuid in self._went_away:  # readable again after a reset: its XID is history
+                self._went_away.discard(gpu.uuid)
+                self._xids.pop(gpu.uuid, None)
             gpu = dataclasses.replace(gpu, xid=self._xids.get(gpu.uuid))
             self._seen[index] = gpu
             gpus.append(gpu)

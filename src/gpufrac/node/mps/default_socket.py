@@ -90,7 +90,10 @@ class DefaultSocketLinks:
                 (self._root / name).rmdir()
         self._live = set()
         for cid in live:
-            self.add(cid)
+            try:
+                self.add(cid)
+            except (OSError, ValueError) as error:  # PipeDirTooLong is a ValueError; others still linked
+                log.warning("MPS default socket not linked for container %s: %s", cid, error)
 
     def refresh(self) -> None:
         """Points every live container's link at the daemon's current socket (after every daemon start)."""
