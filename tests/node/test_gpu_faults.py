@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -34,7 +33,9 @@ async def node_name(akube: AsyncClient) -> AsyncIterator[str]:
     name = f"gpu-{uuid.uuid4().hex[:8]}"
     await akube.create(Node(metadata=ObjectMeta(name=name, labels={"kubernetes.io/hostname": name})))
     await akube.patch(
-        Node.Status, name, {"status": NodeStatus(conditions=[NodeCondition(type="Ready", status="True")]).to_dict()}
+        Node.Status,
+        name,
+        {"status": NodeStatus(conditions=[NodeCondition(type="Ready", status="True")]).to_dict()},
     )
     yield name
     await akube.delete(Node, name)
@@ -112,7 +113,9 @@ async def test_an_xid_or_a_lost_gpu_is_withdrawn_its_pods_are_told_and_it_comes_
         assert f"GPU 0 ({gpu0}) withdrawn: XID 48" in ready.message
         await until(lambda: events(akube, namespace, "on-gpu0"))
         ((kind, reason, message),) = await events(akube, namespace, "on-gpu0")
-        assert (kind, reason) == ("Warning", REASON_FAULT) and "XID 48" in message and "container app" in message
+        assert (
+            (kind, reason) == ("Warning", REASON_FAULT) and "XID 48" in message and "container app" in message
+        )
         assert await events(akube, namespace, "on-gpu1") == []  # its GPU is fine
 
         # The GPU is reset: offered again, and the Node says so.
@@ -128,7 +131,9 @@ async def test_an_xid_or_a_lost_gpu_is_withdrawn_its_pods_are_told_and_it_comes_
         assert reason == REASON_FAULT and "fell off the bus" in message  # matched through its CDI name
         backend.set_lost(1, lost=False)
         await until(lambda: _eq(offered(akube, node_name), [gpu0, gpu1]))
-        print(f"\ndetection (publish interval 5 s): XID {xid_detected:.2f}s, off the bus {lost_detected:.2f}s")
+        print(
+            f"\ndetection (publish interval 5 s): XID {xid_detected:.2f}s, off the bus {lost_detected:.2f}s"
+        )
     finally:
         for task in tasks:
             task.cancel()

@@ -49,7 +49,11 @@ def clusterpolicy_crd(kube: Client) -> Iterator[None]:
                 "spec": {
                     "group": "nvidia.com",
                     "scope": "Cluster",
-                    "names": {"plural": "clusterpolicies", "singular": "clusterpolicy", "kind": "ClusterPolicy"},
+                    "names": {
+                        "plural": "clusterpolicies",
+                        "singular": "clusterpolicy",
+                        "kind": "ClusterPolicy",
+                    },
                     "versions": [
                         {
                             "name": "v1",
@@ -57,7 +61,10 @@ def clusterpolicy_crd(kube: Client) -> Iterator[None]:
                             "storage": True,
                             "subresources": {"status": {}},
                             "schema": {
-                                "openAPIV3Schema": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
+                                "openAPIV3Schema": {
+                                    "type": "object",
+                                    "x-kubernetes-preserve-unknown-fields": True,
+                                }
                             },
                         }
                     ],
@@ -103,8 +110,16 @@ async def cluster_policy(akube: AsyncClient, clusterpolicy_crd: None) -> AsyncIt
             "kind": "ClusterPolicy",
             "metadata": {"name": "cluster-policy", "labels": {"app.kubernetes.io/version": "v26.7.1"}},
             "spec": {
-                "toolkit": {"repository": "nvcr.io/nvidia/k8s", "image": "container-toolkit", "version": toolkit},
-                "devicePlugin": {"repository": "nvcr.io/nvidia", "image": "k8s-device-plugin", "version": device_plugin},
+                "toolkit": {
+                    "repository": "nvcr.io/nvidia/k8s",
+                    "image": "container-toolkit",
+                    "version": toolkit,
+                },
+                "devicePlugin": {
+                    "repository": "nvcr.io/nvidia",
+                    "image": "k8s-device-plugin",
+                    "version": device_plugin,
+                },
             },
         }
         await akube.apply(ClusterPolicy.from_dict(body), field_manager="gpu-operator", force=True)
@@ -174,7 +189,12 @@ async def test_without_a_gpu_operator_the_settings_say_and_the_escape_hatch_show
     assert "from the node agent's gpu_stack settings" in message
 
     await publisher(
-        akube, node_name, backend, toolkit_version="1.19.0", device_plugin_version="0.20.1", allow_unsupported=True
+        akube,
+        node_name,
+        backend,
+        toolkit_version="1.19.0",
+        device_plugin_version="0.20.1",
+        allow_unsupported=True,
     ).publish_once()
     status, reason, message, gate, placeable = await readiness(akube, node_name)
     assert (status, reason, gate, placeable) == ("True", "GpuFractioningReady", "overridden", True)

@@ -114,7 +114,9 @@ def test_memory_info_v2_gives_the_driver_reserve_and_without_v2_none(driver: Sim
     assert (a.mib, a.reserved_mib) == (80 * 1024, None)  # the configured reserve applies
 
 
-def test_a_fatal_xid_withdraws_until_the_gpu_is_reset_and_an_application_xid_does_not(driver: SimDriver) -> None:
+def test_a_fatal_xid_withdraws_until_the_gpu_is_reset_and_an_application_xid_does_not(
+    driver: SimDriver,
+) -> None:
     nvml = backend(driver)
     assert [g.withdrawn_because for g in nvml.read().gpus] == [None, None]
     driver.events += [(0, 13), (1, 48)]  # 13: the application's fault; 48: double-bit ECC error

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import json
 import uuid
-from dataclasses import replace
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 import pytest
 from lightkube import AsyncClient
@@ -87,7 +87,9 @@ async def test_the_scheduler_packs_and_resolves_portions_against_usable_memory(
 
     def place(p: Pod, arrival: int):  # type: ignore[no-untyped-def]
         request = gpu_request(p)
-        pending = pending_pod(p, gpu=request, arrival=arrival, default_queue="default", mode_policy=ModePolicy.REQUIRED)
+        pending = pending_pod(
+            p, gpu=request, arrival=arrival, default_queue="default", mode_policy=ModePolicy.REQUIRED
+        )
         (decision,) = engine.schedule([pending])
         return request, decision
 

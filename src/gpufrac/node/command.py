@@ -56,10 +56,14 @@ def node_agent(
         help="Time-slicing containers as MPS clients of the default server (docs/mps.md). Default: off.",
     ),
     gpu_toolkit_version: str | None = typer.Option(
-        None, "--gpu-toolkit-version", help="The NVIDIA container toolkit's version, where no GPU Operator says it."
+        None,
+        "--gpu-toolkit-version",
+        help="The NVIDIA container toolkit's version, where no GPU Operator says it.",
     ),
     gpu_device_plugin_version: str | None = typer.Option(
-        None, "--gpu-device-plugin-version", help="The NVIDIA device plugin's version, where no GPU Operator says it."
+        None,
+        "--gpu-device-plugin-version",
+        help="The NVIDIA device plugin's version, where no GPU Operator says it.",
     ),
     allow_unsupported_gpu_stack: bool | None = typer.Option(
         None,

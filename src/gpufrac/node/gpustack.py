@@ -25,7 +25,8 @@ Where the versions come from, first that applies:
 
 The escape hatch: ``gpu_stack.allow_unsupported``. The node is then Ready, but its condition's message
 says what the gate found and that it was overridden, and the label ``gpufrac.io/gpu-stack-gate`` is
-``overridden`` (``passed`` or ``failed`` otherwise), so ``kubectl get nodes -L gpufrac.io/gpu-stack-gate`` shows every
+``overridden`` (``passed`` or ``failed`` otherwise), so
+``kubectl get nodes -L gpufrac.io/gpu-stack-gate`` shows every
 node that runs on the hatch.
 
 The ClusterPolicy and the Node are read at most every ``refresh_s`` (one GET each per node), not at every
@@ -184,7 +185,12 @@ def judge(stack: GpuStack | None, *, driver: DriverVersion | None, allow_unsuppo
         )
     operands = (
         ("NVIDIA container toolkit", stack.toolkit if stack else None, MIN_TOOLKIT, "toolkit_version"),
-        ("NVIDIA device plugin", stack.device_plugin if stack else None, MIN_DEVICE_PLUGIN, "device_plugin_version"),
+        (
+            "NVIDIA device plugin",
+            stack.device_plugin if stack else None,
+            MIN_DEVICE_PLUGIN,
+            "device_plugin_version",
+        ),
     )
     for name, version, minimum, setting in operands:
         where = stack.source if stack else "nothing"

@@ -16,6 +16,7 @@ from gpufrac.contract import keys as _contract
 from gpufrac.contract.keys import DRIVER_MAJOR_LABEL as DRIVER_MAJOR_LABEL
 from gpufrac.contract.keys import GPU_COUNT_LABEL as GPU_COUNT_LABEL
 from gpufrac.contract.keys import GPU_MODEL_LABEL as GPU_MODEL_LABEL
+
 #: The CUDA version the driver supports (``13.4``), for selectors; informational.
 CUDA_DRIVER_LABEL = "gpufrac.io/cuda-driver"
 

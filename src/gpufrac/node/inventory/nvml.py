@@ -1,13 +1,13 @@
-"""REAL GPU inventory from NVML (nvidia-ml-py, imported as ``pynvml``). Untested here: no GPU in CI.
+"""REAL GPU inventory from NVML (nvidia-ml-py, imported as ``pynvml``). No GPU in CI: tested over a
+simulated driver that answers the same calls (tests/node/test_nvml_faults.py), not over libnvidia-ml.
 
-Written against NVML's documented API and only imported by the test suite. Per read: the driver version
+Written against NVML's documented API. Per read: the driver version
 (``nvmlSystemGetDriverVersion``), the CUDA version the driver supports (``nvmlSystemGetCudaDriverVersion``,
 an int such as 12040 = 12.4), and per device: UUID, index, minor number (the /dev/nvidiaN node), name,
 total framebuffer memory and what the driver reserves of it (``nvmlDeviceGetMemoryInfo`` with
 ``nvmlMemory_v2``: ``total`` floored and ``reserved`` rounded up to MiB; the v1 call and no reserve where
-the driver lacks v2), compute mode and MIG mode. ``nvmlDeviceGetMigMode`` raises NOT_SUPPORTED on GPUs without MIG: that is MIG off. A GPU that
-fails while being read (fell off the bus: GPU_IS_LOST) is left out of the inventory, so the publisher
-withdraws it; a failing NVML as a whole raises ``InventoryUnavailable``.
+the driver lacks v2), compute mode and MIG mode. ``nvmlDeviceGetMigMode`` raises NOT_SUPPORTED on GPUs
+without MIG: that is MIG off. A failing NVML as a whole raises ``InventoryUnavailable``.
 
 NVML is initialised once and kept; a failed read re-initialises on the next call, so a driver reload
 (nvidia-smi -r, a driver upgrade) is picked up without restarting the agent.

@@ -5,9 +5,9 @@ tables, its own structures: about 450 MiB on a T4, 3-4 %), and on a GPU that ser
 own context takes more. A scheduler that packs requests up to the total therefore places pods that are
 then killed while they stay within their requests. So the node publishes, per GPU, ``mib`` = usable
 memory and the scheduler (which reads ``mib`` only) packs and resolves ``gpu-fraction`` portions against
-it (floor(portion × usable MiB)); ``total_mib`` and ``reserved_mib`` are published beside it for people.
+it (floor(portion x usable MiB)); ``total_mib`` and ``reserved_mib`` are published beside it for people.
 
-usable = total − driver reserve − MPS server reserve, where
+usable = total - driver reserve - MPS server reserve, where
 
 - the driver reserve is what the driver says (NVML memory info v2, ``reserved``; the simulated backend
   simulates it from its file's ``reserved_mib``), or, when the driver does not say (NVML before the v2

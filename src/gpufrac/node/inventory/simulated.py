@@ -131,7 +131,9 @@ def parse_yaml(text: str) -> SimSpec:
             lost=bool(entry.get("lost", False)),
         )
         if not 0 <= gpu.reserved_mib < gpu.mib:
-            raise ValueError(f"reserved_mib={gpu.reserved_mib} must be at least 0 and below the GPU's {gpu.mib} MiB")
+            raise ValueError(
+                f"reserved_mib={gpu.reserved_mib} must be at least 0 and below the GPU's {gpu.mib} MiB"
+            )
         if gpu.uuid is not None and count != 1:
             raise ValueError(f"an explicit uuid ({gpu.uuid}) describes one GPU, not {count}")
         gpus += [gpu] * count

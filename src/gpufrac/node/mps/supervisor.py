@@ -18,9 +18,10 @@ State machine (``state``)::
   nobody anything, and it is the one way to be sure a fault left by a client killed mid-kernel does not
   hang the next one.
 - After every start, the time-slicing containers' links to the default socket are made again (v3 with
-  ``time_slicing_clients``: ``default_socket``), and namespaces are reconciled (v3): each live container's namespace is created again
-  (the daemon keeps nothing across restarts) with its settings, its pipe directory read back; namespaces
-  with gpufrac's prefix that no live container owns are deleted (``names.is_managed``).
+  ``time_slicing_clients``: ``default_socket``), and namespaces are reconciled (v3): each live
+  container's namespace is created again (the daemon keeps nothing across restarts) with its settings,
+  its pipe directory read back; namespaces with gpufrac's prefix that no live container owns are deleted
+  (``names.is_managed``).
 - The namespace directory ``<pipe>/<server>/<namespace>`` is created by the supervisor before
   ``namespace create`` and kept across daemon restarts, because the container bind-mounts that very
   directory: a recreated directory would be a different inode, invisible inside a running container.
