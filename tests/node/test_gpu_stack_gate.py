@@ -177,6 +177,17 @@ async def test_an_old_toolkit_in_the_cluster_policy_keeps_the_node_unplaceable_u
     assert "NVIDIA container toolkit version is unknown" in message and "gpu_stack.toolkit_version" in message
 
 
+async def test_an_operand_the_gpu_operator_does_not_deploy_here_is_taken_from_the_settings(
+    akube: AsyncClient, node_name: str, cluster_policy
+) -> None:
+    await cluster_policy(toolkit="v1.17.8", device_plugin="v0.20.1")
+    await akube.patch(Node, node_name, {"metadata": {"labels": {DEPLOY_TOOLKIT_LABEL: "false"}}})
+    backend = SimulatedInventory(node_name=node_name, spec=parse_flag("1xL4-24GB"))
+    await publisher(akube, node_name, backend, toolkit_version="1.20.2").publish_once()
+    status, reason, message, gate, _ = await readiness(akube, node_name)
+    assert (status, reason, gate) == ("True", "GpuFractioningReady", "passed"), message
+
+
 async def test_without_a_gpu_operator_the_settings_say_and_the_escape_hatch_shows(
     akube: AsyncClient, node_name: str, clusterpolicy_crd: None
 ) -> None:

@@ -11,7 +11,7 @@ places nothing on a node whose ``gpu-fractioning.nvidia.com/Ready`` is False) wi
 - ``GPUOperandVersionUnsupported``: the toolkit or the device plugin is below its minimum, or no version
   is known for it at all (nothing says the hook is there, so it is not assumed).
 
-Where the versions come from, first that applies:
+Where each operand's version comes from, first that says it:
 
 1. The NVIDIA GPU Operator's ClusterPolicy (``clusterpolicies.nvidia.com/v1``): ``spec.toolkit.version``
    and ``spec.devicePlugin.version`` (image tags such as ``v1.20.1-ubuntu22.04``), unless the Node's GPU
@@ -20,7 +20,7 @@ Where the versions come from, first that applies:
    here). A ClusterPolicy whose ``status.state`` is not ``ready`` is reported in the message (not gated:
    its operands may be rolling).
 2. The agent's explicit settings (``gpu_stack.toolkit_version``, ``gpu_stack.device_plugin_version``),
-   for clusters without the GPU Operator.
+   for clusters without the GPU Operator, and for an operand the GPU Operator does not deploy there.
 3. The simulated backend's stack (the minimum versions; SIMULATED: a machine without GPUs has no toolkit).
 
 The escape hatch: ``gpu_stack.allow_unsupported``. The node is then Ready, but its condition's message
@@ -245,6 +245,7 @@ class GpuStackGate:
         self._settings = settings
         self._fallback = fallback
         self._stack: GpuStack | None = None
+        self._policy: GpuStack | None = None  # the ClusterPolicy's, as last read
         self._read_at: float | None = None
 
     async def verdict(self, *, driver: DriverVersion | None) -> StackVerdict:
@@ -255,31 +256,48 @@ class GpuStackGate:
         return judge(self._stack, driver=driver, allow_unsupported=self._settings.allow_unsupported)
 
     async def _read(self) -> GpuStack | None:
+        policy = await self._cluster_policy()
         settings = self._settings
-        if self._client is not None and settings.cluster_policy:
-            try:
-                with api_errors():
-                    policies = [p async for p in self._client.list(ClusterPolicy)]
-                    if policies:
-                        node = await self._client.get(Node, self._node)
-                        labels = dict((node.metadata.labels if node.metadata else None) or {})
-                        return stack_from_cluster_policy(policies[0].to_dict(), node_labels=labels)
-            except NotFound:
-                pass  # no ClusterPolicy API: no GPU Operator on this cluster
-            except httpx2.HTTPStatusError as error:
-                # An API group the server does not serve answers a plain-text 404, not a Status.
-                if error.response.status_code != 404:
-                    log.warning("GPU stack: cannot read the GPU Operator's ClusterPolicy: %s", error)
-                    if self._stack is not None:
-                        return self._stack
-            except (KubeError, httpx2.HTTPError) as error:
-                log.warning("GPU stack: cannot read the GPU Operator's ClusterPolicy: %s", error)
-                if self._stack is not None:
-                    return self._stack  # keep the last answer over a passing API error
+        configured = None
         if settings.toolkit_version is not None or settings.device_plugin_version is not None:
-            return GpuStack(
+            configured = GpuStack(
                 toolkit=settings.toolkit_version,
                 device_plugin=settings.device_plugin_version,
                 source="the node agent's gpu_stack settings",
             )
-        return self._fallback
+        known = [stack for stack in (policy, configured, self._fallback) if stack is not None]
+        if not known:
+            return None
+        toolkit = next((st for st in known if st.toolkit is not None), known[0])
+        plugin = next((st for st in known if st.device_plugin is not None), known[0])
+        sources = " and ".join(dict.fromkeys((toolkit.source, plugin.source)))
+        return GpuStack(
+            toolkit=toolkit.toolkit,
+            device_plugin=plugin.device_plugin,
+            source=sources,
+            note=policy.note if policy is not None else "",
+        )
+
+    async def _cluster_policy(self) -> GpuStack | None:
+        """What the GPU Operator's ClusterPolicy says for this node (None: no GPU Operator, or unread)."""
+        if self._client is None or not self._settings.cluster_policy:
+            return None
+        try:
+            with api_errors():
+                policies = [p async for p in self._client.list(ClusterPolicy)]
+                if not policies:
+                    return None
+                node = await self._client.get(Node, self._node)
+                labels = dict((node.metadata.labels if node.metadata else None) or {})
+                self._policy = stack_from_cluster_policy(policies[0].to_dict(), node_labels=labels)
+                return self._policy
+        except NotFound:
+            return None  # no ClusterPolicy API: no GPU Operator on this cluster
+        except httpx2.HTTPStatusError as error:
+            # An API group the server does not serve answers a plain-text 404, not a Status.
+            if error.response.status_code == 404:
+                return None
+            log.warning("GPU stack: cannot read the GPU Operator's ClusterPolicy: %s", error)
+        except (KubeError, httpx2.HTTPError) as error:
+            log.warning("GPU stack: cannot read the GPU Operator's ClusterPolicy: %s", error)
+        return self._policy  # the last answer over a passing API error
