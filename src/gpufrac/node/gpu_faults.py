@@ -19,6 +19,7 @@ from collections.abc import Iterable
 from typing import Protocol
 
 from gpufrac.kube.events import NORMAL, WARNING, ObjectRef
+from gpufrac.node.enforcement_audit import EventSink
 from gpufrac.node.inventory.backend import GpuInfo, NodeInventory
 from gpufrac.node.mapping import AllocationRecord
 
@@ -26,12 +27,6 @@ log = logging.getLogger(__name__)
 
 REASON_FAULT = "GpuFault"
 REASON_RECOVERED = "GpuRecovered"
-
-
-class Recorder(Protocol):
-    """``gpufrac.kube.events.EventRecorder``'s one method used here."""
-
-    def emit(self, *, regarding: ObjectRef, type: str, reason: str, message: str) -> None: ...
 
 
 class Allocations(Protocol):
@@ -48,7 +43,7 @@ def _device_id(device: str) -> str:
 
 
 class GpuFaultNotifier:
-    def __init__(self, *, node_name: str, store: Allocations, recorder: Recorder) -> None:
+    def __init__(self, *, node_name: str, store: Allocations, recorder: EventSink) -> None:
         self._node = node_name
         self._store = store
         self._recorder = recorder
