@@ -95,6 +95,10 @@ NODE_REASON_NO_GPUS = "NoUsableGpus"
 NODE_REASON_NRI_NOT_CONNECTED = "NriPluginNotConnected"
 NODE_REASON_NO_ENFORCEABLE_MODE = "NoEnforceableComputeMode"
 NODE_REASON_AGENT_STOPPED = "NodeAgentStopped"
+#: Written by the operator, with status Unknown, when a node agent's Lease expired (the agent was killed,
+#: hangs, or cannot reach the API server): the node's last word may be stale, as the node lifecycle
+#: controller marks a silent kubelet's Ready Unknown.
+NODE_REASON_AGENT_HEARTBEAT_EXPIRED = "NodeAgentHeartbeatExpired"
 NODE_AGENT_REASONS = frozenset(
     {
         NODE_REASON_READY,
@@ -103,8 +107,12 @@ NODE_AGENT_REASONS = frozenset(
         NODE_REASON_NRI_NOT_CONNECTED,
         NODE_REASON_NO_ENFORCEABLE_MODE,
         NODE_REASON_AGENT_STOPPED,
+        NODE_REASON_AGENT_HEARTBEAT_EXPIRED,
     }
 )
+#: The namespace of the node agents' heartbeat Leases, one per node named after it (the kubelet's are in
+#: ``kube-node-lease``). The agent renews its own; the scheduler and the operator watch them.
+NODE_LEASE_NAMESPACE = "gpufrac-node-lease"
 #: The node agent's readiness while another node stack writes NODE_READY_CONDITION. The agent then stops
 #: writing that condition (it would flap between the two writers) and says so here instead.
 NODE_REASON_CONFLICTING_STACK = "ConflictingNodeStack"

@@ -10,9 +10,11 @@ step does not skip the next.
 Readiness (/readyz) is "the NRI plugin is registered and synchronized with the runtime, the GPU inventory
 has been read, and the Node has been published" (when publishing). The plugin enters the runtime's
 path after the first inventory read (CreateContainer checks devices against it); liveness (/healthz)
-is the event loop answering. With ``mps`` the MPS supervisor runs here too (``gpufrac.node.mps.service``):
-it gives the NRI handler its hooks and the publisher the capability it enforces; without it, whether MPS
-serves is a setting (``mps_running``).
+is the event loop answering. The agent's heartbeat is its node's Lease (``gpufrac.node.heartbeat``),
+renewed every ``heartbeat_s`` while the agent publishes; the Node is written only when it changes.
+With ``mps`` the MPS supervisor runs here too (``gpufrac.node.mps.service``): it gives the NRI handler
+its hooks and the publisher the capability it enforces; without it, whether MPS serves is a setting
+(``mps_running``).
 
 Usage reporting (``gpufrac.node.reporting``: /metrics, collection, audit) reads the same mapping store the
 NRI plugin writes, treats the GPUs of the latest inventory as managed, audits with the planner the plugin
@@ -37,6 +39,7 @@ from prometheus_client import CollectorRegistry
 from gpufrac.contract.quantities import MIB
 from gpufrac.kube.events import EventRecorder, ObjectRef
 from gpufrac.node.config import NodeAgentSettings
+from gpufrac.node.heartbeat import NodeLease
 from gpufrac.node.inject import EnvPlanner
 from gpufrac.node.inventory.backend import (
     GpuInfo,
@@ -167,10 +170,21 @@ class NodeAgent:
                 capability=self._capability,
                 nri_connected=self.plugin.synchronized.is_set,
                 interval_s=settings.publish_interval_s,
-                heartbeat_s=settings.heartbeat_s,
+                resync_s=settings.node_resync_s,
                 taint=settings.taint,
                 events=self.recorder if self.recorder is not None else _LoggedEvents(),
             )
+        # The heartbeat: the node's Lease, renewed (gpufrac.node.heartbeat), never a Node write.
+        self.lease = (
+            NodeLease(
+                client=client,
+                node_name=settings.node_name,
+                renew_s=settings.heartbeat_s,
+                namespace=settings.lease_namespace,
+            )
+            if self.publisher is not None and client is not None
+            else None
+        )
         self.probes = ProbeServer(
             host=settings.health_host,
             port=settings.health_port,
@@ -298,6 +312,8 @@ class NodeAgent:
         tasks = [asyncio.create_task(self.plugin.run(), name="nri-plugin"), sizes]
         if self.publisher is not None:
             tasks.append(asyncio.create_task(self.publisher.run(), name="inventory-publisher"))
+        if self.lease is not None:
+            tasks.append(asyncio.create_task(self.lease.run(), name="heartbeat-lease"))
         if self.mps is not None:  # cancelled with the publisher; its run() stops the daemon in a finally
             tasks.append(asyncio.create_task(self.mps.run(), name="mps-supervisor"))
         # Cancelled with the publisher too; its finally closes CRI, then the metrics endpoint.

@@ -115,7 +115,7 @@ def node_spec(node: Node, *, agent_heartbeat_expired: bool = False) -> NodeSpec:
     """The engine's view of a node; a node with an unreadable inventory has no GPUs (and is logged).
 
     Whether the agent's heartbeat expired is a matter of time, which the caller decides
-    (``gpufrac.scheduler.heartbeat``).
+    (``gpufrac.kube.heartbeat``).
     """
     meta, spec, status = node.metadata, node.spec, node.status
     allocatable: Mapping[str, str] = (status.allocatable if status else None) or {}

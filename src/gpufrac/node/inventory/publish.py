@@ -18,10 +18,12 @@ The capability is an input (``capability``): it follows the driver (r615+: the c
 makes time-slicing enforceable) and whether MPS is serving (sm-sharing), which the MPS supervisor knows.
 
 The backend is polled every ``interval_s``; the Node is patched only when what it should say changed,
-and re-asserted every ``heartbeat_s`` (the condition's heartbeat, and a repair of labels someone else
-removed). Writes are merge patches of our own keys only, and a strategic merge of the one condition, so
-the kubelet's labels and conditions are never touched. ``mark_stopped`` (SIGTERM) sets the condition to
-False so that the scheduler stops placing GPU pods while nothing would enforce their limits.
+and re-asserted every ``resync_s`` (ten minutes by default: a repair of labels someone else removed). The
+agent's heartbeat is not a Node write: it is the node's Lease (``gpufrac.node.heartbeat``), so a cluster
+of many nodes does not re-send every Node to every Node watcher each minute. Writes are merge patches
+of our own keys only, and a strategic merge of the one condition, so the kubelet's labels and conditions
+are never touched. ``mark_stopped`` (SIGTERM) sets the condition to False so that the scheduler stops
+placing GPU pods while nothing would enforce their limits.
 
 Another node stack on the same node. NVIDIA's GPU-fractioning operator writes the same condition type
 for its own daemons (``fractiond``, ``mpsd``), with reasons of its own. Before each write the agent reads
@@ -30,7 +32,7 @@ changed since this agent last wrote it, was written by someone else. The agent t
 -- its readiness becomes False with reason ``ConflictingNodeStack``, the annotation
 ``gpufrac.io/node-stack-conflict`` says what it found (the scheduler places nothing on such a node), a
 Warning Event goes on the Node -- and stops writing the condition, so the two writers do not flap it at
-every heartbeat. While the conflict lasts the Node is re-read each interval (a read, no write); once the
+every write. While the conflict lasts the Node is re-read each interval (a read, no write); once the
 condition is gone (or, to an agent that has not written it yet, carries one of gpufrac's reasons), the
 annotation is removed and the agent writes the condition as before.
 """
@@ -171,7 +173,7 @@ class InventoryPublisher:
         capability: CapabilityFor | None = None,
         nri_connected: Callable[[], bool] | None = None,
         interval_s: float = 5.0,
-        heartbeat_s: float = 60.0,
+        resync_s: float = 600.0,
         taint: bool = True,
         events: EventSink | None = None,
     ) -> None:
@@ -181,7 +183,7 @@ class InventoryPublisher:
         self._capability = capability
         self._nri_connected = nri_connected or (lambda: True)
         self._interval_s = interval_s
-        self._heartbeat_s = heartbeat_s
+        self._resync_s = resync_s
         self._taint = taint
         self._events = events
         self._changed = asyncio.Event()
@@ -223,7 +225,7 @@ class InventoryPublisher:
         """Patch the Node if what it should say changed (or ``force``); returns the state."""
         state = await self.read_state()
         loop = asyncio.get_running_loop()
-        due = force or state != self._desired or loop.time() - self._last_write >= self._heartbeat_s
+        due = force or state != self._desired or loop.time() - self._last_write >= self._resync_s
         if not due and self.conflict is not None:  # the other stack may be gone: look, without writing
             with api_errors():
                 due = self._foreign_condition(await self._client.get(Node, self._node)) is None
@@ -293,6 +295,8 @@ class InventoryPublisher:
             if c.type != keys.NODE_READY_CONDITION:
                 continue
             said = f"{c.status}, reason {c.reason!r}, message {c.message!r}"
+            if c.reason == keys.NODE_REASON_AGENT_HEARTBEAT_EXPIRED:
+                return None  # the operator's word while this agent's Lease had expired: overwrite it
             if c.reason not in keys.NODE_AGENT_REASONS:
                 return (
                     f"{keys.NODE_READY_CONDITION} is {said}: gpufrac's node agent never writes that reason, "
