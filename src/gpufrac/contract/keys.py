@@ -99,6 +99,9 @@ NODE_REASON_AGENT_STOPPED = "NodeAgentStopped"
 #: hangs, or cannot reach the API server): the node's last word may be stale, as the node lifecycle
 #: controller marks a silent kubelet's Ready Unknown.
 NODE_REASON_AGENT_HEARTBEAT_EXPIRED = "NodeAgentHeartbeatExpired"
+#: The GPU Operator is upgrading the node's driver (``gpufrac.contract.gpu_operator``): MPS is drained and
+#: the agent has let go of NVML, so that the driver can unload.
+NODE_REASON_DRIVER_UPGRADE = "DriverUpgradeInProgress"
 NODE_AGENT_REASONS = frozenset(
     {
         NODE_REASON_READY,
@@ -108,6 +111,7 @@ NODE_AGENT_REASONS = frozenset(
         NODE_REASON_NO_ENFORCEABLE_MODE,
         NODE_REASON_AGENT_STOPPED,
         NODE_REASON_AGENT_HEARTBEAT_EXPIRED,
+        NODE_REASON_DRIVER_UPGRADE,
     }
 )
 #: The namespace of the node agents' heartbeat Leases, one per node named after it (the kubelet's are in

@@ -44,7 +44,7 @@ import contextlib
 import json
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -89,11 +89,32 @@ def desired_state(
     capability: NodeMpsCapability | None = None,
     nri_connected: bool = True,
     missing: dict[str, int] | None = None,
+    driver_upgrade: str | None = None,
 ) -> NodeState:
     """Pure: the Node's labels, inventory and readiness for what the backend and the agent report.
 
     ``missing`` maps the UUIDs of GPUs seen earlier but no longer reported to their last index.
+    ``driver_upgrade`` is the GPU Operator's upgrade state while it upgrades the driver: the node is then
+    not ready, whatever else holds, and ``inventory`` is the last one read before the agent let go of
+    NVML (its GPUs stay published: the pods on them are still there).
     """
+    if driver_upgrade is not None:
+        upgrading = NodeState(
+            labels={keys.MANAGED_LABEL: "true"},
+            gpus=(),
+            ready=False,
+            reason=names.REASON_DRIVER_UPGRADE,
+            message="",
+        )
+        if inventory is not None:
+            base = desired_state(inventory=inventory, capability=capability, nri_connected=nri_connected)
+            upgrading = replace(upgrading, labels=base.labels, gpus=base.gpus)
+        return replace(
+            upgrading,
+            message=f"the GPU Operator is upgrading the NVIDIA driver (state {driver_upgrade}): MPS is "
+            "stopped and the agent has let go of NVML so that the driver can unload; no new GPU pods are "
+            "placed here until the upgrade is done",
+        )
     node_labels: dict[str, str | None] = {keys.MANAGED_LABEL: "true"}
     if inventory is None:
         return NodeState(
@@ -176,8 +197,10 @@ class InventoryPublisher:
         resync_s: float = 600.0,
         taint: bool = True,
         events: EventSink | None = None,
+        driver_upgrade: Callable[[], str | None] | None = None,
     ) -> None:
         self._client = client
+        self._driver_upgrade = driver_upgrade or (lambda: None)
         self._node = node_name
         self._backend = backend
         self._capability = capability
@@ -203,6 +226,14 @@ class InventoryPublisher:
         self._changed.set()
 
     async def read_state(self) -> NodeState:
+        upgrade = self._driver_upgrade()
+        if upgrade is not None:  # the driver is being unloaded: do not touch NVML, say why from memory
+            return desired_state(
+                inventory=self.inventory,
+                capability=self._capability_of(self.inventory),
+                nri_connected=self._nri_connected(),
+                driver_upgrade=upgrade,
+            )
         try:
             inventory = await asyncio.to_thread(self._backend.read)
         except InventoryUnavailable as exc:
@@ -211,15 +242,20 @@ class InventoryPublisher:
         self._seen.update({g.uuid: g.index for g in inventory.gpus})
         present = {g.uuid for g in inventory.gpus}
         missing = {uuid: index for uuid, index in self._seen.items() if uuid not in present}
-        capability = None
-        if self._capability is not None:
-            try:
-                capability = self._capability(DriverVersion.parse(inventory.driver_version))
-            except ValueError:
-                capability = None
         return desired_state(
-            inventory=inventory, capability=capability, nri_connected=self._nri_connected(), missing=missing
+            inventory=inventory,
+            capability=self._capability_of(inventory),
+            nri_connected=self._nri_connected(),
+            missing=missing,
         )
+
+    def _capability_of(self, inventory: NodeInventory | None) -> NodeMpsCapability | None:
+        if self._capability is None or inventory is None:
+            return None
+        try:
+            return self._capability(DriverVersion.parse(inventory.driver_version))
+        except ValueError:
+            return None
 
     async def publish_once(self, *, force: bool = False) -> NodeState:
         """Patch the Node if what it should say changed (or ``force``); returns the state."""
@@ -278,14 +314,13 @@ class InventoryPublisher:
         self._desired = None
         if self.conflict is not None:  # the condition is the other stack's: leave it alone
             return
-        await self._write_condition(
-            ready=False,
-            reason=names.REASON_AGENT_STOPPED,
-            message="the gpufrac node agent is not running; GPU containers would start without their limits",
-        )
-        self.published = NodeState(
-            labels=base.labels, gpus=base.gpus, ready=False, reason=names.REASON_AGENT_STOPPED, message=""
-        )
+        reason = names.REASON_AGENT_STOPPED
+        message = "the gpufrac node agent is not running; GPU containers would start without their limits"
+        if self._driver_upgrade() is not None:  # evicted for the upgrade: say what is going on
+            upgrading = desired_state(inventory=None, driver_upgrade=self._driver_upgrade())
+            reason, message = upgrading.reason, upgrading.message
+        await self._write_condition(ready=False, reason=reason, message=message)
+        self.published = NodeState(labels=base.labels, gpus=base.gpus, ready=False, reason=reason, message="")
 
     # -- writes -----------------------------------------------------------------------------------------
 
