@@ -242,6 +242,7 @@ def test_operator_and_node_agent_rbac(controlplane: ControlPlane, installed_rbac
             assert not _allowed(http, agent, ns, verb, "coordination.k8s.io:leases")
         assert _allowed(http, agent, "", "patch", "nodes")
         assert _allowed(http, agent, "", "patch", "nodes/status")
+        assert _allowed(http, agent, "", "watch", "nodes")  # its own, for the driver-upgrade label
         assert _allowed(http, agent, "team-a", "create", "events")
         # It reads no pods (what runs on its node comes from the runtime over NRI).
         for verb in ("get", "list", "watch"):
