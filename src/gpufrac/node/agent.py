@@ -139,6 +139,7 @@ class NodeAgent:
                     pipe_dir=settings.mps_pipe_dir,
                     log_dir=settings.mps_log_dir,
                     state_dir=settings.state_dir / "mps",
+                    handover=settings.mps_handover,
                 ),
                 read_driver=lambda: self.backend.read().driver_version,
                 on_change=lambda: self.publisher.poke() if self.publisher is not None else None,
@@ -415,10 +416,15 @@ class NodeAgent:
         recording = (
             asyncio.create_task(self.recorder.run(), name="events") if self.recorder is not None else None
         )
+        everything = asyncio.gather(*tasks)
         try:
-            await asyncio.gather(*tasks)
+            # Shielded: cancelling run() (SIGTERM) must not cancel every task at once through the gather;
+            # the finally below stops them in its order, after deciding what MPS does.
+            await asyncio.shield(everything)
         finally:
             # Order: tell the scheduler first, then leave the runtime's path, then stop answering probes.
+            if self.mps is not None:  # an agent restart leaves MPS serving for the next agent to adopt
+                self.mps.handover_on_exit = self.settings.mps_handover
             for task in tasks[2:]:
                 task.cancel()
             if self.publisher is not None:
@@ -429,6 +435,8 @@ class NodeAgent:
             for task in tasks[:2]:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            with contextlib.suppress(BaseException):  # its outcome is the tasks', handled above
+                await everything
             if recording is not None:  # after MPS and the audit: the Events of their last moments flush
                 recording.cancel()
                 await asyncio.gather(recording, return_exceptions=True)

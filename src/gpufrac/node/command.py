@@ -50,6 +50,11 @@ def node_agent(
     mps_control_bin: str | None = typer.Option(
         None, "--mps-control-bin", help="The MPS control binary (default: nvidia-cuda-mps-control)."
     ),
+    mps_handover: bool | None = typer.Option(
+        None,
+        "--mps-handover/--no-mps-handover",
+        help="Leave MPS serving when the agent stops and adopt it on start (default: on; docs/mps.md).",
+    ),
     state_dir: Path | None = typer.Option(
         None, "--state-dir", help="Mapping store and MPS leaf directories."
     ),
@@ -113,6 +118,7 @@ def node_agent(
             mps_running=mps_running,
             mps=mps,
             mps_control_bin=mps_control_bin,
+            mps_handover=mps_handover,
             state_dir=state_dir,
             fail_open=fail_open,
             health_port=health_port,

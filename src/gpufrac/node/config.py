@@ -54,6 +54,11 @@ class NodeAgentSettings(BaseModel):
     mps_control_bin: str = "nvidia-cuda-mps-control"
     mps_pipe_dir: Path = Path("/run/nvidia/mps")
     mps_log_dir: Path = Path("/var/log/nvidia-mps")
+    mps_handover: bool = Field(
+        True,
+        description="leave the MPS daemon serving when the agent stops and adopt it when the next one "
+        "starts, so that an agent upgrade does not cut off running sm-sharing processes (docs/mps.md)",
+    )
     mps_classic_pipe_writable: bool = Field(
         False,
         description="mount classic MPS's shared pipe directory read-write into sm-sharing containers "
