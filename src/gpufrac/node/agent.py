@@ -54,6 +54,7 @@ from gpufrac.node.inventory.publish import InventoryPublisher
 from gpufrac.node.mapping import MappingStore
 from gpufrac.node.metrics import CountingMpsEvents, EnforcementCounters
 from gpufrac.node.mps.config import MpsSettings
+from gpufrac.node.mps.events import NodeEventSink
 from gpufrac.node.mps.mode import DriverVersion, NodeMpsCapability, capability_for
 from gpufrac.node.mps.service import MpsService
 from gpufrac.node.nri.handler import GpuInjector
@@ -371,12 +372,8 @@ class NodeAgent:
     def _event(self, message: str) -> None:
         if self.recorder is None:
             return
-        self.recorder.emit(
-            regarding=ObjectRef(kind="Node", namespace="default", name=self.settings.node_name, uid=""),
-            type=NORMAL,
-            reason=names.REASON_DRIVER_UPGRADE,
-            message=message,
-        )
+        node = NodeEventSink(recorder=self.recorder, node_name=self.settings.node_name)
+        node.emit(type=NORMAL, reason=names.REASON_DRIVER_UPGRADE, message=message)
 
     async def run(self) -> None:
         await self.probes.start()
