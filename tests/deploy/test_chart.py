@@ -14,6 +14,7 @@ from cryptography.hazmat.primitives.asymmetric import padding
 from helm_chart import CHART, CRD, helm, kinds, one, render
 
 from gpufrac.admission.configuration import ServiceRef, webhook_configurations
+from gpufrac.contract import keys
 from gpufrac.scheduler.config import SchedulerConfig
 
 NS = "gpufrac-system"
@@ -37,8 +38,10 @@ def test_defaults_render_every_component(tmp_path: Path) -> None:
     assert ("ServiceAccount", "gpufrac-node-agent") in found
     assert {("MutatingWebhookConfiguration", "gpufrac-gpufrac-admission")} <= found
     for obj in objects:
-        if obj["kind"] in ("Deployment", "ServiceAccount", "Service", "Secret", "ConfigMap", "Role"):
+        if obj["kind"] in ("Deployment", "ServiceAccount", "Service", "Secret", "ConfigMap"):
             assert obj["metadata"]["namespace"] == NS, obj["metadata"]["name"]
+        if obj["kind"] in ("Role", "RoleBinding"):  # the node Leases' namespace is the only other one
+            assert obj["metadata"]["namespace"] in (NS, keys.NODE_LEASE_NAMESPACE), obj["metadata"]["name"]
     # One image, one entry point: every container runs `gpufrac <component>`.
     for deployment in (o for o in objects if o["kind"] == "Deployment"):
         (container,) = deployment["spec"]["template"]["spec"]["containers"]
@@ -174,3 +177,15 @@ def test_the_admission_webhook_keeps_a_replica_through_drains_and_node_pressure(
     assert ("PodDisruptionBudget", "gpufrac-admission") not in kinds(
         render({"admission": {"podDisruptionBudget": {"enabled": False}}}, tmp_path=tmp_path)
     )
+
+
+def test_the_node_leases_namespace_is_the_one_the_components_use(tmp_path: Path) -> None:
+    """The chart cannot import the contract: this is where its literal is held to it."""
+    objects = render(tmp_path=tmp_path)
+    assert one(objects, "Namespace")["metadata"]["name"] == keys.NODE_LEASE_NAMESPACE
+    agent = one(objects, "Role", "gpufrac-gpufrac-node-agent")
+    assert agent["metadata"]["namespace"] == keys.NODE_LEASE_NAMESPACE
+    assert agent["rules"] == [
+        {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["get", "create", "update"]}
+    ]
+    assert SchedulerConfig().node_lease_namespace == keys.NODE_LEASE_NAMESPACE

@@ -15,10 +15,12 @@ import pytest
 import yaml
 from helm_chart import CHART, CRD, helm, one, render
 
+from gpufrac.contract import keys
 from gpufrac.local.controlplane import ControlPlane
 
 # kind -> (URL prefix of its group/version, plural, namespaced); an unknown kind fails the test.
 RESOURCES = {
+    "Namespace": ("/api/v1", "namespaces", False),
     "ServiceAccount": ("/api/v1", "serviceaccounts", True),
     "ConfigMap": ("/api/v1", "configmaps", True),
     "Secret": ("/api/v1", "secrets", True),
@@ -97,8 +99,17 @@ def test_every_rendered_object_is_accepted_by_the_api_server(
     objects = render(values, tmp_path=tmp_path, namespace=namespace, release=release)
     assert {o["kind"] for o in objects} == set(RESOURCES)
     with controlplane.http() as http:
+        # The Roles in the node Leases' namespace need it to exist (a dry run of it creates nothing).
+        lease_namespace = {
+            "apiVersion": "v1",
+            "kind": "Namespace",
+            "metadata": {"name": keys.NODE_LEASE_NAMESPACE},
+        }
+        assert create(http, lease_namespace, dry_run=False).status_code in (201, 409)
         for obj in objects:
             answer = create(http, obj, dry_run=True)
+            if obj["kind"] == "Namespace" and answer.status_code == 409:
+                continue  # the node Leases' namespace, shared by every release: it exists now
             assert answer.status_code == 201, f"{obj['kind']} {obj['metadata']['name']}: {answer.text}"
         # The dry run is not a formality: an invalid object is refused.
         broken = one(objects, "GpuFractioningConfig")
@@ -142,6 +153,12 @@ def installed_rbac(controlplane: ControlPlane, namespace: str, tmp_path: Path) -
         if o["kind"] in ("ServiceAccount", "Role", "RoleBinding", "ClusterRole", "ClusterRoleBinding")
     ]
     with controlplane.http() as http:
+        lease_namespace = {
+            "apiVersion": "v1",
+            "kind": "Namespace",
+            "metadata": {"name": keys.NODE_LEASE_NAMESPACE},
+        }
+        assert create(http, lease_namespace, dry_run=False).status_code in (201, 409)
         for obj in rbac:
             answer = create(http, obj, dry_run=False)
             assert answer.status_code == 201, answer.text
@@ -189,6 +206,9 @@ def test_scheduler_rbac_allows_what_it_calls_and_nothing_else(
             assert not _allowed(http, user, where, verb, resource), f"scheduler may {verb} {resource}"
         for verb in ("get", "create", "update"):
             assert _allowed(http, user, ns, verb, "coordination.k8s.io:leases")
+        for verb in ("list", "watch"):  # the node agents' heartbeats
+            assert _allowed(http, user, keys.NODE_LEASE_NAMESPACE, verb, "coordination.k8s.io:leases")
+        assert not _allowed(http, user, keys.NODE_LEASE_NAMESPACE, "update", "coordination.k8s.io:leases")
     # And as the ServiceAccount itself (impersonated), on real requests.
     with controlplane.http(impersonate=user) as http:
         assert http.get("/api/v1/nodes").status_code == 200
@@ -214,8 +234,15 @@ def test_operator_and_node_agent_rbac(controlplane: ControlPlane, installed_rbac
         assert not _allowed(http, operator, "default", "create", "apps:daemonsets")
         assert not _allowed(http, operator, "default", "patch", "apps:daemonsets")
         assert not _allowed(http, operator, "", "patch", "nodes")
+        assert _allowed(http, operator, "", "patch", "nodes/status")  # a silent agent's node: Unknown
+        assert _allowed(http, operator, keys.NODE_LEASE_NAMESPACE, "watch", "coordination.k8s.io:leases")
+        # The agent renews its node's Lease there, and cannot reach the leader-election Leases.
+        for verb in ("get", "create", "update"):
+            assert _allowed(http, agent, keys.NODE_LEASE_NAMESPACE, verb, "coordination.k8s.io:leases")
+            assert not _allowed(http, agent, ns, verb, "coordination.k8s.io:leases")
         assert _allowed(http, agent, "", "patch", "nodes")
         assert _allowed(http, agent, "", "patch", "nodes/status")
+        assert _allowed(http, agent, "", "watch", "nodes")  # its own, for the driver-upgrade label
         assert _allowed(http, agent, "team-a", "create", "events")
         # It reads no pods (what runs on its node comes from the runtime over NRI).
         for verb in ("get", "list", "watch"):

@@ -178,7 +178,7 @@ async def conflict_reported_refused_and_not_fought(
         node_name=node_name,
         backend=SimulatedInventory(node_name=node_name, spec=parse_flag("1xL4-24GB")),
         capability=lambda driver: capability_for(driver=driver, mps_running=True),
-        heartbeat_s=0.0,  # every publish is a heartbeat: the most the agent could ever write
+        resync_s=0.0,  # every publish re-asserts the Node: the most the agent could ever write
         events=events,
     )
     await pub.publish_once()
@@ -233,13 +233,13 @@ async def conflict_reported_refused_and_not_fought(
 async def test_the_conflict_clears_without_a_heartbeat_once_the_condition_is_gone(
     client: AsyncClient, node_name: str
 ) -> None:
-    """With the default heartbeat (a minute) the agent still looks each interval while in conflict."""
+    """With a resync of an hour the agent still looks each interval while in conflict."""
     pub = InventoryPublisher(
         client=client,
         node_name=node_name,
         backend=SimulatedInventory(node_name=node_name, spec=parse_flag("1xL4-24GB")),
         capability=lambda driver: capability_for(driver=driver, mps_running=True),
-        heartbeat_s=3600.0,
+        resync_s=3600.0,
     )
     await other_stack_writes(client, node_name, reason=OTHER_STACK_REASON, message="fractiond not ready")
     state = await pub.publish_once()  # an agent that starts on a node NVIDIA's operator already manages
@@ -259,7 +259,7 @@ async def test_a_heartbeat_the_agent_did_not_write_is_a_conflict(client: AsyncCl
         node_name=node_name,
         backend=SimulatedInventory(node_name=node_name, spec=parse_flag("1xL4-24GB")),
         capability=lambda driver: capability_for(driver=driver, mps_running=True),
-        heartbeat_s=0.0,
+        resync_s=0.0,
     )
     await pub.publish_once()
     await other_stack_writes(client, node_name, reason=keys.NODE_REASON_READY, message="someone else")

@@ -44,7 +44,12 @@ class Running:
 
 @contextlib.asynccontextmanager
 async def running(
-    client: AsyncClient, *, leader_elect: bool = False, lease_namespace: str = "default", identity: str = "op"
+    client: AsyncClient,
+    *,
+    leader_elect: bool = False,
+    lease_namespace: str = "default",
+    identity: str = "op",
+    node_heartbeat_expiry_s: float = 180.0,
 ) -> AsyncIterator[Running]:
     """An operator run in-process for the length of the block."""
     settings = OperatorSettings(
@@ -55,6 +60,7 @@ async def running(
         lease_timing=LeaseTiming(lease_duration=3.0, renew_deadline=2.0, retry_period=0.3),
         retry_initial_s=0.1,
         retry_max_s=1.0,
+        node_heartbeat_expiry_s=node_heartbeat_expiry_s,
     )
     run = Running(Operator(client=client, settings=settings, identity=identity))
     try:

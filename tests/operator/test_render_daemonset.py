@@ -7,9 +7,11 @@ from typing import Any
 import pytest
 from lightkube.models.meta_v1 import ObjectMeta
 
+from gpufrac.contract.gpu_operator import DEPLOY_CLIENT_LABEL
 from gpufrac.contract.keys import MANAGED_TAINT_KEY
 from gpufrac.operator.render import daemonset_name, render_daemonset, sized_gpu_count
 from gpufrac.operator.resource import GpuFractioningConfig, read_config
+from gpufrac.placement.model import NodeSelectorRequirement, NodeSelectorTerm, SelectorOperator
 
 
 def config(**agent: Any) -> Any:
@@ -203,3 +205,33 @@ def test_the_gpu_stack_gate_and_its_escape_hatch_reach_the_agent() -> None:
         "--allow-unsupported-gpu-stack",
         "--mps-time-slicing-clients",
     } <= set(args)
+
+
+@pytest.mark.parametrize(
+    ("labels", "runs"),
+    [
+        ({}, True),  # no GPU Operator on the node
+        ({DEPLOY_CLIENT_LABEL: "true"}, True),
+        ({DEPLOY_CLIENT_LABEL: "false"}, False),  # the GPU Operator evicts its clients to unload the driver
+        ({DEPLOY_CLIENT_LABEL: "paused-for-driver-upgrade"}, False),
+    ],
+)
+def test_the_agent_runs_only_where_the_gpu_operator_lets_gpu_clients_run(
+    labels: dict[str, str], runs: bool
+) -> None:
+    """Judged by the scheduler's own node-affinity semantics (terms ORed, expressions ANDed)."""
+    required = render()["spec"]["template"]["spec"]["affinity"]["nodeAffinity"][
+        "requiredDuringSchedulingIgnoredDuringExecution"
+    ]
+    terms = [
+        NodeSelectorTerm(
+            match_expressions=tuple(
+                NodeSelectorRequirement(
+                    key=e["key"], operator=SelectorOperator(e["operator"]), values=tuple(e.get("values", ()))
+                )
+                for e in term["matchExpressions"]
+            )
+        )
+        for term in required["nodeSelectorTerms"]
+    ]
+    assert any(t.matches(labels) for t in terms) is runs

@@ -20,10 +20,12 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import httpx2
 import yaml
 from lightkube import AsyncClient
 from lightkube.resources.core_v1 import Event, Node, Pod
 from lightkube.types import PatchType
+from prometheus_client.parser import text_string_to_metric_families
 
 from gpufrac.contract import keys
 from gpufrac.local.simnodes import NodeShape, create_sim_nodes
@@ -270,3 +272,17 @@ class SchedulerProcess:
         if self.process is not None and self.process.poll() is None:
             self.process.kill()
             self.process.wait(timeout=10)
+
+
+async def scrape(port: int) -> str:
+    async with httpx2.AsyncClient() as http:
+        return (await http.get(f"http://127.0.0.1:{port}/metrics")).text
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """The value of the sample ``name`` whose labels include ``labels``."""
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and labels.items() <= sample.labels.items():
+                return float(sample.value)
+    raise AssertionError(f"{name}{labels} not in the metrics")

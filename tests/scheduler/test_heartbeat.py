@@ -9,11 +9,11 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 
 from gpufrac.contract import keys
+from gpufrac.kube.heartbeat import AgentHeartbeats
 from gpufrac.local.simnodes import sim_node
 from gpufrac.placement.decision import Reason, Unschedulable
 from gpufrac.placement.engine import Engine
 from gpufrac.placement.model import ModePolicy, PendingPod
-from gpufrac.scheduler.heartbeat import AgentHeartbeats
 from gpufrac.scheduler.objects import agent_heartbeat, gpu_request, node_spec, pending_pod
 
 WALL = datetime(2026, 12, 1, 12, 0, 0, tzinfo=UTC)

@@ -19,17 +19,18 @@ import yaml
 from lightkube import AsyncClient
 from lightkube.models.meta_v1 import ObjectMeta
 from lightkube.resources.core_v1 import Event, Namespace, Pod
-from prometheus_client.parser import text_string_to_metric_families
 from sched_harness import (
     Pool,
     add_nodes,
     audit_pool,
     condition,
     gpu_pod,
+    metric,
     nodes_of,
     pods_of,
     running,
     scheduled_events,
+    scrape,
     set_agent_heartbeat,
     wait_bound,
     wait_for,
@@ -58,20 +59,6 @@ def example(pool: Pool, file: str) -> Pod:
     body["metadata"]["namespace"] = pool.namespace
     body["spec"]["schedulerName"] = pool.scheduler_name
     return Pod.from_dict(body)
-
-
-async def scrape(port: int) -> str:
-    async with httpx2.AsyncClient() as http:
-        return (await http.get(f"http://127.0.0.1:{port}/metrics")).text
-
-
-def metric(text: str, name: str, **labels: str) -> float:
-    """The value of the sample ``name`` whose labels include ``labels``."""
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name and labels.items() <= sample.labels.items():
-                return float(sample.value)
-    raise AssertionError(f"{name}{labels} not in the metrics")
 
 
 def allocated(text: str, *, node: str, gpu: str) -> float:

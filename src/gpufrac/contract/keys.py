@@ -98,6 +98,15 @@ NODE_REASON_AGENT_STOPPED = "NodeAgentStopped"
 # GPU stack gates (gpufrac.node.gpustack): the stack below gpufrac would not enforce the injected limits.
 NODE_REASON_OPERAND_UNSUPPORTED = "GPUOperandVersionUnsupported"
 NODE_REASON_DRIVER_UNSUPPORTED = "GPUDriverVersionUnsupported"
+#: Node label: whether the node passed the GPU stack gate, failed it, or runs on its escape hatch.
+GPU_STACK_GATE_LABEL = "gpufrac.io/gpu-stack-gate"
+#: Written by the operator, with status Unknown, when a node agent's Lease expired (the agent was killed,
+#: hangs, or cannot reach the API server): the node's last word may be stale, as the node lifecycle
+#: controller marks a silent kubelet's Ready Unknown.
+NODE_REASON_AGENT_HEARTBEAT_EXPIRED = "NodeAgentHeartbeatExpired"
+#: The GPU Operator is upgrading the node's driver (``gpufrac.contract.gpu_operator``): MPS is drained and
+#: the agent has let go of NVML, so that the driver can unload.
+NODE_REASON_DRIVER_UPGRADE = "DriverUpgradeInProgress"
 NODE_AGENT_REASONS = frozenset(
     {
         NODE_REASON_OPERAND_UNSUPPORTED,
@@ -108,8 +117,13 @@ NODE_AGENT_REASONS = frozenset(
         NODE_REASON_NRI_NOT_CONNECTED,
         NODE_REASON_NO_ENFORCEABLE_MODE,
         NODE_REASON_AGENT_STOPPED,
+        NODE_REASON_AGENT_HEARTBEAT_EXPIRED,
+        NODE_REASON_DRIVER_UPGRADE,
     }
 )
+#: The namespace of the node agents' heartbeat Leases, one per node named after it (the kubelet's are in
+#: ``kube-node-lease``). The agent renews its own; the scheduler and the operator watch them.
+NODE_LEASE_NAMESPACE = "gpufrac-node-lease"
 #: The node agent's readiness while another node stack writes NODE_READY_CONDITION. The agent then stops
 #: writing that condition (it would flap between the two writers) and says so here instead.
 NODE_REASON_CONFLICTING_STACK = "ConflictingNodeStack"

@@ -232,6 +232,7 @@ class LocalCluster:
             self.client = self.controlplane.async_client(field_manager="gpufrac-local")
             self._progress("starting the admission webhook")
             await self._start_admission()
+            await self._create_node_lease_namespace()
             if self.shape.runtime == "containerd":
                 await self._start_real_node()
             else:
@@ -345,6 +346,16 @@ class LocalCluster:
                     pass
             await asyncio.sleep(0.2)
         raise self._failed(process, f"not ready at {url} after {timeout_s:.0f}s")
+
+    async def _create_node_lease_namespace(self) -> None:
+        """Where the node agents renew their heartbeat Leases (the chart creates it in a cluster)."""
+        assert self.client is not None
+        try:
+            with api_errors():
+                await self.client.create(Namespace(metadata=ObjectMeta(name=keys.NODE_LEASE_NAMESPACE)))
+        except Conflict as error:
+            if not error.already_exists:
+                raise
 
     async def _create_nodes(self) -> None:
         """Node objects as a kubelet registers them: no GPU inventory (the node agent publishes it)."""

@@ -10,9 +10,11 @@ step does not skip the next.
 Readiness (/readyz) is "the NRI plugin is registered and synchronized with the runtime, the GPU inventory
 has been read, and the Node has been published" (when publishing). The plugin enters the runtime's
 path after the first inventory read (CreateContainer checks devices against it); liveness (/healthz)
-is the event loop answering. With ``mps`` the MPS supervisor runs here too (``gpufrac.node.mps.service``):
-it gives the NRI handler its hooks and the publisher the capability it enforces; without it, whether MPS
-serves is a setting (``mps_running``).
+is the event loop answering. The agent's heartbeat is its node's Lease (``gpufrac.node.heartbeat``),
+renewed every ``heartbeat_s`` while the agent publishes; the Node is written only when it changes.
+With ``mps`` the MPS supervisor runs here too (``gpufrac.node.mps.service``): it gives the NRI handler
+its hooks and the publisher the capability it enforces; without it, whether MPS serves is a setting
+(``mps_running``).
 
 Usage reporting (``gpufrac.node.reporting``: /metrics, collection, audit) reads the same mapping store the
 NRI plugin writes, treats the GPUs of the latest inventory as managed, audits with the planner the plugin
@@ -28,17 +30,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
+from typing import Any
 
 from lightkube import AsyncClient
 from prometheus_client import CollectorRegistry
 
 from gpufrac.contract.quantities import MIB
-from gpufrac.kube.events import EventRecorder, ObjectRef
+from gpufrac.kube.events import NORMAL, EventRecorder, ObjectRef
+from gpufrac.node import labels as names
 from gpufrac.node.config import NodeAgentSettings
+from gpufrac.node.driver_upgrade import DriverUpgradeWatch
 from gpufrac.node.gpu_faults import GpuFaultNotifier
 from gpufrac.node.gpustack import SIMULATED_STACK, GpuStackGate
+from gpufrac.node.heartbeat import NodeLease
 from gpufrac.node.inject import EnvPlanner
 from gpufrac.node.inventory.backend import (
     GpuInfo,
@@ -50,6 +56,7 @@ from gpufrac.node.inventory.publish import InventoryPublisher
 from gpufrac.node.mapping import MappingStore
 from gpufrac.node.metrics import CountingMpsEvents, EnforcementCounters
 from gpufrac.node.mps.config import MpsSettings
+from gpufrac.node.mps.events import NodeEventSink
 from gpufrac.node.mps.mode import DriverVersion, NodeMpsCapability, capability_for
 from gpufrac.node.mps.service import MpsService
 from gpufrac.node.nri.handler import GpuInjector
@@ -109,6 +116,14 @@ class NodeAgent:
         self._managed_gpus: set[str] = set()  # usable GPUs of the latest inventory (the audit's strays)
         self._usable_gpus: tuple[GpuInfo, ...] | None = None  # what CreateContainer checks devices against
         self._inventory_tried = asyncio.Event()  # the first inventory read is over (read or not)
+        #: The GPU Operator's upgrade state while this agent has let go of the driver for it; else None.
+        self.upgrading: str | None = None
+        self.size_passes = 0  # rounds of _refresh_gpu_sizes (tests wait on it instead of sleeping)
+        self.upgrades = (
+            DriverUpgradeWatch(client=client, node_name=settings.node_name)
+            if client is not None and settings.publish
+            else None
+        )
         self.counters = EnforcementCounters()
         self.recorder = (
             EventRecorder(
@@ -128,6 +143,7 @@ class NodeAgent:
                     log_dir=settings.mps_log_dir,
                     state_dir=settings.state_dir / "mps",
                     time_slicing_clients=settings.mps_time_slicing_clients,
+                    handover=settings.mps_handover,
                 ),
                 read_driver=lambda: self.backend.read().driver_version,
                 on_change=lambda: self.publisher.poke() if self.publisher is not None else None,
@@ -170,7 +186,7 @@ class NodeAgent:
                 capability=self._capability,
                 nri_connected=self.plugin.synchronized.is_set,
                 interval_s=settings.publish_interval_s,
-                heartbeat_s=settings.heartbeat_s,
+                resync_s=settings.node_resync_s,
                 taint=settings.taint,
                 events=self.recorder if self.recorder is not None else _LoggedEvents(),
                 stack_gate=GpuStackGate(
@@ -186,7 +202,19 @@ class NodeAgent:
                     store=self.store,
                     recorder=self.recorder if self.recorder is not None else _LoggedEvents(),
                 ).observe,
+                driver_upgrade=lambda: self.upgrading,
             )
+        # The heartbeat: the node's Lease, renewed (gpufrac.node.heartbeat), never a Node write.
+        self.lease = (
+            NodeLease(
+                client=client,
+                node_name=settings.node_name,
+                renew_s=settings.heartbeat_s,
+                namespace=settings.lease_namespace,
+            )
+            if self.publisher is not None and client is not None
+            else None
+        )
         self.probes = ProbeServer(
             host=settings.health_host,
             port=settings.health_port,
@@ -218,7 +246,7 @@ class NodeAgent:
         """Keep whole-GPU sizes at hand for the mapping (CreateContainer must not read NVML)."""
         while True:
             inventory = self.publisher.inventory if self.publisher is not None else None
-            if inventory is None:
+            if inventory is None and self.upgrading is None:  # NVML is let go of during an upgrade
                 with contextlib.suppress(InventoryUnavailable):
                     inventory = await asyncio.to_thread(self.backend.read)
             if inventory is not None:
@@ -231,6 +259,7 @@ class NodeAgent:
                 self._managed_gpus |= usable
                 self._managed_gpus &= usable
             self._inventory_tried.set()
+            self.size_passes += 1
             await asyncio.sleep(self.settings.publish_interval_s)
 
     def _inventory_gpus(self) -> Sequence[GpuProcesses]:
@@ -279,12 +308,88 @@ class NodeAgent:
                 planner=EnvPlanner(container_pipe_dir=self.settings.container_pipe_dir),
                 events=self.recorder if self.recorder is not None else _LoggedEvents(),
                 counters=self.counters,
-                started=self.metrics_port,
+                started=self.metrics_port if self.metrics_port and not self.metrics_port.done() else None,
             )
         finally:
             close = getattr(backend, "close", None)
             if close is not None:
                 close()
+
+    async def _gpu_users(self) -> None:
+        """The duties that hold the driver (MPS, NVML usage), let go of while the driver is upgraded.
+
+        When the GPU Operator starts a driver upgrade on the node, MPS is stopped (``quit``: its servers
+        exit), usage reporting stops (its NVML handle closes), the inventory backend is closed, and the
+        Node says ``DriverUpgradeInProgress``; nothing of the agent's holds ``/dev/nvidia*`` any more, so
+        the driver can unload. When the label says the upgrade is done (or goes away), they start again
+        and the next publish reads the new driver. A duty that fails ends the agent, as before.
+        """
+        duties: dict[str, Callable[[], Coroutine[Any, Any, None]]] = {}
+        if self.mps is not None:
+            duties["mps-supervisor"] = self.mps.run
+        duties["usage-reporting"] = self._report
+        running: list[asyncio.Task[None]] = []
+
+        def start() -> None:
+            running.extend(asyncio.create_task(duty(), name=name) for name, duty in duties.items())
+
+        async def stop() -> None:
+            for task in running:
+                task.cancel()
+            await asyncio.gather(*running, return_exceptions=True)
+            running.clear()
+
+        start()
+        try:
+            while True:
+                waits: list[asyncio.Task[Any]] = list(running)
+                changed = None
+                if self.upgrades is not None:
+                    changed = asyncio.create_task(self.upgrades.changed.wait())
+                    waits.append(changed)
+                done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+                if changed is not None and changed not in done:
+                    changed.cancel()
+                for task in done:
+                    if task is not changed:
+                        task.result()  # a duty's failure ends the agent
+                        raise RuntimeError(f"{task.get_name()} ended unexpectedly")
+                assert self.upgrades is not None
+                self.upgrades.changed.clear()
+                await self._follow_upgrade(self.upgrades.state, start=start, stop=stop)
+        finally:
+            await stop()
+
+    async def _follow_upgrade(
+        self,
+        state: str | None,
+        *,
+        start: Callable[[], None],
+        stop: Callable[[], Coroutine[Any, Any, None]],
+    ) -> None:
+        if state is not None and self.upgrading is None:
+            log.warning("driver upgrade (%s): stopping MPS and letting go of NVML", state)
+            self.upgrading = state
+            if self.publisher is not None:
+                self.publisher.poke()  # not ready first: the scheduler stops placing before MPS goes
+            await stop()
+            await asyncio.to_thread(self.backend.close)
+            self._event(f"the GPU Operator is upgrading the driver ({state}): MPS stopped, NVML released")
+        elif state is None and self.upgrading is not None:
+            log.info("driver upgrade done: reading the GPUs again and starting MPS")
+            self.upgrading = None
+            start()
+            self._event("the driver upgrade is done: GPUs read again, MPS started")
+        elif state is not None:
+            self.upgrading = state
+        if self.publisher is not None:
+            self.publisher.poke()
+
+    def _event(self, message: str) -> None:
+        if self.recorder is None:
+            return
+        node = NodeEventSink(recorder=self.recorder, node_name=self.settings.node_name)
+        node.emit(type=NORMAL, reason=names.REASON_DRIVER_UPGRADE, message=message)
 
     async def run(self) -> None:
         await self.probes.start()
@@ -314,17 +419,25 @@ class NodeAgent:
         tasks = [asyncio.create_task(self.plugin.run(), name="nri-plugin"), sizes]
         if self.publisher is not None:
             tasks.append(asyncio.create_task(self.publisher.run(), name="inventory-publisher"))
-        if self.mps is not None:  # cancelled with the publisher; its run() stops the daemon in a finally
-            tasks.append(asyncio.create_task(self.mps.run(), name="mps-supervisor"))
-        # Cancelled with the publisher too; its finally closes CRI, then the metrics endpoint.
-        tasks.append(asyncio.create_task(self._report(), name="usage-reporting"))
+        if self.lease is not None:
+            tasks.append(asyncio.create_task(self.lease.run(), name="heartbeat-lease"))
+        if self.upgrades is not None:
+            tasks.append(asyncio.create_task(self.upgrades.run(), name="driver-upgrades"))
+        # MPS and usage reporting, paused around driver upgrades; cancelled with the publisher (MPS stops
+        # the daemon in a finally; reporting closes CRI, then the metrics endpoint).
+        tasks.append(asyncio.create_task(self._gpu_users(), name="gpu-users"))
         recording = (
             asyncio.create_task(self.recorder.run(), name="events") if self.recorder is not None else None
         )
+        everything = asyncio.gather(*tasks)
         try:
-            await asyncio.gather(*tasks)
+            # Shielded: cancelling run() (SIGTERM) must not cancel every task at once through the gather;
+            # the finally below stops them in its order, after deciding what MPS does.
+            await asyncio.shield(everything)
         finally:
             # Order: tell the scheduler first, then leave the runtime's path, then stop answering probes.
+            if self.mps is not None:  # an agent restart leaves MPS serving for the next agent to adopt
+                self.mps.handover_on_exit = self.settings.mps_handover
             for task in tasks[2:]:
                 task.cancel()
             if self.publisher is not None:
@@ -335,6 +448,8 @@ class NodeAgent:
             for task in tasks[:2]:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            with contextlib.suppress(BaseException):  # its outcome is the tasks', handled above
+                await everything
             if recording is not None:  # after MPS and the audit: the Events of their last moments flush
                 recording.cancel()
                 await asyncio.gather(recording, return_exceptions=True)

@@ -70,6 +70,11 @@ def node_agent(
         "--allow-unsupported-gpu-stack/--gate-gpu-stack",
         help="Escape hatch: Ready although the GPU stack gate fails (the Node says so). Default: gate.",
     ),
+    mps_handover: bool | None = typer.Option(
+        None,
+        "--mps-handover/--no-mps-handover",
+        help="Leave MPS serving when the agent stops and adopt it on start (default: on; docs/mps.md).",
+    ),
     state_dir: Path | None = typer.Option(
         None, "--state-dir", help="Mapping store and MPS leaf directories."
     ),
@@ -139,6 +144,7 @@ def node_agent(
                 "device_plugin_version": gpu_device_plugin_version,
                 "allow_unsupported": allow_unsupported_gpu_stack,
             },
+            mps_handover=mps_handover,
             state_dir=state_dir,
             fail_open=fail_open,
             health_port=health_port,

@@ -56,6 +56,11 @@ class NodeAgentSettings(BaseModel):
     mps_control_bin: str = "nvidia-cuda-mps-control"
     mps_pipe_dir: Path = Path("/run/nvidia/mps")
     mps_log_dir: Path = Path("/var/log/nvidia-mps")
+    mps_handover: bool = Field(
+        True,
+        description="leave the MPS daemon serving when the agent stops and adopt it when the next one "
+        "starts, so that an agent upgrade does not cut off running sm-sharing processes (docs/mps.md)",
+    )
     mps_classic_pipe_writable: bool = Field(
         False,
         description="mount classic MPS's shared pipe directory read-write into sm-sharing containers "
@@ -102,7 +107,17 @@ class NodeAgentSettings(BaseModel):
     health_host: str = "0.0.0.0"
     health_port: int = Field(8082, ge=0, le=65535)
     publish_interval_s: float = Field(5.0, gt=0)
-    heartbeat_s: float = Field(60.0, gt=0)
+    heartbeat_s: float = Field(
+        10.0, gt=0, description="seconds between renewals of the node's Lease (the agent's heartbeat)"
+    )
+    lease_namespace: str = Field(
+        keys.NODE_LEASE_NAMESPACE, min_length=1, description="namespace of the node's heartbeat Lease"
+    )
+    node_resync_s: float = Field(
+        600.0,
+        gt=0,
+        description="seconds between re-assertions of an unchanged Node (repairs, not heartbeats)",
+    )
     usage: UsageSettings = Field(default_factory=UsageSettings)
     usage_backend: Literal["nvml", "simulated"] | None = Field(
         None, description="what reads GPU processes; default: the same kind as ``backend``"

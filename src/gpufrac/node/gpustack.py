@@ -48,6 +48,7 @@ from lightkube.resources.core_v1 import Node
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from gpufrac.contract import keys
+from gpufrac.contract.gpu_operator import DEPLOY_DEVICE_PLUGIN_LABEL, DEPLOY_TOOLKIT_LABEL
 from gpufrac.kube.errors import KubeError, NotFound, api_errors
 from gpufrac.node.mps.mode import V3_MIN_DRIVER_MAJOR, DriverVersion
 
@@ -60,11 +61,7 @@ MIN_DRIVER_MAJOR = V3_MIN_DRIVER_MAJOR  # the cgroup GPU-memory limit and MPS v3
 REASON_OPERAND_UNSUPPORTED = keys.NODE_REASON_OPERAND_UNSUPPORTED
 REASON_DRIVER_UNSUPPORTED = keys.NODE_REASON_DRIVER_UNSUPPORTED
 
-#: The GPU Operator's per-node switches for its operands (``false``: not deployed on this node).
-DEPLOY_TOOLKIT_LABEL = "nvidia.com/gpu.deploy.container-toolkit"
-DEPLOY_DEVICE_PLUGIN_LABEL = "nvidia.com/gpu.deploy.device-plugin"
-#: gpufrac's label saying whether this node passed the gate or runs on the escape hatch.
-GATE_LABEL = "gpufrac.io/gpu-stack-gate"
+GATE_LABEL = keys.GPU_STACK_GATE_LABEL
 GATE_PASSED = "passed"
 GATE_FAILED = "failed"
 GATE_OVERRIDDEN = "overridden"

@@ -16,6 +16,9 @@ written through the status subresource only when it differs from what the config
 deleted has its DaemonSets deleted explicitly as well: the ownerReference lets the garbage collector do it
 in a cluster, but the operator does not rely on a controller it cannot see.
 
+Nodes whose agent fell silent (its heartbeat Lease expired) have their readiness condition marked Unknown
+by the leader (``gpufrac.operator.silent_agents``), from a fourth informer on the node Leases.
+
 Two replicas: both keep informers current; only the Lease holder writes, and it checks ``is_leader``
 right before each write. Losing the lease ends ``run()`` with ``LeadershipLost`` (the process exits 1 and
 comes back as a standby), as the scheduler does.
@@ -37,10 +40,12 @@ from typing import Any
 import httpx2
 from lightkube import AsyncClient
 from lightkube.resources.apps_v1 import DaemonSet
+from lightkube.resources.coordination_v1 import Lease
 from lightkube.resources.core_v1 import Node
 from lightkube.types import PatchType
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from gpufrac.contract import keys
 from gpufrac.kube.errors import KubeError, NotFound, api_errors
 from gpufrac.kube.informer import Informer, object_key
 from gpufrac.kube.lease import LeaderElector, LeaseTiming
@@ -55,6 +60,7 @@ from gpufrac.operator.render import (
     sized_gpu_count,
 )
 from gpufrac.operator.resource import GpuFractioningConfig, read_config
+from gpufrac.operator.silent_agents import SilentAgents
 from gpufrac.operator.status import DaemonSetView, NodeView, compute_status, selects
 from gpufrac.process.build_info import register_build_info
 from gpufrac.process.probes import ProbeServer
@@ -77,6 +83,8 @@ class OperatorSettings:
     resync_s: float = 300.0
     retry_initial_s: float = 0.5
     retry_max_s: float = 30.0
+    #: A managed node whose agent has not renewed its Lease for this long is marked Unknown.
+    node_heartbeat_expiry_s: float = 180.0
 
 
 def default_identity() -> str:
@@ -142,6 +150,20 @@ class Operator:
             _Handler(changed=self._daemonset_changed, deleted=self._daemonset_changed)
         )
         self.nodes.add_handler(_Handler(changed=self._node_changed, deleted=self._node_changed))
+        self.leases: Informer[Lease] = Informer(
+            client=client,
+            resource=Lease,
+            selection=Selection(namespace=keys.NODE_LEASE_NAMESPACE),
+            name="node-leases",
+        )
+        self.silent_agents = SilentAgents(
+            client=client,
+            nodes=self.nodes,
+            leases=self.leases,
+            expiry_s=settings.node_heartbeat_expiry_s,
+            is_leader=self.is_leader,
+        )
+        self.leases.add_handler(_Handler(changed=self._lease_changed, deleted=self._lease_changed))
 
         self.elector: LeaderElector | None = None
         self._lease_client: AsyncClient | None = None
@@ -180,8 +202,8 @@ class Operator:
     # -- running ------------------------------------------------------------------------------------------
 
     @property
-    def _informers(self) -> tuple[Informer[Any], Informer[DaemonSet], Informer[Node]]:
-        return (self.configs, self.daemonsets, self.nodes)
+    def _informers(self) -> tuple[Informer[Any], Informer[DaemonSet], Informer[Node], Informer[Lease]]:
+        return (self.configs, self.daemonsets, self.nodes, self.leases)
 
     @property
     def probe_port(self) -> int:
@@ -204,6 +226,7 @@ class Operator:
         self._started = True
         log.info("operator starting as %s; probes and metrics on port %d", self.identity, self._probes.port)
         background = [asyncio.create_task(i.run(), name=f"informer-{i.name}") for i in self._informers]
+        background.append(asyncio.create_task(self.silent_agents.run(), name="silent-agents"))
         elector = asyncio.create_task(self.elector.run(), name="lease") if self.elector else None
         work = asyncio.create_task(self._work(), name="reconcile")
         watched = [*background, work, *([elector] if elector else [])]
@@ -396,7 +419,11 @@ class Operator:
         if name:
             self._mark(name)
 
+    def _lease_changed(self, old: Lease | None, new: Lease) -> None:
+        self.silent_agents.changed()
+
     def _node_changed(self, old: Node | None, new: Node) -> None:
+        self.silent_agents.changed()
         if old is not None and NodeView.of(old) == NodeView.of(new):
             return
         for name in self.configs.store.keys():  # noqa: SIM118 (a Store, not a dict)

@@ -9,6 +9,11 @@ applies. The pod follows docs/node-agent.md:
 - ``/run/nvidia/mps`` (the MPS pipe directory) and the state directory at the SAME paths as on the host:
   the agent answers the runtime with host paths to bind into containers, so its view must equal the host's;
 - containerd's run directory for the CRI socket the audit reads (without it the agent only reports usage);
+- only where the NVIDIA GPU Operator lets a GPU client run: its ``nvidia.com/gpu.deploy.client`` label is
+  ``true`` or absent (no GPU Operator). The GPU Operator evicts the pods that select that label before it
+  unloads the driver, and waits for them to go, so an agent that still held the driver (NVML, MPS) cannot
+  make the unload fail with EBUSY; the agent itself lets go earlier, when the upgrade-state label moves
+  (docs/node-agent.md, "Driver upgrades"), and comes back when the DaemonSet controller reschedules it;
 - the toleration of the managed taint, which the agent itself puts on its node: without it a restarted
   agent could never come back to the node it manages;
 - ``NVIDIA_VISIBLE_DEVICES=all`` with the utility capability (and compute with MPS), so the NVIDIA
@@ -34,6 +39,7 @@ import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from gpufrac.contract.gpu_operator import DEPLOY_CLIENT_ALLOWED, DEPLOY_CLIENT_LABEL
 from gpufrac.contract.keys import GPU_COUNT_LABEL, managed_toleration
 from gpufrac.operator.resource import API_VERSION, KIND, ConfigSpec
 
@@ -165,6 +171,27 @@ def _probe(path: str, *, period: int, failures: int) -> dict[str, Any]:
     }
 
 
+def gpu_client_affinity() -> dict[str, Any]:
+    """Required node affinity: the GPU Operator's client label is ``true``, or it is not there at all.
+
+    Node selector terms are ORed, so a cluster without the GPU Operator (no label) still runs the agent.
+    """
+    return {
+        "nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [
+                    {"matchExpressions": [{"key": DEPLOY_CLIENT_LABEL, "operator": "DoesNotExist"}]},
+                    {
+                        "matchExpressions": [
+                            {"key": DEPLOY_CLIENT_LABEL, "operator": "In", "values": [DEPLOY_CLIENT_ALLOWED]}
+                        ]
+                    },
+                ]
+            }
+        }
+    }
+
+
 def render_daemonset(config: ConfigSpec, *, gpus_per_node: int = GPU_COUNT_STEP) -> dict[str, Any]:
     """The complete DaemonSet manifest (apps/v1) for ``config``, owned by the config; ``gpus_per_node``
     (``sized_gpu_count``) sizes the agent's memory when the spec does not give ``resources``."""
@@ -209,6 +236,7 @@ def render_daemonset(config: ConfigSpec, *, gpus_per_node: int = GPU_COUNT_STEP)
             "serviceAccountName": SERVICE_ACCOUNT,
             "hostPID": True,
             "nodeSelector": dict(agent.node_selector),
+            "affinity": gpu_client_affinity(),
             "tolerations": [managed_toleration(), *(dict(t) for t in agent.tolerations)],
             # SIGTERM sets the Node's condition False and leaves the runtime's path; give it the time.
             "terminationGracePeriodSeconds": 30,

@@ -6,7 +6,7 @@ Two kinds, as two small protocols, because they change at very different rates:
   compute-mode capability) and the pod's constraints. Its answer changes only when the node spec does,
   so the engine caches it per pod constraint signature and per node spec version. (A heartbeat expires
   with time, not with an API event: the scheduler turns the expiry into a new node spec, see
-  ``gpufrac.scheduler.heartbeat``.)
+  ``gpufrac.kube.heartbeat``.)
 - ``ResourceFilter`` looks at the ledgers (free CPU, memory, pod slots, per-GPU memory, modes, tenants,
   compute portions, limits). It is vectorised over a set of nodes and returns a reason per node.
 

@@ -121,7 +121,7 @@ class NodeSpec:
     for a mode the node cannot enforce is filtered out there. ``agent_heartbeat_expired`` says that the
     node agent has stopped proving it is alive: its Ready condition may still say True, but nothing would
     inject the limits of a new fraction. Whoever builds the spec decides it against its clock (the
-    scheduler: ``gpufrac.scheduler.heartbeat``); the engine reads no clock. ``node_stack_conflict``
+    scheduler: ``gpufrac.kube.heartbeat``); the engine reads no clock. ``node_stack_conflict``
     says that the node agent found another GPU-fractioning node stack (NVIDIA's) writing its condition:
     the node's readiness and heartbeat are then not gpufrac's to go by, and it takes no pod.
     """

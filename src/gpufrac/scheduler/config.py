@@ -88,10 +88,14 @@ class SchedulerConfig(_Strict):
     """Unschedulable pods are retried at once when the cluster changes, and at least this often."""
 
     node_heartbeat_expiry_s: float | None = Field(default=180.0, gt=0)
-    """A node is not placeable once its node agent's heartbeat (``lastHeartbeatTime`` of the
-    ``gpu-fractioning.nvidia.com/Ready`` condition) is older than this. The agent writes one every
-    ``heartbeat_s`` (60 s by default), so the default tolerates two lost heartbeats; keep it at least
-    twice the agents' ``heartbeat_s``. None turns the check off (a node agent that never heartbeats)."""
+    """A node is not placeable once its node agent's heartbeat (the ``renewTime`` of its Lease in
+    ``node_lease_namespace``, or the ``lastHeartbeatTime`` of its ``gpu-fractioning.nvidia.com/Ready``
+    condition when that is newer: ``gpufrac.kube.heartbeat``) is older than this. The agent renews its
+    Lease every ``heartbeat_s`` (10 s by default); keep this at least four times that (40 s is what the
+    kubelet's Lease tolerates). None turns the check off (a node agent that never heartbeats)."""
+
+    node_lease_namespace: str = Field(default=keys.NODE_LEASE_NAMESPACE, min_length=1)
+    """Where the node agents' heartbeat Leases are (one per node, named after it)."""
 
     device_names: Literal["uuid", "cdi"] = "uuid"
     """How ``.gpus.devices`` names GPUs: physical UUIDs, or CDI names (``nvidia.com/gpu=<uuid>``)."""

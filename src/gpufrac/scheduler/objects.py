@@ -25,6 +25,7 @@ from lightkube.resources.core_v1 import Node, Pod
 from lightkube.utils.quantity import parse_quantity
 
 from gpufrac.contract import keys
+from gpufrac.contract.gpu_operator import driver_upgrade_state
 from gpufrac.contract.parse import container_specs, parse_pod
 from gpufrac.contract.request import ComputeMode, PodGpuRequest
 from gpufrac.placement.decision import ContainerPlacement, DeviceAssignment, Placement
@@ -115,7 +116,7 @@ def node_spec(node: Node, *, agent_heartbeat_expired: bool = False) -> NodeSpec:
     """The engine's view of a node; a node with an unreadable inventory has no GPUs (and is logged).
 
     Whether the agent's heartbeat expired is a matter of time, which the caller decides
-    (``gpufrac.scheduler.heartbeat``).
+    (``gpufrac.kube.heartbeat``).
     """
     meta, spec, status = node.metadata, node.spec, node.status
     allocatable: Mapping[str, str] = (status.allocatable if status else None) or {}
@@ -140,7 +141,10 @@ def node_spec(node: Node, *, agent_heartbeat_expired: bool = False) -> NodeSpec:
         max_pods=_whole(parse_quantity(allocatable.get("pods"))) if "pods" in allocatable else 110,
         labels=labels,
         taints=taints,
-        ready=_condition_true(node, "Ready") and _condition_true(node, keys.NODE_READY_CONDITION),
+        # A driver upgrade in progress takes the node out at once, before its agent has reacted.
+        ready=_condition_true(node, "Ready")
+        and _condition_true(node, keys.NODE_READY_CONDITION)
+        and driver_upgrade_state(meta.labels) is None,
         schedulable=not (spec and spec.unschedulable),
         gpu_model=model,
         gpus=gpus,

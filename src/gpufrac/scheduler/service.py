@@ -20,10 +20,11 @@ node added or changed, a pod released. One pod never stops the others: an unexpe
 or placing a pod is logged and reported on that pod (PodScheduled=False, reason SchedulerError), and the
 loop goes on.
 
-Node agents prove they are alive by re-writing their condition (a heartbeat). A node whose heartbeat is
-older than ``node_heartbeat_expiry_s`` takes no new pods; since an expiry is time passing and not an API
-event, a timer re-evaluates nodes as their heartbeats expire (``gpufrac.scheduler.heartbeat``), and a
-heartbeat that resumes is a Node update like any other.
+Node agents prove they are alive by renewing their node's Lease (a heartbeat; a fourth informer watches
+the Leases in ``node_lease_namespace``). A node whose heartbeat is older than ``node_heartbeat_expiry_s``
+takes no new pods; since an expiry is time passing and not an API event, a timer re-evaluates nodes as
+their heartbeats expire (``gpufrac.kube.heartbeat``), and a heartbeat that resumes is a Lease (or Node)
+update like any other.
 
 Shutdown order matters: stop placing, let binds in flight finish (bounded), then release the lease, so a
 successor never places while this replica still writes.
@@ -46,11 +47,13 @@ from typing import Any
 
 import httpx2
 from lightkube import AsyncClient
+from lightkube.resources.coordination_v1 import Lease
 from lightkube.resources.core_v1 import Node, Pod
 
 from gpufrac.contract.errors import InvalidPodRequest
 from gpufrac.contract.request import PodGpuRequest
 from gpufrac.kube.events import NORMAL, WARNING, EventRecorder, ObjectRef
+from gpufrac.kube.heartbeat import AgentHeartbeats, latest_heartbeat, lease_renewed
 from gpufrac.kube.informer import Informer, object_key
 from gpufrac.kube.lease import LeaderElector, LeadershipLost, LeaseTiming
 from gpufrac.kube.patch import set_pod_condition
@@ -60,7 +63,6 @@ from gpufrac.placement.model import ModePolicy, NodeSpec, PendingPod
 from gpufrac.process.probes import ProbeServer
 from gpufrac.scheduler.binder import Binder, BindMode, BindResult, Outcome, stale_binding_keys
 from gpufrac.scheduler.config import SchedulerConfig
-from gpufrac.scheduler.heartbeat import AgentHeartbeats
 from gpufrac.scheduler.metrics import GpuAllocation, SchedulerMetrics, StateReaders
 from gpufrac.scheduler.objects import (
     agent_heartbeat,
@@ -158,9 +160,16 @@ class SchedulerService:
             selection=Selection(labels=config.node_selector),
             name="nodes",
         )
+        self.leases: Informer[Lease] = Informer(
+            client=client,
+            resource=Lease,
+            selection=Selection(namespace=config.node_lease_namespace),
+            name="node-leases",
+        )
         self.pods.add_handler(_Handler(changed=self._pod_changed, deleted=self._pod_deleted))
         self.foreign_pods.add_handler(_Handler(changed=self._foreign_changed, deleted=self._pod_deleted))
         self.nodes.add_handler(_Handler(changed=self._node_changed, deleted=self._node_deleted))
+        self.leases.add_handler(_Handler(changed=self._lease_changed, deleted=self._lease_deleted))
 
         election = config.leader_election
         self.elector: LeaderElector | None = None
@@ -239,8 +248,8 @@ class SchedulerService:
     # -- running ------------------------------------------------------------------------------------------
 
     @property
-    def _informers(self) -> tuple[Informer[Pod], Informer[Pod], Informer[Node]]:
-        return (self.pods, self.foreign_pods, self.nodes)
+    def _informers(self) -> tuple[Informer[Pod], Informer[Pod], Informer[Node], Informer[Lease]]:
+        return (self.pods, self.foreign_pods, self.nodes, self.leases)
 
     @property
     def probe_port(self) -> int:
@@ -665,13 +674,26 @@ class SchedulerService:
             self.queue.cluster_changed()
 
     def _node_changed(self, old: Node | None, node: Node) -> None:
+        self._observe_heartbeat(node)
+
+    def _observe_heartbeat(self, node: Node) -> None:
+        """The node's heartbeat (its Lease's or its condition's, the newer) observed; the node re-set."""
         loop = asyncio.get_running_loop()
-        expires = self._heartbeats.observe(
-            node.metadata.name, agent_heartbeat(node), now=loop.time(), wall_now=datetime.now(UTC)
-        )
+        name = node.metadata.name
+        lease = self.leases.store.get(f"{self.config.node_lease_namespace}/{name}")
+        stamp = latest_heartbeat(lease_renewed(lease) if lease is not None else None, agent_heartbeat(node))
+        expires = self._heartbeats.observe(name, stamp, now=loop.time(), wall_now=datetime.now(UTC))
         if expires < self._heartbeat_due:
             self._heartbeat_wake.set()
         self._set_node(node, now=loop.time())
+
+    def _lease_changed(self, old: Lease | None, lease: Lease) -> None:
+        node = self.nodes.store.get(lease.metadata.name)
+        if node is not None:
+            self._observe_heartbeat(node)
+
+    def _lease_deleted(self, lease: Lease) -> None:
+        self._lease_changed(None, lease)
 
     def _set_node(self, node: Node, *, now: float) -> None:
         name = node.metadata.name

@@ -75,6 +75,8 @@ class MpsEnv:
             create_wait_s=1.0,
             quit_timeout_s=3.0,
             kill_timeout_s=3.0,
+            # The active probe's test client: the stand-in's short-lived client (a CUDA program there).
+            probe_command=(str(self.bin), "--mps-client", "--once"),
             backoff=BackoffSettings(initial_s=0.05, factor=2.0, max_s=0.4, stable_s=30.0, degraded_after=3),
         )
         base.update(overrides)

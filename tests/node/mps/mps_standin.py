@@ -31,7 +31,15 @@ runs under: the lower of its namespace's and its own ``CUDA_MPS_PINNED_DEVICE_ME
 accounts it against) and waits; ``client terminate`` makes it exit with 3, a vanished daemon with 2.
 A client of the main control socket goes to the first configured server's ``default`` namespace, or, with
 ``[features.context-share] default_socket = "off"``, to a ``default`` server of its own started on demand
-(not context-shared), as the time-slicing clients of NVIDIA's operator do.
+(not context-shared), as the time-slicing clients of NVIDIA's operator do. With ``--once`` it is a
+short-lived test client (gpufrac's MPS probe): it exits 0 as soon as its connection is accepted, as a
+CUDA program that only initialises would.
+
+The wedge NVIDIA describes for CUDA <= 13.5 (``wedge-on-kill``): a client killed with GPU work in flight
+(its connection drops without a ``client terminate``) orphans that work on its server, and every client
+that connects to that server afterwards hangs in CUDA init -- here: its connection is never answered --
+while the control plane answers as before (``server list``, ``client list``, ``namespace ...`` unchanged,
+the server process alive). Only restarting MPS clears it (a new daemon's servers are clean).
 
 Injectable faults — persistent from ``--fault`` flags or ``$GPUFRAC_STANDIN_FAULTS`` (comma-separated),
 one-shot from the lines of ``$GPUFRAC_STANDIN_FAULT_FILE`` (a line is removed when its fault fires, and the
@@ -39,7 +47,7 @@ file is re-read at start and on every command, so a test can arm a fault for the
 command): ``crash-after=<s>``, ``crash-on=<command words>``, ``slow-on=<s> <command words>`` (that
 command answers ``<s>`` seconds late), ``slow-start=<s>``, ``hang-on-terminate``,
 ``slow-terminate=<s>`` (a client whose GPU work takes that long to drain), ``ignore-quit``,
-``leave-servers``.
+``leave-servers``, ``wedge-on-kill`` (above).
 
 The wire protocol between this program's client and daemon halves is its own (one text line, a text
 answer); the real daemon's socket protocol is private to NVIDIA and never spoken by gpufrac.
@@ -151,6 +159,7 @@ class Client:
     namespace: str
     writer: asyncio.StreamWriter
     gone: asyncio.Event = field(default_factory=asyncio.Event)
+    clean: bool = False  # left through `client terminate` or by exiting (its work done), not killed
 
 
 class CommandError(Exception):
@@ -175,6 +184,7 @@ class StandInDaemon:
         #: of their own (``default``, no context sharing) instead of the first configured server.
         self.default_socket_shared = True
         self.done = asyncio.Event()
+        self.wedged: set[str] = set()  # servers with orphaned work: new clients hang (``wedge-on-kill``)
         self._control: asyncio.Server | None = None
         self._log = None
 
@@ -394,6 +404,11 @@ class StandInDaemon:
         if server is None or (namespace not in server.namespaces and namespace != "default"):
             writer.close()
             return
+        if server_name in self.wedged:  # CUDA init never returns; the control plane knows nothing of it
+            self.log(f"client {pid} -> {server_name}/{namespace}: hangs (server has orphaned work)")
+            await reader.read()
+            writer.close()
+            return
         settings = server.namespaces[namespace].settings if namespace in server.namespaces else {}
         threads = settings.get("active_thread_percentage", self.default_thread_percentage)
         memory = _effective_pinned(settings.get("pinned_memory_limit", ""), client_pinned)
@@ -403,11 +418,15 @@ class StandInDaemon:
         writer.write(f"OK {server_name} {namespace} {threads} {memory}\n".encode())
         await writer.drain()
         try:
-            await reader.read()  # until the client goes away
+            if b"BYE" in await reader.read():  # until the client goes away; BYE: it exited normally
+                client.clean = True
         finally:
             self.clients.pop(pid, None)
             client.gone.set()
             writer.close()
+            if not client.clean and self.faults.get("wedge-on-kill") is not None:
+                self.log(f"fault: client {pid} killed with work in flight: server {server_name} wedged")
+                self.wedged.add(server_name)
 
     # --- control commands ------------------------------------------------------------------------------
 
@@ -526,6 +545,7 @@ class StandInDaemon:
         if slow:
             self.log(f"fault: client {pid} drains its GPU work for {slow}s")
             await asyncio.sleep(float(slow))
+        client.clean = True
         client.writer.write(b"TERMINATE\n")
         with contextlib.suppress(ConnectionError):
             await client.writer.drain()
@@ -715,8 +735,8 @@ async def _send(line: str, *, protocol: int) -> tuple[bool, str]:
     return False, "the MPS control daemon closed the connection\n"
 
 
-async def _client_main() -> int:
-    """The stand-in of a CUDA process that became an MPS client."""
+async def _client_main(*, once: bool = False) -> int:
+    """The stand-in of a CUDA process that became an MPS client (``once``: one that exits when connected)."""
     try:
         reader, writer = await asyncio.open_unix_connection(str(_pipe_dir() / "control"))
     except OSError as error:
@@ -731,6 +751,11 @@ async def _client_main() -> int:
         return 1
     print(f"connected {' '.join(hello[1:4])}", flush=True)
     print(f"memory-limit {hello[4] if len(hello) > 4 else 'none'}", flush=True)
+    if once:  # a CUDA program that exits normally tears its context down first
+        writer.write(b"BYE\n")
+        await writer.drain()
+        writer.close()
+        return 0
     message = (await reader.readline()).decode().strip()
     return 3 if message == "TERMINATE" else 2
 
@@ -751,6 +776,7 @@ def main(argv: list[str] | None = None) -> int:
     mode.add_argument("-f", "--foreground", action="store_true")
     mode.add_argument("-q", "--quit", action="store_true")
     mode.add_argument("--mps-client", action="store_true", help="act as a CUDA process using MPS")
+    parser.add_argument("--once", action="store_true", help="with --mps-client: exit once connected")
     parser.add_argument("-m", "--multiuser", action="store_true")
     parser.add_argument(
         "-p",
@@ -768,7 +794,7 @@ def main(argv: list[str] | None = None) -> int:
     if flags and not args.command:
         parser.error(f"unrecognized arguments: {' '.join(flags)}")
     if args.mps_client:
-        return asyncio.run(_client_main())
+        return asyncio.run(_client_main(once=args.once))
     if args.daemon:
         child = [a for a in argv if a not in ("-d", "--daemon")]
         subprocess.Popen(

@@ -1,6 +1,7 @@
 """``gpufrac node-agent --mps`` as a process, with the STAND-IN control daemon and NRI's real adaptation:
 the agent starts MPS, gives an sm-sharing container its namespace, counts a daemon restart in its usage
-metrics, and on SIGTERM leaves no MPS process."""
+metrics, and on SIGTERM without handover leaves no MPS process (with handover, the default, it leaves MPS
+serving for the next agent: test_mps_handover.py)."""
 
 from __future__ import annotations
 
@@ -62,6 +63,7 @@ async def test_node_agent_with_mps_serves_namespaces_and_stops_mps_on_sigterm(mp
         "--mps",
         "--mps-control-bin",
         str(mps_env.bin),
+        "--no-mps-handover",
         stderr=asyncio.subprocess.DEVNULL,
     )
     try:

@@ -23,10 +23,12 @@ The capability is an input (``capability``): it follows the driver (r615+: the c
 makes time-slicing enforceable) and whether MPS is serving (sm-sharing), which the MPS supervisor knows.
 
 The backend is polled every ``interval_s``; the Node is patched only when what it should say changed,
-and re-asserted every ``heartbeat_s`` (the condition's heartbeat, and a repair of labels someone else
-removed). Writes are merge patches of our own keys only, and a strategic merge of the one condition, so
-the kubelet's labels and conditions are never touched. ``mark_stopped`` (SIGTERM) sets the condition to
-False so that the scheduler stops placing GPU pods while nothing would enforce their limits.
+and re-asserted every ``resync_s`` (ten minutes by default: a repair of labels someone else removed). The
+agent's heartbeat is not a Node write: it is the node's Lease (``gpufrac.node.heartbeat``), so a cluster
+of many nodes does not re-send every Node to every Node watcher each minute. Writes are merge patches
+of our own keys only, and a strategic merge of the one condition, so the kubelet's labels and conditions
+are never touched. ``mark_stopped`` (SIGTERM) sets the condition to False so that the scheduler stops
+placing GPU pods while nothing would enforce their limits.
 
 Another node stack on the same node. NVIDIA's GPU-fractioning operator writes the same condition type
 for its own daemons (``fractiond``, ``mpsd``), with reasons of its own. Before each write the agent reads
@@ -35,7 +37,7 @@ changed since this agent last wrote it, was written by someone else. The agent t
 -- its readiness becomes False with reason ``ConflictingNodeStack``, the annotation
 ``gpufrac.io/node-stack-conflict`` says what it found (the scheduler places nothing on such a node), a
 Warning Event goes on the Node -- and stops writing the condition, so the two writers do not flap it at
-every heartbeat. While the conflict lasts the Node is re-read each interval (a read, no write); once the
+every write. While the conflict lasts the Node is re-read each interval (a read, no write); once the
 condition is gone (or, to an agent that has not written it yet, carries one of gpufrac's reasons), the
 annotation is removed and the agent writes the condition as before.
 """
@@ -47,7 +49,7 @@ import contextlib
 import json
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -97,6 +99,7 @@ def desired_state(
     stack: StackVerdict | None = None,
     reserve: MemoryReserveSettings | None = None,
     mps_reserve: bool = False,
+    driver_upgrade: str | None = None,
 ) -> NodeState:
     """Pure: the Node's labels, inventory and readiness for what the backend and the agent report.
 
@@ -105,7 +108,27 @@ def desired_state(
     ``reserve``: memory held back per GPU (``gpufrac.node.inventory.reserve``; ``mps_reserve``: the node
     runs MPS, so the MPS server's share too); each GPU's ``mib`` is then its usable memory, with
     ``total_mib`` and ``reserved_mib`` beside it. None: ``mib`` is the total.
+    ``driver_upgrade`` is the GPU Operator's upgrade state while it upgrades the driver: the node is then
+    not ready, whatever else holds, and ``inventory`` is the last one read before the agent let go of
+    NVML (its GPUs stay published: the pods on them are still there).
     """
+    if driver_upgrade is not None:
+        upgrading = NodeState(
+            labels={keys.MANAGED_LABEL: "true"},
+            gpus=(),
+            ready=False,
+            reason=names.REASON_DRIVER_UPGRADE,
+            message="",
+        )
+        if inventory is not None:
+            base = desired_state(inventory=inventory, capability=capability, nri_connected=nri_connected)
+            upgrading = replace(upgrading, labels=base.labels, gpus=base.gpus)
+        return replace(
+            upgrading,
+            message=f"the GPU Operator is upgrading the NVIDIA driver (state {driver_upgrade}): MPS is "
+            "stopped and the agent has let go of NVML so that the driver can unload; no new GPU pods are "
+            "placed here until the upgrade is done",
+        )
     node_labels: dict[str, str | None] = {keys.MANAGED_LABEL: "true"}
     if inventory is None:
         return NodeState(
@@ -205,13 +228,14 @@ class InventoryPublisher:
         capability: CapabilityFor | None = None,
         nri_connected: Callable[[], bool] | None = None,
         interval_s: float = 5.0,
-        heartbeat_s: float = 60.0,
+        resync_s: float = 600.0,
         taint: bool = True,
         events: EventSink | None = None,
         stack_gate: GpuStackGate | None = None,
         memory_reserve: MemoryReserveSettings | None = None,
         mps_reserve: bool = False,
         on_inventory: Callable[[NodeInventory], None] | None = None,
+        driver_upgrade: Callable[[], str | None] | None = None,
     ) -> None:
         """``stack_gate``: the GPU stack gate (``gpufrac.node.gpustack``) readiness is withheld by.
         ``memory_reserve`` / ``mps_reserve``: publish usable memory (``desired_state``).
@@ -221,12 +245,13 @@ class InventoryPublisher:
         self._memory_reserve = memory_reserve
         self._mps_reserve = mps_reserve
         self._client = client
+        self._driver_upgrade = driver_upgrade or (lambda: None)
         self._node = node_name
         self._backend = backend
         self._capability = capability
         self._nri_connected = nri_connected or (lambda: True)
         self._interval_s = interval_s
-        self._heartbeat_s = heartbeat_s
+        self._resync_s = resync_s
         self._taint = taint
         self._events = events
         self._changed = asyncio.Event()
@@ -246,6 +271,16 @@ class InventoryPublisher:
         self._changed.set()
 
     async def read_state(self) -> NodeState:
+        upgrade = self._driver_upgrade()
+        if upgrade is not None:  # the driver is being unloaded: do not touch NVML, say why from memory
+            return desired_state(
+                inventory=self.inventory,
+                capability=self._capability_of(self.inventory),
+                nri_connected=self._nri_connected(),
+                driver_upgrade=upgrade,
+                reserve=self._memory_reserve,
+                mps_reserve=self._mps_reserve,
+            )
         try:
             inventory = await asyncio.to_thread(self._backend.read)
         except InventoryUnavailable as exc:
@@ -274,11 +309,19 @@ class InventoryPublisher:
             mps_reserve=self._mps_reserve,
         )
 
+    def _capability_of(self, inventory: NodeInventory | None) -> NodeMpsCapability | None:
+        if self._capability is None or inventory is None:
+            return None
+        try:
+            return self._capability(DriverVersion.parse(inventory.driver_version))
+        except ValueError:
+            return None
+
     async def publish_once(self, *, force: bool = False) -> NodeState:
         """Patch the Node if what it should say changed (or ``force``); returns the state."""
         state = await self.read_state()
         loop = asyncio.get_running_loop()
-        due = force or state != self._desired or loop.time() - self._last_write >= self._heartbeat_s
+        due = force or state != self._desired or loop.time() - self._last_write >= self._resync_s
         if not due and self.conflict is not None:  # the other stack may be gone: look, without writing
             with api_errors():
                 due = self._foreign_condition(await self._client.get(Node, self._node)) is None
@@ -331,14 +374,13 @@ class InventoryPublisher:
         self._desired = None
         if self.conflict is not None:  # the condition is the other stack's: leave it alone
             return
-        await self._write_condition(
-            ready=False,
-            reason=names.REASON_AGENT_STOPPED,
-            message="the gpufrac node agent is not running; GPU containers would start without their limits",
-        )
-        self.published = NodeState(
-            labels=base.labels, gpus=base.gpus, ready=False, reason=names.REASON_AGENT_STOPPED, message=""
-        )
+        reason = names.REASON_AGENT_STOPPED
+        message = "the gpufrac node agent is not running; GPU containers would start without their limits"
+        if self._driver_upgrade() is not None:  # evicted for the upgrade: say what is going on
+            upgrading = desired_state(inventory=None, driver_upgrade=self._driver_upgrade())
+            reason, message = upgrading.reason, upgrading.message
+        await self._write_condition(ready=False, reason=reason, message=message)
+        self.published = NodeState(labels=base.labels, gpus=base.gpus, ready=False, reason=reason, message="")
 
     # -- writes -----------------------------------------------------------------------------------------
 
@@ -348,6 +390,8 @@ class InventoryPublisher:
             if c.type != keys.NODE_READY_CONDITION:
                 continue
             said = f"{c.status}, reason {c.reason!r}, message {c.message!r}"
+            if c.reason == keys.NODE_REASON_AGENT_HEARTBEAT_EXPIRED:
+                return None  # the operator's word while this agent's Lease had expired: overwrite it
             if c.reason not in keys.NODE_AGENT_REASONS:
                 return (
                     f"{keys.NODE_READY_CONDITION} is {said}: gpufrac's node agent never writes that reason, "

@@ -158,6 +158,8 @@ class SimulatedInventory:
         self._driver = DEFAULT_DRIVER
         self._cuda = DEFAULT_CUDA
         self._unavailable: str | None = None
+        #: Whether this backend holds the (simulated) driver open: from a read until close, as NVML does.
+        self.holds_driver = False
         if spec is not None:
             self._apply(spec)
         else:
@@ -200,6 +202,7 @@ class SimulatedInventory:
         with self._lock:
             if self._unavailable is not None:
                 raise InventoryUnavailable(self._unavailable)
+            self.holds_driver = True  # as nvmlInit opens /dev/nvidiactl, until close (nvmlShutdown)
             if self._config is not None:
                 self._reload()
             return NodeInventory(
@@ -207,7 +210,7 @@ class SimulatedInventory:
             )
 
     def close(self) -> None:
-        pass
+        self.holds_driver = False
 
     # -- changes a test makes, as a node would undergo them --------------------------------------------
 

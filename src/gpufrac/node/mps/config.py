@@ -7,6 +7,7 @@ tests point the very same supervisor at the stand-in daemon.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -68,6 +69,23 @@ class MpsSettings(BaseModel):
         "variable as a second guard where the toolkit's memory-limit hook is missing; opt-in because it "
         "exposes the control socket to those containers (docs/mps.md)",
     )
+    probe_command: tuple[str, ...] = Field(
+        default_factory=lambda: (sys.executable, "-m", "gpufrac.node.mps.cuda_probe"),
+        min_length=1,
+        description="the short-lived test client of the active probe (gpufrac.node.mps.probe)",
+    )
+    probe_interval_s: float | None = Field(
+        30.0, gt=0, description="seconds between probes while MPS serves; None turns the probe off"
+    )
+    probe_timeout_s: float = Field(
+        10.0, gt=0, description="a test client without an MPS context after this long = the server is wedged"
+    )
+    handover: bool = Field(
+        False,
+        description="run the daemon in the background (-d) so that it outlives the agent, and adopt a "
+        "running one at start instead of replacing it (agent upgrades keep MPS clients running)",
+    )
+    exit_poll_s: float = Field(0.5, gt=0, description="how often a background daemon's pid is checked")
     quit_timeout_s: float = Field(5.0, gt=0)
     kill_timeout_s: float = Field(5.0, gt=0)
     backoff: BackoffSettings = BackoffSettings()

@@ -15,6 +15,15 @@ while it was up; nothing else on the node is touched.
 
 A daemon left by a previous agent (its pid in ``nvidia-cuda-mps-control.pid`` in our pipe directory) is
 stopped the same way before a new one starts, because two daemons cannot share one pipe directory.
+
+Handover (``MpsSettings.handover``, on in the node agent). A foreground daemon dies with the agent that
+holds its stdin, so every agent upgrade restarted MPS and every sm-sharing process lost its server. With
+handover the daemon runs in the background (``-d``: not the agent's child, not tied to its stdin), so it
+outlives an agent that stops; the next agent ADOPTS it instead of replacing it when the pid file names a
+live process of our pipe directory and the daemon answers ``server list``. Its clients never notice. The
+price: its exit is noticed by polling its pid (``exit_poll_s``) rather than at once, its exit status is
+unknown, and ``quit`` goes through the control socket. ASSUMPTION (the stand-in behaves so; confirm on
+r615): ``-d`` accepts ``-p 3 -m -a <toml>`` as ``-f`` does.
 """
 
 from __future__ import annotations
@@ -46,23 +55,36 @@ class MpsDaemon:
         self._mode = mode
         self._control = control
         self._process: asyncio.subprocess.Process | None = None
+        self._pid: int | None = None  # a background daemon's (handover): not our child
         self._servers: set[int] = set()
+        #: This daemon was left running by a previous agent and adopted, not started.
+        self.adopted = False
+
+    @property
+    def detached(self) -> bool:
+        return self._settings.handover
 
     @property
     def pid(self) -> int | None:
+        if self.detached:
+            return self._pid
         return self._process.pid if self._process is not None else None
 
     def argv(self, *, config_file: Path) -> list[str]:
+        mode = "-d" if self.detached else "-f"
         if self._mode is MpsMode.V3:
-            return [self._settings.control_bin, "-p", V3_PROTOCOL, "-m", "-f", "-a", str(config_file)]
-        return [self._settings.control_bin, "-f"]
+            return [self._settings.control_bin, "-p", V3_PROTOCOL, "-m", mode, "-a", str(config_file)]
+        return [self._settings.control_bin, mode]
 
     async def start(self) -> None:
-        """Spawns the daemon and returns once it answers; raises ``DaemonStartError`` otherwise."""
+        """Adopts a running daemon (handover) or spawns one, and returns once it answers; raises
+        ``DaemonStartError`` otherwise."""
         settings = self._settings
         settings.pipe_dir.mkdir(parents=True, exist_ok=True)
         settings.log_dir.mkdir(parents=True, exist_ok=True)
         settings.state_dir.mkdir(parents=True, exist_ok=True)
+        if self.detached and await self._adopt():
+            return
         await self._stop_leftover()
         await sweep_servers(settings=settings, known=set())
         with contextlib.suppress(FileNotFoundError):
@@ -75,7 +97,8 @@ class MpsDaemon:
             self._process = await asyncio.create_subprocess_exec(
                 *self.argv(config_file=config_file),
                 env=self._control.environment(),
-                stdin=asyncio.subprocess.PIPE,  # held open: a foreground daemon exits at end of file
+                # Foreground: held open, as the daemon exits at end of file. Background: not ours to hold.
+                stdin=asyncio.subprocess.DEVNULL if self.detached else asyncio.subprocess.PIPE,
                 stdout=output,
                 stderr=output,
                 start_new_session=True,
@@ -84,25 +107,60 @@ class MpsDaemon:
             raise DaemonStartError(f"cannot run {settings.control_bin}: {error}") from error
         finally:
             output.close()
+        if self.detached:  # `-d` forks the daemon and returns
+            status = await self._process.wait()
+            self._process = None
+            if status != 0:
+                raise DaemonStartError(f"`{settings.control_bin} -d` exited with status {status}")
         await self._wait_ready()
 
+    async def _adopt(self) -> bool:
+        """Takes over the daemon a previous agent left running, when it is ours and answers."""
+        pid = self._pid_from_file()
+        if pid is None or not _runs_with_pipe_dir(pid=pid, pipe_dir=self._settings.pipe_dir):
+            return False
+        try:
+            out = await self._list_servers()
+        except MpsCommandError as error:
+            log.warning("MPS control daemon %d left running does not answer (%s); replacing it", pid, error)
+            return False
+        self._pid, self.adopted = pid, True
+        self._servers |= {int(w) for w in out.split() if w.isdigit()}
+        log.info("adopted the MPS control daemon %d left running by the previous agent", pid)
+        return True
+
+    def _pid_from_file(self) -> int | None:
+        try:
+            return int((self._settings.pipe_dir / PID_FILE).read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            return None
+
+    def _exit_status(self) -> int | None:
+        """The daemon's exit status once it is gone (-1 for a background daemon: not our child)."""
+        if not self.detached:
+            assert self._process is not None
+            return self._process.returncode
+        if self._pid is None:
+            return None
+        return None if _running(self._pid, proc_root=Path("/proc")) else -1
+
     async def _wait_ready(self) -> None:
-        assert self._process is not None
+        assert self._process is not None or self.detached
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._settings.ready_timeout_s
         probe = ("server", "list") if self._mode is MpsMode.V3 else ("get_server_list",)
         while True:
-            if self._process.returncode is not None:
-                raise DaemonStartError(
-                    f"the MPS control daemon exited with status {self._process.returncode}"
-                )
+            if self.detached and self._pid is None:
+                self._pid = self._pid_from_file()
+            if (status := self._exit_status()) is not None:
+                raise DaemonStartError(f"the MPS control daemon exited with status {status}")
             remaining = deadline - loop.time()
             if remaining <= 0:
                 await self.kill()
                 raise DaemonStartError(
                     f"the MPS control daemon was not ready within {self._settings.ready_timeout_s}s"
                 )
-            if (self._settings.pipe_dir / "control").exists():
+            if (self._settings.pipe_dir / "control").exists() and (not self.detached or self._pid):
                 try:
                     out = await self._control.run(
                         *probe, timeout_s=min(remaining, self._settings.command_timeout_s)
@@ -115,12 +173,19 @@ class MpsDaemon:
             await asyncio.sleep(min(0.05, max(remaining, 0.0)))
 
     async def wait(self) -> int:
-        """Until the daemon exits; its exit status."""
-        assert self._process is not None
-        return await self._process.wait()
+        """Until the daemon exits; its exit status (-1 for a background daemon)."""
+        if not self.detached:
+            assert self._process is not None
+            return await self._process.wait()
+        while (status := self._exit_status()) is None:
+            await asyncio.sleep(self._settings.exit_poll_s)
+        return status
 
     async def stop(self) -> None:
         """``quit`` on its stdin, then SIGKILL, then the stray servers. Safe to call on a dead daemon."""
+        if self.detached:
+            await self._stop_detached()
+            return
         process = self._process
         if process is not None and process.returncode is None:
             with contextlib.suppress(MpsCommandError):
@@ -141,8 +206,35 @@ class MpsDaemon:
         stdin.write(b"quit\n")
         await stdin.drain()
 
+    async def _stop_detached(self) -> None:
+        """A background daemon: ``quit`` through its control socket, then as ``kill``."""
+        pid = self._pid
+        if pid is not None and _running(pid, proc_root=Path("/proc")):
+            with contextlib.suppress(MpsCommandError):
+                self._servers |= {int(w) for w in (await self._list_servers()).split() if w.isdigit()}
+            with contextlib.suppress(MpsCommandError):
+                await self._control.quit(timeout_s=self._settings.quit_timeout_s)
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + self._settings.quit_timeout_s
+            while _running(pid, proc_root=Path("/proc")) and loop.time() < deadline:
+                await asyncio.sleep(0.05)
+        await self.kill()
+
     async def kill(self) -> None:
         """SIGKILL the daemon (if alive) and every stray server of ours."""
+        if self.detached:
+            pid, self._pid = self._pid, None
+            if pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+                loop = asyncio.get_running_loop()
+                deadline = loop.time() + self._settings.kill_timeout_s
+                while _running(pid, proc_root=Path("/proc")) and loop.time() < deadline:
+                    await asyncio.sleep(0.02)
+                (self._settings.pipe_dir / PID_FILE).unlink(missing_ok=True)
+            await sweep_servers(settings=self._settings, known=self._servers)
+            self._servers.clear()
+            return
         process = self._process
         if process is not None and process.returncode is None:
             with contextlib.suppress(ProcessLookupError):

@@ -7,10 +7,12 @@ answers "MPS not started yet" (``MpsUnavailable``: the container fails closed) u
 driver and started the supervisor; a Synchronize that arrives before then is kept and applied before the
 daemon's first reconcile, so running containers keep their namespaces across an agent restart.
 
-``run`` is the service's whole life: read the driver (retrying while the inventory is unavailable),
-start the supervisor, wait; cancelling it stops the supervisor (quit, kill, stray servers) in a
-``finally``. ``capability`` is what the inventory publisher asks for; ``on_change`` (the publisher's
-``poke``) is called whenever the supervisor's state changes.
+``run`` is the service's whole life (the agent runs it again after a driver upgrade): read the driver
+(retrying while the inventory is unavailable), start the supervisor, wait; cancelling it stops the
+supervisor (quit, kill, stray servers) in a ``finally``, or, when the agent shuts down with handover
+(``handover_on_exit``), detaches from it and leaves the daemon serving for the next agent. ``capability``
+is what the inventory publisher asks for; ``on_change`` (the publisher's ``poke``) is called whenever the
+supervisor's state changes.
 """
 
 from __future__ import annotations
@@ -63,6 +65,9 @@ class MpsService:
         self._started: MpsContainerHooks | None = None
         self._pending: list[tuple[str, InjectionPlan]] | None = None
         self.hooks = _ServiceHooks(self)
+        #: Set by the agent as it shuts down: leave the daemon serving for the next agent (``detach``)
+        #: instead of stopping it. Off for a driver upgrade, which must stop MPS.
+        self.handover_on_exit = False
 
     def capability(self, driver: DriverVersion) -> NodeMpsCapability:
         if self.supervisor is None:
@@ -121,8 +126,15 @@ class MpsService:
             await supervisor.start()
             await asyncio.Event().wait()
         finally:
+            # Stopped for good or for a driver upgrade (the agent runs this again afterwards): until the
+            # next run, containers that need MPS are refused; the stopped supervisor's capability says
+            # MPS is not serving.
+            self._started = None
             await hooks.close(timeout_s=self._settings.drain_timeout_s)  # drains in flight, briefly
-            await supervisor.stop()
+            if self.handover_on_exit:
+                await supervisor.detach()
+            else:
+                await supervisor.stop()
             if recording is not None:  # after the stop: its Events are flushed on cancellation
                 recording.cancel()
                 await asyncio.gather(recording, return_exceptions=True)

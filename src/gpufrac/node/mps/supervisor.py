@@ -13,6 +13,13 @@ State machine (``state``)::
   blocks while the client's GPU work drains, and a slow drain is a legitimate one) means the server no
   longer processes requests; the daemon is killed — servers included — and started again at once with a
   ``MpsServerWedged`` Event.
+- Hung clients: with CUDA <= 13.5 a client killed with work in flight leaves every later client hanging
+  in CUDA init while the control daemon answers normally, so no command shows it. While READY, the active
+  probe (``gpufrac.node.mps.probe``) runs a short-lived test client every ``probe_interval_s``; one that
+  gets no context within ``probe_timeout_s`` declares the server wedged: the daemon is killed and started
+  again at once (``MpsServerWedged`` Event, counted as a wedge). Until a probe passes on the new daemon
+  (the first runs as soon as it is READY) the node withholds sm-sharing (``capability``) and new MPS
+  containers are refused (``ensure_namespace``), so no new fraction lands on a server not proven healthy.
 - Recycled: after a drain leaves no client attached (``recycle_when_idle``), the daemon is quit and
   started again at once (a Normal ``MpsDaemonRecycled`` Event, no backoff): restarting an idle MPS costs
   nobody anything, and it is the one way to be sure a fault left by a client killed mid-kernel does not
@@ -26,6 +33,11 @@ State machine (``state``)::
   ``namespace create`` and kept across daemon restarts, because the container bind-mounts that very
   directory: a recreated directory would be a different inode, invisible inside a running container.
   ASSUMPTION (stand-in behaves so; confirm on r615): the daemon reuses an existing namespace directory.
+
+Handover (``settings.handover``): ``detach()`` stops supervising and leaves the daemon serving, for the
+next agent to adopt (``MpsDaemon``); a daemon adopted at start keeps its namespaces and their clients.
+Its namespaces that the live set does not name are deleted only once the live set is known (the runtime's
+Synchronize): before that, "not live" only means "not told yet".
 
 ``stop()`` is the one shutdown path: it cancels the supervision task (whatever state it is in, including a
 backoff sleep or a start in progress), then stops the daemon gracefully and sweeps stray servers in a
@@ -58,6 +70,7 @@ from gpufrac.node.mps.events import (
 )
 from gpufrac.node.mps.mode import DriverVersion, MpsMode, NodeMpsCapability, capability_for, mode_for_driver
 from gpufrac.node.mps.names import PipeDirTooLong, check_pipe_dir, is_managed
+from gpufrac.node.mps.probe import ProbeOutcome, probe_once
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +148,13 @@ class MpsSupervisor:
         self._ready = asyncio.Event()
         self._wedged = asyncio.Event()
         self._recycle = asyncio.Event()
+        #: Why the server is not trusted (a probe hung) until a probe passes on the current daemon; None
+        #: when it is.
+        self.suspect: str | None = None
+        self.probes = 0
+        self._probe_error: str | None = None
         self._namespaces: dict[str, NamespaceSpec] = {}
+        self._live_known = False  # set_namespaces was called: the live set is the runtime's
         self._on_daemon: set[str] = set()  # namespaces the running daemon has (listed at reconcile)
         self._applied: dict[str, NamespaceSpec] = {}  # settings the running daemon has for each
         self._pipe_dirs: dict[str, Path] = {}  # each namespace's pipe directory, as the daemon reported it
@@ -168,7 +187,7 @@ class MpsSupervisor:
         running = self.state is SupervisorState.READY or (
             self.state in (SupervisorState.STARTING, SupervisorState.BACKOFF) and not self.backoff.degraded
         )
-        return capability_for(driver=self.driver, mps_running=running)
+        return capability_for(driver=self.driver, mps_running=running and self.suspect is None)
 
     def namespace_dir(self, name: str) -> Path:
         """Where a namespace's directory is created before ``namespace create`` (the daemon reuses it);
@@ -248,16 +267,66 @@ class MpsSupervisor:
         exited = asyncio.create_task(daemon.wait())
         wedged = asyncio.create_task(self._wedged.wait())
         recycle = asyncio.create_task(self._recycle.wait())
+        hung = asyncio.create_task(self._probe_until_hung())
         try:
-            await asyncio.wait({exited, wedged, recycle}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({exited, wedged, recycle, hung}, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            for task in (exited, wedged, recycle):
+            for task in (exited, wedged, recycle, hung):
                 task.cancel()
         if exited.done() and not exited.cancelled():
             return f"exited with status {exited.result()}", REASON_RESTARTED
         if wedged.done() and not wedged.cancelled():
             return "stopped answering `client terminate` (server wedged); killed", REASON_WEDGED
+        if hung.done() and not hung.cancelled():
+            self.suspect = hung.result()
+            self._on_change_now()
+            return (
+                f"answers, but {self.suspect} (clients hang in CUDA init: server wedged); killed",
+                REASON_WEDGED,
+            )
         return "recycled: no MPS client left attached after a drain", REASON_RECYCLED
+
+    @property
+    def probe_pipe_dir(self) -> Path:
+        """Where a client of the server connects: the shared server's directory (v3), the pipe (classic)."""
+        if self.mode is MpsMode.V3:
+            return self.settings.pipe_dir / self.settings.server_name
+        return self.settings.pipe_dir
+
+    async def _probe_until_hung(self) -> str:
+        """Probe while READY; returns what hung. The first probe is at once while the server is suspect."""
+        interval = self.settings.probe_interval_s
+        if interval is None:
+            await asyncio.Event().wait()
+        assert interval is not None
+        if self.suspect is None:
+            await asyncio.sleep(interval)
+        while True:
+            outcome, detail = await probe_once(
+                command=self.settings.probe_command,
+                pipe_dir=self.probe_pipe_dir,
+                log_dir=self.settings.log_dir,
+                timeout_s=self.settings.probe_timeout_s,
+            )
+            self.probes += 1
+            if outcome is ProbeOutcome.HUNG:
+                log.warning("MPS probe: %s", detail)
+                return detail
+            if outcome is ProbeOutcome.ERROR:
+                if detail != self._probe_error:
+                    log.warning("MPS probe could not run (it proves nothing about MPS): %s", detail)
+                self._probe_error = detail
+            else:
+                self._probe_error = None
+                if self.suspect is not None:
+                    log.info("MPS probe: a test client got a context again; the server is trusted")
+                    self.suspect = None
+                    self._on_change_now()
+            await asyncio.sleep(interval)
+
+    def _on_change_now(self) -> None:
+        if self._on_change is not None:
+            self._on_change()
 
     def _restart_later(self, *, reason: str, cause: str) -> None:
         self.state = SupervisorState.BACKOFF
@@ -283,6 +352,10 @@ class MpsSupervisor:
         try:
             if not await self.wait_ready(timeout_s=self.settings.create_wait_s):
                 raise MpsUnavailable(f"the MPS daemon is {self.state}, not serving")
+            if self.suspect is not None:
+                raise MpsUnavailable(
+                    f"the MPS server was wedged ({self.suspect}) and is not proven healthy yet"
+                )
             async with self._ns_lock:
                 return await self._create(spec)
         except MpsUnavailable:
@@ -295,6 +368,7 @@ class MpsSupervisor:
     def set_namespaces(self, specs: Iterable[NamespaceSpec]) -> None:
         """Replaces the live set without touching the daemon; the next ``reconcile`` applies it."""
         self._namespaces = {spec.name: spec for spec in specs}
+        self._live_known = True
 
     async def reconcile_logged(self) -> None:
         """``reconcile`` for a background task: a failure is logged (the next restart reconciles again)."""
@@ -356,6 +430,10 @@ class MpsSupervisor:
                     raise refused from None
                 fresh = False
             self._on_daemon.add(spec.name)
+        elif await self._daemon_has(spec):  # an adopted daemon's namespace, as it is: nothing to set
+            pipe = await self.control.namespace_pipe_directory(server=server, name=spec.name)
+            self._applied[spec.name], self._pipe_dirs[spec.name] = spec, pipe
+            return pipe
         try:
             await self.control.set_namespace(
                 server=server,
@@ -378,6 +456,43 @@ class MpsSupervisor:
         self._pipe_dirs[spec.name] = pipe
         return pipe
 
+    async def _daemon_has(self, spec: NamespaceSpec) -> bool:
+        """Whether the daemon's namespace already has ``spec``'s settings (read back with ``namespace
+        get``): a daemon adopted from the previous agent keeps them, and a ``namespace set`` would be
+        refused while its clients are attached."""
+        server = self.settings.server_name
+        try:
+            threads = await self.control.namespace_field(
+                server=server, name=spec.name, field="active_thread_percentage"
+            )
+            pinned = await self.control.namespace_field(
+                server=server, name=spec.name, field="pinned_memory_limit"
+            )
+        except MpsCommandError:
+            return False
+        got = pinned.strip()
+        return threads.strip() == str(spec.active_thread_percentage) and (
+            (None if got in ("", "N/A") else got) == spec.pinned_memory_limit
+        )
+
+    async def detach(self) -> None:
+        """Stops supervising and leaves the daemon serving for the next agent (handover); without
+        handover, the same as ``stop``."""
+        if not self.settings.handover:
+            await self.stop()
+            return
+        task, self._task = self._task, None
+        self.state = SupervisorState.STOPPING
+        self._ready.clear()
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        daemon, self._daemon = self._daemon, None
+        if daemon is not None:
+            log.info("leaving the MPS control daemon %s serving for the next agent", daemon.pid)
+        self.state = SupervisorState.STOPPED
+
     async def reconcile(self) -> None:
         """Makes the daemon's namespaces those of the live containers (run after every start)."""
         if self.mode is not MpsMode.V3:
@@ -389,7 +504,10 @@ class MpsSupervisor:
                 self._pipe_dirs.pop(name, None)
             for spec in list(self._namespaces.values()):
                 await self._create(spec)
+            adopted = self._daemon is not None and self._daemon.adopted
             for orphan in sorted(self._on_daemon - set(self._namespaces)):
+                if adopted and not self._live_known:  # its clients may be live containers not told yet
+                    continue
                 if not is_managed(orphan):  # `default`, someone else's, or a table cell: never ours
                     continue
                 log.info("deleting orphan MPS namespace %s", orphan)
