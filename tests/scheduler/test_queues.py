@@ -8,7 +8,10 @@ test names its queues after its pool.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import json
+import sys
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -23,6 +26,7 @@ from lightkube.types import PatchType
 from sched_harness import Pool, add_nodes, condition, gpu_pod, pods_of, running, wait_bound, wait_for
 
 from gpufrac.contract import keys
+from gpufrac.local.controlplane import ControlPlane
 from gpufrac.local.simnodes import NodeShape
 from gpufrac.scheduler.queues import CRD_NAME, GpufracQueue, KaiQueue
 
@@ -245,3 +249,80 @@ def test_the_example_queues_are_valid(queue_crds: None, kube: Client) -> None:
     body = yaml.safe_load(block)
     assert body["kind"] == "Queue"
     kube.create(codecs.from_dict(body), dry_run=True)
+
+
+async def _plugin(kubeconfig: Path, *args: str) -> tuple[int, str, str]:
+    """``kubectl gpufrac`` as a process (what the kubectl-gpufrac console script runs)."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "gpufrac.kubectl",
+        "--kubeconfig",
+        str(kubeconfig),
+        *args,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), timeout=60)
+    return proc.returncode or 0, out.decode(), err.decode()
+
+
+async def test_kubectl_gpufrac_queues_shows_the_tree_with_the_status_the_scheduler_wrote(
+    client: AsyncClient, pool: Pool, queues: list[tuple[type, str]], controlplane: ControlPlane
+) -> None:
+    await add_nodes(client, pool, count=1, shape=SHAPE)
+    parent, child = f"{pool.id}-org", f"{pool.id}-team"
+    await _create(client, queues, GpufracQueue, parent, {"resources": {"gpuMemory": {"deserved": 100_000}}})
+    await _create(
+        client,
+        queues,
+        GpufracQueue,
+        child,
+        {
+            "parentQueue": parent,
+            "displayName": "The team",
+            "resources": {"gpuMemory": {"deserved": 40_000, "limit": 90_000}, "gpus": {"limit": 1}},
+        },
+    )
+    config = pool.config(queue_status_interval_s=0.2, node_heartbeat_expiry_s=None)
+    async with running(client, config):
+        await client.create(gpu_pod(pool, "p", {"gpu-memory": "25000"}, labels={keys.QUEUE_LABEL: child}))
+        await wait_bound(client, pool.namespace, 1, timeout=20)
+
+        async def written() -> bool:
+            status = (await client.get(GpufracQueue, parent)).status or {}
+            return status.get("allocated", {}).get("gpuMemory") == 25_000
+
+        await wait_for(written, timeout=20, what="the queues' status written")
+        code, out, err = await _plugin(controlplane.kubeconfig, "queues", "-o", "json")
+        assert code == 0, err
+        items = {i["name"]: i for i in json.loads(out)["items"]}
+        assert items[child]["parent"] == parent and items[child]["displayName"] == "The team"
+        assert items[child]["status"]["allocated"] == {"gpuMemory": 25_000, "gpus": 0}
+        assert items[child]["status"]["fairShare"]["gpuMemory"] == 25_000
+        names = [i["name"] for i in json.loads(out)["items"]]
+        assert names.index(parent) < names.index(child)  # tree order: a parent before its children
+
+        code, out, err = await _plugin(controlplane.kubeconfig, "queues")
+        assert code == 0, err
+        lines = out.splitlines()
+        assert lines[0].split() == [
+            "QUEUE",
+            "ALLOCATED(MiB)",
+            "FAIR-SHARE(MiB)",
+            "DESERVED(MiB)",
+            "LIMIT(MiB)",
+            "GPUS",
+            "GPU-FAIR-SHARE",
+        ]
+        (row,) = [line for line in lines if line.strip().startswith(child)]
+        assert row.startswith(f"  {child}")  # indented under its parent
+        assert row.split() == [child, "25000", "25000", "40000", "90000", "0", "0"]
+        code, out, err = await _plugin(controlplane.kubeconfig, "queues", "-o", "wide")
+        assert code == 0, err
+        (row,) = [line for line in out.splitlines() if line.strip().startswith(child)]
+        assert row.split()[7:] == ["25000", "1", "0", "1", "1", "The", "team"]
+        code, out, err = await _plugin(controlplane.kubeconfig, "queues", "-o", "yaml")
+        assert code == 0 and yaml.safe_load(out)["kind"] == "QueueList"
+        code, _, err = await _plugin(controlplane.kubeconfig, "queues", "-o", "tree")
+        assert code == 2 and "--output 'tree'" in err
