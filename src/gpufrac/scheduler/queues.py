@@ -198,6 +198,13 @@ class QueueDirectory:
     def synced(self) -> bool:
         return self.ours.synced and self.kai.synced
 
+    async def wait_synced(self) -> None:
+        """Until every source is probed and, where installed, listed."""
+        for source in (self.ours, self.kai):
+            await source.probed.wait()
+            if source.installed:
+                await source.informer.synced.wait()
+
     @property
     def informers(self) -> list[Informer[Any]]:
         return [s.informer for s in (self.ours, self.kai) if s.installed]

@@ -209,7 +209,7 @@ class SchedulerService:
             capacity=lambda: engine_capacity(self._engine),
             waiting=self.queue.waiting,
             is_leader=self.is_leader,
-            interval=config.queue_status_interval_s,
+            interval=config.queue_status_interval_s or 0.0,
         )
         self.metrics = SchedulerMetrics()
         self.metrics.watch_state(
@@ -289,7 +289,8 @@ class SchedulerService:
         background.append(asyncio.create_task(self.events.run(), name="events"))
         background.append(asyncio.create_task(self._expire_heartbeats(), name="heartbeats"))
         background.append(asyncio.create_task(self.queue_directory.run(), name="queues"))
-        background.append(asyncio.create_task(self.queue_status.run(), name="queue-status"))
+        if self.config.queue_status_interval_s is not None:
+            background.append(asyncio.create_task(self.queue_status.run(), name="queue-status"))
         elector = asyncio.create_task(self.elector.run(), name="lease") if self.elector else None
         lead = asyncio.create_task(self._lead(), name="schedule")
         watched = [*background, lead, *([elector] if elector else [])]
@@ -331,8 +332,7 @@ class SchedulerService:
     async def _lead(self) -> None:
         for informer in self._informers:
             await informer.synced.wait()
-        while not self.queue_directory.synced:
-            await asyncio.sleep(0.05)
+        await self.queue_directory.wait_synced()
         log.info(
             "informers synced: %d managed nodes, %d pods booked, %d pending",
             len(self._specs),
