@@ -272,6 +272,11 @@ class QueueDirectory:
             await list_objects(self._client, resource, selection=Selection())
         except NotFound:
             return False
+        except httpx2.HTTPStatusError as error:  # lightkube raises a list's 404 as the HTTP error itself
+            if error.response.status_code == 404:
+                return False
+            log.warning("probing %s failed (%s); probing again later", resource.__name__, error)
+            return False
         except (KubeError, httpx2.HTTPError, OSError) as error:
             log.warning("probing %s failed (%s); probing again later", resource.__name__, error)
             return False
