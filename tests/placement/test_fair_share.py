@@ -230,3 +230,35 @@ def test_reparenting_moves_a_queues_usage_to_its_new_ancestors():
     e.set_queues([Queue("p"), Queue("q"), Queue("c", parent="q")])
     assert e.queues.allocated("p", QueueResource.GPU_MEMORY) == 0
     assert e.queues.allocated("q", QueueResource.GPU_MEMORY) == 5000
+
+
+def test_queue_order_compares_parents_before_children():
+    """The child of a parent below its share goes before the child of a parent above it, whatever the
+    children's own standing."""
+    e = build(
+        node("a", gpus=2),
+        queues=[
+            Queue("rich", gpu_memory=Quota(deserved=10_000)),
+            Queue("poor", gpu_memory=Quota(deserved=10_000)),
+            Queue("rich-kid", parent="rich", gpu_memory=Quota(deserved=10_000)),
+            Queue("rich-other", parent="rich"),
+            Queue("poor-kid", parent="poor"),  # no deserved share of its own
+        ],
+    )
+    assert isinstance(e.place(pod(mib(8000), queue="rich-other")), Placement)  # rich: 80% of its share
+    order: list[str] = []
+    original = e.place
+
+    def spy(p):
+        order.append(p.name)
+        return original(p)
+
+    e.place = spy  # type: ignore[method-assign]
+    e.schedule(
+        [
+            pod(mib(1000), name="from-rich-kid", queue="rich-kid", arrival=1),
+            pod(mib(1000), name="from-poor-kid", queue="poor-kid", arrival=2),
+        ]
+    )
+    # Flat, rich-kid (0% of its share) would go first and poor-kid (no share) last.
+    assert order == ["from-poor-kid", "from-rich-kid"]

@@ -3,7 +3,8 @@ the cluster each queue should hold (its fair share).
 
 Order (the issue's rule): higher priority first; among equal priority, the queue furthest below its
 deserved GPU memory (guaranteed GPU MiB in use / deserved MiB, lowest first; a queue with no deserved
-share comes last); then earlier arrival. The standing of a queue changes as its pods are placed, so the
+share comes last), compared level by level down the queue tree (first the top-level ancestors' standing,
+then the next level's); then earlier arrival. The standing of a queue changes as its pods are placed, so the
 order is decided one pod at a time: each queue keeps its pods sorted, and the next pod is the best queue
 head.
 
@@ -127,6 +128,11 @@ class QueueBook:
             return math.inf
         return self.usage.get(name, 0) / deserved
 
+    def standing_path(self, name: str, cluster_mib: int) -> tuple[float, ...]:
+        """The standings from the top-level ancestor down to ``name``: queues compare level by level,
+        so the children of a parent below its share go before those of a parent above it."""
+        return tuple(self.standing(q, cluster_mib) for q in reversed(self.lineage(name)))
+
 
 def scheduling_order(
     pods: Sequence[PendingPod],
@@ -146,7 +152,7 @@ def scheduling_order(
             heads,
             key=lambda q: (
                 -pods[heads[q][-1]].priority,
-                book.standing(q, cluster_mib),
+                book.standing_path(q, cluster_mib),
                 pods[heads[q][-1]].arrival,
                 heads[q][-1],
             ),
