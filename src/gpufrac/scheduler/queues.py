@@ -37,6 +37,7 @@ import httpx2
 from lightkube import AsyncClient
 from lightkube.generic_resource import create_global_resource
 
+from gpufrac.contract import keys
 from gpufrac.kube.errors import KubeError, NotFound
 from gpufrac.kube.informer import Informer
 from gpufrac.kube.stream import Selection, list_objects
@@ -45,14 +46,14 @@ from gpufrac.scheduler.config import SchedulerConfig
 
 log = logging.getLogger(__name__)
 
-GROUP = "gpufrac.io"
+GROUP = keys.API_GROUP
 VERSION = "v1alpha1"
 KIND = "Queue"
 PLURAL = "queues"
 CRD_NAME = f"{PLURAL}.{GROUP}"
 GpufracQueue = create_global_resource(GROUP, VERSION, KIND, PLURAL)
 
-KAI_GROUP = "scheduling.run.ai"
+KAI_GROUP = keys.KAI_SCHEDULING_API_GROUP
 KAI_VERSION = "v2"
 KaiQueue = create_global_resource(KAI_GROUP, KAI_VERSION, KIND, PLURAL)
 
