@@ -307,6 +307,28 @@ async def test_kubectl_gpufrac_queues_shows_the_tree_with_the_status_the_schedul
             return status.get("allocated", {}).get("gpuMemory") == 25_000
 
         await wait_for(written, timeout=20, what="the queues' status written")
+        # kubectl get's columns (the CRD's printer columns, as the API server renders them as a Table).
+        with controlplane.http() as http:
+            answer = http.get(
+                f"/apis/gpufrac.io/v1alpha1/queues/{child}",
+                headers={"Accept": "application/json;as=Table;v=v1;g=meta.k8s.io"},
+            )
+        assert answer.status_code == 200, answer.text
+        table = answer.json()
+        columns = [c["name"] for c in table["columnDefinitions"]]
+        assert columns == [
+            "Name",
+            "Parent",
+            "GPU-Mem-Deserved",
+            "GPU-Mem-Allocated",
+            "GPU-Mem-FairShare",
+            "GPU-Mem-Limit",
+            "GPUs-Allocated",
+            "GPUs-FairShare",
+            "Age",
+        ]
+        assert table["rows"][0]["cells"][:8] == [child, parent, 40_000, 25_000, 25_000, 90_000, 0, 0]
+
         code, out, err = await _plugin(controlplane.kubeconfig, "queues", "-o", "json")
         assert code == 0, err
         items = {i["name"]: i for i in json.loads(out)["items"]}
