@@ -28,8 +28,7 @@ from sched_harness import Pool, add_nodes, condition, gpu_pod, pods_of, running,
 from gpufrac.contract import keys
 from gpufrac.local.controlplane import ControlPlane
 from gpufrac.local.simnodes import NodeShape
-from gpufrac.placement.model import Quota
-from gpufrac.scheduler.queues import CRD_NAME, GpufracQueue, KaiQueue, queue_from_kai, queue_from_object
+from gpufrac.scheduler.queues import CRD_NAME, GpufracQueue, KaiQueue
 
 pytestmark = pytest.mark.kube
 
@@ -361,34 +360,3 @@ async def test_kubectl_gpufrac_queues_shows_the_tree_with_the_status_the_schedul
         assert code == 0 and yaml.safe_load(out)["kind"] == "QueueList"
         code, _, err = await _plugin(controlplane.kubeconfig, "queues", "-o", "tree")
         assert code == 2 and "--output 'tree'" in err
-
-
-def test_kai_queues_map_to_ours_never_promising_more_nor_capping_harder() -> None:
-    """queue_types.go/resources.go: GPUs in fractions, -1 unlimited; ours counts whole GPUs."""
-    kai = KaiQueue(
-        metadata=ObjectMeta(name="k"),
-        spec={
-            "parentQueue": "org",
-            "resources": {
-                "gpu": {"quota": 2.7, "limit": 3.2, "overQuotaWeight": 4},
-                "memory": {"quota": 1000, "limit": 2000},
-            },
-        },
-    )
-    q = queue_from_kai(kai)
-    assert q.parent == "org"
-    assert q.gpus == Quota(deserved=2, over_quota_weight=4.0, limit=4)
-    assert q.gpu_memory == Quota(deserved=0, over_quota_weight=4.0, limit=None)  # host memory is ignored
-    unlimited = queue_from_kai(
-        KaiQueue(metadata=ObjectMeta(name="u"), spec={"resources": {"gpu": {"quota": -1, "limit": -1}}})
-    )
-    assert unlimited.gpus == Quota(deserved=0, over_quota_weight=1.0, limit=None)
-    assert queue_from_kai(KaiQueue(metadata=ObjectMeta(name="bare"), spec={})).gpus == Quota()
-
-
-def test_a_queue_stored_without_the_crds_validation_is_refused_naming_the_field() -> None:
-    bad = GpufracQueue(metadata=ObjectMeta(name="b"), spec={"resources": {"gpus": {"limit": -2}}})
-    with pytest.raises(
-        ValueError, match=r"queue b: spec.resources.gpus.limit: -2 is not a non-negative integer"
-    ):
-        queue_from_object(bad)

@@ -123,15 +123,27 @@ class QueueStatusWriter:
         self._interval = interval
         self.passes = 0
         self.writes = 0
+        # A waiting pod's demand by uid, for its resourceVersion and the largest GPU it was resolved
+        # against: a pass re-reads only pods that changed (tens of thousands may wait).
+        self._demands: dict[str, tuple[tuple[str, int], dict[QueueResource, int]]] = {}
 
     def statuses(self) -> dict[str, dict[str, dict[str, int]]]:
         capacity = self._capacity()
         waiting: dict[QueueResource, dict[str, int]] = {r: {} for r in RESOURCES}
+        demands: dict[str, tuple[tuple[str, int], dict[QueueResource, int]]] = {}
         for queue, pod in self._waiting():
             if self._directory.refusal(queue_label(pod)) is not None:
                 continue  # a pod that cannot join its queue is no demand on it
-            for resource, amount in pod_demand(pod, largest_gpu_mib=capacity.largest_gpu_mib).items():
+            uid = pod.metadata.uid or ""
+            version = (pod.metadata.resourceVersion or "", capacity.largest_gpu_mib)
+            known = self._demands.get(uid)
+            demand = known[1] if known is not None and known[0] == version else None
+            if demand is None:
+                demand = pod_demand(pod, largest_gpu_mib=capacity.largest_gpu_mib)
+            demands[uid] = (version, demand)
+            for resource, amount in demand.items():
                 waiting[resource][queue] = waiting[resource].get(queue, 0) + amount
+        self._demands = demands
         return queue_statuses(
             queues=self._directory.queues(), book=self._book(), waiting=waiting, capacity=capacity
         )
@@ -148,6 +160,8 @@ class QueueStatusWriter:
 
     async def write_once(self) -> int:
         """Patch the status of every ``Queue`` object whose status changed; returns how many."""
+        if not len(self._directory.ours.informer.store):
+            return 0
         statuses = self.statuses()
         written = 0
         for obj in list(self._directory.ours.informer.store):
