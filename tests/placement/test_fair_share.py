@@ -47,7 +47,7 @@ def test_the_worked_example_in_docs_queues_md():
     assert capacity == 4 * 2 * 81920
     got = fair_shares(queues, demand, capacity)
     assert {name: round(share) for name, share in got.items()} == expected
-    assert all(math.isclose(got[n], expected[n], abs_tol=CLOSE) for n in expected)  # exact, not rounded
+    assert all(math.isclose(got[n], expected[n], abs_tol=CLOSE) for n in expected)  # not only when rounded
 
 
 def test_deserved_is_guaranteed_and_the_rest_follows_weights():
