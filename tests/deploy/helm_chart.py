@@ -12,6 +12,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "deploy" / "helm" / "gpufrac"
 CRD = ROOT / "deploy" / "crds" / "gpufrac.io_gpufractioningconfigs.yaml"
+QUEUE_CRD = ROOT / "deploy" / "crds" / "gpufrac.io_queues.yaml"
 HELM = ROOT / "testenv" / "bin" / "helm"
 
 

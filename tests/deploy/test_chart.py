@@ -68,13 +68,25 @@ def test_crds_come_from_deploy_crds(tmp_path: Path) -> None:
     """The chart's crds/ is deploy/crds (a symlink Helm follows): one source for the CRD."""
     assert (CHART / "crds").resolve() == CRD.parent
     done = helm("show", "crds", CHART)
-    (crd,) = [doc for doc in yaml.safe_load_all(done.stdout) if doc]
-    assert crd == yaml.safe_load(CRD.read_text())
-    # A packaged chart carries the file itself, not the link.
+    crds = sorted(
+        (doc for doc in yaml.safe_load_all(done.stdout) if doc), key=lambda d: d["metadata"]["name"]
+    )
+    expected = sorted(
+        (yaml.safe_load(f.read_text()) for f in CRD.parent.glob("*.yaml")),
+        key=lambda d: d["metadata"]["name"],
+    )
+    assert [c["metadata"]["name"] for c in crds] == ["gpufractioningconfigs.gpufrac.io", "queues.gpufrac.io"]
+    assert crds == expected
+    # A packaged chart carries the files themselves, not the link.
     helm("package", CHART, "--destination", tmp_path)
     (archive,) = tmp_path.glob("gpufrac-*.tgz")
     packaged = helm("show", "crds", archive)
-    assert [doc for doc in yaml.safe_load_all(packaged.stdout) if doc] == [crd]
+    assert (
+        sorted(
+            (doc for doc in yaml.safe_load_all(packaged.stdout) if doc), key=lambda d: d["metadata"]["name"]
+        )
+        == crds
+    )
 
 
 def test_scheduler_config_is_valid_and_leases_stay_in_the_release_namespace(tmp_path: Path) -> None:

@@ -181,8 +181,14 @@ SCHEDULER_DOES = [
     ("watch", "nodes", ""),
     ("create", "events", "team-a"),
     ("patch", "events", "team-a"),
+    ("watch", "gpufrac.io:queues", ""),
+    ("patch", "gpufrac.io:queues/status", ""),
+    ("list", "scheduling.run.ai:queues", ""),
+    ("watch", "scheduling.run.ai:queues", ""),
 ]
 SCHEDULER_MUST_NOT = [
+    ("update", "gpufrac.io:queues", ""),  # the spec is the administrator's; the scheduler writes status
+    ("patch", "scheduling.run.ai:queues/status", ""),  # KAI's queue status is KAI's
     ("delete", "nodes", ""),
     ("patch", "nodes", ""),
     ("delete", "pods", "team-a"),

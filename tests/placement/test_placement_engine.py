@@ -8,7 +8,7 @@ from placement_builders import fraction, mib, node, pod, whole
 
 from gpufrac.placement.decision import Placement, Unschedulable
 from gpufrac.placement.engine import Engine
-from gpufrac.placement.model import GpuDevice, Queue
+from gpufrac.placement.model import GpuDevice, Queue, Quota
 
 
 def build(*nodes, **kw) -> Engine:
@@ -184,7 +184,7 @@ def test_queue_order_priority_then_share_then_arrival():
 
 
 def test_queue_gpu_memory_limit():
-    e = build(node("a", gpus=2), queues=[Queue("small", gpu_memory_limit_mib=10_000)])
+    e = build(node("a", gpus=2), queues=[Queue("small", gpu_memory=Quota(limit=10_000))])
     assert isinstance(e.place(pod(mib(8000), queue="small")), Placement)
     over = e.place(pod(mib(4000), queue="small"))
     assert isinstance(over, Unschedulable) and "GPU-memory limit of 10000 MiB" in over.message

@@ -79,6 +79,11 @@ GPU_RESOURCE = "nvidia.com/gpu"
 QUEUE_LABEL = "gpufrac.io/queue"
 KAI_QUEUE_LABEL = "kai.scheduler/queue"
 
+#: The API group of gpufrac's resources (GpuFractioningConfig, Queue) and of KAI Scheduler's Queue
+#: (scheduling.run.ai/v2), which the scheduler reads (docs/queues.md).
+API_GROUP = "gpufrac.io"
+KAI_SCHEDULING_API_GROUP = "scheduling.run.ai"
+
 #: Managed GPU nodes carry this taint so that other schedulers stay off them; pods of our scheduler that
 #: ask for a GPU get the matching toleration from the webhook.
 MANAGED_TAINT_KEY = "gpufrac.io/managed"

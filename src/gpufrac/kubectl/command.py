@@ -1,4 +1,4 @@
-"""``kubectl-gpufrac``: ``kubectl gpufrac nodes | explain POD | top``, with kubectl's own conventions.
+"""``kubectl-gpufrac``: ``kubectl gpufrac nodes | explain POD | queues | top``, kubectl's conventions.
 
 Flags as kubectl spells them: ``--kubeconfig``, ``--context``, ``-n/--namespace`` (default: the
 context's namespace), ``-o/--output`` ``wide|json|yaml`` (default: a plain column table, upper-case
@@ -28,10 +28,12 @@ from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
 from gpufrac.kubectl.snapshot import MILLI, ClusterTrace, cluster_trace
-from gpufrac.kubectl.view import Explanation, GpuRow, explain, gpu_rows
+from gpufrac.kubectl.view import Explanation, GpuRow, QueueRow, explain, gpu_rows, queue_rows
 from gpufrac.node.top import AgentView, parse_agent, render
 from gpufrac.node.top import top as top_by_address
 from gpufrac.operator.render import APP_NAME, METRICS_PORT_NAME
+from gpufrac.scheduler.queues import CRD_NAME as QUEUE_CRD_NAME
+from gpufrac.scheduler.queues import GpufracQueue
 from gpufrac.sim.experiment import by_policy, mean, parse_policies, parse_seeds, run_experiment
 from gpufrac.sim.replay import RunResult
 from gpufrac.sim.report import as_json, table
@@ -41,7 +43,7 @@ OUTPUTS = ("table", "wide", "json", "yaml")
 
 app = typer.Typer(
     name="kubectl-gpufrac",
-    help="gpufrac's GPU fractions from kubectl: `kubectl gpufrac nodes | explain POD | top`.",
+    help="gpufrac's GPU fractions from kubectl: `kubectl gpufrac nodes | explain POD | queues | top`.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -254,6 +256,84 @@ def _print_explanation(e: Explanation, *, wide: bool) -> None:
             ["TIME", "TYPE", "REASON", "COUNT", "MESSAGE"],
             [[v["time"], v["type"], v["reason"], v["count"], v["message"]] for v in e.events],
         )
+
+
+@app.command("queues")
+def queues(
+    output: str = OUTPUT,
+    kubeconfig: Path | None = KUBECONFIG,
+    context: str | None = CONTEXT,
+    namespace: str | None = NAMESPACE,
+) -> None:
+    """Queues as a tree: GPU memory allocated, fair share, deserved and limit; whole GPUs (docs/queues.md)."""
+    _set(kubeconfig, context, namespace)
+    _check_output(output)
+    client = _client()
+    try:
+        found = list(client.list(GpufracQueue))
+    except ApiError as error:
+        if error.status.code == 404:
+            _fail(
+                f"the Queue resource is not installed (CRD {QUEUE_CRD_NAME}; the gpufrac chart installs it)"
+            )
+        _fail(f"{error.status.reason}: {error.status.message}")
+    except httpx2.HTTPStatusError as error:  # lightkube's list may raise the HTTP error itself
+        if error.response.status_code == 404:
+            _fail(
+                f"the Queue resource is not installed (CRD {QUEUE_CRD_NAME}; the gpufrac chart installs it)"
+            )
+        _fail(f"the API server answered {error.response.status_code}: {error}")
+    except httpx2.HTTPError as error:
+        _fail(f"cannot reach the API server: {type(error).__name__}: {error}")
+    rows = queue_rows(found)
+    if output in ("json", "yaml"):
+        _dump({"kind": "QueueList", "items": [r.as_dict() for r in rows]}, output)
+        return
+    if not rows:
+        typer.echo(
+            "No queues (kubectl get queues.gpufrac.io); pods use the scheduler's configured ones.", err=True
+        )
+        return
+    _print_table(*_queue_table(rows, wide=output == "wide"))
+
+
+def _queue_table(rows: list[QueueRow], *, wide: bool) -> tuple[list[str], list[list[Any]]]:
+    def shown(value: Any) -> str:
+        return "-" if value is None else str(value)
+
+    headers = [
+        "QUEUE",
+        "ALLOCATED(MiB)",
+        "FAIR-SHARE(MiB)",
+        "DESERVED(MiB)",
+        "LIMIT(MiB)",
+        "GPUS",
+        "GPU-FAIR-SHARE",
+    ]
+    if wide:
+        headers += ["REQUESTED(MiB)", "WEIGHT", "GPU-DESERVED", "GPU-LIMIT", "GPU-WEIGHT", "DISPLAY-NAME"]
+    table = []
+    for r in rows:
+        row = [
+            "  " * r.depth + r.name,
+            shown(r.amount("allocated", "gpuMemory")),
+            shown(r.amount("fairShare", "gpuMemory")),
+            shown(r.term("gpuMemory", "deserved")),
+            shown(r.term("gpuMemory", "limit")),
+            shown(r.amount("allocated", "gpus")),
+            shown(r.amount("fairShare", "gpus")),
+        ]
+        if wide:
+            row += [
+                shown(r.amount("requested", "gpuMemory")),
+                shown(r.term("gpuMemory", "overQuotaWeight")),
+                shown(r.term("gpus", "deserved")),
+                shown(r.term("gpus", "limit")),
+                shown(r.term("gpus", "overQuotaWeight")),
+                shown(r.display_name),
+            ]
+        table.append(row)
+    return headers, table
 
 
 @app.command("top")

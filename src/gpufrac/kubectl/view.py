@@ -267,3 +267,67 @@ def explain(
         request=request_text,
         fit=fit_hints(request, rows) if request is not None and rows is not None and not gpus else [],
     )
+
+
+@dataclass(frozen=True, slots=True)
+class QueueRow:
+    """One ``Queue`` object as ``kubectl gpufrac queues`` shows it: its place in the tree, its spec's
+    terms and the status the scheduler wrote (None where it wrote none yet)."""
+
+    name: str
+    depth: int
+    parent: str | None
+    display_name: str | None
+    spec: dict[str, Any]
+    status: dict[str, Any]
+
+    def term(self, resource: str, key: str) -> Any:
+        return ((self.spec.get("resources") or {}).get(resource) or {}).get(key)
+
+    def amount(self, kind: str, resource: str) -> Any:
+        return (self.status.get(kind) or {}).get(resource)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "parent": self.parent,
+            "displayName": self.display_name,
+            "resources": self.spec.get("resources") or {},
+            "status": self.status,
+        }
+
+
+def queue_rows(queues: Iterable[Any]) -> list[QueueRow]:
+    """Queue objects in tree order: each parent before its children, siblings by name. A queue whose
+    parent is missing (or part of a cycle) is shown at the top level, as the scheduler treats it."""
+    by_name = {q.metadata.name: q for q in queues}
+    children: dict[str | None, list[str]] = {}
+    for name, q in by_name.items():
+        parent = (q.spec or {}).get("parentQueue") or None
+        seen, walk = {name}, parent
+        while walk is not None and walk in by_name and walk not in seen:
+            seen.add(walk)
+            walk = (by_name[walk].spec or {}).get("parentQueue") or None
+        top = parent is None or parent not in by_name or walk in seen
+        children.setdefault(None if top else parent, []).append(name)
+    rows: list[QueueRow] = []
+
+    def visit(name: str, depth: int) -> None:
+        q = by_name[name]
+        spec = dict(q.spec or {})
+        rows.append(
+            QueueRow(
+                name=name,
+                depth=depth,
+                parent=spec.get("parentQueue") or None,
+                display_name=spec.get("displayName") or None,
+                spec=spec,
+                status=dict(q.status or {}),
+            )
+        )
+        for child in sorted(children.get(name, ())):
+            visit(child, depth + 1)
+
+    for root in sorted(children.get(None, ())):
+        visit(root, 0)
+    return rows

@@ -13,7 +13,9 @@ from typing import Any
 
 from lightkube.generic_resource import create_global_resource
 
-GROUP = "gpufrac.io"
+from gpufrac.contract import keys
+
+GROUP = keys.API_GROUP
 VERSION = "v1alpha1"
 KIND = "GpuFractioningConfig"
 PLURAL = "gpufractioningconfigs"

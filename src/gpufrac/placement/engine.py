@@ -45,7 +45,7 @@ from .decision import (
 from .demand import PPM, ContainerDemand, Demand, can_fall_back, demand_of, portion_ppm
 from .fair_share import QueueBook, scheduling_order
 from .filters import STATIC_FILTERS, Fit, GpuRules, container_fit, resource_fit, static_reason
-from .model import NodeSpec, PendingPod, Queue
+from .model import NodeSpec, PendingPod, Queue, QueueResource
 from .policies import Policy, Prior, make_policy
 from .state import EXCLUSIVE, MODE_CODE, Allocation, ClusterState, DeviceCharge, GpuLedger
 
@@ -101,6 +101,7 @@ class _Bound:
     allocation: Allocation
     placement: Placement
     gpu_mib: int
+    whole_gpus: int
 
 
 class Engine:
@@ -241,7 +242,7 @@ class Engine:
             return False
         self.state.release(b.allocation)
         self._on_node[b.allocation.node].discard(uid)
-        self.queues.charge(b.pod.queue, -b.gpu_mib)
+        self.queues.charge(b.pod.queue, -b.gpu_mib, -b.whole_gpus)
         return True
 
     def placement_of(self, uid: str) -> Placement | None:
@@ -255,9 +256,10 @@ class Engine:
     def _commit(self, pod: PendingPod, allocation: Allocation, placement: Placement) -> None:
         self.state.apply(allocation)
         mib = sum(c.request_mib for c in allocation.charges)
-        self._bound[pod.uid] = _Bound(pod, allocation, placement, mib)
+        gpus = _whole_gpus(allocation)
+        self._bound[pod.uid] = _Bound(pod, allocation, placement, mib, gpus)
         self._on_node[allocation.node].add(pod.uid)
-        self.queues.charge(pod.queue, mib)
+        self.queues.charge(pod.queue, mib, gpus)
 
     def _placement_from_request(self, pod: PendingPod, node: str) -> Placement:
         n = self.state.index[node]
@@ -288,6 +290,10 @@ class Engine:
 
     def set_queue(self, queue: Queue) -> None:
         self.queues.set(queue)
+
+    def set_queues(self, queues: Iterable[Queue]) -> None:
+        """Replace the known queues (what pods hold stays charged to their queues)."""
+        self.queues.replace(queues)
 
     # -- scheduling -----------------------------------------------------------------------------------
 
@@ -453,13 +459,9 @@ class Engine:
                 kc.reason[best] = Reason.DEVICE_ASSIGNMENT
                 continue
             mib = sum(c.request_mib for c in allocation.charges)
-            if self.queues.over_limit(pod.queue, mib):
-                limit = self.queues.get(pod.queue).gpu_memory_limit_mib
-                return Unschedulable(
-                    pod.uid,
-                    st.node_count,
-                    detail=f"queue {pod.queue} would exceed its GPU-memory limit of {limit} MiB",
-                )
+            exceeded = self.queues.exceeded(pod.queue, mib, _whole_gpus(allocation))
+            if exceeded is not None:
+                return Unschedulable(pod.uid, st.node_count, detail=_over_limit(pod.queue, *exceeded))
             placement = self._placement(pod, demand, allocation)
             self._commit(pod, allocation, placement)
             return placement
@@ -582,3 +584,19 @@ class Statement:
     def __exit__(self, *exc: object) -> None:
         if self._open:
             self.discard()
+
+
+def _whole_gpus(allocation: Allocation) -> int:
+    """GPUs the allocation holds exclusively (a queue's whole-GPU count)."""
+    return sum(1 for c in allocation.charges if c.mode == EXCLUSIVE)
+
+
+def _over_limit(queue: str, at: str, resource: QueueResource, limit: int) -> str:
+    what = (
+        f"GPU-memory limit of {limit} MiB"
+        if resource is QueueResource.GPU_MEMORY
+        else (f"limit of {limit} whole GPUs")
+    )
+    if at == queue:
+        return f"queue {queue} would exceed its {what}"
+    return f"queue {queue} would take its ancestor queue {at} past that queue's {what}"

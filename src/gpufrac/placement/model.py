@@ -176,14 +176,51 @@ class PendingPod:
         return f"{self.namespace}/{self.name}"
 
 
+class QueueResource(StrEnum):
+    """What a queue's quota counts: guaranteed GPU memory (MiB) and whole GPUs held exclusively.
+
+    The values are the field names of the ``Queue`` resource's ``spec.resources`` and ``status``.
+    """
+
+    GPU_MEMORY = "gpuMemory"
+    GPUS = "gpus"
+
+
+@dataclass(frozen=True, slots=True)
+class Quota:
+    """One resource's terms for one queue (the unit is the resource's: MiB or whole GPUs).
+
+    ``deserved`` is guaranteed when the queue asks for it; what is left is divided among queues that
+    still want more in proportion to ``over_quota_weight`` (0: only what no weighted queue wants);
+    ``limit`` (None: none) caps the queue whatever is free.
+    """
+
+    deserved: int = 0
+    over_quota_weight: float = 1.0
+    limit: int | None = None
+
+
 @dataclass(frozen=True, slots=True)
 class Queue:
-    """A queue: an optional cap on the guaranteed GPU memory of its placed pods, and a deserved share.
+    """A queue: its parent (None: a top-level queue) and its quota per resource.
 
-    ``deserved_share`` is a fraction of the cluster's GPU memory; pending pods of the queue furthest
-    below its share go first among pods of equal priority.
+    ``deserved_share`` is the configuration file's older form of a GPU-memory deserved quota: a fraction
+    of the cluster's GPU memory, used when ``gpu_memory.deserved`` is 0. Pending pods of the queue
+    furthest below its deserved GPU memory go first among pods of equal priority.
     """
 
     name: str
-    gpu_memory_limit_mib: int | None = None
+    parent: str | None = None
+    gpu_memory: Quota = Quota()
+    gpus: Quota = Quota()
     deserved_share: float = 0.0
+
+    def quota(self, resource: QueueResource) -> Quota:
+        return self.gpu_memory if resource is QueueResource.GPU_MEMORY else self.gpus
+
+    def deserved(self, resource: QueueResource, capacity: int) -> int:
+        """The deserved amount of ``resource`` in a cluster of ``capacity`` (resolves ``deserved_share``)."""
+        quota = self.quota(resource)
+        if resource is QueueResource.GPU_MEMORY and not quota.deserved and self.deserved_share:
+            return int(self.deserved_share * capacity)
+        return quota.deserved

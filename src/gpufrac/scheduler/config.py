@@ -70,7 +70,13 @@ class SchedulerConfig(_Strict):
     """When set, the sum of LIMITS on a GPU may not exceed cap x its memory (requests never exceed 1x)."""
 
     queues: tuple[QueueConfig, ...] = (QueueConfig(name="default"),)
+    """Queues for clusters without the Queue CRD, and back-compatibility: a Queue object (or KAI queue) of
+    the same name takes precedence (docs/queues.md)."""
     default_queue: str = "default"
+    queue_status_interval_s: float | None = Field(default=5.0, gt=0)
+    """How often the leader refreshes Queue objects' status (only queues whose status changed are written).
+    None: this scheduler writes no Queue status (run several schedulers, e.g. shards of the nodes, and
+    let one of them write it: each sees only its own nodes and pods)."""
 
     batch_window_ms: float = Field(default=10.0, ge=0.0)
     """How long to wait after the first pending pod for others, so a burst is placed as one batch."""

@@ -9,15 +9,17 @@ scheduler's configuration onto the engine's knobs.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Protocol
 
 from gpufrac.placement.decision import Decision, Placement
 from gpufrac.placement.engine import Engine
+from gpufrac.placement.fair_share import QueueBook
 from gpufrac.placement.filters import GpuRules
 from gpufrac.placement.model import NodeSpec, PendingPod, Queue
 from gpufrac.placement.state import GpuLedger
 from gpufrac.scheduler.config import SchedulerConfig
+from gpufrac.scheduler.queues import config_queues
 
 
 class PlacementEngine(Protocol):
@@ -39,6 +41,13 @@ class PlacementEngine(Protocol):
     def forget(self, uid: str) -> bool:
         """Give back everything ``uid`` holds; False when it held nothing."""
 
+    def set_queues(self, queues: Iterable[Queue]) -> None:
+        """Replace the known queues (``gpufrac.scheduler.queues`` merges their sources)."""
+
+    @property
+    def queues(self) -> QueueBook:
+        """What each queue holds (read for Queue status and fair share)."""
+
     def ledger(self, node: str) -> list[GpuLedger]:
         """The GPUs of ``node`` as ledgers (for metrics)."""
 
@@ -53,8 +62,5 @@ def build_engine(config: SchedulerConfig) -> PlacementEngine:
             sm_sharing_single_tenant=config.sm_sharing_tenancy == "namespace",
             limit_overcommit=config.overcommit_cap,
         ),
-        queues=[
-            Queue(name=q.name, gpu_memory_limit_mib=q.gpu_memory_limit_mib, deserved_share=q.deserved_share)
-            for q in config.queues
-        ],
+        queues=config_queues(config),
     )

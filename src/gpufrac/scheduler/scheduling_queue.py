@@ -119,6 +119,14 @@ class SchedulingQueue(Generic[T]):
         self._unschedulable.clear()
         self._wake.set()
 
+    def waiting(self) -> list[tuple[str, T]]:
+        """(queue, item) of every pod waiting anywhere (active, backoff, unschedulable)."""
+        return [
+            (e.queue, e.item)
+            for place in (self._active, self._backoff, self._unschedulable)
+            for e in place.values()
+        ]
+
     def pending_by_queue(self) -> dict[str, int]:
         counts = Counter(
             e.queue for place in (self._active, self._backoff, self._unschedulable) for e in place.values()

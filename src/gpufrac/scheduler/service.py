@@ -74,6 +74,8 @@ from gpufrac.scheduler.objects import (
     queue_label,
 )
 from gpufrac.scheduler.placement_engine import PlacementEngine
+from gpufrac.scheduler.queue_status import QueueStatusWriter, engine_capacity
+from gpufrac.scheduler.queues import QueueDirectory
 from gpufrac.scheduler.scheduling_queue import SchedulingQueue
 
 log = logging.getLogger(__name__)
@@ -205,6 +207,19 @@ class SchedulerService:
             backoff_max=config.backoff_max_s,
             unschedulable_resync=config.unschedulable_resync_s,
         )
+        # Queues: Queue objects, KAI's queues and the file's, merged into the engine (docs/queues.md).
+        self.queue_directory = QueueDirectory(
+            client=client, config=config, apply=engine.set_queues, changed=self.queue.cluster_changed
+        )
+        self.queue_status = QueueStatusWriter(
+            client=client,
+            directory=self.queue_directory,
+            book=lambda: self._engine.queues,
+            capacity=lambda: engine_capacity(self._engine),
+            waiting=self.queue.waiting,
+            is_leader=self.is_leader,
+            interval=config.queue_status_interval_s or 0.0,
+        )
         self.metrics = SchedulerMetrics()
         self.metrics.watch_state(
             StateReaders(
@@ -225,7 +240,6 @@ class SchedulerService:
             ready=self._ready,
         )
         self._bind_gate = asyncio.Semaphore(config.bind_concurrency)
-        self._queue_names = frozenset(q.name for q in config.queues)
         self._heartbeats = AgentHeartbeats(expiry_s=config.node_heartbeat_expiry_s)
         self._heartbeat_wake = asyncio.Event()
         self._heartbeat_due = math.inf
@@ -260,7 +274,7 @@ class SchedulerService:
 
     @property
     def synced(self) -> bool:
-        return all(i.synced.is_set() for i in self._informers)
+        return all(i.synced.is_set() for i in self._informers) and self.queue_directory.synced
 
     async def wait_scheduling(self, timeout: float | None = None) -> None:
         """Wait until this replica leads and has started placing pods (for callers and tests)."""
@@ -283,6 +297,9 @@ class SchedulerService:
         background = [asyncio.create_task(i.run(), name=f"informer-{i.name}") for i in self._informers]
         background.append(asyncio.create_task(self.events.run(), name="events"))
         background.append(asyncio.create_task(self._expire_heartbeats(), name="heartbeats"))
+        background.append(asyncio.create_task(self.queue_directory.run(), name="queues"))
+        if self.config.queue_status_interval_s is not None:
+            background.append(asyncio.create_task(self.queue_status.run(), name="queue-status"))
         elector = asyncio.create_task(self.elector.run(), name="lease") if self.elector else None
         lead = asyncio.create_task(self._lead(), name="schedule")
         watched = [*background, lead, *([elector] if elector else [])]
@@ -324,6 +341,7 @@ class SchedulerService:
     async def _lead(self) -> None:
         for informer in self._informers:
             await informer.synced.wait()
+        await self.queue_directory.wait_synced()
         log.info(
             "informers synced: %d managed nodes, %d pods booked, %d pending",
             len(self._specs),
@@ -395,10 +413,9 @@ class SchedulerService:
 
     def _prepare(self, pod: Pod) -> tuple[PendingPod, PodGpuRequest] | str:
         """The engine's view of a pending pod, or the sentence that says why it cannot be placed as is."""
-        named = queue_label(pod)
-        if named is not None and named[1] not in self._queue_names:
-            label, queue = named
-            return f"queue {queue} (label {label}) is not configured"
+        refused = self.queue_directory.refusal(queue_label(pod))
+        if refused is not None:
+            return refused
         try:
             gpu = gpu_request(pod)
         except InvalidPodRequest as error:
