@@ -47,7 +47,7 @@ from .fair_share import QueueBook, scheduling_order
 from .filters import STATIC_FILTERS, Fit, GpuRules, container_fit, resource_fit, static_reason
 from .model import NodeSpec, PendingPod, Queue
 from .policies import Policy, Prior, make_policy
-from .state import EXCLUSIVE, MODE_CODE, Allocation, ClusterState, DeviceCharge, GpuLedger
+from .state import EXCLUSIVE, MODE_CODE, Allocation, ClusterState, DeviceCharge, GpuLedger, PodTable
 
 _RANK_BITS = 40
 _ABSENT = 255
@@ -136,6 +136,7 @@ class Engine:
         self._statics: dict[tuple, _StaticCache] = {}
         self._demands: dict[tuple, Demand] = {}
         self._bound: dict[str, _Bound] = {}
+        self.pods = PodTable(gpu_slots=self.state.cols)
         self._on_node: dict[int, set[str]] = {}
         self._observed: set[str] = set()
 
@@ -240,9 +241,15 @@ class Engine:
         if b is None:
             return False
         self.state.release(b.allocation)
+        self.pods.remove(uid)
         self._on_node[b.allocation.node].discard(uid)
         self.queues.charge(b.pod.queue, -b.gpu_mib)
         return True
+
+    def bound_pod(self, uid: str) -> PendingPod | None:
+        """The pod as it was booked (its priority and queue are what preemption compares)."""
+        b = self._bound.get(uid)
+        return None if b is None else b.pod
 
     def placement_of(self, uid: str) -> Placement | None:
         b = self._bound.get(uid)
@@ -254,6 +261,7 @@ class Engine:
 
     def _commit(self, pod: PendingPod, allocation: Allocation, placement: Placement) -> None:
         self.state.apply(allocation)
+        self.pods.add(pod.uid, allocation, priority=pod.priority, queue=pod.queue)
         mib = sum(c.request_mib for c in allocation.charges)
         self._bound[pod.uid] = _Bound(pod, allocation, placement, mib)
         self._on_node[allocation.node].add(pod.uid)
@@ -358,6 +366,19 @@ class Engine:
         if code is Reason.FITS:
             code = Reason(int(resource_fit(self.state, demand, np.array([n]), self.rules).reasons[0]))
         return Status(code, code.message)
+
+    def demand(self, pod: PendingPod) -> Demand:
+        """The pod's request as the filters compute with it, under the pod's policy."""
+        return self._demand(pod, pod.policy or self.default_policy, flip=False)
+
+    def static_fits(self, pod: PendingPod) -> np.ndarray:
+        """Node slots whose spec alone admits ``pod`` (readiness, taints, selectors, affinity, mode
+        capability), from the same per-spec-version cache placement uses."""
+        name = pod.policy or self.default_policy
+        demand = self._demand(pod, name, flip=False)
+        kc = self._kind(demand, self.policy(name))
+        live = self.state.live()
+        return live[self._static(kc, live) == 0]
 
     # -- internals ------------------------------------------------------------------------------------
 

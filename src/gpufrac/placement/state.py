@@ -349,3 +349,168 @@ class ClusterState:
                 )
             )
         return out
+
+
+class PodTable:
+    """Every placed pod's holdings as arrays, one row (slot) per pod: what preemption searches.
+
+    Why a second view of the same allocations: victim selection asks "what would this node look like
+    without these pods" for thousands of (node, victims) hypotheses at once. Rebuilding that from the
+    engine's per-pod records would be a Python loop over every placed pod per decision; keeping the
+    holdings as arrays (kept on ``add``/``remove`` by the engine, O(1) each) turns a hypothesis into a
+    few array sums. Per slot: node, priority, queue id, namespace id, host resources, total guaranteed
+    MiB, and per GPU slot the request, limit, compute ppm and number of charges it puts there.
+    """
+
+    def __init__(self, *, slots: int = 1024, gpu_slots: int = 8) -> None:
+        self.slot_of: dict[str, int] = {}
+        self.uid: list[str | None] = []
+        self._free: list[int] = []
+        self._queues: dict[str, int] = {}
+        self.queue_names: list[str] = []
+        self._alloc(slots, gpu_slots)
+
+    def _alloc(self, rows: int, cols: int) -> None:
+        self.rows, self.cols = rows, cols
+        self.live = np.zeros(rows, dtype=bool)
+        self.node = np.full(rows, -1, dtype=np.int64)
+        self.priority = np.zeros(rows, dtype=np.int64)
+        self.queue = np.zeros(rows, dtype=np.int64)
+        self.tenant = np.zeros(rows, dtype=np.int64)
+        self.cpu = np.zeros(rows, dtype=np.int64)
+        self.mem = np.zeros(rows, dtype=np.int64)
+        self.mib = np.zeros(rows, dtype=np.int64)
+        self.req = np.zeros((rows, cols), dtype=np.int64)
+        self.lim = np.zeros((rows, cols), dtype=np.int64)
+        self.ppm = np.zeros((rows, cols), dtype=np.int64)
+        self.on = np.zeros((rows, cols), dtype=np.int64)
+
+    def _grow(self, rows: int, cols: int) -> None:
+        names = (
+            "live",
+            "node",
+            "priority",
+            "queue",
+            "tenant",
+            "cpu",
+            "mem",
+            "mib",
+            "req",
+            "lim",
+            "ppm",
+            "on",
+        )
+        old = {name: getattr(self, name) for name in names}
+        r0, c0 = self.rows, self.cols
+        self._alloc(rows, cols)
+        for name, arr in old.items():
+            if arr.ndim == 1:
+                getattr(self, name)[:r0] = arr
+            else:
+                getattr(self, name)[:r0, :c0] = arr
+
+    def queue_id(self, name: str) -> int:
+        found = self._queues.get(name)
+        if found is None:
+            found = self._queues[name] = len(self.queue_names)
+            self.queue_names.append(name)
+        return found
+
+    def known_queue(self, name: str) -> int | None:
+        return self._queues.get(name)
+
+    def add(self, uid: str, allocation: Allocation, *, priority: int, queue: str) -> None:
+        if self._free:
+            s = self._free.pop()
+        else:
+            s = len(self.uid)
+            self.uid.append(None)
+        cols = max([self.cols] + [c.gpu + 1 for c in allocation.charges])
+        if s >= self.rows or cols > self.cols:
+            self._grow(max(self.rows * 2 if s >= self.rows else self.rows, s + 1), cols)
+        self.slot_of[uid] = s
+        self.uid[s] = uid
+        self.live[s] = True
+        self.node[s] = allocation.node
+        self.priority[s] = priority
+        self.queue[s] = self.queue_id(queue)
+        self.tenant[s] = allocation.tenant
+        self.cpu[s] = allocation.cpu_milli
+        self.mem[s] = allocation.memory_bytes
+        self.mib[s] = sum(c.request_mib for c in allocation.charges)
+        for c in allocation.charges:
+            self.req[s, c.gpu] += c.request_mib
+            self.lim[s, c.gpu] += c.limit_mib
+            self.ppm[s, c.gpu] += c.ppm
+            self.on[s, c.gpu] += 1
+
+    def remove(self, uid: str) -> None:
+        s = self.slot_of.pop(uid)
+        self.uid[s] = None
+        self.live[s] = False
+        self.node[s] = -1
+        self.req[s, :] = self.lim[s, :] = self.ppm[s, :] = self.on[s, :] = 0
+        self._free.append(s)
+
+    def hypothetical(
+        self, state: ClusterState, nodes: np.ndarray, victims: np.ndarray, *, tenant: int | None
+    ) -> ClusterState:
+        """Ledgers of ``nodes[i]`` as they would be without the pods in slots ``victims[i]`` (-1 pads).
+
+        Row ``i`` of the result is one hypothesis; the filters run on it unchanged, so "would the pod fit
+        after these victims leave" is answered by the same code that answers "does it fit". What cannot
+        be summed is derived: a GPU whose last pod leaves returns to EMPTY (as ``ClusterState.release``
+        does), and the tenant is given relative to ``tenant`` (the pending pod's namespace): that
+        namespace when every remaining pod on the GPU is of it, else MANY_TENANTS; that is all the
+        sm-sharing tenancy filter compares. ``tenant=None`` skips it (the pod has no sm-sharing
+        container, so no filter reads it).
+        """
+        if self.cols < state.cols:
+            self._grow(self.rows, state.cols)
+        h = nodes.size
+        out = ClusterState.__new__(ClusterState)
+        out.nodes = state.nodes
+        out.index = state.index
+        out._namespaces = state._namespaces
+        out._namespace_names = state._namespace_names
+        out._models = state._models
+        out._model_names = state._model_names
+        out.tenants = {}
+        out.rows, out.cols = h, state.cols
+        out.present = state.present[nodes]
+        out.version = state.version[nodes]
+        out.spec_version = state.spec_version[nodes]
+        out.model = state.model[nodes]
+        out.gpu_count = state.gpu_count[nodes]
+        out.cap = state.cap[nodes]
+        out.cpu_cap = state.cpu_cap[nodes]
+        out.mem_cap = state.mem_cap[nodes]
+        out.cap_total = state.cap_total[nodes]
+        valid = victims >= 0
+        v = np.where(valid, victims, 0)
+        w = valid[..., None]
+        out.cpu_free = state.cpu_free[nodes] + (self.cpu[v] * valid).sum(axis=1)
+        out.mem_free = state.mem_free[nodes] + (self.mem[v] * valid).sum(axis=1)
+        out.pods_free = state.pods_free[nodes] + valid.sum(axis=1)
+        cols = state.cols
+        freed = (self.req[v] * w).sum(axis=1)
+        out.free = state.free[nodes] + freed
+        out.free_total = state.free_total[nodes] + freed.sum(axis=1)
+        out.limit_sum = state.limit_sum[nodes] - (self.lim[v] * w).sum(axis=1)
+        out.ppm = state.ppm[nodes] - (self.ppm[v] * w).sum(axis=1)
+        gone = (self.on[v] * w).sum(axis=1)
+        out.npods = state.npods[nodes] - gone
+        emptied = (out.npods == 0) & (state.mode[nodes] != ABSENT)
+        out.mode = np.where(emptied, EMPTY, state.mode[nodes]).astype(np.int8)
+        out.empty_count = (out.mode == EMPTY).sum(axis=1)
+        if tenant is None:
+            out.tenant = state.tenant[nodes]
+        else:
+            mine = self.live & (self.tenant == tenant)
+            same = np.zeros((state.rows, cols), dtype=np.int64)
+            np.add.at(same, self.node[mine], self.on[mine])
+            theirs = w & (self.tenant[v] == tenant)[..., None]
+            left_same = same[nodes] - (self.on[v] * theirs).sum(axis=1)
+            others = out.npods - left_same
+            out.tenant = np.where(out.npods == 0, NO_TENANT, np.where(others == 0, tenant, MANY_TENANTS))
+        return out
