@@ -12,13 +12,19 @@ portions, the limit cap, host resources) on hypothetical ledgers, "this node wit
 8 GiB on one GPU, and is never chosen.
 
 The answer is the fewest victims, then the lowest priorities (compared highest first, as
-kube-scheduler ranks candidates by their most important victim), then the least GPU memory taken,
-then the engine's seeded node order. The search is exact: victim sets are tried by size (all sets of
-size 1 on every candidate node at once, as one vectorised filter run, then size 2, ...), so the first
-size with a fitting set is the fewest. When the number of sets of the next size would exceed
-``budget`` it stops enumerating and falls back to a minimal set per node (kube-scheduler's "reprieve":
-start from all eligible victims and give back, most important first, each one the pod does not need),
-which no victim can be spared from but which may not be the smallest; docs/scheduler.md says so.
+kube-scheduler ranks candidates by their most important victim), then the engine's seeded node order
+(the random tie-break placement uses, so that equal choices spread over the cluster rather than pile
+on the first node), then, between sets on that node, the least GPU memory taken.
+
+The search is exact: victim sets are tried by size, so the first size with a fitting set is the
+fewest. Single victims are tried first, over the whole cluster; then a node is dropped when even all
+its eligible victims leaving would not let the pod fit, and sets of 2, 3, ... on the remaining nodes
+are generated. Within a size the sets are sorted by the order above and tried a chunk at a time (one
+vectorised filter run per chunk), so the first chunk holding a fitting set holds the best one. When
+the number of sets of the next size would exceed ``budget`` the search stops enumerating and falls
+back to a minimal set per node (kube-scheduler's "reprieve": start from all eligible victims and give
+back, most important first, each one the pod does not need), which no victim can be spared from
+but which may not be the smallest; docs/scheduler.md says so.
 
 Nothing is decided on the hypothetical ledgers alone: the best set is then simulated on the engine
 itself (victims forgotten, the pod placed, everything put back), and a set after which the engine
@@ -30,7 +36,8 @@ evicts for a pod that would not fit after the victims leave.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable
+import math
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from enum import StrEnum
 from functools import cache
@@ -44,11 +51,13 @@ from .decision import Placement
 from .engine import Engine
 from .filters import resource_fit
 from .model import PendingPod
+from .state import PodTable, Released
 
-DEFAULT_BUDGET = 200_000
+DEFAULT_BUDGET = 20_000
 """Most (node, victim set) hypotheses one size may try before the search falls back to reprieve."""
 
-_VERIFY_PER_SIZE = 16
+_VERIFY_PER_CHUNK = 16
+_FIRST_CHUNK = 256
 
 
 class Kind(StrEnum):
@@ -99,7 +108,8 @@ class Preemption:
 
 @dataclass(frozen=True, slots=True)
 class _Candidates:
-    """Hypotheses: one row per (node, victim set); ``victims`` holds PodTable slots, -1 padded."""
+    """Hypotheses: one row per (node, victim set); ``victims`` holds PodTable slots, padded with
+    ``PodTable.NOTHING``."""
 
     nodes: np.ndarray
     victims: np.ndarray
@@ -177,54 +187,76 @@ def find_victims(
     tenant = (
         engine.state.namespace_id(pod.namespace) if sm and engine.rules.sm_sharing_single_tenant else None
     )
+    charges = None if tenant is None else table.tenant_charges(engine.state, tenant)
+
+    def fits_after(nodes: np.ndarray, released: Released) -> np.ndarray:
+        hyp = table.hypothetical(engine.state, nodes, released, tenant=tenant, tenant_charges=charges)
+        return resource_fit(hyp, demand, np.arange(nodes.size), engine.rules).reasons == 0
 
     def fits(c: _Candidates, *, within_slack: bool = True) -> np.ndarray:
-        hyp = table.hypothetical(engine.state, c.nodes, c.victims, tenant=tenant)
-        ok = resource_fit(hyp, demand, np.arange(c.nodes.size), engine.rules).reasons == 0
+        ok = fits_after(c.nodes, table.of_sets(c.victims, tenant=tenant))
         for q, room in slack.items() if within_slack else ():
-            valid = c.victims >= 0
-            taken = (table.mib[c.victims] * (valid & (table.queue[c.victims] == q))).sum(axis=1)
+            taken = (table.mib[c.victims] * (table.queue[c.victims] == q)).sum(axis=1)
             ok &= taken <= room
         return ok
 
-    # Per candidate node its eligible victims, least important first (rows padded with -1).
+    # Per candidate node its eligible victims, least important first (rows padded with NOTHING).
     static_ok = np.zeros(engine.state.rows, dtype=bool)
     static_ok[engine.static_fits(pod)] = True
     slots = slots[static_ok[table.node[slots]]]
     if slots.size == 0:
         return None
+
+    def first_fitting(cand: _Candidates) -> Preemption | None:
+        """Sets in cost order, tried a chunk at a time: the first chunk holding a fitting set holds the
+        best one, and on a big cluster the first chunk usually does."""
+        at, chunk = 0, _FIRST_CHUNK
+        while at < cand.nodes.size:
+            part = _Candidates(cand.nodes[at : at + chunk], cand.victims[at : at + chunk])
+            ok = fits(part)
+            if ok.any():
+                found = _verify(engine, pod, kind, book, _Candidates(part.nodes[ok], part.victims[ok]))
+                if found is not None:
+                    return found
+            at, chunk = at + chunk, chunk * 4
+        return None
+
+    # One victim is tried on its own first, without grouping by node: most decisions end here.
+    found = first_fitting(_in_cost_order(engine, _Candidates(table.node[slots], slots[:, None])))
+    if found is not None:
+        return found
+
     order = np.lexsort((table.mib[slots], table.priority[slots], table.node[slots]))
     slots = slots[order]
-    nodes, start, counts = np.unique(table.node[slots], return_index=True, return_counts=True)
-    width = int(counts.max())
-    per_node = np.full((nodes.size, width), -1, dtype=np.int64)
-    per_node[np.repeat(np.arange(nodes.size), counts), np.arange(slots.size) - np.repeat(start, counts)] = (
-        slots
-    )
+    on_node = table.node[slots]
+    starts = np.flatnonzero(np.diff(on_node, prepend=-1))
+    nodes = on_node[starts]
 
     # Optimistic first cut: a node where even all its eligible victims leaving is not enough is out
     # (removing pods only ever frees room; the reclaim slack is checked per set, later).
-    keep = fits(_Candidates(nodes, per_node), within_slack=False)
+    keep = fits_after(nodes, table.of_groups(slots, starts, tenant=tenant))
     if not keep.any():
         return None
-    nodes, per_node, counts = nodes[keep], per_node[keep], counts[keep]
+    counts = np.diff(np.append(starts, slots.size))
+    group = np.repeat(np.arange(nodes.size), counts)
+    kept = keep[group]
+    slots, group = slots[kept], np.cumsum(keep)[group[kept]] - 1
+    nodes, counts = nodes[keep], counts[keep]
+    per_node = np.full((nodes.size, int(counts.max())), PodTable.NOTHING, dtype=np.int64)
+    first = np.concatenate(([0], np.cumsum(counts)[:-1]))
+    per_node[group, np.arange(slots.size) - first[group]] = slots
 
-    size = 1
+    size = 2
     while size <= int(counts.max()):
-        total = sum(_combinations(int(m), size) for m in counts.tolist() if m >= size)
+        sizes, nodes_with = np.unique(counts[counts >= size], return_counts=True)
+        total = sum(math.comb(int(m), size) * int(k) for m, k in zip(sizes, nodes_with, strict=True))
         if total > budget:
-            return _reprieve(engine, pod, kind, book, _Candidates(nodes, per_node), fits)
-        cand = _sets_of_size(nodes, per_node, counts, size)
-        ok = fits(cand)
-        found = _verify(engine, pod, kind, book, _Candidates(cand.nodes[ok], cand.victims[ok]))
+            return _reprieve(engine, pod, kind, book, _Candidates(nodes, per_node), fits, fits_after, tenant)
+        found = first_fitting(_in_cost_order(engine, _sets_of_size(nodes, per_node, counts, size)))
         if found is not None:
             return found
         size += 1
     return None
-
-
-def _combinations(m: int, k: int) -> int:
-    return len(_index_sets(m, k))
 
 
 @cache
@@ -245,50 +277,68 @@ def _sets_of_size(nodes: np.ndarray, per_node: np.ndarray, counts: np.ndarray, s
 
 
 def _reprieve(
-    engine: Engine, pod: PendingPod, kind: Kind, book: ShareBook, every: _Candidates, fits: _Fits
+    engine: Engine,
+    pod: PendingPod,
+    kind: Kind,
+    book: ShareBook,
+    every: _Candidates,
+    fits: _Fits,
+    fits_after: Callable[[np.ndarray, Released], np.ndarray],
+    tenant: int | None,
 ) -> Preemption | None:
     """A minimal set per node: from all eligible victims, give back the most important first while the
-    pod still fits (one vectorised filter run per round, across all nodes). Giving back only lowers
-    what a victim queue loses, so the reclaim slack is checked once, on the sets that remain."""
+    pod still fits (one vectorised filter run per round, across all nodes; each round subtracts one
+    victim's holdings from the running sums). Giving back only lowers what a victim queue loses, so
+    the reclaim slack is checked once, on the sets that remain."""
+    table = engine.pods
     nodes, removed = every.nodes, every.victims.copy()
+    released = table.of_sets(removed, tenant=tenant)
     # The filters check a multi-container pod's containers one by one (a necessary condition); giving
     # back on that alone could keep a set the pod does not fit with, so such pods are asked of the engine.
     together = len(engine.demand(pod).containers) > 1
     for col in range(removed.shape[1] - 1, -1, -1):  # most important victims are at the right
-        trial = removed.copy()
-        trial[:, col] = -1
-        ok = fits(_Candidates(nodes, trial), within_slack=False) & (every.victims[:, col] >= 0)
+        present = every.victims[:, col] != PodTable.NOTHING
+        trial = released.minus(table.of_sets(every.victims[:, col : col + 1], tenant=tenant))
+        ok = fits_after(nodes, trial) & present
         if together:
             for i in np.flatnonzero(ok).tolist():
-                placed = simulate(engine, pod, [engine.pods.uid[s] for s in trial[i].tolist() if s >= 0])
+                kept = [table.uid[s] for s in removed[i].tolist() if s != PodTable.NOTHING]
+                kept.remove(table.uid[int(every.victims[i, col])])
+                placed = simulate(engine, pod, kept)
                 ok[i] = placed is not None and placed.node == engine.state.nodes[int(nodes[i])].name  # type: ignore[union-attr]
-        removed[ok] = trial[ok]
+        removed[ok, col] = PodTable.NOTHING
+        released = released.minus(table.of_sets(every.victims[:, col : col + 1], tenant=tenant), ok)
     ok = fits(_Candidates(nodes, removed))
-    return _verify(engine, pod, kind, book, _Candidates(nodes[ok], removed[ok]))
+    return _verify(engine, pod, kind, book, _in_cost_order(engine, _Candidates(nodes[ok], removed[ok])))
+
+
+def _in_cost_order(engine: Engine, cand: _Candidates) -> _Candidates:
+    """Best first: fewest victims, then priorities compared highest first, then the engine's seeded node
+    order, then (between sets on one node) the least MiB taken."""
+    table = engine.pods
+    valid = cand.victims != PodTable.NOTHING
+    prio = np.where(valid, table.priority[cand.victims], np.iinfo(np.int64).min)
+    prio = -np.sort(-prio, axis=1)  # each row's priorities, highest first
+    count = valid.sum(axis=1)
+    mib = table.mib[cand.victims].sum(axis=1)
+    rank = engine._rank[cand.nodes]
+    keys = [mib, -rank] + [prio[:, j] for j in range(prio.shape[1] - 1, -1, -1)] + [count]
+    order = np.lexsort(keys)
+    return _Candidates(cand.nodes[order], cand.victims[order])
 
 
 def _verify(
     engine: Engine, pod: PendingPod, kind: Kind, shares: ShareBook, cand: _Candidates
 ) -> Preemption | None:
-    """Try the hypotheses best first on the engine itself; the first one that places the pod wins."""
-    if cand.nodes.size == 0:
-        return None
+    """Try the hypotheses (in cost order) on the engine itself; the first one that places the pod wins."""
     table = engine.pods
-    valid = cand.victims >= 0
-    prio = np.where(valid, table.priority[cand.victims], np.iinfo(np.int64).min)
-    prio = -np.sort(-prio, axis=1)  # each row's priorities, highest first
-    count = valid.sum(axis=1)
-    mib = (table.mib[cand.victims] * valid).sum(axis=1)
-    rank = engine._rank[cand.nodes]
-    keys = [-rank, mib] + [prio[:, j] for j in range(prio.shape[1] - 1, -1, -1)] + [count]
-    order = np.lexsort(keys)
     # Slots are read before any simulation: forgetting and re-booking victims may move them.
     tries = [
         (
             engine.state.nodes[int(cand.nodes[i])],
-            [table.uid[s] for s in cand.victims[i].tolist() if s >= 0],
+            [table.uid[s] for s in cand.victims[i].tolist() if s != PodTable.NOTHING],
         )
-        for i in order[:_VERIFY_PER_SIZE].tolist()
+        for i in range(min(cand.nodes.size, _VERIFY_PER_CHUNK))
     ]
     for node, victims in tries:
         assert node is not None
@@ -312,7 +362,7 @@ def simulate(engine: Engine, pod: PendingPod, victims: Iterable[str | None]) -> 
         booked, placement = engine.bound_pod(uid), engine.placement_of(uid)
         if booked is None or placement is None:
             raise ValueError(f"victim {uid} is not placed")
-        gone.append((booked, placement))
+        gone.append((booked, placement, engine.pods.slot_of[uid]))
         engine.forget(uid)
     try:
         decision = engine.place(pod)
@@ -321,5 +371,8 @@ def simulate(engine: Engine, pod: PendingPod, victims: Iterable[str | None]) -> 
             return decision
         return None
     finally:
-        for booked, placement in reversed(gone):
+        # Re-booked in reverse, each victim gets its slot back (the table reuses the last freed slot
+        # first): the search's slot arrays stay valid across simulations.
+        for booked, placement, slot in reversed(gone):
             engine.assume(booked, placement)
+            assert engine.pods.slot_of[booked.uid] == slot
