@@ -56,6 +56,7 @@ from gpufrac.kube.lease import LeaderElector, LeadershipLost, LeaseTiming
 from gpufrac.kube.patch import set_pod_condition
 from gpufrac.kube.stream import ALL_NAMESPACES, Selection
 from gpufrac.placement.decision import Decision, Placement
+from gpufrac.placement.engine import Engine
 from gpufrac.placement.model import ModePolicy, NodeSpec, PendingPod
 from gpufrac.process.probes import ProbeServer
 from gpufrac.scheduler.binder import Binder, BindMode, BindResult, Outcome, stale_binding_keys
@@ -72,6 +73,7 @@ from gpufrac.scheduler.objects import (
     queue_label,
 )
 from gpufrac.scheduler.placement_engine import PlacementEngine
+from gpufrac.scheduler.preemption import Preemptions
 from gpufrac.scheduler.scheduling_queue import SchedulingQueue
 
 log = logging.getLogger(__name__)
@@ -235,6 +237,19 @@ class SchedulerService:
         self._started = False
         self._failed: BaseException | None = None
         self.bound_total = 0
+        # Preemption and reclaim search the engine's own books, so they need the engine itself.
+        self.preemptions: Preemptions | None = None
+        if config.preemption and isinstance(engine, Engine):
+            self.preemptions = Preemptions(
+                client=client,
+                engine=engine,
+                events=self.events,
+                victim_pod=self._own_bound_pod,
+                release=self._release,
+                place_now=lambda pod: self._schedule([(pod.metadata.uid, pod)]),
+                retry=self.queue.cluster_changed,
+                spawn=lambda coro: self._spawn(coro, self._chores),
+            )
 
     # -- running ------------------------------------------------------------------------------------------
 
@@ -381,8 +396,17 @@ class SchedulerService:
                 self._spawn(self._bind(pod, gpu, decision), self._binds)
             elif isinstance(decision, BaseException):
                 self._failed_on(pod, decision, doing="placing")
+            elif self.preemptions is not None:
+                self._unschedulable(pod, self.preemptions.consider(pending, pod, decision))
             else:
                 self._unschedulable(pod, decision.message)
+
+    def _own_bound_pod(self, uid: str) -> Pod | None:
+        """The pod of a booked uid if this scheduler placed it (only such pods may be preempted)."""
+        held = self._held.get(uid)
+        if held is None or held.pod.spec is None:
+            return None
+        return held.pod if held.pod.spec.schedulerName == self.config.scheduler_name else None
 
     def _prepare(self, pod: Pod) -> tuple[PendingPod, PodGpuRequest] | str:
         """The engine's view of a pending pod, or the sentence that says why it cannot be placed as is."""
@@ -661,6 +685,8 @@ class SchedulerService:
         node = pod.spec.nodeName if pod.spec else None
         if node and node in self._waiting_for_node:
             self._waiting_for_node[node].pop(uid, None)
+        if self.preemptions is not None and self.preemptions.deleted(uid):
+            return  # a victim: its room stays booked until its preemptor takes it
         if self._release(uid):
             self.queue.cluster_changed()
 
