@@ -15,7 +15,8 @@ separately per constraint signature and node spec version.
 
 Transactions: ``statement()`` returns a Statement; placements made through it are undone in reverse
 order by ``discard`` (or on an exception), because applying and releasing an allocation are exact
-inverses. ``schedule(..., gang=True)`` uses one to place a batch all-or-nothing; a multi-device or
+inverses. ``schedule(..., gang=True)`` uses one to place a batch all-or-nothing (or, with
+``min_member``, at least that many of it or nothing: a PodGroup); a multi-device or
 multi-container pod is always all-or-nothing within itself.
 
 Determinism: ties between equal scores go to the node with the smallest seeded hash of its name, a fixed
@@ -299,12 +300,21 @@ class Engine:
 
     # -- scheduling -----------------------------------------------------------------------------------
 
-    def schedule(self, pods: Sequence[PendingPod], *, gang: bool = False) -> list[Decision]:
-        """Place ``pods`` in queue order; with ``gang`` all of them or none. One Decision per pod, in
-        input order."""
+    def schedule(
+        self, pods: Sequence[PendingPod], *, gang: bool = False, min_member: int | None = None
+    ) -> list[Decision]:
+        """Place ``pods`` in queue order. One Decision per pod, in input order.
+
+        With ``gang`` the batch is one statement: if fewer than ``min_member`` pods (default: all of
+        them) are placed, every placement of the batch is discarded and each pod is Unschedulable with
+        the gang's count in its message. Members beyond ``min_member`` that do not fit stay
+        Unschedulable on their own while the others are kept (a PodGroup's ``minMember``)."""
         decisions: list[Decision | None] = [None] * len(pods)
         if len(pods) == 1 and not gang:
             return [self.place(pods[0])]
+        need = len(pods) if min_member is None else min_member
+        if gang and not 0 <= need <= len(pods):
+            raise ValueError(f"min_member={min_member} must be between 0 and the gang's {len(pods)} pods")
         cluster_mib = int(self.state.cap_total.sum())
         with self.statement() as st:
 
@@ -313,14 +323,17 @@ class Engine:
 
             scheduling_order(pods, self.queues, cluster_mib, place)
             failed = [d for d in decisions if isinstance(d, Unschedulable)]
-            if gang and failed:
+            placed = len(pods) - len(failed)
+            if gang and placed < need:
                 st.discard()
                 total = self.state.node_count
+                detail = f"gang of {len(pods)} needs {need} placed together, {placed} fit"
                 decisions = [
-                    d
-                    if isinstance(d, Unschedulable)
-                    else Unschedulable(
-                        p.uid, total, detail=f"gang of {len(pods)}: {len(failed)} pod(s) do not fit"
+                    Unschedulable(
+                        p.uid,
+                        total,
+                        d.counts if isinstance(d, Unschedulable) else (),
+                        f"{detail}; {d.detail}" if isinstance(d, Unschedulable) and d.detail else detail,
                     )
                     for p, d in zip(pods, decisions, strict=True)
                 ]
