@@ -29,6 +29,7 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 from lightkube import AsyncClient
 from lightkube.resources.core_v1 import Pod
 
@@ -39,7 +40,7 @@ from gpufrac.kube.patch import set_nominated_node
 from gpufrac.placement.decision import Unschedulable
 from gpufrac.placement.engine import Engine
 from gpufrac.placement.model import PendingPod
-from gpufrac.placement.preemption import Kind, Preemption, ShareBook, find_victims
+from gpufrac.placement.preemption import Kind, Preemption, ShareBook, eligible_victims, find_victims
 
 log = logging.getLogger(__name__)
 
@@ -113,9 +114,13 @@ class Preemptions:
             return f"{decision.message} {self._waiting(nomination)}"
         if not pending.gpu.containers:
             return decision.message
-        exclude = self._excluded(uid)
         plan = None
         for kind in (Kind.PREEMPT, Kind.RECLAIM):
+            # The common case, nobody to take from, costs one vectorised mask.
+            candidates, _ = eligible_victims(self._engine, pending, kind=kind, shares=self._shares)
+            if candidates.size == 0:
+                continue
+            exclude = self._excluded(uid, candidates)
             plan = find_victims(self._engine, pending, kind=kind, shares=self._shares, exclude=exclude)
             if plan is not None:
                 break
@@ -173,13 +178,15 @@ class Preemptions:
         booked = self._engine.bound_pod(uid)
         return uid if booked is None else booked.key
 
-    def _excluded(self, uid: str) -> set[str]:
+    def _excluded(self, uid: str, candidates: np.ndarray) -> set[str]:
         now = self._clock()
         refused = self._refused.get(uid, {})
         for victim, when in list(refused.items()):
             if now - when > REFUSAL_MEMORY_S:
                 del refused[victim]
-        not_ours = {v for v in self._engine.bound_uids if self._victim_pod(v) is None}
+        table = self._engine.pods
+        uids = (table.uid[s] for s in candidates.tolist())
+        not_ours = {v for v in uids if v is not None and self._victim_pod(v) is None}
         return set(self._victim_of) | set(refused) | not_ours
 
     def _close(self, uid: str, nomination: _Nomination) -> None:

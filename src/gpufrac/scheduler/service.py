@@ -61,6 +61,7 @@ from gpufrac.placement.model import ModePolicy, NodeSpec, PendingPod
 from gpufrac.process.probes import ProbeServer
 from gpufrac.scheduler.binder import Binder, BindMode, BindResult, Outcome, stale_binding_keys
 from gpufrac.scheduler.config import SchedulerConfig
+from gpufrac.scheduler.gangs import GangKey, Gangs, gang_of
 from gpufrac.scheduler.heartbeat import AgentHeartbeats
 from gpufrac.scheduler.metrics import GpuAllocation, SchedulerMetrics, StateReaders
 from gpufrac.scheduler.objects import (
@@ -237,6 +238,11 @@ class SchedulerService:
         self._started = False
         self._failed: BaseException | None = None
         self.bound_total = 0
+        self.gangs = Gangs(
+            client=client,
+            spawn=lambda coro: self._spawn(coro, self._chores),
+            retry=self.queue.cluster_changed,
+        )
         # Preemption and reclaim search the engine's own books, so they need the engine itself.
         self.preemptions: Preemptions | None = None
         if config.preemption and isinstance(engine, Engine):
@@ -389,17 +395,91 @@ class SchedulerService:
         if not todo:
             return
         self.metrics.batches.observe(len(todo))
-        for (pending, pod, gpu), decision in zip(todo, self._decide(todo), strict=True):
-            if isinstance(decision, Placement):
-                self._book(pod, decision.node, bound=False)
-                self._in_flight.add(pending.uid)
-                self._spawn(self._bind(pod, gpu, decision), self._binds)
-            elif isinstance(decision, BaseException):
-                self._failed_on(pod, decision, doing="placing")
-            elif self.preemptions is not None:
-                self._unschedulable(pod, self.preemptions.consider(pending, pod, decision))
+        singles: list[tuple[PendingPod, Pod, PodGpuRequest]] = []
+        gangs: dict[GangKey, list[tuple[PendingPod, Pod, PodGpuRequest]]] = {}
+        for entry in todo:
+            key = gang_of(entry[1])
+            if key is None:
+                singles.append(entry)
             else:
-                self._unschedulable(pod, decision.message)
+                gangs.setdefault(key, []).append(entry)
+        for (pending, pod, gpu), decision in zip(singles, self._decide(singles), strict=True):
+            self._apply(pending, pod, gpu, decision)
+        for key, members in gangs.items():
+            self._schedule_gang(key, members)
+
+    def _apply(
+        self,
+        pending: PendingPod,
+        pod: Pod,
+        gpu: PodGpuRequest,
+        decision: Decision | BaseException,
+        *,
+        gang: GangKey | None = None,
+    ) -> None:
+        if isinstance(decision, Placement):
+            self._book(pod, decision.node, bound=False)
+            self._in_flight.add(pending.uid)
+            self._spawn(self._bind(pod, gpu, decision), self._binds)
+        elif isinstance(decision, BaseException):
+            self._failed_on(pod, decision, doing="placing")
+        elif gang is not None:
+            self._unschedulable(pod, f"gang {gang}: {decision.message}")
+        elif self.preemptions is not None:
+            self._unschedulable(pod, self.preemptions.consider(pending, pod, decision))
+        else:
+            self._unschedulable(pod, decision.message)
+
+    def _schedule_gang(self, key: GangKey, batch: list[tuple[PendingPod, Pod, PodGpuRequest]]) -> None:
+        """Place a gang's pending members in one statement, at least minMember minus those running."""
+        members = list(batch)
+        seen = {pending.uid for pending, _, _ in batch}
+        for pod in self.pods.store:
+            uid = pod.metadata.uid
+            if uid in seen or uid in self._held or uid in self._in_flight or (pod.spec and pod.spec.nodeName):
+                continue
+            if pod.metadata.deletionTimestamp is None and gang_of(pod) == key:
+                prepared = self._prepare(pod)
+                if isinstance(prepared, str):
+                    self._unschedulable(pod, prepared)
+                else:
+                    members.append((prepared[0], pod, prepared[1]))
+        spec = self.gangs.spec(key)
+        if spec is None:
+            for _, pod, _ in members:
+                self.queue.park(
+                    pod.metadata.uid, pod, queue=pod_queue(pod, default=self.config.default_queue)
+                )
+            return
+        if isinstance(spec, str):
+            for _, pod, _ in members:
+                self._unschedulable(pod, spec)
+            return
+        running = sum(1 for held in self._held.values() if gang_of(held.pod) == key)
+        need = max(0, spec.min_member - running)
+        if len(members) < need:
+            waited, first_time = self.gangs.waited(key)
+            message = (
+                f"waiting for gang {key}: {running + len(members)} of its minMember {spec.min_member} pods "
+                f"exist ({running} placed)"
+            )
+            if self.gangs.timed_out(key):
+                message = f"gang {key} timed out after {waited:.0f}s, {message}"
+            for _, pod, _ in members:
+                if first_time:
+                    self.events.emit(regarding=_ref(pod), type=WARNING, reason="GangTimeout", message=message)
+                self._unschedulable(pod, message)
+            return
+        try:
+            decisions: list[Decision | BaseException] = list(
+                self._engine.schedule([m[0] for m in members], gang=True, min_member=need)
+            )
+        except Exception as error:
+            decisions = [error] * len(members)
+        if any(isinstance(d, Placement) for d in decisions):
+            self.gangs.placed(key)
+        for (pending, pod, gpu), decision in zip(members, decisions, strict=True):
+            self._apply(pending, pod, gpu, decision, gang=key)
 
     def _own_bound_pod(self, uid: str) -> Pod | None:
         """The pod of a booked uid if this scheduler placed it (only such pods may be preempted)."""
