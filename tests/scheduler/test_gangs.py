@@ -14,7 +14,7 @@ from sched_harness import Pool, add_nodes, audit_pool, condition, gpu_pod, runni
 from gpufrac.contract import keys
 from gpufrac.kube.errors import Conflict, api_errors
 from gpufrac.local.simnodes import NodeShape
-from gpufrac.scheduler.gangs import POD_GROUPS, SCHEDULER_PLUGINS
+from gpufrac.scheduler.gangs import POD_GROUPS, SCHEDULER_PLUGINS, GangKey, Gangs, GangSpec, _Read, spec_of
 
 FRACTION = {"gpu-fraction": "0.6"}
 
@@ -129,3 +129,32 @@ async def test_a_kai_pod_group_that_does_not_exist_keeps_its_pods_pending_with_t
             f"PodGroup {ns}/kai-group (scheduling.run.ai/v2alpha2) not found: the API serves no "
             "scheduling.run.ai/v2alpha2 PodGroups",
         )
+
+
+def test_a_pod_group_with_an_unusable_min_member_is_named_in_the_error() -> None:
+    key = GangKey(SCHEDULER_PLUGINS, "ns", "g")
+    group = POD_GROUPS[SCHEDULER_PLUGINS](metadata=ObjectMeta(name="g", namespace="ns"))
+    group["spec"] = {"minMember": 0}
+    with pytest.raises(
+        ValueError, match=r"PodGroup ns/g spec.minMember=0 must be a whole number of at least 1"
+    ):
+        spec_of(group, key)
+    group["spec"] = {"minMember": 2, "scheduleTimeoutSeconds": "soon"}
+    with pytest.raises(ValueError, match=r"spec.scheduleTimeoutSeconds='soon' must be a positive number"):
+        spec_of(group, key)
+    group["spec"] = {"minMember": 2, "scheduleTimeoutSeconds": 30}
+    assert spec_of(group, key) == GangSpec(2, 30.0)
+
+
+def test_a_gang_times_out_once_after_its_pod_groups_timeout() -> None:
+    now = [100.0]
+    gangs = Gangs(client=None, spawn=lambda coro: coro.close(), retry=lambda: None, clock=lambda: now[0])  # type: ignore[arg-type]
+    key = GangKey(SCHEDULER_PLUGINS, "ns", "g")
+    gangs._reads[key] = _Read(GangSpec(3, 30.0), at=now[0])
+    assert gangs.waited(key) == (0.0, False)
+    now[0] += 31
+    assert gangs.waited(key) == (31.0, True) and gangs.timed_out(key)
+    now[0] += 1
+    assert gangs.waited(key) == (32.0, False), "the timeout is announced once"
+    gangs.placed(key)
+    assert not gangs.timed_out(key)
