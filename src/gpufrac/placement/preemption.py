@@ -23,8 +23,9 @@ are generated. Within a size the sets are sorted by the order above and tried a 
 vectorised filter run per chunk), so the first chunk holding a fitting set holds the best one. When
 the number of sets of the next size would exceed ``budget`` the search stops enumerating and falls
 back to a minimal set per node (kube-scheduler's "reprieve": start from all eligible victims and give
-back, most important first, each one the pod does not need), which no victim can be spared from
-but which may not be the smallest; docs/scheduler.md says so.
+back, most important first, each one the pod does not need) on the ``REPRIEVE_NODES`` candidate
+nodes with the fewest eligible victims: no victim of the result can be spared, but a smaller set may
+exist; docs/scheduler.md says so.
 
 Nothing is decided on the hypothetical ledgers alone: the best set is then simulated on the engine
 itself (victims forgotten, the pod placed, everything put back), and a set after which the engine
@@ -55,6 +56,10 @@ from .state import PodTable, Released
 
 DEFAULT_BUDGET = 20_000
 """Most (node, victim set) hypotheses one size may try before the search falls back to reprieve."""
+
+REPRIEVE_NODES = 64
+"""How many candidate nodes the fallback computes a minimal set on at a time (the next ones only when
+no set of these survives the simulation)."""
 
 _VERIFY_PER_CHUNK = 16
 _FIRST_CHUNK = 256
@@ -221,8 +226,18 @@ def find_victims(
             at, chunk = at + chunk, chunk * 4
         return None
 
-    # One victim is tried on its own first, without grouping by node: most decisions end here.
-    found = first_fitting(_in_cost_order(engine, _Candidates(table.node[slots], slots[:, None])))
+    # One victim is tried on its own first, without grouping by node: most decisions end here. Removing
+    # one pod changes only the GPUs it holds, so a node with fewer GPUs that fit now than a container
+    # needs, less the victim's GPUs, cannot be the answer for that victim alone.
+    hosts = np.unique(table.node[slots])
+    now = resource_fit(engine.state, demand, hosts, engine.rules)
+    at = np.searchsorted(hosts, table.node[slots])
+    touched = (table.on[slots] > 0).sum(axis=1)
+    alone = np.ones(slots.size, dtype=bool)
+    for container, mask in zip(demand.containers, now.masks, strict=True):
+        alone &= mask.sum(axis=1)[at] + touched >= container.count
+    single = slots[alone]
+    found = first_fitting(_in_cost_order(engine, _Candidates(table.node[single], single[:, None])))
     if found is not None:
         return found
 
@@ -251,7 +266,15 @@ def find_victims(
         sizes, nodes_with = np.unique(counts[counts >= size], return_counts=True)
         total = sum(math.comb(int(m), size) * int(k) for m, k in zip(sizes, nodes_with, strict=True))
         if total > budget:
-            return _reprieve(engine, pod, kind, book, _Candidates(nodes, per_node), fits, fits_after, tenant)
+            # The fallback looks at the nodes with the fewest eligible victims (then the seeded order).
+            order = np.lexsort((-engine._rank[nodes], counts))
+            for at in range(0, order.size, REPRIEVE_NODES):
+                best = order[at : at + REPRIEVE_NODES]
+                every = _Candidates(nodes[best], per_node[best])
+                found = _reprieve(engine, pod, kind, book, every, fits, fits_after, tenant)
+                if found is not None:
+                    return found
+            return None
         found = first_fitting(_in_cost_order(engine, _sets_of_size(nodes, per_node, counts, size)))
         if found is not None:
             return found
