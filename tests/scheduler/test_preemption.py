@@ -153,3 +153,38 @@ async def test_a_queue_below_its_share_reclaims_and_the_victims_replacement_is_n
         assert len(await events(client, ns, "Reclaimed")) == 1
         assert service.preemptions is not None and service.preemptions.evictions == 1
         assert (await audit_pool(client, pool)).ok
+
+
+async def test_a_burst_of_high_priority_pods_on_a_full_cluster_evicts_each_victim_once_and_never_overcommits(
+    client: AsyncClient, pool: Pool, priorities: dict[str, str]
+) -> None:
+    await add_nodes(client, pool, count=2, shape=NodeShape(gpus=2))
+    ns = pool.namespace
+    async with running(client, pool.config()) as service:
+        # Full: four half-GPU pods of low priority on each node's two GPUs (8 pods on 4 GPUs).
+        for i in range(8):
+            low = gpu_pod(pool, f"low-{i}", {"gpu-fraction": "0.5"})
+            low.spec.priorityClassName = priorities["low"]
+            low.spec.terminationGracePeriodSeconds = 0
+            await client.create(low)
+        await wait_bound(client, ns, 8, timeout=30)
+        for i in range(4):
+            await client.create(whole_gpu_pod(pool, f"high-{i}", priority=priorities["high"]))
+
+        audits = 0
+
+        async def all_high_bound() -> bool:
+            nonlocal audits
+            report = await audit_pool(client, pool)  # during the run, not only at the end
+            assert report.ok, report
+            audits += 1
+            pods = [p async for p in client.list(Pod, namespace=ns)]
+            return sum(1 for p in pods if p.metadata.name.startswith("high-") and p.spec.nodeName) == 4
+
+        await wait_for(all_high_bound, timeout=60, interval=0.2, what="the burst bound")
+        preempted = [e.involvedObject.name for e in await events(client, ns, "Preempted")]
+        assert sorted(preempted) == sorted(set(preempted)), "a victim was evicted twice"
+        assert len(preempted) == 8 and service.preemptions is not None and service.preemptions.evictions == 8
+        assert audits > 1
+        left = [p.metadata.name async for p in client.list(Pod, namespace=ns)]
+        assert sorted(left) == [f"high-{i}" for i in range(4)]
