@@ -63,7 +63,7 @@ class _Nomination:
 
 
 class Preemptions:
-    """Open preemptions of one scheduler; the service calls ``consider``, ``deleted`` and ``stop``.
+    """Open preemptions of one scheduler; the service calls ``consider`` and ``deleted``.
 
     The service lends what this needs and nothing more: ``victim_pod`` (the latest Pod of a booked
     uid, None for a pod that is not ours), ``release`` (drop a pod's booking), ``place_now`` (place a
@@ -161,11 +161,6 @@ class Preemptions:
         pod = nomination.pod
         self._place_now(pod)
         return True
-
-    def stop(self) -> None:
-        """Give up every open plan (shutdown): released victims that are gone, nothing else."""
-        for uid, nomination in list(self._open.items()):
-            self._close(uid, nomination)
 
     # -- internals ----------------------------------------------------------------------------------------
 
