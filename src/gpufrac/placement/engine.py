@@ -380,6 +380,11 @@ class Engine:
             code = Reason(int(resource_fit(self.state, demand, np.array([n]), self.rules).reasons[0]))
         return Status(code, code.message)
 
+    def tie_rank(self, nodes: np.ndarray) -> np.ndarray:
+        """The seeded tie-break rank of node slots (larger wins), for callers that order nodes as
+        placement does."""
+        return self._rank[nodes]
+
     def demand(self, pod: PendingPod) -> Demand:
         """The pod's request as the filters compute with it, under the pod's policy."""
         return self._demand(pod, pod.policy or self.default_policy, flip=False)

@@ -267,7 +267,7 @@ def find_victims(
         total = sum(math.comb(int(m), size) * int(k) for m, k in zip(sizes, nodes_with, strict=True))
         if total > budget:
             # The fallback looks at the nodes with the fewest eligible victims (then the seeded order).
-            order = np.lexsort((-engine._rank[nodes], counts))
+            order = np.lexsort((-engine.tie_rank(nodes), counts))
             for at in range(0, order.size, REPRIEVE_NODES):
                 best = order[at : at + REPRIEVE_NODES]
                 every = _Candidates(nodes[best], per_node[best])
@@ -344,7 +344,7 @@ def _in_cost_order(engine: Engine, cand: _Candidates) -> _Candidates:
     prio = -np.sort(-prio, axis=1)  # each row's priorities, highest first
     count = valid.sum(axis=1)
     mib = table.mib[cand.victims].sum(axis=1)
-    rank = engine._rank[cand.nodes]
+    rank = engine.tie_rank(cand.nodes)
     keys = [mib, -rank] + [prio[:, j] for j in range(prio.shape[1] - 1, -1, -1)] + [count]
     order = np.lexsort(keys)
     return _Candidates(cand.nodes[order], cand.victims[order])
