@@ -100,11 +100,6 @@ class Preemptions:
         self._refused: dict[str, dict[str, float]] = {}  # pod uid -> victim uid -> when
         self.evictions = 0
 
-    @property
-    def nominated(self) -> dict[str, str]:
-        """Preempting pod uid -> nominated node."""
-        return {uid: n.plan.node for uid, n in self._open.items()}
-
     def consider(self, pending: PendingPod, pod: Pod, decision: Unschedulable) -> str:
         """The message to report for an unplaceable pod, after starting a preemption if one helps."""
         uid = pending.uid
