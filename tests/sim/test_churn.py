@@ -77,9 +77,16 @@ def test_simulate_churn_reports_both_runs_per_queue(tmp_path) -> None:
     nodes = tmp_path / "nodes.csv"
     nodes.write_text("sn,cpu_milli,memory_mib,gpu,model\nn0,64000,262144,2,T4\n")
     args = ["simulate", "--trace", str(pods), "--nodes", str(nodes), "--policy", "binpack", "--seeds", "0"]
-    result = CliRunner().invoke(app, [*args, "--churn", "--json"])
+    png = tmp_path / "churn.png"
+    result = CliRunner().invoke(app, [*args, "--churn", "--json", "--plot", str(png)])
     assert result.exit_code == 0, result.output
-    runs = json.loads(result.output)["runs"]
+    out = json.loads(result.output)
+    assert out["plot"] == str(png) and png.stat().st_size > 0
+    runs = out["runs"]
+    # Allocation against fair share over time: with reclaim, LS holds a quarter of the GPU memory
+    # (half a GPU of two) from t=10, where without it holds nothing until t=100.
+    at_50 = [next(shares for t, shares in r["timeline"] if t >= 50) for r in runs]
+    assert [s["LS"] for s in at_50] == [0.0, pytest.approx(0.25, abs=1e-3)]
     assert [(r["reclaim"], r["preemptions"]) for r in runs] == [(False, 0), (True, 1)]
     ls = [next(q for q in r["queues"] if q["queue"] == "LS") for r in runs]
     assert [q["pending_p50_s"] for q in ls] == [90.0, 0.0]

@@ -33,6 +33,7 @@ from .trace import TraceNode, TracePod
 from .workload import PodFactory, node_spec, shape_counts
 
 NO_QOS = "none"
+TIMELINE_POINTS = 400
 
 
 @dataclass
@@ -59,6 +60,9 @@ class ChurnResult:
     pending_p50_s: float
     pending_p99_s: float
     queues: list[QueueResult] = field(default_factory=list)
+    timeline: list[tuple[int, dict[str, float]]] = field(default_factory=list)
+    """(seconds, queue -> share of the cluster's GPU memory its running pods hold), thinned to about
+    ``TIMELINE_POINTS`` samples: allocation against fair share over time."""
 
 
 def queue_of(pod: TracePod) -> str:
@@ -160,8 +164,20 @@ def churn_replay(
             return True
         return False
 
+    cluster_mib = max(1, int(engine.state.cap_total.sum()))
+    span = max(1, max(arrive) + max(left.values()))
+    step = max(1, span // TIMELINE_POINTS)
+    timeline: list[tuple[int, dict[str, float]]] = []
+
+    def sample(now: int) -> None:
+        if timeline and now - timeline[-1][0] < step:
+            return
+        usage = engine.queues.usage
+        timeline.append((now, {q: round(usage.get(q, 0) / cluster_mib, 5) for q in shares}))
+
     while events:
         now, kind, i, ver = heapq.heappop(events)
+        sample(now)
         if kind == 1:
             if not attempt(i, now):
                 waiting[i] = None
@@ -201,4 +217,5 @@ def churn_replay(
         pending_p50_s=round(_percentile(everything, 50), 1),
         pending_p99_s=round(_percentile(everything, 99), 1),
         queues=queues,
+        timeline=timeline,
     )

@@ -29,7 +29,7 @@ from .churn import churn_replay
 from .experiment import parse_policies, parse_seeds, run_experiment
 from .openb import TraceUnavailable
 from .replay import RunResult
-from .report import as_json, plot, table
+from .report import as_json, plot, plot_churn, table
 from .scenarios import SCENARIOS
 from .trace import TraceNode, TracePod, load_nodes, load_pods, resolve
 
@@ -106,6 +106,7 @@ def simulate(
             err=err,
             load=churn_load,
             cluster=churn_cluster,
+            plot_path=None if no_plot else plot_path or Path("out") / f"churn-{name}.png",
         )
         return
     total = len(policies) * len(seed_list)
@@ -158,6 +159,7 @@ def _churn(
     err: Console,
     load: float,
     cluster: float,
+    plot_path: Path | None,
 ) -> None:
     try:
         runs = [
@@ -169,8 +171,10 @@ def _churn(
     except ValueError as error:
         err.print(f"gpufrac simulate: {error}")
         raise typer.Exit(code=2) from error
+    written = plot_churn(name, runs, plot_path) if plot_path is not None else None
     if json_output:
-        typer.echo(json.dumps({"trace": name, "seed": seed, "runs": [asdict(r) for r in runs]}))
+        out = {"trace": name, "seed": seed, "runs": [asdict(r) for r in runs], "plot": str(written or "")}
+        typer.echo(json.dumps(out))
         return
     title = f"{name}: churn replay, {policy}, seed {seed}, {runs[0].nodes} nodes, load x{load} (pending s)"
     out = Table(title=title)
@@ -189,3 +193,5 @@ def _churn(
                 str(q.preempted),
             )
     Console().print(out)
+    if written:
+        Console().print(f"allocation over time: {written}")
