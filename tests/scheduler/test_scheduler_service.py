@@ -292,10 +292,12 @@ class _FailsOn:
         self._engine = engine
         self._name = name
 
-    def schedule(self, pods: Sequence[PendingPod]) -> list[Decision]:
+    def schedule(
+        self, pods: Sequence[PendingPod], *, gang: bool = False, min_member: int | None = None
+    ) -> list[Decision]:
         if any(p.name == self._name for p in pods):
             raise ZeroDivisionError(f"injected engine failure on {self._name}")
-        return self._engine.schedule(pods)
+        return self._engine.schedule(pods, gang=gang, min_member=min_member)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._engine, name)

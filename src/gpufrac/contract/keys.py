@@ -83,6 +83,10 @@ KAI_QUEUE_LABEL = "kai.scheduler/queue"
 #: (scheduling.run.ai/v2), which the scheduler reads (docs/queues.md).
 API_GROUP = "gpufrac.io"
 KAI_SCHEDULING_API_GROUP = "scheduling.run.ai"
+#: A pod's gang: scheduler-plugins' coscheduling label, and KAI Scheduler's pod annotation; each names a
+#: PodGroup object of the pod's namespace whose ``spec.minMember`` pods must start together.
+POD_GROUP_LABEL = "scheduling.x-k8s.io/pod-group"
+KAI_POD_GROUP_ANNOTATION = "pod-group-name"
 
 #: Managed GPU nodes carry this taint so that other schedulers stay off them; pods of our scheduler that
 #: ask for a GPU get the matching toleration from the webhook.

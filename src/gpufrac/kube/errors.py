@@ -57,7 +57,15 @@ class Invalid(KubeError):
     code = 422
 
 
-_BY_CODE: dict[int, type[KubeError]] = {c.code: c for c in (NotFound, Conflict, Gone, Invalid)}
+class TooManyRequests(KubeError):
+    """429: on an eviction, a PodDisruptionBudget does not allow this disruption now."""
+
+    code = 429
+
+
+_BY_CODE: dict[int, type[KubeError]] = {
+    c.code: c for c in (NotFound, Conflict, Gone, Invalid, TooManyRequests)
+}
 
 
 def from_status(*, code: int | None, reason: str | None, message: str | None) -> KubeError:

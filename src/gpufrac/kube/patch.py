@@ -95,3 +95,15 @@ async def set_pod_condition(
             namespace=namespace,
             patch_type=PatchType.STRATEGIC,
         )
+
+
+async def set_nominated_node(client: AsyncClient, *, name: str, namespace: str, node: str | None) -> Pod:
+    """Set (or, with None, clear) ``status.nominatedNodeName``: where a preempting pod is headed."""
+    with api_errors():
+        return await client.patch(  # type: ignore[no-any-return]
+            Pod.Status,
+            name,
+            {"status": {"nominatedNodeName": node}},
+            namespace=namespace,
+            patch_type=PatchType.MERGE,
+        )

@@ -20,8 +20,9 @@ Public API (what the scheduler service calls)::
 
 Modules: ``model`` (inputs), ``decision`` (outputs and reason codes), ``demand`` (a pod's request as
 filters compute with it), ``state`` (ledgers as arrays), ``filters``, ``scoring``, ``typical`` and
-``fragmentation`` (FGD), ``policies``, ``fair_share`` (queue shares and order), ``engine``. docs/placement.md
-explains the design.
+``fragmentation`` (FGD), ``policies``, ``fair_share`` (queue shares and order), ``engine``, ``preemption``
+(victims for preemption and reclaim: ``find_victims(engine, pod, kind=Kind.PREEMPT)``). docs/placement.md
+explains the design; docs/scheduler.md how the scheduler preempts and reclaims.
 """
 
 from .decision import (

@@ -15,7 +15,8 @@ separately per constraint signature and node spec version.
 
 Transactions: ``statement()`` returns a Statement; placements made through it are undone in reverse
 order by ``discard`` (or on an exception), because applying and releasing an allocation are exact
-inverses. ``schedule(..., gang=True)`` uses one to place a batch all-or-nothing; a multi-device or
+inverses. ``schedule(..., gang=True)`` uses one to place a batch all-or-nothing (or, with
+``min_member``, at least that many of it or nothing: a PodGroup); a multi-device or
 multi-container pod is always all-or-nothing within itself.
 
 Determinism: ties between equal scores go to the node with the smallest seeded hash of its name, a fixed
@@ -47,7 +48,7 @@ from .fair_share import QueueBook, scheduling_order
 from .filters import STATIC_FILTERS, Fit, GpuRules, container_fit, resource_fit, static_reason
 from .model import NodeSpec, PendingPod, Queue, QueueResource
 from .policies import Policy, Prior, make_policy
-from .state import EXCLUSIVE, MODE_CODE, Allocation, ClusterState, DeviceCharge, GpuLedger
+from .state import EXCLUSIVE, MODE_CODE, Allocation, ClusterState, DeviceCharge, GpuLedger, PodTable
 
 _RANK_BITS = 40
 _ABSENT = 255
@@ -137,6 +138,7 @@ class Engine:
         self._statics: dict[tuple, _StaticCache] = {}
         self._demands: dict[tuple, Demand] = {}
         self._bound: dict[str, _Bound] = {}
+        self.pods = PodTable(gpu_slots=self.state.cols)
         self._on_node: dict[int, set[str]] = {}
         self._observed: set[str] = set()
 
@@ -241,9 +243,15 @@ class Engine:
         if b is None:
             return False
         self.state.release(b.allocation)
+        self.pods.remove(uid)
         self._on_node[b.allocation.node].discard(uid)
         self.queues.charge(b.pod.queue, -b.gpu_mib, -b.whole_gpus)
         return True
+
+    def bound_pod(self, uid: str) -> PendingPod | None:
+        """The pod as it was booked (its priority and queue are what preemption compares)."""
+        b = self._bound.get(uid)
+        return None if b is None else b.pod
 
     def placement_of(self, uid: str) -> Placement | None:
         b = self._bound.get(uid)
@@ -255,6 +263,7 @@ class Engine:
 
     def _commit(self, pod: PendingPod, allocation: Allocation, placement: Placement) -> None:
         self.state.apply(allocation)
+        self.pods.add(pod.uid, allocation, priority=pod.priority, queue=pod.queue)
         mib = sum(c.request_mib for c in allocation.charges)
         gpus = _whole_gpus(allocation)
         self._bound[pod.uid] = _Bound(pod, allocation, placement, mib, gpus)
@@ -297,12 +306,21 @@ class Engine:
 
     # -- scheduling -----------------------------------------------------------------------------------
 
-    def schedule(self, pods: Sequence[PendingPod], *, gang: bool = False) -> list[Decision]:
-        """Place ``pods`` in queue order; with ``gang`` all of them or none. One Decision per pod, in
-        input order."""
+    def schedule(
+        self, pods: Sequence[PendingPod], *, gang: bool = False, min_member: int | None = None
+    ) -> list[Decision]:
+        """Place ``pods`` in queue order. One Decision per pod, in input order.
+
+        With ``gang`` the batch is one statement: if fewer than ``min_member`` pods (default: all of
+        them) are placed, every placement of the batch is discarded and each pod is Unschedulable with
+        the gang's count in its message. Members beyond ``min_member`` that do not fit stay
+        Unschedulable on their own while the others are kept (a PodGroup's ``minMember``)."""
         decisions: list[Decision | None] = [None] * len(pods)
         if len(pods) == 1 and not gang:
             return [self.place(pods[0])]
+        need = len(pods) if min_member is None else min_member
+        if gang and not 0 <= need <= len(pods):
+            raise ValueError(f"min_member={min_member} must be between 0 and the gang's {len(pods)} pods")
         cluster_mib = int(self.state.cap_total.sum())
         with self.statement() as st:
 
@@ -311,14 +329,17 @@ class Engine:
 
             scheduling_order(pods, self.queues, cluster_mib, place)
             failed = [d for d in decisions if isinstance(d, Unschedulable)]
-            if gang and failed:
+            placed = len(pods) - len(failed)
+            if gang and placed < need:
                 st.discard()
                 total = self.state.node_count
+                detail = f"gang of {len(pods)} needs {need} placed together, {placed} fit"
                 decisions = [
-                    d
-                    if isinstance(d, Unschedulable)
-                    else Unschedulable(
-                        p.uid, total, detail=f"gang of {len(pods)}: {len(failed)} pod(s) do not fit"
+                    Unschedulable(
+                        p.uid,
+                        total,
+                        d.counts if isinstance(d, Unschedulable) else (),
+                        f"{detail}; {d.detail}" if isinstance(d, Unschedulable) and d.detail else detail,
                     )
                     for p, d in zip(pods, decisions, strict=True)
                 ]
@@ -364,6 +385,24 @@ class Engine:
         if code is Reason.FITS:
             code = Reason(int(resource_fit(self.state, demand, np.array([n]), self.rules).reasons[0]))
         return Status(code, code.message)
+
+    def tie_rank(self, nodes: np.ndarray) -> np.ndarray:
+        """The seeded tie-break rank of node slots (larger wins), for callers that order nodes as
+        placement does."""
+        return self._rank[nodes]
+
+    def demand(self, pod: PendingPod) -> Demand:
+        """The pod's request as the filters compute with it, under the pod's policy."""
+        return self._demand(pod, pod.policy or self.default_policy, flip=False)
+
+    def static_fits(self, pod: PendingPod) -> np.ndarray:
+        """Node slots whose spec alone admits ``pod`` (readiness, taints, selectors, affinity, mode
+        capability), from the same per-spec-version cache placement uses."""
+        name = pod.policy or self.default_policy
+        demand = self._demand(pod, name, flip=False)
+        kc = self._kind(demand, self.policy(name))
+        live = self.state.live()
+        return live[self._static(kc, live) == 0]
 
     # -- internals ------------------------------------------------------------------------------------
 

@@ -62,6 +62,10 @@ class SchedulerConfig(_Strict):
     """Required: a pod only goes to GPUs of its compute mode (or empty ones). Preferred: it may fall
     back to a GPU of the other mode when none fits; a GPU never holds both modes."""
 
+    preemption: bool = True
+    """When a pod fits nowhere, evict lower-priority pods of its queue, or reclaim from queues above
+    their deserved share for a queue below its own (through the Eviction API; docs/scheduler.md)."""
+
     sm_sharing_tenancy: Literal["namespace", "shared"] = "namespace"
     """namespace: an sm-sharing GPU holds pods of one namespace only (MPS merges error domains).
     shared: any namespaces may share it."""

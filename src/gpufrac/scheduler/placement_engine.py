@@ -1,8 +1,9 @@
 """What the service needs from the placement engine, and the engine it gets.
 
 The engine (``gpufrac.placement.Engine``) is pure and shared with the simulator. The service only asks
-it to learn and forget nodes, place a batch (holding what it placed), book a placement it did not make
-(a bound pod seen at start-up or bound by a previous leader), let go of a pod, and show its ledgers.
+it to learn and forget nodes, place a batch (holding what it placed; a gang all-or-nothing), book a
+placement it did not make (a bound pod seen at start-up or bound by a previous leader), let go of a
+pod, and show its ledgers.
 ``PlacementEngine`` names exactly that, so the seam stays narrow and visible; ``build_engine`` maps the
 scheduler's configuration onto the engine's knobs.
 """
@@ -32,8 +33,11 @@ class PlacementEngine(Protocol):
     def remove_node(self, name: str) -> list[str]:
         """Drop a node and every pod held on it; returns those pods."""
 
-    def schedule(self, pods: Sequence[PendingPod]) -> list[Decision]:
-        """One decision per pod, in input order; every Placement returned is already held."""
+    def schedule(
+        self, pods: Sequence[PendingPod], *, gang: bool = False, min_member: int | None = None
+    ) -> list[Decision]:
+        """One decision per pod, in input order; every Placement returned is already held. With
+        ``gang``, at least ``min_member`` (default all) are placed in one statement, or none."""
 
     def assume(self, pod: PendingPod, placement: Placement) -> Placement:
         """Book a placement made elsewhere (a bound pod); replaces what the pod held before."""

@@ -59,10 +59,12 @@ from gpufrac.kube.lease import LeaderElector, LeadershipLost, LeaseTiming
 from gpufrac.kube.patch import set_pod_condition
 from gpufrac.kube.stream import ALL_NAMESPACES, Selection
 from gpufrac.placement.decision import Decision, Placement
+from gpufrac.placement.engine import Engine
 from gpufrac.placement.model import ModePolicy, NodeSpec, PendingPod
 from gpufrac.process.probes import ProbeServer
 from gpufrac.scheduler.binder import Binder, BindMode, BindResult, Outcome, stale_binding_keys
 from gpufrac.scheduler.config import SchedulerConfig
+from gpufrac.scheduler.gangs import GangKey, Gangs, gang_of
 from gpufrac.scheduler.metrics import GpuAllocation, SchedulerMetrics, StateReaders
 from gpufrac.scheduler.objects import (
     agent_heartbeat,
@@ -74,6 +76,7 @@ from gpufrac.scheduler.objects import (
     queue_label,
 )
 from gpufrac.scheduler.placement_engine import PlacementEngine
+from gpufrac.scheduler.preemption import Preemptions
 from gpufrac.scheduler.queue_status import QueueStatusWriter, engine_capacity
 from gpufrac.scheduler.queues import QueueDirectory
 from gpufrac.scheduler.scheduling_queue import SchedulingQueue
@@ -258,6 +261,24 @@ class SchedulerService:
         self._started = False
         self._failed: BaseException | None = None
         self.bound_total = 0
+        self.gangs = Gangs(
+            client=client,
+            spawn=lambda coro: self._spawn(coro, self._chores),
+            retry=self.queue.cluster_changed,
+        )
+        # Preemption and reclaim search the engine's own books, so they need the engine itself.
+        self.preemptions: Preemptions | None = None
+        if config.preemption and isinstance(engine, Engine):
+            self.preemptions = Preemptions(
+                client=client,
+                engine=engine,
+                events=self.events,
+                victim_pod=self._own_bound_pod,
+                release=self._release,
+                place_now=lambda pod: self._schedule([(pod.metadata.uid, pod)]),
+                retry=self.queue.cluster_changed,
+                spawn=lambda coro: self._spawn(coro, self._chores),
+            )
 
     # -- running ------------------------------------------------------------------------------------------
 
@@ -401,15 +422,98 @@ class SchedulerService:
         if not todo:
             return
         self.metrics.batches.observe(len(todo))
-        for (pending, pod, gpu), decision in zip(todo, self._decide(todo), strict=True):
-            if isinstance(decision, Placement):
-                self._book(pod, decision.node, bound=False)
-                self._in_flight.add(pending.uid)
-                self._spawn(self._bind(pod, gpu, decision), self._binds)
-            elif isinstance(decision, BaseException):
-                self._failed_on(pod, decision, doing="placing")
+        singles: list[tuple[PendingPod, Pod, PodGpuRequest]] = []
+        gangs: dict[GangKey, list[tuple[PendingPod, Pod, PodGpuRequest]]] = {}
+        for entry in todo:
+            key = gang_of(entry[1])
+            if key is None:
+                singles.append(entry)
             else:
-                self._unschedulable(pod, decision.message)
+                gangs.setdefault(key, []).append(entry)
+        for (pending, pod, gpu), decision in zip(singles, self._decide(singles), strict=True):
+            self._apply(pending, pod, gpu, decision)
+        for key, members in gangs.items():
+            self._schedule_gang(key, members)
+
+    def _apply(
+        self,
+        pending: PendingPod,
+        pod: Pod,
+        gpu: PodGpuRequest,
+        decision: Decision | BaseException,
+        *,
+        gang: GangKey | None = None,
+    ) -> None:
+        if isinstance(decision, Placement):
+            self._book(pod, decision.node, bound=False)
+            self._in_flight.add(pending.uid)
+            self._spawn(self._bind(pod, gpu, decision), self._binds)
+        elif isinstance(decision, BaseException):
+            self._failed_on(pod, decision, doing="placing")
+        elif gang is not None:
+            self._unschedulable(pod, f"gang {gang}: {decision.message}")
+        elif self.preemptions is not None:
+            self._unschedulable(pod, self.preemptions.consider(pending, pod, decision))
+        else:
+            self._unschedulable(pod, decision.message)
+
+    def _schedule_gang(self, key: GangKey, batch: list[tuple[PendingPod, Pod, PodGpuRequest]]) -> None:
+        """Place a gang's pending members in one statement, at least minMember minus those running."""
+        members = list(batch)
+        seen = {pending.uid for pending, _, _ in batch}
+        for pod in self.pods.store:
+            uid = pod.metadata.uid
+            if uid in seen or uid in self._held or uid in self._in_flight or (pod.spec and pod.spec.nodeName):
+                continue
+            if pod.metadata.deletionTimestamp is None and gang_of(pod) == key:
+                prepared = self._prepare(pod)
+                if isinstance(prepared, str):
+                    self._unschedulable(pod, prepared)
+                else:
+                    members.append((prepared[0], pod, prepared[1]))
+        spec = self.gangs.spec(key)
+        if spec is None:
+            for _, pod, _ in members:
+                self.queue.park(
+                    pod.metadata.uid, pod, queue=pod_queue(pod, default=self.config.default_queue)
+                )
+            return
+        if isinstance(spec, str):
+            for _, pod, _ in members:
+                self._unschedulable(pod, spec)
+            return
+        running = sum(1 for held in self._held.values() if gang_of(held.pod) == key)
+        need = max(0, spec.min_member - running)
+        if len(members) < need:
+            waited, first_time = self.gangs.waited(key)
+            message = (
+                f"waiting for gang {key}: {running + len(members)} of its minMember {spec.min_member} pods "
+                f"exist ({running} placed)"
+            )
+            if self.gangs.timed_out(key):
+                message = f"gang {key} timed out after {waited:.0f}s, {message}"
+            for _, pod, _ in members:
+                if first_time:
+                    self.events.emit(regarding=_ref(pod), type=WARNING, reason="GangTimeout", message=message)
+                self._unschedulable(pod, message)
+            return
+        try:
+            decisions: list[Decision | BaseException] = list(
+                self._engine.schedule([m[0] for m in members], gang=True, min_member=need)
+            )
+        except Exception as error:
+            decisions = [error] * len(members)
+        if any(isinstance(d, Placement) for d in decisions):
+            self.gangs.placed(key)
+        for (pending, pod, gpu), decision in zip(members, decisions, strict=True):
+            self._apply(pending, pod, gpu, decision, gang=key)
+
+    def _own_bound_pod(self, uid: str) -> Pod | None:
+        """The pod of a booked uid if this scheduler placed it (only such pods may be preempted)."""
+        held = self._held.get(uid)
+        if held is None or held.pod.spec is None:
+            return None
+        return held.pod if held.pod.spec.schedulerName == self.config.scheduler_name else None
 
     def _prepare(self, pod: Pod) -> tuple[PendingPod, PodGpuRequest] | str:
         """The engine's view of a pending pod, or the sentence that says why it cannot be placed as is."""
@@ -687,6 +791,8 @@ class SchedulerService:
         node = pod.spec.nodeName if pod.spec else None
         if node and node in self._waiting_for_node:
             self._waiting_for_node[node].pop(uid, None)
+        if self.preemptions is not None and self.preemptions.deleted(uid):
+            return  # a victim: its room stays booked until its preemptor takes it
         if self._release(uid):
             self.queue.cluster_changed()
 

@@ -6,6 +6,7 @@ Examples::
     gpufrac simulate --trace gpushare60 --policy all --workers 2 --json
     gpufrac simulate --trace my_pods.csv --nodes my_nodes.csv --policy binpack,fgd-align
     gpufrac simulate --trace default --policy all --scenario mixed     # both compute modes
+    gpufrac simulate --trace default --policy fgd --seeds 42 --churn   # departures, queues, reclaim
 
 Prints a table (or JSON with ``--json``) and writes a PNG of the allocation and fragmentation curves of
 every policy run (``--plot``, default out/simulate-<trace>.png).
@@ -15,19 +16,22 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import asdict
 from pathlib import Path
 from typing import Annotated
 
 import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
 
+from .churn import churn_replay
 from .experiment import parse_policies, parse_seeds, run_experiment
 from .openb import TraceUnavailable
 from .replay import RunResult
-from .report import as_json, plot, table
+from .report import as_json, plot, plot_churn, table
 from .scenarios import SCENARIOS
-from .trace import load_nodes, load_pods, resolve
+from .trace import TraceNode, TracePod, load_nodes, load_pods, resolve
 
 
 def simulate(
@@ -54,6 +58,20 @@ def simulate(
     json_output: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
     plot_path: Annotated[Path | None, typer.Option("--plot", help="PNG path for the curves.")] = None,
     no_plot: Annotated[bool, typer.Option("--no-plot", help="Do not write the PNG.")] = False,
+    churn: Annotated[
+        bool,
+        typer.Option(
+            "--churn",
+            help="Replay arrivals and departures (creation/deletion times) with QoS classes as queues; "
+            "report pending time and preemptions per queue with and without reclaim (first policy and seed).",
+        ),
+    ] = False,
+    churn_load: Annotated[
+        float, typer.Option(help="With --churn: arrivals this many times faster (durations unchanged).")
+    ] = 1.0,
+    churn_cluster: Annotated[
+        float, typer.Option(help="With --churn: keep this fraction of the nodes (a seeded sample).")
+    ] = 1.0,
 ) -> None:
     """Replay a trace (the paper's protocol) through the placement engine; table, JSON and curves."""
     err = Console(stderr=True)
@@ -77,6 +95,20 @@ def simulate(
             raise typer.Exit(code=2)
     name = Path(trace).stem if pods_path == Path(trace) else trace
     node_list, pod_list = load_nodes(nodes_path), load_pods(pods_path)
+    if churn:
+        _churn(
+            name,
+            node_list,
+            pod_list,
+            policies[0],
+            seed_list[0],
+            json_output=json_output,
+            err=err,
+            load=churn_load,
+            cluster=churn_cluster,
+            plot_path=None if no_plot else plot_path or Path("out") / f"churn-{name}.png",
+        )
+        return
     total = len(policies) * len(seed_list)
     with Progress(
         TextColumn("[bold]{task.description}"),
@@ -114,3 +146,52 @@ def simulate(
         console.print(table(name, results, scenario))
         if written:
             console.print(f"curves: {written}")
+
+
+def _churn(
+    name: str,
+    nodes: list[TraceNode],
+    pods: list[TracePod],
+    policy: str,
+    seed: int,
+    *,
+    json_output: bool,
+    err: Console,
+    load: float,
+    cluster: float,
+    plot_path: Path | None,
+) -> None:
+    try:
+        runs = [
+            churn_replay(
+                nodes=nodes, pods=pods, policy=policy, seed=seed, reclaim=reclaim, load=load, cluster=cluster
+            )
+            for reclaim in (False, True)
+        ]
+    except ValueError as error:
+        err.print(f"gpufrac simulate: {error}")
+        raise typer.Exit(code=2) from error
+    written = plot_churn(name, runs, plot_path) if plot_path is not None else None
+    if json_output:
+        out = {"trace": name, "seed": seed, "runs": [asdict(r) for r in runs], "plot": str(written or "")}
+        typer.echo(json.dumps(out))
+        return
+    title = f"{name}: churn replay, {policy}, seed {seed}, {runs[0].nodes} nodes, load x{load} (pending s)"
+    out = Table(title=title)
+    for column in ("queue", "share", "pods", "reclaim", "started", "pending p50", "pending p99", "preempted"):
+        out.add_column(column)
+    for run in runs:
+        for q in run.queues:
+            out.add_row(
+                q.queue,
+                f"{q.deserved_share:.3f}",
+                str(q.pods),
+                "on" if run.reclaim else "off",
+                str(q.started),
+                f"{q.pending_p50_s:.0f}",
+                f"{q.pending_p99_s:.0f}",
+                str(q.preempted),
+            )
+    Console().print(out)
+    if written:
+        Console().print(f"allocation over time: {written}")

@@ -13,6 +13,7 @@ from typing import Any
 
 from rich.table import Table
 
+from .churn import ChurnResult
 from .experiment import by_policy, mean
 from .metrics import CURVE_POINTS
 from .paper import published
@@ -126,6 +127,30 @@ def plot(trace: str, results: Sequence[RunResult], path: Path) -> Path:
     frag_ax.set(xlabel="arrived GPU demand (% of capacity)", ylabel="fragmented share of free GPU (%)")
     frag_ax.set_title("fragmentation rate")
     frag_ax.legend(loc="lower right")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_churn(trace: str, runs: Sequence[ChurnResult], path: Path) -> Path:
+    """Per queue, its share of the cluster's GPU memory over time against its deserved share (dashed),
+    one panel per run (reclaim off, on)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(runs), figsize=(7 * len(runs), 4.5), sharey=True, squeeze=False)
+    for ax, run in zip(axes[0], runs, strict=True):
+        hours = [t / 3600 for t, _ in run.timeline]
+        for q in run.queues:
+            line = ax.plot(hours, [shares.get(q.queue, 0.0) for _, shares in run.timeline], label=q.queue)
+            ax.axhline(q.deserved_share, color=line[0].get_color(), linestyle="--", linewidth=0.8)
+        ax.set(xlabel="hours", ylabel="share of cluster GPU memory (dashed: deserved)")
+        ax.set_title(f"{trace}: reclaim {'on' if run.reclaim else 'off'} ({run.preemptions} preemptions)")
+        ax.legend(loc="upper right")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

@@ -74,6 +74,10 @@ class TracePod:
     qos: str = ""
     mode: ComputeMode = ComputeMode.TIME_SLICING
     namespace: str = "openb"
+    created: int | None = None
+    """Seconds into the trace when the pod was created (``creation_time``), when the trace has it."""
+    deleted: int | None = None
+    """Seconds into the trace when it was deleted (``deletion_time``); the churn replay's departures."""
 
     @property
     def gpu_total_milli(self) -> int:
@@ -157,9 +161,15 @@ def load_pods(path: Path) -> list[TracePod]:
                 gpu_milli=int(row["gpu_milli"]),
                 gpu_spec=tuple(m for m in (row.get("gpu_spec") or "").split("|") if m),
                 qos=row.get("qos") or "",
+                created=_seconds(row.get("creation_time")),
+                deleted=_seconds(row.get("deletion_time")),
             )
             for row in csv.DictReader(f)
         ]
+
+
+def _seconds(value: str | None) -> int | None:
+    return int(value) if value not in (None, "") else None
 
 
 NODE_COLUMNS = ("sn", "cpu_milli", "memory_mib", "gpu", "model")

@@ -1,0 +1,188 @@
+"""Preemption and reclaim decision time on a full 1,000-node x 8-GPU cluster, against plain placement.
+
+The cluster: 1,000 nodes of 8 x 80 GiB GPUs, filled with 20,000 placed pods (fractions of 0.2-0.5 in
+time-slicing and sm-sharing, some whole GPUs and some two-GPU pods; PriorityClass values 0-9; four
+queues a-d over three namespaces, d holding few pods and each deserving a quarter of the cluster).
+Then probes that fit nowhere: whole GPUs, two and four whole GPUs on one node, half and two-halves
+fractions and sm-sharing fractions. A preemption probe has a priority of 5-9 in a random queue of
+a-c; a reclaim probe is in queue d (below its share) and takes from a-c (above theirs).
+
+Measured, in the same run: the plain placement time of a pod that fits (the last pods of the fill), the
+placement attempt that fails for each probe (what the scheduler does before it looks for victims), and
+the decision (``find_victims``: the search and the engine simulation of the chosen set). Target: decision
+p99 under 50 ms.
+
+Usage: .venv/bin/python bench/preemption_speed.py [--nodes 1000] [--pods 20000] [--probes 200] [--seed 1]
+Prints a line per measurement, then a one-line JSON summary last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "src"))
+
+from gpufrac.contract.request import (  # noqa: E402
+    ComputeMode,
+    ContainerGpuRequest,
+    GpuMemory,
+    PodGpuRequest,
+)
+from gpufrac.placement.decision import Placement  # noqa: E402
+from gpufrac.placement.engine import Engine  # noqa: E402
+from gpufrac.placement.model import GpuDevice, NodeSpec, PendingPod, Queue  # noqa: E402
+from gpufrac.placement.preemption import Kind, find_victims  # noqa: E402
+
+TARGET_P99_MS = 50.0
+GPU_MIB = 81920
+QUEUES = ("a", "b", "c", "d")
+NAMESPACES = ("team-1", "team-2", "team-3")
+
+
+def fraction(
+    portion: float, *, mode: ComputeMode = ComputeMode.TIME_SLICING, count: int = 1
+) -> PodGpuRequest:
+    return PodGpuRequest((ContainerGpuRequest("main", GpuMemory(portion=portion), None, mode, count),))
+
+
+def whole(count: int = 1) -> PodGpuRequest:
+    return PodGpuRequest((ContainerGpuRequest("main", None, None, device_count=count, exclusive=True),))
+
+
+def fill_shape(rng: random.Random) -> PodGpuRequest:
+    roll = rng.random()
+    if roll < 0.05:
+        return whole(1)
+    if roll < 0.07:
+        return whole(2)
+    mode = ComputeMode.SM_SHARING if rng.random() < 0.3 else ComputeMode.TIME_SLICING
+    return fraction(rng.choice((0.2, 0.25, 0.3, 0.4, 0.5)), mode=mode)
+
+
+PROBES = (
+    ("whole", lambda: whole(1)),
+    ("two-whole", lambda: whole(2)),
+    ("four-whole", lambda: whole(4)),
+    ("half", lambda: fraction(0.5)),
+    ("two-halves", lambda: fraction(0.5, count=2)),
+    ("sm-0.4", lambda: fraction(0.4, mode=ComputeMode.SM_SHARING)),
+)
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
+
+
+def stats(values: list[float]) -> dict[str, float]:
+    return {
+        "p50_ms": round(percentile(values, 0.5), 3),
+        "p99_ms": round(percentile(values, 0.99), 3),
+        "n": len(values),
+    }
+
+
+def build(nodes: int, pods: int, seed: int) -> tuple[Engine, list[float]]:
+    rng = random.Random(seed)
+    engine = Engine(policy="binpack", seed=seed, queues=[Queue(q, deserved_share=0.25) for q in QUEUES])
+    for i in range(nodes):
+        gpus = tuple(GpuDevice(f"node-{i}-gpu-{g}", g, GPU_MIB, "A100") for g in range(8))
+        engine.add_node(NodeSpec(f"node-{i}", 128_000, 1 << 40, max_pods=110, gpu_model="A100", gpus=gpus))
+    placed, attempts, times = 0, 0, []
+    while placed < pods and attempts < pods * 4:
+        attempts += 1
+        queue = "d" if rng.random() < 0.03 else rng.choice(QUEUES[:3])
+        pod = PendingPod(
+            rng.choice(NAMESPACES),
+            f"fill-{attempts}",
+            f"fill-{attempts}",
+            fill_shape(rng),
+            priority=rng.randrange(10),
+            queue=queue,
+            arrival=attempts,
+        )
+        start = time.perf_counter()
+        decision = engine.place(pod)
+        elapsed = (time.perf_counter() - start) * 1000
+        if isinstance(decision, Placement):
+            placed += 1
+            times.append(elapsed)
+    return engine, times[-2000:]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nodes", type=int, default=1000)
+    parser.add_argument("--pods", type=int, default=20000)
+    parser.add_argument("--probes", type=int, default=200, help="per kind (preempt, reclaim)")
+    parser.add_argument("--seed", type=int, default=1)
+    args = parser.parse_args()
+    load_before = os.getloadavg()[0]
+    engine, place_ms = build(args.nodes, args.pods, args.seed)
+    rng = random.Random(args.seed + 1)
+    summary: dict[str, object] = {
+        "bench": "preemption_speed",
+        "nodes": args.nodes,
+        "gpus": args.nodes * 8,
+        "placed_pods": len(engine.bound_uids),
+        "load_before": load_before,
+        "plain_placement": stats(place_ms),
+    }
+    print(f"placed {len(engine.bound_uids)} pods; plain placement {summary['plain_placement']}")
+    all_decisions: list[float] = []
+    for kind in (Kind.PREEMPT, Kind.RECLAIM):
+        failed_ms, decide_ms, found, fit_anyway, victims = [], [], 0, 0, 0
+        by_shape: dict[str, list[float]] = {}
+        for i in range(args.probes):
+            name, shape = PROBES[i % len(PROBES)]
+            pod = PendingPod(
+                rng.choice(NAMESPACES),
+                f"probe-{kind}-{i}",
+                f"probe-{kind}-{i}",
+                shape(),
+                priority=rng.randrange(5, 10) if kind is Kind.PREEMPT else 0,
+                queue=rng.choice(QUEUES[:3]) if kind is Kind.PREEMPT else "d",
+            )
+            start = time.perf_counter()
+            decision = engine.place(pod)
+            failed_ms.append((time.perf_counter() - start) * 1000)
+            if isinstance(decision, Placement):
+                engine.forget(pod.uid)
+                fit_anyway += 1
+                continue
+            start = time.perf_counter()
+            result = find_victims(engine, pod, kind=kind)
+            decide_ms.append((time.perf_counter() - start) * 1000)
+            by_shape.setdefault(name, []).append(decide_ms[-1])
+            if result is not None:
+                found += 1
+                victims += len(result.victims)
+        all_decisions.extend(decide_ms)
+        entry = {
+            "failed_placement": stats(failed_ms),
+            "decision": stats(decide_ms),
+            "with_victims": found,
+            "mean_victims": round(victims / max(found, 1), 2),
+            "probes_that_fit_without": fit_anyway,
+            "decision_by_shape": {shape: stats(ms) for shape, ms in by_shape.items()},
+        }
+        summary[str(kind)] = entry
+        print(f"{kind}: {entry}")
+        sys.stdout.flush()
+    p99 = percentile(all_decisions, 0.99)
+    summary["decision_p99_ms"] = round(p99, 3)
+    summary["target_p99_ms"] = TARGET_P99_MS
+    summary["pass"] = p99 < TARGET_P99_MS
+    summary["load_after"] = os.getloadavg()[0]
+    print(json.dumps(summary, sort_keys=True))
+
+
+if __name__ == "__main__":
+    main()

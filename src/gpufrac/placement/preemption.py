@@ -1,0 +1,403 @@
+"""Victim selection: which placed pods to remove so that a pending pod fits, and where it then goes.
+
+Two uses, one search. **Preemption** inside a queue: pods of the pending pod's queue with a lower
+PriorityClass value may be removed. **Reclaim** across queues: a queue below its deserved share takes
+back from queues above theirs, and never pushes a victim queue below its own share (the victims taken
+from one queue may add up to at most that queue's usage over its deserved MiB).
+
+What counts as freed is the pending pod's exact shape, not a MiB total: the search asks the same
+filters placement runs (per-GPU memory, compute mode, device count, sm-sharing tenancy, compute
+portions, the limit cap, host resources) on hypothetical ledgers, "this node without these pods"
+(``PodTable.hypothetical``). Freeing 8 GiB spread over four GPUs is no reclaim for a pod that needs
+8 GiB on one GPU, and is never chosen.
+
+The answer is the fewest victims, then the lowest priorities (compared highest first, as
+kube-scheduler ranks candidates by their most important victim), then the engine's seeded node order
+(the random tie-break placement uses, so that equal choices spread over the cluster rather than pile
+on the first node), then, between sets on that node, the least GPU memory taken.
+
+The search is exact: victim sets are tried by size, so the first size with a fitting set is the
+fewest. Single victims are tried first, over the whole cluster; then a node is dropped when even all
+its eligible victims leaving would not let the pod fit, and sets of 2, 3, ... on the remaining nodes
+are generated. Within a size the sets are sorted by the order above and tried a chunk at a time (one
+vectorised filter run per chunk), so the first chunk holding a fitting set holds the best one. When
+the number of sets of the next size would exceed ``budget`` the search stops enumerating and falls
+back to a minimal set per node (kube-scheduler's "reprieve": start from all eligible victims and give
+back, most important first, each one the pod does not need) on the ``REPRIEVE_NODES`` candidate
+nodes with the fewest eligible victims: no victim of the result can be spared, but a smaller set may
+exist; docs/scheduler.md says so.
+
+Nothing is decided on the hypothetical ledgers alone: the best set is then simulated on the engine
+itself (victims forgotten, the pod placed, everything put back), and a set after which the engine
+would not place the pod on that node (a multi-container pod whose devices cannot be assigned together,
+a queue limit) is skipped for the next. The caller gets the placement the engine produced, so it never
+evicts for a pod that would not fit after the victims leave.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from enum import StrEnum
+from functools import cache
+from typing import Protocol
+
+import numpy as np
+
+from gpufrac.contract.request import ComputeMode
+
+from .decision import Placement
+from .engine import Engine
+from .filters import resource_fit
+from .model import PendingPod, QueueResource
+from .state import PodTable, Released
+
+DEFAULT_BUDGET = 20_000
+"""Most (node, victim set) hypotheses one size may try before the search falls back to reprieve."""
+
+REPRIEVE_NODES = 64
+"""How many candidate nodes the fallback computes a minimal set on at a time (the next ones only when
+no set of these survives the simulation)."""
+
+_VERIFY_PER_CHUNK = 16
+_FIRST_CHUNK = 256
+
+
+class Kind(StrEnum):
+    PREEMPT = "preempt"
+    RECLAIM = "reclaim"
+
+
+class ShareBook(Protocol):
+    """What reclaim needs to know about queues: the narrow seam to whatever computes fair share.
+
+    Today ``EngineShares`` answers from the engine's static queues (``placement.fair_share``); a
+    hierarchical fair share only has to answer the same two questions.
+    """
+
+    def usage_mib(self, queue: str) -> int:
+        """Guaranteed GPU MiB the queue's placed pods hold."""
+        ...
+
+    def deserved_mib(self, queue: str) -> int:
+        """GPU MiB the queue deserves now (0 when it has no deserved share)."""
+        ...
+
+
+class EngineShares:
+    """``ShareBook`` over the engine's own queue book: each queue's deserved GPU memory (a Queue object's
+    ``deserved``, or the configuration file's ``deserved_share`` of the cluster), against what the queue
+    and its descendants hold."""
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+
+    def usage_mib(self, queue: str) -> int:
+        return self._engine.queues.usage.get(queue, 0)
+
+    def deserved_mib(self, queue: str) -> int:
+        cluster_mib = int(self._engine.state.cap_total.sum())
+        return self._engine.queues.get(queue).deserved(QueueResource.GPU_MEMORY, cluster_mib)
+
+
+@dataclass(frozen=True, slots=True)
+class Preemption:
+    """Remove ``victims`` (pod uids, most important first) from ``node``; the pod then gets
+    ``placement`` (what the engine placed in the simulation)."""
+
+    kind: Kind
+    node: str
+    victims: tuple[str, ...]
+    placement: Placement
+
+
+@dataclass(frozen=True, slots=True)
+class _Candidates:
+    """Hypotheses: one row per (node, victim set); ``victims`` holds PodTable slots, padded with
+    ``PodTable.NOTHING``."""
+
+    nodes: np.ndarray
+    victims: np.ndarray
+
+
+class _Fits(Protocol):
+    def __call__(self, c: _Candidates, *, within_slack: bool = True) -> np.ndarray: ...
+
+
+def eligible_victims(
+    engine: Engine,
+    pod: PendingPod,
+    *,
+    kind: Kind,
+    shares: ShareBook | None = None,
+    exclude: Iterable[str] = (),
+) -> tuple[np.ndarray, dict[int, int]]:
+    """PodTable slots that may be removed for ``pod``, and per victim queue id the MiB that may go.
+
+    Preemption: same queue, lower priority. Reclaim: only when the pod's queue is below its deserved
+    share; victims from other queues above theirs, each no bigger than its queue's excess.
+    """
+    table = engine.pods
+    mask = table.live.copy()
+    for uid in exclude:
+        slot = table.slot_of.get(uid)
+        if slot is not None:
+            mask[slot] = False
+    slack: dict[int, int] = {}
+    if kind is Kind.PREEMPT:
+        q = table.known_queue(pod.queue)
+        if q is None:
+            return np.empty(0, dtype=np.int64), slack
+        mask &= (table.queue == q) & (table.priority < pod.priority)
+    else:
+        book = shares or EngineShares(engine)
+        if book.usage_mib(pod.queue) >= book.deserved_mib(pod.queue):
+            return np.empty(0, dtype=np.int64), slack
+        allowed = np.zeros(table.rows, dtype=bool)
+        for q, name in enumerate(table.queue_names):
+            if name == pod.queue:
+                continue
+            excess = book.usage_mib(name) - book.deserved_mib(name)
+            if excess > 0:
+                slack[q] = excess
+                allowed |= (table.queue == q) & (table.mib <= excess)
+        mask &= allowed
+    return np.flatnonzero(mask), slack
+
+
+def find_victims(
+    engine: Engine,
+    pod: PendingPod,
+    *,
+    kind: Kind,
+    shares: ShareBook | None = None,
+    exclude: Iterable[str] = (),
+    budget: int = DEFAULT_BUDGET,
+) -> Preemption | None:
+    """The best victims for ``pod`` (see the module docstring), or None when no set makes it fit.
+
+    Call it for a pod the engine could not place. ``exclude`` names pods that must not be chosen (an
+    eviction a PodDisruptionBudget refused, a pod already being evicted). The engine is left exactly
+    as it was.
+    """
+    if not pod.gpu.containers:
+        return None
+    book = shares or EngineShares(engine)
+    slots, slack = eligible_victims(engine, pod, kind=kind, shares=book, exclude=exclude)
+    if slots.size == 0:
+        return None
+    table = engine.pods
+    demand = engine.demand(pod)
+    sm = any(c.mode is ComputeMode.SM_SHARING and not c.exclusive for c in demand.containers)
+    tenant = (
+        engine.state.namespace_id(pod.namespace) if sm and engine.rules.sm_sharing_single_tenant else None
+    )
+    charges = None if tenant is None else table.tenant_charges(engine.state, tenant)
+
+    def fits_after(nodes: np.ndarray, released: Released) -> np.ndarray:
+        hyp = table.hypothetical(engine.state, nodes, released, tenant=tenant, tenant_charges=charges)
+        return resource_fit(hyp, demand, np.arange(nodes.size), engine.rules).reasons == 0
+
+    def fits(c: _Candidates, *, within_slack: bool = True) -> np.ndarray:
+        ok = fits_after(c.nodes, table.of_sets(c.victims, tenant=tenant))
+        for q, room in slack.items() if within_slack else ():
+            taken = (table.mib[c.victims] * (table.queue[c.victims] == q)).sum(axis=1)
+            ok &= taken <= room
+        return ok
+
+    # Per candidate node its eligible victims, least important first (rows padded with NOTHING).
+    static_ok = np.zeros(engine.state.rows, dtype=bool)
+    static_ok[engine.static_fits(pod)] = True
+    slots = slots[static_ok[table.node[slots]]]
+    if slots.size == 0:
+        return None
+
+    def first_fitting(cand: _Candidates) -> Preemption | None:
+        """Sets in cost order, tried a chunk at a time: the first chunk holding a fitting set holds the
+        best one, and on a big cluster the first chunk usually does."""
+        at, chunk = 0, _FIRST_CHUNK
+        while at < cand.nodes.size:
+            part = _Candidates(cand.nodes[at : at + chunk], cand.victims[at : at + chunk])
+            ok = fits(part)
+            if ok.any():
+                found = _verify(engine, pod, kind, book, _Candidates(part.nodes[ok], part.victims[ok]))
+                if found is not None:
+                    return found
+            at, chunk = at + chunk, chunk * 4
+        return None
+
+    # One victim is tried on its own first, without grouping by node: most decisions end here. Removing
+    # one pod changes only the GPUs it holds, so a node with fewer GPUs that fit now than a container
+    # needs, less the victim's GPUs, cannot be the answer for that victim alone.
+    hosts = np.unique(table.node[slots])
+    now = resource_fit(engine.state, demand, hosts, engine.rules)
+    at = np.searchsorted(hosts, table.node[slots])
+    touched = (table.on[slots] > 0).sum(axis=1)
+    alone = np.ones(slots.size, dtype=bool)
+    for container, mask in zip(demand.containers, now.masks, strict=True):
+        alone &= mask.sum(axis=1)[at] + touched >= container.count
+    single = slots[alone]
+    found = first_fitting(_in_cost_order(engine, _Candidates(table.node[single], single[:, None])))
+    if found is not None:
+        return found
+
+    order = np.lexsort((table.mib[slots], table.priority[slots], table.node[slots]))
+    slots = slots[order]
+    on_node = table.node[slots]
+    starts = np.flatnonzero(np.diff(on_node, prepend=-1))
+    nodes = on_node[starts]
+
+    # Optimistic first cut: a node where even all its eligible victims leaving is not enough is out
+    # (removing pods only ever frees room; the reclaim slack is checked per set, later).
+    keep = fits_after(nodes, table.of_groups(slots, starts, tenant=tenant))
+    if not keep.any():
+        return None
+    counts = np.diff(np.append(starts, slots.size))
+    group = np.repeat(np.arange(nodes.size), counts)
+    kept = keep[group]
+    slots, group = slots[kept], np.cumsum(keep)[group[kept]] - 1
+    nodes, counts = nodes[keep], counts[keep]
+    per_node = np.full((nodes.size, int(counts.max())), PodTable.NOTHING, dtype=np.int64)
+    first = np.concatenate(([0], np.cumsum(counts)[:-1]))
+    per_node[group, np.arange(slots.size) - first[group]] = slots
+
+    size = 2
+    while size <= int(counts.max()):
+        sizes, nodes_with = np.unique(counts[counts >= size], return_counts=True)
+        total = sum(math.comb(int(m), size) * int(k) for m, k in zip(sizes, nodes_with, strict=True))
+        if total > budget:
+            # The fallback looks at the nodes with the fewest eligible victims (then the seeded order).
+            order = np.lexsort((-engine.tie_rank(nodes), counts))
+            for at in range(0, order.size, REPRIEVE_NODES):
+                best = order[at : at + REPRIEVE_NODES]
+                every = _Candidates(nodes[best], per_node[best])
+                found = _reprieve(engine, pod, kind, book, every, fits, fits_after, tenant)
+                if found is not None:
+                    return found
+            return None
+        found = first_fitting(_in_cost_order(engine, _sets_of_size(nodes, per_node, counts, size)))
+        if found is not None:
+            return found
+        size += 1
+    return None
+
+
+@cache
+def _index_sets(m: int, k: int) -> np.ndarray:
+    return np.array(list(itertools.combinations(range(m), k)), dtype=np.int64).reshape(-1, k)
+
+
+def _sets_of_size(nodes: np.ndarray, per_node: np.ndarray, counts: np.ndarray, size: int) -> _Candidates:
+    """Every set of ``size`` eligible victims on every node, grouped by how many victims a node has."""
+    out_nodes, out_sets = [], []
+    for m in np.unique(counts[counts >= size]).tolist():
+        rows = np.flatnonzero(counts == m)
+        index = _index_sets(m, size)
+        sets = per_node[rows][:, index]  # (nodes, sets, size)
+        out_nodes.append(np.repeat(nodes[rows], index.shape[0]))
+        out_sets.append(sets.reshape(-1, size))
+    return _Candidates(np.concatenate(out_nodes), np.concatenate(out_sets))
+
+
+def _reprieve(
+    engine: Engine,
+    pod: PendingPod,
+    kind: Kind,
+    book: ShareBook,
+    every: _Candidates,
+    fits: _Fits,
+    fits_after: Callable[[np.ndarray, Released], np.ndarray],
+    tenant: int | None,
+) -> Preemption | None:
+    """A minimal set per node: from all eligible victims, give back the most important first while the
+    pod still fits (one vectorised filter run per round, across all nodes; each round subtracts one
+    victim's holdings from the running sums). Giving back only lowers what a victim queue loses, so
+    the reclaim slack is checked once, on the sets that remain."""
+    table = engine.pods
+    nodes, removed = every.nodes, every.victims.copy()
+    released = table.of_sets(removed, tenant=tenant)
+    # The filters check a multi-container pod's containers one by one (a necessary condition); giving
+    # back on that alone could keep a set the pod does not fit with, so such pods are asked of the engine.
+    together = len(engine.demand(pod).containers) > 1
+    for col in range(removed.shape[1] - 1, -1, -1):  # most important victims are at the right
+        present = every.victims[:, col] != PodTable.NOTHING
+        trial = released.minus(table.of_sets(every.victims[:, col : col + 1], tenant=tenant))
+        ok = fits_after(nodes, trial) & present
+        if together:
+            for i in np.flatnonzero(ok).tolist():
+                kept = [table.uid[s] for s in removed[i].tolist() if s != PodTable.NOTHING]
+                kept.remove(table.uid[int(every.victims[i, col])])
+                placed = simulate(engine, pod, kept)
+                ok[i] = placed is not None and placed.node == engine.state.nodes[int(nodes[i])].name  # type: ignore[union-attr]
+        removed[ok, col] = PodTable.NOTHING
+        released = released.minus(table.of_sets(every.victims[:, col : col + 1], tenant=tenant), ok)
+    ok = fits(_Candidates(nodes, removed))
+    return _verify(engine, pod, kind, book, _in_cost_order(engine, _Candidates(nodes[ok], removed[ok])))
+
+
+def _in_cost_order(engine: Engine, cand: _Candidates) -> _Candidates:
+    """Best first: fewest victims, then priorities compared highest first, then the engine's seeded node
+    order, then (between sets on one node) the least MiB taken."""
+    table = engine.pods
+    valid = cand.victims != PodTable.NOTHING
+    prio = np.where(valid, table.priority[cand.victims], np.iinfo(np.int64).min)
+    prio = -np.sort(-prio, axis=1)  # each row's priorities, highest first
+    count = valid.sum(axis=1)
+    mib = table.mib[cand.victims].sum(axis=1)
+    rank = engine.tie_rank(cand.nodes)
+    keys = [mib, -rank] + [prio[:, j] for j in range(prio.shape[1] - 1, -1, -1)] + [count]
+    order = np.lexsort(keys)
+    return _Candidates(cand.nodes[order], cand.victims[order])
+
+
+def _verify(
+    engine: Engine, pod: PendingPod, kind: Kind, shares: ShareBook, cand: _Candidates
+) -> Preemption | None:
+    """Try the hypotheses (in cost order) on the engine itself; the first one that places the pod wins."""
+    table = engine.pods
+    # Slots are read before any simulation: forgetting and re-booking victims may move them.
+    tries = [
+        (
+            engine.state.nodes[int(cand.nodes[i])],
+            [table.uid[s] for s in cand.victims[i].tolist() if s != PodTable.NOTHING],
+        )
+        for i in range(min(cand.nodes.size, _VERIFY_PER_CHUNK))
+    ]
+    for node, victims in tries:
+        assert node is not None
+        placement = simulate(engine, pod, victims)
+        if placement is None or placement.node != node.name:
+            continue
+        if kind is Kind.RECLAIM:
+            mib_now = sum(d.request_mib for c in placement.containers for d in c.devices)
+            if shares.usage_mib(pod.queue) + mib_now > shares.deserved_mib(pod.queue):
+                continue
+        ordered = sorted(victims, key=lambda uid: -table.priority[table.slot_of[uid]])
+        return Preemption(kind, node.name, tuple(uid for uid in ordered if uid is not None), placement)
+    return None
+
+
+def simulate(engine: Engine, pod: PendingPod, victims: Iterable[str | None]) -> Placement | None:
+    """Where the engine would place ``pod`` with ``victims`` gone; the engine is restored either way."""
+    gone = []
+    for uid in victims:
+        assert uid is not None
+        booked, placement = engine.bound_pod(uid), engine.placement_of(uid)
+        if booked is None or placement is None:
+            raise ValueError(f"victim {uid} is not placed")
+        gone.append((booked, placement, engine.pods.slot_of[uid]))
+        engine.forget(uid)
+    try:
+        decision = engine.place(pod)
+        if isinstance(decision, Placement):
+            engine.forget(pod.uid)
+            return decision
+        return None
+    finally:
+        # Re-booked in reverse, each victim gets its slot back (the table reuses the last freed slot
+        # first): the search's slot arrays stay valid across simulations.
+        for booked, placement, slot in reversed(gone):
+            engine.assume(booked, placement)
+            assert engine.pods.slot_of[booked.uid] == slot

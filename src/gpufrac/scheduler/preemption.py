@@ -1,0 +1,284 @@
+"""The scheduler's side of preemption and reclaim: evict the victims the engine chose, then place.
+
+When the engine cannot place a pod, ``Preemptions.consider`` asks ``gpufrac.placement.preemption`` for
+victims: first inside the pod's queue by PriorityClass value, then across queues (reclaim, for a queue
+below its deserved share). A plan is executed through the Eviction API, never a plain DELETE, so
+PodDisruptionBudgets are honoured: every victim is first evicted as a dry run, and a refusal (429)
+puts that victim aside for this pod and the search runs again without it. Only when the whole set
+passes are the victims evicted for real, each exactly once (a pod being evicted is never chosen
+again). The pending pod gets ``status.nominatedNodeName``; Events tell both sides (``Preempting`` on
+the pod, ``Preempted`` or ``Reclaimed`` on each victim).
+
+No thrash. The victims stay booked in the engine while they terminate (they still hold their GPUs;
+booking them off early would let another pod bind onto memory still in use), and a victim that is
+gone keeps its booking until the last victim of the plan is gone too. Then, in the same event
+handler, the victims are released and the preempting pod is placed, before any other pod is
+considered: no pod, a victim's replacement included, can take the room in between, so nothing is
+placed where it would be preempted again at once.
+
+Only pods this scheduler placed (or booked as its own) are candidates: a pod bound by another
+scheduler is not ours to evict.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from lightkube import AsyncClient
+from lightkube.resources.core_v1 import Pod
+
+from gpufrac.kube.errors import KubeError, NotFound, TooManyRequests
+from gpufrac.kube.events import NORMAL, WARNING, EventRecorder, ObjectRef
+from gpufrac.kube.eviction import evict_pod
+from gpufrac.kube.patch import set_nominated_node
+from gpufrac.placement.decision import Unschedulable
+from gpufrac.placement.engine import Engine
+from gpufrac.placement.model import PendingPod
+from gpufrac.placement.preemption import Kind, Preemption, ShareBook, eligible_victims, find_victims
+
+log = logging.getLogger(__name__)
+
+#: Event reasons: on the pending pod, and on a victim by the kind of removal.
+PREEMPTING = "Preempting"
+PREEMPTION_BLOCKED = "PreemptionBlocked"
+VICTIM_REASON = {Kind.PREEMPT: "Preempted", Kind.RECLAIM: "Reclaimed"}
+
+#: How long a victim a disruption budget refused stays aside for the pod that wanted it.
+REFUSAL_MEMORY_S = 60.0
+
+
+@dataclass(slots=True)
+class _Nomination:
+    pod: Pod
+    plan: Preemption
+    waiting: set[str]
+    gone: set[str] = field(default_factory=set)
+    evicting: bool = False
+
+
+class Preemptions:
+    """Open preemptions of one scheduler; the service calls ``consider`` and ``deleted``.
+
+    The service lends what this needs and nothing more: ``victim_pod`` (the latest Pod of a booked
+    uid, None for a pod that is not ours), ``release`` (drop a pod's booking), ``place_now`` (place a
+    pod at once), ``retry`` (the cluster changed: try parked pods again) and ``spawn`` (run a task the
+    service drains at shutdown).
+    """
+
+    def __init__(
+        self,
+        *,
+        client: AsyncClient,
+        engine: Engine,
+        events: EventRecorder,
+        victim_pod: Callable[[str], Pod | None],
+        release: Callable[[str], bool],
+        place_now: Callable[[Pod], None],
+        retry: Callable[[], None],
+        spawn: Callable[[Coroutine[Any, Any, None]], None],
+        shares: ShareBook | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._client = client
+        self._engine = engine
+        self._events = events
+        self._victim_pod = victim_pod
+        self._release = release
+        self._place_now = place_now
+        self._retry = retry
+        self._spawn = spawn
+        self._shares = shares
+        self._clock = clock
+        self._open: dict[str, _Nomination] = {}  # by the preempting pod's uid
+        self._victim_of: dict[str, str] = {}  # victim uid -> preempting pod uid
+        self._refused: dict[str, dict[str, float]] = {}  # pod uid -> victim uid -> when
+        self.evictions = 0
+
+    def consider(self, pending: PendingPod, pod: Pod, decision: Unschedulable) -> str:
+        """The message to report for an unplaceable pod, after starting a preemption if one helps."""
+        uid = pending.uid
+        nomination = self._open.get(uid)
+        if nomination is not None:
+            nomination.pod = pod
+            return f"{decision.message} {self._waiting(nomination)}"
+        if not pending.gpu.containers:
+            return decision.message
+        plan = None
+        for kind in (Kind.PREEMPT, Kind.RECLAIM):
+            # The common case, nobody to take from, costs one vectorised mask.
+            candidates, _ = eligible_victims(self._engine, pending, kind=kind, shares=self._shares)
+            if candidates.size == 0:
+                continue
+            exclude = self._excluded(uid, candidates)
+            plan = find_victims(self._engine, pending, kind=kind, shares=self._shares, exclude=exclude)
+            if plan is not None:
+                break
+        if plan is None:
+            return decision.message
+        nomination = _Nomination(pod=pod, plan=plan, waiting=set(plan.victims))
+        self._open[uid] = nomination
+        for victim in plan.victims:
+            self._victim_of[victim] = uid
+        log.info(
+            "pod %s/%s: %s %d pod(s) on %s",
+            pod.metadata.namespace,
+            pod.metadata.name,
+            "preempting" if plan.kind is Kind.PREEMPT else "reclaiming",
+            len(plan.victims),
+            plan.node,
+        )
+        self._spawn(self._execute(uid, nomination))
+        return f"{decision.message} {self._waiting(nomination)}"
+
+    def deleted(self, uid: str) -> bool:
+        """A pod is gone. True when it is a victim whose booking is kept until its plan completes (the
+        service must not release it); a preempting pod that is gone gives its plan up."""
+        nomination = self._open.get(uid)
+        if nomination is not None:
+            self._close(uid, nomination)
+            return False
+        owner = self._victim_of.get(uid)
+        if owner is None:
+            return False
+        nomination = self._open[owner]
+        nomination.waiting.discard(uid)
+        nomination.gone.add(uid)
+        if nomination.waiting or nomination.evicting:
+            return True
+        # The last victim left: release them all and place the pod now, before any other pod.
+        self._close(owner, nomination)
+        pod = nomination.pod
+        self._place_now(pod)
+        return True
+
+    # -- internals ----------------------------------------------------------------------------------------
+
+    def _waiting(self, nomination: _Nomination) -> str:
+        names = ", ".join(self._name(v) for v in nomination.plan.victims)
+        verb = "Preempting" if nomination.plan.kind is Kind.PREEMPT else "Reclaiming"
+        return f"{verb} {len(nomination.plan.victims)} pod(s) on node {nomination.plan.node}: {names}."
+
+    def _name(self, uid: str) -> str:
+        booked = self._engine.bound_pod(uid)
+        return uid if booked is None else booked.key
+
+    def _excluded(self, uid: str, candidates: np.ndarray) -> set[str]:
+        now = self._clock()
+        refused = self._refused.get(uid, {})
+        for victim, when in list(refused.items()):
+            if now - when > REFUSAL_MEMORY_S:
+                del refused[victim]
+        table = self._engine.pods
+        uids = (table.uid[s] for s in candidates.tolist())
+        not_ours = {v for v in uids if v is not None and self._victim_pod(v) is None}
+        return set(self._victim_of) | set(refused) | not_ours
+
+    def _close(self, uid: str, nomination: _Nomination) -> None:
+        self._open.pop(uid, None)
+        for victim in nomination.plan.victims:
+            if self._victim_of.get(victim) == uid:
+                del self._victim_of[victim]
+        for victim in nomination.gone:
+            self._release(victim)
+
+    def _give_up(self, uid: str, nomination: _Nomination, refused: str, detail: str) -> None:
+        self._refused.setdefault(uid, {})[refused] = self._clock()
+        if self._open.get(uid) is nomination:
+            self._close(uid, nomination)
+        pod = nomination.pod
+        self._events.emit(
+            regarding=_ref(pod),
+            type=WARNING,
+            reason=PREEMPTION_BLOCKED,
+            message=f"evicting {self._name(refused)} was refused ({detail}); looking for other victims",
+        )
+        self._retry()
+
+    async def _execute(self, uid: str, nomination: _Nomination) -> None:
+        plan = nomination.plan
+        nomination.evicting = True
+        try:
+            victims = [(v, self._victim_pod(v)) for v in plan.victims]
+            # Dry run first: a refusal then costs no pod.
+            for victim, pod in victims:
+                if pod is None:
+                    continue
+                try:
+                    await evict_pod(
+                        self._client,
+                        name=pod.metadata.name,
+                        namespace=pod.metadata.namespace,
+                        uid=victim,
+                        dry_run=True,
+                    )
+                except NotFound:
+                    continue
+                except TooManyRequests as error:
+                    self._give_up(uid, nomination, victim, error.message or "disruption budget")
+                    return
+            for victim, pod in victims:
+                if pod is None:
+                    continue
+                try:
+                    await evict_pod(
+                        self._client, name=pod.metadata.name, namespace=pod.metadata.namespace, uid=victim
+                    )
+                except NotFound:
+                    continue
+                except TooManyRequests as error:
+                    # A budget changed since the dry run; victims already evicted still leave.
+                    self._give_up(uid, nomination, victim, error.message or "disruption budget")
+                    return
+                self.evictions += 1
+                reason = VICTIM_REASON[plan.kind]
+                self._events.emit(
+                    regarding=_ref(pod),
+                    type=NORMAL,
+                    reason=reason,
+                    message=f"{reason} by {self._pod_key(nomination.pod)} on node {plan.node}",
+                )
+            self._events.emit(
+                regarding=_ref(nomination.pod),
+                type=NORMAL,
+                reason=PREEMPTING,
+                message=f"evicted {len(victims)} pod(s) on node {plan.node} to make room: "
+                + ", ".join(self._pod_key(p) if p else v for v, p in victims),
+            )
+            try:
+                await set_nominated_node(
+                    self._client,
+                    name=nomination.pod.metadata.name,
+                    namespace=nomination.pod.metadata.namespace,
+                    node=plan.node,
+                )
+            except KubeError as error:  # best effort: the plan goes on without the status field
+                log.warning("could not set nominatedNodeName on %s: %s", self._pod_key(nomination.pod), error)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("preemption for %s failed", self._pod_key(nomination.pod))
+            if self._open.get(uid) is nomination:
+                self._close(uid, nomination)
+            self._retry()
+            return
+        finally:
+            nomination.evicting = False
+        if self._open.get(uid) is nomination and not nomination.waiting:
+            # Every victim was gone before the evictions finished.
+            self._close(uid, nomination)
+            self._place_now(nomination.pod)
+
+    @staticmethod
+    def _pod_key(pod: Pod) -> str:
+        return f"{pod.metadata.namespace}/{pod.metadata.name}"
+
+
+def _ref(pod: Pod) -> ObjectRef:
+    meta = pod.metadata
+    return ObjectRef(kind="Pod", namespace=meta.namespace, name=meta.name, uid=meta.uid or "")

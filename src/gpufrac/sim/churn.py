@@ -1,0 +1,221 @@
+"""A replay with departures and queues: pending time and preemptions, with and without reclaim.
+
+The paper's protocol (``replay``) only submits pods until the cluster is full. Here pods arrive at
+their ``creation_time`` and leave ``deletion_time - creation_time`` seconds after they start, so the
+cluster churns. Tenants come from the trace's own data: each QoS class of the pod list (``LS``,
+``BE``, ``Burstable``, ...) is a queue, and a queue deserves the share of the cluster's GPU memory that
+its pods' GPU-time is of the whole trace's (GPU thousandths x seconds), so no share is invented.
+
+A pod that fits nowhere waits; pending pods are tried again, oldest first, after every departure (at
+most ``retry_limit`` attempts per departure, so a long queue does not make the replay quadratic). With
+``reclaim`` a pod that fits nowhere first asks ``gpufrac.placement.preemption`` for victims from queues
+above their share (the scheduler's rules); a victim goes back to pending with the running time it had
+left, as a controller would recreate it. Pending time is a pod's first start minus its creation time,
+per queue; a victim's second wait counts as a preemption of its queue, not as pending time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from gpufrac.placement.decision import Placement
+from gpufrac.placement.engine import Engine
+from gpufrac.placement.model import Queue
+from gpufrac.placement.preemption import Kind, find_victims
+
+from .trace import TraceNode, TracePod
+from .workload import PodFactory, node_spec, shape_counts
+
+NO_QOS = "none"
+TIMELINE_POINTS = 400
+
+
+@dataclass
+class QueueResult:
+    queue: str
+    deserved_share: float
+    pods: int
+    started: int
+    never_started: int
+    pending_p50_s: float
+    pending_p99_s: float
+    preempted: int
+
+
+@dataclass
+class ChurnResult:
+    policy: str
+    reclaim: bool
+    load: float
+    nodes: int
+    pods: int
+    started: int
+    preemptions: int
+    pending_p50_s: float
+    pending_p99_s: float
+    queues: list[QueueResult] = field(default_factory=list)
+    timeline: list[tuple[int, dict[str, float]]] = field(default_factory=list)
+    """(seconds, queue -> share of the cluster's GPU memory its running pods hold), thinned to about
+    ``TIMELINE_POINTS`` samples: allocation against fair share over time."""
+
+
+def queue_of(pod: TracePod) -> str:
+    return pod.qos or NO_QOS
+
+
+def deserved_shares(pods: Sequence[TracePod]) -> dict[str, float]:
+    """Each QoS class's share of the trace's GPU-time (thousandths of a GPU x seconds)."""
+    use: dict[str, float] = defaultdict(float)
+    for p in pods:
+        assert p.created is not None and p.deleted is not None
+        use[queue_of(p)] += p.gpu_total_milli * max(0, p.deleted - p.created)
+    total = sum(use.values()) or 1.0
+    return {q: v / total for q, v in sorted(use.items())}
+
+
+def _percentile(values: list[float], q: float) -> float:
+    return float(np.percentile(values, q)) if values else float("nan")
+
+
+def churn_replay(
+    *,
+    nodes: Sequence[TraceNode],
+    pods: Sequence[TracePod],
+    policy: str,
+    seed: int,
+    reclaim: bool,
+    gpu_mib: dict[str, int] | None = None,
+    retry_limit: int = 64,
+    load: float = 1.0,
+    cluster: float = 1.0,
+) -> ChurnResult:
+    """Replay ``pods`` with their arrival and departure times (see the module docstring). ``load``
+    divides the arrival times (2.0: pods arrive twice as fast, each running as long as in the trace),
+    the knob that makes a trace recorded on a roomier cluster contend; ``cluster`` keeps that fraction
+    of the nodes (a seeded sample), the other such knob."""
+    if load <= 0:
+        raise ValueError(f"load={load} must be positive")
+    if not 0 < cluster <= 1:
+        raise ValueError(f"cluster={cluster} must be a fraction in (0, 1]")
+    if cluster < 1:
+        rng = np.random.default_rng(seed)
+        keep = max(1, round(len(nodes) * cluster))
+        nodes = [nodes[i] for i in sorted(rng.choice(len(nodes), size=keep, replace=False).tolist())]
+    timed = [p for p in pods if p.created is not None and p.deleted is not None]
+    if not timed:
+        raise ValueError("the pod list has no creation_time/deletion_time columns: no churn to replay")
+    shares = deserved_shares(timed)
+    engine = Engine(
+        policy=policy,
+        seed=seed,
+        typical=shape_counts(timed),
+        queues=[Queue(q, deserved_share=s) for q, s in shares.items()],
+    )
+    for node in nodes:
+        engine.add_node(node_spec(node, gpu_mib))
+    make = PodFactory()
+    order = sorted(range(len(timed)), key=lambda i: (timed[i].created, i))  # type: ignore[arg-type, return-value]
+    pending_pods = [
+        dataclasses.replace(make(timed[i], i), queue=queue_of(timed[i])) for i in range(len(timed))
+    ]
+    left = {i: max(0, int(timed[i].deleted) - int(timed[i].created)) for i in range(len(timed))}  # type: ignore[arg-type]
+    arrive = [int(int(p.created) / load) for p in timed]  # type: ignore[arg-type]
+    events: list[tuple[int, int, int, int]] = []  # (time, kind 0=depart 1=arrive, pod, version)
+    for i in order:
+        heapq.heappush(events, (arrive[i], 1, i, 0))
+    version = [0] * len(timed)
+    started_at: dict[int, int] = {}
+    waits: dict[int, float] = {}
+    waiting: dict[int, None] = {}  # insertion-ordered: oldest first
+    preempted: dict[str, int] = defaultdict(int)
+
+    def start(i: int, now: int) -> None:
+        started_at[i] = now
+        waits.setdefault(i, now - arrive[i])
+        waiting.pop(i, None)
+        heapq.heappush(events, (now + left[i], 0, i, version[i]))
+
+    def attempt(i: int, now: int) -> bool:
+        decision = engine.place(pending_pods[i])
+        if isinstance(decision, Placement):
+            start(i, now)
+            return True
+        if not reclaim:
+            return False
+        plan = find_victims(engine, pending_pods[i], kind=Kind.RECLAIM)
+        if plan is None:
+            return False
+        for uid in plan.victims:
+            v = int(uid)
+            engine.forget(uid)
+            version[v] += 1
+            left[v] -= now - started_at.pop(v)
+            preempted[queue_of(timed[v])] += 1
+            waiting[v] = None
+        decision = engine.place(pending_pods[i])
+        if isinstance(decision, Placement):
+            start(i, now)
+            return True
+        return False
+
+    cluster_mib = max(1, int(engine.state.cap_total.sum()))
+    span = max(1, max(arrive) + max(left.values()))
+    step = max(1, span // TIMELINE_POINTS)
+    timeline: list[tuple[int, dict[str, float]]] = []
+
+    def sample(now: int) -> None:
+        if timeline and now - timeline[-1][0] < step:
+            return
+        usage = engine.queues.usage
+        timeline.append((now, {q: round(usage.get(q, 0) / cluster_mib, 5) for q in shares}))
+
+    while events:
+        now, kind, i, ver = heapq.heappop(events)
+        sample(now)
+        if kind == 1:
+            if not attempt(i, now):
+                waiting[i] = None
+            continue
+        if ver != version[i] or i not in started_at:
+            continue  # the run that would have ended here was preempted
+        engine.forget(pending_pods[i].uid)
+        del started_at[i]
+        for j in list(waiting)[:retry_limit]:
+            attempt(j, now)
+
+    queues = []
+    for q, share in shares.items():
+        members = [i for i in range(len(timed)) if queue_of(timed[i]) == q]
+        done = [waits[i] for i in members if i in waits]
+        queues.append(
+            QueueResult(
+                queue=q,
+                deserved_share=round(share, 4),
+                pods=len(members),
+                started=len(done),
+                never_started=len(members) - len(done),
+                pending_p50_s=round(_percentile(done, 50), 1),
+                pending_p99_s=round(_percentile(done, 99), 1),
+                preempted=preempted[q],
+            )
+        )
+    everything = list(waits.values())
+    return ChurnResult(
+        policy=policy,
+        reclaim=reclaim,
+        load=load,
+        nodes=len(nodes),
+        pods=len(timed),
+        started=len(everything),
+        preemptions=sum(preempted.values()),
+        pending_p50_s=round(_percentile(everything, 50), 1),
+        pending_p99_s=round(_percentile(everything, 99), 1),
+        queues=queues,
+        timeline=timeline,
+    )

@@ -1,0 +1,160 @@
+"""Gangs through the real API server: PodGroups of scheduler-plugins and KAI, all-or-nothing, reasons."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from lightkube import AsyncClient
+from lightkube.models.meta_v1 import ObjectMeta
+from lightkube.resources.apiextensions_v1 import CustomResourceDefinition
+from lightkube.resources.core_v1 import Pod
+from sched_harness import Pool, add_nodes, audit_pool, condition, gpu_pod, running, wait_bound, wait_for
+
+from gpufrac.contract import keys
+from gpufrac.kube.errors import Conflict, api_errors
+from gpufrac.local.simnodes import NodeShape
+from gpufrac.scheduler.gangs import POD_GROUPS, SCHEDULER_PLUGINS, GangKey, Gangs, GangSpec, _Read, spec_of
+
+FRACTION = {"gpu-fraction": "0.6"}
+
+
+@pytest.fixture
+async def podgroup_crd(client: AsyncClient) -> None:
+    """scheduler-plugins' PodGroup CRD (schema-less: the scheduler reads spec.minMember only)."""
+    crd = CustomResourceDefinition.from_dict(
+        {
+            "metadata": {"name": "podgroups.scheduling.x-k8s.io"},
+            "spec": {
+                "group": "scheduling.x-k8s.io",
+                "scope": "Namespaced",
+                "names": {"plural": "podgroups", "singular": "podgroup", "kind": "PodGroup"},
+                "versions": [
+                    {
+                        "name": "v1alpha1",
+                        "served": True,
+                        "storage": True,
+                        "schema": {
+                            "openAPIV3Schema": {
+                                "type": "object",
+                                "x-kubernetes-preserve-unknown-fields": True,
+                            }
+                        },
+                    }
+                ],
+            },
+        }
+    )
+    try:
+        with api_errors():
+            await client.create(crd)
+    except Conflict:
+        pass
+    for _ in range(100):
+        got = await client.get(CustomResourceDefinition, "podgroups.scheduling.x-k8s.io")
+        if any(c.type == "Established" and c.status == "True" for c in (got.status.conditions or [])):
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError("PodGroup CRD not established")
+
+
+async def pod_group(client: AsyncClient, pool: Pool, name: str, min_member: int) -> None:
+    group = POD_GROUPS[SCHEDULER_PLUGINS](metadata=ObjectMeta(name=name, namespace=pool.namespace))
+    group["spec"] = {"minMember": min_member}
+    await client.create(group)
+
+
+def member(pool: Pool, name: str, group: str) -> Pod:
+    return gpu_pod(pool, name, FRACTION, labels={keys.POD_GROUP_LABEL: group})
+
+
+async def reported(client: AsyncClient, pool: Pool, name: str, text: str) -> None:
+    async def says() -> bool:
+        status, _, message = condition(await client.get(Pod, name, namespace=pool.namespace))
+        return status == "False" and text in (message or "")
+
+    await wait_for(says, timeout=20, what=f"{name} reporting {text!r}")
+
+
+async def test_a_gang_of_fractions_waits_for_its_min_member_then_starts_together_across_nodes(
+    client: AsyncClient, pool: Pool, podgroup_crd: None
+) -> None:
+    # Three nodes of one GPU: 0.6 of a GPU each, so the gang spreads over all three.
+    await add_nodes(client, pool, count=3, shape=NodeShape(gpus=1))
+    await pod_group(client, pool, "train", 3)
+    ns = pool.namespace
+    async with running(client, pool.config()):
+        for i in range(2):
+            await client.create(member(pool, f"w-{i}", "train"))
+        for i in range(2):
+            await reported(client, pool, f"w-{i}", f"waiting for gang {ns}/train: 2 of its minMember 3 pods")
+        assert not any(
+            p.spec.nodeName for p in [await client.get(Pod, f"w-{i}", namespace=ns) for i in range(2)]
+        )
+        await client.create(member(pool, "w-2", "train"))
+        pods = await wait_bound(client, ns, 3, timeout=30)
+        assert len({p.spec.nodeName for p in pods}) == 3
+        assert (await audit_pool(client, pool)).ok
+
+
+async def test_a_gang_that_cannot_fit_whole_places_none_of_its_pods_and_says_why(
+    client: AsyncClient, pool: Pool, podgroup_crd: None
+) -> None:
+    await add_nodes(client, pool, count=2, shape=NodeShape(gpus=1))
+    await pod_group(client, pool, "big", 3)
+    ns = pool.namespace
+    async with running(client, pool.config()):
+        for i in range(3):
+            await client.create(member(pool, f"b-{i}", "big"))
+        for i in range(3):
+            await reported(
+                client, pool, f"b-{i}", f"gang {ns}/big: 0/2 nodes are available: gang of 3 needs 3"
+            )
+        assert not any(
+            p.spec.nodeName for p in [await client.get(Pod, f"b-{i}", namespace=ns) for i in range(3)]
+        )
+
+
+async def test_a_kai_pod_group_that_does_not_exist_keeps_its_pods_pending_with_that_reason(
+    client: AsyncClient, pool: Pool
+) -> None:
+    await add_nodes(client, pool, count=1)
+    ns = pool.namespace
+    async with running(client, pool.config()):
+        await client.create(gpu_pod(pool, "k", {**FRACTION, keys.KAI_POD_GROUP_ANNOTATION: "kai-group"}))
+        await reported(
+            client,
+            pool,
+            "k",
+            f"PodGroup {ns}/kai-group (scheduling.run.ai/v2alpha2) not found: the API serves no "
+            "scheduling.run.ai/v2alpha2 PodGroups",
+        )
+
+
+def test_a_pod_group_with_an_unusable_min_member_is_named_in_the_error() -> None:
+    key = GangKey(SCHEDULER_PLUGINS, "ns", "g")
+    group = POD_GROUPS[SCHEDULER_PLUGINS](metadata=ObjectMeta(name="g", namespace="ns"))
+    group["spec"] = {"minMember": 0}
+    with pytest.raises(
+        ValueError, match=r"PodGroup ns/g spec.minMember=0 must be a whole number of at least 1"
+    ):
+        spec_of(group, key)
+    group["spec"] = {"minMember": 2, "scheduleTimeoutSeconds": "soon"}
+    with pytest.raises(ValueError, match=r"spec.scheduleTimeoutSeconds='soon' must be a positive number"):
+        spec_of(group, key)
+    group["spec"] = {"minMember": 2, "scheduleTimeoutSeconds": 30}
+    assert spec_of(group, key) == GangSpec(2, 30.0)
+
+
+def test_a_gang_times_out_once_after_its_pod_groups_timeout() -> None:
+    now = [100.0]
+    gangs = Gangs(client=None, spawn=lambda coro: coro.close(), retry=lambda: None, clock=lambda: now[0])  # type: ignore[arg-type]
+    key = GangKey(SCHEDULER_PLUGINS, "ns", "g")
+    gangs._reads[key] = _Read(GangSpec(3, 30.0), at=now[0])
+    assert gangs.waited(key) == (0.0, False)
+    now[0] += 31
+    assert gangs.waited(key) == (31.0, True) and gangs.timed_out(key)
+    now[0] += 1
+    assert gangs.waited(key) == (32.0, False), "the timeout is announced once"
+    gangs.placed(key)
+    assert not gangs.timed_out(key)

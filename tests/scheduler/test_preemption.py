@@ -1,0 +1,190 @@
+"""Preemption and reclaim through the real API server: Eviction API, budgets, Events, no thrash.
+
+The control plane runs no kubelet, so a victim with a zero termination grace period is deleted by its
+eviction at once, as a kubelet would finish it, and a test writes the Running phase a kubelet would.
+A PodDisruptionBudget that must hold one pod of one never allows a disruption, whether or not a
+disruption controller has processed it: an eviction of that pod is refused (429).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+
+import pytest
+from lightkube import AsyncClient
+from lightkube.models.meta_v1 import ObjectMeta
+from lightkube.resources.core_v1 import Event, Pod
+from lightkube.resources.policy_v1 import PodDisruptionBudget
+from lightkube.resources.scheduling_v1 import PriorityClass
+from sched_harness import Pool, add_nodes, audit_pool, condition, gpu_pod, running, wait_bound, wait_for
+
+from gpufrac.contract import keys
+from gpufrac.local.simnodes import NodeShape
+
+
+@pytest.fixture
+async def priorities(client: AsyncClient, pool: Pool) -> AsyncIterator[dict[str, str]]:
+    """Three PriorityClasses of this pool: low (5), mid (10), high (1000)."""
+    names = {level: f"{level}-{pool.id}" for level in ("low", "mid", "high")}
+    for level, value in (("low", 5), ("mid", 10), ("high", 1000)):
+        await client.create(PriorityClass(metadata=ObjectMeta(name=names[level]), value=value))
+    try:
+        yield names
+    finally:
+        for name in names.values():
+            with contextlib.suppress(Exception):
+                await client.delete(PriorityClass, name)
+
+
+def whole_gpu_pod(pool: Pool, name: str, *, priority: str | None = None, queue: str | None = None) -> Pod:
+    pod = gpu_pod(pool, name, labels={keys.QUEUE_LABEL: queue} if queue else None, whole_gpus=1)
+    pod.spec.priorityClassName = priority
+    pod.spec.terminationGracePeriodSeconds = 0
+    return pod
+
+
+async def mark_running(client: AsyncClient, namespace: str, name: str) -> None:
+    """What a kubelet would write once the pod started (the eviction API ignores budgets for pods that
+    are still Pending)."""
+    await client.patch(Pod.Status, name, {"status": {"phase": "Running"}}, namespace=namespace)
+
+
+async def events(client: AsyncClient, namespace: str, reason: str) -> list[Event]:
+    return [e async for e in client.list(Event, namespace=namespace) if e.reason == reason]
+
+
+async def exists(client: AsyncClient, namespace: str, name: str) -> bool:
+    return name in [p.metadata.name async for p in client.list(Pod, namespace=namespace)]
+
+
+async def test_a_higher_priority_pod_evicts_a_lower_one_and_takes_its_gpu(
+    client: AsyncClient, pool: Pool, priorities: dict[str, str]
+) -> None:
+    await add_nodes(client, pool, count=1, shape=NodeShape(gpus=1))
+    ns = pool.namespace
+    async with running(client, pool.config()) as service:
+        await client.create(whole_gpu_pod(pool, "low", priority=priorities["low"]))
+        await wait_bound(client, ns, 1, timeout=20)
+        await client.create(whole_gpu_pod(pool, "high", priority=priorities["high"]))
+
+        async def high_bound() -> bool:
+            pod = await client.get(Pod, "high", namespace=ns)
+            return bool(pod.spec.nodeName)
+
+        await wait_for(high_bound, timeout=30, what="the high-priority pod bound")
+        assert not await exists(client, ns, "low")
+        high = await client.get(Pod, "high", namespace=ns)
+        assert high.status.nominatedNodeName == high.spec.nodeName
+        preempted = await events(client, ns, "Preempted")
+        assert [(e.involvedObject.name, e.type) for e in preempted] == [("low", "Normal")]
+        assert f"by {ns}/high on node {high.spec.nodeName}" in preempted[0].message
+        preempting = await events(client, ns, "Preempting")
+        assert [e.involvedObject.name for e in preempting] == ["high"]
+        assert service.preemptions is not None and service.preemptions.evictions == 1
+        assert (await audit_pool(client, pool)).ok
+
+
+async def test_a_disruption_budget_refusal_makes_the_scheduler_take_another_victim(
+    client: AsyncClient, pool: Pool, priorities: dict[str, str]
+) -> None:
+    await add_nodes(client, pool, count=1, shape=NodeShape(gpus=2))
+    ns = pool.namespace
+    budget = PodDisruptionBudget.from_dict(
+        {
+            "metadata": {"name": "keep", "namespace": ns},
+            "spec": {"minAvailable": 1, "selector": {"matchLabels": {"app": "protected"}}},
+        }
+    )
+    await client.create(budget)
+    async with running(client, pool.config()):
+        # The cheaper victim (lowest priority) is the protected one; the budget refuses it.
+        protected = whole_gpu_pod(pool, "protected", priority=priorities["low"])
+        protected.metadata.labels = {"app": "protected"}
+        await client.create(protected)
+        await client.create(whole_gpu_pod(pool, "plain", priority=priorities["mid"]))
+        await wait_bound(client, ns, 2, timeout=20)
+        for name in ("protected", "plain"):
+            await mark_running(client, ns, name)
+        await client.create(whole_gpu_pod(pool, "high", priority=priorities["high"]))
+
+        async def high_bound() -> bool:
+            return bool((await client.get(Pod, "high", namespace=ns)).spec.nodeName)
+
+        await wait_for(high_bound, timeout=30, what="the high-priority pod bound")
+        assert await exists(client, ns, "protected")
+        assert not await exists(client, ns, "plain")
+        blocked = await events(client, ns, "PreemptionBlocked")
+        assert [e.involvedObject.name for e in blocked] == ["high"]
+        assert f"evicting {ns}/protected was refused" in blocked[0].message
+        assert [e.involvedObject.name for e in await events(client, ns, "Preempted")] == ["plain"]
+        assert (await audit_pool(client, pool)).ok
+
+
+async def test_a_queue_below_its_share_reclaims_and_the_victims_replacement_is_not_placed_back(
+    client: AsyncClient, pool: Pool
+) -> None:
+    await add_nodes(client, pool, count=1, shape=NodeShape(gpus=2))
+    ns = pool.namespace
+    queues = [{"name": "a", "deserved_share": 0.5}, {"name": "b", "deserved_share": 0.5}, {"name": "default"}]
+    async with running(client, pool.config(queues=queues)) as service:
+        for i in range(2):
+            await client.create(whole_gpu_pod(pool, f"b-{i}", queue="b"))
+        await wait_bound(client, ns, 2, timeout=20)
+        await client.create(whole_gpu_pod(pool, "a-0", queue="a"))
+
+        async def a_bound() -> bool:
+            return bool((await client.get(Pod, "a-0", namespace=ns)).spec.nodeName)
+
+        await wait_for(a_bound, timeout=30, what="queue a's pod bound")
+        reclaimed = await events(client, ns, "Reclaimed")
+        assert len(reclaimed) == 1
+        victim = reclaimed[0].involvedObject.name
+        assert not await exists(client, ns, victim)
+
+        # Its controller recreates it: queue b is at its share now, so nothing is evicted for it.
+        await client.create(whole_gpu_pod(pool, victim, queue="b"))
+
+        async def reported() -> bool:
+            return condition(await client.get(Pod, victim, namespace=ns))[0] == "False"
+
+        await wait_for(reported, timeout=20, what="the replacement reported unschedulable")
+        assert (await client.get(Pod, "a-0", namespace=ns)).spec.nodeName
+        assert len(await events(client, ns, "Reclaimed")) == 1
+        assert service.preemptions is not None and service.preemptions.evictions == 1
+        assert (await audit_pool(client, pool)).ok
+
+
+async def test_a_burst_of_high_priority_pods_on_a_full_cluster_evicts_each_victim_once_and_never_overcommits(
+    client: AsyncClient, pool: Pool, priorities: dict[str, str]
+) -> None:
+    await add_nodes(client, pool, count=2, shape=NodeShape(gpus=2))
+    ns = pool.namespace
+    async with running(client, pool.config()) as service:
+        # Full: four half-GPU pods of low priority on each node's two GPUs (8 pods on 4 GPUs).
+        for i in range(8):
+            low = gpu_pod(pool, f"low-{i}", {"gpu-fraction": "0.5"})
+            low.spec.priorityClassName = priorities["low"]
+            low.spec.terminationGracePeriodSeconds = 0
+            await client.create(low)
+        await wait_bound(client, ns, 8, timeout=30)
+        for i in range(4):
+            await client.create(whole_gpu_pod(pool, f"high-{i}", priority=priorities["high"]))
+
+        audits = 0
+
+        async def all_high_bound() -> bool:
+            nonlocal audits
+            report = await audit_pool(client, pool)  # during the run, not only at the end
+            assert report.ok, report
+            audits += 1
+            pods = [p async for p in client.list(Pod, namespace=ns)]
+            return sum(1 for p in pods if p.metadata.name.startswith("high-") and p.spec.nodeName) == 4
+
+        await wait_for(all_high_bound, timeout=60, interval=0.2, what="the burst bound")
+        preempted = [e.involvedObject.name for e in await events(client, ns, "Preempted")]
+        assert sorted(preempted) == sorted(set(preempted)), "a victim was evicted twice"
+        assert len(preempted) == 8 and service.preemptions is not None and service.preemptions.evictions == 8
+        assert audits > 1
+        left = [p.metadata.name async for p in client.list(Pod, namespace=ns)]
+        assert sorted(left) == [f"high-{i}" for i in range(4)]
