@@ -13,7 +13,9 @@ Events: the API server's own ceiling for create + bind on this machine. The sche
 reported against it.
 
     .venv/bin/python bench/scheduler_e2e.py                 # 1000 nodes x 8 GPUs, 5000 pods
+    .venv/bin/python bench/scheduler_e2e.py --large         # 5000 nodes x 8 GPUs, 40000 pods
     .venv/bin/python bench/scheduler_e2e.py --nodes 100 --pods 500 --baseline-pods 0   # quick look
+    .venv/bin/python bench/scheduler_e2e.py --profile /tmp/sched.prof   # the scheduler under cProfile
 
 The last line is a one-line JSON summary.
 """
@@ -286,9 +288,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 )
             )
             log = open(workdir / "scheduler.log", "wb")  # noqa: SIM115 - closed below
+            profile = ["-m", "cProfile", "-o", str(args.profile)] if args.profile else []
             proc = subprocess.Popen(
                 [
                     sys.executable,
+                    *profile,
                     "-m",
                     "gpufrac",
                     "scheduler",
@@ -301,7 +305,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 stderr=subprocess.STDOUT,
             )
             try:
-                await wait_leading(port, proc, timeout=120)
+                await wait_leading(port, proc, timeout=max(120.0, args.nodes / 10))
                 result["scheduler_rss_idle_mib"] = round(rss_mib(proc.pid)[0], 1)
                 measured = await burst(
                     client,
@@ -360,7 +364,16 @@ def main() -> None:
     parser.add_argument("--bind-mode", default="atomic", choices=["atomic", "patch-then-bind"])
     parser.add_argument("--concurrency", type=int, default=64, help="create requests in flight")
     parser.add_argument("--timeout", type=float, default=600.0)
+    parser.add_argument(
+        "--large",
+        action="store_true",
+        help="5000 nodes x 8 GPUs, 40000 pods, an 8000-pod baseline (overrides those three options)",
+    )
+    parser.add_argument("--profile", type=Path, help="run the scheduler under cProfile, stats to this file")
     args = parser.parse_args()
+    if args.large:
+        args.nodes, args.pods, args.baseline_pods = 5000, 40000, 8000
+        args.timeout = max(args.timeout, 1800.0)
     result = asyncio.run(run(args))
     if os.environ.get("BENCH_VERBOSE"):
         print(json.dumps(result, indent=2), file=sys.stderr)

@@ -230,7 +230,7 @@ def test_a_bound_pod_is_booked_with_what_it_was_placed_with(annotations: dict[st
             ),
         ),
     )
-    written = binding_annotations(request, placed, gpu_mib=dict.fromkeys(uuids, H100), device_style="uuid")
+    written = binding_annotations(request, placed, device_style="uuid")
     bound = pod(annotations={**annotations, **written}, node="n1")
     inventory = {g.uuid: g for g in node_spec(sim_node(name="n1")).gpus}
     assert bound_placement(bound, gpu=gpu_request(bound), gpus_by_uuid=inventory) == placed
@@ -253,7 +253,7 @@ def test_cleaning_a_pod_a_dead_binder_annotated_restores_its_request() -> None:
             ),
         ),
     )
-    written = binding_annotations(request, placed, gpu_mib={u: H100}, device_style="uuid")
+    written = binding_annotations(request, placed, device_style="uuid")
     left_behind = {**original, **written}
     removal = stale_binding_keys(left_behind)
     cleaned = {k: v for k, v in left_behind.items() if k not in removal}
@@ -283,7 +283,7 @@ def test_cdi_device_names_are_booked_by_uuid() -> None:
             ),
         ),
     )
-    written = binding_annotations(request, placed, gpu_mib={u: H100}, device_style="cdi")
+    written = binding_annotations(request, placed, device_style="cdi")
     assert written[keys.devices_key("app")] == f"nvidia.com/gpu={u}"
     bound = pod(annotations={**annotations, **written}, node="n1")
     inventory = {g.uuid: g for g in node_spec(sim_node(name="n1")).gpus}

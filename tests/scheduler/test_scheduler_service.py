@@ -212,7 +212,6 @@ async def test_a_restart_rebuilds_the_ledgers_and_cleans_a_half_bound_pod(
                 ),
             ),
         ),
-        gpu_mib={free_gpu: H100},
         device_style="uuid",
     )
     await set_annotations(client, Pod, name="orphan", namespace=pool.namespace, annotations=dict(stale))
