@@ -133,6 +133,8 @@ class BookingCache:
         self._waiting: dict[str, dict[str, Pod]] = {}
         #: Bookings of nodes that went, kept in their states until the node comes back: uid -> booking.
         self._parked: dict[str, Booking] = {}
+        #: Bound bookings waiting for their confirmation: uid -> deadline.
+        self._deadlines: dict[str, float] = {}
 
     # -- reading ------------------------------------------------------------------------------------------
 
@@ -179,7 +181,7 @@ class BookingCache:
         booking = self.booking(uid)
         if booking is not None and booking.state is BookingState.ASSUMED:
             booking.state = BookingState.BOUND
-            booking.deadline = self._clock() + self._ttl
+            booking.deadline = self._deadlines[uid] = self._clock() + self._ttl
 
     def forget(self, uid: str) -> bool:
         """The bind failed: release an assumed or bound booking. True when something was released."""
@@ -192,11 +194,7 @@ class BookingCache:
     def expire(self) -> list[str]:
         """Release bound bookings whose confirmation did not come in time; returns their uids."""
         now = self._clock()
-        expired = [
-            b.pending.uid
-            for b in self
-            if b.state is BookingState.BOUND and b.deadline is not None and b.deadline <= now
-        ]
+        expired = [uid for uid, deadline in self._deadlines.items() if deadline <= now]
         for uid in expired:
             booking = self.booking(uid)
             assert booking is not None
@@ -210,8 +208,7 @@ class BookingCache:
         return expired
 
     def next_expiry(self) -> float | None:
-        deadlines = [b.deadline for b in self if b.deadline is not None]
-        return min(deadlines) if deadlines else None
+        return min(self._deadlines.values(), default=None)
 
     # -- what the informers show --------------------------------------------------------------------------
 
@@ -222,6 +219,7 @@ class BookingCache:
         if booking is not None:
             if booking.node == node:
                 booking.pod, booking.state, booking.deadline = pod, BookingState.CONFIRMED, None
+                self._deadlines.pop(uid, None)
                 return
             self._release(uid)
         for waiting in self._waiting.values():
@@ -323,6 +321,7 @@ class BookingCache:
         self._on_node.setdefault(node, set()).add(meta.uid)
 
     def _release(self, uid: str) -> bool:
+        self._deadlines.pop(uid, None)
         if self._parked.pop(uid, None) is not None:
             return True
         booking = self._bookings.pop(uid, None)
