@@ -191,7 +191,10 @@ class SchedulerService:
         self.foreign_pods.add_handler(Handler(changed=self._foreign_changed, deleted=self._pod_deleted))
         self.nodes.add_handler(Handler(changed=self._node_changed, deleted=self._node_deleted))
 
-        self.events = EventRecorder(client=client, component=COMPONENT, instance=self.identity)
+        # Events wait while binds are in flight: during a burst the API server's writes go to binds.
+        self.events = EventRecorder(
+            client=client, component=COMPONENT, instance=self.identity, yield_to=lambda: bool(self._binds)
+        )
         self.queue: SchedulingQueue[Pod] = SchedulingQueue(
             backoff_initial=config.backoff_initial_s,
             backoff_max=config.backoff_max_s,
