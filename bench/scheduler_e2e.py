@@ -125,6 +125,12 @@ def rss_mib(pid: int) -> tuple[float, float]:
     return int(fields["VmRSS"].split()[0]) / 1024, int(fields["VmHWM"].split()[0]) / 1024
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds ``pid`` has used so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
@@ -259,6 +265,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 )
                 try:
                     await asyncio.sleep(2.0)  # let it list and start watching
+                    cp_before, binder_before = cpu_seconds(cp.pid), cpu_seconds(binder.pid)
                     result["baseline"] = await burst(
                         client,
                         namespace="baseline",
@@ -266,6 +273,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                         count=args.baseline_pods,
                         concurrency=args.concurrency,
                         timeout=args.timeout,
+                    )
+                    result["baseline"]["binder_cpu_ms_per_pod"] = round(
+                        1000 * (cpu_seconds(binder.pid) - binder_before) / args.baseline_pods, 2
+                    )
+                    result["baseline"]["control_plane_cpu_ms_per_pod"] = round(
+                        1000 * (cpu_seconds(cp.pid) - cp_before) / args.baseline_pods, 2
                     )
                 finally:
                     binder.send_signal(signal.SIGTERM)
@@ -280,7 +293,14 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                         "bind_mode": args.bind_mode,
                         "http_host": "127.0.0.1",
                         "http_port": port,
-                        "leader_election": {"lease_namespace": "default"},
+                        # Generous lease timing: on a shared machine a replica starved of CPU for 10 s
+                        # loses the default lease and the run ends without a figure.
+                        "leader_election": {
+                            "lease_namespace": "default",
+                            "lease_duration_s": 60,
+                            "renew_deadline_s": 45,
+                            "retry_period_s": 5,
+                        },
                         # The simulated nodes have no node agent re-writing their heartbeat, and node
                         # setup plus the baseline can outlast its expiry.
                         "node_heartbeat_expiry_s": None,
@@ -307,6 +327,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             try:
                 await wait_leading(port, proc, timeout=max(120.0, args.nodes / 10))
                 result["scheduler_rss_idle_mib"] = round(rss_mib(proc.pid)[0], 1)
+                cp_before, scheduler_before = cpu_seconds(cp.pid), cpu_seconds(proc.pid)
                 measured = await burst(
                     client,
                     namespace="bench",
@@ -316,6 +337,13 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     timeout=args.timeout,
                 )
                 result.update(measured)
+                # CPU per pod holds still when the machine is shared; pods/s does not.
+                result["scheduler_cpu_ms_per_pod"] = round(
+                    1000 * (cpu_seconds(proc.pid) - scheduler_before) / args.pods, 2
+                )
+                result["control_plane_cpu_ms_per_pod"] = round(
+                    1000 * (cpu_seconds(cp.pid) - cp_before) / args.pods, 2
+                )
                 rss, peak = rss_mib(proc.pid)
                 result["scheduler_rss_mib"] = round(rss, 1)
                 result["scheduler_peak_rss_mib"] = round(peak, 1)
