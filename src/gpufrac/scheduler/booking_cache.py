@@ -207,9 +207,6 @@ class BookingCache:
             self._release(uid)
         return expired
 
-    def next_expiry(self) -> float | None:
-        return min(self._deadlines.values(), default=None)
-
     # -- what the informers show --------------------------------------------------------------------------
 
     def confirm(self, pod: Pod) -> None:
