@@ -2,7 +2,8 @@
 server: the Node and Pod objects its informers would hold, and the booking cache with its engine,
 filled through the same calls the service makes (place, then finish_binding). CPU per pod and RSS.
 
-    .venv/bin/python bench/scheduler_books.py
+    .venv/bin/python bench/scheduler_books.py                        # 5,000 nodes, 40,000 pods
+    .venv/bin/python bench/scheduler_books.py --nodes 1000 --pods 5000
 
 It is the memory figure of the 40,000-pod end-to-end run (``bench/scheduler_e2e.py --large``) without
 the half hour that run takes on a shared machine; the Pods here carry no status or managed fields, so a
@@ -11,6 +12,7 @@ real informer's store is somewhat larger.
 
 from __future__ import annotations
 
+import argparse
 import resource
 import sys
 import time
@@ -26,7 +28,7 @@ from gpufrac.scheduler.objects import gpu_request, node_spec, pending_pod
 from gpufrac.scheduler.placement_engine import build_engine
 from scheduler_e2e import pod_manifest
 
-NODES, PODS, BATCH = 5000, 40000, 256
+BATCH = 256
 
 
 def rss_mib() -> float:
@@ -34,16 +36,23 @@ def rss_mib() -> float:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--nodes", type=int, default=5000)
+    parser.add_argument("--pods", type=int, default=40000)
+    args = parser.parse_args()
+    nodes_wanted, pods_wanted = args.nodes, args.pods
     base = rss_mib()
     cache = BookingCache(engine=build_engine(SchedulerConfig()), default_queue="default")
-    nodes = [sim_node(name=f"n{i}", shape=NodeShape()) for i in range(NODES)]  # as an informer holds them
+    nodes = [
+        sim_node(name=f"n{i}", shape=NodeShape()) for i in range(nodes_wanted)
+    ]  # as an informer holds them
     for node in nodes:
         cache.set_node(node_spec(node))
     pods = {}
     started = time.process_time()
     placed = 0
-    for k in range(0, PODS, BATCH):
-        batch = [pod_manifest(i, namespace="b", scheduler="s") for i in range(k, min(k + BATCH, PODS))]
+    for k in range(0, pods_wanted, BATCH):
+        batch = [pod_manifest(i, namespace="b", scheduler="s") for i in range(k, min(k + BATCH, pods_wanted))]
         for pod in batch:
             pod.metadata.uid = f"u{pod.metadata.name}"
             pods[pod.metadata.uid] = pod
@@ -60,7 +69,8 @@ def main() -> None:
     cpu = time.process_time() - started
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(
-        f"{NODES}x8 GPUs: placed {placed}/{PODS}, {cpu:.1f} s CPU ({1000 * cpu / PODS:.2f} ms/pod); "
+        f"{nodes_wanted}x8 GPUs: placed {placed}/{pods_wanted}, {cpu:.1f} s CPU "
+        f"({1000 * cpu / pods_wanted:.2f} ms/pod); "
         f"RSS {base:.0f} -> {rss_mib():.0f} MiB (peak {peak:.0f} MiB)"
     )
 
