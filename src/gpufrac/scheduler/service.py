@@ -1,4 +1,7 @@
-"""The scheduler service: informers -> queue -> engine -> binder, with a Lease deciding who binds.
+"""The scheduler service: informers -> queue -> booking cache -> binder, with a Lease deciding who binds.
+
+It runs on the controller skeleton it shares with the operator (``gpufrac.process.controller``: the
+lease, probes, the handler adapter and the shutdown order).
 
 State. Three informers feed one booking cache (``gpufrac.scheduler.booking_cache``), which holds the
 engine: our pods (``spec.schedulerName`` = ours), other schedulers' pods already bound (they take cpu,
@@ -32,8 +35,8 @@ older than ``node_heartbeat_expiry_s`` takes no new pods; since an expiry is tim
 event, a timer re-evaluates nodes as their heartbeats expire (``gpufrac.scheduler.heartbeat``), and a
 heartbeat that resumes is a Node update like any other.
 
-Shutdown order matters: stop placing, let binds in flight finish (bounded), then release the lease, so a
-successor never places while this replica still writes.
+Shutdown order matters: stop placing, let binds in flight finish (bounded, ``_drain``), then release the
+lease, so a successor never places while this replica still writes.
 """
 
 from __future__ import annotations
