@@ -18,7 +18,8 @@ ALLOWED: dict[str, set[str]] = {
     "contract": set(),
     "placement": {"contract"},
     "kube": set(),
-    "process": set(),
+    # The controller runner (process/controller.py) runs informers and a lease for the components.
+    "process": {"kube"},
     "scheduler": {"contract", "placement", "kube", "process"},
     "admission": {"contract", "kube", "process"},
     "node": {"contract", "kube", "process", "_generated"},

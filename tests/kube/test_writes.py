@@ -162,3 +162,40 @@ async def test_repeated_events_are_aggregated_into_one_with_a_count(
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_events_wait_while_the_recorder_yields_and_are_written_once_it_stops(
+    client: AsyncClient, namespace: str
+) -> None:
+    """The scheduler's Events yield to binds in flight, so a burst's writes go to binds first."""
+    pod = await new_pod(client, namespace)
+    busy = True
+    asked = asyncio.Event()
+    calls = 0
+
+    def binding() -> bool:
+        nonlocal calls
+        calls += 1
+        if calls >= 3:  # the worker holds the Event and keeps asking
+            asked.set()
+        return busy
+
+    recorder = EventRecorder(
+        client=client, component="gpufrac-test", instance="t1", workers=1, yield_to=binding
+    )
+    task = asyncio.create_task(recorder.run())
+    ref = ObjectRef(kind="Pod", namespace=namespace, name="p", uid=pod.metadata.uid)
+    try:
+        recorder.emit(regarding=ref, type=WARNING, reason="Scheduled", message="assigned")
+        await asyncio.wait_for(asked.wait(), timeout=10)
+        assert [e async for e in client.list(Event, namespace=namespace)] == []
+        busy = False
+        for _ in range(200):
+            events = [e async for e in client.list(Event, namespace=namespace)]
+            if events:
+                break
+            await asyncio.sleep(0.05)
+        assert [e.message for e in events] == ["assigned"]
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)

@@ -230,7 +230,7 @@ def test_a_bound_pod_is_booked_with_what_it_was_placed_with(annotations: dict[st
             ),
         ),
     )
-    written = binding_annotations(request, placed, gpu_mib=dict.fromkeys(uuids, H100), device_style="uuid")
+    written = binding_annotations(request, placed, device_style="uuid")
     bound = pod(annotations={**annotations, **written}, node="n1")
     inventory = {g.uuid: g for g in node_spec(sim_node(name="n1")).gpus}
     assert bound_placement(bound, gpu=gpu_request(bound), gpus_by_uuid=inventory) == placed
@@ -253,7 +253,7 @@ def test_cleaning_a_pod_a_dead_binder_annotated_restores_its_request() -> None:
             ),
         ),
     )
-    written = binding_annotations(request, placed, gpu_mib={u: H100}, device_style="uuid")
+    written = binding_annotations(request, placed, device_style="uuid")
     left_behind = {**original, **written}
     removal = stale_binding_keys(left_behind)
     cleaned = {k: v for k, v in left_behind.items() if k not in removal}
@@ -283,7 +283,7 @@ def test_cdi_device_names_are_booked_by_uuid() -> None:
             ),
         ),
     )
-    written = binding_annotations(request, placed, gpu_mib={u: H100}, device_style="cdi")
+    written = binding_annotations(request, placed, device_style="cdi")
     assert written[keys.devices_key("app")] == f"nvidia.com/gpu={u}"
     bound = pod(annotations={**annotations, **written}, node="n1")
     inventory = {g.uuid: g for g in node_spec(sim_node(name="n1")).gpus}
@@ -314,3 +314,50 @@ def test_a_users_own_conflicting_request_is_not_cleaned_away() -> None:
     # report the conflict instead of the scheduler quietly dropping one of them.
     written = {"gpu-fraction": "0.5", keys.memory_request_key("app"): "10Gi"}
     assert stale_binding_keys(written) == {}
+
+
+def test_the_binder_writes_the_amounts_the_engine_booked_not_the_request_resolved_again() -> None:
+    """A 0.5 portion on two GPUs of 80 and 40 GiB: the engine books 20 GiB on both (one amount per
+    container, the smaller); the binder used to resolve 0.5 again on the GPUs it was told about."""
+    annotations = {"gpu-fraction": "0.5", "gpu-fraction-num-devices": "2"}
+    request = gpu_request(pod(annotations=annotations))
+    placed = Placement(
+        pod_uid="uid-1",
+        node="n1",
+        containers=(
+            ContainerPlacement(
+                "app",
+                ComputeMode.TIME_SLICING,
+                False,
+                (
+                    DeviceAssignment("GPU-a", 0, 20480, 20480, None),
+                    DeviceAssignment("GPU-b", 1, 20480, 20480, None),
+                ),
+            ),
+        ),
+    )
+    written = binding_annotations(request, placed, device_style="uuid")
+    assert written[keys.memory_request_key("app")] == "20480Mi"
+    assert written[keys.memory_limit_key("app")] == "20480Mi"
+
+
+def test_a_pod_placed_in_the_other_mode_is_written_and_read_back_in_that_mode() -> None:
+    """The Preferred mode policy may place a time-slicing pod on an sm-sharing GPU: the binder writes the
+    mode it was placed in (and its compute portion), so the node enforces it and a restart books it."""
+    annotations = {keys.memory_request_key("app"): "20Gi"}
+    request = gpu_request(pod(annotations=annotations))
+    u = gpu_uuid("n1", 0)
+    placed = Placement(
+        pod_uid="uid-1",
+        node="n1",
+        containers=(
+            ContainerPlacement(
+                "app", ComputeMode.SM_SHARING, False, (DeviceAssignment(u, 0, 20480, 20480, 20480 / H100),)
+            ),
+        ),
+    )
+    written = binding_annotations(request, placed, device_style="uuid")
+    assert written[keys.compute_mode_key("app")] == "sm-sharing"
+    bound = pod(annotations={**annotations, **written}, node="n1")
+    inventory = {g.uuid: g for g in node_spec(sim_node(name="n1")).gpus}
+    assert bound_placement(bound, gpu=gpu_request(bound), gpus_by_uuid=inventory) == placed

@@ -73,9 +73,7 @@ async def test_the_binder_writes_nothing_when_the_contract_refuses_to_render(
             ),
         ),
     )
-    result = await Binder(client=client, fence=lambda: True).bind(
-        pod, request=request, placement=placement, gpu_mib={gpu: 81920}
-    )
+    result = await Binder(client=client, fence=lambda: True).bind(pod, request=request, placement=placement)
     assert result.outcome is Outcome.UNWRITABLE
     assert f"{keys.NVIDIA_CONTAINER_PREFIX}{LONG}.gpu-memory.request" in result.detail
     stored = await client.get(Pod, "long", namespace=pool.namespace)

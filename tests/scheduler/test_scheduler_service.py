@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import math
 from collections.abc import Sequence
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -41,12 +42,20 @@ from gpufrac.contract.errors import InvalidPodRequest
 from gpufrac.contract.parse import ContainerSpec, parse_pod
 from gpufrac.kube.patch import set_annotations
 from gpufrac.local.simnodes import GPU_MODELS, NodeShape
-from gpufrac.placement.decision import ContainerPlacement, Decision, DeviceAssignment, Placement
-from gpufrac.placement.model import PendingPod
+from gpufrac.placement.decision import (
+    ContainerPlacement,
+    Decision,
+    DeviceAssignment,
+    Placement,
+    Unschedulable,
+)
+from gpufrac.placement.model import NodeSelectorRequirement, NodeSelectorTerm, PendingPod, SelectorOperator
 from gpufrac.scheduler import service as service_module
 from gpufrac.scheduler.binder import binding_annotations
+from gpufrac.scheduler.booking_cache import BookingCache
 from gpufrac.scheduler.objects import gpu_request, node_inventory
 from gpufrac.scheduler.placement_engine import PlacementEngine, build_engine
+from gpufrac.scheduler.service import SchedulerService
 
 pytestmark = pytest.mark.kube
 
@@ -199,7 +208,6 @@ async def test_a_restart_rebuilds_the_ledgers_and_cleans_a_half_bound_pod(
                 ),
             ),
         ),
-        gpu_mib={free_gpu: H100},
         device_style="uuid",
     )
     await set_annotations(client, Pod, name="orphan", namespace=pool.namespace, annotations=dict(stale))
@@ -465,3 +473,70 @@ async def test_a_node_expires_when_its_agent_stops_heartbeating_and_comes_back_w
     finally:
         heartbeat.cancel()
         await asyncio.gather(heartbeat, return_exceptions=True)
+
+
+class _OnlyNode:
+    """A PodFilter: pods labelled ``pin`` may only go to the node the label names; ``deny`` may go
+    nowhere (with a sentence)."""
+
+    def narrow(self, pending: PendingPod, pod: Pod, cache: BookingCache) -> PendingPod | str:
+        labels = pod.metadata.labels or {}
+        if "deny" in labels:
+            return "denied by the test filter"
+        if "pin" in labels:
+            term = NodeSelectorTerm(
+                (NodeSelectorRequirement("kubernetes.io/hostname", SelectorOperator.IN, (labels["pin"],)),)
+            )
+            return replace(pending, affinity=(*pending.affinity, term))
+        return pending
+
+
+class _TakesBig:
+    """A PostFilter (the preemption step's seat): takes the pod named ``big`` in hand."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, str]] = []
+        self.called = asyncio.Event()
+
+    def post_filter(
+        self, pending: PendingPod, pod: Pod, decision: Unschedulable, cache: BookingCache
+    ) -> bool:
+        self.seen.append((pending.name, decision.message))
+        self.called.set()
+        return pending.name == "big"
+
+
+async def test_filters_narrow_where_a_pod_goes_and_the_post_filter_gets_the_pods_that_fit_nowhere(
+    client: AsyncClient, pool: Pool
+) -> None:
+    """The extension points other modules plug into (pod affinity filters, preemption)."""
+    nodes = await add_nodes(client, pool, count=2)
+    pins = [nodes[0], nodes[1], nodes[0]]  # left alone, the policy would put all three on one node
+    post = _TakesBig()
+    config = pool.config()
+    service = SchedulerService(
+        client=client, config=config, engine=build_engine(config), filters=[_OnlyNode()], post_filter=post
+    )
+    task = asyncio.create_task(service.run())
+    try:
+        await service.wait_scheduling(timeout=30)
+        for i, pin in enumerate(pins):
+            await client.create(gpu_pod(pool, f"pinned-{i}", {"gpu-fraction": "0.25"}, labels={"pin": pin}))
+        await client.create(gpu_pod(pool, "denied", {"gpu-fraction": "0.25"}, labels={"deny": "yes"}))
+        await client.create(gpu_pod(pool, "big", {keys.memory_request_key("app"): "100Gi"}))
+        await wait_bound(client, pool.namespace, 3, timeout=30)
+
+        async def denied_reported() -> bool:
+            return condition(await client.get(Pod, "denied", namespace=pool.namespace))[0] == "False"
+
+        await wait_for(denied_reported, timeout=20, what="the denied pod reported")
+        await asyncio.wait_for(post.called.wait(), timeout=20)
+        pods = {p.metadata.name: p for p in await pods_of(client, pool.namespace)}
+        assert [pods[f"pinned-{i}"].spec.nodeName for i in range(3)] == pins
+        assert condition(pods["denied"]) == ("False", "Unschedulable", "denied by the test filter")
+        assert ("big", "0/2 nodes are available: 2 insufficient GPU memory.") in post.seen
+        assert not pods["big"].spec.nodeName
+        assert pods["big"].metadata.uid in service.queue  # parked by the post filter, waiting for a change
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)

@@ -55,12 +55,16 @@ class DeviceChoice:
 
     ``gpu_mib`` is the memory of the chosen GPUs (the smallest one, if they differ): a portion resolves
     against it. ``compute_portion`` overrides the share derived from the request (sm-sharing only).
+    ``request_mib``/``limit_mib`` are amounts the scheduler already resolved and booked (its
+    ``Placement``): when given they are written as they are and ``gpu_mib`` may be None.
     """
 
     container: str
     devices: tuple[str, ...]
-    gpu_mib: int
+    gpu_mib: int | None
     compute_portion: float | None = None
+    request_mib: int | None = None
+    limit_mib: int | None = None
 
 
 def format_portion(portion: float) -> str:
@@ -106,21 +110,31 @@ def _render_container(container: ContainerGpuRequest, placement: DeviceChoice) -
         raise ValueError(
             f"container {name} needs {container.device_count} distinct devices, got {placement.devices}"
         )
-    if placement.gpu_mib < 1:
+    resolved = placement.request_mib is not None and placement.limit_mib is not None
+    if placement.gpu_mib is None:
+        if not resolved and not container.exclusive:
+            raise ValueError(f"container {name}: gpu_mib is needed when the amounts are not resolved")
+    elif placement.gpu_mib < 1:
         raise ValueError(f"container {name}: gpu_mib must be positive, got {placement.gpu_mib}")
     out = {k.devices_key(name): ",".join(placement.devices)}
     if not container.exclusive:
-        request_mib = container.request_mib(placement.gpu_mib)
-        limit_mib = max(request_mib, container.limit_mib(placement.gpu_mib))
+        if resolved:
+            assert placement.request_mib is not None and placement.limit_mib is not None
+            request_mib, limit_mib = placement.request_mib, max(placement.request_mib, placement.limit_mib)
+        else:
+            assert placement.gpu_mib is not None
+            request_mib = container.request_mib(placement.gpu_mib)
+            limit_mib = max(request_mib, container.limit_mib(placement.gpu_mib))
         out[k.memory_request_key(name)] = format_mib(request_mib)
         out[k.memory_limit_key(name)] = format_mib(limit_mib)
     if container.mode is ComputeMode.SM_SHARING:
         portion = placement.compute_portion
         if portion is None:
             portion = container.compute_portion
-        if portion is None:
+        if portion is None and placement.gpu_mib is not None:
             portion = container.compute_portion_on(placement.gpu_mib)
-        assert portion is not None  # sm-sharing always has a share
+        if portion is None:
+            raise ValueError(f"container {name}: sm-sharing needs a compute portion or gpu_mib")
         out[k.compute_portion_key(name)] = format_portion(portion)
     return out
 

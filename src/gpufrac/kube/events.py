@@ -4,6 +4,10 @@
 A few workers write the queue out; when the queue is full the Event is dropped and counted (client-go's
 broadcaster drops too: Events are for people, the pod's condition is the record machines read).
 
+Events yield to the work they describe: with ``yield_to`` (the scheduler passes "binds are in
+flight"), the workers wait while it answers True, so during a burst the API server spends its writes on
+binds and the Events follow once the burst is bound (the queue bound still sheds under a long one).
+
 Aggregation is the light half of client-go's: a repeat of the same (object, type, reason, message)
 within ``aggregate_window`` bumps ``count`` and ``lastTimestamp`` of the Event already written instead
 of creating another, so a pod retried every few seconds leaves one Event that says how often.
@@ -15,6 +19,7 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
@@ -28,6 +33,9 @@ from lightkube.types import PatchType
 from gpufrac.kube.errors import KubeError, NotFound, api_errors
 
 log = logging.getLogger(__name__)
+
+#: How often a worker that yields looks again.
+_YIELD_POLL_S = 0.05
 
 NORMAL = "Normal"
 WARNING = "Warning"
@@ -73,6 +81,7 @@ class EventRecorder:
         workers: int = 4,
         aggregate_window: float = 600.0,
         remembered: int = 4096,
+        yield_to: Callable[[], bool] | None = None,
     ) -> None:
         self._client = client
         self._component = component
@@ -82,6 +91,7 @@ class EventRecorder:
         self._window = aggregate_window
         self._remembered = remembered
         self._written: OrderedDict[tuple[str, str, str, str], _Written] = OrderedDict()
+        self._yield_to = yield_to
         self.dropped = 0
         self.failed = 0
 
@@ -107,6 +117,8 @@ class EventRecorder:
     async def _work(self) -> None:
         while True:
             pending = await self._queue.get()
+            while self._yield_to is not None and self._yield_to():
+                await asyncio.sleep(_YIELD_POLL_S)
             await self._write(pending)
 
     async def _flush(self, *, deadline: float) -> None:

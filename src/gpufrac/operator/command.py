@@ -54,14 +54,14 @@ def operator(
 
 async def serve(*, settings: OperatorSettings, kubeconfig: Path | None, identity: str | None) -> int:
     """Run until SIGTERM/SIGINT (exit code 0) or a failure such as a lost lease (1)."""
-    from gpufrac.kube.client import connect
-    from gpufrac.kube.lease import LeadershipLost
     from gpufrac.operator.reconciler import FIELD_MANAGER, Operator
-    from gpufrac.process.signals import run_until_signal
+    from gpufrac.process import controller
 
-    client = connect(kubeconfig=kubeconfig, field_manager=FIELD_MANAGER)
-    service = Operator(client=client, settings=settings, identity=identity or os.environ.get("POD_NAME"))
-    try:
-        return await run_until_signal(service.run(), name="operator", expected=(LeadershipLost,))
-    finally:
-        await client.close()
+    return await controller.serve(
+        name="operator",
+        kubeconfig=kubeconfig,
+        field_manager=FIELD_MANAGER,
+        build=lambda client: Operator(
+            client=client, settings=settings, identity=identity or os.environ.get("POD_NAME")
+        ),
+    )

@@ -32,7 +32,6 @@ import logging
 import os
 import socket
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -48,7 +47,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from gpufrac.contract import keys
 from gpufrac.kube.errors import KubeError, NotFound, api_errors
 from gpufrac.kube.informer import Informer, object_key
-from gpufrac.kube.lease import LeaderElector, LeaseTiming
+from gpufrac.kube.lease import LeaseTiming
 from gpufrac.kube.patch import merge_patch
 from gpufrac.kube.stream import ALL_NAMESPACES, Selection
 from gpufrac.operator.render import (
@@ -63,7 +62,7 @@ from gpufrac.operator.resource import GpuFractioningConfig, read_config
 from gpufrac.operator.silent_agents import SilentAgents
 from gpufrac.operator.status import DaemonSetView, NodeView, compute_status, selects
 from gpufrac.process.build_info import register_build_info
-from gpufrac.process.probes import ProbeServer
+from gpufrac.process.controller import ControllerRunner, Election, Handler
 
 log = logging.getLogger(__name__)
 
@@ -145,11 +144,9 @@ class Operator:
             name="daemonsets",
         )
         self.nodes: Informer[Node] = Informer(client=client, resource=Node, name="nodes")
-        self.configs.add_handler(_Handler(changed=self._config_changed, deleted=self._config_changed))
-        self.daemonsets.add_handler(
-            _Handler(changed=self._daemonset_changed, deleted=self._daemonset_changed)
-        )
-        self.nodes.add_handler(_Handler(changed=self._node_changed, deleted=self._node_changed))
+        self.configs.add_handler(Handler(changed=self._config_changed, deleted=self._config_deleted))
+        self.daemonsets.add_handler(Handler(changed=self._daemonset_changed, deleted=self._daemonset_deleted))
+        self.nodes.add_handler(Handler(changed=self._node_changed, deleted=self._node_deleted))
         self.leases: Informer[Lease] = Informer(
             client=client,
             resource=Lease,
@@ -163,106 +160,69 @@ class Operator:
             expiry_s=settings.node_heartbeat_expiry_s,
             is_leader=self.is_leader,
         )
-        self.leases.add_handler(_Handler(changed=self._lease_changed, deleted=self._lease_changed))
+        self.leases.add_handler(Handler(changed=self._lease_changed, deleted=self._lease_deleted))
 
-        self.elector: LeaderElector | None = None
-        self._lease_client: AsyncClient | None = None
-        self._owns_lease_client = False
-        if settings.leader_elect:
-            # Its own connection pool: a renew must never wait behind the operator's own writes.
-            self._lease_client = lease_client or AsyncClient(
-                config=client.config, timeout=httpx2.Timeout(5.0)
-            )
-            self._owns_lease_client = lease_client is None
-            self.elector = LeaderElector(
-                client=self._lease_client,
-                name=settings.lease_name,
-                namespace=settings.lease_namespace,
-                identity=self.identity,
+        self.metrics = _Metrics()
+        self.runner = ControllerRunner(
+            name="operator",
+            client=client,
+            identity=self.identity,
+            informers=(self.configs, self.daemonsets, self.nodes, self.leases),
+            lead=self._work,
+            background=(self.silent_agents.run,),
+            registry=self.metrics.registry,
+            http_host=settings.http_host,
+            http_port=settings.http_port,
+            election=Election(
+                lease_name=settings.lease_name,
+                lease_namespace=settings.lease_namespace,
                 timing=settings.lease_timing,
             )
-        self.metrics = _Metrics()
-        self._probes = ProbeServer(
-            host=settings.http_host,
-            port=settings.http_port,
-            registry=self.metrics.registry,
-            healthy=self._healthy,
-            ready=self._ready,
+            if settings.leader_elect
+            else None,
+            lease_client=lease_client,
         )
+        self.elector = self.runner.elector
         self._dirty: set[str] = set()
         #: DaemonSet key -> (hash, generation) of this replica's last apply.
         self._applied: dict[str, tuple[str, int | None]] = {}
         self._wake = asyncio.Event()
         self._failures: dict[str, int] = {}
         self._retries: dict[str, asyncio.TimerHandle] = {}
-        self._started = False
-        self._reconciling = False
-        self._failed: BaseException | None = None
 
     # -- running ------------------------------------------------------------------------------------------
 
     @property
-    def _informers(self) -> tuple[Informer[Any], Informer[DaemonSet], Informer[Node], Informer[Lease]]:
-        return (self.configs, self.daemonsets, self.nodes, self.leases)
-
-    @property
     def probe_port(self) -> int:
-        return self._probes.port
+        return self.runner.probe_port
 
     @property
     def synced(self) -> bool:
-        return all(i.synced.is_set() for i in self._informers)
+        return self.runner.synced
 
     def is_leader(self) -> bool:
-        return self.elector is None or self.elector.is_leader
+        return self.runner.is_leader()
 
     @property
     def reconciling(self) -> bool:
         """True once this replica leads and works through configs."""
-        return self._reconciling
+        return self.runner.working
 
     async def run(self) -> None:
-        await self._probes.start()
-        self._started = True
-        log.info("operator starting as %s; probes and metrics on port %d", self.identity, self._probes.port)
-        background = [asyncio.create_task(i.run(), name=f"informer-{i.name}") for i in self._informers]
-        background.append(asyncio.create_task(self.silent_agents.run(), name="silent-agents"))
-        elector = asyncio.create_task(self.elector.run(), name="lease") if self.elector else None
-        work = asyncio.create_task(self._work(), name="reconcile")
-        watched = [*background, work, *([elector] if elector else [])]
-        try:
-            done, _ = await asyncio.wait(watched, return_when=asyncio.FIRST_COMPLETED)
-            for task in done:
-                error = task.exception()
-                if error is not None:
-                    raise error
-            raise RuntimeError(f"task {next(iter(done)).get_name()} ended unexpectedly")
-        except BaseException as error:
-            if not isinstance(error, asyncio.CancelledError):
-                self._failed = error
-            raise
-        finally:
-            # Stop writing first, then hand the lease over, so a successor never writes alongside us.
-            self._reconciling = False
-            for handle in self._retries.values():
-                handle.cancel()
-            await _cancel(work)
-            if elector is not None:
-                await _cancel(elector)
-            await _cancel(*background)
-            await self._probes.stop()
-            self.metrics.leader.set(0)
-            if self._lease_client is not None and self._owns_lease_client:
-                await self._lease_client.close()
-            log.info("operator %s stopped", self.identity)
+        await self.runner.run()
 
     async def _work(self) -> None:
-        for informer in self._informers:
-            await informer.synced.wait()
-        if self.elector is not None:
-            await self.elector.leading.wait()
+        """The leader's work (started by the runner once synced and leading); stops writing when
+        cancelled, before the lease is handed over."""
+        try:
+            await self._reconcile_forever()
+        finally:
+            for handle in self._retries.values():
+                handle.cancel()
+            self.metrics.leader.set(0)
+
+    async def _reconcile_forever(self) -> None:
         self.metrics.leader.set(1)
-        self._reconciling = True
         log.info("reconciling %d configs as leader %s", len(self.configs.store), self.identity)
         # Everything once: configs changed while no one led, DaemonSets whose config is gone.
         self._dirty.update(self.configs.store.keys())
@@ -307,16 +267,6 @@ class Operator:
         self._retries.pop(name, None)
         self._dirty.add(name)
         self._wake.set()
-
-    def _healthy(self) -> tuple[bool, str]:
-        if self._failed is not None:
-            return False, f"failed: {self._failed}"
-        return self._started, "running" if self._started else "starting"
-
-    def _ready(self) -> tuple[bool, str]:
-        if not self.synced:
-            return False, "informers not synced"
-        return True, "leading" if self._reconciling else "standby (synced)"
 
     # -- reconciling --------------------------------------------------------------------------------------
 
@@ -414,18 +364,31 @@ class Operator:
     def _config_changed(self, old: Any, new: Any) -> None:
         self._mark(new.metadata.name)
 
+    def _config_deleted(self, obj: Any) -> None:
+        self._mark(obj.metadata.name)
+
     def _daemonset_changed(self, old: DaemonSet | None, new: DaemonSet) -> None:
-        name = _config_of(new)
+        self._daemonset_deleted(new)
+
+    def _daemonset_deleted(self, ds: DaemonSet) -> None:
+        name = _config_of(ds)
         if name:
             self._mark(name)
 
     def _lease_changed(self, old: Lease | None, new: Lease) -> None:
         self.silent_agents.changed()
 
+    def _lease_deleted(self, lease: Lease) -> None:
+        self.silent_agents.changed()
+
     def _node_changed(self, old: Node | None, new: Node) -> None:
         self.silent_agents.changed()
         if old is not None and NodeView.of(old) == NodeView.of(new):
             return
+        self._node_deleted(new)
+
+    def _node_deleted(self, node: Node) -> None:
+        self.silent_agents.changed()
         for name in self.configs.store.keys():  # noqa: SIM118 (a Store, not a dict)
             self._mark(name)
 
@@ -440,31 +403,6 @@ def _hash_of(ds: DaemonSet) -> str | None:
 
 def _owner(meta: dict[str, Any]) -> str:
     return str(meta["labels"].get(CONFIG_LABEL, ""))
-
-
-@dataclass(frozen=True, slots=True)
-class _Handler:
-    """Adapts the informer's callbacks: add and update are (old or None, new); delete is (None, obj)."""
-
-    changed: Callable[[Any, Any], None]
-    deleted: Callable[[Any, Any], None]
-
-    def on_add(self, obj: Any) -> None:
-        self.changed(None, obj)
-
-    def on_update(self, old: Any, new: Any) -> None:
-        self.changed(old, new)
-
-    def on_delete(self, obj: Any) -> None:
-        self.deleted(None, obj)
-
-
-async def _cancel(*tasks: asyncio.Task[Any]) -> None:
-    for task in tasks:
-        task.cancel()
-    for task in tasks:
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await task
 
 
 __all__ = ["COMPONENT", "FIELD_MANAGER", "Operator", "OperatorSettings", "default_identity"]

@@ -1,4 +1,5 @@
-"""What every long-running component process shares: structured log lines and health/metrics probes.
+"""What every long-running component process shares: structured log lines, health/metrics probes, and
+the controller runner (informers, leader lease, probes, shutdown) the scheduler and the operator run on.
 
-Below the components (scheduler, admission, node agent) so none of them imports another.
+Below the components (scheduler, admission, node agent, operator) so none of them imports another.
 """

@@ -11,6 +11,9 @@ import logging
 import sys
 from datetime import UTC, datetime
 
+#: Loggers that write a line per HTTP request.
+_PER_REQUEST_LOGGERS = ("httpx2", "httpcore2", "httpx", "httpcore")
+
 _STANDARD = set(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) | {"message", "asctime"}
 
 
@@ -44,3 +47,7 @@ def configure_logging(*, component: str, level: str = "info", fmt: str = "json")
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
+    # The HTTP client logs every request at info: one line per bind, Event and watch is a cost per pod
+    # in a burst, and says nothing an operator reads. Its warnings still come through.
+    for noisy in _PER_REQUEST_LOGGERS:
+        logging.getLogger(noisy).setLevel(max(logging.WARNING, root.level))

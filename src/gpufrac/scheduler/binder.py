@@ -29,7 +29,7 @@ from __future__ import annotations
 import enum
 import logging
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import httpx2
 from lightkube import AsyncClient
@@ -71,23 +71,36 @@ def device_name(uuid: str, *, style: str) -> str:
     return f"{keys.GPU_RESOURCE}={uuid}" if style == "cdi" else uuid
 
 
-def binding_annotations(
-    request: PodGpuRequest, placement: Placement, *, gpu_mib: Mapping[str, int], device_style: str
-) -> dict[str, str]:
-    """The contract's rendering of ``placement`` (devices named per ``device_style``)."""
+def binding_annotations(request: PodGpuRequest, placement: Placement, *, device_style: str) -> dict[str, str]:
+    """The contract's rendering of ``placement``, with exactly the amounts the engine booked.
+
+    Per container: its devices (named per ``device_style``), the request and limit MiB and the compute
+    portion of the ``Placement``, never resolved again from the GPU's size; and the compute mode the pod
+    was placed in, written when it is not the one the pod asked for (the Preferred mode policy's
+    fallback), so the node enforces, and a restarted scheduler books, the mode the GPU holds.
+    """
+    by_name = {c.container: c for c in request.containers}
+    placed_request = []
     rendered = []
     for container in placement.containers:
-        uuids = container.uuids
-        portion = container.devices[0].compute_portion if container.devices else None
+        asked = by_name[container.container]
+        first = container.devices[0]
+        placed_request.append(replace(asked, mode=container.mode))
         rendered.append(
             DeviceChoice(
                 container=container.container,
-                devices=tuple(device_name(u, style=device_style) for u in uuids),
-                gpu_mib=min(gpu_mib[u] for u in uuids),
-                compute_portion=portion,
+                devices=tuple(device_name(u, style=device_style) for u in container.uuids),
+                gpu_mib=None,
+                compute_portion=first.compute_portion,
+                request_mib=first.request_mib,
+                limit_mib=first.limit_mib,
             )
         )
-    return render_binding(request, rendered)
+    written = render_binding(PodGpuRequest(containers=tuple(placed_request)), rendered)
+    for container in placement.containers:
+        if not container.exclusive and container.mode is not by_name[container.container].mode:
+            written[keys.compute_mode_key(container.container)] = container.mode.value
+    return written
 
 
 def stale_binding_keys(annotations: Mapping[str, str]) -> dict[str, None]:
@@ -167,13 +180,10 @@ class Binder:
         self._device_style = device_style
         self._mode = mode
 
-    async def bind(
-        self, pod: Pod, *, request: PodGpuRequest, placement: Placement, gpu_mib: Mapping[str, int]
-    ) -> BindResult:
+    async def bind(self, pod: Pod, *, request: PodGpuRequest, placement: Placement) -> BindResult:
+        """Bind ``pod`` to ``placement.node`` with the annotations that describe ``placement``."""
         try:
-            written = binding_annotations(
-                request, placement, gpu_mib=gpu_mib, device_style=self._device_style
-            )
+            written = binding_annotations(request, placement, device_style=self._device_style)
         except ContractError as error:  # e.g. a key the API server refuses, which a Binding would store
             return BindResult(Outcome.UNWRITABLE, str(error), "invalid")
         if self._mode is BindMode.ATOMIC:

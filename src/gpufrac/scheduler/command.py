@@ -60,14 +60,12 @@ def scheduler(
 
 async def serve(*, settings: SchedulerConfig, kubeconfig: Path | None, identity: str | None) -> int:
     """Run until SIGTERM/SIGINT (exit code 0) or a failure such as a lost lease (1)."""
-    from gpufrac.kube.client import connect
-    from gpufrac.kube.lease import LeadershipLost
-    from gpufrac.process.signals import run_until_signal
+    from gpufrac.process import controller
     from gpufrac.scheduler.service import build_service
 
-    client = connect(kubeconfig=kubeconfig, field_manager="gpufrac-scheduler")
-    service = build_service(client=client, config=settings, identity=identity)
-    try:
-        return await run_until_signal(service.run(), name="scheduler", expected=(LeadershipLost,))
-    finally:
-        await client.close()
+    return await controller.serve(
+        name="scheduler",
+        kubeconfig=kubeconfig,
+        field_manager="gpufrac-scheduler",
+        build=lambda client: build_service(client=client, config=settings, identity=identity),
+    )

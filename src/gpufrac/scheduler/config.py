@@ -93,6 +93,9 @@ class SchedulerConfig(_Strict):
     """Binds in flight at once."""
     backoff_initial_s: float = Field(default=0.5, gt=0)
     backoff_max_s: float = Field(default=30.0, gt=0)
+    assumed_ttl_s: float = Field(default=30.0, gt=0)
+    """A bind that succeeded but that the watch has not shown within this long releases its booking
+    (kube-scheduler's assumed-pod expiry; the pod was deleted while the watch was away)."""
 
     unschedulable_resync_s: float = Field(default=60.0, gt=0)
     """Unschedulable pods are retried at once when the cluster changes, and at least this often."""

@@ -1,17 +1,28 @@
-"""The scheduler service: informers -> queue -> engine -> binder, with a Lease deciding who binds.
+"""The scheduler service: informers -> queue -> booking cache -> binder, with a Lease deciding who binds.
 
-State. Three informers feed one engine: our pods (``spec.schedulerName`` = ours), other schedulers' pods
-already bound (they take cpu, memory and pod slots on managed nodes, and GPUs if they carry the
-contract) and managed nodes. Every replica keeps the engine current from the moment it starts, leader or
-not, so a standby takes over with warm ledgers. At start-up the ledgers are rebuilt from what the API
-says: every bound pod is booked from its annotations as the informers list it, before anything is placed
-(the scheduling loop waits for all three informers to sync). Nothing about placements is kept anywhere
-else, so a restart never double-books a GPU.
+It runs on the controller skeleton it shares with the operator (``gpufrac.process.controller``: the
+lease, probes, the handler adapter and the shutdown order).
 
-Assumed pods. A placement is held in the engine the moment it is decided, so the next batch sees it
-without waiting for the watch; the bind runs in the background. The watch later confirms the pod bound
-(the held placement is kept as is) or the bind fails (the placement is released and the pod retried with
-backoff). A pod held but not yet confirmed is never queued again, whatever events its own bind causes.
+State. Informers feed one booking cache (``gpufrac.scheduler.booking_cache``), which holds the engine:
+our pods (``spec.schedulerName`` = ours), other schedulers' pods already bound (they take cpu, memory and
+pod slots on managed nodes, and GPUs if they carry the contract) and managed nodes; a fourth informer
+watches the node agents' Leases (below). Every
+replica keeps the cache current from the moment it starts, leader or not, so a standby takes over with
+warm books. At start-up the books are rebuilt from what the API says: every bound pod is booked from its
+annotations as the informers list it, before anything is placed (the scheduling loop waits for every
+informer to sync). Nothing about placements is kept anywhere else, so a restart never double-books a GPU.
+
+Assumed pods. A placement is booked the moment it is decided (assumed), so the next batch sees it without
+waiting for the watch; the bind runs in the background and writes exactly what the engine placed. A
+successful bind waits for the watch to confirm it; a failed one is forgotten and the pod retried with
+backoff; a bind whose confirmation never comes expires (``assumed_ttl_s``). A booked pod is never queued
+again, whatever events its own bind causes.
+
+Where to extend. ``_schedule`` is one scheduling cycle: ``_prepare`` turns each pod into the engine's
+``PendingPod`` and passes it through the ``filters`` (``PodFilter``: narrow where a pod may go with
+what the engine cannot see, such as the pods already on each node, ``cache.on_node``); the cache places
+the batch; each pod that fits nowhere goes to the ``post_filter`` (``PostFilter``: the preemption step)
+before it is reported unschedulable.
 
 Unschedulable pods get PodScheduled=False with the engine's counted reasons (or the contract's sentence
 for an invalid request, or the queue's name when the pod names a queue that is not configured) and a
@@ -26,8 +37,12 @@ takes no new pods; since an expiry is time passing and not an API event, a timer
 their heartbeats expire (``gpufrac.kube.heartbeat``), and a heartbeat that resumes is a Lease (or Node)
 update like any other.
 
-Shutdown order matters: stop placing, let binds in flight finish (bounded), then release the lease, so a
-successor never places while this replica still writes.
+Queues come from Queue objects, KAI's Queue objects and the configuration file, merged into the engine
+(``gpufrac.scheduler.queues``; docs/queues.md). A pod that fits nowhere may preempt or reclaim
+(``gpufrac.scheduler.preemption``); pods of a gang are placed all or nothing (``gpufrac.scheduler.gangs``).
+
+Shutdown order matters: stop placing, let binds in flight finish (bounded, ``_drain``), then release the
+lease, so a successor never places while this replica still writes.
 """
 
 from __future__ import annotations
@@ -40,12 +55,10 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Callable, Coroutine, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Coroutine, Iterable, Sequence
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Protocol
 
-import httpx2
 from lightkube import AsyncClient
 from lightkube.resources.coordination_v1 import Lease
 from lightkube.resources.core_v1 import Node, Pod
@@ -55,20 +68,20 @@ from gpufrac.contract.request import PodGpuRequest
 from gpufrac.kube.events import NORMAL, WARNING, EventRecorder, ObjectRef
 from gpufrac.kube.heartbeat import AgentHeartbeats, latest_heartbeat, lease_renewed
 from gpufrac.kube.informer import Informer, object_key
-from gpufrac.kube.lease import LeaderElector, LeadershipLost, LeaseTiming
+from gpufrac.kube.lease import LeadershipLost, LeaseTiming
 from gpufrac.kube.patch import set_pod_condition
 from gpufrac.kube.stream import ALL_NAMESPACES, Selection
-from gpufrac.placement.decision import Decision, Placement
+from gpufrac.placement.decision import Decision, Placement, Unschedulable
 from gpufrac.placement.engine import Engine
-from gpufrac.placement.model import ModePolicy, NodeSpec, PendingPod
-from gpufrac.process.probes import ProbeServer
+from gpufrac.placement.model import ModePolicy, PendingPod
+from gpufrac.process.controller import ControllerRunner, Election, Handler, cancel
 from gpufrac.scheduler.binder import Binder, BindMode, BindResult, Outcome, stale_binding_keys
+from gpufrac.scheduler.booking_cache import BookingCache
 from gpufrac.scheduler.config import SchedulerConfig
 from gpufrac.scheduler.gangs import GangKey, Gangs, gang_of
 from gpufrac.scheduler.metrics import GpuAllocation, SchedulerMetrics, StateReaders
 from gpufrac.scheduler.objects import (
     agent_heartbeat,
-    bound_placement,
     gpu_request,
     node_spec,
     pending_pod,
@@ -93,14 +106,29 @@ SCHEDULER_ERROR = "SchedulerError"
 #: How much of an unexpected error's text goes into a pod's condition.
 _ERROR_TEXT_MAX = 300
 
+#: How often bound bookings are checked for a confirmation that never came.
+_EXPIRY_CHECK_S = 1.0
 
-@dataclass(slots=True)
-class _Held:
-    """A pod whose placement the engine holds: ``bound`` once the API shows it on ``node``."""
 
-    pod: Pod
-    node: str
-    bound: bool
+class PodFilter(Protocol):
+    """Narrows where one pod may go, with what the engine cannot see (e.g. the pods on each node).
+
+    Returns the pod as the engine should place it (for instance with extra required node-affinity
+    terms), or a sentence saying why it cannot be placed now (the pod is reported unschedulable with it
+    and retried when the cluster changes).
+    """
+
+    def narrow(self, pending: PendingPod, pod: Pod, cache: BookingCache) -> PendingPod | str: ...
+
+
+class PostFilter(Protocol):
+    """What to do for a pod that fits nowhere (the preemption step). Returns True when it took the pod
+    in hand (e.g. victims are being evicted and the pod is nominated); the pod is then parked without
+    being reported unschedulable, and retried when the cluster changes."""
+
+    def post_filter(
+        self, pending: PendingPod, pod: Pod, decision: Unschedulable, cache: BookingCache
+    ) -> bool: ...
 
 
 def default_identity() -> str:
@@ -135,14 +163,23 @@ class SchedulerService:
         identity: str | None = None,
         lease_client: AsyncClient | None = None,
         shutdown_grace: float = 5.0,
+        filters: Sequence[PodFilter] = (),
+        post_filter: PostFilter | None = None,
     ) -> None:
         self.config = config
         self.identity = identity or default_identity()
         self._client = client
-        self._engine = engine
         self._shutdown_grace = shutdown_grace
+        self._filters = tuple(filters)
+        self._post_filter = post_filter
         self._mode_policy = ModePolicy(config.mode_policy)
-        self._specs: dict[str, NodeSpec] = {}  # before the metrics: their collector reads it at once
+        # Before the metrics: their collector reads it at once.
+        self.cache = BookingCache(
+            engine=engine,
+            default_queue=config.default_queue,
+            mode_policy=self._mode_policy,
+            assumed_ttl=config.assumed_ttl_s,
+        )
         name = config.scheduler_name
         live = "status.phase!=Succeeded,status.phase!=Failed"
         self.pods: Informer[Pod] = Informer(
@@ -165,45 +202,20 @@ class SchedulerService:
             selection=Selection(labels=config.node_selector),
             name="nodes",
         )
+        self.pods.add_handler(Handler(changed=self._pod_changed, deleted=self._pod_deleted))
+        self.foreign_pods.add_handler(Handler(changed=self._foreign_changed, deleted=self._pod_deleted))
         self.leases: Informer[Lease] = Informer(
             client=client,
             resource=Lease,
             selection=Selection(namespace=config.node_lease_namespace),
             name="node-leases",
         )
-        self.pods.add_handler(_Handler(changed=self._pod_changed, deleted=self._pod_deleted))
-        self.foreign_pods.add_handler(_Handler(changed=self._foreign_changed, deleted=self._pod_deleted))
-        self.nodes.add_handler(_Handler(changed=self._node_changed, deleted=self._node_deleted))
-        self.leases.add_handler(_Handler(changed=self._lease_changed, deleted=self._lease_deleted))
+        self.nodes.add_handler(Handler(changed=self._node_changed, deleted=self._node_deleted))
+        self.leases.add_handler(Handler(changed=self._lease_changed, deleted=self._lease_deleted))
 
-        election = config.leader_election
-        self.elector: LeaderElector | None = None
-        self._lease_client: AsyncClient | None = None
-        self._owns_lease_client = False
-        if election.enabled:
-            # Its own connection pool, as kube-scheduler does: a renew must never queue behind a burst
-            # of binds for a free connection, or a busy leader loses its lease for being busy.
-            self._lease_client = lease_client or AsyncClient(
-                config=client.config, timeout=httpx2.Timeout(5.0)
-            )
-            self._owns_lease_client = lease_client is None
-            self.elector = LeaderElector(
-                client=self._lease_client,
-                name=election.lease_name,
-                namespace=election.lease_namespace,
-                identity=self.identity,
-                timing=LeaseTiming(
-                    lease_duration=election.lease_duration_s,
-                    renew_deadline=election.renew_deadline_s,
-                    retry_period=election.retry_period_s,
-                ),
-            )
-        self.events = EventRecorder(client=client, component=COMPONENT, instance=self.identity)
-        self.binder = Binder(
-            client=client,
-            fence=self.is_leader,
-            device_style=config.device_names,
-            mode=BindMode(config.bind_mode),
+        # Events wait while binds are in flight: during a burst the API server's writes go to binds.
+        self.events = EventRecorder(
+            client=client, component=COMPONENT, instance=self.identity, yield_to=lambda: bool(self._binds)
         )
         self.queue: SchedulingQueue[Pod] = SchedulingQueue(
             backoff_initial=config.backoff_initial_s,
@@ -217,49 +229,73 @@ class SchedulerService:
         self.queue_status = QueueStatusWriter(
             client=client,
             directory=self.queue_directory,
-            book=lambda: self._engine.queues,
-            capacity=lambda: engine_capacity(self._engine),
+            book=lambda: self.cache.engine.queues,
+            capacity=lambda: engine_capacity(self.cache.engine),
             waiting=self.queue.waiting,
             is_leader=self.is_leader,
             interval=config.queue_status_interval_s or 0.0,
         )
         self.metrics = SchedulerMetrics()
+        election = config.leader_election
+        self.runner = ControllerRunner(
+            name=f"scheduler {config.scheduler_name}",
+            client=client,
+            identity=self.identity,
+            informers=(self.pods, self.foreign_pods, self.nodes, self.leases),
+            lead=self._lead,
+            registry=self.metrics.registry,
+            http_host=config.http_host,
+            http_port=config.http_port,
+            election=Election(
+                lease_name=election.lease_name,
+                lease_namespace=election.lease_namespace,
+                timing=LeaseTiming(
+                    lease_duration=election.lease_duration_s,
+                    renew_deadline=election.renew_deadline_s,
+                    retry_period=election.retry_period_s,
+                ),
+            )
+            if election.enabled
+            else None,
+            lease_client=lease_client,
+            background=(
+                self.events.run,
+                self._expire_heartbeats,
+                self._expire_bookings,
+                self.queue_directory.run,
+                *((self.queue_status.run,) if config.queue_status_interval_s is not None else ()),
+            ),
+            drain=self._drain,
+        )
+        self.elector = self.runner.elector
+        self.binder = Binder(
+            client=client,
+            fence=self.is_leader,
+            device_style=config.device_names,
+            mode=BindMode(config.bind_mode),
+        )
         self.metrics.watch_state(
             StateReaders(
                 pending_by_queue=self.queue.pending_by_queue,
                 gpu_allocations=self._gpu_allocations,
                 is_leader=self.is_leader,
-                informer_relists=lambda: {i.name: i.relists for i in self._informers},
+                informer_relists=lambda: {i.name: i.relists for i in self.runner.informers},
                 heartbeat_expired_nodes=lambda: sum(
-                    1 for spec in self._specs.values() if spec.agent_heartbeat_expired
+                    1 for spec in self.cache.nodes.values() if spec.agent_heartbeat_expired
                 ),
             )
-        )
-        self._probes = ProbeServer(
-            host=config.http_host,
-            port=config.http_port,
-            registry=self.metrics.registry,
-            healthy=self._healthy,
-            ready=self._ready,
         )
         self._bind_gate = asyncio.Semaphore(config.bind_concurrency)
         self._heartbeats = AgentHeartbeats(expiry_s=config.node_heartbeat_expiry_s)
         self._heartbeat_wake = asyncio.Event()
         self._heartbeat_due = math.inf
 
-        self._gpu_mib: dict[str, int] = {}
-        self._held: dict[str, _Held] = {}
-        self._on_node: dict[str, set[str]] = {}
-        self._waiting_for_node: dict[str, dict[str, Pod]] = {}
         self._in_flight: set[str] = set()
         self._first_seen: dict[str, float] = {}
         self._reported: dict[str, str] = {}
         self._arrivals = 0
         self._binds: set[asyncio.Task[None]] = set()
         self._chores: set[asyncio.Task[None]] = set()
-        self._scheduling = False
-        self._started = False
-        self._failed: BaseException | None = None
         self.bound_total = 0
         self.gangs = Gangs(
             client=client,
@@ -274,7 +310,7 @@ class SchedulerService:
                 engine=engine,
                 events=self.events,
                 victim_pod=self._own_bound_pod,
-                release=self._release,
+                release=self.cache.release,
                 place_now=lambda pod: self._schedule([(pod.metadata.uid, pod)]),
                 retry=self.queue.cluster_changed,
                 spawn=lambda coro: self._spawn(coro, self._chores),
@@ -283,96 +319,44 @@ class SchedulerService:
     # -- running ------------------------------------------------------------------------------------------
 
     @property
-    def _informers(self) -> tuple[Informer[Pod], Informer[Pod], Informer[Node], Informer[Lease]]:
-        return (self.pods, self.foreign_pods, self.nodes, self.leases)
-
-    @property
     def probe_port(self) -> int:
-        return self._probes.port
+        return self.runner.probe_port
 
     def is_leader(self) -> bool:
-        return self.elector is None or self.elector.is_leader
+        return self.runner.is_leader()
 
     @property
     def synced(self) -> bool:
-        return all(i.synced.is_set() for i in self._informers) and self.queue_directory.synced
+        return self.runner.synced and self.queue_directory.synced
 
     async def wait_scheduling(self, timeout: float | None = None) -> None:
         """Wait until this replica leads and has started placing pods (for callers and tests)."""
-
-        async def poll() -> None:
-            while not self._scheduling:
-                await asyncio.sleep(0.02)
-
-        await asyncio.wait_for(poll(), timeout=timeout)
+        await self.runner.wait_working(timeout=timeout)
 
     async def run(self) -> None:
-        await self._probes.start()
-        self._started = True
-        log.info(
-            "scheduler %s starting as %s; probes and metrics on port %d",
-            self.config.scheduler_name,
-            self.identity,
-            self._probes.port,
-        )
-        background = [asyncio.create_task(i.run(), name=f"informer-{i.name}") for i in self._informers]
-        background.append(asyncio.create_task(self.events.run(), name="events"))
-        background.append(asyncio.create_task(self._expire_heartbeats(), name="heartbeats"))
-        background.append(asyncio.create_task(self.queue_directory.run(), name="queues"))
-        if self.config.queue_status_interval_s is not None:
-            background.append(asyncio.create_task(self.queue_status.run(), name="queue-status"))
-        elector = asyncio.create_task(self.elector.run(), name="lease") if self.elector else None
-        lead = asyncio.create_task(self._lead(), name="schedule")
-        watched = [*background, lead, *([elector] if elector else [])]
-        try:
-            done, _ = await asyncio.wait(watched, return_when=asyncio.FIRST_COMPLETED)
-            for task in done:
-                error = task.exception()
-                if error is not None:
-                    raise error
-            raise RuntimeError(f"task {next(iter(done)).get_name()} ended unexpectedly")
-        except BaseException as error:
-            if not isinstance(error, asyncio.CancelledError):
-                self._failed = error
-            raise
-        finally:
-            # 1. stop placing; 2. let binds in flight finish; 3. only then give up the lease, so a
-            # successor never places pods while this replica still writes; 4. the rest.
-            self._scheduling = False
-            await _cancel(lead)
-            await self._drain_binds()
-            await _cancel(*self._chores)
-            if elector is not None:
-                await _cancel(elector)
-            await _cancel(*background)
-            await self._probes.stop()
-            if self._lease_client is not None and self._owns_lease_client:
-                await self._lease_client.close()
-            log.info("scheduler %s stopped", self.identity)
+        await self.runner.run()
 
-    async def _drain_binds(self) -> None:
+    async def _drain(self) -> None:
+        """At shutdown, after placing stopped and before the lease is released: binds in flight finish
+        (bounded by the grace period), then the chores stop."""
         if self._binds:
             _, pending = await asyncio.wait(set(self._binds), timeout=self._shutdown_grace)
             if pending:
                 log.warning(
                     "%d binds did not finish before shutdown; the next leader cleans them", len(pending)
                 )
-            await _cancel(*pending)
+            await cancel(*pending)
+        await cancel(*self._chores)
 
     async def _lead(self) -> None:
-        for informer in self._informers:
-            await informer.synced.wait()
         await self.queue_directory.wait_synced()
         log.info(
-            "informers synced: %d managed nodes, %d pods booked, %d pending",
-            len(self._specs),
-            len(self._held),
+            "informers synced: %d managed nodes, %d pods booked, %d pending; placing pods as leader %s",
+            len(self.cache.nodes),
+            len(self.cache),
             len(self.queue),
+            self.identity,
         )
-        if self.elector is not None:
-            await self.elector.leading.wait()
-        self._scheduling = True
-        log.info("placing pods as leader %s", self.identity)
         window = self.config.batch_window_ms / 1000.0
         while True:
             batch = await self.queue.next_batch(window=window, max_batch=self.config.max_batch)
@@ -384,27 +368,16 @@ class SchedulerService:
             self._schedule(batch)
             await asyncio.sleep(0)  # let binds and the watch run between batches
 
-    def _healthy(self) -> tuple[bool, str]:
-        if self._failed is not None:
-            return False, f"failed: {self._failed}"
-        return self._started, "running" if self._started else "starting"
-
-    def _ready(self) -> tuple[bool, str]:
-        if not self.synced:
-            return False, "informers not synced"
-        if self._scheduling:
-            return True, "leading"
-        return True, "standby (synced)"
-
     # -- placing ------------------------------------------------------------------------------------------
 
     def _schedule(self, batch: list[tuple[str, Pod]]) -> None:
+        """One scheduling cycle: read and filter each pod, place the batch, bind or report each pod."""
         todo: list[tuple[PendingPod, Pod, PodGpuRequest]] = []
         for uid, queued in batch:
             pod = self.pods.store.get(object_key(queued))
             if pod is None or pod.metadata.uid != uid:
                 continue  # deleted (or replaced by a new pod of the same name) since it was queued
-            if (pod.spec and pod.spec.nodeName) or uid in self._held or uid in self._in_flight:
+            if (pod.spec and pod.spec.nodeName) or uid in self.cache or uid in self._in_flight:
                 continue
             try:
                 if stale_binding_keys(pod.metadata.annotations or {}):
@@ -444,14 +417,19 @@ class SchedulerService:
         *,
         gang: GangKey | None = None,
     ) -> None:
+        """Bind a placed pod (the cache booked it), or report why not, after the post-filter and
+        preemption had their say."""
         if isinstance(decision, Placement):
-            self._book(pod, decision.node, bound=False)
             self._in_flight.add(pending.uid)
             self._spawn(self._bind(pod, gpu, decision), self._binds)
         elif isinstance(decision, BaseException):
             self._failed_on(pod, decision, doing="placing")
         elif gang is not None:
             self._unschedulable(pod, f"gang {gang}: {decision.message}")
+        elif self._post_filter is not None and self._post_filter.post_filter(
+            pending, pod, decision, self.cache
+        ):
+            self.queue.park(pod.metadata.uid, pod, queue=pending.queue)
         elif self.preemptions is not None:
             self._unschedulable(pod, self.preemptions.consider(pending, pod, decision))
         else:
@@ -463,7 +441,7 @@ class SchedulerService:
         seen = {pending.uid for pending, _, _ in batch}
         for pod in self.pods.store:
             uid = pod.metadata.uid
-            if uid in seen or uid in self._held or uid in self._in_flight or (pod.spec and pod.spec.nodeName):
+            if uid in seen or uid in self.cache or uid in self._in_flight or (pod.spec and pod.spec.nodeName):
                 continue
             if pod.metadata.deletionTimestamp is None and gang_of(pod) == key:
                 prepared = self._prepare(pod)
@@ -482,7 +460,7 @@ class SchedulerService:
             for _, pod, _ in members:
                 self._unschedulable(pod, spec)
             return
-        running = sum(1 for held in self._held.values() if gang_of(held.pod) == key)
+        running = sum(1 for booking in self.cache if gang_of(booking.pod) == key)
         need = max(0, spec.min_member - running)
         if len(members) < need:
             waited, first_time = self.gangs.waited(key)
@@ -499,7 +477,7 @@ class SchedulerService:
             return
         try:
             decisions: list[Decision | BaseException] = list(
-                self._engine.schedule([m[0] for m in members], gang=True, min_member=need)
+                self.cache.place([m[0] for m in members], [m[1] for m in members], gang=True, min_member=need)
             )
         except Exception as error:
             decisions = [error] * len(members)
@@ -510,10 +488,10 @@ class SchedulerService:
 
     def _own_bound_pod(self, uid: str) -> Pod | None:
         """The pod of a booked uid if this scheduler placed it (only such pods may be preempted)."""
-        held = self._held.get(uid)
-        if held is None or held.pod.spec is None:
+        booking = self.cache.booking(uid)
+        if booking is None or booking.pod.spec is None:
             return None
-        return held.pod if held.pod.spec.schedulerName == self.config.scheduler_name else None
+        return booking.pod if booking.pod.spec.schedulerName == self.config.scheduler_name else None
 
     def _prepare(self, pod: Pod) -> tuple[PendingPod, PodGpuRequest] | str:
         """The engine's view of a pending pod, or the sentence that says why it cannot be placed as is."""
@@ -532,21 +510,26 @@ class SchedulerService:
             default_queue=self.config.default_queue,
             mode_policy=self._mode_policy,
         )
+        for pod_filter in self._filters:
+            narrowed = pod_filter.narrow(pending, pod, self.cache)
+            if isinstance(narrowed, str):
+                return narrowed
+            pending = narrowed
         return pending, gpu
 
     def _decide(self, todo: list[tuple[PendingPod, Pod, PodGpuRequest]]) -> list[Decision | BaseException]:
-        """The engine's decisions for the batch; if the engine fails on the batch, each pod is placed on
-        its own so that the failure stays with the pod that causes it (the engine undoes a failed
-        batch, see ``Statement``)."""
+        """The decisions for the batch, each Placement booked as assumed; if the engine fails on the
+        batch, each pod is placed on its own so that the failure stays with the pod that causes it (the
+        engine undoes a failed batch, see ``Statement``)."""
         pods = [pending for pending, _, _ in todo]
         try:
-            return list(self._engine.schedule(pods))
+            return list(self.cache.place(pods, [pod for _, pod, _ in todo]))
         except Exception:
             log.exception("placing a batch of %d pods failed; placing them one at a time", len(pods))
         decisions: list[Decision | BaseException] = []
-        for pending in pods:
+        for pending, pod, _ in todo:
             try:
-                decisions.extend(self._engine.schedule([pending]))
+                decisions.extend(self.cache.place([pending], [pod]))
             except Exception as error:
                 decisions.append(error)
         return decisions
@@ -575,7 +558,7 @@ class SchedulerService:
         uid = pod.metadata.uid
         try:
             async with self._bind_gate:
-                result = await self.binder.bind(pod, request=gpu, placement=placement, gpu_mib=self._gpu_mib)
+                result = await self.binder.bind(pod, request=gpu, placement=placement)
         finally:
             self._in_flight.discard(uid)
         self._after_bind(pod, placement, result)
@@ -583,6 +566,7 @@ class SchedulerService:
     def _after_bind(self, pod: Pod, placement: Placement, result: BindResult) -> None:
         uid, meta = pod.metadata.uid, pod.metadata
         if result.outcome is Outcome.BOUND:
+            self.cache.finish_binding(uid)
             self.bound_total += 1
             self.metrics.attempts.labels("scheduled").inc()
             seen = self._first_seen.pop(uid, None)
@@ -599,7 +583,8 @@ class SchedulerService:
                 + (f" with GPUs {gpus}" if gpus else ""),
             )
             return
-        self._release_assumed(uid)
+        if self.cache.forget(uid):
+            self.queue.cluster_changed()
         if result.outcome is Outcome.UNWRITABLE:
             self._unschedulable(pod, result.detail)
             return
@@ -695,69 +680,18 @@ class SchedulerService:
 
         return done
 
-    # -- booking ------------------------------------------------------------------------------------------
-
-    def _book(self, pod: Pod, node: str, *, bound: bool) -> None:
-        """Record a placement the engine already holds (it just placed it)."""
-        uid = pod.metadata.uid
-        self._held[uid] = _Held(pod=pod, node=node, bound=bound)
-        self._on_node.setdefault(node, set()).add(uid)
-
-    def _hold_bound(self, pod: Pod) -> None:
-        """Book a bound pod from its annotations (the engine did not place it, or forgot it)."""
-        node = pod.spec.nodeName
-        try:
-            gpu = gpu_request(pod)
-        except Exception as error:  # InvalidPodRequest, or anything else one pod's data may raise
-            log.warning(
-                "bound pod %s/%s has an invalid GPU request; booking its host resources only: %s",
-                pod.metadata.namespace,
-                pod.metadata.name,
-                error,
-            )
-            gpu = PodGpuRequest()
-        spec = self._specs[node]
-        placement = bound_placement(pod, gpu=gpu, gpus_by_uuid={g.uuid: g for g in spec.gpus})
-        pending = pending_pod(
-            pod, gpu=gpu, arrival=0, default_queue=self.config.default_queue, mode_policy=self._mode_policy
-        )
-        try:
-            self._engine.assume(pending, placement)
-        except ValueError as error:
-            log.error(
-                "cannot book pod %s/%s on %s: %s", pod.metadata.namespace, pod.metadata.name, node, error
-            )
-            return
-        self._book(pod, node, bound=True)
-
-    def _release(self, uid: str) -> bool:
-        held = self._held.pop(uid, None)
-        if held is None:
-            return False
-        self._engine.forget(uid)
-        on_node = self._on_node.get(held.node)
-        if on_node is not None:
-            on_node.discard(uid)
-        return True
-
-    def _release_assumed(self, uid: str) -> None:
-        held = self._held.get(uid)
-        if held is not None and not held.bound:
-            self._release(uid)
-            self.queue.cluster_changed()
-
     # -- informer handlers (synchronous: memory only) -----------------------------------------------------
 
     def _pod_changed(self, old: Pod | None, pod: Pod) -> None:
         if pod.spec and pod.spec.nodeName:
             self.queue.remove(pod.metadata.uid)
-            self._observe_bound(pod)
+            self.cache.confirm(pod)
             return
         uid = pod.metadata.uid
         if pod.metadata.deletionTimestamp is not None:
             self.queue.remove(uid)
             return
-        if uid in self._in_flight or uid in self._held:
+        if uid in self._in_flight or uid in self.cache:
             return  # its own bind (or clean) is writing it
         queue = pod_queue(pod, default=self.config.default_queue)
         if old is None or uid not in self.queue or _meaningful_change(old, pod):
@@ -768,32 +702,16 @@ class SchedulerService:
 
     def _foreign_changed(self, old: Pod | None, pod: Pod) -> None:
         if pod.spec and pod.spec.nodeName:
-            self._observe_bound(pod)
-
-    def _observe_bound(self, pod: Pod) -> None:
-        uid, node = pod.metadata.uid, pod.spec.nodeName
-        held = self._held.get(uid)
-        if held is not None:
-            if held.node == node:
-                held.bound, held.pod = True, pod
-                return
-            self._release(uid)
-        if node not in self._specs:
-            self._waiting_for_node.setdefault(node, {})[uid] = pod
-            return
-        self._hold_bound(pod)
+            self.cache.confirm(pod)
 
     def _pod_deleted(self, pod: Pod) -> None:
         uid = pod.metadata.uid
         self.queue.remove(uid)
         self._first_seen.pop(uid, None)
         self._reported.pop(uid, None)
-        node = pod.spec.nodeName if pod.spec else None
-        if node and node in self._waiting_for_node:
-            self._waiting_for_node[node].pop(uid, None)
         if self.preemptions is not None and self.preemptions.deleted(uid):
             return  # a victim: its room stays booked until its preemptor takes it
-        if self._release(uid):
+        if self.cache.remove(pod):
             self.queue.cluster_changed()
 
     def _node_changed(self, old: Node | None, node: Node) -> None:
@@ -822,9 +740,7 @@ class SchedulerService:
         name = node.metadata.name
         expired = self._heartbeats.expired(name, now=now)
         spec = node_spec(node, agent_heartbeat_expired=expired)
-        previous = self._specs.get(spec.name)
-        if previous == spec:
-            return
+        previous = self.cache.nodes.get(name)
         if expired and (previous is None or not previous.agent_heartbeat_expired):
             log.warning(
                 "node %s: the node agent's heartbeat expired (last %s, expiry %.0fs); no new pods go there "
@@ -836,28 +752,19 @@ class SchedulerService:
             )
         elif previous is not None and previous.agent_heartbeat_expired and not expired:
             log.info("node %s: the node agent's heartbeat resumed", name, extra={"node": name})
-        if previous is None:
-            self._add_node(spec)
-        elif previous.gpus == spec.gpus:
-            self._engine.update_node(spec)
-            self._specs[spec.name] = spec
-        else:
-            log.info("GPUs of node %s changed; rebooking its pods", spec.name)
-            self._drop_node(spec.name)
-            self._add_node(spec)
-        self.queue.cluster_changed()
+        if self.cache.set_node(spec).changed:
+            self.queue.cluster_changed()
 
     def _node_deleted(self, node: Node) -> None:
         self._heartbeats.forget(node.metadata.name)
-        if node.metadata.name in self._specs:
-            self._drop_node(node.metadata.name)
+        self.cache.remove_node(node.metadata.name)
 
     async def _expire_heartbeats(self) -> None:
         """Re-evaluate nodes when their agents' heartbeats expire: time passing is no API event."""
         loop = asyncio.get_running_loop()
         while True:
             now = loop.time()
-            for name, spec in list(self._specs.items()):
+            for name, spec in list(self.cache.nodes.items()):
                 if spec.agent_heartbeat_expired != self._heartbeats.expired(name, now=now):
                     node = self.nodes.store.get(name)
                     if node is not None:
@@ -870,32 +777,19 @@ class SchedulerService:
                 async with asyncio.timeout_at(None if due is None else due):
                     await self._heartbeat_wake.wait()
 
-    def _add_node(self, spec: NodeSpec) -> None:
-        self._engine.add_node(spec)
-        self._specs[spec.name] = spec
-        for gpu in spec.gpus:
-            self._gpu_mib[gpu.uuid] = gpu.memory_mib
-        for pod in self._waiting_for_node.pop(spec.name, {}).values():
-            self._hold_bound(pod)
-
-    def _drop_node(self, name: str) -> None:
-        """Release every pod on the node (bound ones wait for it to come back) and forget it."""
-        waiting = self._waiting_for_node.setdefault(name, {})
-        for uid in list(self._on_node.pop(name, set())):
-            held = self._held.get(uid)
-            if held is not None and held.bound:
-                waiting[uid] = held.pod
-            self._release(uid)
-        spec = self._specs.pop(name)
-        for gpu in spec.gpus:
-            self._gpu_mib.pop(gpu.uuid, None)
-        self._engine.remove_node(name)
+    async def _expire_bookings(self) -> None:
+        """Release bound bookings whose confirmation never came (see the booking cache)."""
+        while True:
+            await asyncio.sleep(_EXPIRY_CHECK_S)
+            if self.cache.expire():
+                self.queue.cluster_changed()
 
     # -- metrics ------------------------------------------------------------------------------------------
 
     def _gpu_allocations(self) -> Iterable[GpuAllocation]:
-        for node in self._engine.node_names:
-            for ledger in self._engine.ledger(node):
+        engine = self.cache.engine
+        for node in engine.node_names:
+            for ledger in engine.ledger(node):
                 yield GpuAllocation(
                     node=node,
                     gpu=ledger.uuid,
@@ -906,34 +800,9 @@ class SchedulerService:
                 )
 
 
-@dataclass(frozen=True, slots=True)
-class _Handler:
-    """Adapts the informer's three callbacks to (old or None, new) and delete."""
-
-    changed: Callable[[Any, Any], None]
-    deleted: Callable[[Any], None]
-
-    def on_add(self, obj: Any) -> None:
-        self.changed(None, obj)
-
-    def on_update(self, old: Any, new: Any) -> None:
-        self.changed(old, new)
-
-    def on_delete(self, obj: Any) -> None:
-        self.deleted(obj)
-
-
 def _ref(pod: Pod) -> ObjectRef:
     meta = pod.metadata
     return ObjectRef(kind="Pod", namespace=meta.namespace, name=meta.name, uid=meta.uid or "")
-
-
-async def _cancel(*tasks: asyncio.Task[Any]) -> None:
-    for task in tasks:
-        task.cancel()
-    for task in tasks:
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await task
 
 
 def build_service(
@@ -945,4 +814,12 @@ def build_service(
     return SchedulerService(client=client, config=config, engine=build_engine(config), identity=identity)
 
 
-__all__ = ["COMPONENT", "LeadershipLost", "SchedulerService", "build_service", "default_identity"]
+__all__ = [
+    "COMPONENT",
+    "LeadershipLost",
+    "PodFilter",
+    "PostFilter",
+    "SchedulerService",
+    "build_service",
+    "default_identity",
+]
