@@ -291,19 +291,29 @@ class Engine:
 
     # -- scheduling -----------------------------------------------------------------------------------
 
-    def schedule(self, pods: Sequence[PendingPod], *, gang: bool = False) -> list[Decision]:
+    def schedule(
+        self, pods: Sequence[PendingPod], *, gang: bool = False, largest_first: bool | None = None
+    ) -> list[Decision]:
         """Place ``pods`` in queue order; with ``gang`` all of them or none. One Decision per pod, in
-        input order."""
+        input order. ``largest_first`` (default: the default policy's look-ahead) places the pods of a
+        queue and priority largest first (``fair_share``)."""
         decisions: list[Decision | None] = [None] * len(pods)
         if len(pods) == 1 and not gang:
             return [self.place(pods[0])]
         cluster_mib = int(self.state.cap_total.sum())
+        if largest_first is None:
+            largest_first = self.policy(self.default_policy).largest_first
+
+        def size(i: int) -> tuple[int, ...]:
+            pod = pods[i]
+            return self._demand(pod, pod.policy or self.default_policy, flip=False).size
+
         with self.statement() as st:
 
             def place(i: int) -> None:
                 decisions[i] = st.place(pods[i])
 
-            scheduling_order(pods, self.queues, cluster_mib, place)
+            scheduling_order(pods, self.queues, cluster_mib, place, size=size if largest_first else None)
             failed = [d for d in decisions if isinstance(d, Unschedulable)]
             if gang and failed:
                 st.discard()

@@ -4,6 +4,11 @@ Order (the issue's rule): higher priority first; among equal priority, the queue
 deserved share (guaranteed GPU MiB in use / deserved MiB, lowest first; a queue with no deserved share
 comes last); then earlier arrival. The standing of a queue changes as its pods are placed, so the order
 is decided one pod at a time: each queue keeps its pods sorted, and the next pod is the best queue head.
+
+A policy with look-ahead (``Policy.largest_first``) passes ``size``: within a queue and a priority, the
+pods of the batch go largest first (then by arrival). The batch holds only pods the scheduler has
+already received, so this reorders a burst, never waits for future pods; it is first-fit-decreasing on
+the window the scheduler sees anyway.
 """
 
 from __future__ import annotations
@@ -47,14 +52,23 @@ def scheduling_order(
     book: QueueBook,
     cluster_mib: int,
     place: Callable[[int], None],
+    *,
+    size: Callable[[int], tuple[int, ...]] | None = None,
 ) -> None:
-    """Call ``place(i)`` for every pod index in queue order, re-reading queue standing after each."""
+    """Call ``place(i)`` for every pod index in queue order, re-reading queue standing after each.
+
+    ``size(i)``, when given, orders pods of one queue and priority largest first (see module docstring).
+    """
     heads: dict[str, list[int]] = {}
     for i, pod in enumerate(pods):
         heads.setdefault(pod.queue, []).append(i)
+    sizes = {i: tuple(-v for v in size(i)) for i in range(len(pods))} if size else None
     for members in heads.values():
         # Reverse so the next pod is members[-1] (pop from the end is O(1)).
-        members.sort(key=lambda i: (-pods[i].priority, pods[i].arrival, i), reverse=True)
+        if sizes is None:
+            members.sort(key=lambda i: (-pods[i].priority, pods[i].arrival, i), reverse=True)
+        else:
+            members.sort(key=lambda i: (-pods[i].priority, sizes[i], pods[i].arrival, i), reverse=True)
     while heads:
         best_queue = min(
             heads,

@@ -72,16 +72,44 @@ def _usable(fm: np.ndarray, mode: np.ndarray, shapes: Shapes) -> np.ndarray:
     return fits & mode_ok
 
 
-def fragments(fm: np.ndarray, mode: np.ndarray, cpu: np.ndarray, shapes: Shapes) -> np.ndarray:
+def fragments(
+    fm: np.ndarray, mode: np.ndarray, cpu: np.ndarray, shapes: Shapes, *, joint: bool = False
+) -> np.ndarray:
     """(D, K) fragment of each node for each typical pod, in thousandths of a GPU."""
-    return _fragments(fm, cpu, shapes, _usable(fm, mode, shapes))
+    return _fragments(fm, cpu, shapes, _usable(fm, mode, shapes), joint=joint)
 
 
-def _fragments(fm: np.ndarray, cpu: np.ndarray, shapes: Shapes, usable: np.ndarray) -> np.ndarray:
+def _fragments(
+    fm: np.ndarray, cpu: np.ndarray, shapes: Shapes, usable: np.ndarray, *, joint: bool = False
+) -> np.ndarray:
     total = fm.sum(axis=1)
     room = (fm[:, :, None] * usable).sum(axis=1)
     runs = shapes.access & (usable.sum(axis=1) >= shapes.count) & (cpu[:, None] >= shapes.cpu)
+    if joint:
+        room = _host_limited(room, _gpu_copies(fm, usable, shapes).sum(axis=1), _host_copies(cpu, shapes))
     return np.where(runs, total[:, None] - room, total[:, None])
+
+
+_UNLIMITED = np.int64(1 << 40)
+
+
+def _gpu_copies(fm: np.ndarray, usable: np.ndarray, shapes: Shapes) -> np.ndarray:
+    """(D, G, K) devices of typical pod k each GPU could still hold (0 where it cannot take one)."""
+    return usable * (fm[:, :, None] // np.maximum(shapes.need, 1)[:, None, :])
+
+
+def _host_copies(cpu: np.ndarray, shapes: Shapes) -> np.ndarray:
+    """(D, K) devices of typical pod k the node's free CPU leaves room for (k's CPU per device)."""
+    per_device = -(-shapes.cpu // np.maximum(shapes.count, 1))
+    return np.where(per_device > 0, cpu[:, None] // np.maximum(per_device, 1), _UNLIMITED)
+
+
+def _host_limited(room: np.ndarray, copies: np.ndarray, host: np.ndarray) -> np.ndarray:
+    """The part of ``room`` typical pod k can really use when CPU caps its copies at ``host``.
+
+    Integer arithmetic on purpose: a placement that changes nothing must score exactly sigmoid(0).
+    """
+    return np.where(copies > host, room * np.minimum(host, copies) // np.maximum(copies, 1), room)
 
 
 def node_fragmentation(
@@ -108,9 +136,10 @@ class Fgd:
     engine when it changed, so cached scores are dropped.
     """
 
-    def __init__(self, source: TypicalSource, *, scale: float = 100.0) -> None:
+    def __init__(self, source: TypicalSource, *, scale: float = 100.0, joint: bool = False) -> None:
         self.source = source
         self.scale = scale
+        self.joint = joint
 
     @property
     def epoch(self) -> int:
@@ -130,7 +159,7 @@ class Fgd:
             return np.zeros(nodes.size), None
         shapes = shapes_for(state, typical, nodes)
         usable = _usable(fm, mode, shapes)
-        before = _fragments(fm, cpu, shapes, usable)
+        before = _fragments(fm, cpu, shapes, usable, joint=self.joint)
         single = demand.single
         if single is not None and single.count == 1 and not single.exclusive:
             return self._single_gpu_deltas(state, demand, fit, fm, usable, cpu, shapes, before)
@@ -145,7 +174,7 @@ class Fgd:
                 took = milli_of(c.request_mib(cap), cap)
                 fm_after = np.where(chosen, np.maximum(fm_after - took, 0), fm_after)
                 mode_after = np.where(chosen, MODE_CODE[c.mode], mode_after).astype(np.int8)
-        after = fragments(fm_after, mode_after, cpu - demand.cpu_milli, shapes)
+        after = fragments(fm_after, mode_after, cpu - demand.cpu_milli, shapes, joint=self.joint)
         return (before - after) @ shapes.weights, None
 
     def _single_gpu_deltas(
@@ -172,11 +201,15 @@ class Fgd:
         total_after = total[:, None] - (fm - fa)  # (D, G)
         room_after = room[:, None, :] - fm[:, :, None] * usable + fa[:, :, None] * usable_after
         count_after = count[:, None, :] - usable + usable_after
+        cpu_after = cpu - demand.cpu_milli
         runs = (
-            shapes.access[:, None, :]
-            & (count_after >= shapes.count)
-            & ((cpu - demand.cpu_milli)[:, None, None] >= shapes.cpu)
+            shapes.access[:, None, :] & (count_after >= shapes.count) & (cpu_after[:, None, None] >= shapes.cpu)
         )
+        if self.joint:
+            per = _gpu_copies(fm, usable, shapes)  # (D, G, K)
+            need = np.maximum(shapes.need, 1)[:, None, :]
+            copies_after = per.sum(axis=1)[:, None, :] - per + usable_after * (fa[:, :, None] // need)
+            room_after = _host_limited(room_after, copies_after, _host_copies(cpu_after, shapes)[:, None, :])
         after = np.where(runs, total_after[:, :, None] - room_after, total_after[:, :, None])
         delta = (before[:, None, :] - after) @ shapes.weights  # (D, G)
         return delta, fit.masks[0]

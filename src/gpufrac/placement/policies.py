@@ -55,6 +55,8 @@ class Policy:
     name: str
     scorers: tuple[tuple[Scorer, int], ...]
     picker: GpuPicker
+    largest_first: bool = False
+    """Look-ahead: a batch of pods already received is placed largest first (``fair_share``)."""
     epoched: tuple[Epoched, ...] = field(init=False, repr=False, compare=False)
     preparing: tuple[Preparing, ...] = field(init=False, repr=False, compare=False)
     learning: tuple[Learning, ...] = field(init=False, repr=False, compare=False)
