@@ -23,6 +23,7 @@ placement that changes nothing scores exactly sigmoid(0).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 
@@ -129,14 +130,26 @@ def _sigmoid_score(delta: np.ndarray, scale: float = 100.0) -> np.ndarray:
     return np.trunc(scale / (1.0 + np.exp(-delta / 1000.0))).astype(np.int64)
 
 
+JointFor = Literal["none", "cpu-only", "all"]
+
+
 class Fgd:
     """Fragmentation gradient descent as a node scorer (and GPU chooser for single-device sharing pods).
 
     ``source`` supplies the typical-pod distribution (a prior or learned online); ``epoch`` tells the
     engine when it changed, so cached scores are dropped.
+
+    ``joint`` chooses the pods whose score uses the joint GPU x CPU measure instead of the paper's
+    GPU-only one: a typical pod's usable GPU room is cut to the devices the node's free CPU can still
+    host, so CPU taken from a node with free GPUs is charged as the GPU it strands, gradually instead
+    of only once the CPU falls below one typical pod's need. ``"cpu-only"``: only CPU-only pods (the
+    ones that strand GPUs by taking a GPU node's CPU; GPU pods keep FGD's own score, whose ties the
+    alignment tie-break relies on). ``"all"``: every pod. docs/benchmarks.md has the ablation.
     """
 
-    def __init__(self, source: TypicalSource, *, scale: float = 100.0, joint: bool = False) -> None:
+    def __init__(self, source: TypicalSource, *, scale: float = 100.0, joint: JointFor = "none") -> None:
+        if joint not in ("none", "cpu-only", "all"):
+            raise ValueError(f"joint must be 'none', 'cpu-only' or 'all', got {joint!r}")
         self.source = source
         self.scale = scale
         self.joint = joint
@@ -159,10 +172,11 @@ class Fgd:
             return np.zeros(nodes.size), None
         shapes = shapes_for(state, typical, nodes)
         usable = _usable(fm, mode, shapes)
-        before = _fragments(fm, cpu, shapes, usable, joint=self.joint)
+        joint = self.joint == "all" or (self.joint == "cpu-only" and not demand.wants_gpu)
+        before = _fragments(fm, cpu, shapes, usable, joint=joint)
         single = demand.single
         if single is not None and single.count == 1 and not single.exclusive:
-            return self._single_gpu_deltas(state, demand, fit, fm, usable, cpu, shapes, before)
+            return self._single_gpu_deltas(state, demand, fit, fm, usable, cpu, shapes, before, joint=joint)
         fm_after, mode_after = fm.copy(), mode.copy()
         for i, c in enumerate(demand.containers):
             chosen = _first_fitting(fm_after, fit.masks[i], c.count, exclusive=c.exclusive)
@@ -174,7 +188,7 @@ class Fgd:
                 took = milli_of(c.request_mib(cap), cap)
                 fm_after = np.where(chosen, np.maximum(fm_after - took, 0), fm_after)
                 mode_after = np.where(chosen, MODE_CODE[c.mode], mode_after).astype(np.int8)
-        after = fragments(fm_after, mode_after, cpu - demand.cpu_milli, shapes, joint=self.joint)
+        after = fragments(fm_after, mode_after, cpu - demand.cpu_milli, shapes, joint=joint)
         return (before - after) @ shapes.weights, None
 
     def _single_gpu_deltas(
@@ -187,6 +201,8 @@ class Fgd:
         cpu: np.ndarray,
         shapes: Shapes,
         before: np.ndarray,
+        *,
+        joint: bool,
     ) -> tuple[np.ndarray, np.ndarray]:
         nodes = fit.nodes
         c = demand.containers[0]
@@ -203,9 +219,11 @@ class Fgd:
         count_after = count[:, None, :] - usable + usable_after
         cpu_after = cpu - demand.cpu_milli
         runs = (
-            shapes.access[:, None, :] & (count_after >= shapes.count) & (cpu_after[:, None, None] >= shapes.cpu)
+            shapes.access[:, None, :]
+            & (count_after >= shapes.count)
+            & (cpu_after[:, None, None] >= shapes.cpu)
         )
-        if self.joint:
+        if joint:
             per = _gpu_copies(fm, usable, shapes)  # (D, G, K)
             need = np.maximum(shapes.need, 1)[:, None, :]
             copies_after = per.sum(axis=1)[:, None, :] - per + usable_after * (fa[:, :, None] // need)

@@ -11,6 +11,11 @@
   the fixed node order. FGD measures GPU fragments but treats CPU only as a yes/no threshold, so it lets
   CPU-heavy pods exhaust the CPU of GPU-dense nodes and strand their GPUs; alignment steers them to
   CPU-rich nodes. See docs/placement.md for the measurements.
+- ``fgd-plus``: ours, the default of the scheduler service and ``gpufrac up``. fgd-align, with two
+  additions that each won in the ablation (docs/benchmarks.md): CPU-only pods are scored with FGD's
+  joint GPU x CPU measure (``Fgd(joint="cpu-only")``: CPU taken from a node with free GPUs is charged as
+  the GPU it strands), and a batch of pods already received is placed largest first (look-ahead,
+  ``largest_first``). One pod at a time it is fgd-align except for CPU-only pods.
 
 A policy's score is the weighted sum of its scorers. ``lexicographic`` builds "first A, then B" by giving
 A a weight larger than B's range. The first scorer that proposes a GPU for a single-device pod decides
@@ -124,7 +129,15 @@ POLICIES: dict[str, PolicyFactory] = {
     "fgd-align": lambda prior: Policy(
         "fgd-align", lexicographic(Fgd(_typical(prior)), Alignment(levels=10), then_range=11), BestFitGpu()
     ),
+    "fgd-plus": lambda prior: Policy(
+        "fgd-plus",
+        lexicographic(Fgd(_typical(prior), joint="cpu-only"), Alignment(levels=10), then_range=11),
+        BestFitGpu(),
+        largest_first=True,
+    ),
 }
+DEFAULT_POLICY = "fgd-plus"
+"""The policy of the scheduler service and ``gpufrac up`` unless configured (docs/placement.md: why)."""
 
 
 def make_policy(name: str, prior: Prior | None = None) -> Policy:
