@@ -180,8 +180,32 @@ def test_fgd_plus_keeps_cpu_only_pods_off_the_cpu_the_gpus_need():
             gpu_pods = [e.place(pod(whole(1), cpu_milli=10_000)) for _ in range(6)]
             placed[policy] = (cpu_only.node, sum(isinstance(d, Placement) for d in gpu_pods))
         assert placed == {"fgd-align": ("tight", 5), "fgd-plus": ("roomy", 6)}
-    with pytest.raises(ValueError, match="joint must be 'none', 'cpu-only' or 'all', got 'cpu'"):
+    with pytest.raises(ValueError, match="joint must be 'none', 'cpu-only', 'all' or 'auto', got 'cpu'"):
         Fgd(PriorTypicalPods(prior), joint="cpu")  # type: ignore[arg-type]
+
+
+def test_fgd_plus_scores_gpu_pods_jointly_only_when_cpu_is_about_as_scarce_as_gpu():
+    from gpufrac.placement.demand import demand_of
+    from gpufrac.placement.filters import GpuRules, resource_fit
+
+    # 79 cores for 6 GPUs: 13.2 cores per GPU. 16 cores are taken from "tight" (2 GPUs, 29 cores).
+    e = build("binpack", node("tight", gpus=2, cpu=29_000), node("roomy", gpus=4, cpu=50_000))
+    e.assume(pod(cpu_milli=16_000), node="tight")
+    demand = demand_of(pod(whole(1), cpu_milli=6_000), policy="fgd-plus")
+    fit = resource_fit(e.state, demand, e.state.live(), GpuRules()).feasible()
+
+    def deltas(prior: Counter, joint: str) -> np.ndarray:
+        scorer = Fgd(PriorTypicalPods(prior), joint=joint)  # type: ignore[arg-type]
+        scorer.prepare(e.state)
+        return scorer.deltas(e.state, demand, fit)[0]
+
+    # Typical GPU pods of 6 cores ask for 0.46 of the cluster's CPU per GPU, of 13 cores for 0.99.
+    for cores, every_pod in ((6_000, False), (13_000, True)):
+        prior = Counter({TypicalPod(cpu_milli=cores, memory=None, count=1, exclusive=True): 1})
+        auto = deltas(prior, "auto")
+        assert np.array_equal(auto, deltas(prior, "all" if every_pod else "cpu-only"))
+        if every_pod:  # the GPU pod's joint score differs here, so the check above tells them apart
+            assert not np.array_equal(auto, deltas(prior, "cpu-only"))
 
 
 @pytest.mark.parametrize("policy", sorted(POLICIES))

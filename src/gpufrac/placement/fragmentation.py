@@ -130,7 +130,11 @@ def _sigmoid_score(delta: np.ndarray, scale: float = 100.0) -> np.ndarray:
     return np.trunc(scale / (1.0 + np.exp(-delta / 1000.0))).astype(np.int64)
 
 
-JointFor = Literal["none", "cpu-only", "all"]
+JointFor = Literal["none", "cpu-only", "all", "auto"]
+CPU_BOUND_AT = 0.95
+"""``joint="auto"`` scores every pod jointly once the workload's CPU per GPU reaches this share of the
+cluster's (docs/placement.md, "Which policy by default": the published traces lie at 0.70-0.90, the
+CPU-heavier variants, where joint scoring of every pod wins, at 1.03 and 1.13)."""
 
 
 class Fgd:
@@ -144,22 +148,49 @@ class Fgd:
     host, so CPU taken from a node with free GPUs is charged as the GPU it strands, gradually instead
     of only once the CPU falls below one typical pod's need. ``"cpu-only"``: only CPU-only pods (the
     ones that strand GPUs by taking a GPU node's CPU; GPU pods keep FGD's own score, whose ties the
-    alignment tie-break relies on). ``"all"``: every pod. docs/benchmarks.md has the ablation.
+    alignment tie-break relies on). ``"all"``: every pod. ``"auto"``: every pod while CPU is about as
+    scarce as GPU - the typical pods ask for at least ``CPU_BOUND_AT`` of the cluster's CPU per GPU -
+    else CPU-only pods. That input is cluster-wide, so ``prepare`` reads it and ``epoch`` moves when
+    the choice flips. docs/benchmarks.md has the ablation.
     """
 
     def __init__(self, source: TypicalSource, *, scale: float = 100.0, joint: JointFor = "none") -> None:
-        if joint not in ("none", "cpu-only", "all"):
-            raise ValueError(f"joint must be 'none', 'cpu-only' or 'all', got {joint!r}")
+        if joint not in ("none", "cpu-only", "all", "auto"):
+            raise ValueError(f"joint must be 'none', 'cpu-only', 'all' or 'auto', got {joint!r}")
         self.source = source
         self.scale = scale
         self.joint = joint
+        self._every_pod = joint == "all"
+        self._spec_epoch = -1
+        self._typical_epoch = -1
+        self._cluster_cpu_per_gpu = 0.0
 
     @property
     def epoch(self) -> int:
-        return self.source.current().epoch
+        return 2 * self.source.current().epoch + self._every_pod
 
     def observe(self, demand: Demand) -> None:
         self.source.observe(demand)
+
+    def prepare(self, state: ClusterState) -> None:
+        """For ``joint="auto"``: is CPU about as scarce as GPU (class docstring)?"""
+        if self.joint != "auto":
+            return
+        typical = self.source.current()
+        if state.spec_epoch == self._spec_epoch and typical.epoch == self._typical_epoch:
+            return
+        if state.spec_epoch != self._spec_epoch:
+            self._spec_epoch = state.spec_epoch
+            live = state.present[: state.rows]
+            gpus = int(state.gpu_count[: state.rows][live].sum())
+            cpu = float(state.cpu_cap[: state.rows][live].sum())
+            self._cluster_cpu_per_gpu = cpu / gpus if gpus else 0.0
+        self._typical_epoch = typical.epoch
+        gpu = float(sum(w * p.gpu_units for p, w in zip(typical.pods, typical.weights, strict=True)))
+        cpu = float(sum(w * p.cpu_milli for p, w in zip(typical.pods, typical.weights, strict=True)))
+        wanted = cpu / gpu if gpu > 0 else 0.0
+        limit = CPU_BOUND_AT * self._cluster_cpu_per_gpu
+        self._every_pod = limit > 0 and wanted >= limit
 
     def deltas(self, state: ClusterState, demand: Demand, fit: Fit) -> tuple[np.ndarray, np.ndarray | None]:
         """Fragmentation decrease per node (or per node and GPU slot for a single shared device)."""
@@ -172,7 +203,7 @@ class Fgd:
             return np.zeros(nodes.size), None
         shapes = shapes_for(state, typical, nodes)
         usable = _usable(fm, mode, shapes)
-        joint = self.joint == "all" or (self.joint == "cpu-only" and not demand.wants_gpu)
+        joint = self._every_pod or (self.joint in ("cpu-only", "auto") and not demand.wants_gpu)
         before = _fragments(fm, cpu, shapes, usable, joint=joint)
         single = demand.single
         if single is not None and single.count == 1 and not single.exclusive:

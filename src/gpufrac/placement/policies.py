@@ -12,10 +12,10 @@
   CPU-heavy pods exhaust the CPU of GPU-dense nodes and strand their GPUs; alignment steers them to
   CPU-rich nodes. See docs/placement.md for the measurements.
 - ``fgd-plus``: ours, the default of the scheduler service and ``gpufrac up``. fgd-align, with two
-  additions that each won in the ablation (docs/benchmarks.md): CPU-only pods are scored with FGD's
-  joint GPU x CPU measure (``Fgd(joint="cpu-only")``: CPU taken from a node with free GPUs is charged as
-  the GPU it strands), and a batch of pods already received is placed largest first (look-ahead,
-  ``largest_first``). One pod at a time it is fgd-align except for CPU-only pods.
+  additions that each won in the ablation (docs/benchmarks.md): FGD's joint GPU x CPU measure
+  (``Fgd(joint="auto")``: CPU taken from a node with free GPUs is charged as the GPU it strands) for
+  CPU-only pods, and for every pod when the workload asks for about as much CPU per GPU as the cluster
+  has; and a batch of pods already received is placed largest first (look-ahead, ``largest_first``).
 
 A policy's score is the weighted sum of its scorers. ``lexicographic`` builds "first A, then B" by giving
 A a weight larger than B's range. The first scorer that proposes a GPU for a single-device pod decides
@@ -131,7 +131,7 @@ POLICIES: dict[str, PolicyFactory] = {
     ),
     "fgd-plus": lambda prior: Policy(
         "fgd-plus",
-        lexicographic(Fgd(_typical(prior), joint="cpu-only"), Alignment(levels=10), then_range=11),
+        lexicographic(Fgd(_typical(prior), joint="auto"), Alignment(levels=10), then_range=11),
         BestFitGpu(),
         largest_first=True,
     ),
