@@ -9,6 +9,8 @@ Variants (registered here, not in the product's policy table, except the named p
 - ``fgd+joint+align``: CPU stranded next to free GPU charged as a tie-break only: FGD's integer score,
   then the joint measure's score, then alignment;
 - ``fgd-align+joint``: FGD, alignment, then the joint measure as the last tie-break;
+- ``fgd-align+bestfit``: FGD, alignment, then BestFit's fullest node; ``fgd50-align`` /
+  ``fgd200-align``: FGD's sigmoid scaled to 0..50 or 0..200 instead of 0..100 (fewer or more ties);
 - ``fgd-align-cpujoint``: the joint measure for CPU-only pods only (the pods that strand GPUs by eating a
   node's CPU), GPU pods scored as in fgd-align;
 - look-ahead: any policy run with ``--window W`` gets the pods in bursts of W already received pods;
@@ -36,7 +38,7 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from gpufrac.placement.fragmentation import Fgd  # noqa: E402
 from gpufrac.placement.policies import POLICIES, Policy, Prior, _typical  # noqa: E402
-from gpufrac.placement.scoring import Alignment, BestFitGpu, Scorer  # noqa: E402
+from gpufrac.placement.scoring import Alignment, BestFit, BestFitGpu, Scorer  # noqa: E402
 from gpufrac.placement.typical import OnlineTypicalPods, PriorTypicalPods, TypicalSource  # noqa: E402
 from gpufrac.sim.experiment import by_policy, mean, parse_seeds, run_experiment  # noqa: E402
 from gpufrac.sim.trace import load_nodes, load_pods, node_file, pod_file  # noqa: E402
@@ -70,6 +72,11 @@ def _variants() -> dict[str, Callable[[Prior | None], Policy]]:
         "fgd-align+joint": lambda p: chain(
             "fgd-align+joint", (fgd(p), 101), (Alignment(), 11), (fgd(p, joint="all"), 101)
         ),
+        "fgd-align+bestfit": lambda p: chain(
+            "fgd-align+bestfit", (fgd(p), 101), (Alignment(), 11), (BestFit(), 101)
+        ),
+        "fgd50-align": lambda p: chain("fgd50-align", (fgd(p, scale=50.0), 51), (Alignment(), 11)),
+        "fgd200-align": lambda p: chain("fgd200-align", (fgd(p, scale=200.0), 201), (Alignment(), 11)),
     }
 
     out["fgd-align-cpujoint"] = lambda p: chain(
