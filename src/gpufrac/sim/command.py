@@ -60,7 +60,8 @@ def simulate(
         typer.Option(
             "--offline-bound",
             help="Add the offline reference per seed: the same workload known in advance, placed largest "
-            "first with FGD. A bound to read the policies against, not a policy (@130% only).",
+            "first with FGD. A reference to read the policies against, not a policy and not a ceiling "
+            "(@130% only; docs/placement.md).",
         ),
     ] = False,
     window: Annotated[
