@@ -1,4 +1,4 @@
-"""ClusterShape and `gpufrac up`: a runtime they do not know, a real node count they cannot run, the policy."""
+"""ClusterShape and `gpufrac up`: unknown runtimes, real node counts it cannot run, and its policy."""
 
 from __future__ import annotations
 
