@@ -52,3 +52,22 @@ def test_named_variants_and_bad_input():
         variant("cpu3x", _list())
     with pytest.raises(ValueError, match="times must be a finite number >= 0, got -1"):
         cpu_heavier(_list(), -1)
+
+
+def test_simulate_replays_a_variant_sampled_from_the_default_list(tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from gpufrac.cli import app
+    from gpufrac.sim.synthetic import synthetic_trace
+    from gpufrac.sim.trace import GPU_NODE_FILE, save_nodes, save_pods
+
+    nodes, pods = synthetic_trace(seed=11, nodes=10, pods=100)
+    save_nodes(tmp_path / GPU_NODE_FILE, nodes)
+    save_pods(tmp_path / "openb_pod_list_default.csv", pods)  # no cpu2x file: it is sampled from default
+    args = ["simulate", "--trace", "cpu2x", "--data-dir", str(tmp_path), "--policy", "fgd", "--seeds", "1"]
+    result = CliRunner().invoke(app, [*args, "--workers", "1", "--no-plot", "--json"])
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert out["trace"] == "cpu2x" and [r["policy"] for r in out["runs"]] == ["fgd"]

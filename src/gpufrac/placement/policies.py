@@ -12,7 +12,7 @@
   CPU-heavy pods exhaust the CPU of GPU-dense nodes and strand their GPUs; alignment steers them to
   CPU-rich nodes. See docs/placement.md for the measurements.
 - ``fgd-plus``: ours, the default of the scheduler service and ``gpufrac up``. fgd-align, with two
-  additions that each won in the ablation (docs/benchmarks.md): FGD's joint GPU x CPU measure
+  additions measured in the ablation (docs/benchmarks.md): FGD's joint GPU x CPU measure
   (``Fgd(joint="auto")``: CPU taken from a node with free GPUs is charged as the GPU it strands) for
   CPU-only pods, and for every pod when the workload asks for about as much CPU per GPU as the cluster
   has; and a batch of pods already received is placed largest first (look-ahead, ``largest_first``).
