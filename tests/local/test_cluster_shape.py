@@ -1,4 +1,4 @@
-"""ClusterShape and `gpufrac up` refuse a runtime they do not know, or a real node count they cannot run."""
+"""ClusterShape and `gpufrac up`: unknown runtimes, real node counts it cannot run, and its policy."""
 
 from __future__ import annotations
 
@@ -20,3 +20,19 @@ def test_the_real_node_is_one_per_machine() -> None:
     with pytest.raises(ValueError, match=r"nodes=2 with runtime 'containerd'"):
         ClusterShape(nodes=2, runtime="containerd")
     assert _shape(1, 4, "H100-80GB", "binpack", "containerd").runtime == "containerd"
+
+
+def test_gpufrac_up_runs_the_scheduler_services_default_policy() -> None:
+    import inspect
+
+    from gpufrac.local.cluster import Timings
+    from gpufrac.local.command import up
+    from gpufrac.scheduler.config import SchedulerConfig
+
+    assert inspect.signature(up).parameters["policy"].default.default is None  # no --policy given
+    shape = _shape(2, 4, "H100-80GB", None)
+    written = Timings().scheduler_config(policy=shape.policy)
+    assert "policy" not in written
+    assert SchedulerConfig.model_validate(written).policy == "fgd-plus"
+    # A policy asked for is passed through.
+    assert SchedulerConfig.model_validate(Timings().scheduler_config(policy="binpack")).policy == "binpack"

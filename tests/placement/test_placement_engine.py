@@ -183,6 +183,24 @@ def test_queue_order_priority_then_share_then_arrival():
     assert order == ["urgent", "poor-late", "rich-early"]
 
 
+def test_look_ahead_places_the_largest_pod_of_a_batch_first_within_its_queue_and_priority():
+    def run(largest_first: bool, **urgent: object) -> list[bool]:
+        e = build(node("a", gpus=1))
+        pods = [
+            pod(fraction(0.5), name="half", arrival=1, **urgent),  # type: ignore[arg-type]
+            pod(whole(), name="whole", arrival=2),
+            pod(fraction(0.25), name="quarter", arrival=3),
+        ]
+        return [isinstance(d, Placement) for d in e.schedule(pods, largest_first=largest_first)]
+
+    # Arrival order: the half and the quarter share the GPU and the whole-GPU pod waits.
+    assert run(False) == [True, False, True]
+    # Look-ahead over the batch already received: the whole-GPU pod first; the others wait.
+    assert run(True) == [False, True, False]
+    # Size orders pods of one priority only: an urgent half still goes first.
+    assert run(True, priority=10) == [True, False, True]
+
+
 def test_queue_gpu_memory_limit():
     e = build(node("a", gpus=2), queues=[Queue("small", gpu_memory=Quota(limit=10_000))])
     assert isinstance(e.place(pod(mib(8000), queue="small")), Placement)

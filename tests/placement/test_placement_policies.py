@@ -11,10 +11,10 @@ from placement_builders import fraction, node, pod, whole
 from gpufrac.contract.request import ComputeMode, GpuMemory
 from gpufrac.placement.decision import ContainerPlacement, DeviceAssignment, Placement
 from gpufrac.placement.engine import Engine
-from gpufrac.placement.fragmentation import node_fragmentation
+from gpufrac.placement.fragmentation import Fgd, node_fragmentation
 from gpufrac.placement.policies import POLICIES, Policy
 from gpufrac.placement.scoring import BestFit, BestFitGpu
-from gpufrac.placement.typical import TypicalPod, select_typical
+from gpufrac.placement.typical import PriorTypicalPods, TypicalPod, select_typical
 
 HALF = TypicalPod(cpu_milli=0, memory=GpuMemory(portion=0.5))
 
@@ -159,6 +159,55 @@ def test_fgd_align_steers_cpu_heavy_pods_to_cpu_rich_nodes():
         assert light.node == "gpu-dense"
 
 
+def test_fgd_plus_keeps_cpu_only_pods_off_the_cpu_the_gpus_need():
+    """A GPU pod needs 10 cores. Node "tight" (2 GPUs, 29 cores) can host two, node "roomy" (4 GPUs,
+    50 cores) four. A 10-core CPU-only pod leaves both able to run one GPU pod, so FGD's GPU-only
+    measure sees no difference and fgd-align's alignment sends it to the CPU-richer "tight" (14.5 cores
+    per GPU), stranding one of its GPUs. The joint measure of fgd-plus charges that GPU and picks
+    "roomy", where six GPU pods still fit instead of five."""
+    prior = Counter({TypicalPod(cpu_milli=10_000, memory=None, count=1, exclusive=True): 1})
+    for seed in range(4):  # whatever the tie order
+        placed = {}
+        for policy in ("fgd-align", "fgd-plus"):
+            e = build(
+                policy,
+                node("tight", gpus=2, cpu=29_000),
+                node("roomy", gpus=4, cpu=50_000),
+                prior=prior,
+                seed=seed,
+            )
+            cpu_only = e.place(pod(cpu_milli=10_000))
+            gpu_pods = [e.place(pod(whole(1), cpu_milli=10_000)) for _ in range(6)]
+            placed[policy] = (cpu_only.node, sum(isinstance(d, Placement) for d in gpu_pods))
+        assert placed == {"fgd-align": ("tight", 5), "fgd-plus": ("roomy", 6)}
+    with pytest.raises(ValueError, match="joint must be 'none', 'cpu-only', 'all' or 'auto', got 'cpu'"):
+        Fgd(PriorTypicalPods(prior), joint="cpu")  # type: ignore[arg-type]
+
+
+def test_fgd_plus_scores_gpu_pods_jointly_only_when_cpu_is_about_as_scarce_as_gpu():
+    from gpufrac.placement.demand import demand_of
+    from gpufrac.placement.filters import GpuRules, resource_fit
+
+    # 79 cores for 6 GPUs: 13.2 cores per GPU. 16 cores are taken from "tight" (2 GPUs, 29 cores).
+    e = build("binpack", node("tight", gpus=2, cpu=29_000), node("roomy", gpus=4, cpu=50_000))
+    e.assume(pod(cpu_milli=16_000), node="tight")
+    demand = demand_of(pod(whole(1), cpu_milli=6_000), policy="fgd-plus")
+    fit = resource_fit(e.state, demand, e.state.live(), GpuRules()).feasible()
+
+    def deltas(prior: Counter, joint: str) -> np.ndarray:
+        scorer = Fgd(PriorTypicalPods(prior), joint=joint)  # type: ignore[arg-type]
+        scorer.prepare(e.state)
+        return scorer.deltas(e.state, demand, fit)[0]
+
+    # Typical GPU pods of 6 cores ask for 0.46 of the cluster's CPU per GPU, of 13 cores for 0.99.
+    for cores, every_pod in ((6_000, False), (13_000, True)):
+        prior = Counter({TypicalPod(cpu_milli=cores, memory=None, count=1, exclusive=True): 1})
+        auto = deltas(prior, "auto")
+        assert np.array_equal(auto, deltas(prior, "all" if every_pod else "cpu-only"))
+        if every_pod:  # the GPU pod's joint score differs here, so the check above tells them apart
+            assert not np.array_equal(auto, deltas(prior, "cpu-only"))
+
+
 @pytest.mark.parametrize("policy", sorted(POLICIES))
 def test_same_seed_same_placement_and_seed_changes_ties(policy):
     def run(seed: int) -> list[str]:
@@ -184,6 +233,24 @@ def test_scores_are_integers_in_range():
         e.place(pod(fraction(0.3)))
     kinds = list(e._kinds.values())
     assert kinds and all(np.issubdtype(k.key.dtype, np.integer) for k in kinds)
+
+
+def test_online_distribution_with_a_half_life_follows_a_changed_workload():
+    from gpufrac.placement.demand import demand_of
+    from gpufrac.placement.typical import OnlineTypicalPods
+
+    old, new = demand_of(pod(fraction(0.5)), policy="fgd"), demand_of(pod(whole(1)), policy="fgd")
+    remembering = OnlineTypicalPods(max_interval=64)
+    forgetting = OnlineTypicalPods(max_interval=64, half_life=100)
+    for source in (remembering, forgetting):
+        for demand in [old] * 3000 + [new] * 1000:
+            source.observe(demand)
+    # Never forgetting, the old half-GPU pods still dominate; with a half-life of 100 requests the
+    # 3,000 old ones weigh less than 0.1 % of the last 1,000, so only the new shape is typical.
+    assert [p.exclusive for p in remembering.current().pods] == [False, True]
+    assert [p.exclusive for p in forgetting.current().pods] == [True]
+    with pytest.raises(ValueError, match="half_life must be a positive number of requests or None, got 0"):
+        OnlineTypicalPods(half_life=0)
 
 
 def test_online_distribution_counts_a_retried_pod_once():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
 from typer.testing import CliRunner
 
 from gpufrac.cli import app
@@ -85,3 +86,37 @@ def test_simulate_command_errors(tmp_path):
     assert result.exit_code == 2 and "not found" in result.output
     result = CliRunner().invoke(app, ["simulate", "--policy", "bogus"])
     assert result.exit_code == 2 and "unknown policy" in result.output
+
+
+def test_offline_bound_is_reported_as_a_bound_above_the_online_policies(tmp_path):
+    nodes, pods = synthetic_trace(seed=11, nodes=10, pods=100)
+    results = run_experiment(trace="syn", nodes=nodes, pods=pods, policies=["fgd"], seeds=[1, 2], bound=True)
+    online, bound = results[:2], results[2:]
+    assert [r.bound for r in results] == [False, False, True, True]
+    assert all(np.isnan(b.alloc_100) for b in bound)  # no bound is claimed at 100 %
+    # Known in advance and placed largest first, the same sampled workload fits better than online.
+    assert all(b.alloc_130 > o.alloc_130 for b, o in zip(bound, online, strict=True))
+    assert replay(trace="syn", nodes=nodes, pods=pods, policy="fgd", seed=1).alloc_130 == online[0].alloc_130
+
+    save_nodes(tmp_path / "nodes.csv", nodes)
+    save_pods(tmp_path / "pods.csv", pods)
+    args = ["simulate", "--trace", str(tmp_path / "pods.csv"), "--nodes", str(tmp_path / "nodes.csv")]
+    args += ["--seeds", "1", "--policy", "fgd", "--workers", "1", "--no-plot", "--offline-bound"]
+    table = CliRunner().invoke(app, args)
+    assert table.exit_code == 0, table.output
+    assert "bound: offline" in table.stdout and "not a policy" in table.stdout
+    out = json.loads(CliRunner().invoke(app, [*args, "--json"]).stdout.strip().splitlines()[-1])
+    rows = {row["policy"]: row for row in out["policies"]}
+    assert rows["offline-bound"]["bound"] is True and rows["fgd"]["bound"] is False
+    assert rows["offline-bound"]["alloc_100"] is None and rows["offline-bound"]["paper_130"] is None
+
+
+def test_a_window_hands_received_pods_as_one_batch():
+    nodes, pods = synthetic_trace(seed=11, nodes=10, pods=100)
+    one = replay(trace="syn", nodes=nodes, pods=pods, policy="fgd", seed=3)
+    # fgd keeps arrival order inside a batch, so a window changes nothing but how pods are handed over.
+    batched = replay(trace="syn", nodes=nodes, pods=pods, policy="fgd", seed=3, window=8)
+    assert batched.placed == one.placed and batched.window == 8
+    assert np.array_equal(batched.curve, one.curve, equal_nan=True)
+    with pytest.raises(ValueError, match="window must be at least 1 pod, got 0"):
+        replay(trace="syn", nodes=nodes, pods=pods, policy="fgd", seed=3, window=0)

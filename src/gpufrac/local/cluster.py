@@ -93,7 +93,8 @@ class ClusterShape:
     nodes: int = 2
     node: NodeShape = field(default_factory=lambda: NodeShape(gpus=4, model="H100-80GB"))
     prefix: str = "gpu-node-"
-    policy: str = "binpack"
+    policy: str | None = "binpack"
+    #: None: the scheduler service's default policy (what ``gpufrac up`` runs unless told otherwise).
     #: ``simulated`` (NRI's runtime side + the simulated kubelet, any number of nodes) or ``containerd``
     #: (one real node: containerd, runc and a kubelet).
     runtime: str = "simulated"
@@ -131,7 +132,8 @@ class Timings:
     """The simulated kubelet's informer re-delivers its whole store this often."""
     restart: Backoff = field(default_factory=Backoff)
 
-    def scheduler_config(self, *, policy: str) -> dict[str, Any]:
+    def scheduler_config(self, *, policy: str | None) -> dict[str, Any]:
+        """The scheduler's configuration; ``policy`` None leaves the scheduler service's default."""
         election: dict[str, Any] = {"lease_namespace": SYSTEM_NAMESPACE}
         for key, value in (
             ("lease_duration_s", self.lease_duration_s),
@@ -140,7 +142,9 @@ class Timings:
         ):
             if value is not None:
                 election[key] = value
-        config: dict[str, Any] = {"policy": policy, "http_host": LOOPBACK, "leader_election": election}
+        config: dict[str, Any] = {"http_host": LOOPBACK, "leader_election": election}
+        if policy is not None:
+            config["policy"] = policy
         if self.unschedulable_resync_s is not None:
             config["unschedulable_resync_s"] = self.unschedulable_resync_s
         return config

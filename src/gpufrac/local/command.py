@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from gpufrac.local.cluster import ClusterShape, LocalCluster
 
 
-def _shape(nodes: int, gpus: int, model: str, policy: str, runtime: str = "simulated") -> ClusterShape:
+def _shape(nodes: int, gpus: int, model: str, policy: str | None, runtime: str = "simulated") -> ClusterShape:
     from gpufrac.local.cluster import RUNTIMES, ClusterShape
 
     if model not in GPU_MODELS:
@@ -43,7 +43,9 @@ def up(
     ),
     gpus: int = typer.Option(4, "--gpus", min=1, help="GPUs per node."),
     gpu_model: str = typer.Option("H100-80GB", "--gpu-model", help="GPU model of every node."),
-    policy: str = typer.Option("binpack", "--policy", help="Scheduler placement policy."),
+    policy: str | None = typer.Option(
+        None, "--policy", help="Scheduler placement policy (default: the scheduler service's default)."
+    ),
     work_dir: Path | None = typer.Option(
         None, "--work-dir", help="Keep the cluster's state and logs here (default: a temporary directory)."
     ),

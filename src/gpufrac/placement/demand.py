@@ -22,6 +22,8 @@ from gpufrac.contract.request import ComputeMode, ContainerGpuRequest, GpuMemory
 from .model import ModePolicy, PendingPod
 
 PPM = 1_000_000
+SIZE_GPU_MIB = 32768
+"""The GPU a MiB request is measured against when pods of a batch are compared by size."""
 
 
 def resolve_mib(memory: GpuMemory, cap: np.ndarray) -> np.ndarray:
@@ -95,6 +97,21 @@ class Demand:
     @property
     def modes(self) -> frozenset[ComputeMode]:
         return frozenset(c.mode for c in self.containers if not c.exclusive)
+
+    @property
+    def size(self) -> tuple[int, int, int]:
+        """(thousandths of a GPU, CPU milli, memory bytes) the pod asks for, largest GPU demand first:
+        the order a look-ahead places a batch in. A MiB request counts against a ``SIZE_GPU_MIB`` GPU."""
+        milli = 0
+        for c in self.containers:
+            if c.exclusive or c.request is None:
+                milli += 1000 * c.count
+            elif c.request.portion is not None:
+                milli += round(1000 * c.request.portion) * c.count
+            else:
+                assert c.request.mib is not None
+                milli += min(1000, -(-c.request.mib * 1000 // SIZE_GPU_MIB)) * c.count
+        return (milli, self.cpu_milli, self.memory_bytes)
 
     @property
     def single(self) -> ContainerDemand | None:

@@ -307,9 +307,16 @@ class Engine:
     # -- scheduling -----------------------------------------------------------------------------------
 
     def schedule(
-        self, pods: Sequence[PendingPod], *, gang: bool = False, min_member: int | None = None
+        self,
+        pods: Sequence[PendingPod],
+        *,
+        gang: bool = False,
+        min_member: int | None = None,
+        largest_first: bool | None = None,
     ) -> list[Decision]:
-        """Place ``pods`` in queue order. One Decision per pod, in input order.
+        """Place ``pods`` in queue order. One Decision per pod, in input order. ``largest_first``
+        (default: the policy's look-ahead) places the pods of a queue and priority largest first
+        (``fair_share``).
 
         With ``gang`` the batch is one statement: if fewer than ``min_member`` pods (default: all of
         them) are placed, every placement of the batch is discarded and each pod is Unschedulable with
@@ -322,12 +329,19 @@ class Engine:
         if gang and not 0 <= need <= len(pods):
             raise ValueError(f"min_member={min_member} must be between 0 and the gang's {len(pods)} pods")
         cluster_mib = int(self.state.cap_total.sum())
+        if largest_first is None:
+            largest_first = self.policy(self.default_policy).largest_first
+
+        def size(i: int) -> tuple[int, ...]:
+            pod = pods[i]
+            return self._demand(pod, pod.policy or self.default_policy, flip=False).size
+
         with self.statement() as st:
 
             def place(i: int) -> None:
                 decisions[i] = st.place(pods[i])
 
-            scheduling_order(pods, self.queues, cluster_mib, place)
+            scheduling_order(pods, self.queues, cluster_mib, place, size=size if largest_first else None)
             failed = [d for d in decisions if isinstance(d, Unschedulable)]
             placed = len(pods) - len(failed)
             if gang and placed < need:

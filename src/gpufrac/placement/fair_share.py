@@ -8,6 +8,11 @@ then the next level's); then earlier arrival. The standing of a queue changes as
 order is decided one pod at a time: each queue keeps its pods sorted, and the next pod is the best queue
 head.
 
+A policy with look-ahead (``Policy.largest_first``) passes ``size``: within a queue and a priority, the
+pods of the batch go largest first (then by arrival). The batch holds only pods the scheduler has
+already received, so this reorders a burst, never waits for future pods; it is first-fit-decreasing on
+the window the scheduler sees anyway.
+
 Queues form a tree (``Queue.parent``). A queue's allocation is what its own pods hold plus what every
 queue below it holds, so a limit on a parent caps the sum of its children; a pod is refused when it
 would take its own queue or any ancestor past a limit, in either resource.
@@ -138,14 +143,23 @@ def scheduling_order(
     book: QueueBook,
     cluster_mib: int,
     place: Callable[[int], None],
+    *,
+    size: Callable[[int], tuple[int, ...]] | None = None,
 ) -> None:
-    """Call ``place(i)`` for every pod index in queue order, re-reading queue standing after each."""
+    """Call ``place(i)`` for every pod index in queue order, re-reading queue standing after each.
+
+    ``size(i)``, when given, orders pods of one queue and priority largest first (see module docstring).
+    """
     heads: dict[str, list[int]] = {}
     for i, pod in enumerate(pods):
         heads.setdefault(pod.queue, []).append(i)
+    sizes = {i: tuple(-v for v in size(i)) for i in range(len(pods))} if size else None
     for members in heads.values():
         # Reverse so the next pod is members[-1] (pop from the end is O(1)).
-        members.sort(key=lambda i: (-pods[i].priority, pods[i].arrival, i), reverse=True)
+        if sizes is None:
+            members.sort(key=lambda i: (-pods[i].priority, pods[i].arrival, i), reverse=True)
+        else:
+            members.sort(key=lambda i: (-pods[i].priority, sizes[i], pods[i].arrival, i), reverse=True)
     while heads:
         best_queue = min(
             heads,

@@ -23,6 +23,7 @@ placement that changes nothing scores exactly sigmoid(0).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 
@@ -72,16 +73,44 @@ def _usable(fm: np.ndarray, mode: np.ndarray, shapes: Shapes) -> np.ndarray:
     return fits & mode_ok
 
 
-def fragments(fm: np.ndarray, mode: np.ndarray, cpu: np.ndarray, shapes: Shapes) -> np.ndarray:
+def fragments(
+    fm: np.ndarray, mode: np.ndarray, cpu: np.ndarray, shapes: Shapes, *, joint: bool = False
+) -> np.ndarray:
     """(D, K) fragment of each node for each typical pod, in thousandths of a GPU."""
-    return _fragments(fm, cpu, shapes, _usable(fm, mode, shapes))
+    return _fragments(fm, cpu, shapes, _usable(fm, mode, shapes), joint=joint)
 
 
-def _fragments(fm: np.ndarray, cpu: np.ndarray, shapes: Shapes, usable: np.ndarray) -> np.ndarray:
+def _fragments(
+    fm: np.ndarray, cpu: np.ndarray, shapes: Shapes, usable: np.ndarray, *, joint: bool = False
+) -> np.ndarray:
     total = fm.sum(axis=1)
     room = (fm[:, :, None] * usable).sum(axis=1)
     runs = shapes.access & (usable.sum(axis=1) >= shapes.count) & (cpu[:, None] >= shapes.cpu)
+    if joint:
+        room = _host_limited(room, _gpu_copies(fm, usable, shapes).sum(axis=1), _host_copies(cpu, shapes))
     return np.where(runs, total[:, None] - room, total[:, None])
+
+
+_UNLIMITED = np.int64(1 << 40)
+
+
+def _gpu_copies(fm: np.ndarray, usable: np.ndarray, shapes: Shapes) -> np.ndarray:
+    """(D, G, K) devices of typical pod k each GPU could still hold (0 where it cannot take one)."""
+    return usable * (fm[:, :, None] // np.maximum(shapes.need, 1)[:, None, :])
+
+
+def _host_copies(cpu: np.ndarray, shapes: Shapes) -> np.ndarray:
+    """(D, K) devices of typical pod k the node's free CPU leaves room for (k's CPU per device)."""
+    per_device = -(-shapes.cpu // np.maximum(shapes.count, 1))
+    return np.where(per_device > 0, cpu[:, None] // np.maximum(per_device, 1), _UNLIMITED)
+
+
+def _host_limited(room: np.ndarray, copies: np.ndarray, host: np.ndarray) -> np.ndarray:
+    """The part of ``room`` typical pod k can really use when CPU caps its copies at ``host``.
+
+    Integer arithmetic on purpose: a placement that changes nothing must score exactly sigmoid(0).
+    """
+    return np.where(copies > host, room * np.minimum(host, copies) // np.maximum(copies, 1), room)
 
 
 def node_fragmentation(
@@ -101,23 +130,67 @@ def _sigmoid_score(delta: np.ndarray, scale: float = 100.0) -> np.ndarray:
     return np.trunc(scale / (1.0 + np.exp(-delta / 1000.0))).astype(np.int64)
 
 
+JointFor = Literal["none", "cpu-only", "all", "auto"]
+CPU_BOUND_AT = 0.95
+"""``joint="auto"`` scores every pod jointly once the workload's CPU per GPU reaches this share of the
+cluster's (docs/placement.md, "Which policy by default": the published traces lie at 0.70-0.90, the
+CPU-heavier variants, where joint scoring of every pod wins, at 1.03 and 1.13)."""
+
+
 class Fgd:
     """Fragmentation gradient descent as a node scorer (and GPU chooser for single-device sharing pods).
 
     ``source`` supplies the typical-pod distribution (a prior or learned online); ``epoch`` tells the
     engine when it changed, so cached scores are dropped.
+
+    ``joint`` chooses the pods whose score uses the joint GPU x CPU measure instead of the paper's
+    GPU-only one: a typical pod's usable GPU room is cut to the devices the node's free CPU can still
+    host, so CPU taken from a node with free GPUs is charged as the GPU it strands, gradually instead
+    of only once the CPU falls below one typical pod's need. ``"cpu-only"``: only CPU-only pods (the
+    ones that strand GPUs by taking a GPU node's CPU; GPU pods keep FGD's own score, whose ties the
+    alignment tie-break relies on). ``"all"``: every pod. ``"auto"``: every pod while CPU is about as
+    scarce as GPU - the typical pods ask for at least ``CPU_BOUND_AT`` of the cluster's CPU per GPU -
+    else CPU-only pods. That input is cluster-wide, so ``prepare`` reads it and ``epoch`` moves when
+    the choice flips. docs/benchmarks.md has the ablation.
     """
 
-    def __init__(self, source: TypicalSource, *, scale: float = 100.0) -> None:
+    def __init__(self, source: TypicalSource, *, scale: float = 100.0, joint: JointFor = "none") -> None:
+        if joint not in ("none", "cpu-only", "all", "auto"):
+            raise ValueError(f"joint must be 'none', 'cpu-only', 'all' or 'auto', got {joint!r}")
         self.source = source
         self.scale = scale
+        self.joint = joint
+        self._every_pod = joint == "all"
+        self._spec_epoch = -1
+        self._typical_epoch = -1
+        self._cluster_cpu_per_gpu = 0.0
 
     @property
     def epoch(self) -> int:
-        return self.source.current().epoch
+        return 2 * self.source.current().epoch + self._every_pod
 
     def observe(self, demand: Demand) -> None:
         self.source.observe(demand)
+
+    def prepare(self, state: ClusterState) -> None:
+        """For ``joint="auto"``: is CPU about as scarce as GPU (class docstring)?"""
+        if self.joint != "auto":
+            return
+        typical = self.source.current()
+        if state.spec_epoch == self._spec_epoch and typical.epoch == self._typical_epoch:
+            return
+        if state.spec_epoch != self._spec_epoch:
+            self._spec_epoch = state.spec_epoch
+            live = state.present[: state.rows]
+            gpus = int(state.gpu_count[: state.rows][live].sum())
+            cpu = float(state.cpu_cap[: state.rows][live].sum())
+            self._cluster_cpu_per_gpu = cpu / gpus if gpus else 0.0
+        self._typical_epoch = typical.epoch
+        gpu = float(sum(w * p.gpu_units for p, w in zip(typical.pods, typical.weights, strict=True)))
+        cpu = float(sum(w * p.cpu_milli for p, w in zip(typical.pods, typical.weights, strict=True)))
+        wanted = cpu / gpu if gpu > 0 else 0.0
+        limit = CPU_BOUND_AT * self._cluster_cpu_per_gpu
+        self._every_pod = limit > 0 and wanted >= limit
 
     def deltas(self, state: ClusterState, demand: Demand, fit: Fit) -> tuple[np.ndarray, np.ndarray | None]:
         """Fragmentation decrease per node (or per node and GPU slot for a single shared device)."""
@@ -130,10 +203,11 @@ class Fgd:
             return np.zeros(nodes.size), None
         shapes = shapes_for(state, typical, nodes)
         usable = _usable(fm, mode, shapes)
-        before = _fragments(fm, cpu, shapes, usable)
+        joint = self._every_pod or (self.joint in ("cpu-only", "auto") and not demand.wants_gpu)
+        before = _fragments(fm, cpu, shapes, usable, joint=joint)
         single = demand.single
         if single is not None and single.count == 1 and not single.exclusive:
-            return self._single_gpu_deltas(state, demand, fit, fm, usable, cpu, shapes, before)
+            return self._single_gpu_deltas(state, demand, fit, fm, usable, cpu, shapes, before, joint=joint)
         fm_after, mode_after = fm.copy(), mode.copy()
         for i, c in enumerate(demand.containers):
             chosen = _first_fitting(fm_after, fit.masks[i], c.count, exclusive=c.exclusive)
@@ -145,7 +219,7 @@ class Fgd:
                 took = milli_of(c.request_mib(cap), cap)
                 fm_after = np.where(chosen, np.maximum(fm_after - took, 0), fm_after)
                 mode_after = np.where(chosen, MODE_CODE[c.mode], mode_after).astype(np.int8)
-        after = fragments(fm_after, mode_after, cpu - demand.cpu_milli, shapes)
+        after = fragments(fm_after, mode_after, cpu - demand.cpu_milli, shapes, joint=joint)
         return (before - after) @ shapes.weights, None
 
     def _single_gpu_deltas(
@@ -158,6 +232,8 @@ class Fgd:
         cpu: np.ndarray,
         shapes: Shapes,
         before: np.ndarray,
+        *,
+        joint: bool,
     ) -> tuple[np.ndarray, np.ndarray]:
         nodes = fit.nodes
         c = demand.containers[0]
@@ -172,11 +248,17 @@ class Fgd:
         total_after = total[:, None] - (fm - fa)  # (D, G)
         room_after = room[:, None, :] - fm[:, :, None] * usable + fa[:, :, None] * usable_after
         count_after = count[:, None, :] - usable + usable_after
+        cpu_after = cpu - demand.cpu_milli
         runs = (
             shapes.access[:, None, :]
             & (count_after >= shapes.count)
-            & ((cpu - demand.cpu_milli)[:, None, None] >= shapes.cpu)
+            & (cpu_after[:, None, None] >= shapes.cpu)
         )
+        if joint:
+            per = _gpu_copies(fm, usable, shapes)  # (D, G, K)
+            need = np.maximum(shapes.need, 1)[:, None, :]
+            copies_after = per.sum(axis=1)[:, None, :] - per + usable_after * (fa[:, :, None] // need)
+            room_after = _host_limited(room_after, copies_after, _host_copies(cpu_after, shapes)[:, None, :])
         after = np.where(runs, total_after[:, :, None] - room_after, total_after[:, :, None])
         delta = (before[:, None, :] - after) @ shapes.weights  # (D, G)
         return delta, fit.masks[0]

@@ -11,6 +11,11 @@
   the fixed node order. FGD measures GPU fragments but treats CPU only as a yes/no threshold, so it lets
   CPU-heavy pods exhaust the CPU of GPU-dense nodes and strand their GPUs; alignment steers them to
   CPU-rich nodes. See docs/placement.md for the measurements.
+- ``fgd-plus``: ours, the default of the scheduler service and ``gpufrac up``. fgd-align, with two
+  additions measured in the ablation (docs/benchmarks.md): FGD's joint GPU x CPU measure
+  (``Fgd(joint="auto")``: CPU taken from a node with free GPUs is charged as the GPU it strands) for
+  CPU-only pods, and for every pod when the workload asks for about as much CPU per GPU as the cluster
+  has; and a batch of pods already received is placed largest first (look-ahead, ``largest_first``).
 
 A policy's score is the weighted sum of its scorers. ``lexicographic`` builds "first A, then B" by giving
 A a weight larger than B's range. The first scorer that proposes a GPU for a single-device pod decides
@@ -55,6 +60,8 @@ class Policy:
     name: str
     scorers: tuple[tuple[Scorer, int], ...]
     picker: GpuPicker
+    largest_first: bool = False
+    """Look-ahead: a batch of pods already received is placed largest first (``fair_share``)."""
     epoched: tuple[Epoched, ...] = field(init=False, repr=False, compare=False)
     preparing: tuple[Preparing, ...] = field(init=False, repr=False, compare=False)
     learning: tuple[Learning, ...] = field(init=False, repr=False, compare=False)
@@ -122,7 +129,15 @@ POLICIES: dict[str, PolicyFactory] = {
     "fgd-align": lambda prior: Policy(
         "fgd-align", lexicographic(Fgd(_typical(prior)), Alignment(levels=10), then_range=11), BestFitGpu()
     ),
+    "fgd-plus": lambda prior: Policy(
+        "fgd-plus",
+        lexicographic(Fgd(_typical(prior), joint="auto"), Alignment(levels=10), then_range=11),
+        BestFitGpu(),
+        largest_first=True,
+    ),
 }
+DEFAULT_POLICY = "fgd-plus"
+"""The policy of the scheduler service and ``gpufrac up`` unless configured (docs/placement.md: why)."""
 
 
 def make_policy(name: str, prior: Prior | None = None) -> Policy:

@@ -207,7 +207,14 @@ class PriorTypicalPods(TypicalSource):
 
 class OnlineTypicalPods(TypicalSource):
     """Learns the distribution from observed requests; republishes after 1, 2, 4, 8, ... observations,
-    then every ``max_interval`` observations, so cached scores are invalidated O(log n) times."""
+    then every ``max_interval`` observations, so cached scores are invalidated O(log n) times.
+
+    ``half_life`` (observations) forgets: a request seen ``half_life`` requests ago weighs half as much
+    as the latest one, so the distribution follows a workload that changes (a new team, a new model
+    size) instead of averaging over all history. Implemented by giving each new request a weight that
+    grows by ``2 ** (1 / half_life)`` (renormalised before it overflows), which is the same as decaying
+    every count at each request. ``None`` never forgets (the paper's frequencies).
+    """
 
     def __init__(
         self,
@@ -216,23 +223,44 @@ class OnlineTypicalPods(TypicalSource):
         first: int = 1,
         max_interval: int = 4096,
         coverage: float = COVERAGE,
+        half_life: float | None = None,
     ) -> None:
+        if half_life is not None and not half_life > 0:
+            raise ValueError(f"half_life must be a positive number of requests or None, got {half_life}")
         self._counts: Counter[TypicalPod] = Counter()
         self._seen = 0
         self._next = first
         self._max_interval = max_interval
         self._coverage = coverage
         self._by_gpu = by_gpu
+        self._growth = 1.0 if half_life is None else 2.0 ** (1.0 / half_life)
+        self._weight = 1.0
         self._typical = TypicalSet((), np.zeros(0), 0)
 
     def observe(self, demand: Demand) -> None:
-        self._counts[typical_of(demand)] += 1
+        self._counts[typical_of(demand)] += self._weight  # type: ignore[assignment]
         self._seen += 1
+        if self._growth != 1.0:
+            self._weight *= self._growth
+            if self._weight > _RESCALE_AT:
+                self._rescale()
         if self._seen >= self._next:
             self._typical = select_typical(
                 self._counts, epoch=self._typical.epoch + 1, coverage=self._coverage, by_gpu=self._by_gpu
             )
             self._next = self._seen + min(self._seen, self._max_interval)
 
+    def _rescale(self) -> None:
+        """Divide every weight by the current one; shapes whose weight became negligible are dropped."""
+        scale = self._weight
+        self._counts = Counter(
+            {pod: n / scale for pod, n in self._counts.items() if n / scale > _NEGLIGIBLE}  # type: ignore[misc]
+        )
+        self._weight = 1.0
+
     def current(self) -> TypicalSet:
         return self._typical
+
+
+_RESCALE_AT = 1e12
+_NEGLIGIBLE = 1e-9

@@ -15,6 +15,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from gpufrac.contract import keys
+from gpufrac.placement.policies import DEFAULT_POLICY
 
 
 class _Strict(BaseModel):
@@ -55,8 +56,10 @@ class SchedulerConfig(_Strict):
     node_selector: str = f"{keys.MANAGED_LABEL}=true"
     """Label selector of the nodes this scheduler places on (the managed nodes; narrow it to shard)."""
 
-    policy: str = "fgd"
-    """Placement policy of the engine (binpack, spread, kai, fgd, ...); a pod may override it."""
+    policy: str = DEFAULT_POLICY
+    """Placement policy of the engine (binpack, spread, kai, fgd, fgd-align, fgd-plus); a pod may
+    override it. The default is the one that was never behind the best of the others on any measured
+    workload (docs/placement.md, "Which policy by default")."""
 
     mode_policy: Literal["Required", "Preferred"] = "Required"
     """Required: a pod only goes to GPUs of its compute mode (or empty ones). Preferred: it may fall

@@ -7,6 +7,8 @@ Examples::
     gpufrac simulate --trace my_pods.csv --nodes my_nodes.csv --policy binpack,fgd-align
     gpufrac simulate --trace default --policy all --scenario mixed     # both compute modes
     gpufrac simulate --trace default --policy fgd --seeds 42 --churn   # departures, queues, reclaim
+    gpufrac simulate --trace cpu2x --policy fgd,fgd-align --offline-bound   # a CPU-heavier variant
+    gpufrac simulate --trace default --policy fgd-align --window 16    # bursts of 16 received pods
 
 Prints a table (or JSON with ``--json``) and writes a PNG of the allocation and fragmentation curves of
 every policy run (``--plot``, default out/simulate-<trace>.png).
@@ -32,11 +34,16 @@ from .replay import RunResult
 from .report import as_json, plot, plot_churn, table
 from .scenarios import SCENARIOS
 from .trace import TraceNode, TracePod, load_nodes, load_pods, resolve
+from .variants import BASE, VARIANTS, variant
 
 
 def simulate(
     trace: Annotated[
-        str, typer.Option(help="Trace name (default, gpushare60, ...) or a pod CSV path.")
+        str,
+        typer.Option(
+            help="Trace name (default, gpushare60, ...), a CPU-heavier variant of default "
+            f"({', '.join(VARIANTS)}), or a pod CSV path."
+        ),
     ] = "default",
     policy: Annotated[str, typer.Option(help="Policy, comma list, or 'all'.")] = "fgd",
     seeds: Annotated[str, typer.Option(help="Seeds: 42-51, 42,43 or 42.")] = "42-51",
@@ -52,6 +59,23 @@ def simulate(
     online: Annotated[
         bool, typer.Option(help="FGD learns typical pods online instead of from the trace (as in service).")
     ] = False,
+    offline_bound: Annotated[
+        bool,
+        typer.Option(
+            "--offline-bound",
+            help="Add the offline reference per seed: the same workload known in advance, placed largest "
+            "first with FGD. A reference to read the policies against, not a policy and not a ceiling "
+            "(@130% only; docs/placement.md).",
+        ),
+    ] = False,
+    window: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            help="Pods handed to the scheduler at once: a burst of pods already received (never future "
+            "ones). 1 is the published protocol.",
+        ),
+    ] = 1,
     workers: Annotated[int, typer.Option(help="Worker processes (replays are independent).")] = min(
         2, os.cpu_count() or 1
     ),
@@ -85,7 +109,7 @@ def simulate(
         err.print(f"gpufrac simulate: unknown scenario {scenario!r}; known: {', '.join(SCENARIOS)}")
         raise typer.Exit(code=2)
     try:
-        pods_path, nodes_path = resolve(trace, nodes, data_dir)
+        pods_path, nodes_path = resolve(BASE if trace in VARIANTS else trace, nodes, data_dir)
     except TraceUnavailable as error:
         err.print(f"gpufrac simulate: {error}", soft_wrap=True, markup=False)
         raise typer.Exit(code=2) from error
@@ -95,6 +119,8 @@ def simulate(
             raise typer.Exit(code=2)
     name = Path(trace).stem if pods_path == Path(trace) else trace
     node_list, pod_list = load_nodes(nodes_path), load_pods(pods_path)
+    if trace in VARIANTS:
+        pod_list = variant(trace, pod_list)
     if churn:
         _churn(
             name,
@@ -109,7 +135,7 @@ def simulate(
             plot_path=None if no_plot else plot_path or Path("out") / f"churn-{name}.png",
         )
         return
-    total = len(policies) * len(seed_list)
+    total = (len(policies) + offline_bound) * len(seed_list)
     with Progress(
         TextColumn("[bold]{task.description}"),
         BarColumn(),
@@ -132,6 +158,8 @@ def simulate(
             workers=max(1, workers),
             scenario=scenario,
             online=online,
+            window=window,
+            bound=offline_bound,
             progress=advance,
         )
     written = None

@@ -14,11 +14,11 @@ from dataclasses import dataclass
 
 from gpufrac.placement.policies import POLICIES
 
-from .replay import RunResult, replay
+from .replay import BOUND, RunResult, offline_bound, replay
 from .scenarios import prepare
 from .trace import TraceNode, TracePod
 
-DEFAULT_POLICIES = ("binpack", "spread", "kai", "fgd", "fgd-align")
+DEFAULT_POLICIES = ("binpack", "spread", "kai", "fgd", "fgd-align", "fgd-plus")
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +57,7 @@ class _Inputs:
     nodes: list[TraceNode]
     pods: list[TracePod]
     online: bool
+    window: int = 1
 
 
 _WORKER: _Inputs | None = None
@@ -70,8 +71,16 @@ def _init(inputs: _Inputs) -> None:
 def _run(job: Job) -> RunResult:
     assert _WORKER is not None
     w = _WORKER
+    if job.policy == BOUND:
+        return offline_bound(trace=w.trace, nodes=w.nodes, pods=w.pods, seed=job.seed)
     return replay(
-        trace=w.trace, nodes=w.nodes, pods=w.pods, policy=job.policy, seed=job.seed, online=w.online
+        trace=w.trace,
+        nodes=w.nodes,
+        pods=w.pods,
+        policy=job.policy,
+        seed=job.seed,
+        online=w.online,
+        window=w.window,
     )
 
 
@@ -85,11 +94,14 @@ def run_experiment(
     workers: int = 1,
     scenario: str = "plain",
     online: bool = False,
+    window: int = 1,
+    bound: bool = False,
     progress: Callable[[RunResult], None] | None = None,
 ) -> list[RunResult]:
-    """Every (policy, seed) replay of ``pods`` (under ``scenario``) on ``nodes``, in a fixed order."""
-    jobs = [Job(trace, p, s) for p in policies for s in seeds]
-    inputs = _Inputs(trace, nodes, prepare(pods, scenario), online)
+    """Every (policy, seed) replay of ``pods`` (under ``scenario``) on ``nodes``, in a fixed order;
+    with ``bound``, the offline reference of every seed after them (``replay.offline_bound``)."""
+    jobs = [Job(trace, p, s) for p in [*policies, *([BOUND] if bound else [])] for s in seeds]
+    inputs = _Inputs(trace, nodes, prepare(pods, scenario), online, window)
     results: dict[Job, RunResult] = {}
     if workers <= 1:
         _init(inputs)

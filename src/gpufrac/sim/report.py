@@ -1,5 +1,9 @@
 """Reports of an experiment: per-policy means as a table, machine-readable JSON, and a PNG of the curves.
 
+The offline reference (``replay.offline_bound``) is shown as a bound, never as a policy: its row is
+labelled ``BOUND_LABEL`` with a caption saying what it is, its JSON entries carry ``"bound": true``,
+and the plot marks it as one point at 130 %.
+
 matplotlib is imported only when a plot is written (Agg backend, no display), so the table and JSON
 paths stay fast to start.
 """
@@ -17,17 +21,25 @@ from .churn import ChurnResult
 from .experiment import by_policy, mean
 from .metrics import CURVE_POINTS
 from .paper import published
-from .replay import RunResult
+from .replay import BOUND_POLICY, RunResult
+
+BOUND_LABEL = "bound: offline"
+BOUND_NOTE = (
+    f"bound: offline = not a policy: the same workload known in advance, placed largest first with "
+    f"{BOUND_POLICY} (@130% only)"
+)
 
 
 def summary_rows(trace: str, results: Sequence[RunResult], scenario: str = "plain") -> list[dict[str, Any]]:
     """Per-policy means; the paper's figure only where it measured the same workload."""
     rows = []
     for policy, runs in by_policy(results).items():
-        paper = published(trace, policy) if scenario == "plain" else None
+        bound = runs[0].bound
+        paper = published(trace, policy) if scenario == "plain" and not bound else None
         rows.append(
             {
                 "policy": policy,
+                "bound": bound,
                 "seeds": len(runs),
                 "alloc_100": round(mean([r.alloc_100 for r in runs]), 3),
                 "alloc_130": round(mean([r.alloc_130 for r in runs]), 3),
@@ -45,26 +57,35 @@ def summary_rows(trace: str, results: Sequence[RunResult], scenario: str = "plai
 
 def table(trace: str, results: Sequence[RunResult], scenario: str = "plain") -> Table:
     suffix = "" if scenario == "plain" else f", scenario {scenario}"
-    t = Table(title=f"GPU allocation on trace {trace}{suffix} (mean over seeds)")
+    bounded = any(r.bound for r in results)
+    t = Table(
+        title=f"GPU allocation on trace {trace}{suffix} (mean over seeds)",
+        caption=BOUND_NOTE if bounded else None,
+    )
     headers = ("policy", "seeds", "@100%", "@130%", "paper @130%", "unalloc. GPUs", "frag % @90%", "placed/s")
     for header in headers:
         if header == "policy":
-            t.add_column(header, no_wrap=True, min_width=max(len(r.policy) for r in results))
+            widest = max(len(BOUND_LABEL if r.bound else r.policy) for r in results)
+            t.add_column(header, no_wrap=True, min_width=widest)
         else:
             t.add_column(header, justify="right")
     for row in summary_rows(trace, results, scenario):
         paper = row["paper_130"]
         t.add_row(
-            row["policy"],
+            BOUND_LABEL if row["bound"] else row["policy"],
             str(row["seeds"]),
-            f"{row['alloc_100']:.2f}",
+            _cell(row["alloc_100"]),
             f"{row['alloc_130']:.2f}",
             "" if paper is None else f"{paper:.2f}",
             f"{row['unallocated_gpus_130']:.0f}",
-            f"{row['frag_rate_90']:.1f}",
+            _cell(row["frag_rate_90"], 1),
             f"{row['placements_per_s']:.0f}",
         )
     return t
+
+
+def _cell(value: float, digits: int = 2) -> str:
+    return "" if math.isnan(value) else f"{value:.{digits}f}"
 
 
 def as_json(trace: str, scenario: str, results: Sequence[RunResult]) -> dict[str, Any]:
@@ -74,6 +95,8 @@ def as_json(trace: str, scenario: str, results: Sequence[RunResult]) -> dict[str
         "runs": [
             {
                 "policy": r.policy,
+                "bound": r.bound,
+                "window": r.window,
                 "seed": r.seed,
                 "alloc_100": _finite(r.alloc_100),
                 "alloc_130": _finite(r.alloc_130),
@@ -87,7 +110,10 @@ def as_json(trace: str, scenario: str, results: Sequence[RunResult]) -> dict[str
             }
             for r in results
         ],
-        "policies": summary_rows(trace, results, scenario),
+        "policies": [
+            {k: _finite(v) if isinstance(v, float) else v for k, v in row.items()}
+            for row in summary_rows(trace, results, scenario)
+        ],
     }
 
 
@@ -105,6 +131,11 @@ def plot(trace: str, results: Sequence[RunResult], path: Path) -> Path:
     fig, (alloc_ax, zoom_ax, frag_ax) = plt.subplots(1, 3, figsize=(17, 4.5))
     zoom = CURVE_POINTS >= 80
     for policy, runs in by_policy(results).items():
+        if runs[0].bound:
+            value = mean([r.alloc_130 for r in runs])
+            for ax in (alloc_ax, zoom_ax):
+                ax.plot([130], [value], marker="*", linestyle="none", color="black", label=BOUND_LABEL)
+            continue
         alloc = [mean([r.curve[i] for r in runs if i < len(r.curve)]) for i in range(CURVE_POINTS.size)]
         alloc_ax.plot(CURVE_POINTS, alloc, label=policy)
         zoom_ax.plot(CURVE_POINTS[zoom], [a for a, z in zip(alloc, zoom, strict=True) if z], label=policy)

@@ -1,0 +1,149 @@
+"""Which ideas make a better default policy: each idea of issue 16 as a variant, same traces, same seeds.
+
+Variants (registered here, not in the product's policy table, except the named policies):
+
+- ``fgd`` (the paper), ``fgd-align`` (FGD, then (CPU, GPU) alignment in ten steps): the baselines;
+- ``fgd-joint``: FGD's fragmentation measured over the joint GPU x CPU shape of the typical pods (a
+  typical pod's usable GPU room is cut to the copies the node's free CPU can host), replacing the
+  GPU-only measure; ``fgd-joint-align``: the same, then alignment;
+- ``fgd+joint+align``: CPU stranded next to free GPU charged as a tie-break only: FGD's integer score,
+  then the joint measure's score, then alignment;
+- ``fgd-align+joint``: FGD, alignment, then the joint measure as the last tie-break;
+- ``fgd-align+bestfit``: FGD, alignment, then BestFit's fullest node; ``fgd50-align`` /
+  ``fgd200-align``: FGD's sigmoid scaled to 0..50 or 0..200 instead of 0..100 (fewer or more ties);
+- ``fgd-align-cpujoint``: the joint measure for CPU-only pods only (the pods that strand GPUs by eating a
+  node's CPU), GPU pods scored as in fgd-align;
+- look-ahead: any policy run with ``--window W`` gets the pods in bursts of W already received pods;
+  a ``+lf`` suffix places each burst largest first (``Policy.largest_first``);
+- online learning: ``--online`` gives no prior; ``fgd-align-decay<N>`` forgets with a half-life of N
+  requests (``OnlineTypicalPods(half_life=N)``).
+
+Usage: .venv/bin/python bench/policy_ablation.py --traces default,cpu2x --policies fgd,fgd-align
+       [--seeds 42-51] [--window 1] [--online] [--bound] [--workers 1]
+Traces are the published names or the CPU-heavier variants (``gpufrac.sim.variants``). Prints a line per
+(trace, variant), then a one-line JSON summary last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "src"))
+
+from gpufrac.placement.fragmentation import Fgd  # noqa: E402
+from gpufrac.placement.policies import POLICIES, Policy, Prior, _typical  # noqa: E402
+from gpufrac.placement.scoring import Alignment, BestFit, BestFitGpu, Scorer  # noqa: E402
+from gpufrac.placement.typical import OnlineTypicalPods, PriorTypicalPods, TypicalSource  # noqa: E402
+from gpufrac.sim.experiment import by_policy, mean, parse_seeds, run_experiment  # noqa: E402
+from gpufrac.sim.trace import load_nodes, load_pods, node_file, pod_file  # noqa: E402
+from gpufrac.sim.variants import BASE, VARIANTS, variant  # noqa: E402
+
+
+def chain(name: str, *keys: tuple[Scorer, int], largest_first: bool = False) -> Policy:
+    """Lexicographic scorers: each (scorer, number of values it takes), most significant first."""
+    weighted: list[tuple[Scorer, int]] = []
+    weight = 1
+    for scorer, values in reversed(keys):
+        weighted.append((scorer, weight))
+        weight *= values
+    return Policy(name, tuple(reversed(weighted)), BestFitGpu(), largest_first=largest_first)
+
+
+def decaying(prior: Prior | None, half_life: float) -> TypicalSource:
+    return PriorTypicalPods(prior) if prior is not None else OnlineTypicalPods(half_life=half_life)
+
+
+def _variants() -> dict[str, Callable[[Prior | None], Policy]]:
+    def fgd(prior: Prior | None, **kw: object) -> Fgd:
+        return Fgd(_typical(prior), **kw)  # type: ignore[arg-type]
+
+    out: dict[str, Callable[[Prior | None], Policy]] = {
+        "fgd-joint": lambda p: chain("fgd-joint", (fgd(p, joint="all"), 101)),
+        "fgd-joint-align": lambda p: chain("fgd-joint-align", (fgd(p, joint="all"), 101), (Alignment(), 11)),
+        "fgd+joint+align": lambda p: chain(
+            "fgd+joint+align", (fgd(p), 101), (fgd(p, joint="all"), 101), (Alignment(), 11)
+        ),
+        "fgd-align+joint": lambda p: chain(
+            "fgd-align+joint", (fgd(p), 101), (Alignment(), 11), (fgd(p, joint="all"), 101)
+        ),
+        "fgd-align+bestfit": lambda p: chain(
+            "fgd-align+bestfit", (fgd(p), 101), (Alignment(), 11), (BestFit(), 101)
+        ),
+        "fgd50-align": lambda p: chain("fgd50-align", (fgd(p, scale=50.0), 51), (Alignment(), 11)),
+        "fgd200-align": lambda p: chain("fgd200-align", (fgd(p, scale=200.0), 201), (Alignment(), 11)),
+    }
+
+    out["fgd-align-cpujoint"] = lambda p: chain(
+        "fgd-align-cpujoint", (fgd(p, joint="cpu-only"), 101), (Alignment(), 11)
+    )
+    for half_life in (1000, 4000):
+        out[f"fgd-align-decay{half_life}"] = lambda p, h=half_life: chain(
+            f"fgd-align-decay{h}", (Fgd(decaying(p, h)), 101), (Alignment(), 11)
+        )
+    for name in ("fgd", "fgd-align", "fgd-align-cpujoint"):
+        base = out.get(name) or POLICIES[name]
+        out[f"{name}+lf"] = lambda p, base=base, name=name: _largest_first(base(p), f"{name}+lf")
+    return out
+
+
+def _largest_first(policy: Policy, name: str) -> Policy:
+    return Policy(name, policy.scorers, policy.picker, largest_first=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--traces", default="default")
+    parser.add_argument("--policies", default="fgd,fgd-align")
+    parser.add_argument("--seeds", default="42-51")
+    parser.add_argument("--window", type=int, default=1)
+    parser.add_argument("--online", action="store_true")
+    parser.add_argument("--bound", action="store_true", help="add the offline reference")
+    parser.add_argument("--workers", type=int, default=1)
+    args = parser.parse_args()
+    POLICIES.update(_variants())  # registered before the worker processes fork
+    policies = args.policies.split(",")
+    unknown = [p for p in policies if p not in POLICIES]
+    if unknown:
+        parser.error(f"unknown policy {', '.join(unknown)}; known: {', '.join(POLICIES)}")
+    seeds = parse_seeds(args.seeds)
+    nodes = load_nodes(node_file())
+    started = time.perf_counter()
+    out: dict[str, dict[str, float]] = {}
+    for trace in args.traces.split(","):
+        pods = variant(trace, load_pods(pod_file(BASE))) if trace in VARIANTS else load_pods(pod_file(trace))
+        results = run_experiment(
+            trace=trace,
+            nodes=nodes,
+            pods=pods,
+            policies=policies,
+            seeds=seeds,
+            workers=args.workers,
+            online=args.online,
+            window=args.window,
+            bound=args.bound,
+        )
+        out[trace] = {}
+        for policy, runs in by_policy(results).items():
+            value = mean([r.alloc_130 for r in runs])
+            out[trace][policy] = round(value, 3)
+            per_seed = " ".join(f"{r.alloc_130:.2f}" for r in runs)
+            print(f"{trace:10s} {policy:22s} @130 {value:.3f}  seeds: {per_seed}", flush=True)
+    summary = {
+        "bench": "policy_ablation",
+        "seeds": args.seeds,
+        "window": args.window,
+        "online": args.online,
+        "alloc_130": out,
+        "seconds": round(time.perf_counter() - started, 1),
+    }
+    print(json.dumps(summary, sort_keys=True))
+
+
+if __name__ == "__main__":
+    main()
