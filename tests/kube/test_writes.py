@@ -139,6 +139,28 @@ async def test_pod_condition_is_merged_by_type(client: AsyncClient, namespace: s
     ]
 
 
+async def test_a_pod_condition_about_an_older_pod_never_lands_on_a_bound_one(
+    client: AsyncClient, namespace: str
+) -> None:
+    """The scheduler's "unschedulable" report races its own later bind; the bind must win."""
+    seen = await new_pod(client, namespace)
+    await bind_pod(client, name="p", namespace=namespace, node="n1", uid=seen.metadata.uid)
+    with pytest.raises(Conflict):
+        await set_pod_condition(
+            client,
+            name="p",
+            namespace=namespace,
+            type="PodScheduled",
+            status="False",
+            reason="Unschedulable",
+            message="0/1 nodes are available",
+            resource_version=seen.metadata.resourceVersion,
+        )
+    pod = await client.get(Pod, "p", namespace=namespace)
+    assert pod.spec.nodeName == "n1"
+    assert [(c.type, c.status) for c in pod.status.conditions] == [("PodScheduled", "True")]
+
+
 async def test_repeated_events_are_aggregated_into_one_with_a_count(
     client: AsyncClient, namespace: str
 ) -> None:

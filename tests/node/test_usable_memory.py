@@ -99,8 +99,7 @@ async def test_the_scheduler_packs_and_resolves_portions_against_usable_memory(
     # A portion is resolved on what is usable, not on the total.
     request, half = place(pod("half", {"gpu-fraction": "0.5"}), 1)
     assert isinstance(half, Placement)
-    gpu_mib = {g.uuid: g.memory_mib for g in spec.gpus}
-    rendered = binding_annotations(request, half, gpu_mib=gpu_mib, device_style="uuid")
+    rendered = binding_annotations(request, half, device_style="uuid")
     assert rendered[keys.memory_request_key("app")] == f"{usable // 2}Mi"
 
 

@@ -76,8 +76,12 @@ async def set_pod_condition(
     status: str,
     reason: str,
     message: str,
+    resource_version: str | None = None,
 ) -> Pod:
-    """Set one condition of a pod's status (merged by ``type``), stamping the transition time now."""
+    """Set one condition of a pod's status (merged by ``type``), stamping the transition time now.
+
+    ``resource_version``: only if the pod is still at that version (else ``Conflict``), so a report
+    about the pod as it was never overwrites what happened since (e.g. a bind that landed first)."""
     now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     condition = {
         "type": type,
@@ -91,7 +95,10 @@ async def set_pod_condition(
         return await client.patch(  # type: ignore[no-any-return]
             Pod.Status,
             name,
-            {"status": {"conditions": [condition]}},
+            {
+                **({"metadata": {"resourceVersion": resource_version}} if resource_version else {}),
+                "status": {"conditions": [condition]},
+            },
             namespace=namespace,
             patch_type=PatchType.STRATEGIC,
         )

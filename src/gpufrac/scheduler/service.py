@@ -65,6 +65,7 @@ from lightkube.resources.core_v1 import Node, Pod
 
 from gpufrac.contract.errors import InvalidPodRequest
 from gpufrac.contract.request import PodGpuRequest
+from gpufrac.kube.errors import Conflict
 from gpufrac.kube.events import NORMAL, WARNING, EventRecorder, ObjectRef
 from gpufrac.kube.heartbeat import AgentHeartbeats, latest_heartbeat, lease_renewed
 from gpufrac.kube.informer import Informer, object_key
@@ -660,6 +661,13 @@ class SchedulerService:
                 status="False",
                 reason=reason,
                 message=message,
+                # The pod as this report saw it: a bind (or any change) since wins, and the pod is
+                # judged again from its newer self if it is still pending.
+                resource_version=pod.metadata.resourceVersion,
+            )
+        except Conflict:
+            log.debug(
+                "pod %s/%s changed since; its report is dropped", pod.metadata.namespace, pod.metadata.name
             )
         except Exception as error:  # a report is best effort; the pod stays parked either way
             log.warning(
