@@ -59,6 +59,14 @@ build_controlplane() {
 
 bash "$here/packages.sh"  # runc and busybox-static from Debian for the real node (apt-get only when missing)
 build_controlplane
+# crictl: a `tool` of testenv/critools, stamped with its module version as cri-tools' Makefile does.
+build_critools() {
+    local version
+    version="$(cd "$here/critools" && go list -m -f '{{.Version}}' sigs.k8s.io/cri-tools)"
+    build_module critools crictl "-X sigs.k8s.io/cri-tools/pkg/version.Version=$version" sigs.k8s.io/cri-tools/cmd/crictl
+}
+
 bash "$here/containerd/build.sh" "$@"  # containerd 2.x with NRI, ctr and the runc shim, for the real node
+build_critools
 bash "$here/nriruntime/build.sh" "$@"  # NRI runtime driver: its own script (build tag nri_no_wasm)
 bash "$here/helm/build.sh" "$@"  # helm for the chart tests (tests/deploy/): a main package in a dependency

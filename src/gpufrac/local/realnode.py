@@ -21,9 +21,10 @@ What is real and what is not:
 
 Settings that a container-in-a-VM test node needs, NOT production settings (docs/development.md):
 kubelet ``cgroupDriver: cgroupfs``, ``cgroupsPerQOS: false``, ``enforceNodeAllocatable: []``,
-``failSwapOn: false``; containerd's CRI ``restrict_oom_score_adj = true`` (the processes here lack
-CAP_SYS_RESOURCE, and runc otherwise fails every sandbox with "can't get final child's PID from pipe:
-EOF"); the native snapshotter (no overlay mount needed). Everything lives under one work directory:
+``failSwapOn: false``, ``failCgroupV1: false`` (Kubernetes 1.35+ refuses a cgroup v1 host otherwise);
+containerd's CRI ``restrict_oom_score_adj = true`` (the processes here lack CAP_SYS_RESOURCE, and runc
+otherwise fails every sandbox with "can't get final child's PID from pipe: EOF"); the native snapshotter
+(no overlay mount needed). Everything lives under one work directory:
 sockets, containerd's root and state, the kubelet's root, pod logs.
 
 It needs root and a mounted cgroup hierarchy; ``missing_requirements`` says what is missing.
@@ -228,6 +229,9 @@ def kubelet_config(*, root: Path, endpoint: str, port: int, healthz_port: int) -
         "cgroupsPerQOS": False,
         "enforceNodeAllocatable": [],
         "failSwapOn": False,
+        # Kubernetes 1.35+ refuses cgroup v1 hosts unless told otherwise (KEP-5573); these test machines
+        # have a cgroup v1 hierarchy only. Not a production setting.
+        "failCgroupV1": False,
         "localStorageCapacityIsolation": False,
         "address": "127.0.0.1",
         "port": port,
