@@ -7,6 +7,9 @@ stays a table of contents.
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import typer
 
 app = typer.Typer(
@@ -56,12 +59,21 @@ def _register() -> None:
     from gpufrac.operator.command import operator
 
     app.command(name="operator")(operator)
-    from gpufrac.sim.command import simulate
+    from gpufrac.sim.command import set_cluster_source, simulate
 
     app.command(name="simulate")(simulate)
+    set_cluster_source(_cluster_snapshot)
     from gpufrac.admission.validate_command import validate
 
     app.command(name="validate")(validate)
+
+
+def _cluster_snapshot(kubeconfig: Path | None, context: str | None) -> tuple[list[Any], list[Any]]:
+    """``gpufrac simulate --from-cluster``'s reader: kubectl-gpufrac's snapshot (imported when used)."""
+    from gpufrac.kubectl.command import cluster_snapshot
+
+    trace = cluster_snapshot(kubeconfig=kubeconfig, context=context)
+    return trace.nodes, trace.pods
 
 
 _register()

@@ -352,3 +352,45 @@ async def test_whatif_replays_the_cluster_and_exports_it_for_offline_replay(
     [offline] = json.loads(replay_out)["runs"]
     [online] = [r for r in report["runs"] if r["policy"] == "binpack"]
     assert (offline["placed"], offline["failed"]) == (online["placed"], online["failed"])
+
+    # `gpufrac simulate --from-cluster` reads the same snapshot through the same kubeconfig and replays
+    # it to the same figures, and its --export writes the same CSVs.
+    again = tmp_path / "again"
+    done = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "gpufrac",
+        "simulate",
+        "--from-cluster",
+        "--kubeconfig",
+        str(controlplane.kubeconfig),
+        "--export",
+        str(again),
+        "--policy",
+        "binpack",
+        "--seeds",
+        "42",
+        "--workers",
+        "1",
+        "--json",
+        "--no-plot",
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    cluster_out, cluster_err = await asyncio.wait_for(done.communicate(), timeout=120)
+    assert done.returncode == 0, cluster_err.decode()
+    assert f"pod {pool.namespace}/big: asks for more than a whole GPU" in cluster_err.decode()
+    [from_cluster] = json.loads(cluster_out)["runs"]
+    assert (from_cluster["placed"], from_cluster["failed"]) == (online["placed"], online["failed"])
+    for name in ("cluster_nodes.csv", "cluster_pods.csv"):
+        assert (again / name).read_text() == (tmp_path / name).read_text()
+
+
+def test_simulate_refuses_cluster_flags_without_from_cluster(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from gpufrac.cli import app
+
+    result = CliRunner().invoke(app, ["simulate", "--export", str(tmp_path), "--no-plot"])
+    assert result.exit_code == 2
+    assert "--export go with --from-cluster" in result.output

@@ -37,7 +37,7 @@ from gpufrac.scheduler.queues import GpufracQueue
 from gpufrac.sim.experiment import by_policy, mean, parse_policies, parse_seeds, run_experiment
 from gpufrac.sim.replay import RunResult
 from gpufrac.sim.report import as_json, table
-from gpufrac.sim.trace import save_nodes, save_pods
+from gpufrac.sim.trace import export_snapshot
 
 OUTPUTS = ("table", "wide", "json", "yaml")
 
@@ -382,9 +382,25 @@ def top(
                 pass
 
 
-#: File names of an exported snapshot (replay: ``gpufrac simulate --trace DIR/cluster_pods.csv --nodes
-#: DIR/cluster_nodes.csv``).
-EXPORT_NODES, EXPORT_PODS = "cluster_nodes.csv", "cluster_pods.csv"
+def cluster_snapshot(
+    *, kubeconfig: Path | None = None, context: str | None = None, export: Path | None = None
+) -> ClusterTrace:
+    """The cluster's GPU nodes and GPU pods as a trace (kubectl's kubeconfig rules), with what was left
+    out said on stderr; ``export``: also write it as openb CSVs there. Exits 1 when there is nothing to
+    replay. ``kubectl gpufrac whatif`` and ``gpufrac simulate --from-cluster`` both start here."""
+    _set(kubeconfig, context, None)
+    client = _client()
+    trace = cluster_trace(
+        _api(lambda: list(client.list(Node))), _api(lambda: list(client.list(Pod, namespace="*")))
+    )
+    for note in trace.left_out:
+        typer.echo(f"warning: left out of the snapshot: {note}", err=True)
+    if not trace.nodes or not trace.pods:
+        _fail("nothing to replay: the cluster has no published GPU nodes or no GPU pods")
+    if export is not None:
+        written = export_snapshot(export, trace.nodes, trace.pods)
+        typer.echo(f"snapshot: {written[0]}, {written[1]}", err=True)
+    return trace
 
 
 @app.command("whatif")
@@ -403,24 +419,11 @@ def whatif(
     protocol: the pods drawn until 130% of GPU capacity is offered, one seed per run.
     """
     _check_output(output)
-    _set(kubeconfig, context, None)
     try:
         policies, seed_list = parse_policies(policy), parse_seeds(seeds)
     except ValueError as error:
         _fail(str(error), code=2)
-    client = _client()
-    trace = cluster_trace(
-        _api(lambda: list(client.list(Node))), _api(lambda: list(client.list(Pod, namespace="*")))
-    )
-    for note in trace.left_out:
-        typer.echo(f"warning: left out of the snapshot: {note}", err=True)
-    if not trace.nodes or not trace.pods:
-        _fail("nothing to replay: the cluster has no published GPU nodes or no GPU pods")
-    if export is not None:
-        export.mkdir(parents=True, exist_ok=True)
-        save_nodes(export / EXPORT_NODES, trace.nodes)
-        save_pods(export / EXPORT_PODS, trace.pods)
-        typer.echo(f"snapshot: {export / EXPORT_NODES}, {export / EXPORT_PODS}", err=True)
+    trace = cluster_snapshot(kubeconfig=kubeconfig, context=context, export=export)
     err = Console(stderr=True)
     with Progress(
         TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), console=err, transient=True

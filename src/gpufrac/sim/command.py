@@ -9,15 +9,22 @@ Examples::
     gpufrac simulate --trace default --policy fgd --seeds 42 --churn   # departures, queues, reclaim
     gpufrac simulate --trace cpu2x --policy fgd,fgd-align --offline-bound   # a CPU-heavier variant
     gpufrac simulate --trace default --policy fgd-align --window 16    # bursts of 16 received pods
+    gpufrac simulate --from-cluster --policy all --export snap/        # your own cluster (kubeconfig)
 
 Prints a table (or JSON with ``--json``) and writes a PNG of the allocation and fragmentation curves of
 every policy run (``--plot``, default out/simulate-<trace>.png).
+
+``--from-cluster`` replays a snapshot of a live cluster (its GPU nodes and GPU pods, read through a
+kubeconfig) instead of a trace file. The simulator itself never talks to Kubernetes (it stays pure and
+fast): the entry point (``gpufrac.cli``) hands it the snapshot source (``set_cluster_source``), which is
+``kubectl gpufrac whatif``'s.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Annotated
@@ -33,8 +40,18 @@ from .openb import TraceUnavailable
 from .replay import RunResult
 from .report import as_json, plot, plot_churn, table
 from .scenarios import SCENARIOS
-from .trace import TraceNode, TracePod, load_nodes, load_pods, resolve
+from .trace import TraceNode, TracePod, export_snapshot, load_nodes, load_pods, resolve
 from .variants import BASE, VARIANTS, variant
+
+#: Reads a live cluster as a trace: (kubeconfig, context) -> (nodes, pods); set by the entry point.
+ClusterSource = Callable[[Path | None, str | None], tuple[list[TraceNode], list[TracePod]]]
+_cluster_source: ClusterSource | None = None
+
+
+def set_cluster_source(source: ClusterSource) -> None:
+    """Where ``--from-cluster`` reads the cluster from (the entry point wires kubectl's snapshot in)."""
+    global _cluster_source
+    _cluster_source = source
 
 
 def simulate(
@@ -96,6 +113,21 @@ def simulate(
     churn_cluster: Annotated[
         float, typer.Option(help="With --churn: keep this fraction of the nodes (a seeded sample).")
     ] = 1.0,
+    from_cluster: Annotated[
+        bool,
+        typer.Option(
+            "--from-cluster",
+            help="Replay a snapshot of your cluster's GPU nodes and GPU pods instead of a trace.",
+        ),
+    ] = False,
+    kubeconfig: Annotated[
+        Path | None, typer.Option(help="With --from-cluster: kubeconfig (default: kubectl's rules).")
+    ] = None,
+    context: Annotated[str | None, typer.Option(help="With --from-cluster: kubeconfig context.")] = None,
+    export: Annotated[
+        Path | None,
+        typer.Option(help="With --from-cluster: also write the snapshot as openb CSVs in this directory."),
+    ] = None,
 ) -> None:
     """Replay a trace (the paper's protocol) through the placement engine; table, JSON and curves."""
     err = Console(stderr=True)
@@ -108,19 +140,20 @@ def simulate(
     if scenario not in SCENARIOS:
         err.print(f"gpufrac simulate: unknown scenario {scenario!r}; known: {', '.join(SCENARIOS)}")
         raise typer.Exit(code=2)
-    try:
-        pods_path, nodes_path = resolve(BASE if trace in VARIANTS else trace, nodes, data_dir)
-    except TraceUnavailable as error:
-        err.print(f"gpufrac simulate: {error}", soft_wrap=True, markup=False)
-        raise typer.Exit(code=2) from error
-    for path in (pods_path, nodes_path):
-        if not path.is_file():
-            err.print(f"gpufrac simulate: {path} not found (set --data-dir or GPUFRAC_DATA_DIR)")
+    if (kubeconfig or context or export) and not from_cluster:
+        err.print("gpufrac simulate: --kubeconfig, --context and --export go with --from-cluster")
+        raise typer.Exit(code=2)
+    if from_cluster:
+        if _cluster_source is None:
+            err.print("gpufrac simulate: --from-cluster needs the gpufrac command (no cluster reader set)")
             raise typer.Exit(code=2)
-    name = Path(trace).stem if pods_path == Path(trace) else trace
-    node_list, pod_list = load_nodes(nodes_path), load_pods(pods_path)
-    if trace in VARIANTS:
-        pod_list = variant(trace, pod_list)
+        name = "cluster"
+        node_list, pod_list = _cluster_source(kubeconfig, context)
+        if export is not None:
+            written = export_snapshot(export, node_list, pod_list)
+            err.print(f"snapshot: {written[0]}, {written[1]}", markup=False)
+    else:
+        name, node_list, pod_list = _trace(trace, nodes, data_dir, err)
     if churn:
         _churn(
             name,
@@ -174,6 +207,25 @@ def simulate(
         console.print(table(name, results, scenario))
         if written:
             console.print(f"curves: {written}")
+
+
+def _trace(
+    trace: str, nodes: str | None, data_dir: Path | None, err: Console
+) -> tuple[str, list[TraceNode], list[TracePod]]:
+    """A named trace, a variant of default, or a pod CSV (with ``nodes``), loaded; exits 2 if missing."""
+    try:
+        pods_path, nodes_path = resolve(BASE if trace in VARIANTS else trace, nodes, data_dir)
+    except TraceUnavailable as error:
+        err.print(f"gpufrac simulate: {error}", soft_wrap=True, markup=False)
+        raise typer.Exit(code=2) from error
+    for path in (pods_path, nodes_path):
+        if not path.is_file():
+            err.print(f"gpufrac simulate: {path} not found (set --data-dir or GPUFRAC_DATA_DIR)")
+            raise typer.Exit(code=2)
+    pod_list = load_pods(pods_path)
+    if trace in VARIANTS:
+        pod_list = variant(trace, pod_list)
+    return Path(trace).stem if pods_path == Path(trace) else trace, load_nodes(nodes_path), pod_list
 
 
 def _churn(

@@ -193,3 +193,17 @@ def save_pods(path: Path, pods: list[TracePod]) -> None:
             (p.name, p.cpu_milli, p.memory_mib, p.num_gpu, p.gpu_milli, "|".join(p.gpu_spec), p.qos)
             for p in pods
         )
+
+
+#: The file names of an exported cluster snapshot; replay it with ``gpufrac simulate --trace
+#: DIR/cluster_pods.csv --nodes DIR/cluster_nodes.csv``.
+EXPORT_NODES, EXPORT_PODS = "cluster_nodes.csv", "cluster_pods.csv"
+
+
+def export_snapshot(directory: Path, nodes: list[TraceNode], pods: list[TracePod]) -> tuple[Path, Path]:
+    """Write a snapshot (``gpufrac simulate --from-cluster --export``, ``kubectl gpufrac whatif
+    --export``) as openb CSVs in ``directory``; returns the two paths."""
+    directory.mkdir(parents=True, exist_ok=True)
+    save_nodes(directory / EXPORT_NODES, nodes)
+    save_pods(directory / EXPORT_PODS, pods)
+    return directory / EXPORT_NODES, directory / EXPORT_PODS
