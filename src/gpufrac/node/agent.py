@@ -37,6 +37,7 @@ from prometheus_client import CollectorRegistry
 from gpufrac.contract.quantities import MIB
 from gpufrac.kube.events import EventRecorder, ObjectRef
 from gpufrac.node.config import NodeAgentSettings
+from gpufrac.node.dra.slices import ResourceSlicePublisher
 from gpufrac.node.inject import EnvPlanner
 from gpufrac.node.inventory.backend import (
     GpuInfo,
@@ -170,6 +171,9 @@ class NodeAgent:
                 heartbeat_s=settings.heartbeat_s,
                 taint=settings.taint,
                 events=self.recorder if self.recorder is not None else _LoggedEvents(),
+                slices=ResourceSlicePublisher(client=client, node_name=settings.node_name)
+                if settings.dra
+                else None,
             )
         self.probes = ProbeServer(
             host=settings.health_host,

@@ -58,6 +58,11 @@ def node_agent(
         "--taint/--no-taint",
         help="Taint the node gpufrac.io/managed (default); --no-taint when KAI Scheduler places GPU pods.",
     ),
+    dra: bool | None = typer.Option(
+        None,
+        "--dra/--no-dra",
+        help="Publish the GPUs as a DRA ResourceSlice (docs/dra.md). Default: off (claims not enforced yet).",
+    ),
     fail_open: bool | None = typer.Option(
         None,
         "--fail-open/--fail-closed",
@@ -105,6 +110,7 @@ def node_agent(
             kubeconfig=kubeconfig,
             publish=publish,
             taint=taint,
+            dra=dra,
             nri_socket=nri_socket,
             backend=backend,
             sim_gpus=sim_gpus,

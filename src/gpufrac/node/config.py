@@ -38,6 +38,11 @@ class NodeAgentSettings(BaseModel):
         description="taint the Node gpufrac.io/managed=true:NoSchedule so that only gpufrac's scheduler "
         "places pods on it; off when another scheduler (KAI Scheduler) places the GPU pods",
     )
+    dra: bool = Field(
+        False,
+        description="publish the node's GPUs as a DRA ResourceSlice of driver gpu.gpufrac.io (docs/dra.md); "
+        "off by default until the kubelet plugin enforces claims' shares",
+    )
     nri_socket: str = DEFAULT_SOCKET
     plugin_name: str = keys.NRI_PLUGIN_NAME  # the webhook names it in every GPU pod's required plugins
     plugin_index: str = Field("10", pattern=r"^[0-9]{2}$")

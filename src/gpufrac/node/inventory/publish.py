@@ -23,6 +23,11 @@ removed). Writes are merge patches of our own keys only, and a strategic merge o
 the kubelet's labels and conditions are never touched. ``mark_stopped`` (SIGTERM) sets the condition to
 False so that the scheduler stops placing GPU pods while nothing would enforce their limits.
 
+With ``slices`` (the DRA driver, ``gpufrac.node.dra.slices``) the same read also keeps the node's
+ResourceSlice current: it follows every change of the inventory and the capability, from the same
+poll, so the annotation and the slice never tell two stories. A failed slice write is logged and
+retried at the next interval without holding up the Node.
+
 Another node stack on the same node. NVIDIA's GPU-fractioning operator writes the same condition type
 for its own daemons (``fractiond``, ``mpsd``), with reasons of its own. Before each write the agent reads
 the Node back: a condition whose reason is none of gpufrac's (``keys.NODE_AGENT_REASONS``), or one that
@@ -55,6 +60,7 @@ from gpufrac.kube.errors import Conflict, KubeError, api_errors
 from gpufrac.kube.events import WARNING, ObjectRef
 from gpufrac.kube.patch import merge_patch
 from gpufrac.node import labels as names
+from gpufrac.node.dra.slices import ResourceSlicePublisher
 from gpufrac.node.enforcement_audit import EventSink
 from gpufrac.node.inventory.backend import GpuInventoryBackend, InventoryUnavailable, NodeInventory
 from gpufrac.node.mps.mode import DriverVersion, NodeMpsCapability
@@ -174,6 +180,7 @@ class InventoryPublisher:
         heartbeat_s: float = 60.0,
         taint: bool = True,
         events: EventSink | None = None,
+        slices: ResourceSlicePublisher | None = None,
     ) -> None:
         self._client = client
         self._node = node_name
@@ -184,6 +191,9 @@ class InventoryPublisher:
         self._heartbeat_s = heartbeat_s
         self._taint = taint
         self._events = events
+        self._slices = slices
+        #: What the last read saw (None: the inventory could not be read) and the capability it implied.
+        self._read: tuple[NodeInventory | None, NodeMpsCapability | None] = (None, None)
         self._changed = asyncio.Event()
         self.published: NodeState | None = None
         self.inventory: NodeInventory | None = None  # the last successful read
@@ -204,6 +214,7 @@ class InventoryPublisher:
         try:
             inventory = await asyncio.to_thread(self._backend.read)
         except InventoryUnavailable as exc:
+            self._read = (None, None)
             return desired_state(inventory=None, unavailable=str(exc))
         self.inventory = inventory
         self._seen.update({g.uuid: g.index for g in inventory.gpus})
@@ -215,6 +226,7 @@ class InventoryPublisher:
                 capability = self._capability(DriverVersion.parse(inventory.driver_version))
             except ValueError:
                 capability = None
+        self._read = (inventory, capability)
         return desired_state(
             inventory=inventory, capability=capability, nri_connected=self._nri_connected(), missing=missing
         )
@@ -241,6 +253,11 @@ class InventoryPublisher:
                 )
             self._desired = state
             self.publishes += 1
+        if self._slices is not None:
+            try:
+                await self._slices.sync(inventory=self._read[0], capability=self._read[1], force=due)
+            except KubeError as exc:
+                log.warning("dra: could not update ResourceSlice %s: %s", self._slices.name, exc)
         self.published = self._shown(state)
         return self.published
 
