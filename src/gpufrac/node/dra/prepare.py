@@ -1,0 +1,218 @@
+"""A claim's allocation -> the CDI spec that carries its share into the container (the kubelet plugin's
+NodePrepareResources, minus the gRPC).
+
+The kubelet asks the DRA driver to prepare a claim before it starts the pod's containers; the driver
+answers with CDI device names, and the runtime applies those devices' container edits. gpufrac's edits
+are the injection the NRI path gives an annotation pod: the claim's allocation is read into the same
+``BoundContainer`` the binder's annotations become, and ``gpufrac.node.inject.plan_bound`` -- the one
+planner -- turns it into env and mounts. Only the delivery differs: NRI adjusts the container, here a
+CDI spec file does.
+
+Reading an allocation (``status.allocation.devices``, resource.k8s.io/v1):
+
+- each result of our driver is one GPU share: ``device`` names a device of our ResourceSlice
+  (``gpufrac.node.dra.slices.device_name``), mapped back to the GPU's UUID through the node's inventory;
+- ``consumedCapacity.memory`` (consumable capacity, KEP-5075) is the share, rounded up to whole MiB as
+  the contract rounds quantities; request and limit are both that amount. A result without it (the
+  ``DRAConsumableCapacity`` gate off) holds the whole device: an exclusive GPU, nothing to cap;
+- the compute mode comes from our driver's opaque configuration (the chart's DeviceClasses set it, a
+  claim may set it too; the claim's own config is applied after the class's, the later wins), default
+  time-slicing as in the annotation contract.
+
+The spec is one file per claim, written atomically (temporary file, then rename) and removed at
+unprepare; writing it again gives the same file, removing a missing one is fine. The file is the only
+state, so a restarted agent neither loses nor doubles a prepared claim.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from gpufrac.contract import keys
+from gpufrac.contract.errors import ContractError
+from gpufrac.contract.quantities import parse_mib
+from gpufrac.contract.render import BoundContainer
+from gpufrac.contract.request import ComputeMode
+from gpufrac.node.inject import InjectionPlan, pipe_leaf, plan_bound
+
+#: The CDI kind of the specs this driver writes: ``gpu.gpufrac.io/claim=<claim uid>-<device>``.
+CDI_KIND = f"{keys.DRA_DRIVER_NAME}/claim"
+CDI_VERSION = "0.6.0"
+#: Where CDI-enabled runtimes look for specs (containerd's and CRI-O's default ``cdi_spec_dirs``).
+DEFAULT_CDI_DIR = Path("/var/run/cdi")
+_COMPUTE_MODE_FIELD = "computeMode"
+
+
+class AllocationError(ValueError):
+    """A claim's allocation that cannot be prepared; the message names the field, the value and why."""
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedShare:
+    """One allocated device of a claim and what its container gets."""
+
+    request: str
+    pool: str
+    device: str
+    plan: InjectionPlan
+    cdi_device_ids: tuple[str, ...]
+
+
+def _mode(config: Iterable[Mapping[str, Any]], request: str) -> ComputeMode:
+    mode = ComputeMode.TIME_SLICING
+    ordered = sorted(
+        config, key=lambda c: c.get("source") == "FromClaim"
+    )  # the claim's own after the class's
+    for entry in ordered:
+        opaque = entry.get("opaque") or {}
+        if opaque.get("driver") != keys.DRA_DRIVER_NAME:
+            continue
+        requests = entry.get("requests") or []
+        if requests and request not in requests and request.split("/")[0] not in requests:
+            continue
+        parameters = opaque.get("parameters") or {}
+        where = f"status.allocation.devices.config opaque parameters of driver {keys.DRA_DRIVER_NAME}"
+        if (parameters.get("apiVersion"), parameters.get("kind")) != (
+            keys.DRA_CONFIG_API_VERSION,
+            keys.DRA_CONFIG_KIND,
+        ):
+            raise AllocationError(
+                f"{where}: apiVersion/kind {parameters.get('apiVersion')!r}/{parameters.get('kind')!r} is "
+                f"invalid: it must be {keys.DRA_CONFIG_API_VERSION!r}/{keys.DRA_CONFIG_KIND!r}"
+            )
+        if _COMPUTE_MODE_FIELD in parameters:
+            value = parameters[_COMPUTE_MODE_FIELD]
+            try:
+                mode = ComputeMode(value)
+            except ValueError:
+                known = " or ".join(m.value for m in ComputeMode)
+                raise AllocationError(
+                    f"{where}: {_COMPUTE_MODE_FIELD}={json.dumps(value)} is invalid: it must be {known}"
+                ) from None
+    return mode
+
+
+def prepare_claim(
+    claim: Mapping[str, Any],
+    *,
+    uuids: Mapping[str, str],
+    pipe_root: str,
+    cdi_kind: str = keys.CDI_GPU_KIND,
+) -> tuple[PreparedShare, ...]:
+    """Pure: the shares of ``claim`` (a ResourceClaim as a dict) that this driver prepares.
+
+    ``uuids`` maps our device names to GPU UUIDs (the node's inventory); ``pipe_root`` is the host
+    directory under which each share gets its MPS leaf; ``cdi_kind`` names the GPU's own CDI device (the
+    NVIDIA toolkit's spec, which adds the device nodes and the memory-limit hook). Raises
+    ``AllocationError``.
+    """
+    metadata = claim.get("metadata") or {}
+    uid = str(metadata.get("uid") or "")
+    allocation = (claim.get("status") or {}).get("allocation")
+    if not uid or allocation is None:
+        raise AllocationError(
+            f"ResourceClaim {metadata.get('namespace')}/{metadata.get('name')} is not allocated: "
+            "status.allocation is empty, so there is nothing to prepare"
+        )
+    devices = allocation.get("devices") or {}
+    config = devices.get("config") or []
+    shares: list[PreparedShare] = []
+    for result in devices.get("results") or []:
+        if result.get("driver") != keys.DRA_DRIVER_NAME:
+            continue
+        device = str(result.get("device"))
+        request = str(result.get("request"))
+        uuid = uuids.get(device)
+        if uuid is None:
+            raise AllocationError(
+                f"status.allocation.devices.results device={json.dumps(device)} is invalid: this node "
+                "publishes no such GPU (it was withdrawn, or the claim was allocated on another node)"
+            )
+        consumed = (result.get("consumedCapacity") or {}).get(keys.DRA_MEMORY_CAPACITY)
+        mib: int | None = None
+        if consumed is not None:
+            try:
+                mib = parse_mib(str(consumed), key=f"consumedCapacity.{keys.DRA_MEMORY_CAPACITY}")
+            except ContractError as exc:
+                raise AllocationError(str(exc)) from None
+        mode = _mode(config, request)
+        bound = BoundContainer(
+            container=request,
+            devices=(uuid,),
+            mode=mode,
+            request_mib=mib,
+            limit_mib=mib,
+            compute_portion=None,
+            exclusive=mib is None,
+        )
+        name = cdi_device_name(uid, device)
+        plan = plan_bound(bound, pipe_source=pipe_leaf(root=pipe_root, container_id=name), cdi_kind=cdi_kind)
+        shares.append(
+            PreparedShare(
+                request=request,
+                pool=str(result.get("pool")),
+                device=device,
+                plan=plan,
+                cdi_device_ids=(f"{CDI_KIND}={name}", *plan.cdi_devices),
+            )
+        )
+    return tuple(shares)
+
+
+def cdi_device_name(claim_uid: str, device: str) -> str:
+    return f"{claim_uid}-{device}"
+
+
+def cdi_spec(claim_uid: str, shares: Iterable[PreparedShare]) -> dict[str, Any]:
+    """The CDI spec (one device per share) with each share's env and mounts as container edits."""
+    return {
+        "cdiVersion": CDI_VERSION,
+        "kind": CDI_KIND,
+        "devices": [
+            {
+                "name": cdi_device_name(claim_uid, share.device),
+                "containerEdits": {
+                    "env": [f"{key}={value}" for key, value in share.plan.env],
+                    "mounts": [
+                        {"hostPath": m.source, "containerPath": m.destination, "options": list(m.options)}
+                        for m in share.plan.mounts
+                    ],
+                },
+            }
+            for share in shares
+        ],
+    }
+
+
+def spec_path(cdi_dir: Path, claim_uid: str) -> Path:
+    return cdi_dir / f"{keys.DRA_DRIVER_NAME}-{claim_uid}.json"
+
+
+def write_spec(cdi_dir: Path, claim_uid: str, spec: Mapping[str, Any]) -> Path:
+    """Write the claim's spec atomically: a runtime never reads half a file, a rerun rewrites the same."""
+    cdi_dir.mkdir(parents=True, exist_ok=True)
+    path = spec_path(cdi_dir, claim_uid)
+    fd, tmp = tempfile.mkstemp(dir=cdi_dir, prefix=".", suffix=".tmp")  # not *.json: runtimes scan those
+    try:
+        with os.fdopen(fd, "w") as out:
+            json.dump(spec, out, indent=2, sort_keys=True)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def remove_spec(cdi_dir: Path, claim_uid: str) -> bool:
+    """Remove the claim's spec; False when there was none (unprepare twice, or never prepared)."""
+    try:
+        spec_path(cdi_dir, claim_uid).unlink()
+    except FileNotFoundError:
+        return False
+    return True
