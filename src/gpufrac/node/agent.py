@@ -37,7 +37,8 @@ from prometheus_client import CollectorRegistry
 from gpufrac.contract.quantities import MIB
 from gpufrac.kube.events import EventRecorder, ObjectRef
 from gpufrac.node.config import NodeAgentSettings
-from gpufrac.node.dra.slices import ResourceSlicePublisher
+from gpufrac.node.dra.plugin import DraPlugin
+from gpufrac.node.dra.slices import ResourceSlicePublisher, device_name
 from gpufrac.node.inject import EnvPlanner
 from gpufrac.node.inventory.backend import (
     GpuInfo,
@@ -175,6 +176,15 @@ class NodeAgent:
                 if settings.dra
                 else None,
             )
+        self.dra_plugin: DraPlugin | None = None
+        if settings.dra and client is not None:
+            self.dra_plugin = DraPlugin(
+                client=client,
+                devices=self._dra_devices,
+                kubelet_dir=settings.kubelet_dir,
+                cdi_dir=settings.cdi_dir,
+                pipe_root=str(settings.pipe_root),
+            )
         self.probes = ProbeServer(
             host=settings.health_host,
             port=settings.health_port,
@@ -182,6 +192,10 @@ class NodeAgent:
             healthy=lambda: (True, "event loop answering"),
             ready=self._ready,
         )
+
+    def _dra_devices(self) -> dict[str, str]:
+        """The DRA plugin's view of the GPUs: the usable ones of the agent's inventory (the slice's)."""
+        return {device_name(g): g.uuid for g in self._usable_gpus or ()}
 
     def _capability(self, driver: DriverVersion) -> NodeMpsCapability:
         if self.mps is not None:  # what the supervisor actually runs
@@ -299,6 +313,8 @@ class NodeAgent:
         except asyncio.CancelledError:
             sizes.cancel()
             raise
+        if self.dra_plugin is not None:  # after the first inventory read: prepare maps devices through it
+            await self.dra_plugin.start()
         tasks = [asyncio.create_task(self.plugin.run(), name="nri-plugin"), sizes]
         if self.publisher is not None:
             tasks.append(asyncio.create_task(self.publisher.run(), name="inventory-publisher"))
@@ -320,6 +336,8 @@ class NodeAgent:
                     await asyncio.wait_for(self.publisher.mark_stopped(), timeout=5)
                 except Exception as exc:  # the API may be gone too; shutting down must go on
                     log.warning("node agent: could not mark the node stopped: %s", exc)
+            if self.dra_plugin is not None:  # the CDI specs stay: prepared claims survive a restart
+                await self.dra_plugin.stop()
             for task in tasks[:2]:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)

@@ -61,7 +61,7 @@ def node_agent(
     dra: bool | None = typer.Option(
         None,
         "--dra/--no-dra",
-        help="Publish the GPUs as a DRA ResourceSlice (docs/dra.md). Default: off (claims not enforced yet).",
+        help="Be the DRA driver: ResourceSlice and kubelet plugin (docs/dra.md). Default: off.",
     ),
     fail_open: bool | None = typer.Option(
         None,
