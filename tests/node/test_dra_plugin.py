@@ -163,10 +163,17 @@ async def test_prepare_writes_the_share_as_cdi_and_unprepare_removes_it(
         assert again == first
         assert [p.name for p in (root / "cdi").iterdir()] == [spec_path(root / "cdi", claim["uid"]).name]
 
+        leaf = root / "mps" / name  # the claim's MPS directory, ready before the runtime mounts it
+        assert leaf.is_dir()
+        assert {"hostPath": str(leaf), "containerPath": "/run/nvidia/mps"}.items() <= spec["devices"][0][
+            "containerEdits"
+        ]["mounts"][0].items()
+
         unprepare = dra_pb2.NodeUnprepareResourcesRequest(claims=[claim_ref(claim)])
         done = await stub.NodeUnprepareResources(unprepare)
         assert done.claims[claim["uid"]].error == ""
         assert not spec_path(root / "cdi", claim["uid"]).exists()
+        assert not leaf.exists()
         twice = await stub.NodeUnprepareResources(unprepare)
         assert twice.claims[claim["uid"]].error == ""
 

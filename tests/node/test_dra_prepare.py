@@ -14,6 +14,7 @@ from gpufrac.node.dra.prepare import (
     CDI_KIND,
     AllocationError,
     cdi_spec,
+    make_pipe_leaves,
     prepare_claim,
     remove_spec,
     spec_path,
@@ -163,3 +164,31 @@ def test_specs_are_written_and_removed_idempotently(tmp_path: Path) -> None:
     assert remove_spec(tmp_path, UID) is True
     assert remove_spec(tmp_path, UID) is False  # unprepare twice
     assert list(tmp_path.iterdir()) == []
+
+
+def test_each_share_gets_its_own_mps_leaf_and_unprepare_removes_only_that(tmp_path: Path) -> None:
+    pipes = tmp_path / "mps-pipes"
+    shares = prepare_claim(claim(), uuids={DEVICE: GPU}, pipe_root=str(pipes))
+    make_pipe_leaves(shares)  # the runtime bind-mounts it: it must exist before the container starts
+    (leaf,) = [Path(m.source) for m in shares[0].plan.mounts]
+    assert leaf.is_dir() and leaf.parent == pipes
+    cdi = tmp_path / "cdi"
+    write_spec(cdi, UID, cdi_spec(UID, shares))
+    assert remove_spec(cdi, UID, pipe_root=str(pipes)) is True
+    assert not leaf.exists() and pipes.is_dir()  # the leaf, not the root
+
+
+def test_unprepare_leaves_a_busy_leaf_and_anything_outside_the_root(tmp_path: Path) -> None:
+    pipes = tmp_path / "mps-pipes"
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    shares = prepare_claim(claim(), uuids={DEVICE: GPU}, pipe_root=str(pipes))
+    make_pipe_leaves(shares)
+    (leaf,) = [Path(m.source) for m in shares[0].plan.mounts]
+    (leaf / "control").write_text("")  # a client still uses it
+    spec = cdi_spec(UID, shares)
+    spec["devices"][0]["containerEdits"]["mounts"].append({"hostPath": str(outside), "containerPath": "/x"})
+    write_spec(tmp_path / "cdi", UID, spec)
+    assert remove_spec(tmp_path / "cdi", UID, pipe_root=str(pipes)) is True
+    assert leaf.is_dir() and outside.is_dir()
+    assert not spec_path(tmp_path / "cdi", UID).exists()

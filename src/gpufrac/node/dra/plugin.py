@@ -37,6 +37,7 @@ from gpufrac.node.dra.prepare import (
     DEFAULT_CDI_DIR,
     AllocationError,
     cdi_spec,
+    make_pipe_leaves,
     prepare_claim,
     remove_spec,
     write_spec,
@@ -162,11 +163,12 @@ class DraPlugin:
                 "it was deleted and created again; the pod's claim is gone"
             )
         shares = prepare_claim(claim, uuids=self._devices(), pipe_root=self._pipe_root)
+        await asyncio.to_thread(make_pipe_leaves, shares)
         await asyncio.to_thread(write_spec, self._cdi_dir, uid, cdi_spec(uid, shares))
         return shares
 
     def unprepare(self, *, uid: str) -> None:
-        remove_spec(self._cdi_dir, uid)
+        remove_spec(self._cdi_dir, uid, pipe_root=self._pipe_root)
 
     async def start(self) -> None:
         """Serve the DRA service first, then the registration socket (the kubelet calls the endpoint as

@@ -20,12 +20,14 @@ Reading an allocation (``status.allocation.devices``, resource.k8s.io/v1):
   time-slicing as in the annotation contract.
 
 The spec is one file per claim, written atomically (temporary file, then rename) and removed at
-unprepare; writing it again gives the same file, removing a missing one is fine. The file is the only
-state, so a restarted agent neither loses nor doubles a prepared claim.
+unprepare; writing it again gives the same file, removing a missing one is fine. Each share's MPS leaf
+directory is made at prepare (the runtime bind-mounts it) and removed with the spec when empty. Those
+files are the only state, so a restarted agent neither loses nor doubles a prepared claim.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
@@ -209,10 +211,31 @@ def write_spec(cdi_dir: Path, claim_uid: str, spec: Mapping[str, Any]) -> Path:
     return path
 
 
-def remove_spec(cdi_dir: Path, claim_uid: str) -> bool:
-    """Remove the claim's spec; False when there was none (unprepare twice, or never prepared)."""
+def make_pipe_leaves(shares: Iterable[PreparedShare]) -> None:
+    """Create each share's MPS leaf directory on the host before the runtime bind-mounts it (the NRI path
+    makes its leaf at CreateContainer; a claim's is made at prepare)."""
+    for share in shares:
+        for mount in share.plan.mounts:
+            os.makedirs(mount.source, mode=0o755, exist_ok=True)
+
+
+def remove_spec(cdi_dir: Path, claim_uid: str, *, pipe_root: str | None = None) -> bool:
+    """Remove the claim's spec and, with ``pipe_root``, the empty leaf directories it mounted from there
+    (never anything else); False when there was no spec (unprepare twice, or never prepared)."""
+    path = spec_path(cdi_dir, claim_uid)
     try:
-        spec_path(cdi_dir, claim_uid).unlink()
+        spec = json.loads(path.read_text())
     except FileNotFoundError:
         return False
+    except (OSError, ValueError):
+        spec = {}
+    if pipe_root is not None:
+        root = pipe_root.rstrip("/") + "/"
+        for device in spec.get("devices") or []:
+            for mount in (device.get("containerEdits") or {}).get("mounts") or []:
+                source = str(mount.get("hostPath") or "")
+                if source.startswith(root) and "/" not in source[len(root) :]:
+                    with contextlib.suppress(OSError):  # gone already, or not empty: leave it
+                        os.rmdir(source)
+    path.unlink(missing_ok=True)
     return True
