@@ -174,7 +174,7 @@ def unschedulable(pod: Pod) -> bool:
     return any(c.type == "PodScheduled" and c.status == "False" for c in conditions)
 
 
-async def test_four_20gi_claims_share_one_80gi_gpu_a_fifth_does_not_fit_and_each_container_gets_its_limits(
+async def test_four_20gi_claims_share_an_80gi_gpu_a_fifth_does_not_fit_and_restarts_lose_nothing(
     dra_node: tuple[RealNode, AsyncClient], namespace: str
 ) -> None:
     node, client = dra_node
@@ -208,7 +208,12 @@ async def test_four_20gi_claims_share_one_80gi_gpu_a_fifth_does_not_fit_and_each
         assert (env[NVIDIA_GPU_MEMORY_REQUEST], env[NVIDIA_GPU_MEMORY_LIMIT]) == ("20480", "20480")
         assert env[f"{SIMULATED_CDI_ENV_PREFIX}0"] == uuid
 
-    # A pod gone: the kubelet unprepares its claim, and the spec (with the claim's MPS leaf) goes.
+    # The node agent crashes (SIGKILL: none of its shutdown runs) and comes back: its plugin sockets are
+    # made anew, the kubelet registers it again, and what was prepared before is still known -- the
+    # CDI specs are the state. A pod gone now: the kubelet unprepares its claim through the new agent,
+    # and the spec (with the claim's MPS leaf) goes.
+    await node.kill_agent()
+    await node.start_agent()
     gone = next(p for p in current if running(p))
     assert gone.metadata is not None and gone.metadata.name is not None
     claim = (await client.get(ResourceClaim, gone.metadata.name, namespace=namespace)).to_dict()
