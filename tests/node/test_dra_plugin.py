@@ -57,8 +57,10 @@ async def plugin(akube: AsyncClient, root: Path) -> AsyncIterator[DraPlugin]:
         await p.stop()
 
 
-async def allocated_claim(client: AsyncClient, namespace: str, *, memory: str = "20Gi") -> dict[str, Any]:
-    """A claim for ``memory`` of a time-slicing GPU, allocated on our device as kube-scheduler does."""
+async def allocated_claim(
+    client: AsyncClient, namespace: str, *, memory: str = "20Gi", mode: str = "time-slicing"
+) -> dict[str, Any]:
+    """A claim for ``memory`` of a GPU in ``mode``, allocated on our device as kube-scheduler does."""
     name = f"share-{uuidlib.uuid4().hex[:6]}"
     created = await client.create(
         ResourceClaim.from_dict(
@@ -72,7 +74,7 @@ async def allocated_claim(client: AsyncClient, namespace: str, *, memory: str = 
                             {
                                 "name": "gpu",
                                 "exactly": {
-                                    "deviceClassName": f"time-slicing.{keys.DRA_DRIVER_NAME}",
+                                    "deviceClassName": f"{mode}.{keys.DRA_DRIVER_NAME}",
                                     "capacity": {"requests": {keys.DRA_MEMORY_CAPACITY: memory}},
                                 },
                             }
@@ -103,7 +105,7 @@ async def allocated_claim(client: AsyncClient, namespace: str, *, memory: str = 
                             "parameters": {
                                 "apiVersion": keys.DRA_CONFIG_API_VERSION,
                                 "kind": keys.DRA_CONFIG_KIND,
-                                "computeMode": "time-slicing",
+                                "computeMode": mode,
                             },
                         },
                     }
@@ -204,3 +206,30 @@ async def test_a_socket_path_too_long_for_unix_is_refused_before_anything_listen
     with pytest.raises(ValueError, match=r"a unix socket path has at most 107"):
         await p.start()
     assert not (deep / "plugins").exists()
+
+
+async def test_a_claim_that_would_mix_compute_modes_on_a_gpu_is_not_prepared(
+    plugin: DraPlugin, akube: AsyncClient, namespace: str, root: Path
+) -> None:
+    time_slicing = await allocated_claim(akube, namespace)
+    sm_sharing = await allocated_claim(akube, namespace, mode="sm-sharing")
+    async with grpc.aio.insecure_channel(f"unix://{plugin.endpoint}") as channel:
+        stub = dra_grpc.DRAPluginStub(channel)
+        first = await stub.NodePrepareResources(
+            dra_pb2.NodePrepareResourcesRequest(claims=[claim_ref(time_slicing)])
+        )
+        assert first.claims[time_slicing["uid"]].error == ""
+        mixed = await stub.NodePrepareResources(
+            dra_pb2.NodePrepareResourcesRequest(claims=[claim_ref(sm_sharing)])
+        )
+        error = mixed.claims[sm_sharing["uid"]].error
+        assert f"asks for sm-sharing on GPU {GPU}, which is held in time-slicing" in error
+        assert not spec_path(root / "cdi", sm_sharing["uid"]).exists()  # nothing of it reaches the runtime
+
+        await stub.NodeUnprepareResources(
+            dra_pb2.NodeUnprepareResourcesRequest(claims=[claim_ref(time_slicing)])
+        )
+        later = await stub.NodePrepareResources(
+            dra_pb2.NodePrepareResourcesRequest(claims=[claim_ref(sm_sharing)])
+        )
+        assert later.claims[sm_sharing["uid"]].error == ""  # the GPU was released: the kubelet's retry passes

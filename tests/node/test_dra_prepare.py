@@ -15,7 +15,9 @@ from gpufrac.node.dra.prepare import (
     AllocationError,
     cdi_spec,
     make_pipe_leaves,
+    modes_in_use,
     prepare_claim,
+    refuse_mixed_modes,
     remove_spec,
     spec_path,
     write_spec,
@@ -192,3 +194,21 @@ def test_unprepare_leaves_a_busy_leaf_and_anything_outside_the_root(tmp_path: Pa
     assert remove_spec(tmp_path / "cdi", UID, pipe_root=str(pipes)) is True
     assert leaf.is_dir() and outside.is_dir()
     assert not spec_path(tmp_path / "cdi", UID).exists()
+
+
+def test_a_share_of_the_other_mode_on_a_gpu_holding_prepared_claims_is_refused(tmp_path: Path) -> None:
+    cdi = tmp_path / "cdi"
+    held = "aaaaaaaa-1111-2222-3333-444455556666"
+    write_spec(cdi, held, cdi_spec(held, prepare(claim())))  # a time-slicing claim on the GPU
+    sm = prepare(claim(config=[class_config("sm-sharing")]))
+    with pytest.raises(AllocationError) as caught:
+        refuse_mixed_modes(sm, in_use=modes_in_use(cdi, other_than=UID))
+    assert (
+        f"request gpu asks for sm-sharing on GPU {GPU}, which is held in time-slicing by claim(s) {held}: "
+        "one compute mode per GPU" in str(caught.value)
+    )
+    refuse_mixed_modes(prepare(claim()), in_use=modes_in_use(cdi, other_than=UID))  # same mode: fine
+    # A retried prepare of the held claim itself, now sm-sharing (its own spec does not count against it).
+    refuse_mixed_modes(sm, in_use=modes_in_use(cdi, other_than=held))
+    remove_spec(cdi, held)
+    refuse_mixed_modes(sm, in_use=modes_in_use(cdi, other_than=UID))  # released: the GPU takes either

@@ -38,7 +38,9 @@ from gpufrac.node.dra.prepare import (
     AllocationError,
     cdi_spec,
     make_pipe_leaves,
+    modes_in_use,
     prepare_claim,
+    refuse_mixed_modes,
     remove_spec,
     write_spec,
 )
@@ -147,6 +149,7 @@ class DraPlugin:
         self.registration_error: str | None = None
         self.registration_changed = asyncio.Event()
         self._servers: list[grpc.aio.Server] = []
+        self._prepare_lock = asyncio.Lock()
 
     async def prepare(self, *, namespace: str, name: str, uid: str) -> tuple[Any, ...]:
         try:
@@ -163,8 +166,11 @@ class DraPlugin:
                 "it was deleted and created again; the pod's claim is gone"
             )
         shares = prepare_claim(claim, uuids=self._devices(), pipe_root=self._pipe_root)
-        await asyncio.to_thread(make_pipe_leaves, shares)
-        await asyncio.to_thread(write_spec, self._cdi_dir, uid, cdi_spec(uid, shares))
+        async with self._prepare_lock:  # the check and the write as one step: two prepares cannot both pass
+            in_use = await asyncio.to_thread(modes_in_use, self._cdi_dir, other_than=uid)
+            refuse_mixed_modes(shares, in_use=in_use)
+            await asyncio.to_thread(make_pipe_leaves, shares)
+            await asyncio.to_thread(write_spec, self._cdi_dir, uid, cdi_spec(uid, shares))
         return shares
 
     def unprepare(self, *, uid: str) -> None:

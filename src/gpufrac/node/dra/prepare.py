@@ -46,6 +46,10 @@ from gpufrac.node.inject import InjectionPlan, pipe_leaf, plan_bound
 #: The CDI kind of the specs this driver writes: ``gpu.gpufrac.io/claim=<claim uid>-<device>``.
 CDI_KIND = f"{keys.DRA_DRIVER_NAME}/claim"
 CDI_VERSION = "0.6.0"
+#: Device annotations of our specs (CDI 0.6.0): which GPU a share is on and in which compute mode, so
+#: that the node can tell, from the specs alone, what a GPU already holds.
+MODE_ANNOTATION = f"{keys.DRA_DRIVER_NAME}/compute-mode"
+UUID_ANNOTATION = f"{keys.DRA_DRIVER_NAME}/uuid"
 #: Where CDI-enabled runtimes look for specs (containerd's and CRI-O's default ``cdi_spec_dirs``).
 DEFAULT_CDI_DIR = Path("/var/run/cdi")
 _COMPUTE_MODE_FIELD = "computeMode"
@@ -179,6 +183,10 @@ def cdi_spec(claim_uid: str, shares: Iterable[PreparedShare]) -> dict[str, Any]:
         "devices": [
             {
                 "name": cdi_device_name(claim_uid, share.device),
+                "annotations": {
+                    MODE_ANNOTATION: share.plan.bound.mode.value,
+                    UUID_ANNOTATION: share.plan.bound.devices[0],
+                },
                 "containerEdits": {
                     "env": [f"{key}={value}" for key, value in share.plan.env],
                     "mounts": [
@@ -209,6 +217,50 @@ def write_spec(cdi_dir: Path, claim_uid: str, spec: Mapping[str, Any]) -> Path:
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+def modes_in_use(cdi_dir: Path, *, other_than: str) -> dict[str, dict[str, set[str]]]:
+    """GPU UUID -> compute mode -> the claim UIDs prepared with it, from the specs in ``cdi_dir`` (the
+    claim ``other_than`` left out: a retried prepare does not conflict with itself)."""
+    found: dict[str, dict[str, set[str]]] = {}
+    prefix = f"{keys.DRA_DRIVER_NAME}-"
+    for path in cdi_dir.glob(f"{prefix}*.json") if cdi_dir.is_dir() else ():
+        uid = path.name[len(prefix) : -len(".json")]
+        if uid == other_than:
+            continue
+        try:
+            spec = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue  # removed meanwhile, or not ours to judge
+        for device in spec.get("devices") or []:
+            notes = device.get("annotations") or {}
+            if MODE_ANNOTATION in notes and UUID_ANNOTATION in notes:
+                found.setdefault(notes[UUID_ANNOTATION], {}).setdefault(notes[MODE_ANNOTATION], set()).add(
+                    uid
+                )
+    return found
+
+
+def refuse_mixed_modes(
+    shares: Iterable[PreparedShare], *, in_use: Mapping[str, Mapping[str, set[str]]]
+) -> None:
+    """One compute mode per GPU holds for claims too: a share whose GPU already holds prepared claims of
+    the other mode is refused (``AllocationError``), so the pod does not start instead of mixing modes.
+
+    The stock kube-scheduler does not know the rule, so this is the node's last word, not placement:
+    such a pod waits in ContainerCreating with the reason in its Events (docs/dra.md)."""
+    for share in shares:
+        uuid = share.plan.bound.devices[0]
+        mode = share.plan.bound.mode.value
+        others = {m: uids for m, uids in (in_use.get(uuid) or {}).items() if m != mode and uids}
+        if others:
+            held = "; ".join(
+                f"{m} by claim(s) {', '.join(sorted(uids))}" for m, uids in sorted(others.items())
+            )
+            raise AllocationError(
+                f"request {share.request} asks for {mode} on GPU {uuid}, which is held in {held}: one "
+                "compute mode per GPU (modes never mix on a GPU); the claim waits until those are released"
+            )
 
 
 def make_pipe_leaves(shares: Iterable[PreparedShare]) -> None:
