@@ -210,15 +210,23 @@ async def test_four_20gi_claims_share_an_80gi_gpu_a_fifth_does_not_fit_and_resta
 
     # The node agent crashes (SIGKILL: none of its shutdown runs) and comes back: its plugin sockets are
     # made anew, the kubelet registers it again, and what was prepared before is still known -- the
-    # CDI specs are the state. A pod gone now: the kubelet unprepares its claim through the new agent,
+    # CDI specs are the state. A pod gone later: the kubelet unprepares its claim through the new agent,
     # and the spec (with the claim's MPS leaf) goes.
     await node.kill_agent()
     await node.start_agent()
+    # The kubelet restarts too: it finds the plugin's registration socket again and keeps the pods.
+    await node.restart_kubelet()
     gone = next(p for p in current if running(p))
     assert gone.metadata is not None and gone.metadata.name is not None
     claim = (await client.get(ResourceClaim, gone.metadata.name, namespace=namespace)).to_dict()
     spec = spec_path(node.root / "cdi", claim["metadata"]["uid"])
     assert spec.exists()
+    # The claim is deleted while its pod runs: the container keeps what it was given (the spec stays
+    # until the pod is gone), and unprepare needs only the claim's UID, not the deleted object.
+    await client.delete(ResourceClaim, gone.metadata.name, namespace=namespace)
+    assert gone.status is not None and gone.status.containerStatuses
+    pid = node.container_pid(gone.status.containerStatuses[0].containerID or "")
+    assert process_environ(pid)[NVIDIA_GPU_MEMORY_LIMIT] == "20480" and spec.exists()
     await client.delete(Pod, gone.metadata.name, namespace=namespace)
 
     async def unprepared() -> bool:

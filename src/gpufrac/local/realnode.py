@@ -408,6 +408,15 @@ class RealNode:
             await asyncio.to_thread(terminate, containerd.popen)
         await self._start_containerd()
 
+    async def restart_kubelet(self) -> None:
+        """Stop the kubelet (SIGTERM) and start it again on the same root, as a node upgrade does: running
+        pods stay, the kubelet finds its checkpoints (prepared DRA claims among them) and its plugins'
+        registration sockets again."""
+        kubelet, self._kubelet = self._kubelet, None
+        if kubelet is not None:
+            await asyncio.to_thread(terminate, kubelet.popen)
+        await self._start_kubelet()
+
     async def _containerd_answers(self) -> bool:
         if not self.containerd_socket.exists():
             return False
