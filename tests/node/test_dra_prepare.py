@@ -212,3 +212,41 @@ def test_a_share_of_the_other_mode_on_a_gpu_holding_prepared_claims_is_refused(t
     refuse_mixed_modes(sm, in_use=modes_in_use(cdi, other_than=held))
     remove_spec(cdi, held)
     refuse_mixed_modes(sm, in_use=modes_in_use(cdi, other_than=UID))  # released: the GPU takes either
+
+
+def test_an_sm_sharing_share_gets_its_compute_portion_as_the_nri_path_gives_it() -> None:
+    obj = claim(config=[class_config("sm-sharing")])
+    obj["status"]["allocation"]["devices"]["results"][0]["consumedCapacity"][keys.DRA_COMPUTE_CAPACITY] = "25"
+    (share,) = prepare(obj)
+    nri, _ = plan_container(
+        annotations={
+            "nvidia.com/container.c.gpu-memory.request": "20Gi",
+            "nvidia.com/container.c.gpu-compute.mode": "sm-sharing",
+            "nvidia.com/container.c.gpu-compute.portion": "0.25",
+            "nvidia.com/container.c.gpus.devices": GPU,
+        },
+        container="c",
+        pipe_source=pipe_leaf(root=ROOT, container_id=f"{UID}-{DEVICE}"),
+    )
+    assert nri is not None and share.plan.env == nri.env
+    assert share.plan.env_map["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "25"
+
+
+def test_compute_is_ignored_for_time_slicing_and_zero_means_no_ceiling() -> None:
+    for mode, percent in (("time-slicing", "25"), ("sm-sharing", "0")):
+        obj = claim(config=[class_config(mode)])
+        obj["status"]["allocation"]["devices"]["results"][0]["consumedCapacity"][
+            keys.DRA_COMPUTE_CAPACITY
+        ] = percent
+        (share,) = prepare(obj)
+        assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" not in share.plan.env_map
+
+
+def test_a_compute_amount_that_is_no_percent_is_refused() -> None:
+    obj = claim(config=[class_config("sm-sharing")])
+    obj["status"]["allocation"]["devices"]["results"][0]["consumedCapacity"][keys.DRA_COMPUTE_CAPACITY] = (
+        "150"
+    )
+    with pytest.raises(AllocationError) as caught:
+        prepare(obj)
+    assert 'consumedCapacity.compute="150" is invalid: it must be from 0 to 100' in str(caught.value)

@@ -102,6 +102,11 @@ async def test_the_slice_publishes_each_usable_gpu_as_a_shareable_device(
         "default": "81559Mi",
         "validRange": {"min": "1Mi", "step": "1Mi"},
     }
+    # Percent of the SMs: sm-sharing portions sum to at most 100; a claim naming none consumes nothing.
+    assert first["capacity"]["compute"] == {
+        "value": "100",
+        "requestPolicy": {"default": "0", "validRange": {"min": "0", "max": "100", "step": "1"}},
+    }
     assert first["attributes"] == {
         "model": {"string": "H100-80GB"},
         "uuid": {"string": simulated_uuid(node_name, 0)},

@@ -200,7 +200,11 @@ async def test_four_20gi_claims_share_an_80gi_gpu_a_fifth_does_not_fit_and_resta
         assert pod.metadata is not None and pod.metadata.name is not None
         claim = (await client.get(ResourceClaim, pod.metadata.name, namespace=namespace)).to_dict()
         (result,) = claim["status"]["allocation"]["devices"]["results"]
-        assert result["consumedCapacity"] == {keys.DRA_MEMORY_CAPACITY: "20Gi"}
+        # Its memory, and no compute: a time-slicing claim names none, and the policy's default is 0.
+        assert result["consumedCapacity"] == {
+            keys.DRA_MEMORY_CAPACITY: "20Gi",
+            keys.DRA_COMPUTE_CAPACITY: "0",
+        }
         # What the container's process got, from the kernel: our CDI spec's limits and the GPU's device.
         assert pod.status is not None and pod.status.containerStatuses
         env = process_environ(node.container_pid(pod.status.containerStatuses[0].containerID or ""))

@@ -142,6 +142,10 @@ DRA_DRIVER_NAME = "gpu.gpufrac.io"
 #: The consumable capacity of each published GPU device: usable MiB as the inventory reports them.
 #: A claim asks for its share with ``capacity.requests.memory``.
 DRA_MEMORY_CAPACITY = "memory"
+#: The consumable compute share of each GPU device, in percent of its SMs (value 100). An sm-sharing
+#: claim asks for its portion with ``capacity.requests.compute`` (``25``: MPS active-thread percentage 25);
+#: a claim that names none consumes 0, so time-slicing claims never use it up.
+DRA_COMPUTE_CAPACITY = "compute"
 #: Device attributes users select on (CEL: ``device.attributes["gpu.gpufrac.io"].model``). Names are
 #: C identifiers of at most 32 characters (resource.k8s.io/v1 ``DeviceMaxIDLength``).
 DRA_ATTRIBUTE_MODEL = "model"

@@ -15,6 +15,8 @@ Reading an allocation (``status.allocation.devices``, resource.k8s.io/v1):
 - ``consumedCapacity.memory`` (consumable capacity, KEP-5075) is the share, rounded up to whole MiB as
   the contract rounds quantities; request and limit are both that amount. A result without it (the
   ``DRAConsumableCapacity`` gate off) holds the whole device: an exclusive GPU, nothing to cap;
+- ``consumedCapacity.compute`` (percent of the SMs) of an sm-sharing share is its compute portion, which
+  the planner turns into MPS's active-thread percentage as for annotation pods; 0 or none: no ceiling;
 - the compute mode comes from our driver's opaque configuration (the chart's DeviceClasses set it, a
   claim may set it too; the claim's own config is applied after the class's, the later wins), default
   time-slicing as in the annotation contract.
@@ -104,6 +106,24 @@ def _mode(config: Iterable[Mapping[str, Any]], request: str) -> ComputeMode:
     return mode
 
 
+def _portion(result: Mapping[str, Any]) -> float | None:
+    """An sm-sharing share's compute portion from its consumed ``compute`` percent (None: 0 or absent,
+    no thread ceiling)."""
+    consumed = (result.get("consumedCapacity") or {}).get(keys.DRA_COMPUTE_CAPACITY)
+    if consumed is None:
+        return None
+    field = f"consumedCapacity.{keys.DRA_COMPUTE_CAPACITY}"
+    try:
+        percent = float(str(consumed))
+    except ValueError:
+        raise AllocationError(
+            f"{field}={json.dumps(str(consumed))} is invalid: it must be a whole percent from 0 to 100"
+        ) from None
+    if not 0 <= percent <= 100:
+        raise AllocationError(f"{field}={json.dumps(str(consumed))} is invalid: it must be from 0 to 100")
+    return percent / 100 if percent > 0 else None
+
+
 def prepare_claim(
     claim: Mapping[str, Any],
     *,
@@ -154,7 +174,7 @@ def prepare_claim(
             mode=mode,
             request_mib=mib,
             limit_mib=mib,
-            compute_portion=None,
+            compute_portion=_portion(result) if mode is ComputeMode.SM_SHARING else None,
             exclusive=mib is None,
         )
         name = cdi_device_name(uid, device)

@@ -13,6 +13,9 @@ One slice per node, one pool named after the node, one device per usable GPU:
   ``gpufrac.io/gpus`` annotation), with a request policy: a claim that names no amount consumes the
   whole GPU (what a request for "a GPU" means), and a claim's amount is rounded up to whole MiB, the
   rounding the annotation contract applies to quantities;
+- capacity ``compute`` is 100 (percent of the SMs): an sm-sharing claim's portion, whole percent, whose
+  sum the allocator keeps within 100; a claim that names none consumes 0 (time-slicing claims, and an
+  sm-sharing claim without a thread ceiling);
 - attributes for selectors: model, UUID, index, driver major, and one boolean per compute mode saying
   whether the node can enforce that mode's limits right now (the capability labels' truth).
 
@@ -55,6 +58,10 @@ MODE_ATTRIBUTES: dict[ComputeMode, str] = {
     ComputeMode.TIME_SLICING: keys.DRA_ATTRIBUTE_TIME_SLICING,
     ComputeMode.SM_SHARING: keys.DRA_ATTRIBUTE_SM_SHARING,
 }
+
+#: A GPU's compute capacity: percent of its SMs. The allocator keeps the sum of sm-sharing portions on a
+#: GPU within it, the rule the annotation path's scheduler applies to compute portions.
+COMPUTE_PERCENT = 100
 
 #: The feature gate that keeps ``allowMultipleAllocations`` on Kubernetes 1.34/1.35 (beta, on, from 1.36).
 CONSUMABLE_CAPACITY_GATE = "DRAConsumableCapacity"
@@ -113,7 +120,14 @@ def _device(
                     "default": memory,
                     "validRange": {"min": "1Mi", "step": "1Mi"},
                 },
-            }
+            },
+            keys.DRA_COMPUTE_CAPACITY: {
+                "value": str(COMPUTE_PERCENT),
+                "requestPolicy": {
+                    "default": "0",
+                    "validRange": {"min": "0", "max": str(COMPUTE_PERCENT), "step": "1"},
+                },
+            },
         },
     }
 
