@@ -233,3 +233,28 @@ async def test_a_claim_that_would_mix_compute_modes_on_a_gpu_is_not_prepared(
             dra_pb2.NodePrepareResourcesRequest(claims=[claim_ref(sm_sharing)])
         )
         assert later.claims[sm_sharing["uid"]].error == ""  # the GPU was released: the kubelet's retry passes
+
+
+async def test_a_spec_that_cannot_be_written_fails_the_claims_answer_not_the_call(
+    akube: AsyncClient, namespace: str, root: Path
+) -> None:
+    blocked = root / "cdi-is-a-file"
+    blocked.write_text("")  # the spec directory cannot be made
+    p = DraPlugin(
+        client=akube,
+        devices=lambda: {DEVICE: GPU},
+        kubelet_dir=root / "k",
+        cdi_dir=blocked,
+        pipe_root=str(root),
+    )
+    await p.start()
+    try:
+        claim = await allocated_claim(akube, namespace)
+        async with grpc.aio.insecure_channel(f"unix://{p.endpoint}") as channel:
+            reply = await dra_grpc.DRAPluginStub(channel).NodePrepareResources(
+                dra_pb2.NodePrepareResourcesRequest(claims=[claim_ref(claim)])
+            )
+        assert "cdi-is-a-file" in reply.claims[claim["uid"]].error
+        assert not reply.claims[claim["uid"]].devices
+    finally:
+        await p.stop()

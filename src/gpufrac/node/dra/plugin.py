@@ -36,6 +36,7 @@ from gpufrac.kube.errors import KubeError, NotFound, api_errors
 from gpufrac.node.dra.prepare import (
     DEFAULT_CDI_DIR,
     AllocationError,
+    PreparedShare,
     cdi_spec,
     make_pipe_leaves,
     modes_in_use,
@@ -87,7 +88,6 @@ class _Registration(reg_grpc.RegistrationServicer):  # type: ignore[misc]
             log.info("dra: the kubelet registered driver %s", keys.DRA_DRIVER_NAME)
         else:
             log.error("dra: the kubelet refused driver %s: %s", keys.DRA_DRIVER_NAME, request.error)
-        self._plugin.registration_changed.set()
         return reg_pb2.RegistrationStatusResponse()
 
 
@@ -111,7 +111,7 @@ class _Service(dra_grpc.DRAPluginServicer):  # type: ignore[misc]
                             cdi_device_ids=list(share.cdi_device_ids),
                         )
                     )
-            except (AllocationError, KubeError) as exc:
+            except (AllocationError, KubeError, OSError) as exc:  # OSError: the spec or leaf not written
                 log.warning("dra: cannot prepare claim %s/%s: %s", claim.namespace, claim.name, exc)
                 answer.error = str(exc)
         return response
@@ -147,11 +147,11 @@ class DraPlugin:
         self.registration_socket = kubelet_dir / "plugins_registry" / f"{keys.DRA_DRIVER_NAME}-reg.sock"
         self.registered: bool | None = None
         self.registration_error: str | None = None
-        self.registration_changed = asyncio.Event()
         self._servers: list[grpc.aio.Server] = []
         self._prepare_lock = asyncio.Lock()
 
-    async def prepare(self, *, namespace: str, name: str, uid: str) -> tuple[Any, ...]:
+    async def prepare(self, *, namespace: str, name: str, uid: str) -> tuple[PreparedShare, ...]:
+        """Read the claim, check it is the pod's (same UID) and fits the GPU's mode, write its CDI spec."""
         try:
             with api_errors():
                 obj = await self._client.get(ResourceClaim, name, namespace=namespace)
