@@ -55,13 +55,16 @@ def test_each_mode_class_selects_our_devices_that_can_enforce_it(tmp_path: Path)
         ]
 
 
-def test_the_node_agent_may_write_resourceslices(tmp_path: Path) -> None:
+def test_the_node_agent_may_write_resourceslices_and_read_claims(tmp_path: Path) -> None:
     role = one(render(tmp_path=tmp_path), "ClusterRole", "gpufrac-gpufrac-node-agent")
     assert {
         "apiGroups": ["resource.k8s.io"],
         "resources": ["resourceslices"],
         "verbs": ["get", "create", "patch"],
     } in role["rules"]
+    assert {"apiGroups": ["resource.k8s.io"], "resources": ["resourceclaims"], "verbs": ["get"]} in role[
+        "rules"
+    ]
 
 
 async def test_the_api_server_accepts_the_classes(tmp_path: Path, akube: AsyncClient) -> None:

@@ -58,6 +58,14 @@ def node_agent(
         "--taint/--no-taint",
         help="Taint the node gpufrac.io/managed (default); --no-taint when KAI Scheduler places GPU pods.",
     ),
+    kubelet_dir: Path | None = typer.Option(
+        None,
+        "--kubelet-dir",
+        help="The kubelet's root, for the DRA plugin's sockets (default /var/lib/kubelet).",
+    ),
+    cdi_dir: Path | None = typer.Option(
+        None, "--cdi-dir", help="Where the DRA plugin writes claims' CDI specs (default /var/run/cdi)."
+    ),
     dra: bool | None = typer.Option(
         None,
         "--dra/--no-dra",
@@ -111,6 +119,8 @@ def node_agent(
             publish=publish,
             taint=taint,
             dra=dra,
+            kubelet_dir=kubelet_dir,
+            cdi_dir=cdi_dir,
             nri_socket=nri_socket,
             backend=backend,
             sim_gpus=sim_gpus,

@@ -25,6 +25,7 @@ import hashlib
 import json
 from typing import Any
 
+from gpufrac.contract import keys
 from gpufrac.contract.keys import managed_toleration
 from gpufrac.operator.resource import API_VERSION, KIND, ConfigSpec
 
@@ -42,6 +43,10 @@ MPS_PIPE_DIR = "/run/nvidia/mps"
 MPS_LOG_DIR = "/var/log/nvidia-mps"
 PROC_ROOT = "/host/proc"
 CONTAINERD_RUN_DIR = "/run/containerd"
+#: The kubelet's root (plugin registration and plugin sockets) and the CDI spec directory the runtime
+#: reads: the DRA driver's sockets and specs must sit at these host paths (docs/dra.md).
+KUBELET_DIR = "/var/lib/kubelet"
+CDI_DIR = "/var/run/cdi"
 MAX_NAME = 63
 
 
@@ -73,6 +78,8 @@ def agent_args(config: ConfigSpec) -> list[str]:
         args.append("--no-taint")
     if agent.mps_enabled and agent.mps_control_bin:
         args.append(f"--mps-control-bin={agent.mps_control_bin}")
+    if agent.dra_enabled:
+        args += ["--dra", f"--kubelet-dir={KUBELET_DIR}", f"--cdi-dir={CDI_DIR}"]
     args += [f"--log-level={agent.log_level}", "--log-format=json"]
     return args
 
@@ -103,6 +110,12 @@ def _mounts(config: ConfigSpec) -> tuple[list[Volume], list[Mount]]:
     ]
     if config.agent.mps_enabled:
         pairs.append(_host_dir("mps-logs", MPS_LOG_DIR))
+    if config.agent.dra_enabled:  # the kubelet dials the paths the agent names: same path inside and out
+        pairs += [
+            _host_dir("plugins-registry", f"{KUBELET_DIR}/plugins_registry"),
+            _host_dir("dra-plugin", f"{KUBELET_DIR}/plugins/{keys.DRA_DRIVER_NAME}"),
+            _host_dir("cdi", CDI_DIR),
+        ]
     return [v for v, _ in pairs], [m for _, m in pairs]
 
 

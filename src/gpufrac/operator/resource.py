@@ -45,6 +45,7 @@ class AgentSpec:
     taint: bool = True
     mps_enabled: bool = False
     mps_control_bin: str | None = None
+    dra_enabled: bool = False
     metrics_port: int = DEFAULT_METRICS_PORT
     health_port: int = DEFAULT_HEALTH_PORT
     nri_socket: str = DEFAULT_NRI_SOCKET
@@ -93,6 +94,7 @@ def read_config(config: Any) -> ConfigSpec:
             taint=bool(agent.get("taint", True)),
             mps_enabled=bool(mps.get("enabled", False)),
             mps_control_bin=mps.get("controlBin") or None,
+            dra_enabled=bool((agent.get("dra") or {}).get("enabled", False)),
             metrics_port=int(agent.get("metricsPort", DEFAULT_METRICS_PORT)),
             health_port=int(agent.get("healthPort", DEFAULT_HEALTH_PORT)),
             nri_socket=agent.get("nriSocket") or DEFAULT_NRI_SOCKET,
