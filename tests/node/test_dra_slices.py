@@ -199,12 +199,17 @@ async def test_without_the_gate_the_agent_reports_that_gpus_cannot_be_shared(
         try:
             name = await make_node(client)
             backend = SimulatedInventory(node_name=name, spec=parse_flag("1xH100-80GB"))
-            pub = publisher(client, name, backend)
+            pub = publisher(client, name, backend, heartbeat_s=0.0)
             await pub.publish_once()
             spec = (await stored(client, name))["spec"]
             assert "allowMultipleAllocations" not in spec["devices"][0]
             assert pub._slices is not None and pub._slices.consumable_capacity is False
             assert "DRAConsumableCapacity" in caplog.text
+            # Heartbeats there (every poll is one here) do not rewrite the slice the server keeps
+            # without the gated fields.
+            await pub.publish_once()
+            await pub.publish_once()
+            assert (await stored(client, name))["spec"]["pool"]["generation"] == 1
         finally:
             await client.close()
 

@@ -37,7 +37,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import re
-from dataclasses import dataclass
 from typing import Any
 
 from lightkube import AsyncClient
@@ -145,12 +144,18 @@ def desired_devices(
     return [_device(g, driver_major=driver_major, capability=capability) for g in inventory.usable]
 
 
-@dataclass(frozen=True, slots=True)
-class SliceState:
-    """What was last written: the devices and the pool generation they were written under."""
-
-    devices: tuple[Any, ...]
-    generation: int
+def _without_gated(devices: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``devices`` as an API server without ``DRAConsumableCapacity`` stores them (the gated fields
+    dropped), so that a heartbeat there does not rewrite the same slice with a new generation."""
+    out = []
+    for device in devices:
+        kept = {k: v for k, v in device.items() if k != "allowMultipleAllocations"}
+        kept["capacity"] = {
+            name: {k: v for k, v in capacity.items() if k != "requestPolicy"}
+            for name, capacity in (device.get("capacity") or {}).items()
+        }
+        out.append(kept)
+    return out
 
 
 def _shares(devices: list[dict[str, Any]]) -> bool:
@@ -193,7 +198,10 @@ class ResourceSlicePublisher:
             stored = await self._create(devices)
         else:
             spec = current.to_dict().get("spec") or {}
-            if spec.get("devices", []) == devices:  # an earlier agent's write already says it
+            stored_devices = spec.get("devices", [])
+            if stored_devices == devices or (  # an earlier write already says it
+                self.consumable_capacity is False and stored_devices == _without_gated(devices)
+            ):
                 self._written = devices
                 self._check_gate(current)
                 return False
