@@ -35,12 +35,13 @@ test-latest: testenv
 	$(LATEST_VENV)/bin/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 
 # The Go programs (real kube-apiserver + etcd, NRI runtime driver) and the protobuf messages generated
-# from the pinned Go modules (NRI, CRI); every step is a no-op when already up to date.
+# from the pinned Go modules (NRI, CRI, the kubelet's DRA plugin API); every step is a no-op when already up to date.
 testenv: venv
 	bash testenv/build.sh
 	bash testenv/promtool.sh
 	$(PY) scripts/gen-nri-protos
 	$(PY) scripts/gen-cri-protos
+	$(PY) scripts/gen-kubelet-protos
 
 demo: venv testenv
 	$(VENV)/bin/gpufrac demo

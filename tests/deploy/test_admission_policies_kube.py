@@ -80,6 +80,42 @@ def _bearer(controlplane: ControlPlane, token: str) -> httpx2.Client:
     )
 
 
+def _agent_token(admin: httpx2.Client, ns: str, node: str) -> str:
+    """The DaemonSet's pod on ``node``, and the token the kubelet would project into it."""
+    pod = admin.post(
+        f"/api/v1/namespaces/{ns}/pods",
+        json={
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": "node-agent"},
+            "spec": {
+                "nodeName": node,
+                "serviceAccountName": "gpufrac-node-agent",
+                "containers": [{"name": "agent", "image": "gpufrac"}],
+            },
+        },
+    )
+    assert pod.status_code == 201, pod.text
+    token = admin.post(
+        f"/api/v1/namespaces/{ns}/serviceaccounts/gpufrac-node-agent/token",
+        json={
+            "apiVersion": "authentication.k8s.io/v1",
+            "kind": "TokenRequest",
+            "spec": {
+                "expirationSeconds": 3600,
+                "boundObjectRef": {
+                    "apiVersion": "v1",
+                    "kind": "Pod",
+                    "name": "node-agent",
+                    "uid": pod.json()["metadata"]["uid"],
+                },
+            },
+        },
+    )
+    assert token.status_code == 201, token.text
+    return str(token.json()["status"]["token"])
+
+
 def test_a_node_agent_token_writes_only_its_own_node(
     controlplane: ControlPlane, installed: dict[str, Any]
 ) -> None:
@@ -93,39 +129,7 @@ def test_a_node_agent_token_writes_only_its_own_node(
             )
             assert answer.status_code == 201, answer.text
         try:
-            # The DaemonSet's pod on `own`, and the token the kubelet would project into it.
-            pod = admin.post(
-                f"/api/v1/namespaces/{ns}/pods",
-                json={
-                    "apiVersion": "v1",
-                    "kind": "Pod",
-                    "metadata": {"name": "node-agent"},
-                    "spec": {
-                        "nodeName": own,
-                        "serviceAccountName": "gpufrac-node-agent",
-                        "containers": [{"name": "agent", "image": "gpufrac"}],
-                    },
-                },
-            )
-            assert pod.status_code == 201, pod.text
-            token = admin.post(
-                f"/api/v1/namespaces/{ns}/serviceaccounts/gpufrac-node-agent/token",
-                json={
-                    "apiVersion": "authentication.k8s.io/v1",
-                    "kind": "TokenRequest",
-                    "spec": {
-                        "expirationSeconds": 3600,
-                        "boundObjectRef": {
-                            "apiVersion": "v1",
-                            "kind": "Pod",
-                            "name": "node-agent",
-                            "uid": pod.json()["metadata"]["uid"],
-                        },
-                    },
-                },
-            )
-            assert token.status_code == 201, token.text
-            with _bearer(controlplane, token.json()["status"]["token"]) as agent:
+            with _bearer(controlplane, _agent_token(admin, ns, own)) as agent:
                 label = {"metadata": {"labels": {"gpufrac.io/test": "1"}}}
                 refused = _until_refused(lambda: _merge(agent, f"/api/v1/nodes/{other}", label, dryRun="All"))
                 assert refused.status_code == 403, refused.text
@@ -166,6 +170,53 @@ def test_a_node_agent_token_writes_only_its_own_node(
             params={"dryRun": "All"},
         )
         assert refused.status_code in (403, 404)
+
+
+def _slice(node: str, *, driver: str = keys.DRA_DRIVER_NAME) -> dict[str, Any]:
+    return {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceSlice",
+        "metadata": {"name": f"{node}-{driver}"},
+        "spec": {
+            "driver": driver,
+            "nodeName": node,
+            "pool": {"name": node, "generation": 1, "resourceSliceCount": 1},
+            "devices": [],
+        },
+    }
+
+
+def test_a_node_agent_token_writes_only_its_own_nodes_resourceslices_of_our_driver(
+    controlplane: ControlPlane, installed: dict[str, Any]
+) -> None:
+    ns = installed["namespace"]
+    suffix = uuid.uuid4().hex[:6]
+    own, other = f"gpu-a-{suffix}", f"gpu-b-{suffix}"
+    slices = "/apis/resource.k8s.io/v1/resourceslices"
+    with controlplane.http() as admin:
+        assert admin.post(slices, json=_slice(other)).status_code == 201  # another node's agent wrote it
+        try:
+            with _bearer(controlplane, _agent_token(admin, ns, own)) as agent:
+                refused = _until_refused(
+                    lambda: agent.post(slices, json=_slice(other), params={"dryRun": "All"})
+                )
+                assert refused.status_code == 403, refused.text
+                assert (
+                    f"may write only ResourceSlices of driver {keys.DRA_DRIVER_NAME} for its own node"
+                    in refused.text
+                )
+                assert f"this token is bound to node {own}" in refused.text
+                # Its own node's slice: allowed, for real; another driver's slice on its node, or changing
+                # or deleting another node's slice: refused.
+                assert agent.post(slices, json=_slice(own)).status_code == 201
+                assert agent.post(slices, json=_slice(own, driver="gpu.example.com")).status_code == 403
+                bumped = {"spec": {"pool": {"name": other, "generation": 2, "resourceSliceCount": 1}}}
+                assert _merge(agent, f"{slices}/{other}-{keys.DRA_DRIVER_NAME}", bumped).status_code == 403
+                assert agent.delete(f"{slices}/{other}-{keys.DRA_DRIVER_NAME}").status_code == 403
+                assert admin.get(f"{slices}/{other}-{keys.DRA_DRIVER_NAME}").status_code == 200
+        finally:
+            for node in (own, other):
+                admin.delete(f"{slices}/{node}-{keys.DRA_DRIVER_NAME}")
 
 
 @pytest.fixture

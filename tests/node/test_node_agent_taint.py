@@ -57,3 +57,46 @@ async def test_the_agent_taints_its_node_unless_told_not_to(
     assert node.metadata.labels[keys.MANAGED_LABEL] == "true"  # the GPUs are published either way
     assert keys.NODE_GPUS_ANNOTATION in (node.metadata.annotations or {})
     assert managed_taints(node) == ([keys.MANAGED_TAINT_KEY] if tainted else [])
+
+
+async def test_with_dra_the_agent_publishes_its_slice_and_registers_with_the_kubelet(
+    client: AsyncClient, node_name: str, tmp_path: Path
+) -> None:
+    import shutil
+    import tempfile
+
+    from lightkube.resources.resource_v1 import ResourceSlice
+
+    from gpufrac.node.dra.slices import slice_name
+
+    kubelet_dir = Path(tempfile.mkdtemp(prefix="kubelet-"))  # short: unix socket paths are limited
+
+    settings = load_settings(
+        None,
+        node_name=node_name,
+        backend="simulated",
+        sim_gpus="1xH100-80GB",
+        state_dir=tmp_path,
+        nri_socket=str(tmp_path / "nri.sock"),
+        dra=True,
+        kubelet_dir=kubelet_dir,
+        cdi_dir=tmp_path / "cdi",
+    )
+    agent = NodeAgent(settings=settings, client=client)
+    assert agent.publisher is not None and agent.dra_plugin is not None
+    await agent.publisher.publish_once()
+    published = await client.get(ResourceSlice, slice_name(node_name))
+    assert published.spec is not None and len(published.spec.devices or []) == 1
+    await agent.dra_plugin.start()
+    try:
+        assert agent.dra_plugin.registration_socket.is_socket()
+        assert agent.dra_plugin.registration_socket.parent == kubelet_dir / "plugins_registry"
+    finally:
+        await agent.dra_plugin.stop()
+        shutil.rmtree(kubelet_dir, ignore_errors=True)
+    assert not agent.dra_plugin.registration_socket.exists()
+
+
+def test_dra_without_publishing_is_refused_with_the_reason(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="dra=True with publish=False is invalid"):
+        load_settings(None, node_name="n", backend="simulated", sim_gpus="1xL4-24GB", dra=True, publish=False)

@@ -235,3 +235,20 @@ def test_the_agent_runs_only_where_the_gpu_operator_lets_gpu_clients_run(
         for term in required["nodeSelectorTerms"]
     ]
     assert any(t.matches(labels) for t in terms) is runs
+
+
+def test_dra_adds_the_driver_flags_and_the_kubelet_and_cdi_paths_only_when_enabled() -> None:
+    plain = render()
+    assert "--dra" not in container(plain)["args"]
+    assert "/var/run/cdi" not in mounts(plain)
+    ds = render(dra={"enabled": True})
+    assert {"--dra", "--kubelet-dir=/var/lib/kubelet", "--cdi-dir=/var/run/cdi"} <= set(container(ds)["args"])
+    got = mounts(ds)
+    # The kubelet dials the socket paths the agent reports, and the runtime reads the specs it writes:
+    # each is mounted at its host path, and of the kubelet's plugins only the driver's own directory.
+    assert got["/var/lib/kubelet/plugins_registry"][1:] == ("/var/lib/kubelet/plugins_registry", False)
+    assert got["/var/lib/kubelet/plugins/gpu.gpufrac.io"][1:] == (
+        "/var/lib/kubelet/plugins/gpu.gpufrac.io",
+        False,
+    )
+    assert got["/var/run/cdi"][1:] == ("/var/run/cdi", False)

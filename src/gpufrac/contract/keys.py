@@ -164,6 +164,35 @@ DEFAULT_SCHEDULER_NAME = "gpufrac-scheduler"
 PLACEMENT_POLICY_ANNOTATION = "gpufrac.io/placement-policy"
 
 
+# -- Dynamic Resource Allocation (resource.k8s.io/v1; docs/dra.md) ------------------------------------------
+
+#: The DRA driver name of gpufrac's node agent: its ResourceSlices, the DeviceClasses of the chart and
+#: the claims' allocations all carry it. A DNS subdomain of ours (at most 63 characters).
+DRA_DRIVER_NAME = "gpu.gpufrac.io"
+#: The consumable capacity of each published GPU device: usable MiB as the inventory reports them.
+#: A claim asks for its share with ``capacity.requests.memory``.
+DRA_MEMORY_CAPACITY = "memory"
+#: The consumable compute share of each GPU device, in percent of its SMs (value 100). An sm-sharing
+#: claim asks for its portion with ``capacity.requests.compute`` (``25``: MPS active-thread percentage 25);
+#: a claim that names none consumes 0, so time-slicing claims never use it up.
+DRA_COMPUTE_CAPACITY = "compute"
+#: Device attributes users select on (CEL: ``device.attributes["gpu.gpufrac.io"].model``). Names are
+#: C identifiers of at most 32 characters (resource.k8s.io/v1 ``DeviceMaxIDLength``).
+DRA_ATTRIBUTE_MODEL = "model"
+DRA_ATTRIBUTE_UUID = "uuid"
+DRA_ATTRIBUTE_INDEX = "index"
+DRA_ATTRIBUTE_DRIVER_MAJOR = "driverMajor"
+#: One boolean attribute per compute mode: whether the node can enforce that mode's limits right now
+#: (the same capability as the ``COMPUTE_MODE_LABEL_PREFIX`` labels); ``node.dra.slices`` maps the modes.
+DRA_ATTRIBUTE_TIME_SLICING = "timeSlicing"
+DRA_ATTRIBUTE_SM_SHARING = "smSharing"
+#: The opaque configuration each of the chart's DeviceClasses hands our driver with an allocation
+#: (``spec.config[].opaque.parameters``): ``{"apiVersion", "kind", "computeMode": <mode>}``. The kubelet
+#: plugin reads the compute mode of a claim from it.
+DRA_CONFIG_API_VERSION = "gpu.gpufrac.io/v1alpha1"
+DRA_CONFIG_KIND = "GpuShareConfig"
+#: The chart's DeviceClass per compute mode is ``<mode>.<driver>`` (``time-slicing.gpu.gpufrac.io``).
+
 #: The name the node agent registers with the runtime's NRI (``PluginIdentity``), and the one GPU
 #: containers require.
 NRI_PLUGIN_NAME = "gpufrac"

@@ -37,6 +37,8 @@ from types import TracebackType
 import httpx2
 from lightkube import AsyncClient, Client, KubeConfig
 
+from gpufrac.local.featuregates import feature_gates_flag
+
 BINARY_ENV = "GPUFRAC_CONTROLPLANE_BIN"
 REPO_ROOT = Path(__file__).resolve().parents[3]
 DEFAULT_BINARY = REPO_ROOT / "testenv" / "bin" / "gpufrac-controlplane"
@@ -71,6 +73,7 @@ class ControlPlane:
     finds the same objects and accepts the same credentials. Without one, a temporary directory is
     used and removed on ``stop()``. ``apiserver_args`` are passed to kube-apiserver after the
     control plane's own flags, so they override them (``--etcd-compaction-interval=2s``).
+    ``feature_gates`` defaults to the embedded cluster's one setting (``local.featuregates``).
     """
 
     def __init__(
@@ -79,13 +82,15 @@ class ControlPlane:
         data_dir: Path | None = None,
         binary: Path | None = None,
         apiserver_args: Sequence[str] = (),
+        feature_gates: dict[str, bool] | None = None,
         port: int = 0,
         start_timeout: float = 120.0,
         stop_timeout: float = 30.0,
     ) -> None:
         self._given_data_dir = Path(data_dir) if data_dir is not None else None
         self._binary = binary
-        self._apiserver_args = list(apiserver_args)
+        gates = feature_gates_flag(feature_gates)
+        self._apiserver_args = ([gates] if gates else []) + list(apiserver_args)
         self._port = port
         self._start_timeout = start_timeout
         self._stop_timeout = stop_timeout

@@ -56,6 +56,7 @@ from gpufrac.contract import keys
 from gpufrac.contract.keys import CDI_GPU_KIND
 from gpufrac.kube.errors import KubeError, api_errors
 from gpufrac.local import ociimage
+from gpufrac.local.featuregates import FEATURE_GATES
 from gpufrac.local.processes import Spawned, spawn, terminate
 from gpufrac.local.simnodes import NodeShape, gpu_uuid
 
@@ -253,6 +254,7 @@ def kubelet_config(*, root: Path, endpoint: str, port: int, healthz_port: int) -
         "imageGCHighThresholdPercent": 100,
         "imageGCLowThresholdPercent": 99,
         "serializeImagePulls": False,
+        "featureGates": dict(FEATURE_GATES),  # the embedded cluster's one setting (docs/dra.md)
     }
 
 
@@ -312,6 +314,7 @@ class RealNode:
         shape: NodeShape = NodeShape(gpus=4, model="H100-80GB"),
         agent_argv: Callable[[], list[str]],
         progress: Callable[[str], None] = lambda _msg: None,
+        dra: bool = False,
     ) -> None:
         self.name = name
         self.shape = shape
@@ -320,6 +323,7 @@ class RealNode:
         self.root = work_dir
         self.logs = logs
         self._agent_argv = agent_argv
+        self.dra = dra
         self._progress = progress
         self.bins = binaries()
         self.metrics_url = ""
@@ -408,6 +412,15 @@ class RealNode:
             await asyncio.to_thread(terminate, containerd.popen)
         await self._start_containerd()
 
+    async def restart_kubelet(self) -> None:
+        """Stop the kubelet (SIGTERM) and start it again on the same root, as a node upgrade does: running
+        pods stay, the kubelet finds its checkpoints (prepared DRA claims among them) and its plugins'
+        registration sockets again."""
+        kubelet, self._kubelet = self._kubelet, None
+        if kubelet is not None:
+            await asyncio.to_thread(terminate, kubelet.popen)
+        await self._start_kubelet()
+
     async def _containerd_answers(self) -> bool:
         if not self.containerd_socket.exists():
             return False
@@ -489,6 +502,12 @@ class RealNode:
             return
         shape = self.shape
         metrics_port = _free_port()
+        # The DRA driver's plugin sockets go under this kubelet's root and its CDI specs where containerd
+        # reads them (``containerd_config``); settings without a flag go through the config file.
+        config = self.root / "node-agent.yaml"
+        config.write_text(
+            yaml.safe_dump({"kubelet_dir": str(self.root / "kubelet"), "cdi_dir": str(self.root / "cdi")})
+        )
         self._agent = spawn(
             name="node-agent",
             argv=[
@@ -504,6 +523,8 @@ class RealNode:
                 "--health-port=0",
                 f"--metrics-port={metrics_port}",
                 "--log-format=text",
+                f"--config={config}",
+                *(["--dra"] if self.dra else []),
             ],
             logs=self.logs,
         )

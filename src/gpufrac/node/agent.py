@@ -41,6 +41,8 @@ from gpufrac.contract.quantities import MIB
 from gpufrac.kube.events import NORMAL, EventRecorder, ObjectRef
 from gpufrac.node import labels as names
 from gpufrac.node.config import NodeAgentSettings
+from gpufrac.node.dra.plugin import DraPlugin
+from gpufrac.node.dra.slices import ResourceSlicePublisher, device_name
 from gpufrac.node.driver_upgrade import DriverUpgradeWatch
 from gpufrac.node.gpu_faults import GpuFaultNotifier
 from gpufrac.node.gpustack import SIMULATED_STACK, GpuStackGate
@@ -203,6 +205,18 @@ class NodeAgent:
                     recorder=self.recorder if self.recorder is not None else _LoggedEvents(),
                 ).observe,
                 driver_upgrade=lambda: self.upgrading,
+                slices=ResourceSlicePublisher(client=client, node_name=settings.node_name)
+                if settings.dra
+                else None,
+            )
+        self.dra_plugin: DraPlugin | None = None
+        if settings.dra and client is not None:
+            self.dra_plugin = DraPlugin(
+                client=client,
+                devices=self._dra_devices,
+                kubelet_dir=settings.kubelet_dir,
+                cdi_dir=settings.cdi_dir,
+                pipe_root=str(settings.pipe_root),
             )
         # The heartbeat: the node's Lease, renewed (gpufrac.node.heartbeat), never a Node write.
         self.lease = (
@@ -222,6 +236,10 @@ class NodeAgent:
             healthy=lambda: (True, "event loop answering"),
             ready=self._ready,
         )
+
+    def _dra_devices(self) -> dict[str, str]:
+        """The DRA plugin's view of the GPUs: the usable ones of the agent's inventory (the slice's)."""
+        return {device_name(g): g.uuid for g in self._usable_gpus or ()}
 
     def _capability(self, driver: DriverVersion) -> NodeMpsCapability:
         if self.mps is not None:  # what the supervisor actually runs
@@ -416,6 +434,8 @@ class NodeAgent:
         except asyncio.CancelledError:
             sizes.cancel()
             raise
+        if self.dra_plugin is not None:  # after the first inventory read: prepare maps devices through it
+            await self.dra_plugin.start()
         tasks = [asyncio.create_task(self.plugin.run(), name="nri-plugin"), sizes]
         if self.publisher is not None:
             tasks.append(asyncio.create_task(self.publisher.run(), name="inventory-publisher"))
@@ -445,6 +465,8 @@ class NodeAgent:
                     await asyncio.wait_for(self.publisher.mark_stopped(), timeout=5)
                 except Exception as exc:  # the API may be gone too; shutting down must go on
                     log.warning("node agent: could not mark the node stopped: %s", exc)
+            if self.dra_plugin is not None:  # the CDI specs stay: prepared claims survive a restart
+                await self.dra_plugin.stop()
             for task in tasks[:2]:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)

@@ -83,6 +83,19 @@ def node_agent(
         "--taint/--no-taint",
         help="Taint the node gpufrac.io/managed (default); --no-taint when KAI Scheduler places GPU pods.",
     ),
+    kubelet_dir: Path | None = typer.Option(
+        None,
+        "--kubelet-dir",
+        help="The kubelet's root, for the DRA plugin's sockets (default /var/lib/kubelet).",
+    ),
+    cdi_dir: Path | None = typer.Option(
+        None, "--cdi-dir", help="Where the DRA plugin writes claims' CDI specs (default /var/run/cdi)."
+    ),
+    dra: bool | None = typer.Option(
+        None,
+        "--dra/--no-dra",
+        help="Be the DRA driver: ResourceSlice and kubelet plugin (docs/dra.md). Default: off.",
+    ),
     fail_open: bool | None = typer.Option(
         None,
         "--fail-open/--fail-closed",
@@ -130,6 +143,9 @@ def node_agent(
             kubeconfig=kubeconfig,
             publish=publish,
             taint=taint,
+            dra=dra,
+            kubelet_dir=kubelet_dir,
+            cdi_dir=cdi_dir,
             nri_socket=nri_socket,
             backend=backend,
             sim_gpus=sim_gpus,

@@ -40,6 +40,15 @@ class NodeAgentSettings(BaseModel):
         description="taint the Node gpufrac.io/managed=true:NoSchedule so that only gpufrac's scheduler "
         "places pods on it; off when another scheduler (KAI Scheduler) places the GPU pods",
     )
+    dra: bool = Field(
+        False,
+        description="the DRA driver gpu.gpufrac.io (docs/dra.md): publish the node's GPUs as a ResourceSlice "
+        "and serve the kubelet's DRA plugin; off by default until it is tested on a real kubelet",
+    )
+    kubelet_dir: Path = Field(
+        Path("/var/lib/kubelet"), description="the kubelet's root: plugins_registry/ and plugins/ (DRA)"
+    )
+    cdi_dir: Path = Field(Path("/var/run/cdi"), description="where the DRA plugin writes claims' CDI specs")
     nri_socket: str = DEFAULT_SOCKET
     plugin_name: str = keys.NRI_PLUGIN_NAME  # the webhook names it in every GPU pod's required plugins
     plugin_index: str = Field("10", pattern=r"^[0-9]{2}$")
@@ -132,6 +141,15 @@ class NodeAgentSettings(BaseModel):
             raise ValueError(
                 f"cdi_kind={self.cdi_kind!r} is invalid: it must be a CDI kind vendor/class "
                 "(e.g. nvidia.com/gpu), or empty to request no CDI devices"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _dra_publishes(self) -> NodeAgentSettings:
+        if self.dra and not self.publish:
+            raise ValueError(
+                "dra=True with publish=False is invalid: the DRA driver publishes the GPUs as a "
+                "ResourceSlice and maps claims back through the same inventory, so it needs publish"
             )
         return self
 

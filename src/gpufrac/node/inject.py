@@ -140,7 +140,9 @@ def plan_container(
     placed = next((c for c in read_binding(annotations) if c.container == container), None)
     if placed is None:
         return None, ()
-    plan = _plan(placed, pipe_source=pipe_source, container_pipe_dir=container_pipe_dir, cdi_kind=cdi_kind)
+    plan = plan_bound(
+        placed, pipe_source=pipe_source, container_pipe_dir=container_pipe_dir, cdi_kind=cdi_kind
+    )
     present = {entry.partition("=")[0] for entry in env}
     return plan, tuple(key for key in ENFORCEMENT_ENV if key in present)
 
@@ -151,9 +153,16 @@ def cdi_requests(devices: Iterable[str], *, cdi_kind: str) -> tuple[str, ...]:
     return tuple(d if is_cdi_name(d) else f"{cdi_kind}={d}" for d in devices if cdi_kind or is_cdi_name(d))
 
 
-def _plan(
-    placed: BoundContainer, *, pipe_source: str, container_pipe_dir: str, cdi_kind: str
+def plan_bound(
+    placed: BoundContainer,
+    *,
+    pipe_source: str,
+    container_pipe_dir: str = CONTAINER_PIPE_DIR,
+    cdi_kind: str = "",
 ) -> InjectionPlan:
+    """The injection for one placed container, however it was placed: the NRI path reads ``placed`` from
+    the binder's annotations (``plan_container``), the DRA path from a claim's allocation
+    (``gpufrac.node.dra.prepare``). One planner, so both front doors enforce the same way."""
     devices = placed.devices
     env: list[tuple[str, str]] = [(NVIDIA_VISIBLE_DEVICES, ",".join(devices))]
     mounts: tuple[Mount, ...] = ()

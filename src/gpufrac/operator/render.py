@@ -39,6 +39,7 @@ import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from gpufrac.contract import keys
 from gpufrac.contract.gpu_operator import DEPLOY_CLIENT_ALLOWED, DEPLOY_CLIENT_LABEL
 from gpufrac.contract.keys import GPU_COUNT_LABEL, managed_toleration
 from gpufrac.operator.resource import API_VERSION, KIND, ConfigSpec
@@ -57,6 +58,10 @@ MPS_PIPE_DIR = "/run/nvidia/mps"
 MPS_LOG_DIR = "/var/log/nvidia-mps"
 PROC_ROOT = "/host/proc"
 CONTAINERD_RUN_DIR = "/run/containerd"
+#: The kubelet's root (plugin registration and plugin sockets) and the CDI spec directory the runtime
+#: reads: the DRA driver's sockets and specs must sit at these host paths (docs/dra.md).
+KUBELET_DIR = "/var/lib/kubelet"
+CDI_DIR = "/var/run/cdi"
 MAX_NAME = 63
 
 #: Host memory of the agent container: the agent process itself (Python, the NRI connection, the usage
@@ -129,6 +134,8 @@ def agent_args(config: ConfigSpec) -> list[str]:
         args.append(f"--gpu-device-plugin-version={agent.gpu_device_plugin_version}")
     if agent.allow_unsupported_gpu_stack:
         args.append("--allow-unsupported-gpu-stack")
+    if agent.dra_enabled:
+        args += ["--dra", f"--kubelet-dir={KUBELET_DIR}", f"--cdi-dir={CDI_DIR}"]
     args += [f"--log-level={agent.log_level}", "--log-format=json"]
     return args
 
@@ -159,6 +166,12 @@ def _mounts(config: ConfigSpec) -> tuple[list[Volume], list[Mount]]:
     ]
     if config.agent.mps_enabled:
         pairs.append(_host_dir("mps-logs", MPS_LOG_DIR))
+    if config.agent.dra_enabled:  # the kubelet dials the paths the agent names: same path inside and out
+        pairs += [
+            _host_dir("plugins-registry", f"{KUBELET_DIR}/plugins_registry"),
+            _host_dir("dra-plugin", f"{KUBELET_DIR}/plugins/{keys.DRA_DRIVER_NAME}"),
+            _host_dir("cdi", CDI_DIR),
+        ]
     return [v for v, _ in pairs], [m for _, m in pairs]
 
 

@@ -51,6 +51,7 @@ class AgentSpec:
     gpu_toolkit_version: str | None = None
     gpu_device_plugin_version: str | None = None
     allow_unsupported_gpu_stack: bool = False
+    dra_enabled: bool = False
     metrics_port: int = DEFAULT_METRICS_PORT
     health_port: int = DEFAULT_HEALTH_PORT
     nri_socket: str = DEFAULT_NRI_SOCKET
@@ -104,6 +105,7 @@ def read_config(config: Any) -> ConfigSpec:
             gpu_toolkit_version=stack.get("toolkitVersion") or None,
             gpu_device_plugin_version=stack.get("devicePluginVersion") or None,
             allow_unsupported_gpu_stack=bool(stack.get("allowUnsupported", False)),
+            dra_enabled=bool((agent.get("dra") or {}).get("enabled", False)),
             metrics_port=int(agent.get("metricsPort", DEFAULT_METRICS_PORT)),
             health_port=int(agent.get("healthPort", DEFAULT_HEALTH_PORT)),
             nri_socket=agent.get("nriSocket") or DEFAULT_NRI_SOCKET,

@@ -30,6 +30,11 @@ of our own keys only, and a strategic merge of the one condition, so the kubelet
 are never touched. ``mark_stopped`` (SIGTERM) sets the condition to False so that the scheduler stops
 placing GPU pods while nothing would enforce their limits.
 
+With ``slices`` (the DRA driver, ``gpufrac.node.dra.slices``) the same read also keeps the node's
+ResourceSlice current: it follows every change of the inventory and the capability, from the same
+poll, so the annotation and the slice never tell two stories. A failed slice write is logged and
+retried at the next interval without holding up the Node.
+
 Another node stack on the same node. NVIDIA's GPU-fractioning operator writes the same condition type
 for its own daemons (``fractiond``, ``mpsd``), with reasons of its own. Before each write the agent reads
 the Node back: a condition whose reason is none of gpufrac's (``keys.NODE_AGENT_REASONS``), or one that
@@ -62,6 +67,7 @@ from gpufrac.kube.errors import Conflict, KubeError, api_errors
 from gpufrac.kube.events import WARNING, ObjectRef
 from gpufrac.kube.patch import merge_patch
 from gpufrac.node import labels as names
+from gpufrac.node.dra.slices import ResourceSlicePublisher
 from gpufrac.node.enforcement_audit import EventSink
 from gpufrac.node.gpustack import GATE_LABEL, GpuStackGate, StackVerdict
 from gpufrac.node.inventory.backend import GpuInventoryBackend, InventoryUnavailable, NodeInventory
@@ -236,6 +242,7 @@ class InventoryPublisher:
         mps_reserve: bool = False,
         on_inventory: Callable[[NodeInventory], None] | None = None,
         driver_upgrade: Callable[[], str | None] | None = None,
+        slices: ResourceSlicePublisher | None = None,
     ) -> None:
         """``stack_gate``: the GPU stack gate (``gpufrac.node.gpustack``) readiness is withheld by.
         ``memory_reserve`` / ``mps_reserve``: publish usable memory (``desired_state``).
@@ -254,6 +261,9 @@ class InventoryPublisher:
         self._resync_s = resync_s
         self._taint = taint
         self._events = events
+        self._slices = slices
+        #: What the last read saw (None: the inventory could not be read) and the capability it implied.
+        self._read: tuple[NodeInventory | None, NodeMpsCapability | None] = (None, None)
         self._changed = asyncio.Event()
         self.published: NodeState | None = None
         self.inventory: NodeInventory | None = None  # the last successful read
@@ -284,6 +294,7 @@ class InventoryPublisher:
         try:
             inventory = await asyncio.to_thread(self._backend.read)
         except InventoryUnavailable as exc:
+            self._read = (None, None)
             return desired_state(inventory=None, unavailable=str(exc))
         self.inventory = inventory
         if self._on_inventory is not None:
@@ -299,6 +310,7 @@ class InventoryPublisher:
         if self._capability is not None and driver is not None:
             capability = self._capability(driver)
         stack = await self._stack_gate.verdict(driver=driver) if self._stack_gate is not None else None
+        self._read = (self._packable(inventory), capability)
         return desired_state(
             inventory=inventory,
             capability=capability,
@@ -307,6 +319,17 @@ class InventoryPublisher:
             stack=stack,
             reserve=self._memory_reserve,
             mps_reserve=self._mps_reserve,
+        )
+
+    def _packable(self, inventory: NodeInventory) -> NodeInventory:
+        """``inventory`` with each GPU's memory as the scheduler may pack it (``desired_state``'s ``mib``),
+        so the DRA slice offers what the annotation path offers, never the driver's or MPS's reserve."""
+        if self._memory_reserve is None:
+            return inventory
+        reserve, mps = self._memory_reserve, self._mps_reserve
+        return replace(
+            inventory,
+            gpus=tuple(replace(g, mib=usable_mib(g, settings=reserve, mps=mps)) for g in inventory.gpus),
         )
 
     def _capability_of(self, inventory: NodeInventory | None) -> NodeMpsCapability | None:
@@ -339,6 +362,11 @@ class InventoryPublisher:
                 )
             self._desired = state
             self.publishes += 1
+        if self._slices is not None:
+            try:
+                await self._slices.sync(inventory=self._read[0], capability=self._read[1], force=due)
+            except KubeError as exc:
+                log.warning("dra: could not update ResourceSlice %s: %s", self._slices.name, exc)
         self.published = self._shown(state)
         return self.published
 

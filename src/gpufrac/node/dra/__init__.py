@@ -1,0 +1,1 @@
+"""The node agent's Dynamic Resource Allocation driver (docs/dra.md): ResourceSlices for its GPUs."""

@@ -1,0 +1,313 @@
+"""A claim's allocation -> the CDI spec that carries its share into the container (the kubelet plugin's
+NodePrepareResources, minus the gRPC).
+
+The kubelet asks the DRA driver to prepare a claim before it starts the pod's containers; the driver
+answers with CDI device names, and the runtime applies those devices' container edits. gpufrac's edits
+are the injection the NRI path gives an annotation pod: the claim's allocation is read into the same
+``BoundContainer`` the binder's annotations become, and ``gpufrac.node.inject.plan_bound`` -- the one
+planner -- turns it into env and mounts. Only the delivery differs: NRI adjusts the container, here a
+CDI spec file does.
+
+Reading an allocation (``status.allocation.devices``, resource.k8s.io/v1):
+
+- each result of our driver is one GPU share: ``device`` names a device of our ResourceSlice
+  (``gpufrac.node.dra.slices.device_name``), mapped back to the GPU's UUID through the node's inventory;
+- ``consumedCapacity.memory`` (consumable capacity, KEP-5075) is the share, rounded up to whole MiB as
+  the contract rounds quantities; request and limit are both that amount. A result without it (the
+  ``DRAConsumableCapacity`` gate off) holds the whole device: an exclusive GPU, nothing to cap;
+- ``consumedCapacity.compute`` (percent of the SMs) of an sm-sharing share is its compute portion, which
+  the planner turns into MPS's active-thread percentage as for annotation pods; 0 or none: no ceiling;
+- the compute mode comes from our driver's opaque configuration (the chart's DeviceClasses set it, a
+  claim may set it too; the claim's own config is applied after the class's, the later wins), default
+  time-slicing as in the annotation contract.
+
+The spec is one file per claim, written atomically (temporary file, then rename) and removed at
+unprepare; writing it again gives the same file, removing a missing one is fine. Each share's MPS leaf
+directory is made at prepare (the runtime bind-mounts it) and removed with the spec when empty. Those
+files are the only state, so a restarted agent neither loses nor doubles a prepared claim.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from gpufrac.contract import keys
+from gpufrac.contract.errors import ContractError
+from gpufrac.contract.quantities import parse_mib
+from gpufrac.contract.render import BoundContainer
+from gpufrac.contract.request import ComputeMode
+from gpufrac.node.inject import InjectionPlan, pipe_leaf, plan_bound
+
+#: The CDI kind of the specs this driver writes: ``gpu.gpufrac.io/claim=<claim uid>-<device>``.
+CDI_KIND = f"{keys.DRA_DRIVER_NAME}/claim"
+CDI_VERSION = "0.6.0"
+#: Device annotations of our specs (CDI 0.6.0): which GPU a share is on and in which compute mode, so
+#: that the node can tell, from the specs alone, what a GPU already holds.
+MODE_ANNOTATION = f"{keys.DRA_DRIVER_NAME}/compute-mode"
+UUID_ANNOTATION = f"{keys.DRA_DRIVER_NAME}/uuid"
+#: Where CDI-enabled runtimes look for specs (containerd's and CRI-O's default ``cdi_spec_dirs``).
+DEFAULT_CDI_DIR = Path("/var/run/cdi")
+_COMPUTE_MODE_FIELD = "computeMode"
+
+
+class AllocationError(ValueError):
+    """A claim's allocation that cannot be prepared; the message names the field, the value and why."""
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedShare:
+    """One allocated device of a claim and what its container gets."""
+
+    request: str
+    pool: str
+    device: str
+    plan: InjectionPlan
+    cdi_device_ids: tuple[str, ...]
+
+
+def _mode(config: Iterable[Mapping[str, Any]], request: str) -> ComputeMode:
+    mode = ComputeMode.TIME_SLICING
+    ordered = sorted(
+        config, key=lambda c: c.get("source") == "FromClaim"
+    )  # the claim's own after the class's
+    for entry in ordered:
+        opaque = entry.get("opaque") or {}
+        if opaque.get("driver") != keys.DRA_DRIVER_NAME:
+            continue
+        requests = entry.get("requests") or []
+        if requests and request not in requests and request.split("/")[0] not in requests:
+            continue
+        parameters = opaque.get("parameters") or {}
+        where = f"status.allocation.devices.config opaque parameters of driver {keys.DRA_DRIVER_NAME}"
+        if (parameters.get("apiVersion"), parameters.get("kind")) != (
+            keys.DRA_CONFIG_API_VERSION,
+            keys.DRA_CONFIG_KIND,
+        ):
+            raise AllocationError(
+                f"{where}: apiVersion/kind {parameters.get('apiVersion')!r}/{parameters.get('kind')!r} is "
+                f"invalid: it must be {keys.DRA_CONFIG_API_VERSION!r}/{keys.DRA_CONFIG_KIND!r}"
+            )
+        if _COMPUTE_MODE_FIELD in parameters:
+            value = parameters[_COMPUTE_MODE_FIELD]
+            try:
+                mode = ComputeMode(value)
+            except ValueError:
+                known = " or ".join(m.value for m in ComputeMode)
+                raise AllocationError(
+                    f"{where}: {_COMPUTE_MODE_FIELD}={json.dumps(value)} is invalid: it must be {known}"
+                ) from None
+    return mode
+
+
+def _portion(result: Mapping[str, Any]) -> float | None:
+    """An sm-sharing share's compute portion from its consumed ``compute`` percent (None: 0 or absent,
+    no thread ceiling)."""
+    consumed = (result.get("consumedCapacity") or {}).get(keys.DRA_COMPUTE_CAPACITY)
+    if consumed is None:
+        return None
+    field = f"consumedCapacity.{keys.DRA_COMPUTE_CAPACITY}"
+    try:
+        percent = float(str(consumed))
+    except ValueError:
+        raise AllocationError(
+            f"{field}={json.dumps(str(consumed))} is invalid: it must be a whole percent from 0 to 100"
+        ) from None
+    if not 0 <= percent <= 100:
+        raise AllocationError(f"{field}={json.dumps(str(consumed))} is invalid: it must be from 0 to 100")
+    return percent / 100 if percent > 0 else None
+
+
+def prepare_claim(
+    claim: Mapping[str, Any],
+    *,
+    uuids: Mapping[str, str],
+    pipe_root: str,
+    cdi_kind: str = keys.CDI_GPU_KIND,
+) -> tuple[PreparedShare, ...]:
+    """Pure: the shares of ``claim`` (a ResourceClaim as a dict) that this driver prepares.
+
+    ``uuids`` maps our device names to GPU UUIDs (the node's inventory); ``pipe_root`` is the host
+    directory under which each share gets its MPS leaf; ``cdi_kind`` names the GPU's own CDI device (the
+    NVIDIA toolkit's spec, which adds the device nodes and the memory-limit hook). Raises
+    ``AllocationError``.
+    """
+    metadata = claim.get("metadata") or {}
+    uid = str(metadata.get("uid") or "")
+    allocation = (claim.get("status") or {}).get("allocation")
+    if not uid or allocation is None:
+        raise AllocationError(
+            f"ResourceClaim {metadata.get('namespace')}/{metadata.get('name')} is not allocated: "
+            "status.allocation is empty, so there is nothing to prepare"
+        )
+    devices = allocation.get("devices") or {}
+    config = devices.get("config") or []
+    shares: list[PreparedShare] = []
+    for result in devices.get("results") or []:
+        if result.get("driver") != keys.DRA_DRIVER_NAME:
+            continue
+        device = str(result.get("device"))
+        request = str(result.get("request"))
+        uuid = uuids.get(device)
+        if uuid is None:
+            raise AllocationError(
+                f"status.allocation.devices.results device={json.dumps(device)} is invalid: this node "
+                "publishes no such GPU (it was withdrawn, or the claim was allocated on another node)"
+            )
+        consumed = (result.get("consumedCapacity") or {}).get(keys.DRA_MEMORY_CAPACITY)
+        mib: int | None = None
+        if consumed is not None:
+            try:
+                mib = parse_mib(str(consumed), key=f"consumedCapacity.{keys.DRA_MEMORY_CAPACITY}")
+            except ContractError as exc:
+                raise AllocationError(str(exc)) from None
+        mode = _mode(config, request)
+        bound = BoundContainer(
+            container=request,
+            devices=(uuid,),
+            mode=mode,
+            request_mib=mib,
+            limit_mib=mib,
+            compute_portion=_portion(result) if mode is ComputeMode.SM_SHARING else None,
+            exclusive=mib is None,
+        )
+        name = cdi_device_name(uid, device)
+        plan = plan_bound(bound, pipe_source=pipe_leaf(root=pipe_root, container_id=name), cdi_kind=cdi_kind)
+        shares.append(
+            PreparedShare(
+                request=request,
+                pool=str(result.get("pool")),
+                device=device,
+                plan=plan,
+                cdi_device_ids=(f"{CDI_KIND}={name}", *plan.cdi_devices),
+            )
+        )
+    return tuple(shares)
+
+
+def cdi_device_name(claim_uid: str, device: str) -> str:
+    return f"{claim_uid}-{device}"
+
+
+def cdi_spec(claim_uid: str, shares: Iterable[PreparedShare]) -> dict[str, Any]:
+    """The CDI spec (one device per share) with each share's env and mounts as container edits."""
+    return {
+        "cdiVersion": CDI_VERSION,
+        "kind": CDI_KIND,
+        "devices": [
+            {
+                "name": cdi_device_name(claim_uid, share.device),
+                "annotations": {
+                    MODE_ANNOTATION: share.plan.bound.mode.value,
+                    UUID_ANNOTATION: share.plan.bound.devices[0],
+                },
+                "containerEdits": {
+                    "env": [f"{key}={value}" for key, value in share.plan.env],
+                    "mounts": [
+                        {"hostPath": m.source, "containerPath": m.destination, "options": list(m.options)}
+                        for m in share.plan.mounts
+                    ],
+                },
+            }
+            for share in shares
+        ],
+    }
+
+
+def spec_path(cdi_dir: Path, claim_uid: str) -> Path:
+    return cdi_dir / f"{keys.DRA_DRIVER_NAME}-{claim_uid}.json"
+
+
+def write_spec(cdi_dir: Path, claim_uid: str, spec: Mapping[str, Any]) -> Path:
+    """Write the claim's spec atomically: a runtime never reads half a file, a rerun rewrites the same."""
+    cdi_dir.mkdir(parents=True, exist_ok=True)
+    path = spec_path(cdi_dir, claim_uid)
+    fd, tmp = tempfile.mkstemp(dir=cdi_dir, prefix=".", suffix=".tmp")  # not *.json: runtimes scan those
+    try:
+        with os.fdopen(fd, "w") as out:
+            json.dump(spec, out, indent=2, sort_keys=True)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def modes_in_use(cdi_dir: Path, *, other_than: str) -> dict[str, dict[str, set[str]]]:
+    """GPU UUID -> compute mode -> the claim UIDs prepared with it, from the specs in ``cdi_dir`` (the
+    claim ``other_than`` left out: a retried prepare does not conflict with itself)."""
+    found: dict[str, dict[str, set[str]]] = {}
+    prefix = f"{keys.DRA_DRIVER_NAME}-"
+    for path in cdi_dir.glob(f"{prefix}*.json") if cdi_dir.is_dir() else ():
+        uid = path.name[len(prefix) : -len(".json")]
+        if uid == other_than:
+            continue
+        try:
+            spec = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue  # removed meanwhile, or not ours to judge
+        for device in spec.get("devices") or []:
+            notes = device.get("annotations") or {}
+            if MODE_ANNOTATION in notes and UUID_ANNOTATION in notes:
+                found.setdefault(notes[UUID_ANNOTATION], {}).setdefault(notes[MODE_ANNOTATION], set()).add(
+                    uid
+                )
+    return found
+
+
+def refuse_mixed_modes(
+    shares: Iterable[PreparedShare], *, in_use: Mapping[str, Mapping[str, set[str]]]
+) -> None:
+    """One compute mode per GPU holds for claims too: a share whose GPU already holds prepared claims of
+    the other mode is refused (``AllocationError``), so the pod does not start instead of mixing modes.
+
+    The stock kube-scheduler does not know the rule, so this is the node's last word, not placement:
+    such a pod waits in ContainerCreating with the reason in its Events (docs/dra.md)."""
+    for share in shares:
+        uuid = share.plan.bound.devices[0]
+        mode = share.plan.bound.mode.value
+        others = {m: uids for m, uids in (in_use.get(uuid) or {}).items() if m != mode and uids}
+        if others:
+            held = "; ".join(
+                f"{m} by claim(s) {', '.join(sorted(uids))}" for m, uids in sorted(others.items())
+            )
+            raise AllocationError(
+                f"request {share.request} asks for {mode} on GPU {uuid}, which is held in {held}: one "
+                "compute mode per GPU (modes never mix on a GPU); the claim waits until those are released"
+            )
+
+
+def make_pipe_leaves(shares: Iterable[PreparedShare]) -> None:
+    """Create each share's MPS leaf directory on the host before the runtime bind-mounts it (the NRI path
+    makes its leaf at CreateContainer; a claim's is made at prepare)."""
+    for share in shares:
+        for mount in share.plan.mounts:
+            os.makedirs(mount.source, mode=0o755, exist_ok=True)
+
+
+def remove_spec(cdi_dir: Path, claim_uid: str, *, pipe_root: str | None = None) -> bool:
+    """Remove the claim's spec and, with ``pipe_root``, the empty leaf directories it mounted from there
+    (never anything else); False when there was no spec (unprepare twice, or never prepared)."""
+    path = spec_path(cdi_dir, claim_uid)
+    try:
+        spec = json.loads(path.read_text())
+    except FileNotFoundError:
+        return False
+    except (OSError, ValueError):
+        spec = {}
+    if pipe_root is not None:
+        root = pipe_root.rstrip("/") + "/"
+        for device in spec.get("devices") or []:
+            for mount in (device.get("containerEdits") or {}).get("mounts") or []:
+                source = str(mount.get("hostPath") or "")
+                if source.startswith(root) and "/" not in source[len(root) :]:
+                    with contextlib.suppress(OSError):  # gone already, or not empty: leave it
+                        os.rmdir(source)
+    path.unlink(missing_ok=True)
+    return True
