@@ -80,8 +80,8 @@ async def test_the_slice_publishes_each_usable_gpu_as_a_shareable_device(
     akube: AsyncClient, node_name: str
 ) -> None:
     backend = SimulatedInventory(node_name=node_name, spec=parse_flag("2xH100-80GB"))
-    # Every poll is a heartbeat: the stored slice is read back and compared each time.
-    pub = publisher(akube, node_name, backend, heartbeat_s=0.0)
+    # Every poll is a re-sync: the stored slice is read back and compared each time.
+    pub = publisher(akube, node_name, backend, resync_s=0.0)
     await pub.publish_once()
 
     obj = await stored(akube, node_name)
@@ -170,9 +170,9 @@ async def test_the_slice_follows_the_inventory_and_the_capability(akube: AsyncCl
             await task
 
 
-async def test_a_deleted_slice_is_recreated_at_the_heartbeat(akube: AsyncClient, node_name: str) -> None:
+async def test_a_deleted_slice_is_recreated_at_the_resync(akube: AsyncClient, node_name: str) -> None:
     backend = SimulatedInventory(node_name=node_name, spec=parse_flag("1xA100-40GB"))
-    pub = publisher(akube, node_name, backend, interval_s=0.05, heartbeat_s=0.2)
+    pub = publisher(akube, node_name, backend, interval_s=0.05, resync_s=0.2)
     await pub.publish_once()
     await akube.delete(ResourceSlice, slice_name(node_name))
     task = asyncio.create_task(pub.run())
@@ -193,13 +193,14 @@ async def test_a_deleted_slice_is_recreated_at_the_heartbeat(akube: AsyncClient,
 async def test_without_the_gate_the_agent_reports_that_gpus_cannot_be_shared(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    # A Kubernetes 1.34 API server as it comes: DRAConsumableCapacity is alpha and off.
-    with ControlPlane(feature_gates={}) as cp:
+    # An API server without consumable capacity: 1.34/1.35 as they come (alpha, off), or a newer one
+    # with the beta gate turned off.
+    with ControlPlane(feature_gates={"DRAConsumableCapacity": False}) as cp:
         client = cp.async_client()
         try:
             name = await make_node(client)
             backend = SimulatedInventory(node_name=name, spec=parse_flag("1xH100-80GB"))
-            pub = publisher(client, name, backend, heartbeat_s=0.0)
+            pub = publisher(client, name, backend, resync_s=0.0)
             await pub.publish_once()
             spec = (await stored(client, name))["spec"]
             assert "allowMultipleAllocations" not in spec["devices"][0]

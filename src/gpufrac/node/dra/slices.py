@@ -146,7 +146,7 @@ def desired_devices(
 
 def _without_gated(devices: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """``devices`` as an API server without ``DRAConsumableCapacity`` stores them (the gated fields
-    dropped), so that a heartbeat there does not rewrite the same slice with a new generation."""
+    dropped), so that a re-sync there does not rewrite the same slice with a new generation."""
     out = []
     for device in devices:
         kept = {k: v for k, v in device.items() if k != "allowMultipleAllocations"}
