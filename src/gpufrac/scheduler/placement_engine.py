@@ -39,6 +39,12 @@ class PlacementEngine(Protocol):
     def forget(self, uid: str) -> bool:
         """Give back everything ``uid`` holds; False when it held nothing."""
 
+    def nominate(self, pod: PendingPod, node: str | None) -> None:
+        """Hold room on ``node`` for a pending pod a preemptor nominated there (None: stop)."""
+
+    def set_namespace(self, name: str, labels: dict[str, str]) -> None:
+        """A namespace's labels, for affinity terms that select namespaces by label."""
+
     def ledger(self, node: str) -> list[GpuLedger]:
         """The GPUs of ``node`` as ledgers (for metrics)."""
 

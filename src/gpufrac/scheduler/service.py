@@ -46,7 +46,7 @@ from typing import Any
 
 import httpx2
 from lightkube import AsyncClient
-from lightkube.resources.core_v1 import Node, Pod
+from lightkube.resources.core_v1 import Namespace, Node, PersistentVolume, PersistentVolumeClaim, Pod
 
 from gpufrac.contract.errors import InvalidPodRequest
 from gpufrac.contract.request import PodGpuRequest
@@ -66,12 +66,14 @@ from gpufrac.scheduler.objects import (
     agent_heartbeat,
     bound_placement,
     gpu_request,
+    host_request,
     node_spec,
     pending_pod,
     pod_queue,
     queue_label,
 )
 from gpufrac.scheduler.placement_engine import PlacementEngine
+from gpufrac.scheduler.pod_fields import RefusedPod, refused_fields, scheduling_gates, volume_terms
 from gpufrac.scheduler.scheduling_queue import SchedulingQueue
 
 log = logging.getLogger(__name__)
@@ -161,6 +163,21 @@ class SchedulerService:
         self.pods.add_handler(_Handler(changed=self._pod_changed, deleted=self._pod_deleted))
         self.foreign_pods.add_handler(_Handler(changed=self._foreign_changed, deleted=self._pod_deleted))
         self.nodes.add_handler(_Handler(changed=self._node_changed, deleted=self._node_deleted))
+        # Pod fields kube-scheduler honours (#19): namespace labels for affinity terms' namespaceSelector,
+        # and the claims and volumes whose node affinity a pod inherits.
+        self.namespaces: Informer[Namespace] = Informer(client=client, resource=Namespace, name="namespaces")
+        self.claims: Informer[PersistentVolumeClaim] = Informer(
+            client=client,
+            resource=PersistentVolumeClaim,
+            selection=Selection(namespace=ALL_NAMESPACES),
+            name="claims",
+        )
+        self.volumes: Informer[PersistentVolume] = Informer(
+            client=client, resource=PersistentVolume, name="volumes"
+        )
+        self.namespaces.add_handler(_Handler(changed=self._namespace_changed, deleted=self._storage_changed))
+        self.claims.add_handler(_Handler(changed=self._storage_changed, deleted=self._storage_changed))
+        self.volumes.add_handler(_Handler(changed=self._storage_changed, deleted=self._storage_changed))
 
         election = config.leader_election
         self.elector: LeaderElector | None = None
@@ -239,8 +256,8 @@ class SchedulerService:
     # -- running ------------------------------------------------------------------------------------------
 
     @property
-    def _informers(self) -> tuple[Informer[Pod], Informer[Pod], Informer[Node]]:
-        return (self.pods, self.foreign_pods, self.nodes)
+    def _informers(self) -> tuple[Informer[Any], ...]:
+        return (self.pods, self.foreign_pods, self.nodes, self.namespaces, self.claims, self.volumes)
 
     @property
     def probe_port(self) -> int:
@@ -358,6 +375,10 @@ class SchedulerService:
                 continue  # deleted (or replaced by a new pod of the same name) since it was queued
             if (pod.spec and pod.spec.nodeName) or uid in self._held or uid in self._in_flight:
                 continue
+            if scheduling_gates(pod):
+                # Not placed until its gates are gone; removing one is a spec update, which queues it.
+                self.queue.remove(uid)
+                continue
             try:
                 if stale_binding_keys(pod.metadata.annotations or {}):
                     self._in_flight.add(uid)
@@ -394,14 +415,23 @@ class SchedulerService:
             gpu = gpu_request(pod)
         except InvalidPodRequest as error:
             return str(error)
+        refused = refused_fields(pod)
+        if refused is not None:
+            return refused
         self._arrivals += 1
-        pending = pending_pod(
-            pod,
-            gpu=gpu,
-            arrival=self._arrivals,
-            default_queue=self.config.default_queue,
-            mode_policy=self._mode_policy,
-        )
+        try:
+            pending = pending_pod(
+                pod,
+                gpu=gpu,
+                arrival=self._arrivals,
+                default_queue=self.config.default_queue,
+                mode_policy=self._mode_policy,
+                volume_terms=volume_terms(
+                    pod, claim=lambda ns, name: self.claims.store.get(f"{ns}/{name}"), volume=self.volumes.store.get
+                ),
+            )
+        except RefusedPod as error:
+            return str(error)
         return pending, gpu
 
     def _decide(self, todo: list[tuple[PendingPod, Pod, PodGpuRequest]]) -> list[Decision | BaseException]:
@@ -588,9 +618,21 @@ class SchedulerService:
             gpu = PodGpuRequest()
         spec = self._specs[node]
         placement = bound_placement(pod, gpu=gpu, gpus_by_uuid={g.uuid: g for g in spec.gpus})
-        pending = pending_pod(
-            pod, gpu=gpu, arrival=0, default_queue=self.config.default_queue, mode_policy=self._mode_policy
-        )
+        try:
+            pending = pending_pod(
+                pod, gpu=gpu, arrival=0, default_queue=self.config.default_queue, mode_policy=self._mode_policy
+            )
+        except RefusedPod as error:  # a bound pod still takes its resources; its rules cannot be read
+            log.warning("bound pod %s/%s: %s", pod.metadata.namespace, pod.metadata.name, error)
+            pending = PendingPod(
+                namespace=pod.metadata.namespace,
+                name=pod.metadata.name,
+                uid=pod.metadata.uid,
+                gpu=gpu,
+                cpu_milli=host_request(pod)[0],
+                memory_bytes=host_request(pod)[1],
+                labels=dict(pod.metadata.labels or {}),
+            )
         try:
             self._engine.assume(pending, placement)
         except ValueError as error:
@@ -629,12 +671,42 @@ class SchedulerService:
             return
         if uid in self._in_flight or uid in self._held:
             return  # its own bind (or clean) is writing it
+        self._nominated(pod)
         queue = pod_queue(pod, default=self.config.default_queue)
         if old is None or uid not in self.queue or _meaningful_change(old, pod):
             self._first_seen.setdefault(uid, time.monotonic())
             self.queue.add(uid, pod, queue=queue)
         else:
             self.queue.update(uid, pod)
+
+    def _nominated(self, pod: Pod) -> None:
+        """Hold room on the node a preemptor nominated for this pending pod (status.nominatedNodeName)."""
+        node = (pod.status.nominatedNodeName if pod.status else None) or None
+        meta = pod.metadata
+        if node is None:
+            self._engine.nominate(PendingPod(namespace=meta.namespace, name=meta.name, uid=meta.uid), None)
+            return
+        try:
+            pending = pending_pod(
+                pod,
+                gpu=gpu_request(pod),
+                arrival=0,
+                default_queue=self.config.default_queue,
+                mode_policy=self._mode_policy,
+            )
+        except Exception as error:  # its own scheduling attempt reports the problem
+            log.debug("not holding room for %s/%s: %s", meta.namespace, meta.name, error)
+            return
+        self._engine.nominate(pending, node)
+
+    def _namespace_changed(self, old: Namespace | None, namespace: Namespace) -> None:
+        self._engine.set_namespace(namespace.metadata.name, dict(namespace.metadata.labels or {}))
+        if old is not None and old.metadata.labels != namespace.metadata.labels:
+            self.queue.cluster_changed()
+
+    def _storage_changed(self, *objects: Any) -> None:
+        """A claim, volume or namespace changed: pods waiting on one may fit now."""
+        self.queue.cluster_changed()
 
     def _foreign_changed(self, old: Pod | None, pod: Pod) -> None:
         if pod.spec and pod.spec.nodeName:
@@ -655,6 +727,8 @@ class SchedulerService:
 
     def _pod_deleted(self, pod: Pod) -> None:
         uid = pod.metadata.uid
+        meta = pod.metadata
+        self._engine.nominate(PendingPod(namespace=meta.namespace, name=meta.name, uid=uid), None)
         self.queue.remove(uid)
         self._first_seen.pop(uid, None)
         self._reported.pop(uid, None)
