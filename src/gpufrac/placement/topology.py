@@ -99,6 +99,9 @@ class PodBook:
         self.namespace_labels: dict[str, Mapping[str, str]] = {}
         self._entries: dict[str, _Entry] = {}
         self._trackers: OrderedDict[Hashable, np.ndarray] = OrderedDict()
+        # Trackers by one label pair every pod they count must carry (None: no such pair), so placing a
+        # pod tests only the trackers that can count it, not all of them.
+        self._buckets: dict[tuple[str, str] | None, set[Hashable]] = {}
         self._anti: dict[PodAffinityTerm, np.ndarray] = {}
         self._anti_total: Counter[PodAffinityTerm] = Counter()
         self._anti_hits: dict[tuple[str, tuple[tuple[str, str], ...]], tuple[PodAffinityTerm, ...]] = {}
@@ -119,6 +122,7 @@ class PodBook:
             return
         self.namespace_labels[name] = dict(labels)
         self._trackers.clear()
+        self._buckets.clear()
         self._anti_hits.clear()
 
     def add(self, pod: PendingPod, row: int) -> None:
@@ -148,9 +152,13 @@ class PodBook:
 
     def _count(self, entry: _Entry, delta: int) -> None:
         row = entry.row
-        for key, counts in self._trackers.items():
+        candidates = set(self._buckets.get(None, ()))
+        for pair in entry.labels.items():
+            candidates.update(self._buckets.get(pair, ()))
+        for key in candidates:
             if self._tracker_matches(key, entry.namespace, entry.labels):
-                self._grown(counts)[row] += delta
+                counts = self._trackers[key] = self._grown(self._trackers[key])
+                counts[row] += delta
         for term in entry.anti:
             holders = self._anti.get(term)
             if holders is None:
@@ -202,6 +210,14 @@ class PodBook:
         space, selector = what
         return namespace == space and selects(selector, labels)
 
+    @staticmethod
+    def _bucket(key: Hashable) -> tuple[str, str] | None:
+        kind, what = key  # type: ignore[misc]
+        selector = what[0].selector if kind == "all" else what.selector if kind == "term" else what[1]
+        if selector is None or not selector.match_labels:
+            return None
+        return selector.match_labels[0]
+
     def _tracker(self, key: Hashable) -> np.ndarray:
         counts = self._trackers.get(key)
         if counts is None:
@@ -210,8 +226,10 @@ class PodBook:
                 if self._tracker_matches(key, entry.namespace, entry.labels):
                     counts[entry.row] += 1
             self._trackers[key] = counts
+            self._buckets.setdefault(self._bucket(key), set()).add(key)
             if len(self._trackers) > _MAX_TRACKERS:
-                self._trackers.popitem(last=False)
+                old, _ = self._trackers.popitem(last=False)
+                self._buckets[self._bucket(old)].discard(old)
         else:
             self._trackers.move_to_end(key)
             if counts.size < self.state.rows:
