@@ -158,9 +158,7 @@ class NodeExtras:
     """What a pod takes on its node besides CPU, memory, a pod slot and GPUs.
 
     ``extended`` are extended resources (``example.com/foo``, hugepages) with whole-unit amounts as the
-    API counts them; ``ephemeral_bytes`` is ephemeral-storage. A pod's ``nominated_node`` is where a
-    preemptor made room for it (``status.nominatedNodeName``): its resources are held there against pods
-    of equal or lower priority until it is placed.
+    API counts them; ``ephemeral_bytes`` is ephemeral-storage.
     """
 
     host_ports: tuple[HostPort, ...] = ()
