@@ -144,7 +144,8 @@ def main() -> None:
         line = f"{policy:10s} {best:8.0f} placements/s  (uncached baseline {baseline:6.0f}/s, x{ratio:.1f})"
         if args.rules:
             ruled = max(
-                run(policy, nodes, pods, args.seed, rules=args.rules, apps=args.apps) for _ in range(args.repeat)
+                run(policy, nodes, pods, args.seed, rules=args.rules, apps=args.apps)
+                for _ in range(args.repeat)
             )
             rules_target = RULES_TARGETS.get(policy)
             results[policy] |= {

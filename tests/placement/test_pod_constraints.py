@@ -163,7 +163,9 @@ def test_required_affinity_lets_the_first_pod_of_a_self_affine_group_in_then_fol
 def test_required_affinity_without_a_match_and_without_self_match_is_unschedulable() -> None:
     e = cluster(("a", "z1"))
     term = PodAffinityTerm(topology_key=ZONE, selector=app_selector(), namespaces=frozenset({"ns"}))
-    refused = e.place(pod(fraction(0.1), labels={"app": "db"}, constraints=PodConstraints(required_affinity=(term,))))
+    refused = e.place(
+        pod(fraction(0.1), labels={"app": "db"}, constraints=PodConstraints(required_affinity=(term,)))
+    )
     assert isinstance(refused, Unschedulable)
     assert "pod affinity rules" in refused.message
 
@@ -175,7 +177,9 @@ def test_anti_affinity_namespaces_and_namespace_selector() -> None:
     only_own = PodConstraints(
         required_anti_affinity=(PodAffinityTerm(HOST, app_selector(), frozenset({"team-a"})),)
     )
-    assert isinstance(e.place(pod(fraction(0.1), namespace="team-a", labels=APP, constraints=only_own)), Placement)
+    assert isinstance(
+        e.place(pod(fraction(0.1), namespace="team-a", labels=APP, constraints=only_own)), Placement
+    )
     by_label = PodConstraints(
         required_anti_affinity=(
             PodAffinityTerm(HOST, app_selector(), frozenset(), LabelSelector(match_labels=(("team", "b"),))),

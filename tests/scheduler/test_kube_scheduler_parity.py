@@ -227,7 +227,9 @@ def pod_body(p: PodCase, world: World, *, name: str, node: str | None) -> dict[s
     }
     affinity: dict[str, Any] = {}
     if p.anti:
-        affinity["podAntiAffinity"] = {"requiredDuringSchedulingIgnoredDuringExecution": [_term(p.anti, p, world)]}
+        affinity["podAntiAffinity"] = {
+            "requiredDuringSchedulingIgnoredDuringExecution": [_term(p.anti, p, world)]
+        }
     if node is None:
         spec["schedulerName"] = ORACLE
         spec["schedulingGates"] = [{"name": GATE}]
@@ -287,7 +289,7 @@ def create_node(client: Client, name: str, n: NodeCase) -> Node:
     return client.patch(Node, name, {"spec": {"taints": taints}}, patch_type=PatchType.MERGE)
 
 
-# -- running a case -------------------------------------------------------------------------------------------
+# -- running a case ---------------------------------------------------------------------------------------
 
 _UNSCHEDULABLE_NODES = re.compile(r"(\d+) node\(s\) were unschedulable")
 _TOTAL_NODES = re.compile(r"0/(\d+) nodes are available")
@@ -445,7 +447,11 @@ EXAMPLES = int(os.environ.get("GPUFRAC_PARITY_EXAMPLES", "40"))
     max_examples=EXAMPLES,
     deadline=None,
     derandomize=not os.environ.get("GPUFRAC_PARITY_RANDOM"),
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture, HealthCheck.data_too_large],
+    suppress_health_check=[
+        HealthCheck.too_slow,
+        HealthCheck.function_scoped_fixture,
+        HealthCheck.data_too_large,
+    ],
 )
 @given(case=cases())
 def test_gpufrac_places_only_where_kube_scheduler_would_and_refuses_only_what_it_would(

@@ -48,7 +48,9 @@ def test_affinity_terms_default_to_the_pods_namespace_and_merge_label_keys() -> 
     assert anti.namespace_selector is None
     assert anti.selector is not None
     assert NodeSelectorRequirement("rev", SelectorOperator.IN, ("7",)) in anti.selector.match_expressions
-    assert NodeSelectorRequirement("tenant", SelectorOperator.NOT_IN, ("x",)) in anti.selector.match_expressions
+    assert (
+        NodeSelectorRequirement("tenant", SelectorOperator.NOT_IN, ("x",)) in anti.selector.match_expressions
+    )
     assert anti.matches("team", {"app": "infer", "rev": "7", "tenant": "y"}, {})
     assert not anti.matches("team", {"app": "infer", "rev": "8", "tenant": "y"}, {})
     assert not anti.matches("team", {"app": "infer", "rev": "7", "tenant": "x"}, {})
@@ -104,7 +106,9 @@ def test_extras_follow_kubes_request_arithmetic() -> None:
     assert extras.host_ports == (HostPort(8080),)
     assert extras.extended == (("example.com/fpga", 5),)  # max(1 + 2, 5)
     assert extras.ephemeral_bytes == (1 << 30) + (1 << 20)
-    assert node_resources({"cpu": "8", "nvidia.com/gpu": "8", "example.com/fpga": "4", "ephemeral-storage": "10Gi"}) == (
+    assert node_resources(
+        {"cpu": "8", "nvidia.com/gpu": "8", "example.com/fpga": "4", "ephemeral-storage": "10Gi"}
+    ) == (
         {"example.com/fpga": 4},
         10 << 30,
     )

@@ -64,7 +64,9 @@ async def test_anti_affine_replicas_spread_and_the_one_too_many_waits_with_the_r
 async def test_a_gated_pod_waits_until_its_gate_is_removed(client: AsyncClient, pool: Pool) -> None:
     await add_nodes(client, pool, count=1)
     async with running(client, pool.config()):
-        gated = with_spec(gpu_pod(pool, "gated", {"gpu-fraction": "0.25"}), schedulingGates=[{"name": "quota"}])
+        gated = with_spec(
+            gpu_pod(pool, "gated", {"gpu-fraction": "0.25"}), schedulingGates=[{"name": "quota"}]
+        )
         await client.create(gated)
         await client.create(gpu_pod(pool, "free", {"gpu-fraction": "0.25"}))
         await wait_bound(client, pool.namespace, 1, timeout=20)  # the free pod: the loop has run since
@@ -151,7 +153,11 @@ async def test_a_daemonset_pods_host_port_keeps_our_pod_off_its_node(client: Asy
             body["spec"]["containers"][0]["ports"] = port
             await client.create(Pod.from_dict(body))
         pods = await wait_bound(client, pool.namespace, 2, timeout=20)  # the daemon pod and one of ours
-        ours = {p.metadata.name: p.spec.nodeName for p in pods if p.metadata.name.startswith("web") and p.spec.nodeName}
+        ours = {
+            p.metadata.name: p.spec.nodeName
+            for p in pods
+            if p.metadata.name.startswith("web") and p.spec.nodeName
+        }
         assert list(ours.values()) == [nodes[1]]
         waiting = next(f"web-{i}" for i in range(2) if f"web-{i}" not in ours)
         assert "free ports" in await reported(client, pool, waiting)

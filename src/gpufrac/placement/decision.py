@@ -90,7 +90,9 @@ _MESSAGES = {
     Reason.POD_AFFINITY: "node(s) didn't match pod affinity rules",
     Reason.POD_ANTI_AFFINITY: "node(s) didn't match pod anti-affinity rules",
     Reason.EXISTING_ANTI_AFFINITY: "node(s) didn't satisfy existing pods anti-affinity rules",
-    Reason.SPREAD_LABEL_MISSING: "node(s) didn't match pod topology spread constraints (missing required label)",
+    Reason.SPREAD_LABEL_MISSING: (
+        "node(s) didn't match pod topology spread constraints (missing required label)"
+    ),
     Reason.SPREAD: "node(s) didn't match pod topology spread constraints",
 }
 

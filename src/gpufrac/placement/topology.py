@@ -284,7 +284,10 @@ class PodBook:
                     continue
                 ok = True
                 if honour_affinity:
-                    ok = selector.check(spec, demand) is Reason.FITS and affinity.check(spec, demand) is Reason.FITS
+                    ok = (
+                        selector.check(spec, demand) is Reason.FITS
+                        and affinity.check(spec, demand) is Reason.FITS
+                    )
                 if ok and honour_taints:
                     ok = taints.check(spec, demand) is Reason.FITS
                 found[n] = ok

@@ -67,11 +67,18 @@ def label_selector(selector: Any, *, where: str) -> LabelSelector | None:
 
 
 def _merge_label_keys(
-    selector: LabelSelector | None, pod_labels: Mapping[str, str], match: Sequence[str], mismatch: Sequence[str]
+    selector: LabelSelector | None,
+    pod_labels: Mapping[str, str],
+    match: Sequence[str],
+    mismatch: Sequence[str],
 ) -> LabelSelector | None:
     extra = [
         NodeSelectorRequirement(k, SelectorOperator.IN, (pod_labels[k],)) for k in match if k in pod_labels
-    ] + [NodeSelectorRequirement(k, SelectorOperator.NOT_IN, (pod_labels[k],)) for k in mismatch if k in pod_labels]
+    ] + [
+        NodeSelectorRequirement(k, SelectorOperator.NOT_IN, (pod_labels[k],))
+        for k in mismatch
+        if k in pod_labels
+    ]
     if selector is None or not extra:
         return selector
     return selector.with_requirements(tuple(r for r in extra if r not in selector.match_expressions))
@@ -106,7 +113,9 @@ def pod_constraints(pod: Pod) -> PodConstraints:
         preferred = tuple(
             WeightedTerm(
                 w.weight,
-                _affinity_term(w.podAffinityTerm, namespace=ns, labels=labels, where=f"{where}.preferred[{i}]"),
+                _affinity_term(
+                    w.podAffinityTerm, namespace=ns, labels=labels, where=f"{where}.preferred[{i}]"
+                ),
             )
             for i, w in enumerate(group.preferredDuringSchedulingIgnoredDuringExecution or [])
         )
@@ -234,7 +243,9 @@ def node_selector_term(term: Any) -> NodeSelectorTerm:
     """A v1.NodeSelectorTerm; ``matchFields`` can only select ``metadata.name``, matched as the hostname
     label (the engine matches labels)."""
     expressions = [
-        NodeSelectorRequirement(key=e.key, operator=SelectorOperator(e.operator), values=tuple(e.values or ()))
+        NodeSelectorRequirement(
+            key=e.key, operator=SelectorOperator(e.operator), values=tuple(e.values or ())
+        )
         for e in term.matchExpressions or []
     ]
     expressions += [

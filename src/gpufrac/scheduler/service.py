@@ -427,7 +427,9 @@ class SchedulerService:
                 default_queue=self.config.default_queue,
                 mode_policy=self._mode_policy,
                 volume_terms=volume_terms(
-                    pod, claim=lambda ns, name: self.claims.store.get(f"{ns}/{name}"), volume=self.volumes.store.get
+                    pod,
+                    claim=lambda ns, name: self.claims.store.get(f"{ns}/{name}"),
+                    volume=self.volumes.store.get,
                 ),
             )
         except RefusedPod as error:
@@ -620,7 +622,11 @@ class SchedulerService:
         placement = bound_placement(pod, gpu=gpu, gpus_by_uuid={g.uuid: g for g in spec.gpus})
         try:
             pending = pending_pod(
-                pod, gpu=gpu, arrival=0, default_queue=self.config.default_queue, mode_policy=self._mode_policy
+                pod,
+                gpu=gpu,
+                arrival=0,
+                default_queue=self.config.default_queue,
+                mode_policy=self._mode_policy,
             )
         except RefusedPod as error:  # a bound pod still takes its resources; its rules cannot be read
             log.warning("bound pod %s/%s: %s", pod.metadata.namespace, pod.metadata.name, error)
