@@ -2,9 +2,10 @@
 
 Generated clusters (nodes with hostnames, zones that may be missing, pools, a taint; pods of other
 schedulers already bound, some with host ports and required anti-affinity) and pods that gpufrac places
-one after another (fractions of a GPU, CPU requests, host ports, node selectors, tolerations, required
-pod affinity and anti-affinity with namespaces, namespaceSelector, matchLabelKeys and mismatchLabelKeys,
-topology spread with maxSkew, minDomains and both inclusion policies). For every pod:
+one after another (fractions of a GPU, CPU requests, an extended resource, ephemeral storage, host
+ports, node selectors, tolerations, required pod affinity and anti-affinity with namespaces,
+namespaceSelector, matchLabelKeys and mismatchLabelKeys, topology spread with maxSkew, minDomains and
+both inclusion policies). For every pod:
 
 - gpufrac chose node G: kube-scheduler, asked about G alone (the other nodes cordoned, see
   ``kube_oracle``), must bind the pod to G. The pod then stays bound there for the next pod.
@@ -24,13 +25,13 @@ import os
 import re
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from kube_oracle import GATE, ORACLE, KubeScheduler, Verdict, cordon, released
 from lightkube import Client
@@ -53,6 +54,7 @@ HOST = "kubernetes.io/hostname"
 ZONE = "topology.kubernetes.io/zone"
 POOL = "pool"
 DEDICATED = "dedicated"
+FPGA = "example.com/fpga"
 APPS = ("web", "db", "cache")
 GPU_REASONS = frozenset(
     r.message
@@ -78,6 +80,8 @@ class NodeCase:
     pool: str | None
     cpu: int  # cores
     tainted: bool
+    fpga: int = 0  # allocatable example.com/fpga (an extended resource)
+    disk_gi: int = 4  # allocatable ephemeral-storage
 
 
 @dataclass(frozen=True)
@@ -112,6 +116,8 @@ class PodCase:
     spread: Spread | None = None
     pool: str | None = None  # nodeSelector
     tolerate: bool = False
+    fpga: int = 0
+    disk_mi: int = 0
 
 
 @dataclass(frozen=True)
@@ -123,14 +129,15 @@ class Case:
 
 
 def terms() -> st.SearchStrategy[Term]:
+    # matchLabelKeys and mismatchLabelKeys may not name the same key: one of them, or neither.
+    label_keys = st.sampled_from(((False, False), (True, False), (False, True)))
     return st.builds(
-        Term,
-        key=st.sampled_from((HOST, ZONE)),
-        app=st.sampled_from(APPS),
-        team_selector=st.booleans(),
-        match_rev=st.booleans(),
-        mismatch_rev=st.booleans(),
-    ).filter(lambda t: not (t.match_rev and t.mismatch_rev))
+        lambda key, app, team, keys_: Term(key, app, team, *keys_),
+        st.sampled_from((HOST, ZONE)),
+        st.sampled_from(APPS),
+        st.booleans(),
+        label_keys,
+    )
 
 
 def spreads() -> st.SearchStrategy[Spread]:
@@ -159,6 +166,8 @@ def pod_cases(nodes: int) -> st.SearchStrategy[PodCase]:
         spread=st.none() | spreads(),
         pool=st.sampled_from((None, None, "gpu")),
         tolerate=st.booleans(),
+        fpga=st.sampled_from((0, 0, 1)),
+        disk_mi=st.sampled_from((0, 0, 1024, 3072)),
     )
 
 
@@ -173,6 +182,8 @@ def cases(draw: st.DrawFn) -> Case:
                 pool=st.sampled_from(("gpu", "gpu", None)),
                 cpu=st.sampled_from((2, 4, 8)),
                 tainted=st.booleans().map(lambda b: b and draw(st.integers(0, 3)) == 0),
+                fpga=st.sampled_from((0, 1, 2)),
+                disk_gi=st.sampled_from((1, 4)),
             )
         )
         for _ in range(n)
@@ -184,7 +195,9 @@ def cases(draw: st.DrawFn) -> Case:
 
 def _without_affinity(p: PodCase) -> PodCase:
     # A pod bound by another scheduler carries anti-affinity (the symmetric rule) but is not checked.
-    return PodCase(p.app, p.team, p.rev, p.cpu_m // 2, p.host_port, p.node, anti=p.anti)
+    return PodCase(
+        p.app, p.team, p.rev, p.cpu_m // 2, p.host_port, p.node, anti=p.anti, fpga=p.fpga, disk_mi=p.disk_mi
+    )
 
 
 # -- objects ----------------------------------------------------------------------------------------------
@@ -218,6 +231,13 @@ def pod_body(p: PodCase, world: World, *, name: str, node: str | None) -> dict[s
         "image": "busybox",
         "resources": {"requests": {"cpu": f"{p.cpu_m}m", "memory": "64Mi"}},
     }
+    if p.fpga:
+        container["resources"] = {
+            "requests": {**container["resources"]["requests"], FPGA: str(p.fpga)},
+            "limits": {FPGA: str(p.fpga)},  # extended resources need equal requests and limits
+        }
+    if p.disk_mi:
+        container["resources"]["requests"]["ephemeral-storage"] = f"{p.disk_mi}Mi"
     if p.host_port:
         container["ports"] = [{"containerPort": 80, "hostPort": 8080}]
     spec: dict[str, Any] = {
@@ -280,6 +300,9 @@ def create_node(client: Client, name: str, n: NodeCase) -> Node:
     if n.pool:
         labels[POOL] = n.pool
     node = sim_node(name=name, shape=NodeShape(gpus=2, cpu=str(n.cpu), memory="16Gi"), labels=labels)
+    extra = {FPGA: str(n.fpga), "ephemeral-storage": f"{n.disk_gi}Gi"}
+    node.status.allocatable = {**node.status.allocatable, **extra}
+    node.status.capacity = {**node.status.capacity, **extra}
     taints = [t.to_dict() for t in node.spec.taints or []]
     if n.tainted:
         taints.append({"key": DEDICATED, "value": "x", "effect": "NoSchedule"})
@@ -335,8 +358,9 @@ def ask_oracle(
     raise AssertionError(f"kube-scheduler bound {pod.metadata.name} to a cordoned node three times")
 
 
-def run_case(world: World, case: Case) -> list[str]:
-    """The disagreements between gpufrac and kube-scheduler on ``case`` (empty: none)."""
+def run_case(world: World, case: Case, note: Callable[[str], object] = lambda _: None) -> list[str]:
+    """The disagreements between gpufrac and kube-scheduler on ``case`` (empty: none); ``note`` hears
+    what gpufrac decided (hypothesis' ``event``: the statistics show both outcomes are exercised)."""
     client = world.client
     tag = f"c{next(world.counter)}-{uuid.uuid4().hex[:4]}"
     names = [f"{tag}-n{i}" for i in range(len(case.nodes))]
@@ -361,6 +385,7 @@ def run_case(world: World, case: Case) -> list[str]:
                 obj, gpu=gpu_request(obj), arrival=i, default_queue="default", mode_policy=ModePolicy.REQUIRED
             )
             decision = engine.place(pending)
+            note(f"gpufrac {'placed' if isinstance(decision, Placement) else 'refused'}")
             if isinstance(decision, Placement):
                 kube = ask_oracle(world, obj, names, keep=decision.node, body=body)
                 if kube.node != decision.node:
@@ -457,5 +482,5 @@ EXAMPLES = int(os.environ.get("GPUFRAC_PARITY_EXAMPLES", "40"))
 def test_gpufrac_places_only_where_kube_scheduler_would_and_refuses_only_what_it_would(
     world: World, case: Case
 ) -> None:
-    problems = run_case(world, case)
+    problems = run_case(world, case, event)
     assert problems == [], f"{case!r}: {problems}"
