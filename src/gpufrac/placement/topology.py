@@ -98,13 +98,14 @@ class PodBook:
         self.state = state
         self.namespace_labels: dict[str, Mapping[str, str]] = {}
         self._entries: dict[str, _Entry] = {}
+        self._by_label: dict[tuple[str, str], set[str]] = {}  # label pair -> uids of placed pods
         self._trackers: OrderedDict[Hashable, np.ndarray] = OrderedDict()
         # Trackers by one label pair every pod they count must carry (None: no such pair), so placing a
         # pod tests only the trackers that can count it, not all of them.
         self._buckets: dict[tuple[str, str] | None, set[Hashable]] = {}
         self._anti: dict[PodAffinityTerm, np.ndarray] = {}
         self._anti_total: Counter[PodAffinityTerm] = Counter()
-        self._anti_hits: dict[tuple[str, tuple[tuple[str, str], ...]], tuple[PodAffinityTerm, ...]] = {}
+        self._anti_hits: dict[tuple[tuple[str, str], ...], tuple[PodAffinityTerm, ...]] = {}
         self._ports: dict[tuple[str, int], dict[int, Counter[str]]] = {}
         self._ext_used: dict[str, np.ndarray] = {}
         self._eph_used = np.zeros(0, dtype=np.int64)
@@ -131,11 +132,18 @@ class PodBook:
         self._holds.pop(pod.uid, None)
         entry = _Entry(pod.namespace, pod.labels, row, pod.constraints.required_anti_affinity, pod.extras)
         self._entries[pod.uid] = entry
+        for pair in entry.labels.items():
+            self._by_label.setdefault(pair, set()).add(pod.uid)
         self._count(entry, +1)
 
     def remove(self, uid: str) -> None:
         entry = self._entries.pop(uid, None)
         if entry is not None:
+            for pair in entry.labels.items():
+                holders = self._by_label[pair]
+                holders.discard(uid)
+                if not holders:
+                    del self._by_label[pair]
             self._count(entry, -1)
 
     def nominate(self, pod: PendingPod, row: int | None) -> None:
@@ -222,11 +230,15 @@ class PodBook:
         counts = self._trackers.get(key)
         if counts is None:
             counts = np.zeros(self.state.rows, dtype=np.int64)
-            for entry in self._entries.values():
+            bucket = self._bucket(key)
+            entries = self._entries
+            # Only pods carrying the bucket's label pair can be counted: look at those alone.
+            for uid in entries if bucket is None else self._by_label.get(bucket, ()):
+                entry = entries[uid]
                 if self._tracker_matches(key, entry.namespace, entry.labels):
                     counts[entry.row] += 1
             self._trackers[key] = counts
-            self._buckets.setdefault(self._bucket(key), set()).add(key)
+            self._buckets.setdefault(bucket, set()).add(key)
             if len(self._trackers) > _MAX_TRACKERS:
                 old, _ = self._trackers.popitem(last=False)
                 self._buckets[self._bucket(old)].discard(old)
@@ -299,15 +311,17 @@ class PodBook:
     def _existing_anti(self, pod: PendingPod) -> tuple[PodAffinityTerm, ...]:
         if not self._anti:
             return ()
-        key = (pod.namespace, _labels_key(pod.labels))
+        # Cached by label set alone (most pods share a few, unlabelled ones one); the namespace is
+        # checked on the few terms whose selector matched.
+        key = _labels_key(pod.labels)
         found = self._anti_hits.get(key)
         if found is None:
             if len(self._anti_hits) > _MAX_MATCH_CACHE:
                 self._anti_hits.clear()
-            found = self._anti_hits[key] = tuple(
-                t for t in self._anti if t.matches(pod.namespace, pod.labels, self.namespace_labels)
-            )
-        return found
+            found = self._anti_hits[key] = tuple(t for t in self._anti if selects(t.selector, pod.labels))
+        if not found:
+            return found
+        return tuple(t for t in found if t.matches(pod.namespace, pod.labels, self.namespace_labels))
 
     def _holds_against(self, pod: PendingPod) -> list[_Hold]:
         return [h for uid, h in self._holds.items() if uid != pod.uid and h.priority >= pod.priority]
