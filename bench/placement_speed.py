@@ -150,6 +150,7 @@ def main() -> None:
             rules_target = RULES_TARGETS.get(policy)
             results[policy] |= {
                 "with_rules_per_s": round(ruled, 1),
+                "with_rules_vs_plain": round(ruled / best, 2),
                 "rules_share": args.rules,
                 "rules_target": rules_target,
                 "meets_rules_target": None if rules_target is None else ruled >= rules_target,
