@@ -220,6 +220,23 @@ def test_schedule_anyway_spread_prefers_the_emptier_node_but_never_refuses() -> 
     assert nodes_of(decisions) == ["a", "a", "a"]
 
 
+def test_preferred_node_affinity_and_prefer_no_schedule_taints_rank_before_the_policy() -> None:
+    from gpufrac.placement.model import NodeSelectorTerm, Taint, TaintEffect
+
+    e = Engine(policy="binpack")
+    e.add_node(node("a", labels={"disk": "hdd", "id": "a"}))
+    e.add_node(node("b", labels={"disk": "ssd", "id": "b"}))
+    noisy = (Taint("noisy", "", TaintEffect.PREFER_NO_SCHEDULE),)
+    e.add_node(node("c", labels={"disk": "ssd", "id": "c"}, taints=noisy))
+    for pinned in ("a", "c"):  # binpack alone now prefers a or c, the fuller nodes
+        assert isinstance(e.place(pod(fraction(0.1), node_selector={"id": pinned})), Placement)
+    ssd = NodeSelectorTerm((NodeSelectorRequirement("disk", SelectorOperator.IN, ("ssd",)),))
+    wants_ssd = PodConstraints(preferred_node=((50, ssd),))
+    for _ in range(3):
+        decision = e.place(pod(fraction(0.1), constraints=wants_ssd))
+        assert isinstance(decision, Placement) and decision.node == "b"  # ssd, and c's taint is avoided
+
+
 def test_host_ports_conflict_on_the_same_protocol_and_port() -> None:
     e = cluster(("a", "z1"), ("b", "z1"))
     web = NodeExtras(host_ports=(HostPort(8080),))

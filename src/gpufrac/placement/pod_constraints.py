@@ -30,7 +30,7 @@ from enum import StrEnum
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # model imports this module for PendingPod's fields
-    from .model import NodeSelectorRequirement
+    from .model import NodeSelectorRequirement, NodeSelectorTerm
 
 WILDCARD_IPS = frozenset({"", "0.0.0.0"})
 
@@ -115,6 +115,8 @@ class PodConstraints:
     preferred_affinity: tuple[WeightedTerm, ...] = ()
     preferred_anti_affinity: tuple[WeightedTerm, ...] = ()
     spread: tuple[SpreadConstraint, ...] = ()
+    #: preferred node affinity: (weight, term); a preference, scored with the others
+    preferred_node: tuple[tuple[int, NodeSelectorTerm], ...] = ()
 
     def __bool__(self) -> bool:
         return bool(
@@ -123,6 +125,7 @@ class PodConstraints:
             or self.preferred_affinity
             or self.preferred_anti_affinity
             or self.spread
+            or self.preferred_node
         )
 
     @property

@@ -31,8 +31,9 @@ and scoring.go, podtopologyspread/filtering.go and scoring.go, nodeports, nodere
   pass the constraint's nodeAffinityPolicy and nodeTaintsPolicy and carry every constraint's key; the
   global minimum is 0 when fewer domains than ``minDomains`` exist; ``count(domain) + self - min`` must
   not exceed ``maxSkew``.
-- preferences (preferred affinity terms; ScheduleAnyway spread) are scores normalised as
-  kube-scheduler normalises them (0..100, weight 2 each), then cut into ``SOFT_LEVELS`` coarse levels
+- preferences (preferred pod and node affinity terms; ScheduleAnyway spread; PreferNoSchedule taints
+  the pod does not tolerate) are scores normalised as kube-scheduler normalises them (0..100, with its
+  default plugin weights: 2, 2, 2, 3), then cut into ``SOFT_LEVELS`` coarse levels
   that rank nodes before the GPU policy does: the GPU policy chooses among nodes of about the same
   preference. (kube-scheduler adds the scores of all its plugins; a GPU scheduler whose placement
   score is a fragmentation measure cannot add them meaningfully, so a preference ranks first, coarsely.)
@@ -47,13 +48,14 @@ import math
 from collections import Counter, OrderedDict
 from collections.abc import Hashable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from .decision import Reason
 from .demand import Demand
 from .filters import NodeAffinity, NodeSelector, TaintToleration
-from .model import PendingPod
+from .model import PendingPod, TaintEffect
 from .pod_constraints import (
     HostPort,
     InclusionPolicy,
@@ -114,6 +116,7 @@ class PodBook:
         self._domains: dict[str, np.ndarray] = {}
         self._eligible: dict[Hashable, np.ndarray] = {}
         self._ext_cap: dict[str, np.ndarray] = {}
+        self._node_scores: dict[Hashable, np.ndarray] = {}
 
     # -- bookkeeping ------------------------------------------------------------------------------------
 
@@ -256,6 +259,7 @@ class PodBook:
             self._domains.clear()
             self._eligible.clear()
             self._ext_cap.clear()
+            self._node_scores.clear()
 
     def domain(self, key: str) -> np.ndarray:
         """Per node slot, the id of its value of label ``key`` (-1: absent, or no node)."""
@@ -458,12 +462,27 @@ class PodBook:
         c = pod.constraints
         prefer = c.preferred_affinity or c.preferred_anti_affinity
         spread = c.soft_spread
-        if not (prefer or spread) or not candidates.any():
-            return None
         self._sync_epoch()
+        untolerated = self._prefer_no_schedule(demand)
+        if not (prefer or spread or c.preferred_node or untolerated is not None) or not candidates.any():
+            return None
         rows = self.state.rows
         total = np.zeros(rows, dtype=np.float64)
         parts = 0
+        if c.preferred_node:
+            raw = self._preferred_node(c.preferred_node)[:rows]
+            hi = raw[candidates].max()
+            if hi > 0:
+                total += 2 * 100 * raw / hi
+            parts += 2
+        if untolerated is not None:
+            raw = untolerated[:rows]
+            hi = raw[candidates].max()
+            if hi > 0:
+                total += 3 * (100 - 100 * raw / hi)
+            else:
+                total += 3 * 100
+            parts += 3
         if prefer:
             raw = np.zeros(rows, dtype=np.float64)
             for sign, weighted in ((1, c.preferred_affinity), (-1, c.preferred_anti_affinity)):
@@ -473,7 +492,7 @@ class PodBook:
             lo, hi = raw[candidates].min(), raw[candidates].max()
             if hi > lo:
                 total += 2 * 100 * (raw - lo) / (hi - lo)
-            parts += 1
+            parts += 2
         if spread:
             keys_present = np.ones(rows, dtype=bool)
             for sc in spread:
@@ -488,5 +507,36 @@ class PodBook:
                 lo, hi = raw[scored].min(), raw[scored].max()
                 level = np.full(rows, 100.0) if hi == 0 else 100 * (hi + lo - raw) / hi
                 total += 2 * np.where(scored, level, 0)
-            parts += 1
-        return np.floor(total * SOFT_LEVELS / (200 * parts) + 1e-9).astype(np.int64)
+            parts += 2
+        return np.floor(total * SOFT_LEVELS / (100 * parts) + 1e-9).astype(np.int64)
+
+    def _preferred_node(self, terms: tuple[tuple[int, Any], ...]) -> np.ndarray:
+        """Per node slot, the sum of the weights of the preferred node-affinity terms it matches."""
+        key = ("node", terms)
+        found = self._node_scores.get(key)
+        if found is None:
+            found = np.zeros(self.state.rows, dtype=np.float64)
+            for n, spec in enumerate(self.state.nodes):
+                if spec is not None:
+                    found[n] = sum(w for w, term in terms if term.matches(spec.labels))
+            self._node_scores[key] = found
+        return found
+
+    def _prefer_no_schedule(self, demand: Demand) -> np.ndarray | None:
+        """Per node slot, PreferNoSchedule taints the pod does not tolerate; None when no node has one."""
+        _, _, tolerations = demand.static_key  # type: ignore[misc]
+        key = ("taints", tolerations)
+        if key not in self._node_scores:
+            found = np.zeros(self.state.rows, dtype=np.float64)
+            for n, spec in enumerate(self.state.nodes):
+                if spec is None:
+                    continue
+                found[n] = sum(
+                    1
+                    for t in spec.taints
+                    if t.effect is TaintEffect.PREFER_NO_SCHEDULE
+                    and not any(tol.tolerates(t) for tol in tolerations)
+                )
+            self._node_scores[key] = found
+        found = self._node_scores[key]
+        return found if found.any() else None

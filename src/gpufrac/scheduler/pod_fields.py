@@ -142,7 +142,13 @@ def pod_constraints(pod: Pod) -> PodConstraints:
             )
         except ValueError as error:
             raise RefusedPod(f"{where} is invalid: {error}") from None
-    return PodConstraints(req_aff, req_anti, pref_aff, pref_anti, tuple(spread))
+    node_affinity = affinity.nodeAffinity if affinity else None
+    preferred_node = tuple(
+        (p.weight, node_selector_term(p.preference))
+        for p in (node_affinity.preferredDuringSchedulingIgnoredDuringExecution if node_affinity else None)
+        or []
+    )
+    return PodConstraints(req_aff, req_anti, pref_aff, pref_anti, tuple(spread), preferred_node)
 
 
 def _amounts(resources: Any) -> dict[str, Any]:
