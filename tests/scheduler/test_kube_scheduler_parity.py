@@ -5,7 +5,8 @@ schedulers already bound, some with host ports and required anti-affinity) and p
 one after another (fractions of a GPU, CPU requests, an extended resource, ephemeral storage, host
 ports, node selectors, tolerations, required pod affinity and anti-affinity with namespaces,
 namespaceSelector, matchLabelKeys and mismatchLabelKeys, topology spread with maxSkew, minDomains and
-both inclusion policies). For every pod:
+both inclusion policies; and preferences, ScheduleAnyway spread and preferred anti-affinity, which must
+never refuse a pod). For every pod:
 
 - gpufrac chose node G: kube-scheduler, asked about G alone (the other nodes cordoned, see
   ``kube_oracle``), must bind the pod to G. The pod then stays bound there for the next pod.
@@ -101,6 +102,7 @@ class Spread:
     affinity_policy: str | None = None
     taints_policy: str | None = None
     match_rev: bool = False
+    anyway: bool = False  # ScheduleAnyway: a preference, which must never refuse a pod
 
 
 @dataclass(frozen=True)
@@ -118,6 +120,7 @@ class PodCase:
     tolerate: bool = False
     fpga: int = 0
     disk_mi: int = 0
+    prefer_apart: Term | None = None  # preferred anti-affinity (weight 50)
 
 
 @dataclass(frozen=True)
@@ -149,6 +152,7 @@ def spreads() -> st.SearchStrategy[Spread]:
         affinity_policy=st.sampled_from((None, "Honor", "Ignore")),
         taints_policy=st.sampled_from((None, "Honor", "Ignore")),
         match_rev=st.booleans(),
+        anyway=st.booleans(),
     )
 
 
@@ -168,6 +172,7 @@ def pod_cases(nodes: int) -> st.SearchStrategy[PodCase]:
         tolerate=st.booleans(),
         fpga=st.sampled_from((0, 0, 1)),
         disk_mi=st.sampled_from((0, 0, 1024, 3072)),
+        prefer_apart=st.none() | terms(),
     )
 
 
@@ -262,10 +267,10 @@ def pod_body(p: PodCase, world: World, *, name: str, node: str | None) -> dict[s
             constraint: dict[str, Any] = {
                 "maxSkew": s.max_skew,
                 "topologyKey": s.key,
-                "whenUnsatisfiable": "DoNotSchedule",
+                "whenUnsatisfiable": "ScheduleAnyway" if s.anyway else "DoNotSchedule",
                 "labelSelector": {"matchLabels": {"app": p.app}},
             }
-            if s.min_domains is not None:
+            if s.min_domains is not None and not s.anyway:  # minDomains needs DoNotSchedule
                 constraint["minDomains"] = s.min_domains
             if s.affinity_policy:
                 constraint["nodeAffinityPolicy"] = s.affinity_policy
@@ -276,6 +281,11 @@ def pod_body(p: PodCase, world: World, *, name: str, node: str | None) -> dict[s
             spec["topologySpreadConstraints"] = [constraint]
         if p.pool:
             spec["nodeSelector"] = {POOL: p.pool}
+        if p.prefer_apart:
+            weighted = {"weight": 50, "podAffinityTerm": _term(p.prefer_apart, p, world)}
+            affinity.setdefault("podAntiAffinity", {})["preferredDuringSchedulingIgnoredDuringExecution"] = [
+                weighted
+            ]
     else:
         spec["nodeName"] = node  # bound by another scheduler (a DaemonSet controller binds this way)
     if affinity:
@@ -465,7 +475,7 @@ def test_cases_that_once_disagreed(world: World, case: Case) -> None:
 
 
 #: A bug hunt runs more, and new, examples: GPUFRAC_PARITY_EXAMPLES=500 GPUFRAC_PARITY_RANDOM=1.
-EXAMPLES = int(os.environ.get("GPUFRAC_PARITY_EXAMPLES", "40"))
+EXAMPLES = int(os.environ.get("GPUFRAC_PARITY_EXAMPLES", "60"))
 
 
 @settings(
