@@ -276,6 +276,16 @@ def test_room_held_for_a_nominated_pod_goes_to_it_not_to_a_lower_priority_pod() 
     assert isinstance(higher, Placement) and higher.node == "a"
 
 
+def test_dropping_the_nomination_gives_the_room_back() -> None:
+    e = Engine(policy="binpack")
+    e.add_node(node("a", cpu=4000))
+    held = pod(fraction(0.1), cpu_milli=3000, priority=10, nominated_node="a")
+    e.nominate(held, "a")
+    assert isinstance(e.place(pod(fraction(0.1), cpu_milli=3000)), Unschedulable)
+    e.drop_nomination(held.uid)
+    assert isinstance(e.place(pod(fraction(0.1), cpu_milli=3000)), Placement)
+
+
 def test_the_nominated_pod_goes_to_its_nominated_node() -> None:
     e = cluster(("a", "z1"), ("b", "z1"))
     nominated = pod(fraction(0.1), nominated_node="b")

@@ -14,6 +14,8 @@ from lightkube import AsyncClient
 from lightkube.resources.core_v1 import PersistentVolume, PersistentVolumeClaim, Pod
 from sched_harness import Pool, add_nodes, condition, gpu_pod, running, wait_bound, wait_for
 
+from gpufrac.local.simnodes import NodeShape
+
 pytestmark = pytest.mark.kube
 
 HOST = "kubernetes.io/hostname"
@@ -161,3 +163,31 @@ async def test_a_daemonset_pods_host_port_keeps_our_pod_off_its_node(client: Asy
         assert list(ours.values()) == [nodes[1]]
         waiting = next(f"web-{i}" for i in range(2) if f"web-{i}" not in ours)
         assert "free ports" in await reported(client, pool, waiting)
+
+
+async def test_room_a_preemptor_nominated_is_held_until_the_nomination_is_cleared(
+    client: AsyncClient, pool: Pool
+) -> None:
+    (roomy,) = await add_nodes(client, pool, count=1, shape=NodeShape(cpu="4"), prefix="roomy")
+    await add_nodes(client, pool, count=1, shape=NodeShape(cpu="2"), prefix="small")
+
+    def needs_3_cpus(name: str, **spec: Any) -> Pod:
+        body = gpu_pod(pool, name, {"gpu-fraction": "0.25"}).to_dict()
+        body["spec"]["containers"][0]["resources"]["requests"]["cpu"] = "3"
+        body["spec"].update(spec)
+        return Pod.from_dict(body)
+
+    async with running(client, pool.config()):
+        # The nominee waits behind a gate (as a preemptor's nominee waits for its victims to go).
+        await client.create(needs_3_cpus("nominee", schedulingGates=[{"name": "victims"}]))
+        await client.patch(
+            Pod.Status, "nominee", {"status": {"nominatedNodeName": roomy}}, namespace=pool.namespace
+        )
+        await client.create(needs_3_cpus("latecomer"))
+        message = await reported(client, pool, "latecomer")
+        assert "insufficient cpu" in message
+        await client.patch(
+            Pod.Status, "nominee", {"status": {"nominatedNodeName": None}}, namespace=pool.namespace
+        )
+        pods = await wait_bound(client, pool.namespace, 1, timeout=20)
+        assert {p.metadata.name: p.spec.nodeName for p in pods}["latecomer"] == roomy

@@ -297,11 +297,16 @@ class Engine:
 
     # -- pods that are not placed here --------------------------------------------------------------
 
-    def nominate(self, pod: PendingPod, node: str | None) -> None:
-        """Hold room on ``node`` for a pending pod a preemptor nominated there (None: stop holding).
-        Pods of lower or equal priority do not get that room; the pod itself tries that node first."""
-        row = None if node is None else self.state.index.get(node)
-        self.book.nominate(pod, row)
+    def nominate(self, pod: PendingPod, node: str) -> None:
+        """Hold room on ``node`` for a pending pod a preemptor nominated there: pods of lower or equal
+        priority do not get that room; the pod itself tries that node first. A node the engine does
+        not know holds nothing."""
+        self.book.nominate(pod, self.state.index.get(node))
+
+    def drop_nomination(self, uid: str) -> bool:
+        """Stop holding room for ``uid`` (its nomination was cleared, or it was deleted); False when
+        none was held."""
+        return self.book.drop_nomination(uid)
 
     def set_namespace(self, name: str, labels: dict[str, str]) -> None:
         """A namespace's labels, for affinity terms that select namespaces by label."""

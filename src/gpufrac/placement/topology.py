@@ -150,11 +150,14 @@ class PodBook:
             self._count(entry, -1)
 
     def nominate(self, pod: PendingPod, row: int | None) -> None:
-        """Hold ``pod``'s resources on node slot ``row`` (None: release the hold)."""
+        """Hold ``pod``'s resources on node slot ``row`` (None, an unknown node: hold nothing)."""
         if row is None:
             self._holds.pop(pod.uid, None)
             return
         self._holds[pod.uid] = _Hold(row, pod.priority, pod.cpu_milli, pod.memory_bytes, pod.extras)
+
+    def drop_nomination(self, uid: str) -> bool:
+        return self._holds.pop(uid, None) is not None
 
     def drop_row(self, row: int) -> None:
         """A node slot went away: holds on it go too (placed pods were released one by one)."""

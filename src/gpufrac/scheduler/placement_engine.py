@@ -39,8 +39,11 @@ class PlacementEngine(Protocol):
     def forget(self, uid: str) -> bool:
         """Give back everything ``uid`` holds; False when it held nothing."""
 
-    def nominate(self, pod: PendingPod, node: str | None) -> None:
-        """Hold room on ``node`` for a pending pod a preemptor nominated there (None: stop)."""
+    def nominate(self, pod: PendingPod, node: str) -> None:
+        """Hold room on ``node`` for a pending pod a preemptor nominated there."""
+
+    def drop_nomination(self, uid: str) -> bool:
+        """Stop holding room for ``uid``; False when none was held."""
 
     def set_namespace(self, name: str, labels: dict[str, str]) -> None:
         """A namespace's labels, for affinity terms that select namespaces by label."""

@@ -630,13 +630,14 @@ class SchedulerService:
             )
         except RefusedPod as error:  # a bound pod still takes its resources; its rules cannot be read
             log.warning("bound pod %s/%s: %s", pod.metadata.namespace, pod.metadata.name, error)
+            cpu, memory = host_request(pod)
             pending = PendingPod(
                 namespace=pod.metadata.namespace,
                 name=pod.metadata.name,
                 uid=pod.metadata.uid,
                 gpu=gpu,
-                cpu_milli=host_request(pod)[0],
-                memory_bytes=host_request(pod)[1],
+                cpu_milli=cpu,
+                memory_bytes=memory,
                 labels=dict(pod.metadata.labels or {}),
             )
         try:
@@ -690,7 +691,8 @@ class SchedulerService:
         node = (pod.status.nominatedNodeName if pod.status else None) or None
         meta = pod.metadata
         if node is None:
-            self._engine.nominate(PendingPod(namespace=meta.namespace, name=meta.name, uid=meta.uid), None)
+            if self._engine.drop_nomination(meta.uid):
+                self.queue.cluster_changed()  # the room it held is free
             return
         try:
             pending = pending_pod(
@@ -733,8 +735,8 @@ class SchedulerService:
 
     def _pod_deleted(self, pod: Pod) -> None:
         uid = pod.metadata.uid
-        meta = pod.metadata
-        self._engine.nominate(PendingPod(namespace=meta.namespace, name=meta.name, uid=uid), None)
+        if self._engine.drop_nomination(uid):
+            self.queue.cluster_changed()
         self.queue.remove(uid)
         self._first_seen.pop(uid, None)
         self._reported.pop(uid, None)
