@@ -1,8 +1,10 @@
 """The scheduler service: informers -> queue -> engine -> binder, with a Lease deciding who binds.
 
 State. Three informers feed one engine: our pods (``spec.schedulerName`` = ours), other schedulers' pods
-already bound (they take cpu, memory and pod slots on managed nodes, and GPUs if they carry the
-contract) and managed nodes. Every replica keeps the engine current from the moment it starts, leader or
+already bound (they take cpu, memory, pod slots, host ports and other resources on managed nodes, their
+labels and anti-affinity count for affinity and spread, and GPUs if they carry the contract) and managed
+nodes. Three more read what some pod fields refer to: namespaces (labels, for ``namespaceSelector``),
+claims and volumes (a bound volume's node affinity); ``pod_fields`` says which fields are honoured. Every replica keeps the engine current from the moment it starts, leader or
 not, so a standby takes over with warm ledgers. At start-up the ledgers are rebuilt from what the API
 says: every bound pod is booked from its annotations as the informers list it, before anything is placed
 (the scheduling loop waits for all three informers to sync). Nothing about placements is kept anywhere
