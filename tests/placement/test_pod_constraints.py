@@ -81,6 +81,18 @@ def test_anti_affinity_holds_one_pod_at_a_time_too() -> None:
     assert first.node != second.node
 
 
+def test_explain_names_the_rule_that_keeps_a_pod_off_a_node() -> None:
+    from gpufrac.placement.decision import Reason
+
+    e = cluster(("a", "z1"), ("b", "z1"))
+    first = e.place(pod(fraction(0.2), labels=APP, constraints=anti()))
+    assert isinstance(first, Placement)
+    other = "b" if first.node == "a" else "a"
+    replica = pod(fraction(0.2), labels=APP, constraints=anti())
+    assert e.explain(replica, first.node).code is Reason.POD_ANTI_AFFINITY
+    assert e.explain(replica, other).ok
+
+
 def test_placed_pods_anti_affinity_repels_a_new_pod_that_has_no_rule_of_its_own() -> None:
     e = cluster(("a", "z1"), ("b", "z2"))
     guard = e.place(pod(fraction(0.1), labels={"role": "guard"}, constraints=anti(ZONE)))
