@@ -117,6 +117,8 @@ class PodBook:
         self._eligible: dict[Hashable, np.ndarray] = {}
         self._ext_cap: dict[str, np.ndarray] = {}
         self._node_scores: dict[Hashable, np.ndarray] = {}
+        self._domain_sets: dict[Hashable, tuple[np.ndarray, np.ndarray]] = {}
+        self._any_prefer_no_schedule: bool | None = None
 
     # -- bookkeeping ------------------------------------------------------------------------------------
 
@@ -177,13 +179,19 @@ class PodBook:
             holders = self._anti.get(term)
             if holders is None:
                 holders = self._anti[term] = np.zeros(self.state.rows, dtype=np.int64)
-                self._anti_hits.clear()
+                # A new term: the label sets seen so far learn whether it selects them (cheaper than
+                # forgetting them all, which every first replica of a deployment would cause).
+                for labels, hits in self._anti_hits.items():
+                    if selects(term.selector, dict(labels)):
+                        self._anti_hits[labels] = (*hits, term)
             holders = self._anti[term] = self._grown(holders)
             holders[row] += delta
             self._anti_total[term] += delta
             if self._anti_total[term] <= 0:
                 del self._anti[term], self._anti_total[term]
-                self._anti_hits.clear()
+                for labels, hits in self._anti_hits.items():
+                    if term in hits:
+                        self._anti_hits[labels] = tuple(t for t in hits if t != term)
         extras = entry.extras
         if not extras:
             return
@@ -263,6 +271,8 @@ class PodBook:
             self._eligible.clear()
             self._ext_cap.clear()
             self._node_scores.clear()
+            self._domain_sets.clear()
+            self._any_prefer_no_schedule = None
 
     def domain(self, key: str) -> np.ndarray:
         """Per node slot, the id of its value of label ``key`` (-1: absent, or no node)."""
@@ -431,29 +441,43 @@ class PodBook:
             return has_all
         return has_all & exist
 
-    def _spread_counts(
-        self, pod: PendingPod, demand: Demand, c: SpreadConstraint, keys_present: np.ndarray
+    def _spread_frame(
+        self, demand: Demand, c: SpreadConstraint, keys: tuple[str, ...]
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(domain per slot, matching pods in the slot's domain, eligible slots) for one constraint."""
+        """(domain per slot, eligible slots, eligible domains) of one constraint: node-spec facts, so
+        kept until a node spec changes. Eligible: carries every one of ``keys`` and passes the
+        constraint's inclusion policies."""
+        key = (demand.static_key, c.node_affinity_policy, c.node_taints_policy, c.topology_key, keys)
+        found = self._domain_sets.get(key)
         dom = self.domain(c.topology_key)
-        eligible = keys_present & self._policy_eligible(demand, c)
+        if found is None:
+            eligible = self._policy_eligible(demand, c).copy()
+            for k in keys:
+                eligible &= self.domain(k) >= 0
+            found = self._domain_sets[key] = (eligible, np.unique(dom[eligible]))
+        return dom, found[0], found[1]
+
+    def _spread_counts(
+        self, pod: PendingPod, demand: Demand, c: SpreadConstraint, keys: tuple[str, ...]
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(domain per slot, matching pods in the slot's domain, eligible slots, per-domain counts)."""
+        dom, eligible, _ = self._spread_frame(demand, c, keys)
         counts = self._tracker(("spread", (pod.namespace, c.selector)))
-        return dom, self._per_domain(dom, counts, eligible), eligible
+        size = int(dom.max()) + 1 if dom.size else 0
+        use = eligible[: dom.size]
+        per = np.bincount(dom[use], weights=counts[use], minlength=size).astype(np.int64)
+        near = np.zeros(dom.size, dtype=np.int64)
+        has = dom >= 0
+        near[has] = per[dom[has]]
+        return dom, near, eligible, per
 
     def _check_spread(self, pod: PendingPod, demand: Demand, constraints, fail) -> None:  # type: ignore[no-untyped-def]
-        keys_present = np.ones(self.state.rows, dtype=bool)
+        keys = tuple(c.topology_key for c in constraints)
         for c in constraints:
-            keys_present &= self.domain(c.topology_key) >= 0
-        for c in constraints:
-            dom, near, eligible = self._spread_counts(pod, demand, c, keys_present)
+            dom, near, _, per = self._spread_counts(pod, demand, c, keys)
             fail(dom < 0, Reason.SPREAD_LABEL_MISSING)
-            domains = np.unique(dom[eligible])
-            if domains.size < c.min_domains:
-                least = 0
-            else:
-                first = np.zeros(int(dom.max()) + 1, dtype=np.int64)
-                first[dom[eligible]] = near[eligible]
-                least = int(first[domains].min())
+            domains = self._spread_frame(demand, c, keys)[2]
+            least = 0 if domains.size < c.min_domains else int(per[domains].min())
             mine = 1 if selects(c.selector, pod.labels) else 0
             fail((dom >= 0) & (near + mine - least > c.max_skew), Reason.SPREAD)
 
@@ -497,13 +521,14 @@ class PodBook:
                 total += 2 * 100 * (raw - lo) / (hi - lo)
             parts += 2
         if spread:
+            keys = tuple(sc.topology_key for sc in spread)
             keys_present = np.ones(rows, dtype=bool)
-            for sc in spread:
-                keys_present &= self.domain(sc.topology_key) >= 0
+            for k in keys:
+                keys_present &= self.domain(k) >= 0
             raw = np.zeros(rows, dtype=np.float64)
             for sc in spread:
-                dom, near, eligible = self._spread_counts(pod, demand, sc, keys_present)
-                weight = math.log(np.unique(dom[eligible]).size + 2)
+                _, near, _, _ = self._spread_counts(pod, demand, sc, keys)
+                weight = math.log(self._spread_frame(demand, sc, keys)[2].size + 2)
                 raw += near * weight + (sc.max_skew - 1)
             scored = candidates & keys_present
             if scored.any():
@@ -527,6 +552,15 @@ class PodBook:
 
     def _prefer_no_schedule(self, demand: Demand) -> np.ndarray | None:
         """Per node slot, PreferNoSchedule taints the pod does not tolerate; None when no node has one."""
+        if self._any_prefer_no_schedule is None:
+            self._any_prefer_no_schedule = any(
+                t.effect is TaintEffect.PREFER_NO_SCHEDULE
+                for spec in self.state.nodes
+                if spec is not None
+                for t in spec.taints
+            )
+        if not self._any_prefer_no_schedule:
+            return None
         _, _, tolerations = demand.static_key  # type: ignore[misc]
         key = ("taints", tolerations)
         if key not in self._node_scores:
