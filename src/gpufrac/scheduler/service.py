@@ -4,10 +4,11 @@ State. Three informers feed one engine: our pods (``spec.schedulerName`` = ours)
 already bound (they take cpu, memory, pod slots, host ports and other resources on managed nodes, their
 labels and anti-affinity count for affinity and spread, and GPUs if they carry the contract) and managed
 nodes. Three more read what some pod fields refer to: namespaces (labels, for ``namespaceSelector``),
-claims and volumes (a bound volume's node affinity); ``pod_fields`` says which fields are honoured. Every replica keeps the engine current from the moment it starts, leader or
-not, so a standby takes over with warm ledgers. At start-up the ledgers are rebuilt from what the API
-says: every bound pod is booked from its annotations as the informers list it, before anything is placed
-(the scheduling loop waits for all three informers to sync). Nothing about placements is kept anywhere
+claims and volumes (a bound volume's node affinity); ``pod_fields`` says which fields are honoured.
+Every replica keeps the engine current from the moment it starts, leader or not, so a standby takes
+over with warm ledgers. At start-up the ledgers are rebuilt from what the API says: every bound pod is
+booked from its annotations as the informers list it, before anything is placed (the scheduling loop
+waits for every informer to sync). Nothing about placements is kept anywhere
 else, so a restart never double-books a GPU.
 
 Assumed pods. A placement is held in the engine the moment it is decided, so the next batch sees it
