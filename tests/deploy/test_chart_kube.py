@@ -179,6 +179,13 @@ SCHEDULER_DOES = [
     ("patch", "pods/status", "team-a"),
     ("list", "nodes", ""),
     ("watch", "nodes", ""),
+    # affinity terms' namespaceSelector; bound volumes' node affinity (#19)
+    ("list", "namespaces", ""),
+    ("watch", "namespaces", ""),
+    ("list", "persistentvolumeclaims", ""),
+    ("watch", "persistentvolumeclaims", ""),
+    ("list", "persistentvolumes", ""),
+    ("watch", "persistentvolumes", ""),
     ("create", "events", "team-a"),
     ("patch", "events", "team-a"),
     ("watch", "gpufrac.io:queues", ""),
@@ -195,6 +202,9 @@ SCHEDULER_MUST_NOT = [
     ("create", "pods", "team-a"),
     ("update", "pods", "team-a"),
     ("get", "secrets", "team-a"),
+    ("patch", "persistentvolumeclaims", "team-a"),
+    ("delete", "namespaces", ""),
+    ("update", "persistentvolumes", ""),
     ("create", "pods/eviction", "team-a"),
     ("update", "coordination.k8s.io:leases", "team-a"),  # leases only in its own namespace
 ]

@@ -17,12 +17,15 @@ Public API (what the scheduler service calls)::
     engine.place(pod)                         # one pod
     engine.explain(pod, node)                 # -> Status: the first failing filter on that node
     engine.set_queue(Queue(...)); engine.ledger(node); engine.placement_of(uid); engine.statement()
+    engine.nominate(pod, node); engine.drop_nomination(uid)   # room held for a preemptor's nominee
+    engine.set_namespace(name, labels)        # for affinity terms' namespaceSelector
 
 Modules: ``model`` (inputs), ``decision`` (outputs and reason codes), ``demand`` (a pod's request as
 filters compute with it), ``state`` (ledgers as arrays), ``filters``, ``scoring``, ``typical`` and
 ``fragmentation`` (FGD), ``policies``, ``fair_share`` (queue shares and order), ``engine``, ``preemption``
-(victims for preemption and reclaim: ``find_victims(engine, pod, kind=Kind.PREEMPT)``). docs/placement.md
-explains the design; docs/scheduler.md how the scheduler preempts and reclaims.
+(victims for preemption and reclaim: ``find_victims(engine, pod, kind=Kind.PREEMPT)``);
+``pod_constraints`` and ``topology``: rules between pods and node-local resources besides GPUs.
+docs/placement.md explains the design; docs/scheduler.md how the scheduler preempts and reclaims.
 """
 
 from .decision import (

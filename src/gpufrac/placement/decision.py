@@ -44,6 +44,16 @@ class Reason(IntEnum):
     INSUFFICIENT_COMPUTE = 18
     LIMIT_OVERCOMMIT = 19
     DEVICE_ASSIGNMENT = 20
+    # Rules about other pods and node-local resources besides CPU, memory and GPUs, evaluated per pod
+    # on the nodes that pass the filters above (gpufrac.placement.topology).
+    HOST_PORTS = 21
+    INSUFFICIENT_EXTENDED = 22
+    INSUFFICIENT_EPHEMERAL = 23
+    POD_AFFINITY = 24
+    POD_ANTI_AFFINITY = 25
+    EXISTING_ANTI_AFFINITY = 26
+    SPREAD_LABEL_MISSING = 27
+    SPREAD = 28
 
     @property
     def message(self) -> str:
@@ -72,6 +82,18 @@ _MESSAGES = {
     Reason.INSUFFICIENT_COMPUTE: "insufficient GPU compute portion",
     Reason.LIMIT_OVERCOMMIT: "GPU memory limit overcommit cap",
     Reason.DEVICE_ASSIGNMENT: "GPUs could not be assigned to all containers together",
+    # kube-scheduler's own sentences for these (nodeports, noderesources, interpodaffinity,
+    # podtopologyspread), so users read what they already know.
+    Reason.HOST_PORTS: "node(s) didn't have free ports for the requested pod ports",
+    Reason.INSUFFICIENT_EXTENDED: "insufficient extended resource",
+    Reason.INSUFFICIENT_EPHEMERAL: "insufficient ephemeral-storage",
+    Reason.POD_AFFINITY: "node(s) didn't match pod affinity rules",
+    Reason.POD_ANTI_AFFINITY: "node(s) didn't match pod anti-affinity rules",
+    Reason.EXISTING_ANTI_AFFINITY: "node(s) didn't satisfy existing pods anti-affinity rules",
+    Reason.SPREAD_LABEL_MISSING: (
+        "node(s) didn't match pod topology spread constraints (missing required label)"
+    ),
+    Reason.SPREAD: "node(s) didn't match pod topology spread constraints",
 }
 
 

@@ -13,6 +13,12 @@ A placement changes one node, so in steady state each pod costs a few small arra
 the cluster size. Static predicates (readiness, taints, selectors, affinity, mode capability) are cached
 separately per constraint signature and node spec version.
 
+Rules that relate a pod to other pods (inter-pod affinity, topology spread) or to node-local resources
+besides CPU, memory and GPUs (host ports, extended resources, ephemeral storage, room held for nominated
+pods) depend on more than one node, so they are not cached per kind: ``PodBook`` (``topology``)
+evaluates them per pod as an overlay on the cached results, and ranks nodes by a pod's preferences
+before its policy's score does. A pod with none of them stays on the cached path.
+
 Transactions: ``statement()`` returns a Statement; placements made through it are undone in reverse
 order by ``discard`` (or on an exception), because applying and releasing an allocation are exact
 inverses. ``schedule(..., gang=True)`` uses one to place a batch all-or-nothing (or, with
@@ -49,6 +55,7 @@ from .filters import STATIC_FILTERS, Fit, GpuRules, container_fit, resource_fit,
 from .model import NodeSpec, PendingPod, Queue, QueueResource
 from .policies import Policy, Prior, make_policy
 from .state import EXCLUSIVE, MODE_CODE, Allocation, ClusterState, DeviceCharge, GpuLedger, PodTable
+from .topology import PodBook
 
 _RANK_BITS = 40
 _ABSENT = 255
@@ -141,6 +148,7 @@ class Engine:
         self.pods = PodTable(gpu_slots=self.state.cols)
         self._on_node: dict[int, set[str]] = {}
         self._observed: set[str] = set()
+        self.book = PodBook(self.state)
 
     # -- policies -------------------------------------------------------------------------------------
 
@@ -167,6 +175,7 @@ class Engine:
         dropped = sorted(self._on_node.get(n, ()))
         for uid in dropped:
             self.forget(uid)
+        self.book.drop_row(n)
         self.state.remove_node(name)
         self._on_node.pop(n, None)
         return dropped
@@ -244,6 +253,7 @@ class Engine:
             return False
         self.state.release(b.allocation)
         self.pods.remove(uid)
+        self.book.remove(uid)
         self._on_node[b.allocation.node].discard(uid)
         self.queues.charge(b.pod.queue, -b.gpu_mib, -b.whole_gpus)
         return True
@@ -264,6 +274,7 @@ class Engine:
     def _commit(self, pod: PendingPod, allocation: Allocation, placement: Placement) -> None:
         self.state.apply(allocation)
         self.pods.add(pod.uid, allocation, priority=pod.priority, queue=pod.queue)
+        self.book.add(pod, allocation.node)
         mib = sum(c.request_mib for c in allocation.charges)
         gpus = _whole_gpus(allocation)
         self._bound[pod.uid] = _Bound(pod, allocation, placement, mib, gpus)
@@ -294,6 +305,23 @@ class Engine:
                 )
             containers.append(ContainerPlacement(c.container, c.mode, c.exclusive, tuple(devices)))
         return Placement(pod.uid, node, tuple(containers))
+
+    # -- pods that are not placed here --------------------------------------------------------------
+
+    def nominate(self, pod: PendingPod, node: str) -> None:
+        """Hold room on ``node`` for a pending pod a preemptor nominated there: pods of lower or equal
+        priority do not get that room; the pod itself tries that node first. A node the engine does
+        not know holds nothing."""
+        self.book.nominate(pod, self.state.index.get(node))
+
+    def drop_nomination(self, uid: str) -> bool:
+        """Stop holding room for ``uid`` (its nomination was cleared, or it was deleted); False when
+        none was held."""
+        return self.book.drop_nomination(uid)
+
+    def set_namespace(self, name: str, labels: dict[str, str]) -> None:
+        """A namespace's labels, for affinity terms that select namespaces by label."""
+        self.book.set_namespace(name, labels)
 
     # -- queues ---------------------------------------------------------------------------------------
 
@@ -398,6 +426,10 @@ class Engine:
         code = static_reason(spec, demand)
         if code is Reason.FITS:
             code = Reason(int(resource_fit(self.state, demand, np.array([n]), self.rules).reasons[0]))
+        if code is Reason.FITS:
+            overlay = self.book.filter(pod, demand)
+            if overlay is not None:
+                code = Reason(int(overlay[n]))
         return Status(code, code.message)
 
     def tie_rank(self, nodes: np.ndarray) -> np.ndarray:
@@ -501,15 +533,31 @@ class Engine:
         stale = np.flatnonzero(kc.version[:rows] != version)
         if stale.size:
             self._refresh(kc, stale)
+        overlay = self.book.filter(pod, demand)
+        key = kc.key[:rows]
+        if overlay is not None:
+            key = np.where(overlay[:rows] == 0, key, -1)
+        soft = self.book.soft(pod, demand, key >= 0)
+        nominated = self.state.index.get(pod.nominated_node) if pod.nominated_node else None
         while True:
-            best = int(np.argmax(kc.key[:rows]))  # best score; ties: the best tie-break rank
-            if kc.key[best] < 0:
-                return self._unschedulable(pod, kc)
+            if nominated is not None and key[nominated] >= 0:
+                best = nominated  # kube-scheduler tries the nominated node first
+            elif soft is None:
+                best = int(np.argmax(key))  # best score; ties: the best tie-break rank
+            else:
+                # Preferences rank first (coarse levels), the policy's score among equals.
+                open_ = key >= 0
+                top = soft[open_].max() if open_.any() else 0
+                best = int(np.argmax(np.where(open_ & (soft == top), key, -1)))
+            if key[best] < 0:
+                return self._unschedulable(pod, kc, overlay)
             allocation = self._allocate(pod, demand, policy, best, int(kc.gpu[best]))
             if allocation is None:
                 # The containers fit one by one but not together here: skip this node until it changes.
+                key[best] = -1  # a view of kc.key without an overlay, a copy with one
                 kc.key[best] = -1
                 kc.reason[best] = Reason.DEVICE_ASSIGNMENT
+                nominated = None
                 continue
             mib = sum(c.request_mib for c in allocation.charges)
             exceeded = self.queues.exceeded(pod.queue, mib, _whole_gpus(allocation))
@@ -519,9 +567,14 @@ class Engine:
             self._commit(pod, allocation, placement)
             return placement
 
-    def _unschedulable(self, pod: PendingPod, kc: _KindCache) -> Unschedulable:
+    def _unschedulable(
+        self, pod: PendingPod, kc: _KindCache, overlay: np.ndarray | None = None
+    ) -> Unschedulable:
         st = self.state
-        codes = kc.reason[: st.rows][st.present[: st.rows]]
+        codes = kc.reason[: st.rows]
+        if overlay is not None:
+            codes = np.where(codes == 0, overlay[: st.rows], codes)
+        codes = codes[st.present[: st.rows]]
         counts = np.bincount(codes, minlength=len(Reason))
         ranked = sorted(
             ((Reason(code).message, int(n)) for code, n in enumerate(counts[: len(Reason)]) if n and code),

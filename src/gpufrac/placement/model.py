@@ -17,6 +17,8 @@ from enum import StrEnum
 
 from gpufrac.contract.request import ComputeMode, PodGpuRequest
 
+from .pod_constraints import NO_CONSTRAINTS, NO_EXTRAS, NodeExtras, PodConstraints
+
 BOTH_MODES: frozenset[ComputeMode] = frozenset(ComputeMode)
 
 
@@ -124,6 +126,8 @@ class NodeSpec:
     scheduler: ``gpufrac.kube.heartbeat``); the engine reads no clock. ``node_stack_conflict``
     says that the node agent found another GPU-fractioning node stack (NVIDIA's) writing its condition:
     the node's readiness and heartbeat are then not gpufrac's to go by, and it takes no pod.
+    ``extended`` (allocatable extended resources other than GPUs, whole units) and
+    ``ephemeral_bytes`` (allocatable ephemeral-storage) are checked only against pods that ask for them.
     """
 
     name: str
@@ -139,6 +143,8 @@ class NodeSpec:
     compute_modes: frozenset[ComputeMode] = BOTH_MODES
     agent_heartbeat_expired: bool = False
     node_stack_conflict: bool = False
+    extended: Mapping[str, int] = field(default_factory=dict)
+    ephemeral_bytes: int = 0
 
 
 class ModePolicy(StrEnum):
@@ -153,7 +159,9 @@ class PendingPod:
     """A pod waiting for a place: identity, host resources, constraints, queueing, and its GPU request.
 
     ``arrival`` orders pods of equal priority and queue standing (lower first). ``policy`` overrides the
-    engine's policy for this pod (the per-pod policy annotation).
+    engine's policy for this pod (the per-pod policy annotation). ``labels`` and ``constraints`` relate
+    the pod to other pods (``gpufrac.placement.pod_constraints``); ``extras`` are the node-local
+    resources besides CPU, memory and GPUs; ``nominated_node`` is where a preemptor made room for it.
     """
 
     namespace: str
@@ -170,6 +178,10 @@ class PendingPod:
     arrival: int = 0
     policy: str | None = None
     mode_policy: ModePolicy = ModePolicy.REQUIRED
+    labels: Mapping[str, str] = field(default_factory=dict)
+    constraints: PodConstraints = NO_CONSTRAINTS
+    extras: NodeExtras = NO_EXTRAS
+    nominated_node: str | None = None
 
     @property
     def key(self) -> str:

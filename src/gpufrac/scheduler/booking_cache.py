@@ -50,8 +50,9 @@ from lightkube.resources.core_v1 import Pod
 from gpufrac.contract.request import PodGpuRequest
 from gpufrac.placement.decision import ContainerPlacement, Decision, DeviceAssignment, Placement
 from gpufrac.placement.model import ModePolicy, NodeSpec, PendingPod
-from gpufrac.scheduler.objects import bound_placement, gpu_request, pending_pod
+from gpufrac.scheduler.objects import bound_placement, gpu_request, host_request, pending_pod
 from gpufrac.scheduler.placement_engine import PlacementEngine
+from gpufrac.scheduler.pod_fields import RefusedPod
 
 log = logging.getLogger(__name__)
 
@@ -321,9 +322,22 @@ class BookingCache:
             gpu = PodGpuRequest()
         spec = self._nodes[node]
         placement = bound_placement(pod, gpu=gpu, gpus_by_uuid={g.uuid: g for g in spec.gpus})
-        pending = pending_pod(
-            pod, gpu=gpu, arrival=0, default_queue=self._default_queue, mode_policy=self._mode_policy
-        )
+        try:
+            pending = pending_pod(
+                pod, gpu=gpu, arrival=0, default_queue=self._default_queue, mode_policy=self._mode_policy
+            )
+        except RefusedPod as error:  # a bound pod still takes its resources; its rules cannot be read
+            log.warning("bound pod %s/%s: %s", meta.namespace, meta.name, error)
+            cpu, memory = host_request(pod)
+            pending = PendingPod(
+                namespace=meta.namespace,
+                name=meta.name,
+                uid=meta.uid,
+                gpu=gpu,
+                cpu_milli=cpu,
+                memory_bytes=memory,
+                labels=dict(meta.labels or {}),
+            )
         try:
             self.engine.assume(pending, placement)
         except ValueError as error:

@@ -33,15 +33,20 @@ from gpufrac.placement.model import (
     BOTH_MODES,
     GpuDevice,
     ModePolicy,
-    NodeSelectorRequirement,
     NodeSelectorTerm,
     NodeSpec,
     PendingPod,
-    SelectorOperator,
     Taint,
     TaintEffect,
     Toleration,
     TolerationOperator,
+)
+from gpufrac.scheduler.pod_fields import (
+    and_terms,
+    node_extras,
+    node_resources,
+    node_selector_term,
+    pod_constraints,
 )
 
 log = logging.getLogger(__name__)
@@ -134,6 +139,7 @@ def node_spec(node: Node, *, agent_heartbeat_expired: bool = False) -> NodeSpec:
         for t in (spec.taints if spec else None) or []
         if t.effect in TaintEffect.__members__.values()
     )
+    extended, ephemeral = node_resources(allocatable)
     return NodeSpec(
         name=meta.name,
         cpu_milli=_milli(parse_quantity(allocatable.get("cpu"))),
@@ -151,6 +157,8 @@ def node_spec(node: Node, *, agent_heartbeat_expired: bool = False) -> NodeSpec:
         compute_modes=compute_modes(labels),
         agent_heartbeat_expired=agent_heartbeat_expired,
         node_stack_conflict=keys.NODE_STACK_CONFLICT_ANNOTATION in (meta.annotations or {}),
+        extended=extended,
+        ephemeral_bytes=ephemeral,
     )
 
 
@@ -195,6 +203,10 @@ def host_request(pod: Pod) -> tuple[int, int]:
     for container in spec.initContainers or []:
         c, m = requests(container)
         cpu, mem = max(cpu, c), max(mem, m)
+    if spec.resources is not None and spec.resources.requests:
+        # Pod-level resources (beta, on by default in 1.34): kube-scheduler fits the pod by them.
+        level_cpu, level_mem = requests(spec)
+        cpu, mem = level_cpu or cpu, level_mem or mem
     overhead = spec.overhead or {}
     cpu += _milli(parse_quantity(overhead.get("cpu")))
     mem += _whole(parse_quantity(overhead.get("memory")))
@@ -247,33 +259,26 @@ def _affinity(pod: Pod) -> tuple[NodeSelectorTerm, ...]:
     )
     if required is None:
         return ()
-    terms = []
-    for term in required.nodeSelectorTerms:
-        expressions = [
-            NodeSelectorRequirement(
-                key=e.key, operator=SelectorOperator(e.operator), values=tuple(e.values or ())
-            )
-            for e in term.matchExpressions or []
-        ]
-        # matchFields can only select metadata.name; the engine matches labels, so use the hostname label.
-        expressions += [
-            NodeSelectorRequirement(
-                key="kubernetes.io/hostname",
-                operator=SelectorOperator(e.operator),
-                values=tuple(e.values or ()),
-            )
-            for e in term.matchFields or []
-            if e.key == "metadata.name"
-        ]
-        terms.append(NodeSelectorTerm(match_expressions=tuple(expressions)))
-    return tuple(terms)
+    return tuple(node_selector_term(term) for term in required.nodeSelectorTerms)
 
 
 def pending_pod(
-    pod: Pod, *, gpu: PodGpuRequest, arrival: int, default_queue: str, mode_policy: ModePolicy
+    pod: Pod,
+    *,
+    gpu: PodGpuRequest,
+    arrival: int,
+    default_queue: str,
+    mode_policy: ModePolicy,
+    volume_terms: list[tuple[NodeSelectorTerm, ...]] | None = None,
 ) -> PendingPod:
+    """The engine's view of ``pod``; ``volume_terms`` are the node affinities of its bound volumes
+    (``pod_fields.volume_terms``), ANDed with the pod's own. Raises ``pod_fields.RefusedPod`` for a
+    field that cannot be read."""
     cpu, mem = host_request(pod)
     meta = pod.metadata
+    affinity = _affinity(pod)
+    if volume_terms:
+        affinity = and_terms(affinity, volume_terms)
     return PendingPod(
         namespace=meta.namespace,
         name=meta.name,
@@ -282,13 +287,17 @@ def pending_pod(
         cpu_milli=cpu,
         memory_bytes=mem,
         node_selector=dict((pod.spec.nodeSelector if pod.spec else None) or {}),
-        affinity=_affinity(pod),
+        affinity=affinity,
         tolerations=_tolerations(pod),
         priority=(pod.spec.priority if pod.spec else None) or 0,
         queue=pod_queue(pod, default=default_queue),
         arrival=arrival,
         mode_policy=mode_policy,
         policy=(meta.annotations or {}).get(keys.PLACEMENT_POLICY_ANNOTATION) or None,
+        labels=dict(meta.labels or {}),
+        constraints=pod_constraints(pod),
+        extras=node_extras(pod),
+        nominated_node=(pod.status.nominatedNodeName if pod.status else None) or None,
     )
 
 

@@ -52,6 +52,15 @@ class PlacementEngine(Protocol):
     def queues(self) -> QueueBook:
         """What each queue holds (read for Queue status and fair share)."""
 
+    def nominate(self, pod: PendingPod, node: str) -> None:
+        """Hold room on ``node`` for a pending pod a preemptor nominated there."""
+
+    def drop_nomination(self, uid: str) -> bool:
+        """Stop holding room for ``uid``; False when none was held."""
+
+    def set_namespace(self, name: str, labels: dict[str, str]) -> None:
+        """A namespace's labels, for affinity terms that select namespaces by label."""
+
     def ledger(self, node: str) -> list[GpuLedger]:
         """The GPUs of ``node`` as ledgers (for metrics)."""
 

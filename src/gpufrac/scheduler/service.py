@@ -5,8 +5,11 @@ lease, probes, the handler adapter and the shutdown order).
 
 State. Informers feed one booking cache (``gpufrac.scheduler.booking_cache``), which holds the engine:
 our pods (``spec.schedulerName`` = ours), other schedulers' pods already bound (they take cpu, memory and
-pod slots on managed nodes, and GPUs if they carry the contract) and managed nodes; a fourth informer
-watches the node agents' Leases (below). Every
+pod slots, host ports and other resources on managed nodes, their labels and anti-affinity count for
+affinity and spread, and GPUs if they carry the contract) and managed nodes; a fourth informer watches
+the node agents' Leases (below). Three more read what some pod fields refer to: namespaces (labels,
+for ``namespaceSelector``), claims and volumes (a bound volume's node affinity); ``pod_fields`` says
+which fields are honoured. Every
 replica keeps the cache current from the moment it starts, leader or not, so a standby takes over with
 warm books. At start-up the books are rebuilt from what the API says: every bound pod is booked from its
 annotations as the informers list it, before anything is placed (the scheduling loop waits for every
@@ -61,7 +64,7 @@ from typing import Any, Protocol
 
 from lightkube import AsyncClient
 from lightkube.resources.coordination_v1 import Lease
-from lightkube.resources.core_v1 import Node, Pod
+from lightkube.resources.core_v1 import Namespace, Node, PersistentVolume, PersistentVolumeClaim, Pod
 
 from gpufrac.contract.errors import InvalidPodRequest
 from gpufrac.contract.request import PodGpuRequest
@@ -90,6 +93,7 @@ from gpufrac.scheduler.objects import (
     queue_label,
 )
 from gpufrac.scheduler.placement_engine import PlacementEngine
+from gpufrac.scheduler.pod_fields import RefusedPod, refused_fields, scheduling_gates, volume_terms
 from gpufrac.scheduler.preemption import Preemptions
 from gpufrac.scheduler.queue_status import QueueStatusWriter, engine_capacity
 from gpufrac.scheduler.queues import QueueDirectory
@@ -213,6 +217,21 @@ class SchedulerService:
         )
         self.nodes.add_handler(Handler(changed=self._node_changed, deleted=self._node_deleted))
         self.leases.add_handler(Handler(changed=self._lease_changed, deleted=self._lease_deleted))
+        # Pod fields kube-scheduler honours (#19): namespace labels for affinity terms' namespaceSelector,
+        # and the claims and volumes whose node affinity a pod inherits.
+        self.namespaces: Informer[Namespace] = Informer(client=client, resource=Namespace, name="namespaces")
+        self.claims: Informer[PersistentVolumeClaim] = Informer(
+            client=client,
+            resource=PersistentVolumeClaim,
+            selection=Selection(namespace=ALL_NAMESPACES),
+            name="claims",
+        )
+        self.volumes: Informer[PersistentVolume] = Informer(
+            client=client, resource=PersistentVolume, name="volumes"
+        )
+        self.namespaces.add_handler(Handler(changed=self._namespace_changed, deleted=self._storage_changed))
+        self.claims.add_handler(Handler(changed=self._storage_changed, deleted=self._storage_changed))
+        self.volumes.add_handler(Handler(changed=self._storage_changed, deleted=self._storage_changed))
 
         # Events wait while binds are in flight: during a burst the API server's writes go to binds.
         self.events = EventRecorder(
@@ -242,7 +261,15 @@ class SchedulerService:
             name=f"scheduler {config.scheduler_name}",
             client=client,
             identity=self.identity,
-            informers=(self.pods, self.foreign_pods, self.nodes, self.leases),
+            informers=(
+                self.pods,
+                self.foreign_pods,
+                self.nodes,
+                self.leases,
+                self.namespaces,
+                self.claims,
+                self.volumes,
+            ),
             lead=self._lead,
             registry=self.metrics.registry,
             http_host=config.http_host,
@@ -380,6 +407,10 @@ class SchedulerService:
                 continue  # deleted (or replaced by a new pod of the same name) since it was queued
             if (pod.spec and pod.spec.nodeName) or uid in self.cache or uid in self._in_flight:
                 continue
+            if scheduling_gates(pod):
+                # Not placed until its gates are gone; removing one is a spec update, which queues it.
+                self.queue.remove(uid)
+                continue
             try:
                 if stale_binding_keys(pod.metadata.annotations or {}):
                     self._in_flight.add(uid)
@@ -503,14 +534,25 @@ class SchedulerService:
             gpu = gpu_request(pod)
         except InvalidPodRequest as error:
             return str(error)
+        refused = refused_fields(pod)
+        if refused is not None:
+            return refused
         self._arrivals += 1
-        pending = pending_pod(
-            pod,
-            gpu=gpu,
-            arrival=self._arrivals,
-            default_queue=self.config.default_queue,
-            mode_policy=self._mode_policy,
-        )
+        try:
+            pending = pending_pod(
+                pod,
+                gpu=gpu,
+                arrival=self._arrivals,
+                default_queue=self.config.default_queue,
+                mode_policy=self._mode_policy,
+                volume_terms=volume_terms(
+                    pod,
+                    claim=lambda ns, name: self.claims.store.get(f"{ns}/{name}"),
+                    volume=self.volumes.store.get,
+                ),
+            )
+        except RefusedPod as error:
+            return str(error)
         for pod_filter in self._filters:
             narrowed = pod_filter.narrow(pending, pod, self.cache)
             if isinstance(narrowed, str):
@@ -701,6 +743,7 @@ class SchedulerService:
             return
         if uid in self._in_flight or uid in self.cache:
             return  # its own bind (or clean) is writing it
+        self._nominated(pod)
         queue = pod_queue(pod, default=self.config.default_queue)
         if old is None or uid not in self.queue or _meaningful_change(old, pod):
             self._first_seen.setdefault(uid, time.monotonic())
@@ -708,12 +751,45 @@ class SchedulerService:
         else:
             self.queue.update(uid, pod)
 
+    def _nominated(self, pod: Pod) -> None:
+        """Hold room on the node a preemptor nominated for this pending pod (status.nominatedNodeName)."""
+        node = (pod.status.nominatedNodeName if pod.status else None) or None
+        meta = pod.metadata
+        engine = self.cache.engine
+        if node is None:
+            if engine.drop_nomination(meta.uid):
+                self.queue.cluster_changed()  # the room it held is free
+            return
+        try:
+            pending = pending_pod(
+                pod,
+                gpu=gpu_request(pod),
+                arrival=0,
+                default_queue=self.config.default_queue,
+                mode_policy=self._mode_policy,
+            )
+        except Exception as error:  # its own scheduling attempt reports the problem
+            log.debug("not holding room for %s/%s: %s", meta.namespace, meta.name, error)
+            return
+        engine.nominate(pending, node)
+
+    def _namespace_changed(self, old: Namespace | None, namespace: Namespace) -> None:
+        self.cache.engine.set_namespace(namespace.metadata.name, dict(namespace.metadata.labels or {}))
+        if old is not None and old.metadata.labels != namespace.metadata.labels:
+            self.queue.cluster_changed()
+
+    def _storage_changed(self, *objects: Any) -> None:
+        """A claim, volume or namespace changed: pods waiting on one may fit now."""
+        self.queue.cluster_changed()
+
     def _foreign_changed(self, old: Pod | None, pod: Pod) -> None:
         if pod.spec and pod.spec.nodeName:
             self.cache.confirm(pod)
 
     def _pod_deleted(self, pod: Pod) -> None:
         uid = pod.metadata.uid
+        if self.cache.engine.drop_nomination(uid):
+            self.queue.cluster_changed()
         self.queue.remove(uid)
         self._first_seen.pop(uid, None)
         self._reported.pop(uid, None)

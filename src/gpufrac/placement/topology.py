@@ -1,0 +1,579 @@
+"""The pods on each node, as far as other pods' rules care: inter-pod affinity, topology spread, host
+ports, extended resources, ephemeral storage, and the room preemptors hold for nominated pods.
+
+Why a separate book: the engine caches filter and score results per kind of pod and per node, and
+recomputes a node only when that node changes. That is right for CPU, memory and GPUs, which depend on
+the node alone, but an affinity or spread rule depends on the pods of a whole topology domain (a zone)
+or of the whole cluster. So these rules are evaluated per pod, as an overlay on the cached results:
+``filter`` answers a reason per node slot (0: no objection), ``soft`` a preference level per node slot.
+A pod that carries none of these rules, asks for none of these resources, and is repelled by no placed
+pod's anti-affinity gets ``None`` from both at the cost of a dictionary lookup, so the common pod keeps
+the cached path.
+
+Counting: a *tracker* is a count, per node slot, of the placed pods that one predicate selects (the pods
+matching all required affinity terms of a pod, the pods one anti-affinity term selects, the pods of a
+namespace one spread selector selects). Trackers are built on first use by one pass over the placed
+pods and then kept current as pods are placed and released, so a rule costs a few vector operations per
+pod (counts summed per topology domain with ``bincount``) whatever the number of pods. Pods placed in
+the same batch are placed one after another through ``add``, so a batch keeps these rules between its
+own pods, as kube-scheduler does between its scheduling cycles.
+
+Semantics follow kube-scheduler v1.34 (pkg/scheduler/framework/plugins/interpodaffinity/filtering.go
+and scoring.go, podtopologyspread/filtering.go and scoring.go, nodeports, noderesources/fit.go):
+
+- required affinity: the node must carry every term's topology key, and for every term the node's
+  domain must hold a pod that matches *all* the terms; unless no such pod exists anywhere and the pod
+  matches all its own terms (the first pod of a self-affine group).
+- required anti-affinity: no term's domain on the node may hold a pod that the term selects.
+- existing pods' required anti-affinity (the symmetric rule): a placed pod whose term selects the new
+  pod repels it from every node of the placed pod's domain.
+- topology spread (DoNotSchedule): the node must carry the key; domains are the values on nodes that
+  pass the constraint's nodeAffinityPolicy and nodeTaintsPolicy and carry every constraint's key; the
+  global minimum is 0 when fewer domains than ``minDomains`` exist; ``count(domain) + self - min`` must
+  not exceed ``maxSkew``.
+- preferences (preferred pod and node affinity terms; ScheduleAnyway spread; PreferNoSchedule taints
+  the pod does not tolerate) are scores normalised as kube-scheduler normalises them (0..100, with its
+  default plugin weights: 2, 2, 2, 3), then cut into ``SOFT_LEVELS`` coarse levels
+  that rank nodes before the GPU policy does: the GPU policy chooses among nodes of about the same
+  preference. (kube-scheduler adds the scores of all its plugins; a GPU scheduler whose placement
+  score is a fragmentation measure cannot add them meaningfully, so a preference ranks first, coarsely.)
+
+The domains are those of the nodes this engine knows (for the scheduler: the managed nodes), and the
+pods those placed or booked on them, including pods of other schedulers the service books.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter, OrderedDict
+from collections.abc import Hashable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .decision import Reason
+from .demand import Demand
+from .filters import NodeAffinity, NodeSelector, TaintToleration
+from .model import PendingPod, TaintEffect
+from .pod_constraints import (
+    HostPort,
+    InclusionPolicy,
+    NodeExtras,
+    PodAffinityTerm,
+    SpreadConstraint,
+    selects,
+)
+from .state import ClusterState
+
+SOFT_LEVELS = 10
+_MAX_TRACKERS = 1024
+_MAX_MATCH_CACHE = 8192
+
+
+@dataclass(frozen=True, slots=True)
+class _Entry:
+    namespace: str
+    labels: Mapping[str, str]
+    row: int
+    anti: tuple[PodAffinityTerm, ...]
+    extras: NodeExtras
+
+
+@dataclass(frozen=True, slots=True)
+class _Hold:
+    row: int
+    priority: int
+    cpu_milli: int
+    memory_bytes: int
+    extras: NodeExtras
+
+
+def _labels_key(labels: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
+    return tuple(sorted(labels.items())) if labels else ()
+
+
+class PodBook:
+    """See the module docstring. ``namespace_labels`` are what namespace selectors match against."""
+
+    def __init__(self, state: ClusterState) -> None:
+        self.state = state
+        self.namespace_labels: dict[str, Mapping[str, str]] = {}
+        self._entries: dict[str, _Entry] = {}
+        self._by_label: dict[tuple[str, str], set[str]] = {}  # label pair -> uids of placed pods
+        self._trackers: OrderedDict[Hashable, np.ndarray] = OrderedDict()
+        # Trackers by one label pair every pod they count must carry (None: no such pair), so placing a
+        # pod tests only the trackers that can count it, not all of them.
+        self._buckets: dict[tuple[str, str] | None, set[Hashable]] = {}
+        self._anti: dict[PodAffinityTerm, np.ndarray] = {}
+        self._anti_total: Counter[PodAffinityTerm] = Counter()
+        self._anti_hits: dict[tuple[tuple[str, str], ...], tuple[PodAffinityTerm, ...]] = {}
+        self._ports: dict[tuple[str, int], dict[int, Counter[str]]] = {}
+        self._ext_used: dict[str, np.ndarray] = {}
+        self._eph_used = np.zeros(0, dtype=np.int64)
+        self._holds: dict[str, _Hold] = {}
+        self._epoch = -1
+        self._domains: dict[str, np.ndarray] = {}
+        self._eligible: dict[Hashable, np.ndarray] = {}
+        self._ext_cap: dict[str, np.ndarray] = {}
+        self._node_scores: dict[Hashable, np.ndarray] = {}
+        self._domain_sets: dict[Hashable, tuple[np.ndarray, np.ndarray]] = {}
+        self._any_prefer_no_schedule: bool | None = None
+
+    # -- bookkeeping ------------------------------------------------------------------------------------
+
+    def set_namespace(self, name: str, labels: Mapping[str, str]) -> None:
+        """A namespace's labels changed: trackers that select by namespace labels are rebuilt."""
+        if dict(self.namespace_labels.get(name, {})) == dict(labels):
+            return
+        self.namespace_labels[name] = dict(labels)
+        self._trackers.clear()
+        self._buckets.clear()
+        self._anti_hits.clear()
+
+    def add(self, pod: PendingPod, row: int) -> None:
+        if pod.uid in self._entries:
+            self.remove(pod.uid)
+        self._holds.pop(pod.uid, None)
+        entry = _Entry(pod.namespace, pod.labels, row, pod.constraints.required_anti_affinity, pod.extras)
+        self._entries[pod.uid] = entry
+        for pair in entry.labels.items():
+            self._by_label.setdefault(pair, set()).add(pod.uid)
+        self._count(entry, +1)
+
+    def remove(self, uid: str) -> None:
+        entry = self._entries.pop(uid, None)
+        if entry is not None:
+            for pair in entry.labels.items():
+                holders = self._by_label[pair]
+                holders.discard(uid)
+                if not holders:
+                    del self._by_label[pair]
+            self._count(entry, -1)
+
+    def nominate(self, pod: PendingPod, row: int | None) -> None:
+        """Hold ``pod``'s resources on node slot ``row`` (None, an unknown node: hold nothing)."""
+        if row is None:
+            self._holds.pop(pod.uid, None)
+            return
+        self._holds[pod.uid] = _Hold(row, pod.priority, pod.cpu_milli, pod.memory_bytes, pod.extras)
+
+    def drop_nomination(self, uid: str) -> bool:
+        return self._holds.pop(uid, None) is not None
+
+    def drop_row(self, row: int) -> None:
+        """A node slot went away: holds on it go too (placed pods were released one by one)."""
+        for uid in [uid for uid, h in self._holds.items() if h.row == row]:
+            del self._holds[uid]
+
+    def _count(self, entry: _Entry, delta: int) -> None:
+        row = entry.row
+        candidates = set(self._buckets.get(None, ()))
+        for pair in entry.labels.items():
+            candidates.update(self._buckets.get(pair, ()))
+        for key in candidates:
+            if self._tracker_matches(key, entry.namespace, entry.labels):
+                counts = self._trackers[key] = self._grown(self._trackers[key])
+                counts[row] += delta
+        for term in entry.anti:
+            holders = self._anti.get(term)
+            if holders is None:
+                holders = self._anti[term] = np.zeros(self.state.rows, dtype=np.int64)
+                # A new term: the label sets seen so far learn whether it selects them (cheaper than
+                # forgetting them all, which every first replica of a deployment would cause).
+                for labels, hits in self._anti_hits.items():
+                    if selects(term.selector, dict(labels)):
+                        self._anti_hits[labels] = (*hits, term)
+            holders = self._anti[term] = self._grown(holders)
+            holders[row] += delta
+            self._anti_total[term] += delta
+            if self._anti_total[term] <= 0:
+                del self._anti[term], self._anti_total[term]
+                for labels, hits in self._anti_hits.items():
+                    if term in hits:
+                        self._anti_hits[labels] = tuple(t for t in hits if t != term)
+        extras = entry.extras
+        if not extras:
+            return
+        for port in extras.host_ports:
+            by_row = self._ports.setdefault((port.protocol, port.port), {})
+            ips = by_row.setdefault(row, Counter())
+            ips[port.ip] += delta
+            if ips[port.ip] <= 0:
+                del ips[port.ip]
+                if not ips:
+                    del by_row[row]
+        for name, amount in extras.extended:
+            used = self._ext_used.get(name)
+            used = self._ext_used[name] = self._grown(
+                np.zeros(self.state.rows, dtype=np.int64) if used is None else used
+            )
+            used[row] += delta * amount
+        if extras.ephemeral_bytes:
+            self._eph_used = self._grown(self._eph_used)
+            self._eph_used[row] += delta * extras.ephemeral_bytes
+
+    def _grown(self, arr: np.ndarray) -> np.ndarray:
+        rows = self.state.rows
+        if arr.size >= rows:
+            return arr
+        out = np.zeros(rows, dtype=arr.dtype)
+        out[: arr.size] = arr
+        return out
+
+    # -- trackers ---------------------------------------------------------------------------------------
+
+    def _tracker_matches(self, key: Hashable, namespace: str, labels: Mapping[str, str]) -> bool:
+        kind, what = key  # type: ignore[misc]
+        if kind == "all":
+            return all(t.matches(namespace, labels, self.namespace_labels) for t in what)
+        if kind == "term":
+            return what.matches(namespace, labels, self.namespace_labels)
+        space, selector = what
+        return namespace == space and selects(selector, labels)
+
+    @staticmethod
+    def _bucket(key: Hashable) -> tuple[str, str] | None:
+        kind, what = key  # type: ignore[misc]
+        selector = what[0].selector if kind == "all" else what.selector if kind == "term" else what[1]
+        if selector is None or not selector.match_labels:
+            return None
+        return selector.match_labels[0]
+
+    def _tracker(self, key: Hashable) -> np.ndarray:
+        counts = self._trackers.get(key)
+        if counts is None:
+            counts = np.zeros(self.state.rows, dtype=np.int64)
+            bucket = self._bucket(key)
+            entries = self._entries
+            # Only pods carrying the bucket's label pair can be counted: look at those alone.
+            for uid in entries if bucket is None else self._by_label.get(bucket, ()):
+                entry = entries[uid]
+                if self._tracker_matches(key, entry.namespace, entry.labels):
+                    counts[entry.row] += 1
+            self._trackers[key] = counts
+            self._buckets.setdefault(bucket, set()).add(key)
+            if len(self._trackers) > _MAX_TRACKERS:
+                old, _ = self._trackers.popitem(last=False)
+                self._buckets[self._bucket(old)].discard(old)
+        else:
+            self._trackers.move_to_end(key)
+            if counts.size < self.state.rows:
+                counts = self._trackers[key] = self._grown(counts)
+        return counts[: self.state.rows]
+
+    # -- topology ---------------------------------------------------------------------------------------
+
+    def _sync_epoch(self) -> None:
+        if self._epoch != self.state.spec_epoch:
+            self._epoch = self.state.spec_epoch
+            self._domains.clear()
+            self._eligible.clear()
+            self._ext_cap.clear()
+            self._node_scores.clear()
+            self._domain_sets.clear()
+            self._any_prefer_no_schedule = None
+
+    def domain(self, key: str) -> np.ndarray:
+        """Per node slot, the id of its value of label ``key`` (-1: absent, or no node)."""
+        found = self._domains.get(key)
+        if found is None:
+            st = self.state
+            found = np.full(st.rows, -1, dtype=np.int64)
+            values: dict[str, int] = {}
+            for n, spec in enumerate(st.nodes):
+                if spec is not None and key in spec.labels:
+                    found[n] = values.setdefault(spec.labels[key], len(values))
+            self._domains[key] = found
+        return found
+
+    @staticmethod
+    def _per_domain(dom: np.ndarray, counts: np.ndarray, mask: np.ndarray | None = None) -> np.ndarray:
+        """For each node slot, the sum of ``counts`` over the slots (within ``mask``) of its domain."""
+        use = dom >= 0 if mask is None else (dom >= 0) & mask
+        out = np.zeros(dom.size, dtype=np.int64)
+        if not use.any():
+            return out
+        per = np.bincount(dom[use], weights=counts[use], minlength=int(dom.max()) + 1).astype(np.int64)
+        has = dom >= 0
+        out[has] = per[dom[has]]
+        return out
+
+    def _policy_eligible(self, demand: Demand, c: SpreadConstraint) -> np.ndarray:
+        honour_affinity = c.node_affinity_policy is InclusionPolicy.HONOR
+        honour_taints = c.node_taints_policy is InclusionPolicy.HONOR
+        key = (demand.static_key, honour_affinity, honour_taints)
+        found = self._eligible.get(key)
+        if found is None:
+            st = self.state
+            found = np.zeros(st.rows, dtype=bool)
+            selector, affinity, taints = NodeSelector(), NodeAffinity(), TaintToleration()
+            for n, spec in enumerate(st.nodes):
+                if spec is None:
+                    continue
+                ok = True
+                if honour_affinity:
+                    ok = (
+                        selector.check(spec, demand) is Reason.FITS
+                        and affinity.check(spec, demand) is Reason.FITS
+                    )
+                if ok and honour_taints:
+                    ok = taints.check(spec, demand) is Reason.FITS
+                found[n] = ok
+            self._eligible[key] = found
+        return found
+
+    # -- the overlay ------------------------------------------------------------------------------------
+
+    def _existing_anti(self, pod: PendingPod) -> tuple[PodAffinityTerm, ...]:
+        if not self._anti:
+            return ()
+        # Cached by label set alone (most pods share a few, unlabelled ones one); the namespace is
+        # checked on the few terms whose selector matched.
+        key = _labels_key(pod.labels)
+        found = self._anti_hits.get(key)
+        if found is None:
+            if len(self._anti_hits) > _MAX_MATCH_CACHE:
+                self._anti_hits.clear()
+            found = self._anti_hits[key] = tuple(t for t in self._anti if selects(t.selector, pod.labels))
+        if not found:
+            return found
+        return tuple(t for t in found if t.matches(pod.namespace, pod.labels, self.namespace_labels))
+
+    def _holds_against(self, pod: PendingPod) -> list[_Hold]:
+        return [h for uid, h in self._holds.items() if uid != pod.uid and h.priority >= pod.priority]
+
+    def filter(self, pod: PendingPod, demand: Demand) -> np.ndarray | None:
+        """A reason per node slot (0: no objection), or None when nothing here concerns the pod."""
+        self._sync_epoch()
+        c, extras = pod.constraints, pod.extras
+        repelled = self._existing_anti(pod)
+        holds = self._holds_against(pod) if self._holds else []
+        hard = c.required_affinity or c.required_anti_affinity or c.hard_spread
+        if not (hard or extras or repelled or holds):
+            return None
+        rows = self.state.rows
+        reason = np.zeros(rows, dtype=np.uint8)
+
+        def fail(mask: np.ndarray, code: Reason) -> None:
+            reason[mask & (reason == 0)] = code
+
+        if holds:
+            self._check_holds(pod, holds, fail)
+        if extras:
+            self._check_extras(extras, holds, fail)
+        if c.required_affinity:
+            fail(~self._affinity_ok(pod, c.required_affinity), Reason.POD_AFFINITY)
+        for term in c.required_anti_affinity:
+            dom = self.domain(term.topology_key)
+            near = self._per_domain(dom, self._tracker(("term", term)))
+            fail((dom >= 0) & (near > 0), Reason.POD_ANTI_AFFINITY)
+        for term in repelled:
+            dom = self.domain(term.topology_key)
+            near = self._per_domain(dom, self._grown(self._anti[term])[:rows])
+            fail((dom >= 0) & (near > 0), Reason.EXISTING_ANTI_AFFINITY)
+        if c.hard_spread:
+            self._check_spread(pod, demand, c.hard_spread, fail)
+        return reason
+
+    def _check_holds(self, pod: PendingPod, holds: list[_Hold], fail) -> None:  # type: ignore[no-untyped-def]
+        st = self.state
+        cpu = np.zeros(st.rows, dtype=np.int64)
+        mem = np.zeros(st.rows, dtype=np.int64)
+        slots = np.zeros(st.rows, dtype=np.int64)
+        for h in holds:
+            cpu[h.row] += h.cpu_milli
+            mem[h.row] += h.memory_bytes
+            slots[h.row] += 1
+        fail(st.pods_free[: st.rows] - slots < 1, Reason.TOO_MANY_PODS)
+        fail(st.cpu_free[: st.rows] - cpu < pod.cpu_milli, Reason.INSUFFICIENT_CPU)
+        fail(st.mem_free[: st.rows] - mem < pod.memory_bytes, Reason.INSUFFICIENT_MEMORY)
+
+    def _check_extras(self, extras: NodeExtras, holds: list[_Hold], fail) -> None:  # type: ignore[no-untyped-def]
+        st = self.state
+        rows = st.rows
+        if extras.host_ports:
+            taken = np.zeros(rows, dtype=bool)
+            for want in extras.host_ports:
+                for row, ips in self._ports.get((want.protocol, want.port), {}).items():
+                    if any(want.conflicts(HostPort(want.port, want.protocol, ip)) for ip in ips):
+                        taken[row] = True
+                for h in holds:
+                    if any(want.conflicts(p) for p in h.extras.host_ports):
+                        taken[h.row] = True
+            fail(taken, Reason.HOST_PORTS)
+        for name, amount in extras.extended:
+            cap = self._ext_cap.get(name)
+            if cap is None:
+                cap = np.zeros(rows, dtype=np.int64)
+                for n, spec in enumerate(st.nodes):
+                    if spec is not None:
+                        cap[n] = spec.extended.get(name, 0)
+                self._ext_cap[name] = cap
+            used = self._ext_used.get(name)
+            free = cap[:rows] - (0 if used is None else self._grown(used)[:rows])
+            for h in holds:
+                free[h.row] -= dict(h.extras.extended).get(name, 0)
+            fail(free < amount, Reason.INSUFFICIENT_EXTENDED)
+        if extras.ephemeral_bytes:
+            cap = np.array(
+                [0 if spec is None else spec.ephemeral_bytes for spec in st.nodes]
+                + [0] * (rows - len(st.nodes)),
+                dtype=np.int64,
+            )[:rows]
+            free = cap - self._grown(self._eph_used)[:rows]
+            for h in holds:
+                free[h.row] -= h.extras.ephemeral_bytes
+            fail(free < extras.ephemeral_bytes, Reason.INSUFFICIENT_EPHEMERAL)
+
+    def _affinity_ok(self, pod: PendingPod, terms: tuple[PodAffinityTerm, ...]) -> np.ndarray:
+        counts = self._tracker(("all", terms))
+        has_all = np.ones(self.state.rows, dtype=bool)
+        exist = np.ones(self.state.rows, dtype=bool)
+        anywhere = False
+        for term in terms:
+            dom = self.domain(term.topology_key)
+            has_all &= dom >= 0
+            near = self._per_domain(dom, counts)
+            exist &= near > 0
+            anywhere = anywhere or bool(counts[dom >= 0].sum() > 0)
+        if not anywhere and all(t.matches(pod.namespace, pod.labels, self.namespace_labels) for t in terms):
+            return has_all
+        return has_all & exist
+
+    def _spread_frame(
+        self, demand: Demand, c: SpreadConstraint, keys: tuple[str, ...]
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(domain per slot, eligible slots, eligible domains) of one constraint: node-spec facts, so
+        kept until a node spec changes. Eligible: carries every one of ``keys`` and passes the
+        constraint's inclusion policies."""
+        key = (demand.static_key, c.node_affinity_policy, c.node_taints_policy, c.topology_key, keys)
+        found = self._domain_sets.get(key)
+        dom = self.domain(c.topology_key)
+        if found is None:
+            eligible = self._policy_eligible(demand, c).copy()
+            for k in keys:
+                eligible &= self.domain(k) >= 0
+            found = self._domain_sets[key] = (eligible, np.unique(dom[eligible]))
+        return dom, found[0], found[1]
+
+    def _spread_counts(
+        self, pod: PendingPod, demand: Demand, c: SpreadConstraint, keys: tuple[str, ...]
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(domain per slot, matching pods in the slot's domain, eligible slots, per-domain counts)."""
+        dom, eligible, _ = self._spread_frame(demand, c, keys)
+        counts = self._tracker(("spread", (pod.namespace, c.selector)))
+        size = int(dom.max()) + 1 if dom.size else 0
+        use = eligible[: dom.size]
+        per = np.bincount(dom[use], weights=counts[use], minlength=size).astype(np.int64)
+        near = np.zeros(dom.size, dtype=np.int64)
+        has = dom >= 0
+        near[has] = per[dom[has]]
+        return dom, near, eligible, per
+
+    def _check_spread(self, pod: PendingPod, demand: Demand, constraints, fail) -> None:  # type: ignore[no-untyped-def]
+        keys = tuple(c.topology_key for c in constraints)
+        for c in constraints:
+            dom, near, _, per = self._spread_counts(pod, demand, c, keys)
+            fail(dom < 0, Reason.SPREAD_LABEL_MISSING)
+            domains = self._spread_frame(demand, c, keys)[2]
+            least = 0 if domains.size < c.min_domains else int(per[domains].min())
+            mine = 1 if selects(c.selector, pod.labels) else 0
+            fail((dom >= 0) & (near + mine - least > c.max_skew), Reason.SPREAD)
+
+    # -- preferences ------------------------------------------------------------------------------------
+
+    def soft(self, pod: PendingPod, demand: Demand, candidates: np.ndarray) -> np.ndarray | None:
+        """Preference level (0..SOFT_LEVELS) per node slot, normalised over ``candidates``; None when the
+        pod states no preference."""
+        c = pod.constraints
+        prefer = c.preferred_affinity or c.preferred_anti_affinity
+        spread = c.soft_spread
+        self._sync_epoch()
+        untolerated = self._prefer_no_schedule(demand)
+        if not (prefer or spread or c.preferred_node or untolerated is not None) or not candidates.any():
+            return None
+        rows = self.state.rows
+        total = np.zeros(rows, dtype=np.float64)
+        parts = 0
+        if c.preferred_node:
+            raw = self._preferred_node(c.preferred_node)[:rows]
+            hi = raw[candidates].max()
+            if hi > 0:
+                total += 2 * 100 * raw / hi
+            parts += 2
+        if untolerated is not None:
+            raw = untolerated[:rows]
+            hi = raw[candidates].max()
+            if hi > 0:
+                total += 3 * (100 - 100 * raw / hi)
+            else:
+                total += 3 * 100
+            parts += 3
+        if prefer:
+            raw = np.zeros(rows, dtype=np.float64)
+            for sign, weighted in ((1, c.preferred_affinity), (-1, c.preferred_anti_affinity)):
+                for w in weighted:
+                    dom = self.domain(w.term.topology_key)
+                    raw += sign * w.weight * self._per_domain(dom, self._tracker(("term", w.term)))
+            lo, hi = raw[candidates].min(), raw[candidates].max()
+            if hi > lo:
+                total += 2 * 100 * (raw - lo) / (hi - lo)
+            parts += 2
+        if spread:
+            keys = tuple(sc.topology_key for sc in spread)
+            keys_present = np.ones(rows, dtype=bool)
+            for k in keys:
+                keys_present &= self.domain(k) >= 0
+            raw = np.zeros(rows, dtype=np.float64)
+            for sc in spread:
+                _, near, _, _ = self._spread_counts(pod, demand, sc, keys)
+                weight = math.log(self._spread_frame(demand, sc, keys)[2].size + 2)
+                raw += near * weight + (sc.max_skew - 1)
+            scored = candidates & keys_present
+            if scored.any():
+                lo, hi = raw[scored].min(), raw[scored].max()
+                level = np.full(rows, 100.0) if hi == 0 else 100 * (hi + lo - raw) / hi
+                total += 2 * np.where(scored, level, 0)
+            parts += 2
+        return np.floor(total * SOFT_LEVELS / (100 * parts) + 1e-9).astype(np.int64)
+
+    def _preferred_node(self, terms: tuple[tuple[int, Any], ...]) -> np.ndarray:
+        """Per node slot, the sum of the weights of the preferred node-affinity terms it matches."""
+        key = ("node", terms)
+        found = self._node_scores.get(key)
+        if found is None:
+            found = np.zeros(self.state.rows, dtype=np.float64)
+            for n, spec in enumerate(self.state.nodes):
+                if spec is not None:
+                    found[n] = sum(w for w, term in terms if term.matches(spec.labels))
+            self._node_scores[key] = found
+        return found
+
+    def _prefer_no_schedule(self, demand: Demand) -> np.ndarray | None:
+        """Per node slot, PreferNoSchedule taints the pod does not tolerate; None when no node has one."""
+        if self._any_prefer_no_schedule is None:
+            self._any_prefer_no_schedule = any(
+                t.effect is TaintEffect.PREFER_NO_SCHEDULE
+                for spec in self.state.nodes
+                if spec is not None
+                for t in spec.taints
+            )
+        if not self._any_prefer_no_schedule:
+            return None
+        _, _, tolerations = demand.static_key  # type: ignore[misc]
+        key = ("taints", tolerations)
+        if key not in self._node_scores:
+            found = np.zeros(self.state.rows, dtype=np.float64)
+            for n, spec in enumerate(self.state.nodes):
+                if spec is None:
+                    continue
+                found[n] = sum(
+                    1
+                    for t in spec.taints
+                    if t.effect is TaintEffect.PREFER_NO_SCHEDULE
+                    and not any(tol.tolerates(t) for tol in tolerations)
+                )
+            self._node_scores[key] = found
+        found = self._node_scores[key]
+        return found if found.any() else None

@@ -1,0 +1,356 @@
+"""Rules between pods and node-local resources besides GPUs, as the engine applies them (issue #19).
+
+Each test is a situation a user met or would meet: anti-affine replicas that all landed on one node,
+spread constraints that were ignored, a batch whose pods must keep the rules between themselves.
+"""
+
+from __future__ import annotations
+
+from placement_builders import GIB, fraction, node, pod
+
+from gpufrac.placement.decision import Placement, Unschedulable
+from gpufrac.placement.engine import Engine
+from gpufrac.placement.model import NodeSelectorRequirement, SelectorOperator
+from gpufrac.placement.pod_constraints import (
+    HostPort,
+    InclusionPolicy,
+    LabelSelector,
+    NodeExtras,
+    PodAffinityTerm,
+    PodConstraints,
+    SpreadConstraint,
+    WeightedTerm,
+    WhenUnsatisfiable,
+)
+
+HOST = "kubernetes.io/hostname"
+ZONE = "topology.kubernetes.io/zone"
+APP = {"app": "infer"}
+
+
+def cluster(*names_zones: tuple[str, str], policy: str = "binpack", **node_kw: object) -> Engine:
+    e = Engine(policy=policy)
+    for name, zone in names_zones:
+        e.add_node(node(name, labels={HOST: name, ZONE: zone}, **node_kw))  # type: ignore[arg-type]
+    return e
+
+
+def app_selector(labels: dict[str, str] = APP) -> LabelSelector:
+    return LabelSelector(match_labels=tuple(sorted(labels.items())))
+
+
+def anti(key: str = HOST, namespace: str = "ns") -> PodConstraints:
+    term = PodAffinityTerm(topology_key=key, selector=app_selector(), namespaces=frozenset({namespace}))
+    return PodConstraints(required_anti_affinity=(term,))
+
+
+def spread(max_skew: int = 1, key: str = HOST, **kw: object) -> PodConstraints:
+    return PodConstraints(
+        spread=(
+            SpreadConstraint(
+                max_skew=max_skew,
+                topology_key=key,
+                when_unsatisfiable=kw.pop("when", WhenUnsatisfiable.DO_NOT_SCHEDULE),  # type: ignore[arg-type]
+                selector=app_selector(),
+                **kw,  # type: ignore[arg-type]
+            ),
+        )
+    )
+
+
+def nodes_of(decisions: list) -> list[str | None]:
+    return [d.node if isinstance(d, Placement) else None for d in decisions]
+
+
+def test_three_anti_affine_replicas_on_two_nodes_place_two_and_refuse_the_third_with_the_reason() -> None:
+    e = cluster(("a", "z1"), ("b", "z1"))
+    replicas = [pod(fraction(0.2), labels=APP, constraints=anti()) for _ in range(3)]
+    decisions = e.schedule(replicas)
+    placed = [n for n in nodes_of(decisions) if n]
+    assert sorted(placed) == ["a", "b"]
+    refused = [d for d in decisions if isinstance(d, Unschedulable)]
+    assert len(refused) == 1
+    assert "2 node(s) didn't match pod anti-affinity rules" in refused[0].message
+
+
+def test_anti_affinity_holds_one_pod_at_a_time_too() -> None:
+    e = cluster(("a", "z1"), ("b", "z1"))
+    first = e.place(pod(fraction(0.2), labels=APP, constraints=anti()))
+    second = e.place(pod(fraction(0.2), labels=APP, constraints=anti()))
+    assert isinstance(first, Placement) and isinstance(second, Placement)
+    assert first.node != second.node
+
+
+def test_explain_names_the_rule_that_keeps_a_pod_off_a_node() -> None:
+    from gpufrac.placement.decision import Reason
+
+    e = cluster(("a", "z1"), ("b", "z1"))
+    first = e.place(pod(fraction(0.2), labels=APP, constraints=anti()))
+    assert isinstance(first, Placement)
+    other = "b" if first.node == "a" else "a"
+    replica = pod(fraction(0.2), labels=APP, constraints=anti())
+    assert e.explain(replica, first.node).code is Reason.POD_ANTI_AFFINITY
+    assert e.explain(replica, other).ok
+
+
+def test_placed_pods_anti_affinity_repels_a_new_pod_that_has_no_rule_of_its_own() -> None:
+    e = cluster(("a", "z1"), ("b", "z2"))
+    guard = e.place(pod(fraction(0.1), labels={"role": "guard"}, constraints=anti(ZONE)))
+    assert isinstance(guard, Placement)
+    newcomer = e.place(pod(fraction(0.1), labels=APP))
+    assert isinstance(newcomer, Placement)
+    assert newcomer.node != guard.node  # binpack would have packed it next to the guard
+
+
+def test_the_symmetric_rule_ends_when_the_repelling_pod_is_released() -> None:
+    e = cluster(("a", "z1"))
+    guard = pod(fraction(0.1), labels={"role": "guard"}, constraints=anti())
+    assert isinstance(e.place(guard), Placement)
+    refused = e.place(pod(fraction(0.1), labels=APP))
+    assert isinstance(refused, Unschedulable)
+    assert "existing pods anti-affinity" in refused.message
+    e.forget(guard.uid)
+    assert isinstance(e.place(pod(fraction(0.1), labels=APP)), Placement)
+
+
+def test_four_pods_with_max_skew_one_spread_two_and_two() -> None:
+    e = cluster(("a", "z1"), ("b", "z2"))
+    decisions = e.schedule([pod(fraction(0.1), labels=APP, constraints=spread()) for _ in range(4)])
+    placed = nodes_of(decisions)
+    assert sorted(placed) == ["a", "a", "b", "b"]  # type: ignore[type-var]
+
+
+def test_spread_refuses_a_node_without_the_topology_label() -> None:
+    e = Engine(policy="binpack")
+    e.add_node(node("bare"))
+    refused = e.place(pod(fraction(0.1), labels=APP, constraints=spread(key=ZONE)))
+    assert isinstance(refused, Unschedulable)
+    assert "missing required label" in refused.message
+
+
+def test_min_domains_counts_missing_domains_as_empty() -> None:
+    # Two zones exist but minDomains is 3: the global minimum is 0, so each zone takes at most maxSkew.
+    e = cluster(("a", "z1"), ("b", "z2"))
+    decisions = e.schedule(
+        [pod(fraction(0.1), labels=APP, constraints=spread(key=ZONE, min_domains=3)) for _ in range(3)]
+    )
+    assert sorted(n for n in nodes_of(decisions) if n) == ["a", "b"]
+    assert isinstance(decisions[2], Unschedulable)
+
+
+def test_node_affinity_policy_ignore_counts_domains_the_pod_cannot_use() -> None:
+    # Zone z2's node is excluded by the pod's node selector. With Honor (default) z2 is no domain, so
+    # both pods fit in z1; with Ignore z2 counts with 0 pods and the second pod would exceed maxSkew.
+    def run(policy: InclusionPolicy) -> list:
+        e = Engine(policy="binpack")
+        e.add_node(node("a", labels={HOST: "a", ZONE: "z1", "pool": "gpu"}))
+        e.add_node(node("b", labels={HOST: "b", ZONE: "z2"}))
+        pods = [
+            pod(
+                fraction(0.1),
+                labels=APP,
+                node_selector={"pool": "gpu"},
+                constraints=spread(key=ZONE, node_affinity_policy=policy),
+            )
+            for _ in range(2)
+        ]
+        return nodes_of(e.schedule(pods))
+
+    assert run(InclusionPolicy.HONOR) == ["a", "a"]
+    assert run(InclusionPolicy.IGNORE) == ["a", None]
+
+
+def test_required_affinity_lets_the_first_pod_of_a_self_affine_group_in_then_follows_it() -> None:
+    e = cluster(("a", "z1"), ("b", "z2"), ("c", "z3"))
+    term = PodAffinityTerm(topology_key=ZONE, selector=app_selector(), namespaces=frozenset({"ns"}))
+    rule = PodConstraints(required_affinity=(term,))
+    first = e.place(pod(fraction(0.1), labels=APP, constraints=rule))
+    assert isinstance(first, Placement)
+    followers = [e.place(pod(fraction(0.1), labels=APP, constraints=rule)) for _ in range(3)]
+    assert {d.node for d in followers if isinstance(d, Placement)} == {first.node}
+    stranger = e.place(pod(fraction(0.1), labels={"app": "other"}, constraints=rule))
+    assert isinstance(stranger, Placement) and stranger.node == first.node
+
+
+def test_required_affinity_without_a_match_and_without_self_match_is_unschedulable() -> None:
+    e = cluster(("a", "z1"))
+    term = PodAffinityTerm(topology_key=ZONE, selector=app_selector(), namespaces=frozenset({"ns"}))
+    refused = e.place(
+        pod(fraction(0.1), labels={"app": "db"}, constraints=PodConstraints(required_affinity=(term,)))
+    )
+    assert isinstance(refused, Unschedulable)
+    assert "pod affinity rules" in refused.message
+
+
+def test_anti_affinity_namespaces_and_namespace_selector() -> None:
+    e = cluster(("a", "z1"))
+    e.set_namespace("team-b", {"team": "b"})
+    assert isinstance(e.place(pod(fraction(0.1), namespace="team-b", labels=APP)), Placement)
+    only_own = PodConstraints(
+        required_anti_affinity=(PodAffinityTerm(HOST, app_selector(), frozenset({"team-a"})),)
+    )
+    assert isinstance(
+        e.place(pod(fraction(0.1), namespace="team-a", labels=APP, constraints=only_own)), Placement
+    )
+    by_label = PodConstraints(
+        required_anti_affinity=(
+            PodAffinityTerm(HOST, app_selector(), frozenset(), LabelSelector(match_labels=(("team", "b"),))),
+        )
+    )
+    refused = e.place(pod(fraction(0.1), namespace="team-c", labels={}, constraints=by_label))
+    assert isinstance(refused, Unschedulable)
+
+
+def test_mismatch_style_selector_not_in_selects_other_values() -> None:
+    e = cluster(("a", "z1"), ("b", "z1"))
+    sel = LabelSelector(
+        match_labels=(("app", "infer"),),
+        match_expressions=(NodeSelectorRequirement("tenant", SelectorOperator.NOT_IN, ("x",)),),
+    )
+    rule = PodConstraints(required_anti_affinity=(PodAffinityTerm(HOST, sel, frozenset({"ns"})),))
+    other = e.place(pod(fraction(0.1), labels={"app": "infer", "tenant": "y"}))
+    mine = e.place(pod(fraction(0.1), labels={"app": "infer", "tenant": "x"}, constraints=rule))
+    assert isinstance(other, Placement) and isinstance(mine, Placement)
+    assert other.node != mine.node
+
+
+def test_preferred_anti_affinity_spreads_where_binpack_would_pack() -> None:
+    e = cluster(("a", "z1"), ("b", "z1"))
+    term = PodAffinityTerm(HOST, app_selector(), frozenset({"ns"}))
+    rule = PodConstraints(preferred_anti_affinity=(WeightedTerm(100, term),))
+    first, second = (e.place(pod(fraction(0.1), labels=APP, constraints=rule)) for _ in range(2))
+    assert isinstance(first, Placement) and isinstance(second, Placement)
+    assert first.node != second.node
+    plain = [e.place(pod(fraction(0.1), labels=APP)) for _ in range(2)]
+    assert len({d.node for d in plain if isinstance(d, Placement)}) == 1  # binpack packs without it
+
+
+def test_schedule_anyway_spread_prefers_the_emptier_node_but_never_refuses() -> None:
+    e = cluster(("a", "z1"))
+    rule = spread(when=WhenUnsatisfiable.SCHEDULE_ANYWAY)
+    decisions = e.schedule([pod(fraction(0.1), labels=APP, constraints=rule) for _ in range(3)])
+    assert nodes_of(decisions) == ["a", "a", "a"]
+
+
+def test_preferred_node_affinity_and_prefer_no_schedule_taints_rank_before_the_policy() -> None:
+    from gpufrac.placement.model import NodeSelectorTerm, Taint, TaintEffect
+
+    e = Engine(policy="binpack")
+    e.add_node(node("a", labels={"disk": "hdd", "id": "a"}))
+    e.add_node(node("b", labels={"disk": "ssd", "id": "b"}))
+    noisy = (Taint("noisy", "", TaintEffect.PREFER_NO_SCHEDULE),)
+    e.add_node(node("c", labels={"disk": "ssd", "id": "c"}, taints=noisy))
+    for pinned in ("a", "c"):  # binpack alone now prefers a or c, the fuller nodes
+        assert isinstance(e.place(pod(fraction(0.1), node_selector={"id": pinned})), Placement)
+    ssd = NodeSelectorTerm((NodeSelectorRequirement("disk", SelectorOperator.IN, ("ssd",)),))
+    wants_ssd = PodConstraints(preferred_node=((50, ssd),))
+    for _ in range(3):
+        decision = e.place(pod(fraction(0.1), constraints=wants_ssd))
+        assert isinstance(decision, Placement) and decision.node == "b"  # ssd, and c's taint is avoided
+
+
+def test_host_ports_conflict_on_the_same_protocol_and_port() -> None:
+    e = cluster(("a", "z1"), ("b", "z1"))
+    web = NodeExtras(host_ports=(HostPort(8080),))
+    first, second = (e.place(pod(fraction(0.1), extras=web)) for _ in range(2))
+    assert isinstance(first, Placement) and isinstance(second, Placement) and first.node != second.node
+    udp = e.place(pod(fraction(0.1), extras=NodeExtras(host_ports=(HostPort(8080, "UDP"),))))
+    assert isinstance(udp, Placement)
+    refused = e.place(pod(fraction(0.1), extras=NodeExtras(host_ports=(HostPort(8080, "TCP", "10.0.0.1"),))))
+    assert isinstance(refused, Unschedulable)
+    assert "free ports" in refused.message
+
+
+def test_extended_resources_and_ephemeral_storage_are_counted() -> None:
+    e = Engine(policy="binpack")
+    e.add_node(node("a", extended={"example.com/fpga": 2}, ephemeral_bytes=10 * GIB))
+    fpga = NodeExtras(extended=(("example.com/fpga", 1),))
+    assert all(isinstance(e.place(pod(fraction(0.1), extras=fpga)), Placement) for _ in range(2))
+    refused = e.place(pod(fraction(0.1), extras=fpga))
+    assert isinstance(refused, Unschedulable) and "insufficient extended resource" in refused.message
+    disk = NodeExtras(ephemeral_bytes=6 * GIB)
+    assert isinstance(e.place(pod(fraction(0.1), extras=disk)), Placement)
+    refused = e.place(pod(fraction(0.1), extras=disk))
+    assert isinstance(refused, Unschedulable) and "ephemeral-storage" in refused.message
+
+
+def test_room_held_for_a_nominated_pod_goes_to_it_not_to_a_lower_priority_pod() -> None:
+    e = Engine(policy="binpack")
+    e.add_node(node("a", cpu=4000))
+    e.add_node(node("b", cpu=4000))
+    big = pod(fraction(0.1), cpu_milli=3000, priority=10, nominated_node="a")
+    e.nominate(big, "a")
+    low = e.place(pod(fraction(0.1), cpu_milli=3000, priority=5))
+    assert isinstance(low, Placement) and low.node == "b"
+    refused = e.place(pod(fraction(0.1), cpu_milli=3000, priority=5))
+    assert isinstance(refused, Unschedulable)
+    higher = e.place(pod(fraction(0.1), cpu_milli=3000, priority=20))
+    assert isinstance(higher, Placement) and higher.node == "a"
+
+
+def test_dropping_the_nomination_gives_the_room_back() -> None:
+    e = Engine(policy="binpack")
+    e.add_node(node("a", cpu=4000))
+    held = pod(fraction(0.1), cpu_milli=3000, priority=10, nominated_node="a")
+    e.nominate(held, "a")
+    assert isinstance(e.place(pod(fraction(0.1), cpu_milli=3000)), Unschedulable)
+    e.drop_nomination(held.uid)
+    assert isinstance(e.place(pod(fraction(0.1), cpu_milli=3000)), Placement)
+
+
+def test_the_nominated_pod_goes_to_its_nominated_node() -> None:
+    e = cluster(("a", "z1"), ("b", "z1"))
+    nominated = pod(fraction(0.1), nominated_node="b")
+    e.nominate(nominated, "b")
+    assert isinstance(e.place(pod(fraction(0.1))), Placement)  # binpack now prefers that node
+    decision = e.place(nominated)
+    assert isinstance(decision, Placement) and decision.node == "b"
+
+
+def test_gang_rollback_releases_the_book_too() -> None:
+    e = cluster(("a", "z1"))
+    gang = [pod(fraction(0.1), labels=APP, constraints=anti()) for _ in range(2)]
+    decisions = e.schedule(gang, gang=True)
+    assert all(isinstance(d, Unschedulable) for d in decisions)
+    assert isinstance(e.place(pod(fraction(0.1), labels=APP, constraints=anti())), Placement)
+
+
+# -- the book's incremental counts ---------------------------------------------------------------------
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from gpufrac.placement.topology import PodBook  # noqa: E402
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    steps=st.lists(
+        st.tuples(st.sampled_from(("web", "db")), st.sampled_from((None, HOST, ZONE)), st.booleans()),
+        min_size=1,
+        max_size=25,
+    )
+)
+def test_counts_kept_while_placing_and_releasing_equal_counts_rebuilt_from_scratch(steps) -> None:
+    """Trackers are updated on every place and release; a book rebuilt from the pods placed at the end
+    must count the same, whatever the order (an update missed or doubled shows here)."""
+    e = cluster(("a", "z1"), ("b", "z2"), ("c", "z1"), policy="spread")
+    placed = []
+    for app, anti_key, release in [("web", HOST, False), *steps]:  # at least one rule, so one tracker
+        term = PodAffinityTerm(anti_key or HOST, app_selector({"app": app}), frozenset({"ns"}))
+        rule = PodConstraints(required_anti_affinity=(term,)) if anti_key else PodConstraints()
+        p = pod(fraction(0.05), labels={"app": app}, constraints=rule)
+        if isinstance(e.place(p), Placement):
+            placed.append(p)
+        if release and placed:
+            e.forget(placed.pop(0).uid)
+    fresh = PodBook(e.state)
+    for p in placed:
+        fresh.add(p, e.state.index[e.placement_of(p.uid).node])
+    keys = list(e.book._trackers)
+    assert keys, "no tracker was built; nothing was compared"
+    for key in keys:
+        assert (e.book._tracker(key) == fresh._tracker(key)).all(), key
+    for term, holders in e.book._anti.items():
+        assert (holders[: e.state.rows] == fresh._anti[term][: e.state.rows]).all()
+    assert set(e.book._anti) == set(fresh._anti)
