@@ -179,3 +179,23 @@ def test_the_toolkit_is_asked_for_nvml_and_with_mps_for_the_mps_binaries() -> No
 def test_runtime_class_only_when_asked() -> None:
     assert "runtimeClassName" not in render()["spec"]["template"]["spec"]
     assert render(runtimeClassName="nvidia")["spec"]["template"]["spec"]["runtimeClassName"] == "nvidia"
+
+
+def test_simulated_gpus_switch_the_agent_to_its_simulated_backend() -> None:
+    """A test cluster without GPUs (tests/install/): the agent reports the spec's simulated GPUs instead of
+    reading NVML, which does not exist there."""
+    args = container(render(simulatedGpus="4xH100-80GB:81559"))["args"]
+    assert "--backend=simulated" in args and "--sim-gpus=4xH100-80GB:81559" in args
+    assert "--backend=nvml" not in args
+    assert "--backend=nvml" in container(render())["args"]
+
+
+def test_the_cri_socket_is_named_and_its_directory_mounted() -> None:
+    """The audit reads containers through the runtime's CRI socket: the default is containerd's, and a
+    runtime elsewhere (k3s: /run/k3s/containerd) is reached at the path the spec names."""
+    default = render()
+    assert "--cri-endpoint=unix:///run/containerd/containerd.sock" in container(default)["args"]
+    assert mounts(default)["/run/containerd"] == ("containerd", "/run/containerd", False)
+    k3s = render(criSocket="/run/k3s/containerd/containerd.sock")
+    assert "--cri-endpoint=unix:///run/k3s/containerd/containerd.sock" in container(k3s)["args"]
+    assert mounts(k3s)["/run/k3s/containerd"] == ("containerd", "/run/k3s/containerd", False)

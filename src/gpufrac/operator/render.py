@@ -8,7 +8,8 @@ applies. The pod follows docs/node-agent.md:
 - the NRI socket's directory, so the runtime calls the agent at CreateContainer;
 - ``/run/nvidia/mps`` (the MPS pipe directory) and the state directory at the SAME paths as on the host:
   the agent answers the runtime with host paths to bind into containers, so its view must equal the host's;
-- containerd's run directory for the CRI socket the audit reads (without it the agent only reports usage);
+- the CRI socket's directory (containerd's run directory by default), for the audit (without it the agent
+  only reports usage);
 - the toleration of the managed taint, which the agent itself puts on its node: without it a restarted
   agent could never come back to the node it manages;
 - ``NVIDIA_VISIBLE_DEVICES=all`` with the utility capability (and compute with MPS), so the NVIDIA
@@ -41,7 +42,6 @@ STATE_DIR = "/run/gpufrac/node-agent"
 MPS_PIPE_DIR = "/run/nvidia/mps"
 MPS_LOG_DIR = "/var/log/nvidia-mps"
 PROC_ROOT = "/host/proc"
-CONTAINERD_RUN_DIR = "/run/containerd"
 MAX_NAME = 63
 
 
@@ -60,8 +60,13 @@ def agent_args(config: ConfigSpec) -> list[str]:
     args = [
         "node-agent",
         "--node-name=$(NODE_NAME)",
-        "--backend=nvml",
+        *(
+            ["--backend=simulated", f"--sim-gpus={agent.simulated_gpus}"]
+            if agent.simulated_gpus
+            else ["--backend=nvml"]
+        ),
         f"--nri-socket={agent.nri_socket}",
+        f"--cri-endpoint=unix://{agent.cri_socket}",
         f"--state-dir={STATE_DIR}",
         f"--proc-root={PROC_ROOT}",
         f"--health-port={agent.health_port}",
@@ -99,7 +104,7 @@ def _mounts(config: ConfigSpec) -> tuple[list[Volume], list[Mount]]:
         _host_dir("mps-pipes", MPS_PIPE_DIR),
         _host_dir("state", STATE_DIR),
         _host_dir("host-proc", "/proc", mount_at=PROC_ROOT, read_only=True),
-        _host_dir("containerd", CONTAINERD_RUN_DIR),
+        _host_dir("containerd", config.agent.cri_socket.rsplit("/", 1)[0] or "/"),
     ]
     if config.agent.mps_enabled:
         pairs.append(_host_dir("mps-logs", MPS_LOG_DIR))
