@@ -199,3 +199,12 @@ def test_the_cri_socket_is_named_and_its_directory_mounted() -> None:
     k3s = render(criSocket="/run/k3s/containerd/containerd.sock")
     assert "--cri-endpoint=unix:///run/k3s/containerd/containerd.sock" in container(k3s)["args"]
     assert mounts(k3s)["/run/k3s/containerd"] == ("containerd", "/run/k3s/containerd", False)
+
+
+def test_sockets_in_one_directory_are_mounted_once() -> None:
+    """containerd's NRI socket next to its CRI socket: one volume, since the API server refuses a pod
+    with two mounts at the same path (the DaemonSet would never be created)."""
+    ds = render(nriSocket="/run/containerd/nri.sock", criSocket="/run/containerd/containerd.sock")
+    paths = [m["mountPath"] for m in container(ds)["volumeMounts"]]
+    assert paths.count("/run/containerd") == 1 and len(paths) == len(set(paths))
+    assert "--cri-endpoint=unix:///run/containerd/containerd.sock" in container(ds)["args"]

@@ -99,13 +99,17 @@ def _host_dir(
 
 def _mounts(config: ConfigSpec) -> tuple[list[Volume], list[Mount]]:
     nri_dir = config.agent.nri_socket.rsplit("/", 1)[0] or "/"
+    cri_dir = config.agent.cri_socket.rsplit("/", 1)[0] or "/"
     pairs = [
         _host_dir("nri", nri_dir),
         _host_dir("mps-pipes", MPS_PIPE_DIR),
         _host_dir("state", STATE_DIR),
         _host_dir("host-proc", "/proc", mount_at=PROC_ROOT, read_only=True),
-        _host_dir("containerd", config.agent.cri_socket.rsplit("/", 1)[0] or "/"),
     ]
+    # Both sockets in one directory (containerd's NRI socket under /run/containerd): one mount, as the
+    # API server refuses two volumes at one mountPath.
+    if cri_dir != nri_dir:
+        pairs.append(_host_dir("containerd", cri_dir))
     if config.agent.mps_enabled:
         pairs.append(_host_dir("mps-logs", MPS_LOG_DIR))
     return [v for v, _ in pairs], [m for _, m in pairs]
