@@ -457,6 +457,9 @@ class RealNode:
                     "ipam": {
                         "type": "host-local",
                         "ranges": [[{"subnet": POD_SUBNET}]],
+                        # The default route through the bridge: without it a pod reaches only its
+                        # subnet, not the kubernetes Service's ClusterIP (ServiceRoute).
+                        "routes": [{"dst": "0.0.0.0/0"}],
                         "dataDir": str(self.root / "cni-ipam"),
                     },
                 }
