@@ -40,7 +40,9 @@ def test_the_agent_runs_privileged_in_the_host_pid_namespace_under_its_service_a
     pod = ds["spec"]["template"]["spec"]
     assert pod["hostPID"] is True
     assert pod["serviceAccountName"] == "gpufrac-node-agent"
-    assert container(ds)["securityContext"] == {"privileged": True}
+    # As root: the image runs as 65532, which can neither write the host-path state directory nor connect
+    # to the runtime's sockets (the real install's agent failed with Permission denied).
+    assert container(ds)["securityContext"] == {"privileged": True, "runAsUser": 0}
     assert container(ds)["image"] == "registry.example/gpufrac:1.2"
     assert container(ds)["imagePullPolicy"] == "IfNotPresent"
     assert ds["metadata"] == ds["metadata"] | {

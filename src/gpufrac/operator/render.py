@@ -150,7 +150,9 @@ def render_daemonset(config: ConfigSpec) -> dict[str, Any]:
                 "value": "utility,compute" if agent.mps_enabled else "utility",
             },
         ],
-        "securityContext": {"privileged": True},
+        # Root as well as privileged: the image's user is 65532, and the agent creates its state and MPS
+        # directories on host paths the kubelet made root's, and connects to root's NRI and CRI sockets.
+        "securityContext": {"privileged": True, "runAsUser": 0},
         "ports": [
             {"name": "health", "containerPort": agent.health_port, "protocol": "TCP"},
             {"name": METRICS_PORT_NAME, "containerPort": agent.metrics_port, "protocol": "TCP"},
