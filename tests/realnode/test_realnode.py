@@ -12,6 +12,8 @@ import asyncio
 import os
 import signal
 import ssl
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -500,6 +502,21 @@ async def test_the_controllers_give_a_deployment_and_a_daemonset_pods_that_run_o
     with httpx2.Client(base_url=cluster.controlplane.server, verify=verify, trust_env=False) as http:
         review = http.get("/apis", headers={"Authorization": f"Bearer {token}"})
     assert review.status_code == 200, review.text
+    # ...and reaches it where in-cluster clients dial, the kubernetes Service (no kube-proxy here: the
+    # node's DNAT, over the bridge's default route), from the pod's own network namespace.
+    dial = (
+        "import socket, ssl; s = socket.create_connection(('10.0.0.1', 443), timeout=5); "
+        f"ssl.create_default_context(cafile={str(cluster.controlplane.ca_file)!r})"
+        ".wrap_socket(s, server_hostname='10.0.0.1').close()"
+    )
+    pid = cluster.real_node.container_pid(_container_id(deployed))
+    done = subprocess.run(
+        ["nsenter", "-t", str(pid), "-n", sys.executable, "-c", dial],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert done.returncode == 0, done.stderr
 
     # Deleting the Deployment: the garbage collector removes its ReplicaSet and pod.
     await cluster.client.delete(Deployment, "plain-deploy", namespace="default")
