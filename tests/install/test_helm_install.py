@@ -49,13 +49,7 @@ from gpufrac.node.inject import ENFORCEMENT_ENV, NVIDIA_GPU_MEMORY_LIMIT, plan_c
 from gpufrac.operator.render import daemonset_name
 from gpufrac.operator.resource import CRD_NAME
 
-pytestmark = [
-    pytest.mark.kube,
-    # NOT YET RUN GREEN as a whole: each step was done by hand on the same cluster (docs/deploy.md, "The
-    # real install") and found the fixes listed there, but the image with the last of them was still
-    # building when this was committed. Remove this mark once `pytest tests/install` passes.
-    pytest.mark.skip(reason="tests/install has not yet passed end to end (see the mark's comment)"),
-]
+pytestmark = pytest.mark.kube
 
 _missing = missing_requirements()
 if _missing:
