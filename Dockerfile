@@ -8,21 +8,29 @@
 # testenv/nriruntime/go.mod and in gen-cri-protos, so the first stage needs Go (to fetch them through the
 # Go module proxy) and grpcio-tools. Nothing of that stage but the generated package reaches the image.
 #
-# Not built or tested in gpufrac's own CI (it has no container engine); see docs/deploy.md.
+# The two base images are build arguments. Their defaults come from Docker Hub; gpufrac's own CI reaches no
+# registry and runs no daemon, so testenv/image/build.sh builds this file with buildah, passing bases it
+# made from Debian's packages (python3 and pip from bookworm with mmdebstrap; the Go toolchain of the
+# machine) -- docs/development.md, "The gpufrac image". Either base must provide `python` and `pip` for
+# Python 3.11 on PATH (a Debian python3 also needs PIP_BREAK_SYSTEM_PACKAGES=1 in its environment).
 
-FROM golang:1.24-bookworm AS go
+ARG GO_IMAGE=golang:1.24-bookworm
+ARG PYTHON_IMAGE=python:3.11-slim
 
-FROM python:3.11-slim AS protos
+FROM ${GO_IMAGE} AS go
+
+FROM ${PYTHON_IMAGE} AS protos
 COPY --from=go /usr/local/go /usr/local/go
 ENV PATH=/usr/local/go/bin:$PATH
-RUN pip install --no-cache-dir "grpcio-tools>=1.60,<2"
+# googleapis-common-protos: gen-nri-protos points ttrpc's status import at its google/rpc/status.proto.
+RUN pip install --no-cache-dir "grpcio-tools>=1.60,<2" "googleapis-common-protos>=1.60,<2"
 WORKDIR /src
 COPY testenv/nriruntime/go.mod testenv/nriruntime/go.sum testenv/nriruntime/
 COPY scripts/gen-nri-protos scripts/gen-cri-protos scripts/
 COPY src/gpufrac/__init__.py src/gpufrac/__init__.py
 RUN python scripts/gen-nri-protos && python scripts/gen-cri-protos
 
-FROM python:3.11-slim
+FROM ${PYTHON_IMAGE}
 # The version repeats gpufrac.__version__ (its one home); tests/test_version.py checks that they agree.
 LABEL org.opencontainers.image.title="gpufrac" \
       org.opencontainers.image.version="0.1.0" \

@@ -70,3 +70,8 @@ bash "$here/containerd/build.sh" "$@"  # containerd 2.x with NRI, ctr and the ru
 build_critools
 bash "$here/nriruntime/build.sh" "$@"  # NRI runtime driver: its own script (build tag nri_no_wasm)
 bash "$here/helm/build.sh" "$@"  # helm for the chart tests (tests/deploy/): a main package in a dependency
+if [[ $(id -u) == 0 ]]; then
+    bash "$here/image/build.sh" "$@"  # the gpufrac image from ./Dockerfile (buildah, no registry) for tests/install/
+else
+    echo "testenv: the gpufrac image needs root (mmdebstrap, buildah): skipped, as is tests/install" >&2
+fi

@@ -10,6 +10,10 @@
 #   /usr/lib/cni) of the node's pod network. The kubelet reports a node NotReady while the runtime's
 #   network is not ready, even if every pod uses the host's network. Debian's build of
 #   github.com/containernetworking/plugins saves compiling them.
+# - mmdebstrap and buildah: the gpufrac image built from the Dockerfile without a registry or a daemon
+#   (testenv/image/build.sh): mmdebstrap makes its Python base from Debian's packages, buildah builds
+#   the Dockerfile (docs/development.md says why these two).
+# - iptables: the node's route from the kubernetes Service's ClusterIP to the API server (no kube-proxy).
 #
 # Needs root (apt-get); without root it only says what is missing (the real node needs root anyway, and
 # tests/realnode skips without it).
@@ -17,7 +21,7 @@
 # Usage: bash testenv/packages.sh
 set -euo pipefail
 
-packages=(runc busybox-static containernetworking-plugins)
+packages=(runc busybox-static containernetworking-plugins iptables mmdebstrap buildah)
 missing=()
 for p in "${packages[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

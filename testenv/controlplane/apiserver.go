@@ -8,6 +8,7 @@ import (
 	"net"
 	"net/http"
 	"os"
+	"strings"
 	"time"
 
 	"github.com/spf13/pflag"
@@ -59,6 +60,30 @@ func apiserverFlags(o apiserverOptions) []string {
 	}
 }
 
+// withOverrides is our flags without those that extra sets again, then extra: a flag given after "--"
+// replaces ours. Appending alone would not do that for list flags, which pflag extends on every
+// occurrence: `--disable-admission-plugins=` (an empty list) must switch the ServiceAccount plugin
+// back on for a cluster whose kube-controller-manager creates the `default` ServiceAccounts.
+func withOverrides(ours, extra []string) []string {
+	name := func(arg string) string {
+		flagName, _, _ := strings.Cut(strings.TrimLeft(arg, "-"), "=")
+		return flagName
+	}
+	given := map[string]bool{}
+	for _, arg := range extra {
+		if strings.HasPrefix(arg, "--") {
+			given[name(arg)] = true
+		}
+	}
+	kept := make([]string, 0, len(ours)+len(extra))
+	for _, arg := range ours {
+		if !given[name(arg)] {
+			kept = append(kept, arg)
+		}
+	}
+	return append(kept, extra...)
+}
+
 // runAPIServer follows what kube-apiserver's own command does (options → Complete → Validate →
 // Run), minus its process-wide signal handler: the context is ours, so etcd can be stopped after
 // the API server has finished.
@@ -68,7 +93,7 @@ func runAPIServer(ctx context.Context, o apiserverOptions) error {
 	for _, f := range s.Flags().FlagSets {
 		fs.AddFlagSet(f)
 	}
-	args := append(apiserverFlags(o), o.extraArgs...)
+	args := withOverrides(apiserverFlags(o), o.extraArgs)
 	if err := fs.Parse(args); err != nil {
 		return fmt.Errorf("kube-apiserver flags: %w", err)
 	}

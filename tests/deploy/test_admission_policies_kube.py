@@ -302,7 +302,10 @@ def test_the_scheduler_writes_only_binder_owned_annotations_of_pods(
 
         bad = scheduler.post(f"{gpu_pod}/binding", json=binding({"example.com/owner": "mallory"}))
         assert bad.status_code == 403 and "example.com/owner" in bad.text, bad.text
-        good = scheduler.post(f"{gpu_pod}/binding", json=binding({keys.devices_key(CONTAINER): "GPU-1"}))
+        # With the memory limit it resolves from gpu-fraction, as binding_annotations writes it (the real
+        # install's first fractional pod was refused here).
+        resolved = {keys.devices_key(CONTAINER): "GPU-1", keys.memory_limit_key(CONTAINER): "40779Mi"}
+        good = scheduler.post(f"{gpu_pod}/binding", json=binding(resolved))
         assert good.status_code == 201, good.text
 
     with controlplane.http() as admin:
@@ -314,6 +317,7 @@ def test_the_scheduler_writes_only_binder_owned_annotations_of_pods(
         assert annotations["example.com/owner"] == "alice"
         assert annotations[keys.memory_request_key(CONTAINER)] == "10Gi"
         assert annotations[keys.devices_key(CONTAINER)] == "GPU-1"
+        assert annotations[keys.memory_limit_key(CONTAINER)] == "40779Mi"
         # The policies bind the scheduler only: an administrator still changes what it must.
         assert _merge(admin, gpu_pod, _annotations({"example.com/owner": "bob"})).status_code == 200
 

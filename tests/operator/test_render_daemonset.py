@@ -42,7 +42,9 @@ def test_the_agent_runs_privileged_in_the_host_pid_namespace_under_its_service_a
     pod = ds["spec"]["template"]["spec"]
     assert pod["hostPID"] is True
     assert pod["serviceAccountName"] == "gpufrac-node-agent"
-    assert container(ds)["securityContext"] == {"privileged": True}
+    # As root: the image runs as 65532, which can neither write the host-path state directory nor connect
+    # to the runtime's sockets (the real install's agent failed with Permission denied).
+    assert container(ds)["securityContext"] == {"privileged": True, "runAsUser": 0}
     assert container(ds)["image"] == "registry.example/gpufrac:1.2"
     assert container(ds)["imagePullPolicy"] == "IfNotPresent"
     assert ds["metadata"] == ds["metadata"] | {
@@ -252,3 +254,32 @@ def test_dra_adds_the_driver_flags_and_the_kubelet_and_cdi_paths_only_when_enabl
         False,
     )
     assert got["/var/run/cdi"][1:] == ("/var/run/cdi", False)
+
+
+def test_simulated_gpus_switch_the_agent_to_its_simulated_backend() -> None:
+    """A test cluster without GPUs (tests/install/): the agent reports the spec's simulated GPUs instead of
+    reading NVML, which does not exist there."""
+    args = container(render(simulatedGpus="4xH100-80GB:81559"))["args"]
+    assert "--backend=simulated" in args and "--sim-gpus=4xH100-80GB:81559" in args
+    assert "--backend=nvml" not in args
+    assert "--backend=nvml" in container(render())["args"]
+
+
+def test_the_cri_socket_is_named_and_its_directory_mounted() -> None:
+    """The audit reads containers through the runtime's CRI socket: the default is containerd's, and a
+    runtime elsewhere (k3s: /run/k3s/containerd) is reached at the path the spec names."""
+    default = render()
+    assert "--cri-endpoint=unix:///run/containerd/containerd.sock" in container(default)["args"]
+    assert mounts(default)["/run/containerd"] == ("containerd", "/run/containerd", False)
+    k3s = render(criSocket="/run/k3s/containerd/containerd.sock")
+    assert "--cri-endpoint=unix:///run/k3s/containerd/containerd.sock" in container(k3s)["args"]
+    assert mounts(k3s)["/run/k3s/containerd"] == ("containerd", "/run/k3s/containerd", False)
+
+
+def test_sockets_in_one_directory_are_mounted_once() -> None:
+    """containerd's NRI socket next to its CRI socket: one volume, since the API server refuses a pod
+    with two mounts at the same path (the DaemonSet would never be created)."""
+    ds = render(nriSocket="/run/containerd/nri.sock", criSocket="/run/containerd/containerd.sock")
+    paths = [m["mountPath"] for m in container(ds)["volumeMounts"]]
+    assert paths.count("/run/containerd") == 1 and len(paths) == len(set(paths))
+    assert "--cri-endpoint=unix:///run/containerd/containerd.sock" in container(ds)["args"]

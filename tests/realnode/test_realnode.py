@@ -11,13 +11,20 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import ssl
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
 
+import httpx2
 import pytest
+from lightkube import codecs
 from lightkube.models.core_v1 import Container, EnvVar, PodSpec, Toleration
 from lightkube.models.meta_v1 import ObjectMeta
+from lightkube.resources.apps_v1 import DaemonSet, Deployment
 from lightkube.resources.core_v1 import Event, Node, Pod
 
 from gpufrac.admission.review import DEFAULT_SCHEDULER_USER
@@ -27,6 +34,7 @@ from gpufrac.local import ociimage
 from gpufrac.local.cluster import ClusterShape, LocalCluster
 from gpufrac.local.demo import DEMO_PODS, gpu_names, real_outcome, submit_and_wait
 from gpufrac.local.realnode import (
+    POD_SUBNET,
     SIMULATED_CDI_ENV_PREFIX,
     SLEEP_COMMAND,
     missing_requirements,
@@ -418,3 +426,102 @@ async def test_a_pod_bound_as_kais_newer_binder_binds_it_runs_with_its_gpu_and_t
     assert environ[f"{SIMULATED_CDI_ENV_PREFIX}3"] == uuid
     assert not [k for k in environ if k.startswith(SIMULATED_CDI_ENV_PREFIX) and not k.endswith("_3")]
     await _delete(cluster, "kai-notebook")
+
+
+def _workload(kind: str, name: str, *, host_network: bool) -> Any:
+    """A Deployment (one replica) or a DaemonSet of busybox sleepers that tolerate the GPU node's taint."""
+    labels = {"app": name}
+    spec: dict[str, Any] = {
+        "selector": {"matchLabels": labels},
+        "template": {
+            "metadata": {"labels": labels},
+            "spec": {
+                "containers": [
+                    {
+                        "name": "app",
+                        "image": ociimage.WORKLOAD.ref,
+                        "imagePullPolicy": "Never",
+                        "command": list(SLEEP_COMMAND),
+                    }
+                ],
+                "hostNetwork": host_network,
+                "terminationGracePeriodSeconds": 1,
+                "tolerations": [keys.managed_toleration()],
+            },
+        },
+    }
+    if kind == "Deployment":
+        spec["replicas"] = 1
+    return codecs.from_dict(
+        {
+            "apiVersion": "apps/v1",
+            "kind": kind,
+            "metadata": {"name": name, "namespace": "default"},
+            "spec": spec,
+        }
+    )
+
+
+async def _pods_of(cluster: LocalCluster, app: str) -> list[Pod]:
+    assert cluster.client is not None
+    return [p async for p in cluster.client.list(Pod, namespace="default", labels={"app": app})]
+
+
+async def test_the_controllers_give_a_deployment_and_a_daemonset_pods_that_run_on_the_real_node(
+    cluster: LocalCluster,
+) -> None:
+    """kube-controller-manager creates the pods of both (and the ServiceAccount token the Deployment's
+    pod mounts), kube-scheduler places the Deployment's pod, the DaemonSet's pod is placed by its node
+    affinity; the kubelet runs both in runc, the Deployment's on the CNI bridge."""
+    assert cluster.client is not None and cluster.real_node is not None
+    for kind, name, host_network in (("Deployment", "plain-deploy", False), ("DaemonSet", "plain-ds", True)):
+        await cluster.client.create(_workload(kind, name, host_network=host_network))
+
+    running: dict[str, Pod] = {}
+    deadline = time.monotonic() + 90
+    while len(running) < 2:
+        for app in ("plain-deploy", "plain-ds"):
+            running.update((app, p) for p in await _pods_of(cluster, app) if _running(p))
+        assert time.monotonic() < deadline, f"only {sorted(running)} of the workloads' pods run"
+        await asyncio.sleep(0.5)
+
+    deployed = running["plain-deploy"]
+    assert deployed.spec is not None and deployed.status is not None
+    assert (deployed.spec.schedulerName, deployed.spec.nodeName) == ("default-scheduler", NODE)
+    assert deployed.status.podIP and deployed.status.podIP.startswith(POD_SUBNET.rsplit(".", 1)[0])
+    assert running["plain-ds"].spec is not None and running["plain-ds"].spec.nodeName == NODE
+
+    # The ServiceAccount token the kubelet mounted (TokenRequest, signed with the API server's key; the
+    # CA from the kube-root-ca.crt ConfigMap the controller manager publishes) is one the API server
+    # accepts: an in-cluster client of this pod would authenticate.
+    root = Path(f"/proc/{cluster.real_node.container_pid(_container_id(deployed))}/root")
+    account = root / "var/run/secrets/kubernetes.io/serviceaccount"
+    token = (account / "token").read_text()
+    assert (account / "ca.crt").read_text() == cluster.controlplane.ca_file.read_text()
+    verify = ssl.create_default_context(cafile=str(cluster.controlplane.ca_file))
+    with httpx2.Client(base_url=cluster.controlplane.server, verify=verify, trust_env=False) as http:
+        review = http.get("/apis", headers={"Authorization": f"Bearer {token}"})
+    assert review.status_code == 200, review.text
+    # ...and reaches it where in-cluster clients dial, the kubernetes Service (no kube-proxy here: the
+    # node's DNAT, over the bridge's default route), from the pod's own network namespace.
+    dial = (
+        "import socket, ssl; s = socket.create_connection(('10.0.0.1', 443), timeout=5); "
+        f"ssl.create_default_context(cafile={str(cluster.controlplane.ca_file)!r})"
+        ".wrap_socket(s, server_hostname='10.0.0.1').close()"
+    )
+    pid = cluster.real_node.container_pid(_container_id(deployed))
+    done = subprocess.run(
+        ["nsenter", "-t", str(pid), "-n", sys.executable, "-c", dial],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert done.returncode == 0, done.stderr
+
+    # Deleting the Deployment: the garbage collector removes its ReplicaSet and pod.
+    await cluster.client.delete(Deployment, "plain-deploy", namespace="default")
+    await cluster.client.delete(DaemonSet, "plain-ds", namespace="default")
+    deadline = time.monotonic() + 60
+    while await _pods_of(cluster, "plain-deploy") or await _pods_of(cluster, "plain-ds"):
+        assert time.monotonic() < deadline, "the garbage collector left the workloads' pods behind"
+        await asyncio.sleep(0.5)

@@ -31,7 +31,11 @@ With ``runtime="containerd"`` the one node is REAL instead (``gpufrac.local.real
 NRI, runc and a real kubelet, which registers the Node itself; the node agent (still with simulated
 GPUs) is containerd's NRI plugin, and pods run as runc containers. It needs root and cgroups. That node's
 processes are the real node's own (it stops and restarts its agent in tests); the supervisor restarts
-the control plane's other components as above.
+the control plane's other components as above. Its pods are Deployments' and DaemonSets' too, so
+kube-controller-manager and kube-scheduler (testenv/bin, the API server's module graph) run beside the
+API server, and the ServiceAccount admission plugin is on. ``with_gpufrac=False`` stops there: Kubernetes
+and the real node, none of gpufrac's processes -- the cluster ``helm install`` deploys gpufrac into
+(tests/install/).
 """
 
 from __future__ import annotations
@@ -60,11 +64,12 @@ from lightkube.resources.core_v1 import Namespace, Node, ServiceAccount, Service
 from lightkube.resources.rbac_authorization_v1 import ClusterRoleBinding as ClusterRoleBindingResource
 
 from gpufrac.contract import keys
-from gpufrac.kube.errors import Conflict, api_errors
+from gpufrac.kube.errors import Conflict, NotFound, api_errors
 from gpufrac.local.controlplane import ControlPlane
 from gpufrac.local.kubelet import SimulatedKubelet
 from gpufrac.local.nriruntime import NriRuntime
 from gpufrac.local.realnode import RealNode
+from gpufrac.local.realnode import binaries as realnode_binaries
 from gpufrac.local.simnodes import NodeShape, node_names, sim_node
 from gpufrac.local.supervisor import Backoff, Component, Supervisor
 
@@ -77,6 +82,12 @@ SYSTEM_NAMESPACE = "gpufrac-system"
 SCHEDULER_ACCOUNT = "gpufrac-scheduler"
 SCHEDULER_USER = f"system:serviceaccount:{SYSTEM_NAMESPACE}:{SCHEDULER_ACCOUNT}"
 
+
+#: kube-apiserver flags of a cluster with a real node, after the control plane's own (testenv/controlplane):
+#: the ServiceAccount admission plugin back on (kube-controller-manager creates the accounts it looks up,
+#: and it gives pods their token volume), and webhook and aggregated-API calls routed to the Service's
+#: endpoints, the pod IPs on the node's bridge, as no kube-proxy makes ClusterIPs reachable here.
+REAL_NODE_APISERVER_ARGS = ("--disable-admission-plugins=", "--enable-aggregator-routing=true")
 
 #: The node runtimes ``ClusterShape.runtime`` accepts.
 RUNTIMES = ("simulated", "containerd")
@@ -183,14 +194,24 @@ class LocalCluster:
         shape: ClusterShape = ClusterShape(),
         work_dir: Path | None = None,
         timings: Timings = Timings(),
+        with_gpufrac: bool = True,
         progress: Callable[[str], None] = lambda _msg: None,
     ) -> None:
+        if not with_gpufrac and shape.runtime != "containerd":
+            raise ValueError(
+                f"with_gpufrac=False with runtime {shape.runtime!r}: only a real node (runtime "
+                "'containerd') can run what `helm install` deploys"
+            )
         self.shape = shape
+        self.with_gpufrac = with_gpufrac
         self.timings = timings
         self._given_dir = work_dir
         self._progress = progress
         self.work_dir = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="gpufrac-up-"))
-        self.controlplane = ControlPlane(data_dir=self.work_dir / "controlplane")
+        self.controlplane = ControlPlane(
+            data_dir=self.work_dir / "controlplane",
+            apiserver_args=REAL_NODE_APISERVER_ARGS if shape.runtime == "containerd" else (),
+        )
         self.supervisor = Supervisor(backoff=timings.restart, report=progress)
         self._runtimes: dict[str, NriRuntime] = {}
         self.real_node: RealNode | None = None
@@ -234,6 +255,13 @@ class LocalCluster:
             self._progress("starting the control plane (kube-apiserver + etcd)")
             await asyncio.to_thread(self.controlplane.start)
             self.client = self.controlplane.async_client(field_manager="gpufrac-local")
+            if self.shape.runtime == "containerd":
+                self._progress("starting kube-controller-manager and kube-scheduler")
+                await self._start_kube_components()
+            if not self.with_gpufrac:
+                # Kubernetes only, with a real node whose GPUs nothing of ours manages yet.
+                await self._start_real_node()
+                return
             self._progress("starting the admission webhook")
             await self._start_admission()
             await self._create_node_lease_namespace()
@@ -326,10 +354,12 @@ class LocalCluster:
         url: str,
         *,
         ca_file: Path | None = None,
+        insecure: bool = False,
         timeout_s: float = 60.0,
         starting: bool = True,
     ) -> None:
-        """Wait for ``url`` to answer 200 (over TLS trusting ``ca_file``, once the process wrote it).
+        """Wait for ``url`` to answer 200 (over TLS trusting ``ca_file``, once the process wrote it, or
+        with ``insecure`` any certificate: a Kubernetes component's self-signed one).
 
         While ``starting``, an exit is a failure to start; later, the supervisor restarts it and this
         waits for the new process.
@@ -341,7 +371,9 @@ class LocalCluster:
                 code = process.exits[0].code if process.exits else process.popen.returncode
                 raise self._failed(process, f"exited with {code}")
             if ca_file is None or ca_file.exists():
-                verify = ssl.create_default_context(cafile=str(ca_file)) if ca_file else False
+                verify: ssl.SSLContext | bool = (
+                    ssl.create_default_context(cafile=str(ca_file)) if ca_file else not insecure
+                )
                 try:
                     async with httpx2.AsyncClient(verify=verify, trust_env=False, timeout=2.0) as http:
                         if (await http.get(url)).status_code == 200:
@@ -422,11 +454,83 @@ class LocalCluster:
             logs=self.logs,
             shape=self.shape.node,
             agent_argv=_gpufrac,
+            apiserver=self.controlplane.server,
+            with_agent=self.with_gpufrac,
             progress=self._progress,
         )
         self.real_node = node
         await node.start()
-        self.metrics_urls[name] = node.metrics_url
+        if self.with_gpufrac:
+            self.metrics_urls[name] = node.metrics_url
+
+    async def _start_kube_components(self) -> None:
+        """kube-controller-manager and kube-scheduler, as the admin, on loopback ports of their own.
+
+        The controller manager signs legacy ServiceAccount token Secrets with the API server's own
+        service-account key (``--service-account-private-key-file``; the API server verifies tokens
+        with its public half), publishes the cluster CA as each namespace's ``kube-root-ca.crt``
+        (``--root-ca-file``, which every projected token volume needs) and runs each controller under
+        its own ServiceAccount, with the RBAC roles the API server bootstraps for it. No leader
+        election: one of each runs. Both serve ``/healthz`` over TLS with a self-signed certificate
+        (``--cert-dir``), authenticated and authorized by delegation to the API server.
+        """
+        kubeconfig = str(self.kubeconfig)
+        pki = self.controlplane.ca_file.parent
+        common = [
+            f"--kubeconfig={kubeconfig}",
+            f"--authentication-kubeconfig={kubeconfig}",
+            f"--authorization-kubeconfig={kubeconfig}",
+            "--leader-elect=false",
+            f"--bind-address={LOOPBACK}",
+            "--v=1",
+        ]
+        bins = realnode_binaries()
+        started = []
+        for name, binary, flags in (
+            (
+                "kube-controller-manager",
+                bins.controller_manager,
+                [
+                    f"--service-account-private-key-file={pki / 'sa.key'}",
+                    f"--root-ca-file={self.controlplane.ca_file}",
+                    "--use-service-account-credentials=true",
+                ],
+            ),
+            ("kube-scheduler", bins.kube_scheduler, []),
+        ):
+            port = _free_port()
+            process = self._spawn(
+                name,
+                [
+                    str(binary),
+                    *common,
+                    *flags,
+                    f"--secure-port={port}",
+                    f"--cert-dir={self.work_dir / name}",
+                ],
+            )
+            started.append((process, f"https://{LOOPBACK}:{port}/healthz"))
+        for process, url in started:
+            await self._wait_http(process, url, insecure=True)
+        await self._wait_default_service_account()
+
+    async def _wait_default_service_account(self, timeout_s: float = 60.0) -> None:
+        """Wait for ``default/default``: with the ServiceAccount admission plugin on, a pod in a
+        namespace is refused until the controller manager has created that namespace's account."""
+        assert self.client is not None
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                with api_errors():
+                    await self.client.get(ServiceAccount, "default", namespace="default")
+                return
+            except NotFound:
+                if time.monotonic() > deadline:
+                    raise ClusterError(
+                        f"kube-controller-manager created no default/default ServiceAccount within "
+                        f"{timeout_s:.0f}s (see {self.logs / 'kube-controller-manager.log'})"
+                    ) from None
+                await asyncio.sleep(0.2)
 
     async def _wait_nodes_published(self, timeout_s: float = 60.0) -> None:
         assert self.client is not None

@@ -78,6 +78,16 @@ POD_SUBNET = "10.244.0.0/24"
 NOT_READY_TAINT = "node.kubernetes.io/not-ready"
 
 
+#: What NVIDIA's GPU feature discovery labels a GPU node with; the node of a bare cluster (no node agent
+#: of ours yet) registers with it, and the chart's GpuFractioningConfig selects on it by default.
+GPU_PRESENT_LABEL = "nvidia.com/gpu.present"
+
+#: The ClusterIP of the ``kubernetes`` Service (the first address of testenv/controlplane's service
+#: range, in its serving certificate) and the port in-cluster clients dial.
+KUBERNETES_SERVICE_IP = "10.0.0.1"
+KUBERNETES_SERVICE_PORT = 443
+
+
 class RealNodeError(RuntimeError):
     """A part of the real node failed to start (the message says which, with its log)."""
 
@@ -89,6 +99,10 @@ class Binaries:
     shim: Path
     kubelet: Path
     runc: Path
+    #: The controllers a real node's workloads need (Deployments, DaemonSets, ServiceAccount tokens)
+    #: and the default scheduler, from the control plane's module graph (testenv/build.sh).
+    controller_manager: Path
+    kube_scheduler: Path
 
 
 def binaries(bin_dir: Path = TESTENV_BIN) -> Binaries:
@@ -100,12 +114,26 @@ def binaries(bin_dir: Path = TESTENV_BIN) -> Binaries:
         shim=bin_dir / "containerd-shim-runc-v2",
         kubelet=bin_dir / "kubelet",
         runc=Path(runc) if runc else Path("runc"),
+        controller_manager=bin_dir / "kube-controller-manager",
+        kube_scheduler=bin_dir / "kube-scheduler",
     )
-    missing = [str(p) for p in (found.containerd, found.ctr, found.shim, found.kubelet) if not p.exists()]
+    built = (
+        found.containerd,
+        found.ctr,
+        found.shim,
+        found.kubelet,
+        found.controller_manager,
+        found.kube_scheduler,
+    )
+    missing = [str(p) for p in built if not p.exists()]
     if missing:
         raise RealNodeError(f"missing {', '.join(missing)}: build them with `make testenv`")
     if runc is None:
         raise RealNodeError("runc is not on PATH: install Debian's runc (bash testenv/packages.sh)")
+    if shutil.which("iptables") is None:
+        raise RealNodeError(
+            "iptables is not on PATH (the kubernetes Service's route): install Debian's iptables"
+        )
     if not (CNI_BIN / "bridge").exists():
         raise RealNodeError(
             f"no CNI plugins in {CNI_BIN}: install containernetworking-plugins (bash testenv/packages.sh)"
@@ -219,8 +247,21 @@ def simulated_cdi_spec(*, node: str, gpus: int) -> dict[str, object]:
     return {"cdiVersion": "0.5.0", "kind": CDI_GPU_KIND, "devices": devices}
 
 
-def kubelet_config(*, root: Path, endpoint: str, port: int, healthz_port: int) -> dict[str, object]:
-    """The KubeletConfiguration of the test node (see the module docstring for why each setting)."""
+def kubelet_config(
+    *, root: Path, endpoint: str, port: int, healthz_port: int, managed: bool = True
+) -> dict[str, object]:
+    """The KubeletConfiguration of the test node (see the module docstring for why each setting).
+
+    ``managed``: the node registers with gpufrac's managed taint, as the embedded cluster's node agent
+    expects to find it; without it the node registers untainted, as a GPU node does before
+    ``helm install`` (the installed node agent taints it)."""
+    taints = [
+        {
+            "key": keys.MANAGED_TAINT_KEY,
+            "value": keys.MANAGED_TAINT_VALUE,
+            "effect": keys.MANAGED_TAINT_EFFECT,
+        }
+    ]
     return {
         "apiVersion": "kubelet.config.k8s.io/v1beta1",
         "kind": "KubeletConfiguration",
@@ -242,13 +283,7 @@ def kubelet_config(*, root: Path, endpoint: str, port: int, healthz_port: int) -
         "authentication": {"anonymous": {"enabled": False}, "webhook": {"enabled": False}},
         "authorization": {"mode": "AlwaysAllow"},
         "podLogsDirectory": str(root / "pod-logs"),
-        "registerWithTaints": [
-            {
-                "key": keys.MANAGED_TAINT_KEY,
-                "value": keys.MANAGED_TAINT_VALUE,
-                "effect": keys.MANAGED_TAINT_EFFECT,
-            }
-        ],
+        "registerWithTaints": taints if managed else [],
         # The disk of a shared test machine may be fuller than a node's defaults allow.
         "evictionHard": {"memory.available": "1Mi", "nodefs.available": "1%", "imagefs.available": "1%"},
         "imageGCHighThresholdPercent": 100,
@@ -256,6 +291,48 @@ def kubelet_config(*, root: Path, endpoint: str, port: int, healthz_port: int) -
         "serializeImagePulls": False,
         "featureGates": dict(FEATURE_GATES),  # the embedded cluster's one setting (docs/dra.md)
     }
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceRoute:
+    """What kube-proxy would do for the one Service a pod's in-cluster client needs: DNAT the
+    ``kubernetes`` Service's ClusterIP:443 to the API server's loopback address.
+
+    Two rules in iptables' nat table: PREROUTING for pods on the CNI bridge, OUTPUT for host-network
+    pods. A pod's packet DNATed to 127.0.0.1 is delivered only with ``route_localnet`` on (kube-proxy
+    sets the same for its localhost node ports); the previous value is put back on ``remove``. The API
+    server's certificate names the ClusterIP, so clients verify it as in a cluster. One real node per
+    machine: the rules are the machine's.
+    """
+
+    host: str
+    port: int
+    saved_route_localnet: str = "0"
+
+    ROUTE_LOCALNET = Path("/proc/sys/net/ipv4/conf/all/route_localnet")
+
+    @classmethod
+    def to(cls, apiserver: str) -> ServiceRoute:
+        """The route to ``apiserver`` (``https://127.0.0.1:PORT``)."""
+        host, _, port = apiserver.removeprefix("https://").rpartition(":")
+        return cls(host=host, port=int(port), saved_route_localnet=cls.ROUTE_LOCALNET.read_text().strip())
+
+    def _rules(self) -> list[list[str]]:
+        match = ["-d", f"{KUBERNETES_SERVICE_IP}/32", "-p", "tcp", "--dport", str(KUBERNETES_SERVICE_PORT)]
+        target = ["-j", "DNAT", "--to-destination", f"{self.host}:{self.port}"]
+        return [["PREROUTING", *match, *target], ["OUTPUT", *match, *target]]
+
+    def add(self) -> None:
+        self.ROUTE_LOCALNET.write_text("1")
+        for rule in self._rules():
+            done = subprocess.run(["iptables", "-t", "nat", "-I", *rule], capture_output=True, text=True)
+            if done.returncode != 0:
+                raise RealNodeError(f"iptables -t nat -I {' '.join(rule)}: {done.stderr.strip()}")
+
+    def remove(self) -> None:
+        for rule in self._rules():
+            subprocess.run(["iptables", "-t", "nat", "-D", *rule], capture_output=True, check=False)
+        self.ROUTE_LOCALNET.write_text(self.saved_route_localnet)
 
 
 def process_environ(pid: int) -> dict[str, str]:
@@ -313,10 +390,15 @@ class RealNode:
         logs: Path,
         shape: NodeShape = NodeShape(gpus=4, model="H100-80GB"),
         agent_argv: Callable[[], list[str]],
+        apiserver: str,
+        with_agent: bool = True,
         progress: Callable[[str], None] = lambda _msg: None,
         dra: bool = False,
     ) -> None:
         self.name = name
+        self.with_agent = with_agent
+        self._apiserver = apiserver
+        self._service_route: ServiceRoute | None = None
         self.shape = shape
         self._kubeconfig = kubeconfig
         self._client = client
@@ -356,10 +438,14 @@ class RealNode:
             await self._start_containerd()
             self._progress("importing the pause and busybox images")
             await self._import_images()
+            self._progress("routing the kubernetes Service's ClusterIP to the API server (no kube-proxy)")
+            self._service_route = ServiceRoute.to(self._apiserver)
+            await asyncio.to_thread(self._service_route.add)
             self._progress(f"starting the kubelet of {self.name}")
             await self._start_kubelet()
-            self._progress("starting the node agent on containerd's NRI socket (simulated GPUs)")
-            await self.start_agent()
+            if self.with_agent:
+                self._progress("starting the node agent on containerd's NRI socket (simulated GPUs)")
+                await self.start_agent()
         except BaseException:
             await self.stop()
             raise
@@ -379,6 +465,9 @@ class RealNode:
                     "ipam": {
                         "type": "host-local",
                         "ranges": [[{"subnet": POD_SUBNET}]],
+                        # The default route through the bridge: without it a pod reaches only its
+                        # subnet, not the kubernetes Service's ClusterIP (ServiceRoute).
+                        "routes": [{"dst": "0.0.0.0/0"}],
                         "dataDir": str(self.root / "cni-ipam"),
                     },
                 }
@@ -435,16 +524,22 @@ class RealNode:
 
     async def _import_images(self) -> None:
         for spec in (ociimage.PAUSE, ociimage.WORKLOAD):
-            archive = ociimage.write_archive(spec, self.root / "images" / f"{spec.ref.split('/')[-1]}.tar")
-            done = await asyncio.to_thread(
-                subprocess.run,
-                [*self.ctr_argv(), "images", "import", "--local", "--snapshotter", "native", str(archive)],
-                capture_output=True,
-                text=True,
-                timeout=120,
+            await self.import_image(
+                ociimage.write_archive(spec, self.root / "images" / f"{spec.ref.split('/')[-1]}.tar")
             )
-            if done.returncode != 0:
-                raise RealNodeError(f"ctr images import {archive} failed: {done.stderr.strip()}")
+
+    async def import_image(self, archive: Path) -> None:
+        """``ctr images import`` an OCI archive into the CRI's namespace, unpacked for the kubelet (the
+        image name is the archive's ``io.containerd.image.name`` annotation)."""
+        done = await asyncio.to_thread(
+            subprocess.run,
+            [*self.ctr_argv(), "images", "import", "--local", "--snapshotter", "native", str(archive)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        if done.returncode != 0:
+            raise RealNodeError(f"ctr images import {archive} failed: {done.stderr.strip()}")
 
     async def _start_kubelet(self) -> None:
         kubelet_root = self.root / "kubelet"
@@ -455,7 +550,11 @@ class RealNode:
         config.write_text(
             yaml.safe_dump(
                 kubelet_config(
-                    root=self.root, endpoint=self.cri_endpoint, port=_free_port(), healthz_port=healthz
+                    root=self.root,
+                    endpoint=self.cri_endpoint,
+                    port=_free_port(),
+                    healthz_port=healthz,
+                    managed=self.with_agent,
                 )
             )
         )
@@ -468,33 +567,24 @@ class RealNode:
                 f"--root-dir={kubelet_root}",
                 f"--cert-dir={kubelet_root / 'pki'}",
                 f"--hostname-override={self.name}",
-                f"--node-labels={keys.MANAGED_LABEL}=true",
+                f"--node-labels={keys.MANAGED_LABEL if self.with_agent else GPU_PRESENT_LABEL}=true",
                 "--v=1",
             ],
             logs=self.logs,
         )
         await self._wait(self._kubelet, "register a Ready Node", self._node_ready, timeout_s=120)
-        await self._untaint_ready_node()
-
-    async def _untaint_ready_node(self) -> None:
-        """Drop the ``not-ready`` taint admission put on the new Node, as kube-controller-manager's node
-        lifecycle controller does once the kubelet reports Ready (that controller does not run here)."""
-        with api_errors():
-            node = await self._client.get(Node, self.name)
-        taints = [t.to_dict() for t in (node.spec.taints or [])] if node.spec else []
-        kept = [t for t in taints if t.get("key") != NOT_READY_TAINT]
-        if kept != taints:
-            with api_errors():
-                await self._client.patch(Node, self.name, {"spec": {"taints": kept}})
 
     async def _node_ready(self) -> bool:
+        """Ready, and without the ``not-ready`` taint admission put on the new Node (kube-controller-
+        manager's node lifecycle controller removes it once the kubelet reports Ready)."""
         try:
             with api_errors():
                 node = await self._client.get(Node, self.name)
         except KubeError:
             return False
         conditions = {c.type: c.status for c in (node.status.conditions or [])} if node.status else {}
-        return conditions.get("Ready") == "True"
+        taints = {t.key for t in (node.spec.taints or [])} if node.spec else set()
+        return conditions.get("Ready") == "True" and NOT_READY_TAINT not in taints
 
     async def start_agent(self) -> None:
         """Start the node agent (simulated GPUs) on containerd's NRI and CRI sockets; wait until published."""
@@ -601,6 +691,9 @@ class RealNode:
                 await self._remove_containers()
             await asyncio.to_thread(terminate, containerd.popen)
         await asyncio.to_thread(self._unmount)
+        route, self._service_route = self._service_route, None
+        if route is not None:
+            await asyncio.to_thread(route.remove)
 
     async def _remove_containers(self) -> None:
         """Kill every task and remove every container, so no shim or container process outlives us."""

@@ -8,12 +8,13 @@ applies. The pod follows docs/node-agent.md:
 - the NRI socket's directory, so the runtime calls the agent at CreateContainer;
 - ``/run/nvidia/mps`` (the MPS pipe directory) and the state directory at the SAME paths as on the host:
   the agent answers the runtime with host paths to bind into containers, so its view must equal the host's;
-- containerd's run directory for the CRI socket the audit reads (without it the agent only reports usage);
 - only where the NVIDIA GPU Operator lets a GPU client run: its ``nvidia.com/gpu.deploy.client`` label is
   ``true`` or absent (no GPU Operator). The GPU Operator evicts the pods that select that label before it
   unloads the driver, and waits for them to go, so an agent that still held the driver (NVML, MPS) cannot
   make the unload fail with EBUSY; the agent itself lets go earlier, when the upgrade-state label moves
   (docs/node-agent.md, "Driver upgrades"), and comes back when the DaemonSet controller reschedules it;
+- the CRI socket's directory (containerd's run directory by default), for the audit (without it the agent
+  only reports usage);
 - the toleration of the managed taint, which the agent itself puts on its node: without it a restarted
   agent could never come back to the node it manages;
 - ``NVIDIA_VISIBLE_DEVICES=all`` with the utility capability (and compute with MPS), so the NVIDIA
@@ -57,7 +58,6 @@ STATE_DIR = "/run/gpufrac/node-agent"
 MPS_PIPE_DIR = "/run/nvidia/mps"
 MPS_LOG_DIR = "/var/log/nvidia-mps"
 PROC_ROOT = "/host/proc"
-CONTAINERD_RUN_DIR = "/run/containerd"
 #: The kubelet's root (plugin registration and plugin sockets) and the CDI spec directory the runtime
 #: reads: the DRA driver's sockets and specs must sit at these host paths (docs/dra.md).
 KUBELET_DIR = "/var/lib/kubelet"
@@ -113,8 +113,13 @@ def agent_args(config: ConfigSpec) -> list[str]:
     args = [
         "node-agent",
         "--node-name=$(NODE_NAME)",
-        "--backend=nvml",
+        *(
+            ["--backend=simulated", f"--sim-gpus={agent.simulated_gpus}"]
+            if agent.simulated_gpus
+            else ["--backend=nvml"]
+        ),
         f"--nri-socket={agent.nri_socket}",
+        f"--cri-endpoint=unix://{agent.cri_socket}",
         f"--state-dir={STATE_DIR}",
         f"--proc-root={PROC_ROOT}",
         f"--health-port={agent.health_port}",
@@ -157,13 +162,17 @@ def _host_dir(
 
 def _mounts(config: ConfigSpec) -> tuple[list[Volume], list[Mount]]:
     nri_dir = config.agent.nri_socket.rsplit("/", 1)[0] or "/"
+    cri_dir = config.agent.cri_socket.rsplit("/", 1)[0] or "/"
     pairs = [
         _host_dir("nri", nri_dir),
         _host_dir("mps-pipes", MPS_PIPE_DIR),
         _host_dir("state", STATE_DIR),
         _host_dir("host-proc", "/proc", mount_at=PROC_ROOT, read_only=True),
-        _host_dir("containerd", CONTAINERD_RUN_DIR),
     ]
+    # Both sockets in one directory (containerd's NRI socket under /run/containerd): one mount, as the
+    # API server refuses two volumes at one mountPath.
+    if cri_dir != nri_dir:
+        pairs.append(_host_dir("containerd", cri_dir))
     if config.agent.mps_enabled:
         pairs.append(_host_dir("mps-logs", MPS_LOG_DIR))
     if config.agent.dra_enabled:  # the kubelet dials the paths the agent names: same path inside and out
@@ -232,7 +241,9 @@ def render_daemonset(config: ConfigSpec, *, gpus_per_node: int = GPU_COUNT_STEP)
                 "value": "utility,compute" if agent.mps_enabled else "utility",
             },
         ],
-        "securityContext": {"privileged": True},
+        # Root as well as privileged: the image's user is 65532, and the agent creates its state and MPS
+        # directories on host paths the kubelet made root's, and connects to root's NRI and CRI sockets.
+        "securityContext": {"privileged": True, "runAsUser": 0},
         "ports": [
             {"name": "health", "containerPort": agent.health_port, "protocol": "TCP"},
             {"name": METRICS_PORT_NAME, "containerPort": agent.metrics_port, "protocol": "TCP"},

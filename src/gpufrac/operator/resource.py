@@ -29,6 +29,7 @@ DEFAULT_NAMESPACE = "gpufrac-system"
 #: writes that label itself, so selecting on it would never start the first agent.
 DEFAULT_NODE_SELECTOR = {"nvidia.com/gpu.present": "true"}
 DEFAULT_NRI_SOCKET = "/var/run/nri/nri.sock"
+DEFAULT_CRI_SOCKET = "/run/containerd/containerd.sock"
 DEFAULT_METRICS_PORT = 9400
 DEFAULT_HEALTH_PORT = 8082
 
@@ -55,6 +56,9 @@ class AgentSpec:
     metrics_port: int = DEFAULT_METRICS_PORT
     health_port: int = DEFAULT_HEALTH_PORT
     nri_socket: str = DEFAULT_NRI_SOCKET
+    cri_socket: str = DEFAULT_CRI_SOCKET
+    #: Test clusters without GPUs only: the agent's simulated backend with these GPUs (``--sim-gpus``).
+    simulated_gpus: str | None = None
     log_level: str = "info"
 
 
@@ -109,6 +113,8 @@ def read_config(config: Any) -> ConfigSpec:
             metrics_port=int(agent.get("metricsPort", DEFAULT_METRICS_PORT)),
             health_port=int(agent.get("healthPort", DEFAULT_HEALTH_PORT)),
             nri_socket=agent.get("nriSocket") or DEFAULT_NRI_SOCKET,
+            cri_socket=agent.get("criSocket") or DEFAULT_CRI_SOCKET,
+            simulated_gpus=agent.get("simulatedGpus") or None,
             log_level=agent.get("logLevel") or "info",
         ),
     )
