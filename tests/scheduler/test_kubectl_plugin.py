@@ -285,6 +285,23 @@ async def test_top_finds_the_node_agent_pods_and_reads_them_through_the_api_serv
     assert "unreachable" not in out
 
 
+async def simulate_binpack(*source: str) -> tuple[str, str]:
+    """``gpufrac simulate <source> --policy binpack --seeds 42`` as a user runs it: (stdout, stderr)."""
+    done = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "gpufrac",
+        "simulate",
+        *source,
+        *("--policy", "binpack", "--seeds", "42", "--workers", "1", "--json", "--no-plot"),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(done.communicate(), timeout=120)
+    assert done.returncode == 0, err.decode()
+    return out.decode(), err.decode()
+
+
 async def test_whatif_replays_the_cluster_and_exports_it_for_offline_replay(
     controlplane: ControlPlane, pool: Pool, placed, tmp_path: Path
 ) -> None:
@@ -327,28 +344,9 @@ async def test_whatif_replays_the_cluster_and_exports_it_for_offline_replay(
     assert "binpack: " in out and " than today)" in out
 
     # The export replays offline to the same figure (same pods, nodes and seed).
-    done = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "gpufrac",
-        "simulate",
-        "--trace",
-        str(tmp_path / "cluster_pods.csv"),
-        "--nodes",
-        str(tmp_path / "cluster_nodes.csv"),
-        "--policy",
-        "binpack",
-        "--seeds",
-        "42",
-        "--workers",
-        "1",
-        "--json",
-        "--no-plot",
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
+    replay_out, _ = await simulate_binpack(
+        "--trace", str(tmp_path / "cluster_pods.csv"), "--nodes", str(tmp_path / "cluster_nodes.csv")
     )
-    replay_out, replay_err = await asyncio.wait_for(done.communicate(), timeout=120)
-    assert done.returncode == 0, replay_err.decode()
     [offline] = json.loads(replay_out)["runs"]
     [online] = [r for r in report["runs"] if r["policy"] == "binpack"]
     assert (offline["placed"], offline["failed"]) == (online["placed"], online["failed"])
@@ -356,30 +354,10 @@ async def test_whatif_replays_the_cluster_and_exports_it_for_offline_replay(
     # `gpufrac simulate --from-cluster` reads the same snapshot through the same kubeconfig and replays
     # it to the same figures, and its --export writes the same CSVs.
     again = tmp_path / "again"
-    done = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "gpufrac",
-        "simulate",
-        "--from-cluster",
-        "--kubeconfig",
-        str(controlplane.kubeconfig),
-        "--export",
-        str(again),
-        "--policy",
-        "binpack",
-        "--seeds",
-        "42",
-        "--workers",
-        "1",
-        "--json",
-        "--no-plot",
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
+    cluster_out, cluster_err = await simulate_binpack(
+        "--from-cluster", "--kubeconfig", str(controlplane.kubeconfig), "--export", str(again)
     )
-    cluster_out, cluster_err = await asyncio.wait_for(done.communicate(), timeout=120)
-    assert done.returncode == 0, cluster_err.decode()
-    assert f"pod {pool.namespace}/big: asks for more than a whole GPU" in cluster_err.decode()
+    assert f"pod {pool.namespace}/big: asks for more than a whole GPU" in cluster_err
     [from_cluster] = json.loads(cluster_out)["runs"]
     assert (from_cluster["placed"], from_cluster["failed"]) == (online["placed"], online["failed"])
     for name in ("cluster_nodes.csv", "cluster_pods.csv"):
