@@ -3,10 +3,10 @@
 #
 #   docker build -t ghcr.io/gpufrac/gpufrac:0.1.0 .
 #
-# The NRI and CRI protobuf messages are generated, never copied (scripts/gen-nri-protos,
-# scripts/gen-cri-protos): they come from the .proto files of the Go modules pinned in
-# testenv/nriruntime/go.mod and in gen-cri-protos, so the first stage needs Go (to fetch them through the
-# Go module proxy) and grpcio-tools. Nothing of that stage but the generated package reaches the image.
+# The NRI, CRI and kubelet (DRA plugin) protobuf messages are generated, never copied
+# (scripts/gen-nri-protos, gen-cri-protos, gen-kubelet-protos): they come from the .proto files of the Go
+# modules pinned in testenv/nriruntime/go.mod, in gen-cri-protos and in testenv/controlplane/go.mod, so
+# the first stage needs Go (to fetch them through the Go module proxy) and grpcio-tools. Nothing of that stage but the generated package reaches the image.
 #
 # The two base images are build arguments. Their defaults come from Docker Hub; gpufrac's own CI reaches no
 # registry and runs no daemon, so testenv/image/build.sh builds this file with buildah, passing bases it
@@ -26,9 +26,10 @@ ENV PATH=/usr/local/go/bin:$PATH
 RUN pip install --no-cache-dir "grpcio-tools>=1.60,<2" "googleapis-common-protos>=1.60,<2"
 WORKDIR /src
 COPY testenv/nriruntime/go.mod testenv/nriruntime/go.sum testenv/nriruntime/
-COPY scripts/gen-nri-protos scripts/gen-cri-protos scripts/
+COPY testenv/controlplane/go.mod testenv/controlplane/go.sum testenv/controlplane/
+COPY scripts/gen-nri-protos scripts/gen-cri-protos scripts/gen-kubelet-protos scripts/
 COPY src/gpufrac/__init__.py src/gpufrac/__init__.py
-RUN python scripts/gen-nri-protos && python scripts/gen-cri-protos
+RUN python scripts/gen-nri-protos && python scripts/gen-cri-protos && python scripts/gen-kubelet-protos
 
 FROM ${PYTHON_IMAGE}
 # The version repeats gpufrac.__version__ (its one home); tests/test_version.py checks that they agree.

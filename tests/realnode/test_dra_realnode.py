@@ -74,6 +74,7 @@ async def dra_node(controlplane: ControlPlane) -> AsyncIterator[tuple[RealNode, 
         logs=work / "logs",
         shape=NodeShape(gpus=1, model="A100-80GB", gpu_mib=81920),  # exactly 80Gi: four 20Gi shares
         agent_argv=lambda: [sys.executable, "-m", "gpufrac"],
+        apiserver=controlplane.server,
         dra=True,
     )
     scheduler: Spawned | None = None

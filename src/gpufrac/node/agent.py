@@ -32,7 +32,7 @@ import contextlib
 import logging
 from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lightkube import AsyncClient
 from prometheus_client import CollectorRegistry
@@ -41,7 +41,6 @@ from gpufrac.contract.quantities import MIB
 from gpufrac.kube.events import NORMAL, EventRecorder, ObjectRef
 from gpufrac.node import labels as names
 from gpufrac.node.config import NodeAgentSettings
-from gpufrac.node.dra.plugin import DraPlugin
 from gpufrac.node.dra.slices import ResourceSlicePublisher, device_name
 from gpufrac.node.driver_upgrade import DriverUpgradeWatch
 from gpufrac.node.gpu_faults import GpuFaultNotifier
@@ -66,6 +65,9 @@ from gpufrac.node.nri.plugin import NriPlugin, PluginIdentity
 from gpufrac.node.reporting import UsageSettings, run_reporting
 from gpufrac.node.usage.backend import GpuProcesses, ProcessUsageBackend
 from gpufrac.process.probes import ProbeServer
+
+if TYPE_CHECKING:
+    from gpufrac.node.dra.plugin import DraPlugin
 
 log = logging.getLogger(__name__)
 
@@ -211,6 +213,10 @@ class NodeAgent:
             )
         self.dra_plugin: DraPlugin | None = None
         if settings.dra and client is not None:
+            # Imported only here: its gRPC messages are generated from k8s.io/kubelet, and an agent
+            # without --dra must not depend on them.
+            from gpufrac.node.dra.plugin import DraPlugin
+
             self.dra_plugin = DraPlugin(
                 client=client,
                 devices=self._dra_devices,
