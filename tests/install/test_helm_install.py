@@ -308,6 +308,7 @@ EXPECTED_NODE_LEFTOVERS: dict[str, Any] = {
             "gpufrac.io/cuda-driver",
             "gpufrac.io/gpu-count",
             "gpufrac.io/gpu-model",
+            keys.GPU_STACK_GATE_LABEL,
             keys.MANAGED_LABEL,
             "gpufrac.io/mps",
         ]

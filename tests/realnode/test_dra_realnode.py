@@ -78,6 +78,20 @@ async def dra_node(controlplane: ControlPlane) -> AsyncIterator[tuple[RealNode, 
         dra=True,
     )
     scheduler: Spawned | None = None
+    (work / "logs").mkdir(parents=True, exist_ok=True)
+    # The controller manager lifts the not-ready taint a new Node gets (RealNode waits for that) and
+    # deallocates claims whose pods are gone.
+    controllers = spawn(
+        name="kube-controller-manager",
+        argv=[
+            str(TESTENV_BIN / "kube-controller-manager"),
+            f"--kubeconfig={controlplane.kubeconfig}",
+            "--leader-elect=false",
+            "--secure-port=0",
+            feature_gates_flag(),
+        ],
+        logs=work / "logs",
+    )
     try:
         await node.start()
         scheduler = spawn(
@@ -120,6 +134,7 @@ async def dra_node(controlplane: ControlPlane) -> AsyncIterator[tuple[RealNode, 
         if scheduler is not None:
             await asyncio.to_thread(terminate, scheduler.popen)
         await node.stop()
+        await asyncio.to_thread(terminate, controllers.popen)
         for mode in ("time-slicing", "sm-sharing"):
             with contextlib.suppress(Exception):
                 await client.delete(DeviceClass, f"{mode}.{keys.DRA_DRIVER_NAME}")
