@@ -106,10 +106,14 @@ else
 fi
 
 # The image's inputs: the Dockerfile, .dockerignore and what its COPY steps name.
+# The generated messages are not inputs (the image generates its own), nor is their directory, which
+# `make testenv` (re)fills after this script.
 inputs=(Dockerfile .dockerignore pyproject.toml setup.py README.md src scripts/gen-nri-protos
-    scripts/gen-cri-protos testenv/nriruntime/go.mod testenv/nriruntime/go.sum)
+    scripts/gen-cri-protos scripts/gen-kubelet-protos testenv/nriruntime/go.mod testenv/nriruntime/go.sum
+    testenv/controlplane/go.mod testenv/controlplane/go.sum)
 newer="$(cd "$repo" && find "${inputs[@]}" -newer "$archive" \
-    -not -path 'src/gpufrac/_generated/*' -not -name '*.pyc' -not -path '*/__pycache__*' -print -quit 2>/dev/null || echo missing)"
+    -not -path 'src/gpufrac/_generated' -not -path 'src/gpufrac/_generated/*' -not -name '*.pyc' \
+    -not -path '*/__pycache__*' -print -quit 2>/dev/null || echo missing)"
 if [[ $force == 0 && -f "$archive" && -z "$newer" && "$archive" -nt "$python_stamp" && "$archive" -nt "$go_stamp" ]]; then
     echo "image: $image is up to date ($archive)"
     exit 0
