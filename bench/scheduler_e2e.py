@@ -16,6 +16,10 @@ reported against it.
     .venv/bin/python bench/scheduler_e2e.py --large         # 5000 nodes x 8 GPUs, 40000 pods
     .venv/bin/python bench/scheduler_e2e.py --nodes 100 --pods 500 --baseline-pods 0   # quick look
     .venv/bin/python bench/scheduler_e2e.py --profile /tmp/sched.prof   # the scheduler under cProfile
+    .venv/bin/python bench/scheduler_e2e.py --rules 0.25    # a quarter of the pods anti-affine or spread
+
+With ``--rules`` the audit also checks the rules held: no two replicas of an anti-affine deployment on
+one node, and every spread deployment within maxSkew 1 over the zones.
 
 The last line is a one-line JSON summary.
 """
@@ -52,11 +56,39 @@ from gpufrac.kube.stream import Selection
 from gpufrac.local.controlplane import ControlPlane
 from gpufrac.local.simnodes import NodeShape, create_sim_nodes
 from gpufrac.scheduler.booking_audit import audit
+from gpufrac.scheduler.pod_fields import HOSTNAME_LABEL, ZONE_LABEL
 
 TARGET_PODS_PER_S = 100.0
+ZONES = 8
 
 
-def pod_manifest(i: int, *, namespace: str, scheduler: str) -> Pod:
+def pod_rules(i: int, *, share: float, apps: int) -> tuple[dict[str, str], dict[str, Any]]:
+    """Labels and spec fields for the i-th pod when ``share`` of the pods carry pod rules (issue #19).
+
+    Such a pod is a replica of one of ``apps`` deployments: half of the deployments have a required
+    anti-affinity on the hostname against their own replicas, half a topology spread (maxSkew 1,
+    DoNotSchedule) over the zones. The same mix bench/placement_speed.py times in the engine.
+    """
+    rng = random.Random(f"rules-{i}")
+    if rng.random() >= share:
+        return {}, {}
+    app = rng.randrange(apps)
+    labels = {"app": f"app-{app}"}
+    selector = {"matchLabels": labels}
+    if app % 2 == 0:
+        term = {"labelSelector": selector, "topologyKey": HOSTNAME_LABEL}
+        anti = {"requiredDuringSchedulingIgnoredDuringExecution": [term]}
+        return labels, {"affinity": {"podAntiAffinity": anti}}
+    spread = {
+        "maxSkew": 1,
+        "topologyKey": ZONE_LABEL,
+        "whenUnsatisfiable": "DoNotSchedule",
+        "labelSelector": selector,
+    }
+    return labels, {"topologySpreadConstraints": [spread]}
+
+
+def pod_manifest(i: int, *, namespace: str, scheduler: str, rules_share: float = 0.0, apps: int = 200) -> Pod:
     """The i-th pod of a burst: a mix of the contract's fractional forms (about 0.22 GPU each)."""
     kind = i % 10
     if kind < 4:
@@ -73,10 +105,17 @@ def pod_manifest(i: int, *, namespace: str, scheduler: str) -> Pod:
         annotations = {"gpu-fraction": "0.25", "gpu-fraction-num-devices": "2"}
     else:
         annotations = {"gpu-fraction": "0.125", keys.compute_mode_key("app"): "sm-sharing"}
+    labels, rules = pod_rules(i, share=rules_share, apps=apps) if rules_share else ({}, {})
     return Pod.from_dict(
         {
-            "metadata": {"name": f"p{i:05d}", "namespace": namespace, "annotations": annotations},
+            "metadata": {
+                "name": f"p{i:05d}",
+                "namespace": namespace,
+                "annotations": annotations,
+                "labels": labels,
+            },
             "spec": {
+                **rules,
                 "schedulerName": scheduler,
                 "containers": [
                     {
@@ -88,6 +127,30 @@ def pod_manifest(i: int, *, namespace: str, scheduler: str) -> Pod:
             },
         }
     )
+
+
+def rule_violations(*, pods: list[Pod], nodes: list[Node]) -> list[str]:
+    """The pod rules of ``pod_rules`` that the bindings broke, in words (empty when all held)."""
+    zone_of = {n.metadata.name: (n.metadata.labels or {}).get(ZONE_LABEL) for n in nodes}
+    zones = sorted({z for z in zone_of.values() if z})
+    replicas: dict[str, list[Pod]] = {}
+    for pod in pods:
+        app = (pod.metadata.labels or {}).get("app")
+        if app and pod.spec.nodeName:
+            replicas.setdefault(app, []).append(pod)
+    problems = []
+    for app, members in sorted(replicas.items()):
+        if members[0].spec.affinity:
+            hosts = [p.spec.nodeName for p in members]
+            if len(set(hosts)) < len(hosts):
+                problems.append(f"{app}: two anti-affine replicas share a node")
+        else:
+            counts = {z: 0 for z in zones}
+            for p in members:
+                counts[zone_of[p.spec.nodeName]] += 1
+            if max(counts.values()) - min(counts.values()) > 1:
+                problems.append(f"{app}: replicas per zone {counts} skew by more than 1")
+    return problems
 
 
 class BindClock:
@@ -137,7 +200,14 @@ def percentile(values: list[float], q: float) -> float:
 
 
 async def burst(
-    client: AsyncClient, *, namespace: str, scheduler: str, count: int, concurrency: int, timeout: float
+    client: AsyncClient,
+    *,
+    namespace: str,
+    scheduler: str,
+    count: int,
+    concurrency: int,
+    timeout: float,
+    rules_share: float = 0.0,
 ) -> dict[str, Any]:
     """Create ``count`` pods as fast as possible and wait until every one is bound."""
     clock = BindClock()
@@ -150,7 +220,7 @@ async def burst(
         gate = asyncio.Semaphore(concurrency)
 
         async def create(i: int) -> None:
-            pod = pod_manifest(i, namespace=namespace, scheduler=scheduler)
+            pod = pod_manifest(i, namespace=namespace, scheduler=scheduler, rules_share=rules_share)
             async with gate:
                 created_at[pod.metadata.name] = time.monotonic()
                 await client.create(pod)
@@ -245,13 +315,18 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "model": args.model,
         "policy": args.policy,
         "bind_mode": args.bind_mode,
+        "rules_share": args.rules,
     }
     with ControlPlane(data_dir=workdir / "cp") as cp:
         client = cp.async_client(timeout=30)
         try:
             started = time.monotonic()
             names = await create_sim_nodes(
-                client, count=args.nodes, shape=NodeShape(gpus=args.gpus, model=args.model), concurrency=32
+                client,
+                count=args.nodes,
+                shape=NodeShape(gpus=args.gpus, model=args.model),
+                zones=ZONES,
+                concurrency=32,
             )
             result["node_setup_s"] = round(time.monotonic() - started, 1)
             for ns in ("bench", "baseline"):
@@ -273,6 +348,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                         count=args.baseline_pods,
                         concurrency=args.concurrency,
                         timeout=args.timeout,
+                        rules_share=args.rules,
                     )
                     result["baseline"]["binder_cpu_ms_per_pod"] = round(
                         1000 * (cpu_seconds(binder.pid) - binder_before) / args.baseline_pods, 2
@@ -335,6 +411,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     count=args.pods,
                     concurrency=args.concurrency,
                     timeout=args.timeout,
+                    rules_share=args.rules,
                 )
                 result.update(measured)
                 # CPU per pod holds still when the machine is shared; pods/s does not.
@@ -359,8 +436,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             pods = [p async for p in client.list(Pod, namespace="bench")]
             nodes = [n async for n in client.list(Node)]
             report = audit(nodes=nodes, pods=pods)
-            result["audit_ok"] = report.ok
-            result["audit_problems"] = report.problems[:5]
+            broken = rule_violations(pods=pods, nodes=nodes) if args.rules else []
+            result["audit_ok"] = report.ok and not broken
+            result["audit_problems"] = (report.problems + broken)[:5]
             used = [b for b in report.gpus.values() if b.pods]
             result["gpus_used"] = len(used)
             result["gpu_memory_allocated_pct"] = round(
@@ -390,6 +468,12 @@ def main() -> None:
     parser.add_argument("--baseline-pods", type=int, default=2000)
     parser.add_argument("--policy", default="fgd")
     parser.add_argument("--bind-mode", default="atomic", choices=["atomic", "patch-then-bind"])
+    parser.add_argument(
+        "--rules",
+        type=float,
+        default=0.0,
+        help="share of pods that are replicas with a required anti-affinity or a zone spread (issue #19)",
+    )
     parser.add_argument("--concurrency", type=int, default=64, help="create requests in flight")
     parser.add_argument("--timeout", type=float, default=600.0)
     parser.add_argument(

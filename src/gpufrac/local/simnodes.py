@@ -29,6 +29,7 @@ from gpufrac.kube.errors import Conflict, api_errors
 from gpufrac.node import labels as node_labels
 from gpufrac.node.inventory.simulated import MODEL_MIB, simulated_uuid
 from gpufrac.node.mps.mode import DriverVersion, capability_for
+from gpufrac.scheduler.pod_fields import HOSTNAME_LABEL, ZONE_LABEL
 
 #: Framebuffer MiB per model: the simulated node agent's table, so both describe the same GPUs.
 GPU_MODELS: dict[str, int] = MODEL_MIB
@@ -88,7 +89,7 @@ def sim_node(
     resources = {"cpu": shape.cpu, "memory": shape.memory, "pods": str(shape.pods)}
     node_labels_: dict[str, str] = {
         keys.MANAGED_LABEL: "true",
-        "kubernetes.io/hostname": name,
+        HOSTNAME_LABEL: name,
         "kubernetes.io/os": "linux",
     }
     annotations: dict[str, str] = {}
@@ -164,15 +165,21 @@ async def create_sim_nodes(
     shape: NodeShape = NodeShape(),
     prefix: str = "gpu-node-",
     labels: dict[str, str] | None = None,
+    zones: int = 0,
     concurrency: int = 16,
 ) -> list[str]:
-    """Create ``count`` simulated nodes (existing ones are left as they are); returns their names."""
+    """Create ``count`` simulated nodes (existing ones are left as they are); returns their names.
+
+    With ``zones`` the i-th node is in zone ``zone-<i mod zones>`` (the well-known zone label), for
+    workloads that spread over zones.
+    """
     names = node_names(count, prefix=prefix)
     gate = asyncio.Semaphore(concurrency)
 
-    async def create(name: str) -> None:
+    async def create(index: int, name: str) -> None:
+        zone = {ZONE_LABEL: f"zone-{index % zones}"} if zones else {}
         async with gate:
-            node = sim_node(name=name, shape=shape, labels=labels)
+            node = sim_node(name=name, shape=shape, labels={**(labels or {}), **zone})
             try:
                 with api_errors():
                     created = await client.create(node)
@@ -187,7 +194,7 @@ async def create_sim_nodes(
                 if taints_patch:
                     await client.patch(Node, name, taints_patch, patch_type=PatchType.MERGE)
 
-    await asyncio.gather(*(create(name) for name in names))
+    await asyncio.gather(*(create(i, name) for i, name in enumerate(names)))
     return names
 
 

@@ -37,7 +37,9 @@ from gpufrac.placement.pod_constraints import (
 #: Resources the engine models elsewhere (host fit, GPU contract) or that are not node resources.
 NATIVE_RESOURCES = frozenset({"cpu", "memory", "ephemeral-storage", "pods"})
 GPU_RESOURCE = "nvidia.com/gpu"
+#: Kubernetes' well-known topology labels (the kubelet sets the hostname; cloud providers the zone).
 HOSTNAME_LABEL = "kubernetes.io/hostname"
+ZONE_LABEL = "topology.kubernetes.io/zone"
 
 
 class RefusedPod(ValueError):
