@@ -367,6 +367,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     {
                         "policy": args.policy,
                         "bind_mode": args.bind_mode,
+                        **({"bind_concurrency": args.bind_concurrency} if args.bind_concurrency else {}),
                         "http_host": "127.0.0.1",
                         "http_port": port,
                         # Generous lease timing: on a shared machine a replica starved of CPU for 10 s
@@ -474,6 +475,7 @@ def main() -> None:
         default=0.0,
         help="share of pods that are replicas with a required anti-affinity or a zone spread (issue #19)",
     )
+    parser.add_argument("--bind-concurrency", type=int, help="scheduler bind_concurrency")
     parser.add_argument("--concurrency", type=int, default=64, help="create requests in flight")
     parser.add_argument("--timeout", type=float, default=600.0)
     parser.add_argument(
