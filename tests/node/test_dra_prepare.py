@@ -250,3 +250,47 @@ def test_a_compute_amount_that_is_no_percent_is_refused() -> None:
     with pytest.raises(AllocationError) as caught:
         prepare(obj)
     assert 'consumedCapacity.compute="150" is invalid: it must be from 0 to 100' in str(caught.value)
+
+
+def claim_config(**parameters: Any) -> dict[str, Any]:
+    """The claim's own configuration for its request ``gpu`` (applied after the class's)."""
+    return class_config("time-slicing", **parameters) | {"source": "FromClaim", "requests": ["gpu"]}
+
+
+def test_a_claims_memory_limit_above_its_share_is_what_an_annotation_pod_with_that_limit_gets() -> None:
+    config = [claim_config(memoryLimit="40Gi"), class_config("time-slicing")]
+    (share,) = prepare(claim(consumed="20Gi", config=config))
+    nri, _ = plan_container(
+        annotations={
+            "nvidia.com/container.c.gpu-memory.request": "20480Mi",
+            "nvidia.com/container.c.gpu-memory.limit": "40960Mi",
+            "nvidia.com/container.c.gpus.devices": GPU,
+        },
+        container="c",
+        pipe_source=pipe_leaf(root=ROOT, container_id=f"{UID}-{DEVICE}"),
+        cdi_kind=keys.CDI_GPU_KIND,
+    )
+    assert nri is not None
+    assert share.plan.env == nri.env
+    assert share.plan.env_map["NVIDIA_GPU_MEMORY_REQUEST"] == "20480"
+    assert share.plan.env_map["NVIDIA_GPU_MEMORY_LIMIT"] == "40960"
+
+
+@pytest.mark.parametrize(
+    ("consumed", "limit", "says"),
+    [
+        (
+            "20Gi",
+            "10Gi",
+            'memoryLimit of request gpu="10Gi" is invalid: the limit must not be below the request',
+        ),
+        (None, "40Gi", "a limit applies to a share of a GPU, and this allocation holds the whole GPU"),
+        ("20Gi", "lots", "memoryLimit of request gpu"),
+    ],
+)
+def test_a_memory_limit_that_cannot_hold_is_refused_naming_the_parameter(
+    consumed: str | None, limit: str, says: str
+) -> None:
+    with pytest.raises(AllocationError) as caught:
+        prepare(claim(consumed=consumed, config=[claim_config(memoryLimit=limit)]))
+    assert says in str(caught.value)

@@ -187,10 +187,13 @@ DRA_ATTRIBUTE_DRIVER_MAJOR = "driverMajor"
 DRA_ATTRIBUTE_TIME_SLICING = "timeSlicing"
 DRA_ATTRIBUTE_SM_SHARING = "smSharing"
 #: The opaque configuration each of the chart's DeviceClasses hands our driver with an allocation
-#: (``spec.config[].opaque.parameters``): ``{"apiVersion", "kind", "computeMode": <mode>}``. The kubelet
-#: plugin reads the compute mode of a claim from it.
+#: (``spec.config[].opaque.parameters``): ``{"apiVersion", "kind", "computeMode": <mode>}``; a claim's
+#: own configuration may add ``"memoryLimit": <quantity>`` (a limit above the consumed share). The
+#: kubelet plugin reads them at prepare.
 DRA_CONFIG_API_VERSION = "gpu.gpufrac.io/v1alpha1"
 DRA_CONFIG_KIND = "GpuShareConfig"
+DRA_CONFIG_COMPUTE_MODE = "computeMode"
+DRA_CONFIG_MEMORY_LIMIT = "memoryLimit"
 #: The chart's DeviceClass per compute mode is ``<mode>.<driver>`` (``time-slicing.gpu.gpufrac.io``).
 
 #: The name the node agent registers with the runtime's NRI (``PluginIdentity``), and the one GPU

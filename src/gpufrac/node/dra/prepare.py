@@ -13,7 +13,9 @@ Reading an allocation (``status.allocation.devices``, resource.k8s.io/v1):
 - each result of our driver is one GPU share: ``device`` names a device of our ResourceSlice
   (``gpufrac.node.dra.slices.device_name``), mapped back to the GPU's UUID through the node's inventory;
 - ``consumedCapacity.memory`` (consumable capacity, KEP-5075) is the share, rounded up to whole MiB as
-  the contract rounds quantities; request and limit are both that amount. A result without it (the
+  the contract rounds quantities; it is the request, and the limit too unless our opaque configuration
+  sets ``memoryLimit`` (a quantity, not below the share: the container may use up to it, as an
+  annotation pod's ``gpu-memory.limit`` above its request). A result without it (the
   ``DRAConsumableCapacity`` gate off) holds the whole device: an exclusive GPU, nothing to cap;
 - ``consumedCapacity.compute`` (percent of the SMs) of an sm-sharing share is its compute portion, which
   the planner turns into MPS's active-thread percentage as for annotation pods; 0 or none: no ceiling;
@@ -34,7 +36,7 @@ import json
 import os
 import tempfile
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +56,6 @@ MODE_ANNOTATION = f"{keys.DRA_DRIVER_NAME}/compute-mode"
 UUID_ANNOTATION = f"{keys.DRA_DRIVER_NAME}/uuid"
 #: Where CDI-enabled runtimes look for specs (containerd's and CRI-O's default ``cdi_spec_dirs``).
 DEFAULT_CDI_DIR = Path("/var/run/cdi")
-_COMPUTE_MODE_FIELD = "computeMode"
 
 
 class AllocationError(ValueError):
@@ -72,8 +73,16 @@ class PreparedShare:
     cdi_device_ids: tuple[str, ...]
 
 
-def _mode(config: Iterable[Mapping[str, Any]], request: str) -> ComputeMode:
-    mode = ComputeMode.TIME_SLICING
+@dataclass(frozen=True, slots=True)
+class ShareConfig:
+    """What our opaque configuration says of one request: its compute mode and memory limit."""
+
+    mode: ComputeMode = ComputeMode.TIME_SLICING
+    limit: str | None = None  # a quantity (``memoryLimit``); None: the limit is the share
+
+
+def _share_config(config: Iterable[Mapping[str, Any]], request: str) -> ShareConfig:
+    found = ShareConfig()
     ordered = sorted(
         config, key=lambda c: c.get("source") == "FromClaim"
     )  # the claim's own after the class's
@@ -94,16 +103,44 @@ def _mode(config: Iterable[Mapping[str, Any]], request: str) -> ComputeMode:
                 f"{where}: apiVersion/kind {parameters.get('apiVersion')!r}/{parameters.get('kind')!r} is "
                 f"invalid: it must be {keys.DRA_CONFIG_API_VERSION!r}/{keys.DRA_CONFIG_KIND!r}"
             )
-        if _COMPUTE_MODE_FIELD in parameters:
-            value = parameters[_COMPUTE_MODE_FIELD]
+        if keys.DRA_CONFIG_COMPUTE_MODE in parameters:
+            value = parameters[keys.DRA_CONFIG_COMPUTE_MODE]
             try:
-                mode = ComputeMode(value)
+                found = replace(found, mode=ComputeMode(value))
             except ValueError:
                 known = " or ".join(m.value for m in ComputeMode)
                 raise AllocationError(
-                    f"{where}: {_COMPUTE_MODE_FIELD}={json.dumps(value)} is invalid: it must be {known}"
+                    f"{where}: {keys.DRA_CONFIG_COMPUTE_MODE}={json.dumps(value)} is invalid: it must be "
+                    f"{known}"
                 ) from None
-    return mode
+        if keys.DRA_CONFIG_MEMORY_LIMIT in parameters:
+            found = replace(found, limit=str(parameters[keys.DRA_CONFIG_MEMORY_LIMIT]))
+    return found
+
+
+def _limit_mib(config: ShareConfig, *, request_mib: int | None, request: str) -> int | None:
+    """The share's memory limit in MiB: ``memoryLimit`` when the claim sets one, else the share itself.
+
+    As with the annotation contract, a limit lets a container use memory beyond what it is guaranteed
+    (at its own risk when the GPU fills), and a limit below the request is refused."""
+    if config.limit is None:
+        return request_mib
+    key = f"{keys.DRA_CONFIG_MEMORY_LIMIT} of request {request}"
+    if request_mib is None:
+        raise AllocationError(
+            f"{key}={json.dumps(config.limit)} is invalid: a limit applies to a share of a GPU, and this "
+            "allocation holds the whole GPU (no consumedCapacity: the DRAConsumableCapacity gate is off)"
+        )
+    try:
+        limit = parse_mib(config.limit, key=key)
+    except ContractError as exc:
+        raise AllocationError(str(exc)) from None
+    if limit < request_mib:
+        raise AllocationError(
+            f"{key}={json.dumps(config.limit)} is invalid: the limit must not be below the request "
+            f"({request_mib} MiB consumed)"
+        )
+    return limit
 
 
 def _portion(result: Mapping[str, Any]) -> float | None:
@@ -167,13 +204,14 @@ def prepare_claim(
                 mib = parse_mib(str(consumed), key=f"consumedCapacity.{keys.DRA_MEMORY_CAPACITY}")
             except ContractError as exc:
                 raise AllocationError(str(exc)) from None
-        mode = _mode(config, request)
+        share_config = _share_config(config, request)
+        mode = share_config.mode
         bound = BoundContainer(
             container=request,
             devices=(uuid,),
             mode=mode,
             request_mib=mib,
-            limit_mib=mib,
+            limit_mib=_limit_mib(share_config, request_mib=mib, request=request),
             compute_portion=_portion(result) if mode is ComputeMode.SM_SHARING else None,
             exclusive=mib is None,
         )
