@@ -17,14 +17,14 @@ from typing import Any
 
 import grpc
 import pytest
-from gpufrac._generated.kubelet.dra.v1 import api_pb2 as dra_pb2
-from gpufrac._generated.kubelet.dra.v1 import api_pb2_grpc as dra_grpc
-from gpufrac._generated.kubelet.pluginregistration.v1 import api_pb2 as reg_pb2
-from gpufrac._generated.kubelet.pluginregistration.v1 import api_pb2_grpc as reg_grpc
 from lightkube import AsyncClient
 from lightkube.resources.resource_v1 import ResourceClaim
 from lightkube.types import PatchType
 
+from gpufrac._generated.kubelet.dra.v1 import api_pb2 as dra_pb2
+from gpufrac._generated.kubelet.dra.v1 import api_pb2_grpc as dra_grpc
+from gpufrac._generated.kubelet.pluginregistration.v1 import api_pb2 as reg_pb2
+from gpufrac._generated.kubelet.pluginregistration.v1 import api_pb2_grpc as reg_grpc
 from gpufrac.contract import keys
 from gpufrac.node.dra.plugin import DraPlugin
 from gpufrac.node.dra.prepare import CDI_KIND, spec_path

@@ -36,7 +36,6 @@ if not _generated():  # `make testenv` has not run yet: generate now, as it woul
     importlib.invalidate_caches()
 
 from gpufrac._generated.cri import api_pb2, api_pb2_grpc  # noqa: E402
-
 from gpufrac.node.cri.client import CriClient  # noqa: E402
 from gpufrac.node.inject import EnvPlanner  # noqa: E402
 from gpufrac.node.mapping import MappingStore  # noqa: E402

@@ -21,10 +21,10 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-from gpufrac._generated.ttrpc import request_pb2
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from gpufrac._generated.ttrpc import request_pb2
 from gpufrac.node.nri.mux import MAX_PAYLOAD, PLUGIN_SERVICE_CONN, RUNTIME_SERVICE_CONN, Mux, TrunkClosed
 from gpufrac.node.nri.plugin import NriPlugin
 from gpufrac.node.nri.ttrpc import HEADER as TTRPC_HEADER
