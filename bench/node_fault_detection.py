@@ -20,6 +20,7 @@ import json
 import time
 import uuid
 
+from lightkube import AsyncClient
 from lightkube.models.core_v1 import NodeCondition, NodeStatus
 from lightkube.models.meta_v1 import ObjectMeta
 from lightkube.resources.apiextensions_v1 import CustomResourceDefinition
@@ -56,15 +57,20 @@ CRD = {
 }
 
 
-def policy(toolkit: str) -> object:
-    return ClusterPolicy.from_dict(
-        {
-            "apiVersion": "nvidia.com/v1",
-            "kind": "ClusterPolicy",
-            "metadata": {"name": "cluster-policy"},
-            "spec": {"toolkit": {"version": toolkit}, "devicePlugin": {"version": "v0.20.1"}},
-        }
-    )
+def _policy(toolkit: str) -> dict[str, object]:
+    return {
+        "apiVersion": "nvidia.com/v1",
+        "kind": "ClusterPolicy",
+        "metadata": {"name": "cluster-policy"},
+        "spec": {"toolkit": {"version": toolkit}, "devicePlugin": {"version": "v0.20.1"}},
+    }
+
+
+async def write_policy(client: AsyncClient, toolkit: str) -> None:
+    """The ClusterPolicy with ``toolkit``, ready (a GPU Operator not ready gates the node on its own)."""
+    await client.apply(ClusterPolicy.from_dict(_policy(toolkit)), field_manager="bench", force=True)
+    ready = {**_policy(toolkit), "status": {"state": "ready"}}
+    await client.apply(ClusterPolicy.Status.from_dict(ready), field_manager="bench", force=True)
 
 
 async def timed(check) -> float:  # type: ignore[no-untyped-def]
@@ -78,7 +84,7 @@ async def main(cp: ControlPlane) -> dict[str, float]:
     client = cp.async_client()
     await client.apply(CustomResourceDefinition.from_dict(CRD), field_manager="bench", force=True)
     await asyncio.sleep(2)  # the CRD becomes Established
-    await client.apply(policy("v1.17.8"), field_manager="bench", force=True)
+    await write_policy(client, "v1.17.8")
     name = f"bench-{uuid.uuid4().hex[:6]}"
     await client.create(Node(metadata=ObjectMeta(name=name)))
     await client.patch(
@@ -114,7 +120,7 @@ async def main(cp: ControlPlane) -> dict[str, float]:
     await publisher.publish_once(force=True)
     result["baseline_publish_s"] = round(time.monotonic() - started, 2)  # nothing changed: a write round trip
     task = asyncio.create_task(publisher.run())
-    await client.apply(policy("v1.20.1"), field_manager="bench", force=True)
+    await write_policy(client, "v1.20.1")
     result["gate_after_upgrade_s"] = await timed(lambda: _is(reason(), keys.NODE_REASON_READY))
     backend.set_xid(0, 48)
     result["xid_s"] = await timed(lambda: _is(offered(), [simulated_uuid(name, 1)]))
