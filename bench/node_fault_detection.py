@@ -7,10 +7,11 @@ and measures from the change to the moment the scheduler's reading of the Node (
 - the agent starts on a node whose toolkit is too old: GPUOperandVersionUnsupported (its first publish);
 - the GPU Operator upgrades the toolkit: Ready again (bounded by the gate's 60 s refresh);
 - a fatal XID on a GPU: the GPU withdrawn (bounded by the 5 s publish interval);
-- a GPU falls off the bus: withdrawn.
+- a GPU falls off the bus: withdrawn;
+- the GPU Operator's ClusterPolicy turns notReady: GPUOperatorNotReady (bounded by the gate's refresh).
 
 The baseline in the same run is one forced publish with nothing changed (a read and write round trip).
-Last line: a JSON summary. About 90 s.
+Last line: a JSON summary. About 2 minutes.
 """
 
 from __future__ import annotations
@@ -66,11 +67,11 @@ def _policy(toolkit: str) -> dict[str, object]:
     }
 
 
-async def write_policy(client: AsyncClient, toolkit: str) -> None:
-    """The ClusterPolicy with ``toolkit``, ready (a GPU Operator not ready gates the node on its own)."""
+async def write_policy(client: AsyncClient, toolkit: str, *, state: str = "ready") -> None:
+    """The ClusterPolicy with ``toolkit`` and ``state`` (one not ready gates the node on its own)."""
     await client.apply(ClusterPolicy.from_dict(_policy(toolkit)), field_manager="bench", force=True)
-    ready = {**_policy(toolkit), "status": {"state": "ready"}}
-    await client.apply(ClusterPolicy.Status.from_dict(ready), field_manager="bench", force=True)
+    status = {**_policy(toolkit), "status": {"state": state}}
+    await client.apply(ClusterPolicy.Status.from_dict(status), field_manager="bench", force=True)
 
 
 async def timed(check) -> float:  # type: ignore[no-untyped-def]
@@ -128,6 +129,10 @@ async def main(cp: ControlPlane) -> dict[str, float]:
     await timed(lambda: _is(offered(), [simulated_uuid(name, 0), simulated_uuid(name, 1)]))
     backend.set_lost(1)
     result["off_the_bus_s"] = await timed(lambda: _is(offered(), [simulated_uuid(name, 0)]))
+    await write_policy(client, "v1.20.1", state="notReady")
+    result["operator_not_ready_s"] = await timed(
+        lambda: _is(reason(), keys.NODE_REASON_GPU_OPERATOR_NOT_READY)
+    )
     task.cancel()
     await client.delete(ClusterPolicy, "cluster-policy")
     return result
