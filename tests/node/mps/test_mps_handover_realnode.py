@@ -190,8 +190,11 @@ async def test_deleting_the_agents_pod_leaves_mps_serving_its_client_and_the_nex
         assert "moved the MPS control daemon" in log, log
         daemon = _daemon_pid(pipe)
         assert daemon is not None
-        where = cgroups_of(daemon)
-        assert where and all(path == f"/{cgroup}" for path in where.values()), where
+        for pid in processes_of(pipe):  # the daemon and its servers: out of the agent's cgroup, in every
+            where = cgroups_of(pid)  # hierarchy
+            assert where and all(path == f"/{cgroup}" for path in where.values()), (pid, where)
+        servers = set(processes_of(pipe)) - {daemon}
+        assert servers, "the daemon runs no server"
         mps_client, greeting = await mps_env.client(pipe / "shared")
         assert greeting.startswith("connected shared"), greeting
 
@@ -200,6 +203,7 @@ async def test_deleting_the_agents_pod_leaves_mps_serving_its_client_and_the_nex
         await _pod_gone(cluster, "agent-a")
         assert "leaving the MPS control daemon" in _log(mps_env, "agent-a")  # it detached on SIGTERM
         assert _alive(daemon), "the MPS control daemon died with the agent's pod"
+        assert all(_alive(pid) for pid in servers), "an MPS server died with the agent's pod"
         assert mps_client.returncode is None, "the MPS client lost its server"
 
         # -- the next pod's agent adopts the same daemon; the old client is still served, a new one too.
