@@ -7,10 +7,11 @@ and measures from the change to the moment the scheduler's reading of the Node (
 - the agent starts on a node whose toolkit is too old: GPUOperandVersionUnsupported (its first publish);
 - the GPU Operator upgrades the toolkit: Ready again (bounded by the gate's 60 s refresh);
 - a fatal XID on a GPU: the GPU withdrawn (bounded by the 5 s publish interval);
-- a GPU falls off the bus: withdrawn.
+- a GPU falls off the bus: withdrawn;
+- the GPU Operator's ClusterPolicy turns notReady: GPUOperatorNotReady (bounded by the gate's refresh).
 
 The baseline in the same run is one forced publish with nothing changed (a read and write round trip).
-Last line: a JSON summary. About 90 s.
+Last line: a JSON summary. About 2 minutes.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import json
 import time
 import uuid
 
+from lightkube import AsyncClient
 from lightkube.models.core_v1 import NodeCondition, NodeStatus
 from lightkube.models.meta_v1 import ObjectMeta
 from lightkube.resources.apiextensions_v1 import CustomResourceDefinition
@@ -56,15 +58,20 @@ CRD = {
 }
 
 
-def policy(toolkit: str) -> object:
-    return ClusterPolicy.from_dict(
-        {
-            "apiVersion": "nvidia.com/v1",
-            "kind": "ClusterPolicy",
-            "metadata": {"name": "cluster-policy"},
-            "spec": {"toolkit": {"version": toolkit}, "devicePlugin": {"version": "v0.20.1"}},
-        }
-    )
+def _policy(toolkit: str) -> dict[str, object]:
+    return {
+        "apiVersion": "nvidia.com/v1",
+        "kind": "ClusterPolicy",
+        "metadata": {"name": "cluster-policy"},
+        "spec": {"toolkit": {"version": toolkit}, "devicePlugin": {"version": "v0.20.1"}},
+    }
+
+
+async def write_policy(client: AsyncClient, toolkit: str, *, state: str = "ready") -> None:
+    """The ClusterPolicy with ``toolkit`` and ``state`` (one not ready gates the node on its own)."""
+    await client.apply(ClusterPolicy.from_dict(_policy(toolkit)), field_manager="bench", force=True)
+    status = {**_policy(toolkit), "status": {"state": state}}
+    await client.apply(ClusterPolicy.Status.from_dict(status), field_manager="bench", force=True)
 
 
 async def timed(check) -> float:  # type: ignore[no-untyped-def]
@@ -78,7 +85,7 @@ async def main(cp: ControlPlane) -> dict[str, float]:
     client = cp.async_client()
     await client.apply(CustomResourceDefinition.from_dict(CRD), field_manager="bench", force=True)
     await asyncio.sleep(2)  # the CRD becomes Established
-    await client.apply(policy("v1.17.8"), field_manager="bench", force=True)
+    await write_policy(client, "v1.17.8")
     name = f"bench-{uuid.uuid4().hex[:6]}"
     await client.create(Node(metadata=ObjectMeta(name=name)))
     await client.patch(
@@ -114,7 +121,7 @@ async def main(cp: ControlPlane) -> dict[str, float]:
     await publisher.publish_once(force=True)
     result["baseline_publish_s"] = round(time.monotonic() - started, 2)  # nothing changed: a write round trip
     task = asyncio.create_task(publisher.run())
-    await client.apply(policy("v1.20.1"), field_manager="bench", force=True)
+    await write_policy(client, "v1.20.1")
     result["gate_after_upgrade_s"] = await timed(lambda: _is(reason(), keys.NODE_REASON_READY))
     backend.set_xid(0, 48)
     result["xid_s"] = await timed(lambda: _is(offered(), [simulated_uuid(name, 1)]))
@@ -122,6 +129,10 @@ async def main(cp: ControlPlane) -> dict[str, float]:
     await timed(lambda: _is(offered(), [simulated_uuid(name, 0), simulated_uuid(name, 1)]))
     backend.set_lost(1)
     result["off_the_bus_s"] = await timed(lambda: _is(offered(), [simulated_uuid(name, 0)]))
+    await write_policy(client, "v1.20.1", state="notReady")
+    result["operator_not_ready_s"] = await timed(
+        lambda: _is(reason(), keys.NODE_REASON_GPU_OPERATOR_NOT_READY)
+    )
     task.cancel()
     await client.delete(ClusterPolicy, "cluster-policy")
     return result

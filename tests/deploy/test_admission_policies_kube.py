@@ -2,10 +2,11 @@
 
 RBAC grants the node agent `patch nodes` and the scheduler `patch pods` on every object of the kind.
 The policies (deploy/helm/gpufrac/templates/admission-policies.yaml) narrow them: a node agent's token
-writes only the Node it is bound to, and the scheduler's writes to pods change only the binder-owned
-annotations. Every write here is a real request: the node agent's with a real bound service-account
-token (TokenRequest bound to a pod on a node, as the kubelet projects it into the DaemonSet's pods),
-the scheduler's impersonated as its ServiceAccount, so authentication, RBAC and admission all decide.
+writes only the Node it is bound to (its ResourceSlices, its heartbeat Lease), and the scheduler's writes
+to pods change only the binder-owned annotations. Every write here is a real request: the node agent's
+with a real bound service-account token (TokenRequest bound to a pod on a node, as the kubelet projects
+it into the DaemonSet's pods), the scheduler's impersonated as its ServiceAccount, so authentication,
+RBAC and admission all decide.
 """
 
 from __future__ import annotations
@@ -30,19 +31,26 @@ pytestmark = pytest.mark.kube
 
 CONTAINER = "app"
 POLICY_KINDS = ("ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding")
-INSTALLED = ("ServiceAccount", "ClusterRole", "ClusterRoleBinding", *POLICY_KINDS)
+INSTALLED = ("ServiceAccount", "Role", "RoleBinding", "ClusterRole", "ClusterRoleBinding", *POLICY_KINDS)
 
 
 @pytest.fixture
 def installed(controlplane: ControlPlane, namespace: str, tmp_path: Path) -> Iterator[dict[str, Any]]:
-    """The chart's ServiceAccounts, ClusterRoles and policies, created for real; cluster-scoped ones are
-    named after a unique release and removed afterwards."""
+    """The chart's ServiceAccounts, Roles, ClusterRoles and policies, created for real; cluster-scoped
+    ones (and the Roles in the node Leases' shared namespace) are named after a unique release and removed
+    afterwards."""
     release = f"vap-{uuid.uuid4().hex[:6]}"
     objects = [
         o for o in render(tmp_path=tmp_path, namespace=namespace, release=release) if o["kind"] in INSTALLED
     ]
     assert {o["kind"] for o in objects} == set(INSTALLED)
     with controlplane.http() as http:
+        lease_namespace = {
+            "apiVersion": "v1",
+            "kind": "Namespace",
+            "metadata": {"name": keys.NODE_LEASE_NAMESPACE},
+        }
+        assert create(http, lease_namespace, dry_run=False).status_code in (201, 409)
         for obj in objects:
             answer = create(http, obj, dry_run=False)
             assert answer.status_code == 201, answer.text
@@ -217,6 +225,60 @@ def test_a_node_agent_token_writes_only_its_own_nodes_resourceslices_of_our_driv
         finally:
             for node in (own, other):
                 admin.delete(f"{slices}/{node}-{keys.DRA_DRIVER_NAME}")
+
+
+def _lease(node: str, *, namespace: str = keys.NODE_LEASE_NAMESPACE) -> dict[str, Any]:
+    """A heartbeat Lease as gpufrac.node.heartbeat.NodeLease writes it: named after its node."""
+    return {
+        "apiVersion": "coordination.k8s.io/v1",
+        "kind": "Lease",
+        "metadata": {"name": node, "namespace": namespace},
+        "spec": {
+            "holderIdentity": node,
+            "leaseDurationSeconds": 40,
+            "renewTime": "2026-12-01T00:00:00.000000Z",
+        },
+    }
+
+
+def test_a_node_agent_token_renews_only_its_own_nodes_heartbeat_lease(
+    controlplane: ControlPlane, installed: dict[str, Any]
+) -> None:
+    """A token stolen from one node cannot keep another (dead) node placeable by renewing its Lease."""
+    ns = installed["namespace"]
+    suffix = uuid.uuid4().hex[:6]
+    own, other = f"gpu-a-{suffix}", f"gpu-b-{suffix}"
+    leases = f"/apis/coordination.k8s.io/v1/namespaces/{keys.NODE_LEASE_NAMESPACE}/leases"
+    with controlplane.http() as admin:
+        assert admin.post(leases, json=_lease(other)).status_code == 201  # the other node's agent wrote it
+        try:
+            with _bearer(controlplane, _agent_token(admin, ns, own)) as agent:
+                refused = _until_refused(
+                    lambda: agent.post(leases, json=_lease(f"{other}-x"), params={"dryRun": "All"})
+                )
+                assert refused.status_code == 403, refused.text
+                assert (
+                    "may write only the heartbeat Lease of its own node "
+                    f"({keys.NODE_LEASE_NAMESPACE}/<node>): this token is bound to node {own}, "
+                    f"not {keys.NODE_LEASE_NAMESPACE}/{other}-x"
+                ) in refused.json()["message"]
+                # Its own Lease: created and renewed, for real, as the heartbeat does (GET, then PUT).
+                assert agent.post(leases, json=_lease(own)).status_code == 201
+                mine = agent.get(f"{leases}/{own}").json()
+                mine["spec"]["renewTime"] = "2026-12-01T00:01:00.000000Z"
+                assert agent.put(f"{leases}/{own}", json=mine).status_code == 200
+                # The other node's Lease: neither renewed nor deleted, and its renewTime does not move.
+                theirs = admin.get(f"{leases}/{other}").json()
+                renewed = {**theirs, "spec": {**theirs["spec"], "renewTime": "2026-12-01T00:02:00.000000Z"}}
+                answer = agent.put(f"{leases}/{other}", json=renewed)
+                assert answer.status_code == 403, answer.text
+                assert f"not {keys.NODE_LEASE_NAMESPACE}/{other}" in answer.text
+                assert agent.delete(f"{leases}/{other}").status_code == 403
+                after = admin.get(f"{leases}/{other}").json()
+                assert after["spec"]["renewTime"] == theirs["spec"]["renewTime"]
+        finally:
+            for node in (own, other):
+                admin.delete(f"{leases}/{node}")
 
 
 @pytest.fixture

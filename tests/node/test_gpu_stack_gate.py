@@ -38,8 +38,9 @@ CRD = "clusterpolicies.nvidia.com"
 
 @pytest.fixture(scope="session")
 def clusterpolicy_crd(kube: Client) -> Iterator[None]:
-    """The GPU Operator's ClusterPolicy CRD (its schema reduced to "any object": only the fields the gate
-    reads matter here), Established."""
+    """The GPU Operator's ClusterPolicy CRD, a minimal definition written for these tests (not the GPU
+    Operator's own: its schema reduced to "any object", as only the fields the gate reads matter here, with
+    the status subresource the GPU Operator writes ``status.state`` through), Established."""
     kube.apply(
         CustomResourceDefinition.from_dict(
             {
@@ -175,6 +176,32 @@ async def test_an_old_toolkit_in_the_cluster_policy_keeps_the_node_unplaceable_u
     status, reason, message, _, placeable = await readiness(akube, node_name)
     assert (status, reason, placeable) == ("False", "GPUOperandVersionUnsupported", False)
     assert "NVIDIA container toolkit version is unknown" in message and "gpu_stack.toolkit_version" in message
+
+
+async def test_a_cluster_policy_that_is_not_ready_gates_the_node_until_it_is(
+    akube: AsyncClient, node_name: str, cluster_policy
+) -> None:
+    """The operand versions are new enough, but the GPU Operator says it has not got there (its spec is what
+    it wants, its state whether it runs): the node waits with its own reason, unless the hatch is set."""
+    backend = SimulatedInventory(node_name=node_name, spec=parse_flag("1xL4-24GB"))
+    agent = publisher(akube, node_name, backend)
+    await cluster_policy(toolkit="v1.20.1-ubuntu22.04", device_plugin="v0.20.1", state="notReady")
+    await agent.publish_once()
+    status, reason, message, gate, placeable = await readiness(akube, node_name)
+    assert (status, reason, gate, placeable) == ("False", "GPUOperatorNotReady", "failed", False)
+    assert "the GPU Operator is not ready (ClusterPolicy cluster-policy state is 'notReady')" in message
+
+    # The escape hatch: Ready, and the condition and the label say it is overridden and why.
+    await publisher(akube, node_name, backend, allow_unsupported=True).publish_once()
+    status, reason, message, gate, placeable = await readiness(akube, node_name)
+    assert (status, reason, gate, placeable) == ("True", "GpuFractioningReady", "overridden", True)
+    assert "GPU stack gate overridden (gpu_stack.allow_unsupported): GPUOperatorNotReady" in message
+
+    # The GPU Operator converges: the node comes back by itself at the next publish.
+    await cluster_policy(toolkit="v1.20.1-ubuntu22.04", device_plugin="v0.20.1", state="ready")
+    await agent.publish_once()
+    status, reason, _, gate, placeable = await readiness(akube, node_name)
+    assert (status, reason, gate, placeable) == ("True", "GpuFractioningReady", "passed", True)
 
 
 async def test_an_operand_the_gpu_operator_does_not_deploy_here_is_taken_from_the_settings(

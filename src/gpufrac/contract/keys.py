@@ -107,6 +107,9 @@ NODE_REASON_AGENT_STOPPED = "NodeAgentStopped"
 # GPU stack gates (gpufrac.node.gpustack): the stack below gpufrac would not enforce the injected limits.
 NODE_REASON_OPERAND_UNSUPPORTED = "GPUOperandVersionUnsupported"
 NODE_REASON_DRIVER_UNSUPPORTED = "GPUDriverVersionUnsupported"
+#: The GPU Operator's ClusterPolicy exists and its ``status.state`` is not ``ready``: its operands (the
+#: toolkit's memory-limit hook among them) may be missing, rolling or failing on this node.
+NODE_REASON_GPU_OPERATOR_NOT_READY = "GPUOperatorNotReady"
 #: Node label: whether the node passed the GPU stack gate, failed it, or runs on its escape hatch.
 GPU_STACK_GATE_LABEL = "gpufrac.io/gpu-stack-gate"
 #: Written by the operator, with status Unknown, when a node agent's Lease expired (the agent was killed,
@@ -120,6 +123,7 @@ NODE_AGENT_REASONS = frozenset(
     {
         NODE_REASON_OPERAND_UNSUPPORTED,
         NODE_REASON_DRIVER_UNSUPPORTED,
+        NODE_REASON_GPU_OPERATOR_NOT_READY,
         NODE_REASON_READY,
         NODE_REASON_INVENTORY_UNAVAILABLE,
         NODE_REASON_NO_GPUS,

@@ -148,6 +148,7 @@ class NodeAgent:
                     state_dir=settings.state_dir / "mps",
                     time_slicing_clients=settings.mps_time_slicing_clients,
                     handover=settings.mps_handover,
+                    own_cgroup=settings.mps_own_cgroup,
                 ),
                 read_driver=lambda: self.backend.read().driver_version,
                 on_change=lambda: self.publisher.poke() if self.publisher is not None else None,

@@ -24,6 +24,7 @@ from gpufrac.contract.keys import CDI_GPU_KIND
 from gpufrac.node.gpustack import GpuStackSettings
 from gpufrac.node.inject import CDI_KIND_PATTERN, CONTAINER_PIPE_DIR
 from gpufrac.node.inventory.reserve import MemoryReserveSettings
+from gpufrac.node.mps.hostcgroup import CGROUP_NAME
 from gpufrac.node.nri.handler import ForeignGpuPolicy
 from gpufrac.node.nri.plugin import DEFAULT_SOCKET
 from gpufrac.node.reporting import UsageSettings
@@ -69,6 +70,13 @@ class NodeAgentSettings(BaseModel):
         True,
         description="leave the MPS daemon serving when the agent stops and adopt it when the next one "
         "starts, so that an agent upgrade does not cut off running sm-sharing processes (docs/mps.md)",
+    )
+    mps_own_cgroup: str | None = Field(
+        "gpufrac-mps",
+        pattern=CGROUP_NAME.pattern,
+        description="with mps_handover: the cgroup of its own, in every host hierarchy, that the MPS daemon "
+        "is moved into so that replacing the agent's pod does not kill it (needs the privileged, hostPID "
+        "agent; where it cannot, an Event MpsDaemonInAgentCgroup says so); null: leave it in the agent's",
     )
     mps_classic_pipe_writable: bool = Field(
         False,

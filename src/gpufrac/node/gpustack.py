@@ -9,7 +9,12 @@ places nothing on a node whose ``gpu-fractioning.nvidia.com/Ready`` is False) wi
 
 - ``GPUDriverVersionUnsupported``: the driver the agent reads through NVML is below r615;
 - ``GPUOperandVersionUnsupported``: the toolkit or the device plugin is below its minimum, or no version
-  is known for it at all (nothing says the hook is there, so it is not assumed).
+  is known for it at all (nothing says the hook is there, so it is not assumed);
+- ``GPUOperatorNotReady``: the GPU Operator's ClusterPolicy exists and its ``status.state`` is not
+  ``ready`` (``notReady`` while an operand's DaemonSet is not rolled out or its validator fails, or no
+  state reported yet). Its spec names the versions it *wants*; until it is ready nothing says they run
+  here, so the toolkit's hook is not assumed either. Without a ClusterPolicy (no GPU Operator) this gate
+  does not apply.
 
 Where each operand's version comes from, first that says it:
 
@@ -17,8 +22,7 @@ Where each operand's version comes from, first that says it:
    and ``spec.devicePlugin.version`` (image tags such as ``v1.20.1-ubuntu22.04``), unless the Node's GPU
    Operator label ``nvidia.com/gpu.deploy.container-toolkit`` / ``nvidia.com/gpu.deploy.device-plugin``
    is ``false`` (the operator does not deploy that operand on this node, so its version says nothing
-   here). A ClusterPolicy whose ``status.state`` is not ``ready`` is reported in the message (not gated:
-   its operands may be rolling).
+   here). A ClusterPolicy whose ``status.state`` is not ``ready`` gates the node (``GPUOperatorNotReady``).
 2. The agent's explicit settings (``gpu_stack.toolkit_version``, ``gpu_stack.device_plugin_version``),
    for clusters without the GPU Operator, and for an operand the GPU Operator does not deploy there.
 3. The simulated backend's stack (the minimum versions; SIMULATED: a machine without GPUs has no toolkit).
@@ -60,6 +64,7 @@ MIN_DRIVER_MAJOR = V3_MIN_DRIVER_MAJOR  # the cgroup GPU-memory limit and MPS v3
 
 REASON_OPERAND_UNSUPPORTED = keys.NODE_REASON_OPERAND_UNSUPPORTED
 REASON_DRIVER_UNSUPPORTED = keys.NODE_REASON_DRIVER_UNSUPPORTED
+REASON_GPU_OPERATOR_NOT_READY = keys.NODE_REASON_GPU_OPERATOR_NOT_READY
 
 GATE_LABEL = keys.GPU_STACK_GATE_LABEL
 GATE_PASSED = "passed"
@@ -120,7 +125,8 @@ class GpuStack:
     toolkit: str | None
     device_plugin: str | None
     source: str
-    note: str = ""  # e.g. a ClusterPolicy that is not ready
+    #: Why the GPU Operator is not ready (its ClusterPolicy's state); empty when it is, or when none.
+    not_ready: str = ""
 
 
 #: SIMULATED: what a simulated node's toolkit and device plugin are (there is no toolkit on the machine).
@@ -160,12 +166,12 @@ def stack_from_cluster_policy(policy: dict[str, Any], *, node_labels: dict[str, 
 
     state = str((policy.get("status") or {}).get("state") or "")
     name = (policy.get("metadata") or {}).get("name", "")
-    note = "" if state.lower() == "ready" else f"ClusterPolicy {name} state is {state or 'unreported'!r}"
+    not_ready = "" if state.lower() == "ready" else f"ClusterPolicy {name} state is {state or 'unreported'!r}"
     return GpuStack(
         toolkit=operand("toolkit", DEPLOY_TOOLKIT_LABEL),
         device_plugin=operand("devicePlugin", DEPLOY_DEVICE_PLUGIN_LABEL),
         source=f"the GPU Operator's ClusterPolicy {name}",
-        note=note,
+        not_ready=not_ready,
     )
 
 
@@ -178,6 +184,14 @@ def judge(stack: GpuStack | None, *, driver: DriverVersion | None, allow_unsuppo
                 REASON_DRIVER_UNSUPPORTED,
                 f"driver {driver} is below r{MIN_DRIVER_MAJOR}, which enforces the containers' GPU-memory "
                 "limits",
+            )
+        )
+    if stack is not None and stack.not_ready:
+        problems.append(
+            (
+                REASON_GPU_OPERATOR_NOT_READY,
+                f"the GPU Operator is not ready ({stack.not_ready}): its operands, the container toolkit's "
+                "apply-cuda-memory-limits hook among them, may not run on this node yet",
             )
         )
     operands = (
@@ -209,12 +223,13 @@ def judge(stack: GpuStack | None, *, driver: DriverVersion | None, allow_unsuppo
                     "apply-cuda-memory-limits hook the injected memory limits are not enforced",
                 )
             )
-    note = f" ({stack.note})" if stack and stack.note else ""
     if not problems:
         source = stack.source if stack else "nothing"
-        return StackVerdict(reason=None, message=f"GPU stack supported per {source}{note}")
-    reason = problems[0][0]  # the driver first: no operand helps on an old driver
-    message = "; ".join(text for _, text in problems) + note
+        return StackVerdict(reason=None, message=f"GPU stack supported per {source}")
+    # The driver first (no operand helps on an old driver), then a GPU Operator still converging (the
+    # likely cause of an operand that looks old or unknown meanwhile).
+    reason = problems[0][0]
+    message = "; ".join(text for _, text in problems)
     if allow_unsupported:
         return StackVerdict(
             reason=reason,
@@ -272,7 +287,7 @@ class GpuStackGate:
             toolkit=toolkit.toolkit,
             device_plugin=plugin.device_plugin,
             source=sources,
-            note=policy.note if policy is not None else "",
+            not_ready=policy.not_ready if policy is not None else "",
         )
 
     async def _cluster_policy(self) -> GpuStack | None:

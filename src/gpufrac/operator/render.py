@@ -22,11 +22,12 @@ applies. The pod follows docs/node-agent.md:
   where the NVIDIA runtime is not the node's default).
 
 Host memory is sized from the GPU count (``agent_resources``), unless the spec gives ``resources``: the
-MPS control daemon and its servers are the agent's children, in its cgroup, and NVIDIA measured about
-50 MiB per GPU server (a 256Mi limit failed on nodes with more than 5 GPUs). The count is the most GPUs
-any selected node has (GPU feature discovery's ``nvidia.com/gpu.count``, or the agent's own
-``gpufrac.io/gpu-count``), rounded up to a multiple of ``GPU_COUNT_STEP`` so that a node joining with a
-few more GPUs does not roll every agent — and MPS with it — on the cluster.
+MPS control daemon and its servers start in the agent's cgroup (they leave it for one of their own where
+the agent can move them, docs/mps.md "Handover"; the headroom stays for nodes where it cannot), and
+NVIDIA measured about 50 MiB per GPU server (a 256Mi limit failed on nodes with more than 5 GPUs). The
+count is the most GPUs any selected node has (GPU feature discovery's ``nvidia.com/gpu.count``, or the
+agent's own ``gpufrac.io/gpu-count``), rounded up to a multiple of ``GPU_COUNT_STEP`` so that a node
+joining with a few more GPUs does not roll every agent — and MPS with it — on the cluster.
 
 The rendered manifest carries a hash of itself in an annotation; the reconciler applies only when the
 hash on the cluster differs, so a Node heartbeat never turns into a write.

@@ -7,6 +7,7 @@ supervisor in a ``finally``, then checks no process of its pipe directory is lef
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -15,6 +16,7 @@ from pathlib import Path
 from mps_standin import SERVER_MARKER
 
 from gpufrac.node.mps.config import BackoffSettings, MpsSettings
+from gpufrac.node.mps.hostcgroup import HostCgroupError, host_hierarchies
 from gpufrac.node.mps.supervisor import MpsSupervisor
 
 #: The stand-in control daemon's program (a test double: it lives with the tests, run as a script).
@@ -121,6 +123,22 @@ class MpsEnv:
         assert process.stdout is not None
         line = await asyncio.wait_for(process.stdout.readline(), timeout=10)
         return process, line.decode().strip()
+
+
+async def remove_cgroup(name: str, *, timeout_s: float = 30.0) -> None:
+    """Removes the test's cgroup ``name`` from every host hierarchy (``gpufrac.node.mps.hostcgroup``) once
+    its last process has left (a killed process stays in it until its parent has reaped it)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    with contextlib.suppress(HostCgroupError):
+        for hierarchy in host_hierarchies():
+            cgroup = hierarchy.path / name
+            while cgroup.exists():
+                try:
+                    cgroup.rmdir()
+                except OSError as error:
+                    assert loop.time() < deadline, f"cannot remove {cgroup}: {error}"
+                    await asyncio.sleep(0.1)
 
 
 # Deadlines, not timings: generous, because the suite runs on loaded 2-core machines where a stand-in

@@ -34,7 +34,11 @@ def free_port() -> int:
 
 async def start_agent(mps_env: MpsEnv, runtime: NriRuntime, log: Path) -> asyncio.subprocess.Process:
     config = mps_env.root / "agent.yaml"
-    config.write_text(f"mps_pipe_dir: {mps_env.root / 'pipe'}\nmps_log_dir: {mps_env.root / 'log'}\n")
+    # The agent runs as a host process here, with no container cgroup to leave: the move into a cgroup of
+    # its own is test_mps_host_cgroup.py's and test_mps_handover_realnode.py's (a real pod).
+    config.write_text(
+        f"mps_pipe_dir: {mps_env.root / 'pipe'}\nmps_log_dir: {mps_env.root / 'log'}\nmps_own_cgroup: null\n"
+    )
     return await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",

@@ -38,6 +38,11 @@ when KAI Scheduler schedules (`kai.enabled`). */}}
 system:serviceaccount:{{ .Release.Namespace }}:gpufrac-scheduler
 {{- end }}
 
+{{/* The node agents' heartbeat Leases' namespace: gpufrac.contract.keys.NODE_LEASE_NAMESPACE. */}}
+{{- define "gpufrac.nodeLeaseNamespace" -}}
+gpufrac-node-lease
+{{- end }}
+
 {{- define "gpufrac.admissionService" -}}
 gpufrac-admission
 {{- end }}

@@ -12,6 +12,8 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from gpufrac.node.mps.hostcgroup import CGROUP_NAME
+
 
 class BackoffSettings(BaseModel):
     model_config = ConfigDict(frozen=True)
@@ -84,6 +86,13 @@ class MpsSettings(BaseModel):
         False,
         description="run the daemon in the background (-d) so that it outlives the agent, and adopt a "
         "running one at start instead of replacing it (agent upgrades keep MPS clients running)",
+    )
+    own_cgroup: str | None = Field(
+        None,
+        pattern=CGROUP_NAME.pattern,
+        description="with handover: move the daemon into this cgroup of its own in every host hierarchy "
+        "once it runs, so that stopping the agent's container (a rolling update) does not kill it "
+        "(gpufrac.node.mps.hostcgroup); None leaves it in the agent's cgroup",
     )
     exit_poll_s: float = Field(0.5, gt=0, description="how often a background daemon's pid is checked")
     quit_timeout_s: float = Field(5.0, gt=0)

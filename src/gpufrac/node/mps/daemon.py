@@ -24,6 +24,11 @@ live process of our pipe directory and the daemon answers ``server list``. Its c
 price: its exit is noticed by polling its pid (``exit_poll_s``) rather than at once, its exit status is
 unknown, and ``quit`` goes through the control socket. ASSUMPTION (the stand-in behaves so; confirm on
 r615): ``-d`` accepts ``-p 3 -m -a <toml>`` as ``-f`` does.
+
+A background daemon still dies with the agent's *container*, whose cgroup the runtime kills whole. With
+``MpsSettings.own_cgroup`` the daemon, once it answers (started or adopted), is moved into a cgroup of its
+own on the host (``gpufrac.node.mps.hostcgroup``), with the servers it already has; ``cgroup_error`` says
+why when it could not be.
 """
 
 from __future__ import annotations
@@ -33,10 +38,12 @@ import contextlib
 import logging
 import os
 import signal
+from collections.abc import Callable
 from pathlib import Path
 
 from gpufrac.node.mps.config import MpsSettings
 from gpufrac.node.mps.control import V3_PROTOCOL, MpsCommandError, MpsControl
+from gpufrac.node.mps.hostcgroup import Hierarchy, HostCgroupError, host_hierarchies, move_to_own_cgroup
 from gpufrac.node.mps.mode import MpsMode
 from gpufrac.node.mps.v3config import render_v3_config
 
@@ -50,8 +57,17 @@ class DaemonStartError(Exception):
 
 
 class MpsDaemon:
-    def __init__(self, *, settings: MpsSettings, mode: MpsMode, control: MpsControl) -> None:
+    def __init__(
+        self,
+        *,
+        settings: MpsSettings,
+        mode: MpsMode,
+        control: MpsControl,
+        host_cgroups: Callable[[], list[Hierarchy]] = host_hierarchies,
+    ) -> None:
+        """``host_cgroups``: where ``settings.own_cgroup`` is created (the host's hierarchies)."""
         self._settings = settings
+        self._host_cgroups = host_cgroups
         self._mode = mode
         self._control = control
         self._process: asyncio.subprocess.Process | None = None
@@ -59,6 +75,8 @@ class MpsDaemon:
         self._servers: set[int] = set()
         #: This daemon was left running by a previous agent and adopted, not started.
         self.adopted = False
+        #: Why the daemon is still in the agent's cgroup (``settings.own_cgroup`` set); None when it left.
+        self.cgroup_error: str | None = None
 
     @property
     def detached(self) -> bool:
@@ -113,6 +131,29 @@ class MpsDaemon:
             if status != 0:
                 raise DaemonStartError(f"`{settings.control_bin} -d` exited with status {status}")
         await self._wait_ready()
+        self._leave_agent_cgroup()
+
+    def _leave_agent_cgroup(self) -> None:
+        """With handover and ``own_cgroup``: the daemon (and its servers so far) into a cgroup of its own."""
+        name = self._settings.own_cgroup
+        if name is None or not self.detached or self._pid is None:
+            return
+        try:
+            servers = sorted(pid for pid in self._servers if pid > 0 and pid != self._pid)
+            moved = move_to_own_cgroup([self._pid, *servers], name=name, hierarchies=self._host_cgroups())
+        except HostCgroupError as error:
+            self.cgroup_error = str(error)
+            log.warning(
+                "the MPS control daemon %d stays in the node agent's cgroup, so replacing the agent's "
+                "container will stop it: %s",
+                self._pid,
+                error,
+            )
+            return
+        self.cgroup_error = None
+        log.info(
+            "moved the MPS control daemon %d into its own cgroup %s", self._pid, ", ".join(map(str, moved))
+        )
 
     async def _adopt(self) -> bool:
         """Takes over the daemon a previous agent left running, when it is ours and answers."""
@@ -127,6 +168,7 @@ class MpsDaemon:
         self._pid, self.adopted = pid, True
         self._servers |= {int(w) for w in out.split() if w.isdigit()}
         log.info("adopted the MPS control daemon %d left running by the previous agent", pid)
+        self._leave_agent_cgroup()  # a previous agent's may not have left it (or was of an older release)
         return True
 
     def _pid_from_file(self) -> int | None:

@@ -17,6 +17,9 @@ REASON_START_FAILED = "MpsDaemonStartFailed"
 REASON_WEDGED = "MpsServerWedged"
 #: A restart asked for (type Normal): MPS recycled because no client was left after a drain.
 REASON_RECYCLED = "MpsDaemonRecycled"
+#: The daemon could not leave the agent's container cgroup (``MpsSettings.own_cgroup``): replacing the
+#: agent's pod (a rolling update of the DaemonSet) will kill it and cut off the sm-sharing clients.
+REASON_IN_AGENT_CGROUP = "MpsDaemonInAgentCgroup"
 
 
 class EventSink(Protocol):

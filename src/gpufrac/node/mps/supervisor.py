@@ -37,7 +37,9 @@ State machine (``state``)::
 Handover (``settings.handover``): ``detach()`` stops supervising and leaves the daemon serving, for the
 next agent to adopt (``MpsDaemon``); a daemon adopted at start keeps its namespaces and their clients.
 Its namespaces that the live set does not name are deleted only once the live set is known (the runtime's
-Synchronize): before that, "not live" only means "not told yet".
+Synchronize): before that, "not live" only means "not told yet". With ``settings.own_cgroup`` a daemon
+that could not leave the agent's container cgroup (so a pod replacement would kill it) is a Warning Event
+``MpsDaemonInAgentCgroup`` with the reason (once per daemon).
 
 ``stop()`` is the one shutdown path: it cancels the supervision task (whatever state it is in, including a
 backoff sleep or a start in progress), then stops the daemon gracefully and sweeps stray servers in a
@@ -62,12 +64,14 @@ from gpufrac.node.mps.control import MpsClient, MpsCommandError, MpsCommandTimeo
 from gpufrac.node.mps.daemon import DaemonStartError, MpsDaemon
 from gpufrac.node.mps.default_socket import DefaultSocketLinks
 from gpufrac.node.mps.events import (
+    REASON_IN_AGENT_CGROUP,
     REASON_RECYCLED,
     REASON_RESTARTED,
     REASON_START_FAILED,
     REASON_WEDGED,
     EventSink,
 )
+from gpufrac.node.mps.hostcgroup import Hierarchy, host_hierarchies
 from gpufrac.node.mps.mode import DriverVersion, MpsMode, NodeMpsCapability, capability_for, mode_for_driver
 from gpufrac.node.mps.names import PipeDirTooLong, check_pipe_dir, is_managed
 from gpufrac.node.mps.probe import ProbeOutcome, probe_once
@@ -122,10 +126,13 @@ class MpsSupervisor:
         clock: Callable[[], float] = time.monotonic,
         mode: MpsMode | None = None,
         on_change: Callable[[], None] | None = None,
+        host_cgroups: Callable[[], list[Hierarchy]] = host_hierarchies,
     ) -> None:
         """``mode`` overrides the driver's choice (the GPU check runs classic MPS on any driver).
         ``on_change`` is called on every state change, e.g. ``InventoryPublisher.poke`` so the node's
-        capability labels follow the daemon (the publisher reads ``capability()``)."""
+        capability labels follow the daemon (the publisher reads ``capability()``). ``host_cgroups``: the
+        hierarchies ``settings.own_cgroup`` is created in (the host's)."""
+        self._host_cgroups = host_cgroups
         self._on_change = on_change
         self.settings = settings
         self.driver = driver
@@ -159,6 +166,7 @@ class MpsSupervisor:
         self._applied: dict[str, NamespaceSpec] = {}  # settings the running daemon has for each
         self._pipe_dirs: dict[str, Path] = {}  # each namespace's pipe directory, as the daemon reported it
         self._ns_lock = asyncio.Lock()
+        self._cgroup_reported: str | None = None  # the last MpsDaemonInAgentCgroup reason told
         #: Time-slicing containers' links to the default socket (``settings.time_slicing_clients``, v3).
         self.default_links = (
             DefaultSocketLinks(pipe_dir=settings.pipe_dir)
@@ -237,7 +245,9 @@ class MpsSupervisor:
             self.state = SupervisorState.STARTING
             self._wedged.clear()
             self._recycle.clear()
-            daemon = MpsDaemon(settings=self.settings, mode=self.mode, control=self.control)
+            daemon = MpsDaemon(
+                settings=self.settings, mode=self.mode, control=self.control, host_cgroups=self._host_cgroups
+            )
             self._daemon = daemon
             self._on_daemon, self._applied, self._pipe_dirs = set(), {}, {}  # a new daemon knows nothing
             try:
@@ -250,6 +260,7 @@ class MpsSupervisor:
                 self._restart_later(reason=REASON_START_FAILED, cause=f"did not start: {error}")
                 await asyncio.sleep(self._delay)
                 continue
+            self._report_cgroup(daemon)
             self.backoff.ready(now=self._clock())
             self.state = SupervisorState.READY
             self._ready.set()
@@ -262,6 +273,17 @@ class MpsSupervisor:
                 await daemon.kill()
             self._restart_later(reason=reason, cause=cause)
             await asyncio.sleep(self._delay)
+
+    def _report_cgroup(self, daemon: MpsDaemon) -> None:
+        error = daemon.cgroup_error
+        if error is not None and error != self._cgroup_reported:
+            self._events.emit(
+                type=WARNING,
+                reason=REASON_IN_AGENT_CGROUP,
+                message=f"MPS control daemon {daemon.pid} stays in the node agent's cgroup, so replacing the "
+                f"agent's pod (a rolling update) will stop it and its clients: {error}",
+            )
+        self._cgroup_reported = error
 
     async def _until_down(self, daemon: MpsDaemon) -> tuple[str, str]:
         exited = asyncio.create_task(daemon.wait())
