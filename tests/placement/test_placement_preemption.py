@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 
+import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from placement_builders import fraction, mib, node, pod, whole
@@ -19,7 +20,7 @@ from gpufrac.contract.request import ComputeMode, ContainerGpuRequest, GpuMemory
 from gpufrac.placement.decision import Placement
 from gpufrac.placement.engine import Engine
 from gpufrac.placement.model import PendingPod, Queue
-from gpufrac.placement.preemption import Kind, find_victims, simulate
+from gpufrac.placement.preemption import Kind, _Candidates, _CostOrder, _in_cost_order, find_victims, simulate
 
 SM = ComputeMode.SM_SHARING
 TS = ComputeMode.TIME_SLICING
@@ -297,3 +298,42 @@ def test_search_falls_back_to_a_minimal_set_past_its_budget():
     assert all(e.bound_pod(uid).priority == 0 for uid in found.victims)
     exact = find_victims(e, pending, kind=Kind.PREEMPT)
     assert cost(e, exact.victims) == cost(e, found.victims)
+
+
+@st.composite
+def crowded(draw):
+    """A cluster of many small pods with few distinct priorities: thousands of hypotheses, most tied on
+    their first key, which is where sorting only a prefix could go wrong."""
+    e = Engine(policy="binpack", seed=draw(st.integers(0, 3)))
+    for i in range(12):
+        e.add_node(node(f"n{i}", gpus=4, mib=16000))
+    rng = draw(st.randoms(use_true_random=False))
+    for i in range(150):
+        shape = rng.choice([mib(2000), mib(1000), mib(3000, mode=SM), whole(1)])
+        e.place(pod(shape, name=f"p{i}", priority=rng.choice([0, 0, 1, 2, -3]), namespace=rng.choice("xy")))
+    return e
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@given(crowded(), st.integers(1, 2), st.data())
+def test_sorting_a_prefix_gives_the_full_cost_order(e, size, data):
+    """The search sorts only as many hypotheses as it tries; the rows it tries are those the full sort
+    puts first, in the same order, ties (same node, priorities and MiB) included."""
+    table = e.pods
+    slots = np.flatnonzero(table.live)
+    if size == 1:
+        cand = _Candidates(table.node[slots], slots[:, None])
+    else:
+        pairs = np.array([(a, b) for a in slots for b in slots if a < b and table.node[a] == table.node[b]])
+        cand = _Candidates(table.node[pairs[:, 0]], pairs)
+    full = _in_cost_order(e, cand)
+    order = _CostOrder(e, cand)
+    at = 0
+    for _ in range(4):
+        hi = data.draw(st.integers(at + 1, at + max(1, cand.nodes.size // 8)))
+        got = order.rows(at, hi)
+        assert np.array_equal(got.nodes, full.nodes[at:hi])
+        assert np.array_equal(got.victims, full.victims[at:hi])
+        at = hi
+        if at >= cand.nodes.size:
+            break
