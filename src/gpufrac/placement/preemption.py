@@ -20,7 +20,9 @@ The search is exact: victim sets are tried by size, so the first size with a fit
 fewest. Single victims are tried first, over the whole cluster; then a node is dropped when even all
 its eligible victims leaving would not let the pod fit, and sets of 2, 3, ... on the remaining nodes
 are generated. Within a size the sets are sorted by the order above and tried a chunk at a time (one
-vectorised filter run per chunk), so the first chunk holding a fitting set holds the best one. When
+vectorised filter run per chunk), so the first chunk holding a fitting set holds the best one; only as
+many sets are sorted as are tried (``_CostOrder``: on a full cluster a reclaim has one single-victim
+set per pod of the other queues, and the first chunk usually ends the search). When
 the number of sets of the next size would exceed ``budget`` the search stops enumerating and falls
 back to a minimal set per node (kube-scheduler's "reprieve": start from all eligible victims and give
 back, most important first, each one the pod does not need) on the ``REPRIEVE_NODES`` candidate
