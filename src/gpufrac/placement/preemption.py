@@ -269,8 +269,8 @@ def find_victims(
         where[nodes[rows]] = np.arange(rows.size)
         mine = slots[where[table.node[slots]] >= 0]
         group = where[table.node[mine]]
-        mine = mine[np.lexsort((table.mib[mine], table.priority[mine], group))]
-        group = where[table.node[mine]]
+        order = np.lexsort((table.mib[mine], table.priority[mine], group))
+        mine, group = mine[order], group[order]
         have = counts[rows]
         first = np.concatenate(([0], np.cumsum(have)[:-1]))
         out = np.full((rows.size, int(have.max())), PodTable.NOTHING, dtype=np.int64)
