@@ -12,18 +12,28 @@ placement attempt that fails for each probe (what the scheduler does before it l
 the decision (``find_victims``: the search and the engine simulation of the chosen set). Target: decision
 p99 under 50 ms.
 
+Times are taken on the clock ``--clock`` names: ``wall`` (time.perf_counter) or ``cpu``
+(time.process_time, this process's CPU time, as bench/placement_speed.py has it), which the other
+tenants of a shared machine move less; the target is judged on that clock. The decisions are timed on
+the other clock too, in the same run (``decision_other_clock``), and the load average is printed
+either way. ``answers`` is a digest of every decision (node and victims per probe): two runs with the
+same arguments found the same victims exactly when their digests are equal.
+
 Usage: .venv/bin/python bench/preemption_speed.py [--nodes 1000] [--pods 20000] [--probes 200] [--seed 1]
+       [--clock wall|cpu]
 Prints a line per measurement, then a one-line JSON summary last.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import random
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -89,7 +99,7 @@ def stats(values: list[float]) -> dict[str, float]:
     }
 
 
-def build(nodes: int, pods: int, seed: int) -> tuple[Engine, list[float]]:
+def build(nodes: int, pods: int, seed: int, *, clock: Callable[[], float]) -> tuple[Engine, list[float]]:
     rng = random.Random(seed)
     engine = Engine(policy="binpack", seed=seed, queues=[Queue(q, deserved_share=0.25) for q in QUEUES])
     for i in range(nodes):
@@ -108,9 +118,9 @@ def build(nodes: int, pods: int, seed: int) -> tuple[Engine, list[float]]:
             queue=queue,
             arrival=attempts,
         )
-        start = time.perf_counter()
+        start = clock()
         decision = engine.place(pod)
-        elapsed = (time.perf_counter() - start) * 1000
+        elapsed = (clock() - start) * 1000
         if isinstance(decision, Placement):
             placed += 1
             times.append(elapsed)
@@ -123,9 +133,16 @@ def main() -> None:
     parser.add_argument("--pods", type=int, default=20000)
     parser.add_argument("--probes", type=int, default=200, help="per kind (preempt, reclaim)")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument(
+        "--clock",
+        choices=("wall", "cpu"),
+        default="wall",
+        help="cpu: this process's CPU time, which other tenants of a shared machine move less",
+    )
     args = parser.parse_args()
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
     load_before = os.getloadavg()[0]
-    engine, place_ms = build(args.nodes, args.pods, args.seed)
+    engine, place_ms = build(args.nodes, args.pods, args.seed, clock=clock)
     rng = random.Random(args.seed + 1)
     summary: dict[str, object] = {
         "bench": "preemption_speed",
@@ -133,12 +150,16 @@ def main() -> None:
         "gpus": args.nodes * 8,
         "placed_pods": len(engine.bound_uids),
         "load_before": load_before,
+        "clock": args.clock,
         "plain_placement": stats(place_ms),
     }
+    other = time.perf_counter if args.clock == "cpu" else time.process_time
     print(f"placed {len(engine.bound_uids)} pods; plain placement {summary['plain_placement']}")
     all_decisions: list[float] = []
+    all_other: list[float] = []
+    answers = hashlib.sha256()
     for kind in (Kind.PREEMPT, Kind.RECLAIM):
-        failed_ms, decide_ms, found, fit_anyway, victims = [], [], 0, 0, 0
+        failed_ms, decide_ms, other_ms, found, fit_anyway, victims = [], [], [], 0, 0, 0
         by_shape: dict[str, list[float]] = {}
         for i in range(args.probes):
             name, shape = PROBES[i % len(PROBES)]
@@ -150,24 +171,28 @@ def main() -> None:
                 priority=rng.randrange(5, 10) if kind is Kind.PREEMPT else 0,
                 queue=rng.choice(QUEUES[:3]) if kind is Kind.PREEMPT else "d",
             )
-            start = time.perf_counter()
+            start = clock()
             decision = engine.place(pod)
-            failed_ms.append((time.perf_counter() - start) * 1000)
+            failed_ms.append((clock() - start) * 1000)
             if isinstance(decision, Placement):
                 engine.forget(pod.uid)
                 fit_anyway += 1
                 continue
-            start = time.perf_counter()
+            start, start_other = clock(), other()
             result = find_victims(engine, pod, kind=kind)
-            decide_ms.append((time.perf_counter() - start) * 1000)
+            decide_ms.append((clock() - start) * 1000)
+            other_ms.append((other() - start_other) * 1000)
+            answers.update(repr(None if result is None else (result.node, result.victims)).encode())
             by_shape.setdefault(name, []).append(decide_ms[-1])
             if result is not None:
                 found += 1
                 victims += len(result.victims)
         all_decisions.extend(decide_ms)
+        all_other.extend(other_ms)
         entry = {
             "failed_placement": stats(failed_ms),
             "decision": stats(decide_ms),
+            "decision_other_clock": stats(other_ms),
             "with_victims": found,
             "mean_victims": round(victims / max(found, 1), 2),
             "probes_that_fit_without": fit_anyway,
@@ -178,6 +203,8 @@ def main() -> None:
         sys.stdout.flush()
     p99 = percentile(all_decisions, 0.99)
     summary["decision_p99_ms"] = round(p99, 3)
+    summary["decision_p99_ms_other_clock"] = round(percentile(all_other, 0.99), 3)
+    summary["answers"] = answers.hexdigest()[:16]
     summary["target_p99_ms"] = TARGET_P99_MS
     summary["pass"] = p99 < TARGET_P99_MS
     summary["load_after"] = os.getloadavg()[0]

@@ -8,8 +8,10 @@ API server, never a component's memory.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
-from collections.abc import AsyncIterator
+import subprocess
+from collections.abc import AsyncIterator, Callable
 
 import pytest
 from lightkube import ApiError
@@ -140,3 +142,90 @@ async def test_gpufrac_top_shows_the_inference_fractions_from_the_agents_metrics
     console = Console(record=True, width=200)
     console.print(render([view]))
     assert console.export_text().count("default/inference/app") == 4
+
+
+def _kubectl(cluster: LocalCluster, *args: str, stdin: str | None = None) -> str:
+    """``kubectl`` against the embedded cluster, as a user of `gpufrac up` runs it with its KUBECONFIG."""
+    done = subprocess.run(
+        ["kubectl", f"--kubeconfig={cluster.kubeconfig}", *args],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, f"kubectl {' '.join(args)}: {done.stderr}"
+    return done.stdout
+
+
+def _refusal(pod: Pod) -> str:
+    """The PodScheduled=False message (why the scheduler left the pod pending); empty when none."""
+    conditions = (pod.status.conditions or []) if pod.status else []
+    return next((c.message or "" for c in conditions if c.type == "PodScheduled" and c.status == "False"), "")
+
+
+async def _wait_pod(cluster: LocalCluster, name: str, until: Callable[[Pod], bool], what: str) -> Pod:
+    assert cluster.client is not None
+    deadline = asyncio.get_running_loop().time() + 60
+    while True:
+        pod = await cluster.client.get(Pod, name, namespace="default")
+        if until(pod):
+            return pod
+        assert asyncio.get_running_loop().time() < deadline, f"{name}: not {what} in 60s ({_refusal(pod)})"
+        await asyncio.sleep(0.2)
+
+
+def _bound(pod: Pod) -> bool:
+    return bool(pod.spec.nodeName)
+
+
+def _refused(pod: Pod) -> bool:
+    return bool(_refusal(pod))
+
+
+async def test_queue_objects_are_served_and_honoured(cluster: LocalCluster) -> None:
+    """`gpufrac up` installs the Queue CRD: kubectl creates and lists Queues, and the embedded scheduler
+    admits a pod to a queue only once its Queue exists, and caps the queue at its limit."""
+    assert cluster.client is not None
+    queue = "embedded-team"
+    packed = (DEMO_PODS[0].parent / "demo" / "packed.yaml").read_text()  # 16Gi, time-slicing
+
+    async def submit(name: str) -> None:
+        (pod,) = load_all_yaml(packed)
+        pod.metadata.name = name
+        pod.metadata.labels = {keys.QUEUE_LABEL: queue}
+        await cluster.client.create(pod, namespace="default")
+
+    names = ("queued-first", "queued-second")
+    try:
+        await submit(names[0])
+        waiting = await _wait_pod(cluster, names[0], _refused, "refused")
+        assert not waiting.spec.nodeName
+        assert _refusal(waiting) == f"queue {queue} (label {keys.QUEUE_LABEL}) is not configured"
+
+        # 16384 MiB fits the limit once, not twice.
+        manifest = (
+            "apiVersion: gpufrac.io/v1alpha1\nkind: Queue\n"
+            f"metadata: {{name: {queue}}}\nspec: {{resources: {{gpuMemory: {{limit: 20000}}}}}}\n"
+        )
+        assert "created" in await asyncio.to_thread(_kubectl, cluster, "apply", "-f", "-", stdin=manifest)
+        await _wait_pod(cluster, names[0], _bound, "bound")  # the new queue wakes it
+        await submit(names[1])
+        second = await _wait_pod(cluster, names[1], lambda p: _bound(p) or _refused(p), "decided")
+        assert not second.spec.nodeName
+        assert f"queue {queue} would exceed its GPU-memory limit of 20000 MiB" in _refusal(second)
+
+        # The scheduler writes the queue's status (every 5 s by default); kubectl shows the CRD's columns.
+        deadline = asyncio.get_running_loop().time() + 30
+        while True:
+            header, *rows = (await asyncio.to_thread(_kubectl, cluster, "get", "queues")).splitlines()
+            # NAME PARENT GPU-MEM-DESERVED GPU-MEM-ALLOCATED ...; a top-level queue's parent is blank.
+            assert header.split()[:4] == ["NAME", "PARENT", "GPU-MEM-DESERVED", "GPU-MEM-ALLOCATED"]
+            if [row.split()[:3] for row in rows] == [[queue, "0", "16384"]]:
+                break
+            assert asyncio.get_running_loop().time() < deadline, rows
+            await asyncio.sleep(0.5)
+    finally:
+        for name in names:
+            with contextlib.suppress(ApiError):
+                await cluster.client.delete(Pod, name, namespace="default", grace_period=0)
+        await asyncio.to_thread(_kubectl, cluster, "delete", "queue", queue, "--ignore-not-found")

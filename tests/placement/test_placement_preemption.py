@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import itertools
 
+import numpy as np
+import preemption_reference
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from placement_builders import fraction, mib, node, pod, whole
@@ -19,7 +21,7 @@ from gpufrac.contract.request import ComputeMode, ContainerGpuRequest, GpuMemory
 from gpufrac.placement.decision import Placement
 from gpufrac.placement.engine import Engine
 from gpufrac.placement.model import PendingPod, Queue
-from gpufrac.placement.preemption import Kind, find_victims, simulate
+from gpufrac.placement.preemption import Kind, _Candidates, _CostOrder, _in_cost_order, find_victims, simulate
 
 SM = ComputeMode.SM_SHARING
 TS = ComputeMode.TIME_SLICING
@@ -297,3 +299,79 @@ def test_search_falls_back_to_a_minimal_set_past_its_budget():
     assert all(e.bound_pod(uid).priority == 0 for uid in found.victims)
     exact = find_victims(e, pending, kind=Kind.PREEMPT)
     assert cost(e, exact.victims) == cost(e, found.victims)
+
+
+@st.composite
+def crowded(draw, *, nodes: int = 12, pods: int = 150):
+    """A cluster of many small pods with few distinct priorities: many hypotheses, most tied on their
+    first key, which is where sorting only a prefix could go wrong."""
+    e = Engine(policy="binpack", seed=draw(st.integers(0, 3)))
+    for i in range(nodes):
+        e.add_node(node(f"n{i}", gpus=4, mib=16000))
+    rng = draw(st.randoms(use_true_random=False))
+    for i in range(pods):
+        shape = rng.choice([mib(2000), mib(1000), mib(3000, mode=SM), whole(1)])
+        e.place(pod(shape, name=f"p{i}", priority=rng.choice([0, 0, 1, 2, -3]), namespace=rng.choice("xy")))
+    return e
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@given(crowded(), st.integers(1, 2), st.data())
+def test_sorting_a_prefix_gives_the_full_cost_order(e, size, data):
+    """The search sorts only as many hypotheses as it tries; the rows it tries are those the full sort
+    puts first, in the same order, ties (same node, priorities and MiB) included."""
+    table = e.pods
+    slots = np.flatnonzero(table.live)
+    if size == 1:
+        cand = _Candidates(table.node[slots], slots[:, None])
+    else:
+        pairs = np.array([(a, b) for a in slots for b in slots if a < b and table.node[a] == table.node[b]])
+        cand = _Candidates(table.node[pairs[:, 0]], pairs)
+    full = _in_cost_order(e, cand)
+    order = _CostOrder(e, cand)
+    at = 0
+    for _ in range(4):
+        hi = data.draw(st.integers(at + 1, at + max(1, cand.nodes.size // 8)))
+        got = order.rows(at, hi)
+        assert np.array_equal(got.nodes, full.nodes[at:hi])
+        assert np.array_equal(got.victims, full.victims[at:hi])
+        at = hi
+        if at >= cand.nodes.size:
+            break
+
+
+def _same_answer(e: Engine, pending: PendingPod, kind: Kind, budget: int) -> None:
+    before = books(e)
+    found = find_victims(e, pending, kind=kind, budget=budget)
+    assert untouched(e, before)
+    expected = preemption_reference.find_victims(e, pending, kind=kind, budget=budget)
+    assert found == expected
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+@given(cases(), st.sampled_from(list(Kind)), st.sampled_from([0, 3, 20_000]), st.integers(0, 10))
+def test_the_search_answers_as_the_previous_exhaustive_order_did(case, kind, budget, share):
+    """Same node, same victims, same placement as the search before its speed work (kept in
+    tests/placement/preemption_reference.py), through every path: single victims, sets of a size, and
+    the fallback past a budget."""
+    e, _placed, pending = case
+    e.set_queue(Queue("a", deserved_share=share / 10))
+    if isinstance(e.place(pending), Placement):
+        return
+    _same_answer(e, pending, kind, budget)
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    crowded(nodes=100, pods=1300), st.sampled_from([whole(1), whole(2), mib(8000), mib(6000, mode=SM), fraction(0.5, count=2)])
+)
+def test_on_a_crowded_cluster_the_search_answers_as_before(e, shape):
+    """Over a thousand single victims (more than four first chunks: the prefix sort runs), most tied on
+    priority, and the fallback's nodes chosen among a hundred."""
+    for priority in (1, 3):
+        pending = pod(shape, name=f"pending-{priority}", namespace="x", priority=priority)
+        if isinstance(e.place(pending), Placement):
+            e.forget(pending.uid)
+            continue
+        _same_answer(e, pending, Kind.PREEMPT, 20_000)
+        _same_answer(e, pending, Kind.PREEMPT, 50)

@@ -5,6 +5,8 @@ What runs, and what is real:
 - the control plane: a REAL kube-apiserver with embedded etcd (testenv/controlplane);
 - the admission webhook: ``gpufrac admission`` as a process, registered with the API server through
   the same two webhook configurations a cluster gets (failurePolicy Fail, scoped to GPU pods);
+- the Queue CRD (``queues.gpufrac.io``), read from the chart's ``crds/`` as ``helm install`` reads it, so
+  ``kubectl get queues`` works and the scheduler follows Queue objects as in a cluster (docs/queues.md);
 - the scheduler: ``gpufrac scheduler`` as a process, under its own service account
   (``gpufrac-system/gpufrac-scheduler``, a token from the TokenRequest API), so the webhook's rule
   "only the scheduler writes binder-owned keys" holds here exactly as in a cluster;
@@ -60,12 +62,13 @@ from lightkube.codecs import load_all_yaml
 from lightkube.models.authentication_v1 import TokenRequestSpec
 from lightkube.models.meta_v1 import ObjectMeta
 from lightkube.models.rbac_v1 import RoleRef, Subject
+from lightkube.resources.apiextensions_v1 import CustomResourceDefinition
 from lightkube.resources.core_v1 import Namespace, Node, ServiceAccount, ServiceAccountToken
 from lightkube.resources.rbac_authorization_v1 import ClusterRoleBinding as ClusterRoleBindingResource
 
 from gpufrac.contract import keys
 from gpufrac.kube.errors import Conflict, NotFound, api_errors
-from gpufrac.local.controlplane import ControlPlane
+from gpufrac.local.controlplane import REPO_ROOT, ControlPlane
 from gpufrac.local.kubelet import SimulatedKubelet
 from gpufrac.local.nriruntime import NriRuntime
 from gpufrac.local.realnode import RealNode
@@ -77,6 +80,10 @@ log = logging.getLogger(__name__)
 
 #: Where metrics and health endpoints listen: this machine only.
 LOOPBACK = "127.0.0.1"
+
+#: The Queue CRD where the chart has it (its ``crds/`` links to deploy/crds/): one manifest, installed by
+#: ``helm install`` in a cluster and by ``start`` here.
+QUEUE_CRD_FILE = REPO_ROOT / "deploy" / "helm" / "gpufrac" / "crds" / "gpufrac.io_queues.yaml"
 
 SYSTEM_NAMESPACE = "gpufrac-system"
 SCHEDULER_ACCOUNT = "gpufrac-scheduler"
@@ -262,6 +269,8 @@ class LocalCluster:
                 # Kubernetes only, with a real node whose GPUs nothing of ours manages yet.
                 await self._start_real_node()
                 return
+            self._progress("installing the Queue CRD")
+            await self._install_queue_crd()
             self._progress("starting the admission webhook")
             await self._start_admission()
             await self._create_node_lease_namespace()
@@ -382,6 +391,27 @@ class LocalCluster:
                     pass
             await asyncio.sleep(0.2)
         raise self._failed(process, f"not ready at {url} after {timeout_s:.0f}s")
+
+    async def _install_queue_crd(self, timeout_s: float = 30.0) -> None:
+        """Apply the chart's Queue CRD and wait until the API server serves it: the scheduler probes for
+        it once at start (then only every minute), so it must be Established before the scheduler starts."""
+        assert self.client is not None
+        (crd,) = load_all_yaml(QUEUE_CRD_FILE.read_text())
+        name = crd.metadata.name
+        with api_errors():
+            await self.client.apply(crd, field_manager="gpufrac-local", force=True)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with api_errors():
+                got = await self.client.get(CustomResourceDefinition, name)
+            conditions = (got.status.conditions or []) if got.status else []
+            if any(c.type == "Established" and c.status == "True" for c in conditions):
+                return
+            if time.monotonic() > deadline:
+                raise ClusterError(
+                    f"CRD {name} (from {QUEUE_CRD_FILE}) not Established after {timeout_s:.0f}s"
+                )
+            await asyncio.sleep(0.1)
 
     async def _create_node_lease_namespace(self) -> None:
         """Where the node agents renew their heartbeat Leases (the chart creates it in a cluster)."""

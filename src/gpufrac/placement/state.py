@@ -359,7 +359,8 @@ class PodTable:
     engine's per-pod records would be a Python loop over every placed pod per decision; keeping the
     holdings as arrays (kept on ``add``/``remove`` by the engine, O(1) each) turns a hypothesis into a
     few array sums. Per slot: node, priority, queue id, namespace id, host resources, total guaranteed
-    MiB, and per GPU slot the request, limit, compute ppm and number of charges it puts there.
+    MiB, how many GPUs it holds, and per GPU slot the request, limit, compute ppm and number of charges
+    it puts there.
     """
 
     NOTHING = 0
@@ -384,6 +385,7 @@ class PodTable:
         self.cpu = np.zeros(rows, dtype=np.int64)
         self.mem = np.zeros(rows, dtype=np.int64)
         self.mib = np.zeros(rows, dtype=np.int64)
+        self.gpus = np.zeros(rows, dtype=np.int64)
         # int32 per GPU slot: MiB and ppm of one pod fit, and it halves the table (100,000 pods: 13 MB).
         self.req = np.zeros((rows, cols), dtype=np.int32)
         self.lim = np.zeros((rows, cols), dtype=np.int32)
@@ -400,6 +402,7 @@ class PodTable:
             "cpu",
             "mem",
             "mib",
+            "gpus",
             "req",
             "lim",
             "ppm",
@@ -443,6 +446,7 @@ class PodTable:
         self.cpu[s] = allocation.cpu_milli
         self.mem[s] = allocation.memory_bytes
         self.mib[s] = sum(c.request_mib for c in allocation.charges)
+        self.gpus[s] = len({c.gpu for c in allocation.charges})
         for c in allocation.charges:
             self.req[s, c.gpu] += c.request_mib
             self.lim[s, c.gpu] += c.limit_mib
@@ -454,7 +458,7 @@ class PodTable:
         self.uid[s] = None
         self.live[s] = False
         self.node[s] = -1
-        self.cpu[s] = self.mem[s] = self.mib[s] = 0
+        self.cpu[s] = self.mem[s] = self.mib[s] = self.gpus[s] = 0
         self.req[s, :] = self.lim[s, :] = self.ppm[s, :] = self.on[s, :] = 0
         self._free.append(s)
 
