@@ -396,7 +396,14 @@ class LocalCluster:
         """Apply the chart's Queue CRD and wait until the API server serves it: the scheduler probes for
         it once at start (then only every minute), so it must be Established before the scheduler starts."""
         assert self.client is not None
-        (crd,) = load_all_yaml(QUEUE_CRD_FILE.read_text())
+        try:
+            manifest = QUEUE_CRD_FILE.read_text()
+        except OSError as error:
+            raise ClusterError(
+                f"the Queue CRD manifest {QUEUE_CRD_FILE} cannot be read ({error.strerror}): the embedded "
+                "cluster runs from a checkout of the gpufrac repository, which has it (make demo)"
+            ) from error
+        (crd,) = load_all_yaml(manifest)
         name = crd.metadata.name
         with api_errors():
             await self.client.apply(crd, field_manager="gpufrac-local", force=True)
