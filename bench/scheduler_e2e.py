@@ -56,7 +56,6 @@ from gpufrac.kube.stream import Selection
 from gpufrac.local.controlplane import ControlPlane
 from gpufrac.local.simnodes import NodeShape, create_sim_nodes
 from gpufrac.scheduler.booking_audit import audit
-from gpufrac.scheduler.pod_fields import HOSTNAME_LABEL, ZONE_LABEL
 
 TARGET_PODS_PER_S = 100.0
 ZONES = 8
@@ -76,12 +75,12 @@ def pod_rules(i: int, *, share: float, apps: int) -> tuple[dict[str, str], dict[
     labels = {"app": f"app-{app}"}
     selector = {"matchLabels": labels}
     if app % 2 == 0:
-        term = {"labelSelector": selector, "topologyKey": HOSTNAME_LABEL}
+        term = {"labelSelector": selector, "topologyKey": keys.HOSTNAME_LABEL}
         anti = {"requiredDuringSchedulingIgnoredDuringExecution": [term]}
         return labels, {"affinity": {"podAntiAffinity": anti}}
     spread = {
         "maxSkew": 1,
-        "topologyKey": ZONE_LABEL,
+        "topologyKey": keys.ZONE_LABEL,
         "whenUnsatisfiable": "DoNotSchedule",
         "labelSelector": selector,
     }
@@ -131,7 +130,7 @@ def pod_manifest(i: int, *, namespace: str, scheduler: str, rules_share: float =
 
 def rule_violations(*, pods: list[Pod], nodes: list[Node]) -> list[str]:
     """The pod rules of ``pod_rules`` that the bindings broke, in words (empty when all held)."""
-    zone_of = {n.metadata.name: (n.metadata.labels or {}).get(ZONE_LABEL) for n in nodes}
+    zone_of = {n.metadata.name: (n.metadata.labels or {}).get(keys.ZONE_LABEL) for n in nodes}
     zones = sorted({z for z in zone_of.values() if z})
     replicas: dict[str, list[Pod]] = {}
     for pod in pods:

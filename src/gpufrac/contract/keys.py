@@ -351,3 +351,9 @@ def annotation_key_problem(key: str) -> str | None:
             "and must start and end with an alphanumeric character"
         )
     return None
+
+
+#: Kubernetes' well-known topology labels (the kubelet sets the hostname, cloud providers the zone): the
+#: keys pod affinity and spread constraints usually name, and what simulated nodes carry.
+HOSTNAME_LABEL = "kubernetes.io/hostname"
+ZONE_LABEL = "topology.kubernetes.io/zone"

@@ -29,7 +29,6 @@ from gpufrac.kube.errors import Conflict, api_errors
 from gpufrac.node import labels as node_labels
 from gpufrac.node.inventory.simulated import MODEL_MIB, simulated_uuid
 from gpufrac.node.mps.mode import DriverVersion, capability_for
-from gpufrac.scheduler.pod_fields import HOSTNAME_LABEL, ZONE_LABEL
 
 #: Framebuffer MiB per model: the simulated node agent's table, so both describe the same GPUs.
 GPU_MODELS: dict[str, int] = MODEL_MIB
@@ -89,7 +88,7 @@ def sim_node(
     resources = {"cpu": shape.cpu, "memory": shape.memory, "pods": str(shape.pods)}
     node_labels_: dict[str, str] = {
         keys.MANAGED_LABEL: "true",
-        HOSTNAME_LABEL: name,
+        keys.HOSTNAME_LABEL: name,
         "kubernetes.io/os": "linux",
     }
     annotations: dict[str, str] = {}
@@ -177,7 +176,7 @@ async def create_sim_nodes(
     gate = asyncio.Semaphore(concurrency)
 
     async def create(index: int, name: str) -> None:
-        zone = {ZONE_LABEL: f"zone-{index % zones}"} if zones else {}
+        zone = {keys.ZONE_LABEL: f"zone-{index % zones}"} if zones else {}
         async with gate:
             node = sim_node(name=name, shape=shape, labels={**(labels or {}), **zone})
             try:

@@ -21,6 +21,7 @@ from typing import Any
 from lightkube.resources.core_v1 import PersistentVolume, PersistentVolumeClaim, Pod
 from lightkube.utils.quantity import parse_quantity
 
+from gpufrac.contract import keys
 from gpufrac.placement.model import NodeSelectorRequirement, NodeSelectorTerm, SelectorOperator
 from gpufrac.placement.pod_constraints import (
     HostPort,
@@ -37,9 +38,7 @@ from gpufrac.placement.pod_constraints import (
 #: Resources the engine models elsewhere (host fit, GPU contract) or that are not node resources.
 NATIVE_RESOURCES = frozenset({"cpu", "memory", "ephemeral-storage", "pods"})
 GPU_RESOURCE = "nvidia.com/gpu"
-#: Kubernetes' well-known topology labels (the kubelet sets the hostname; cloud providers the zone).
-HOSTNAME_LABEL = "kubernetes.io/hostname"
-ZONE_LABEL = "topology.kubernetes.io/zone"
+HOSTNAME_LABEL = keys.HOSTNAME_LABEL  # matchFields on metadata.name are read as this label
 
 
 class RefusedPod(ValueError):
