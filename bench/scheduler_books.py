@@ -40,8 +40,8 @@ from gpufrac.placement.model import ModePolicy
 from gpufrac.scheduler.booking_cache import BookingCache
 from gpufrac.scheduler.config import SchedulerConfig
 from gpufrac.scheduler.objects import NodeTopology, gpu_request, node_spec, pending_pod, topology_node_spec
-from gpufrac.scheduler.pod_fields import ZONE_LABEL
 from gpufrac.scheduler.placement_engine import build_engine
+from gpufrac.scheduler.pod_fields import ZONE_LABEL
 from scheduler_e2e import pod_manifest
 
 BATCH = 256
@@ -98,9 +98,13 @@ def main() -> None:
 def kubelet_node(i: int) -> bytes:
     """The JSON of a CPU node as a kubelet keeps it: labels, conditions, addresses, 50 images."""
     name = f"cpu-{i}"
-    condition = {"status": "False", "lastHeartbeatTime": "2026-12-01T20:00:00Z",
-                 "lastTransitionTime": "2026-12-01T19:00:00Z", "reason": "KubeletHasSufficientMemory",
-                 "message": "kubelet has sufficient memory available"}
+    condition = {
+        "status": "False",
+        "lastHeartbeatTime": "2026-12-01T20:00:00Z",
+        "lastTransitionTime": "2026-12-01T19:00:00Z",
+        "reason": "KubeletHasSufficientMemory",
+        "message": "kubelet has sufficient memory available",
+    }
     body = {
         "apiVersion": "v1",
         "kind": "Node",
@@ -116,7 +120,10 @@ def kubelet_node(i: int) -> bytes:
                 ZONE_LABEL: f"zone-{i % 3}",
                 "topology.kubernetes.io/region": "region-1",
             },
-            "annotations": {"node.alpha.kubernetes.io/ttl": "0", "volumes.kubernetes.io/controller-managed-attach-detach": "true"},
+            "annotations": {
+                "node.alpha.kubernetes.io/ttl": "0",
+                "volumes.kubernetes.io/controller-managed-attach-detach": "true",
+            },
         },
         "spec": {"podCIDR": f"10.{i // 256 % 256}.{i % 256}.0/24", "providerID": f"aws:///zone/i-{i:017x}"},
         "status": {
@@ -124,16 +131,32 @@ def kubelet_node(i: int) -> bytes:
             "allocatable": {"cpu": "15890m", "memory": "63000Mi", "pods": "110", "ephemeral-storage": "92Gi"},
             "conditions": [
                 {**condition, "type": t} for t in ("MemoryPressure", "DiskPressure", "PIDPressure")
-            ] + [{**condition, "type": "Ready", "status": "True", "reason": "KubeletReady"}],
-            "addresses": [{"type": "InternalIP", "address": f"10.0.{i // 256 % 256}.{i % 256}"},
-                          {"type": "Hostname", "address": name}],
-            "nodeInfo": {"machineID": "m" * 32, "systemUUID": "s" * 36, "bootID": "b" * 36,
-                         "kernelVersion": "6.8.0", "osImage": "Ubuntu 24.04", "containerRuntimeVersion": "containerd://2.1.0",
-                         "kubeletVersion": "v1.34.0", "kubeProxyVersion": "", "operatingSystem": "linux",
-                         "architecture": "amd64"},
+            ]
+            + [{**condition, "type": "Ready", "status": "True", "reason": "KubeletReady"}],
+            "addresses": [
+                {"type": "InternalIP", "address": f"10.0.{i // 256 % 256}.{i % 256}"},
+                {"type": "Hostname", "address": name},
+            ],
+            "nodeInfo": {
+                "machineID": "m" * 32,
+                "systemUUID": "s" * 36,
+                "bootID": "b" * 36,
+                "kernelVersion": "6.8.0",
+                "osImage": "Ubuntu 24.04",
+                "containerRuntimeVersion": "containerd://2.1.0",
+                "kubeletVersion": "v1.34.0",
+                "kubeProxyVersion": "",
+                "operatingSystem": "linux",
+                "architecture": "amd64",
+            },
             "images": [
-                {"names": [f"registry.example.com/team/image-{k}@sha256:{k:064x}", f"registry.example.com/team/image-{k}:v1.{k}"],
-                 "sizeBytes": 100_000_000 + k}
+                {
+                    "names": [
+                        f"registry.example.com/team/image-{k}@sha256:{k:064x}",
+                        f"registry.example.com/team/image-{k}:v1.{k}",
+                    ],
+                    "sizeBytes": 100_000_000 + k,
+                }
                 for k in range(50)
             ],
         },
@@ -159,15 +182,27 @@ def unmanaged(cache: BookingCache, count: int, per_node: int) -> None:
     full_mib, full = traced_mib(lambda: [decoders.decode_object(r, Node) for r in raw])
     del full
     narrow_mib, narrow = traced_mib(lambda: [msgspec.json.decode(r, type=NodeTopology) for r in raw])
-    del raw
+    raw.clear()
     pods = [
         Pod.from_dict(
             {
-                "metadata": {"name": f"cpu-pod-{i}", "namespace": "apps", "uid": f"cpu-uid-{i}",
-                             "labels": {"app": f"svc-{i % 300}", "tier": "backend"}},
-                "spec": {"nodeName": f"cpu-{i % count}", "schedulerName": "default-scheduler",
-                         "containers": [{"name": "app", "image": "busybox",
-                                         "resources": {"requests": {"cpu": "100m", "memory": "256Mi"}}}]},
+                "metadata": {
+                    "name": f"cpu-pod-{i}",
+                    "namespace": "apps",
+                    "uid": f"cpu-uid-{i}",
+                    "labels": {"app": f"svc-{i % 300}", "tier": "backend"},
+                },
+                "spec": {
+                    "nodeName": f"cpu-{i % count}",
+                    "schedulerName": "default-scheduler",
+                    "containers": [
+                        {
+                            "name": "app",
+                            "image": "busybox",
+                            "resources": {"requests": {"cpu": "100m", "memory": "256Mi"}},
+                        }
+                    ],
+                },
             }
         )
         for i in range(count * per_node)
@@ -188,6 +223,7 @@ def unmanaged(cache: BookingCache, count: int, per_node: int) -> None:
         f"counted in the engine: +{counted_mib:.1f} MiB, {cpu:.1f} s CPU (under tracemalloc); "
         f"RSS now {rss_mib():.0f} MiB"
     )
+
 
 if __name__ == "__main__":
     main()

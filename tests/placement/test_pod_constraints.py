@@ -11,7 +11,7 @@ from placement_builders import GIB, fraction, node, pod
 
 from gpufrac.placement.decision import Placement, Unschedulable
 from gpufrac.placement.engine import Engine
-from gpufrac.placement.model import NodeSelectorRequirement, NodeSpec, SelectorOperator
+from gpufrac.placement.model import NodeSelectorRequirement, NodeSpec, PendingPod, SelectorOperator
 from gpufrac.placement.pod_constraints import (
     HostPort,
     InclusionPolicy,
@@ -421,9 +421,11 @@ def test_counts_on_unmanaged_nodes_survive_the_cluster_growing_around_them() -> 
 def test_a_placed_pods_preferred_anti_affinity_pushes_a_new_pod_to_another_node() -> None:
     e = cluster(("a", "z1"), ("b", "z1"))
     term = PodAffinityTerm(HOST, app_selector(), frozenset({"ns"}))
-    loner = pod(fraction(0.1), labels={"role": "loner"}, constraints=PodConstraints(
-        preferred_anti_affinity=(WeightedTerm(100, term),)
-    ))
+    loner = pod(
+        fraction(0.1),
+        labels={"role": "loner"},
+        constraints=PodConstraints(preferred_anti_affinity=(WeightedTerm(100, term),)),
+    )
     placed = e.place(loner)
     assert isinstance(placed, Placement)
     for _ in range(2):  # binpack alone packs next to the loner; its preference keeps app=infer away
@@ -465,31 +467,60 @@ from gpufrac.placement.topology import PodBook  # noqa: E402
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     steps=st.lists(
-        st.tuples(st.sampled_from(("web", "db")), st.sampled_from((None, HOST, ZONE)), st.booleans()),
+        st.tuples(
+            st.sampled_from(("web", "db")),
+            st.sampled_from((None, HOST, ZONE)),
+            st.booleans(),
+            st.sampled_from((None, None, "u0", "u9")),  # placed on a managed node, or counted on one
+            st.booleans(),  # more unmanaged nodes arrive first (their slots' capacity doubles)
+        ),
         min_size=1,
         max_size=25,
     )
 )
 def test_counts_kept_while_placing_and_releasing_equal_counts_rebuilt_from_scratch(steps) -> None:
-    """Trackers are updated on every place and release; a book rebuilt from the pods placed at the end
-    must count the same, whatever the order (an update missed or doubled shows here)."""
+    """Trackers and held terms are updated on every place, release and count on an unmanaged node, and
+    moved when the layout grows; a book rebuilt from the pods held at the end must count the same,
+    whatever the order (an update missed, doubled or left at an old slot shows here)."""
     e = cluster(("a", "z1"), ("b", "z2"), ("c", "z1"), policy="spread")
-    placed = []
-    for app, anti_key, release in [("web", HOST, False), *steps]:  # at least one rule, so one tracker
+    unmanaged = [outside("u0", "z2")]
+    e.add_topology_node(unmanaged[0])
+    held: list[tuple[PendingPod, str | None]] = []
+    first = ("web", HOST, False, None, False)  # at least one rule, so one tracker
+    for app, anti_key, release, where, grow in [first, *steps]:
+        if grow:
+            for _ in range(8):
+                unmanaged.append(outside(f"u{len(unmanaged)}", "z3"))
+                e.add_topology_node(unmanaged[-1])
         term = PodAffinityTerm(anti_key or HOST, app_selector({"app": app}), frozenset({"ns"}))
-        rule = PodConstraints(required_anti_affinity=(term,)) if anti_key else PodConstraints()
+        rule = (
+            PodConstraints(required_anti_affinity=(term,), preferred_affinity=(WeightedTerm(3, term),))
+            if anti_key
+            else PodConstraints()
+        )
         p = pod(fraction(0.05), labels={"app": app}, constraints=rule)
-        if isinstance(e.place(p), Placement):
-            placed.append(p)
-        if release and placed:
-            e.forget(placed.pop(0).uid)
+        if where is not None and where in {n.name for n in unmanaged}:
+            e.add_topology_pod(p, where)
+            held.append((p, where))
+        elif where is None and isinstance(e.place(p), Placement):
+            held.append((p, None))
+        if release and held:
+            gone, on = held.pop(0)
+            assert e.remove_topology_pod(gone.uid) if on else e.forget(gone.uid)
     fresh = PodBook(e.state)
-    for p in placed:
-        fresh.add(p, e.state.index[e.placement_of(p.uid).node])
+    for spec in unmanaged:
+        fresh.set_outside_node(spec)
+    for p, on in held:
+        if on:
+            fresh.add_outside(p, on)
+        else:
+            fresh.add(p, e.state.index[e.placement_of(p.uid).node])  # type: ignore[union-attr]
     keys = list(e.book._trackers)
     assert keys, "no tracker was built; nothing was compared"
     for key in keys:
         assert (e.book._tracker(key) == fresh._tracker(key)).all(), key
-    for term, holders in e.book._anti.holders.items():
-        assert (holders[: e.state.rows] == fresh._anti.holders[term][: e.state.rows]).all()
-    assert set(e.book._anti.holders) == set(fresh._anti.holders)
+    fresh._sync_layout()
+    for mine, theirs in ((e.book._anti, fresh._anti), (e.book._scored, fresh._scored)):
+        assert set(mine.holders) == set(theirs.holders)
+        for key, holders in mine.holders.items():
+            assert (holders == theirs.holders[key]).all(), key

@@ -261,7 +261,9 @@ async def test_unmanaged_nodes_are_topology_domains_and_their_pods_count(
         # The guard goes: infer is placed at once (a pod leaving is a cluster change).
         await client.delete(Pod, "guard", namespace=pool.namespace, grace_period=0)
         await wait_for(
-            lambda: _bound_to(client, pool, "infer", managed), timeout=20, what="infer bound after the guard left"
+            lambda: _bound_to(client, pool, "infer", managed),
+            timeout=20,
+            what="infer bound after the guard left",
         )
 
 

@@ -14,7 +14,6 @@ import json
 import msgspec
 from lightkube.resources.core_v1 import Node, Pod
 
-from gpufrac.contract import keys
 from gpufrac.local.simnodes import NodeShape, sim_node
 from gpufrac.placement.decision import Placement, Unschedulable
 from gpufrac.placement.engine import Engine
@@ -41,7 +40,11 @@ def unmanaged(name: str) -> NodeTopology:
     body = {
         "apiVersion": "v1",
         "kind": "Node",
-        "metadata": {"name": name, "resourceVersion": "7", "labels": {HOSTNAME_LABEL: name, ZONE_LABEL: ZONE}},
+        "metadata": {
+            "name": name,
+            "resourceVersion": "7",
+            "labels": {HOSTNAME_LABEL: name, ZONE_LABEL: ZONE},
+        },
         "spec": {"taints": [{"key": "dedicated", "value": "cpu", "effect": "NoSchedule"}]},
         "status": {"images": [{"names": ["registry/image:tag"], "sizeBytes": 1}] * 50},
     }
@@ -61,7 +64,12 @@ def zone_apart(name: str) -> PendingPod:
     """A pending pod that may not share a zone with app=web."""
     pod = Pod.from_dict(
         {
-            "metadata": {"name": name, "namespace": "ns", "uid": f"uid-{name}", "annotations": {"gpu-fraction": "0.1"}},
+            "metadata": {
+                "name": name,
+                "namespace": "ns",
+                "uid": f"uid-{name}",
+                "annotations": {"gpu-fraction": "0.1"},
+            },
             "spec": {
                 "containers": [{"name": "c", "image": "busybox"}],
                 "affinity": {
@@ -101,7 +109,9 @@ def test_the_narrow_read_of_a_node_keeps_its_labels_and_taints_and_nothing_else(
     node = unmanaged("cpu-0")
     spec = topology_node_spec(node)
     assert spec.labels == {HOSTNAME_LABEL: "cpu-0", ZONE_LABEL: ZONE}
-    assert [(t.key, t.value, t.effect) for t in spec.taints] == [("dedicated", "cpu", TaintEffect.NO_SCHEDULE)]
+    assert [(t.key, t.value, t.effect) for t in spec.taints] == [
+        ("dedicated", "cpu", TaintEffect.NO_SCHEDULE)
+    ]
     assert not hasattr(node, "status")
     assert spec.gpus == () and spec.cpu_milli == 0
 

@@ -163,7 +163,9 @@ class _HeldTerms:
                 if key in hits:
                     self._hits[labels] = tuple(k for k in hits if k != key)
 
-    def selecting(self, pod: PendingPod, namespace_labels: Mapping[str, Mapping[str, str]]) -> tuple[Any, ...]:
+    def selecting(
+        self, pod: PendingPod, namespace_labels: Mapping[str, Mapping[str, str]]
+    ) -> tuple[Any, ...]:
         """The keys whose term selects ``pod``."""
         if not self.holders:
             return ()
