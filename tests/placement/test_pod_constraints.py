@@ -373,8 +373,8 @@ def test_the_required_anti_affinity_of_a_pod_on_an_unmanaged_node_repels_the_pod
     e.add_topology_pod(guard, "u")
     refused = e.place(pod(fraction(0.1), labels=APP))
     assert isinstance(refused, Unschedulable) and "existing pods anti-affinity" in refused.message
-    assert e.remove_topology_pod(guard.uid)
-    assert not e.remove_topology_pod(guard.uid)
+    assert e.remove_topology_pod(guard.uid) is True  # its anti-affinity goes: pods may fit now
+    assert e.remove_topology_pod(guard.uid) is None  # no longer counted
     assert isinstance(e.place(pod(fraction(0.1), labels=APP)), Placement)
 
 
@@ -386,6 +386,19 @@ def test_removing_an_unmanaged_node_stops_counting_its_pods() -> None:
     assert isinstance(e.place(pod(fraction(0.1), constraints=anti(ZONE))), Unschedulable)
     assert e.remove_topology_node("u") == [counted.uid]
     assert isinstance(e.place(pod(fraction(0.1), constraints=anti(ZONE))), Placement)
+
+
+def test_only_a_pod_some_anti_affinity_counts_is_worth_waking_waiting_pods_for_when_it_leaves() -> None:
+    # Pods on unmanaged nodes come and go often; the scheduler wakes its parked pods when one leaves
+    # only if that may let one in: a pod leaving never helps a required affinity or a spread there.
+    e = cluster(("a", "z1"))
+    e.add_topology_node(outside("u", "z1"))
+    plain, web = pod(labels={"app": "batch"}), pod(labels=APP)
+    e.add_topology_pod(plain, "u")
+    e.add_topology_pod(web, "u")
+    assert isinstance(e.place(pod(fraction(0.1), constraints=anti(ZONE))), Unschedulable)  # web counts
+    assert e.remove_topology_pod(plain.uid) is False
+    assert e.remove_topology_pod(web.uid) is True
 
 
 def test_a_node_is_either_placed_on_or_topology_only() -> None:
@@ -506,7 +519,7 @@ def test_counts_kept_while_placing_and_releasing_equal_counts_rebuilt_from_scrat
             held.append((p, None))
         if release and held:
             gone, on = held.pop(0)
-            assert e.remove_topology_pod(gone.uid) if on else e.forget(gone.uid)
+            assert e.remove_topology_pod(gone.uid) is not None if on else e.forget(gone.uid)
     fresh = PodBook(e.state)
     for spec in unmanaged:
         fresh.set_outside_node(spec)

@@ -235,8 +235,11 @@ class Engine:
             raise ValueError(f"pod {pod.key} ({pod.uid}) is placed on {self._bound[pod.uid].placement.node}")
         self.book.add_outside(pod, node)
 
-    def remove_topology_pod(self, uid: str) -> bool:
-        """Stop counting a pod of a topology-only node; False when it was not counted."""
+    def remove_topology_pod(self, uid: str) -> bool | None:
+        """Stop counting a pod of a topology-only node. None when it was not counted; else whether its
+        leaving may let a waiting pod in (it carried a required anti-affinity term, or a pod's
+        anti-affinity or preferred term counted it): a pod leaving an unmanaged node never helps a
+        required affinity or a spread constraint on the nodes pods are placed on."""
         return self.book.remove_outside(uid)
 
     def ledger(self, node: str) -> list[GpuLedger]:

@@ -257,17 +257,20 @@ class PodBook:
             self._out_pods.setdefault(~row, set()).add(pod.uid)
         self._count(entry, +1)
 
-    def remove(self, uid: str) -> None:
+    def remove(self, uid: str) -> bool:
+        """Forget a pod; True when its leaving may let another pod in: it carried a required
+        anti-affinity term, or a kept pod-term count (an anti-affinity or preferred term) counted it."""
         entry = self._entries.pop(uid, None)
-        if entry is not None:
-            for pair in entry.labels.items():
-                holders = self._by_label[pair]
-                holders.discard(uid)
-                if not holders:
-                    del self._by_label[pair]
-            if entry.row < 0:
-                self._out_pods[~entry.row].discard(uid)
-            self._count(entry, -1)
+        if entry is None:
+            return False
+        for pair in entry.labels.items():
+            holders = self._by_label[pair]
+            holders.discard(uid)
+            if not holders:
+                del self._by_label[pair]
+        if entry.row < 0:
+            self._out_pods[~entry.row].discard(uid)
+        return self._count(entry, -1)
 
     def nominate(self, pod: PendingPod, row: int | None) -> None:
         """Hold ``pod``'s resources on node slot ``row`` (None, an unknown node: hold nothing)."""
@@ -325,13 +328,13 @@ class PodBook:
             raise ValueError(f"pod {pod.key}: node {node} is not a known topology-only node")
         self._enter(pod, ~slot)
 
-    def remove_outside(self, uid: str) -> bool:
-        """Stop counting a pod on a topology-only node; False when none was counted."""
+    def remove_outside(self, uid: str) -> bool | None:
+        """Stop counting a pod on a topology-only node: None when it was not counted, else whether its
+        leaving may let another pod in (``remove``)."""
         entry = self._entries.get(uid)
         if entry is None or entry.row >= 0:
-            return False
-        self.remove(uid)
-        return True
+            return None
+        return self.remove(uid)
 
     def _slot(self, row: int) -> int:
         return row if row >= 0 else self.state.rows + ~row
@@ -368,7 +371,9 @@ class PodBook:
                 store[key] = moved(arr)
         self._layout = (rows, capacity)
 
-    def _count(self, entry: _Entry, delta: int) -> None:
+    def _count(self, entry: _Entry, delta: int) -> bool:
+        """Add ``delta`` of ``entry`` to every count; True when a required anti-affinity term of its own
+        or a per-term count (anti-affinity, preferred terms) is among them."""
         self._sync_layout()
         row = entry.row
         slot = self._slot(row)
@@ -376,16 +381,18 @@ class PodBook:
         candidates = set(self._buckets.get(None, ()))
         for pair in entry.labels.items():
             candidates.update(self._buckets.get(pair, ()))
+        termed = bool(entry.anti)
         for key in candidates:
             if self._tracker_matches(key, entry.namespace, entry.labels):
                 self._trackers[key][slot] += delta
+                termed = termed or key[0] == "term"  # type: ignore[index]
         for term in entry.anti:
             self._anti.count(term, slot, delta, span)
         for scored in entry.scored:
             self._scored.count(scored, slot, delta, span)
         extras = entry.extras
         if not extras:
-            return
+            return termed
         for port in extras.host_ports:
             by_row = self._ports.setdefault((port.protocol, port.port), {})
             ips = by_row.setdefault(row, Counter())
@@ -403,6 +410,7 @@ class PodBook:
         if extras.ephemeral_bytes:
             self._eph_used = self._grown(self._eph_used)
             self._eph_used[row] += delta * extras.ephemeral_bytes
+        return termed
 
     def _grown(self, arr: np.ndarray) -> np.ndarray:
         """``arr`` (indexed by the state's rows only) grown to the state's rows."""

@@ -268,7 +268,8 @@ class BookingCache:
         return self._release(uid)
 
     def remove(self, pod: Pod) -> bool:
-        """The pod is gone (deleted or finished). True when it held something."""
+        """The pod is gone (deleted or finished). True when it held something (for a pod of an unmanaged
+        node: when its leaving may let a waiting pod in)."""
         uid = pod.metadata.uid
         node = pod.spec.nodeName if pod.spec else None
         if node and node in self._waiting:
@@ -409,7 +410,10 @@ class BookingCache:
 
     def _release(self, uid: str) -> bool:
         self._deadlines.pop(uid, None)
-        counted = bool(self._topology) and self.engine.remove_topology_pod(uid)
+        # A pod counted on a topology-only node "held something" only if its leaving may let a waiting
+        # pod in (an anti-affinity it carried or was counted by): unmanaged nodes' pods come and go
+        # often, and each release wakes every parked pod.
+        counted = bool(self._topology) and bool(self.engine.remove_topology_pod(uid))
         if self._parked.pop(uid, None) is not None:
             return True
         booking = self._bookings.pop(uid, None)

@@ -44,8 +44,9 @@ class PlacementEngine(Protocol):
     def add_topology_pod(self, pod: PendingPod, node: str) -> None:
         """Count a pod bound to a topology-only node for other pods' affinity and spread rules."""
 
-    def remove_topology_pod(self, uid: str) -> bool:
-        """Stop counting a pod of a topology-only node; False when it was not counted."""
+    def remove_topology_pod(self, uid: str) -> bool | None:
+        """Stop counting a pod of a topology-only node: None when it was not counted, else whether its
+        leaving may let a waiting pod in."""
 
     def schedule(
         self, pods: Sequence[PendingPod], *, gang: bool = False, min_member: int | None = None
