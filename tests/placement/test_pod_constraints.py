@@ -390,15 +390,27 @@ def test_removing_an_unmanaged_node_stops_counting_its_pods() -> None:
 
 def test_only_a_pod_some_anti_affinity_counts_is_worth_waking_waiting_pods_for_when_it_leaves() -> None:
     # Pods on unmanaged nodes come and go often; the scheduler wakes its parked pods when one leaves
-    # only if that may let one in: a pod leaving never helps a required affinity or a spread there.
+    # only if that may let one in: one that only a required affinity counted never does.
     e = cluster(("a", "z1"))
     e.add_topology_node(outside("u", "z1"))
-    plain, web = pod(labels={"app": "batch"}), pod(labels=APP)
-    e.add_topology_pod(plain, "u")
-    e.add_topology_pod(web, "u")
+    plain, web, db = pod(labels={"app": "batch"}), pod(labels=APP), pod(labels={"app": "db"})
+    for p in (plain, web, db):
+        e.add_topology_pod(p, "u")
     assert isinstance(e.place(pod(fraction(0.1), constraints=anti(ZONE))), Unschedulable)  # web counts
+    with_db = PodAffinityTerm(ZONE, app_selector({"app": "db"}), frozenset({"ns"}))
+    assert isinstance(
+        e.place(pod(fraction(0.1), constraints=PodConstraints(required_affinity=(with_db,)))), Placement
+    )
+    cache = pod(labels={"app": "cache"})
+    e.add_topology_pod(cache, "u")
+    spread_cache = PodConstraints(
+        spread=(SpreadConstraint(1, ZONE, WhenUnsatisfiable.DO_NOT_SCHEDULE, app_selector({"app": "cache"})),)
+    )
+    e.place(pod(fraction(0.1), labels={"app": "cache"}, constraints=spread_cache))
     assert e.remove_topology_pod(plain.uid) is False
+    assert e.remove_topology_pod(db.uid) is False  # only a required affinity counted it
     assert e.remove_topology_pod(web.uid) is True
+    assert e.remove_topology_pod(cache.uid) is True  # z1, a's zone too, holds one cache pod fewer
 
 
 def test_a_node_is_either_placed_on_or_topology_only() -> None:

@@ -238,8 +238,8 @@ class Engine:
     def remove_topology_pod(self, uid: str) -> bool | None:
         """Stop counting a pod of a topology-only node. None when it was not counted; else whether its
         leaving may let a waiting pod in (it carried a required anti-affinity term, or a pod's
-        anti-affinity or preferred term counted it): a pod leaving an unmanaged node never helps a
-        required affinity or a spread constraint on the nodes pods are placed on."""
+        anti-affinity term, preferred term or spread constraint counted it; fewer pods never satisfy a
+        required affinity)."""
         return self.book.remove_outside(uid)
 
     def ledger(self, node: str) -> list[GpuLedger]:

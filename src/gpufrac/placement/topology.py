@@ -259,7 +259,8 @@ class PodBook:
 
     def remove(self, uid: str) -> bool:
         """Forget a pod; True when its leaving may let another pod in: it carried a required
-        anti-affinity term, or a kept pod-term count (an anti-affinity or preferred term) counted it."""
+        anti-affinity term, or an anti-affinity, preferred term or spread count counted it (fewer pods
+        never satisfy a required affinity)."""
         entry = self._entries.pop(uid, None)
         if entry is None:
             return False
@@ -373,7 +374,7 @@ class PodBook:
 
     def _count(self, entry: _Entry, delta: int) -> bool:
         """Add ``delta`` of ``entry`` to every count; True when a required anti-affinity term of its own
-        or a per-term count (anti-affinity, preferred terms) is among them."""
+        or a count other than a required affinity's is among them."""
         self._sync_layout()
         row = entry.row
         slot = self._slot(row)
@@ -385,7 +386,7 @@ class PodBook:
         for key in candidates:
             if self._tracker_matches(key, entry.namespace, entry.labels):
                 self._trackers[key][slot] += delta
-                termed = termed or key[0] == "term"  # type: ignore[index]
+                termed = termed or key[0] != "all"  # type: ignore[index]
         for term in entry.anti:
             self._anti.count(term, slot, delta, span)
         for scored in entry.scored:

@@ -411,8 +411,8 @@ class BookingCache:
     def _release(self, uid: str) -> bool:
         self._deadlines.pop(uid, None)
         # A pod counted on a topology-only node "held something" only if its leaving may let a waiting
-        # pod in (an anti-affinity it carried or was counted by): unmanaged nodes' pods come and go
-        # often, and each release wakes every parked pod.
+        # pod in (an anti-affinity it carried, or a rule that counted it other than a required
+        # affinity): unmanaged nodes' pods come and go often, and each release wakes every parked pod.
         counted = bool(self._topology) and bool(self.engine.remove_topology_pod(uid))
         if self._parked.pop(uid, None) is not None:
             return True
