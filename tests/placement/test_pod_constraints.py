@@ -388,16 +388,20 @@ def test_removing_an_unmanaged_node_stops_counting_its_pods() -> None:
     assert isinstance(e.place(pod(fraction(0.1), constraints=anti(ZONE))), Placement)
 
 
-def test_only_a_pod_some_anti_affinity_counts_is_worth_waking_waiting_pods_for_when_it_leaves() -> None:
-    # Pods on unmanaged nodes come and go often; the scheduler wakes its parked pods when one leaves
-    # only if that may let one in: one that only a required affinity counted never does.
+def test_a_pod_on_an_unmanaged_node_wakes_waiting_pods_only_when_its_coming_or_going_may_help() -> None:
+    # Pods on unmanaged nodes come and go often; the scheduler wakes its parked pods only when one's
+    # arrival (a required affinity or a spread counts it) or leaving (an anti-affinity or a spread
+    # counts it) may let one in.
     e = cluster(("a", "z1"))
     e.add_topology_node(outside("u", "z1"))
     plain, web, db = pod(labels={"app": "batch"}), pod(labels=APP), pod(labels={"app": "db"})
-    for p in (plain, web, db):
-        e.add_topology_pod(p, "u")
+    for p in (plain, web):
+        assert e.add_topology_pod(p, "u") is False  # no rule counts them yet
     assert isinstance(e.place(pod(fraction(0.1), constraints=anti(ZONE))), Unschedulable)  # web counts
     with_db = PodAffinityTerm(ZONE, app_selector({"app": "db"}), frozenset({"ns"}))
+    needs_db = pod(fraction(0.1), constraints=PodConstraints(required_affinity=(with_db,)))
+    assert isinstance(e.place(needs_db), Unschedulable)  # no db pod anywhere
+    assert e.add_topology_pod(db, "u") is True  # its arrival may let needs_db in
     assert isinstance(
         e.place(pod(fraction(0.1), constraints=PodConstraints(required_affinity=(with_db,)))), Placement
     )

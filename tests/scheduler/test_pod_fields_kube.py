@@ -218,7 +218,7 @@ async def test_unmanaged_nodes_are_topology_domains_and_their_pods_count(
     )
     zone = (await client.get(Node, managed)).metadata.labels[ZONE_LABEL]
     same_zone = await create_unmanaged_node(client, pool, f"{pool.id}-cpu-0", zone=zone)
-    await create_unmanaged_node(client, pool, f"{pool.id}-cpu-1", zone="elsewhere")
+    elsewhere = await create_unmanaged_node(client, pool, f"{pool.id}-cpu-1", zone="elsewhere")
     guard = Pod.from_dict(
         {
             "metadata": {"name": "guard", "namespace": pool.namespace, "labels": {"app": "guard"}},
@@ -258,12 +258,25 @@ async def test_unmanaged_nodes_are_topology_domains_and_their_pods_count(
         assert len(webs) == 1
         waiting = "web-1" if webs == ["web-0"] else "web-0"
         assert "topology spread constraints" in await reported(client, pool, waiting)
-        # The guard goes: infer is placed at once (a pod leaving is a cluster change).
+        # The guard goes: infer is placed at once (its anti-affinity no longer holds anyone off). The
+        # parked pods are retried on their own only every unschedulable_resync_s (60 s): well after
+        # these waits.
         await client.delete(Pod, "guard", namespace=pool.namespace, grace_period=0)
         await wait_for(
             lambda: _bound_to(client, pool, "infer", managed),
             timeout=20,
             what="infer bound after the guard left",
+        )
+        # A web pod arrives in zone elsewhere (bound there by another scheduler): the minimum is 1, and
+        # the waiting web pod is placed at once.
+        other = with_spec(
+            gpu_pod(pool, "web-elsewhere", labels={"app": "web"}), nodeName=elsewhere, schedulerName=None
+        )
+        await client.create(other)
+        await wait_for(
+            lambda: _bound_to(client, pool, waiting, managed),
+            timeout=20,
+            what=f"{waiting} bound after a web pod arrived in the other zone",
         )
 
 

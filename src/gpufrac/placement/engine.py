@@ -228,12 +228,14 @@ class Engine:
         """Drop a topology-only node and the pods counted on it; returns those pods' uids."""
         return self.book.remove_outside_node(name)
 
-    def add_topology_pod(self, pod: PendingPod, node: str) -> None:
+    def add_topology_pod(self, pod: PendingPod, node: str) -> bool:
         """Count ``pod``, bound to topology-only node ``node``, for other pods' affinity and spread rules
-        (its labels, namespace and terms; it holds no resources here). Replaces an earlier count."""
+        (its labels, namespace and terms; it holds no resources here). Replaces an earlier count.
+        Returns whether its arrival may let a waiting pod in (a required affinity or a spread
+        constraint counted it)."""
         if pod.uid in self._bound:
             raise ValueError(f"pod {pod.key} ({pod.uid}) is placed on {self._bound[pod.uid].placement.node}")
-        self.book.add_outside(pod, node)
+        return self.book.add_outside(pod, node)
 
     def remove_topology_pod(self, uid: str) -> bool | None:
         """Stop counting a pod of a topology-only node. None when it was not counted; else whether its

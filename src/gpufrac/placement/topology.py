@@ -88,6 +88,11 @@ HARD_POD_AFFINITY_WEIGHT = 1
 _MAX_TRACKERS = 1024
 _MAX_MATCH_CACHE = 8192
 _OUTSIDE_MIN_CAPACITY = 8
+#: What counted a pod (``_count``: tracker kinds, and "anti" for a required anti-affinity of its own)
+#: when its leaving, or its arrival, may let a waiting pod in: fewer pods can lift an anti-affinity or
+#: lower a spread domain's count; more pods can satisfy a required affinity or raise a spread minimum.
+_HELPS_WHEN_LEAVING = frozenset({"anti", "term", "spread"})
+_HELPS_WHEN_ARRIVING = frozenset({"all", "spread"})
 
 #: A term a placed pod carries that scores other pods: the term and its signed weight.
 ScoredTerm = tuple[PodAffinityTerm, int]
@@ -237,7 +242,7 @@ class PodBook:
         """``pod`` is placed (or bound) on node slot ``row`` of the state."""
         self._enter(pod, row)
 
-    def _enter(self, pod: PendingPod, row: int) -> None:
+    def _enter(self, pod: PendingPod, row: int) -> bool:
         if pod.uid in self._entries:
             self.remove(pod.uid)
         self._holds.pop(pod.uid, None)
@@ -255,12 +260,10 @@ class PodBook:
             self._by_label.setdefault(pair, set()).add(pod.uid)
         if row < 0:
             self._out_pods.setdefault(~row, set()).add(pod.uid)
-        self._count(entry, +1)
+        return bool(self._count(entry, +1) & _HELPS_WHEN_ARRIVING)
 
     def remove(self, uid: str) -> bool:
-        """Forget a pod; True when its leaving may let another pod in: it carried a required
-        anti-affinity term, or an anti-affinity, preferred term or spread count counted it (fewer pods
-        never satisfy a required affinity)."""
+        """Forget a pod; True when its leaving may let another pod in (``_HELPS_WHEN_LEAVING``)."""
         entry = self._entries.pop(uid, None)
         if entry is None:
             return False
@@ -271,7 +274,7 @@ class PodBook:
                 del self._by_label[pair]
         if entry.row < 0:
             self._out_pods[~entry.row].discard(uid)
-        return self._count(entry, -1)
+        return bool(self._count(entry, -1) & _HELPS_WHEN_LEAVING)
 
     def nominate(self, pod: PendingPod, row: int | None) -> None:
         """Hold ``pod``'s resources on node slot ``row`` (None, an unknown node: hold nothing)."""
@@ -322,12 +325,13 @@ class PodBook:
         self._out_epoch += 1
         return uids
 
-    def add_outside(self, pod: PendingPod, node: str) -> None:
-        """Count ``pod``, bound to topology-only node ``node``, for other pods' rules."""
+    def add_outside(self, pod: PendingPod, node: str) -> bool:
+        """Count ``pod``, bound to topology-only node ``node``, for other pods' rules; True when its
+        arrival may let a waiting pod in (``_HELPS_WHEN_ARRIVING``)."""
         slot = self._out_index.get(node)
         if slot is None:
             raise ValueError(f"pod {pod.key}: node {node} is not a known topology-only node")
-        self._enter(pod, ~slot)
+        return self._enter(pod, ~slot)
 
     def remove_outside(self, uid: str) -> bool | None:
         """Stop counting a pod on a topology-only node: None when it was not counted, else whether its
@@ -372,9 +376,9 @@ class PodBook:
                 store[key] = moved(arr)
         self._layout = (rows, capacity)
 
-    def _count(self, entry: _Entry, delta: int) -> bool:
-        """Add ``delta`` of ``entry`` to every count; True when a required anti-affinity term of its own
-        or a count other than a required affinity's is among them."""
+    def _count(self, entry: _Entry, delta: int) -> set[str]:
+        """Add ``delta`` of ``entry`` to every count; returns what counted it: the kinds of the trackers
+        that did, and "anti" when it carries a required anti-affinity term."""
         self._sync_layout()
         row = entry.row
         slot = self._slot(row)
@@ -382,18 +386,18 @@ class PodBook:
         candidates = set(self._buckets.get(None, ()))
         for pair in entry.labels.items():
             candidates.update(self._buckets.get(pair, ()))
-        termed = bool(entry.anti)
+        kinds = {"anti"} if entry.anti else set()
         for key in candidates:
             if self._tracker_matches(key, entry.namespace, entry.labels):
                 self._trackers[key][slot] += delta
-                termed = termed or key[0] != "all"  # type: ignore[index]
+                kinds.add(key[0])  # type: ignore[index]
         for term in entry.anti:
             self._anti.count(term, slot, delta, span)
         for scored in entry.scored:
             self._scored.count(scored, slot, delta, span)
         extras = entry.extras
         if not extras:
-            return termed
+            return kinds
         for port in extras.host_ports:
             by_row = self._ports.setdefault((port.protocol, port.port), {})
             ips = by_row.setdefault(row, Counter())
@@ -411,7 +415,7 @@ class PodBook:
         if extras.ephemeral_bytes:
             self._eph_used = self._grown(self._eph_used)
             self._eph_used[row] += delta * extras.ephemeral_bytes
-        return termed
+        return kinds
 
     def _grown(self, arr: np.ndarray) -> np.ndarray:
         """``arr`` (indexed by the state's rows only) grown to the state's rows."""

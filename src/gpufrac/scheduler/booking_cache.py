@@ -237,15 +237,17 @@ class BookingCache:
 
     # -- what the informers show --------------------------------------------------------------------------
 
-    def confirm(self, pod: Pod) -> None:
-        """The API shows ``pod`` bound to ``pod.spec.nodeName`` (ours, or another scheduler's)."""
+    def confirm(self, pod: Pod) -> bool:
+        """The API shows ``pod`` bound to ``pod.spec.nodeName`` (ours, or another scheduler's). True when
+        the pod, newly counted on an unmanaged node, may let a waiting pod in (a required affinity or a
+        spread constraint counts it)."""
         uid, node = pod.metadata.uid, pod.spec.nodeName
         booking = self.booking(uid)
         if booking is not None:
             if booking.node == node:
                 booking.pod, booking.state, booking.deadline = pod, BookingState.CONFIRMED, None
                 self._deadlines.pop(uid, None)
-                return
+                return False
             self._release(uid)
         # A pod's nodeName never changes once set, so it waits under that node alone (looking through
         # every node's waiting pods cost a pass over all unmanaged nodes per pod event).
@@ -258,9 +260,10 @@ class BookingCache:
             if node in self._topology and (
                 previous is None or previous.metadata.labels != pod.metadata.labels
             ):
-                self._count(pod, node)
-            return
+                return self._count(pod, node)
+            return False
         self._book_bound(pod)
+        return False
 
     def release(self, uid: str) -> bool:
         """Drop a pod's booking whatever its state (a preemption victim's room handed to its preemptor).
@@ -356,9 +359,10 @@ class BookingCache:
         self._on_node.setdefault(written.node, set()).add(pending.uid)
         return written
 
-    def _count(self, pod: Pod, node: str) -> None:
-        """Count a pod bound to topology-only ``node`` for other pods' rules."""
-        self.engine.add_topology_pod(self._bound_pending(pod, PodGpuRequest()), node)
+    def _count(self, pod: Pod, node: str) -> bool:
+        """Count a pod bound to topology-only ``node`` for other pods' rules (True: it may let a waiting
+        pod in)."""
+        return self.engine.add_topology_pod(self._bound_pending(pod, PodGpuRequest()), node)
 
     def _bound_pending(self, pod: Pod, gpu: PodGpuRequest) -> PendingPod:
         """The engine's view of a bound pod: what it takes and the rules it carries, or, when a field

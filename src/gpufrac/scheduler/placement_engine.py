@@ -41,8 +41,9 @@ class PlacementEngine(Protocol):
     def remove_topology_node(self, name: str) -> list[str]:
         """Drop a topology-only node and the pods counted on it; returns those pods."""
 
-    def add_topology_pod(self, pod: PendingPod, node: str) -> None:
-        """Count a pod bound to a topology-only node for other pods' affinity and spread rules."""
+    def add_topology_pod(self, pod: PendingPod, node: str) -> bool:
+        """Count a pod bound to a topology-only node for other pods' affinity and spread rules; returns
+        whether its arrival may let a waiting pod in."""
 
     def remove_topology_pod(self, uid: str) -> bool | None:
         """Stop counting a pod of a topology-only node: None when it was not counted, else whether its

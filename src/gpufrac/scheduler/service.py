@@ -751,7 +751,8 @@ class SchedulerService:
     def _pod_changed(self, old: Pod | None, pod: Pod) -> None:
         if pod.spec and pod.spec.nodeName:
             self.queue.remove(pod.metadata.uid)
-            self.cache.confirm(pod)
+            if self.cache.confirm(pod):
+                self.queue.cluster_changed()
             return
         uid = pod.metadata.uid
         if pod.metadata.deletionTimestamp is not None:
@@ -799,8 +800,10 @@ class SchedulerService:
         self.queue.cluster_changed()
 
     def _foreign_changed(self, old: Pod | None, pod: Pod) -> None:
-        if pod.spec and pod.spec.nodeName:
-            self.cache.confirm(pod)
+        # A pod counted on an unmanaged node that a waiting pod's affinity or spread counts wakes the
+        # parked pods (kube-scheduler's queueing hints do as much).
+        if pod.spec and pod.spec.nodeName and self.cache.confirm(pod):
+            self.queue.cluster_changed()
 
     def _pod_deleted(self, pod: Pod) -> None:
         uid = pod.metadata.uid
