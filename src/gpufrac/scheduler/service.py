@@ -222,7 +222,7 @@ class SchedulerService:
         self.nodes.add_handler(Handler(changed=self._node_changed, deleted=self._node_deleted))
         # Every node, read narrowly (labels and taints): the unmanaged ones are topology domains for
         # affinity and spread, as kube-scheduler counts them; the pods bound to them come through the pod
-        # informers above, which select by node name for no node.
+        # informers above, which do not select by node.
         self.topology_nodes: Informer[NodeTopology] = Informer(
             client=client, resource=NodeTopology, name="topology-nodes"
         )
