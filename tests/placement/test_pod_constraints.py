@@ -6,11 +6,12 @@ spread constraints that were ignored, a batch whose pods must keep the rules bet
 
 from __future__ import annotations
 
+import pytest
 from placement_builders import GIB, fraction, node, pod
 
 from gpufrac.placement.decision import Placement, Unschedulable
 from gpufrac.placement.engine import Engine
-from gpufrac.placement.model import NodeSelectorRequirement, SelectorOperator
+from gpufrac.placement.model import NodeSelectorRequirement, NodeSpec, PendingPod, SelectorOperator
 from gpufrac.placement.pod_constraints import (
     HostPort,
     InclusionPolicy,
@@ -315,6 +316,175 @@ def test_gang_rollback_releases_the_book_too() -> None:
     assert isinstance(e.place(pod(fraction(0.1), labels=APP, constraints=anti())), Placement)
 
 
+# -- nodes nothing is placed on (the scheduler's unmanaged nodes) ---------------------------------------
+
+
+def outside(name: str, zone: str, **kw: object) -> NodeSpec:
+    """A node the engine knows as a topology domain only: labels and taints, no resources."""
+    return NodeSpec(name=name, cpu_milli=0, memory_bytes=0, labels={HOST: name, ZONE: zone}, **kw)  # type: ignore[arg-type]
+
+
+def test_an_unmanaged_zone_without_matching_pods_holds_the_spread_minimum_and_refuses_the_pod() -> None:
+    # kube-scheduler counts zone z2 (an unmanaged node) as a domain with 0 pods: a second pod in z1
+    # would make the skew 2.
+    e = cluster(("a", "z1"), ("b", "z1"))
+    e.add_topology_node(outside("u", "z2"))
+    first = e.place(pod(fraction(0.1), labels=APP, constraints=spread(key=ZONE)))
+    assert isinstance(first, Placement)
+    refused = e.place(pod(fraction(0.1), labels=APP, constraints=spread(key=ZONE)))
+    assert isinstance(refused, Unschedulable)
+    assert refused.message == (
+        "0/2 nodes are available: 2 node(s) didn't match pod topology spread constraints."
+    )
+    # A matching pod bound there (by another scheduler) lifts the minimum to 1.
+    e.add_topology_pod(pod(labels=APP), "u")
+    assert isinstance(e.place(pod(fraction(0.1), labels=APP, constraints=spread(key=ZONE))), Placement)
+
+
+def test_an_unmanaged_node_whose_taint_the_pod_does_not_tolerate_is_no_domain_under_honor() -> None:
+    from gpufrac.placement.model import Taint, TaintEffect
+
+    e = cluster(("a", "z1"))
+    e.add_topology_node(outside("u", "z2", taints=(Taint("dedicated", "x", TaintEffect.NO_SCHEDULE),)))
+    honour = spread(key=ZONE, node_taints_policy=InclusionPolicy.HONOR)
+    for _ in range(2):  # z2 is no domain for a pod that does not tolerate its taint
+        assert isinstance(e.place(pod(fraction(0.1), labels=APP, constraints=honour)), Placement)
+    assert isinstance(e.place(pod(fraction(0.1), labels=APP, constraints=spread(key=ZONE))), Unschedulable)
+
+
+def test_a_pod_on_an_unmanaged_node_in_the_same_zone_blocks_a_zone_anti_affine_pod() -> None:
+    e = cluster(("a", "z1"), ("b", "z2"))
+    e.add_topology_node(outside("u", "z1"))
+    e.add_topology_pod(pod(labels=APP), "u")
+    for _ in range(2):  # binpack would pack both onto one node; z1 is taken by the pod on u
+        decision = e.place(pod(fraction(0.1), labels={"app": "other"}, constraints=anti(ZONE)))
+        assert isinstance(decision, Placement) and decision.node == "b"
+    alone = cluster(("a", "z1"))
+    alone.add_topology_node(outside("u", "z1"))
+    alone.add_topology_pod(pod(labels=APP), "u")
+    refused = alone.place(pod(fraction(0.1), labels={"app": "other"}, constraints=anti(ZONE)))
+    assert isinstance(refused, Unschedulable) and "pod anti-affinity rules" in refused.message
+
+
+def test_the_required_anti_affinity_of_a_pod_on_an_unmanaged_node_repels_the_pods_it_selects() -> None:
+    e = cluster(("a", "z1"))
+    e.add_topology_node(outside("u", "z1"))
+    guard = pod(labels={"role": "guard"}, constraints=anti(ZONE))
+    e.add_topology_pod(guard, "u")
+    refused = e.place(pod(fraction(0.1), labels=APP))
+    assert isinstance(refused, Unschedulable) and "existing pods anti-affinity" in refused.message
+    assert e.remove_topology_pod(guard.uid) is True  # its anti-affinity goes: pods may fit now
+    assert e.remove_topology_pod(guard.uid) is None  # no longer counted
+    assert isinstance(e.place(pod(fraction(0.1), labels=APP)), Placement)
+
+
+def test_removing_an_unmanaged_node_stops_counting_its_pods() -> None:
+    e = cluster(("a", "z1"))
+    e.add_topology_node(outside("u", "z1"))
+    counted = pod(labels=APP)
+    e.add_topology_pod(counted, "u")
+    assert isinstance(e.place(pod(fraction(0.1), constraints=anti(ZONE))), Unschedulable)
+    assert e.remove_topology_node("u") == [counted.uid]
+    assert isinstance(e.place(pod(fraction(0.1), constraints=anti(ZONE))), Placement)
+
+
+def test_a_pod_on_an_unmanaged_node_wakes_waiting_pods_only_when_its_coming_or_going_may_help() -> None:
+    # Pods on unmanaged nodes come and go often; the scheduler wakes its parked pods only when one's
+    # arrival (a required affinity or a spread counts it) or leaving (an anti-affinity or a spread
+    # counts it) may let one in.
+    e = cluster(("a", "z1"))
+    e.add_topology_node(outside("u", "z1"))
+    plain, web, db = pod(labels={"app": "batch"}), pod(labels=APP), pod(labels={"app": "db"})
+    for p in (plain, web):
+        assert e.add_topology_pod(p, "u") is False  # no rule counts them yet
+    assert isinstance(e.place(pod(fraction(0.1), constraints=anti(ZONE))), Unschedulable)  # web counts
+    with_db = PodAffinityTerm(ZONE, app_selector({"app": "db"}), frozenset({"ns"}))
+    needs_db = pod(fraction(0.1), constraints=PodConstraints(required_affinity=(with_db,)))
+    assert isinstance(e.place(needs_db), Unschedulable)  # no db pod anywhere
+    assert e.add_topology_pod(db, "u") is True  # its arrival may let needs_db in
+    assert isinstance(
+        e.place(pod(fraction(0.1), constraints=PodConstraints(required_affinity=(with_db,)))), Placement
+    )
+    cache = pod(labels={"app": "cache"})
+    e.add_topology_pod(cache, "u")
+    spread_cache = PodConstraints(
+        spread=(SpreadConstraint(1, ZONE, WhenUnsatisfiable.DO_NOT_SCHEDULE, app_selector({"app": "cache"})),)
+    )
+    e.place(pod(fraction(0.1), labels={"app": "cache"}, constraints=spread_cache))
+    assert e.remove_topology_pod(plain.uid) is False
+    assert e.remove_topology_pod(db.uid) is False  # only a required affinity counted it
+    assert e.remove_topology_pod(web.uid) is True
+    assert e.remove_topology_pod(cache.uid) is True  # z1, a's zone too, holds one cache pod fewer
+
+
+def test_a_node_is_either_placed_on_or_topology_only() -> None:
+    e = cluster(("a", "z1"))
+    with pytest.raises(ValueError, match="node a is a node pods are placed on"):
+        e.add_topology_node(outside("a", "z1"))
+    e.add_topology_node(outside("u", "z1"))
+    with pytest.raises(ValueError, match="node u is a topology-only node"):
+        e.add_node(node("u"))
+    with pytest.raises(ValueError, match="node v is not a known topology-only node"):
+        e.add_topology_pod(pod(labels=APP), "v")
+
+
+def test_counts_on_unmanaged_nodes_survive_the_cluster_growing_around_them() -> None:
+    # The state doubles its node slots (64 -> 128) and the topology-only slots double too (8 -> 16):
+    # every count is moved to the new layout, so the pods on u still count.
+    e = Engine(policy="binpack")
+    e.add_topology_node(outside("u", "z9"))
+    e.add_topology_pod(pod(labels=APP), "u")
+    assert isinstance(e.place(pod(fraction(0.1), constraints=anti(ZONE))), Unschedulable)  # no node yet
+    for i in range(70):
+        e.add_node(node(f"n{i}", labels={HOST: f"n{i}", ZONE: "z9" if i < 69 else "z1"}))
+    for i in range(10):
+        e.add_topology_node(outside(f"v{i}", "z8"))
+    decision = e.place(pod(fraction(0.1), constraints=anti(ZONE)))
+    assert isinstance(decision, Placement) and decision.node == "n69"
+    assert isinstance(e.place(pod(fraction(0.1), constraints=anti(ZONE))), Placement)  # n69 again (z1)
+
+
+# -- placed pods' terms, scored back ---------------------------------------------------------------------
+
+
+def test_a_placed_pods_preferred_anti_affinity_pushes_a_new_pod_to_another_node() -> None:
+    e = cluster(("a", "z1"), ("b", "z1"))
+    term = PodAffinityTerm(HOST, app_selector(), frozenset({"ns"}))
+    loner = pod(
+        fraction(0.1),
+        labels={"role": "loner"},
+        constraints=PodConstraints(preferred_anti_affinity=(WeightedTerm(100, term),)),
+    )
+    placed = e.place(loner)
+    assert isinstance(placed, Placement)
+    for _ in range(2):  # binpack alone packs next to the loner; its preference keeps app=infer away
+        newcomer = e.place(pod(fraction(0.1), labels=APP))
+        assert isinstance(newcomer, Placement) and newcomer.node != placed.node
+
+
+def test_a_placed_pods_preferred_and_required_affinity_pull_a_new_pod_to_its_domain() -> None:
+    # spread would put the newcomer on the emptier zone; the placed pod's terms pull it to theirs.
+    for rule in (
+        lambda t: PodConstraints(preferred_affinity=(WeightedTerm(10, t),)),
+        lambda t: PodConstraints(required_affinity=(t,)),  # hardPodAffinityWeight 1
+    ):
+        e = cluster(("a", "z1"), ("b", "z2"), policy="spread")
+        term = PodAffinityTerm(ZONE, app_selector(), frozenset({"ns"}))
+        anchor = e.place(pod(fraction(0.3), labels=APP, constraints=rule(term)))
+        assert isinstance(anchor, Placement)
+        newcomer = e.place(pod(fraction(0.1), labels=APP))
+        assert isinstance(newcomer, Placement) and newcomer.node == anchor.node
+
+
+def test_an_unmanaged_nodes_pod_with_a_preferred_anti_affinity_is_scored_back_too() -> None:
+    e = cluster(("a", "z1"), ("b", "z2"))
+    e.add_topology_node(outside("u", "z1"))
+    term = PodAffinityTerm(ZONE, app_selector(), frozenset({"ns"}))
+    e.add_topology_pod(pod(constraints=PodConstraints(preferred_anti_affinity=(WeightedTerm(1, term),))), "u")
+    placed = [e.place(pod(fraction(0.1), labels=APP)) for _ in range(2)]
+    assert [d.node for d in placed if isinstance(d, Placement)] == ["b", "b"]
+
+
 # -- the book's incremental counts ---------------------------------------------------------------------
 
 from hypothesis import HealthCheck, given, settings  # noqa: E402
@@ -326,31 +496,60 @@ from gpufrac.placement.topology import PodBook  # noqa: E402
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     steps=st.lists(
-        st.tuples(st.sampled_from(("web", "db")), st.sampled_from((None, HOST, ZONE)), st.booleans()),
+        st.tuples(
+            st.sampled_from(("web", "db")),
+            st.sampled_from((None, HOST, ZONE)),
+            st.booleans(),
+            st.sampled_from((None, None, "u0", "u9")),  # placed on a managed node, or counted on one
+            st.booleans(),  # more unmanaged nodes arrive first (their slots' capacity doubles)
+        ),
         min_size=1,
         max_size=25,
     )
 )
 def test_counts_kept_while_placing_and_releasing_equal_counts_rebuilt_from_scratch(steps) -> None:
-    """Trackers are updated on every place and release; a book rebuilt from the pods placed at the end
-    must count the same, whatever the order (an update missed or doubled shows here)."""
+    """Trackers and held terms are updated on every place, release and count on an unmanaged node, and
+    moved when the layout grows; a book rebuilt from the pods held at the end must count the same,
+    whatever the order (an update missed, doubled or left at an old slot shows here)."""
     e = cluster(("a", "z1"), ("b", "z2"), ("c", "z1"), policy="spread")
-    placed = []
-    for app, anti_key, release in [("web", HOST, False), *steps]:  # at least one rule, so one tracker
+    unmanaged = [outside("u0", "z2")]
+    e.add_topology_node(unmanaged[0])
+    held: list[tuple[PendingPod, str | None]] = []
+    first = ("web", HOST, False, None, False)  # at least one rule, so one tracker
+    for app, anti_key, release, where, grow in [first, *steps]:
+        if grow:
+            for _ in range(8):
+                unmanaged.append(outside(f"u{len(unmanaged)}", "z3"))
+                e.add_topology_node(unmanaged[-1])
         term = PodAffinityTerm(anti_key or HOST, app_selector({"app": app}), frozenset({"ns"}))
-        rule = PodConstraints(required_anti_affinity=(term,)) if anti_key else PodConstraints()
+        rule = (
+            PodConstraints(required_anti_affinity=(term,), preferred_affinity=(WeightedTerm(3, term),))
+            if anti_key
+            else PodConstraints()
+        )
         p = pod(fraction(0.05), labels={"app": app}, constraints=rule)
-        if isinstance(e.place(p), Placement):
-            placed.append(p)
-        if release and placed:
-            e.forget(placed.pop(0).uid)
+        if where is not None and where in {n.name for n in unmanaged}:
+            e.add_topology_pod(p, where)
+            held.append((p, where))
+        elif where is None and isinstance(e.place(p), Placement):
+            held.append((p, None))
+        if release and held:
+            gone, on = held.pop(0)
+            assert e.remove_topology_pod(gone.uid) is not None if on else e.forget(gone.uid)
     fresh = PodBook(e.state)
-    for p in placed:
-        fresh.add(p, e.state.index[e.placement_of(p.uid).node])
+    for spec in unmanaged:
+        fresh.set_outside_node(spec)
+    for p, on in held:
+        if on:
+            fresh.add_outside(p, on)
+        else:
+            fresh.add(p, e.state.index[e.placement_of(p.uid).node])  # type: ignore[union-attr]
     keys = list(e.book._trackers)
     assert keys, "no tracker was built; nothing was compared"
     for key in keys:
         assert (e.book._tracker(key) == fresh._tracker(key)).all(), key
-    for term, holders in e.book._anti.items():
-        assert (holders[: e.state.rows] == fresh._anti[term][: e.state.rows]).all()
-    assert set(e.book._anti) == set(fresh._anti)
+    fresh._sync_layout()
+    for mine, theirs in ((e.book._anti, fresh._anti), (e.book._scored, fresh._scored)):
+        assert set(mine.holders) == set(theirs.holders)
+        for key, holders in mine.holders.items():
+            assert (holders == theirs.holders[key]).all(), key

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import subprocess
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -105,8 +106,8 @@ def released(client: Client, pod: Pod, *, oracle: KubeScheduler, timeout: float 
         time.sleep(0.02)
 
 
-def cordon(client: Client, nodes: list[str], *, keep: str | None) -> None:
-    """Cordon every node but ``keep`` (None: uncordon all)."""
+def cordon(client: Client, nodes: list[str], *, open_nodes: Collection[str]) -> None:
+    """Cordon every node of ``nodes`` but ``open_nodes``."""
     for name in nodes:
-        flag = keep is not None and name != keep
+        flag = name not in open_nodes
         client.patch(Node, name, {"spec": {"unschedulable": flag or None}}, patch_type=PatchType.MERGE)

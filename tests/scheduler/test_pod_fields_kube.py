@@ -11,10 +11,11 @@ from typing import Any
 
 import pytest
 from lightkube import AsyncClient
-from lightkube.resources.core_v1 import PersistentVolume, PersistentVolumeClaim, Pod
-from sched_harness import Pool, add_nodes, condition, gpu_pod, running, wait_bound, wait_for
+from lightkube.resources.core_v1 import Node, PersistentVolume, PersistentVolumeClaim, Pod
+from sched_harness import POOL_LABEL, Pool, add_nodes, condition, gpu_pod, running, wait_bound, wait_for
 
-from gpufrac.local.simnodes import NodeShape
+from gpufrac.local.simnodes import NodeShape, create_sim_nodes
+from gpufrac.scheduler.pod_fields import ZONE_LABEL
 
 pytestmark = pytest.mark.kube
 
@@ -191,3 +192,93 @@ async def test_room_a_preemptor_nominated_is_held_until_the_nomination_is_cleare
         )
         pods = await wait_bound(client, pool.namespace, 1, timeout=20)
         assert {p.metadata.name: p.spec.nodeName for p in pods}["latecomer"] == roomy
+
+
+async def create_unmanaged_node(client: AsyncClient, pool: Pool, name: str, *, zone: str) -> str:
+    """A node gpufrac does not manage (no managed label; a CPU node, say), in the pool so it is cleaned."""
+    node = Node.from_dict(
+        {
+            "metadata": {
+                "name": name,
+                "labels": {HOST: name, ZONE_LABEL: zone, POOL_LABEL: pool.id},
+            },
+        }
+    )
+    await client.create(node)
+    return name
+
+
+async def test_unmanaged_nodes_are_topology_domains_and_their_pods_count(
+    client: AsyncClient, pool: Pool
+) -> None:
+    # Before: gpufrac knew only its managed nodes, so it bound both pods below where kube-scheduler
+    # would have refused them.
+    (managed,) = await create_sim_nodes(
+        client, count=1, prefix=f"{pool.id}-n-", labels={POOL_LABEL: pool.id}, zones=1
+    )
+    zone = (await client.get(Node, managed)).metadata.labels[ZONE_LABEL]
+    same_zone = await create_unmanaged_node(client, pool, f"{pool.id}-cpu-0", zone=zone)
+    elsewhere = await create_unmanaged_node(client, pool, f"{pool.id}-cpu-1", zone="elsewhere")
+    guard = Pod.from_dict(
+        {
+            "metadata": {"name": "guard", "namespace": pool.namespace, "labels": {"app": "guard"}},
+            "spec": {
+                "nodeName": same_zone,  # bound without any scheduler, on the unmanaged node
+                "containers": [{"name": "c", "image": "busybox"}],
+                "affinity": {
+                    "podAntiAffinity": {
+                        "requiredDuringSchedulingIgnoredDuringExecution": [
+                            {"labelSelector": {"matchLabels": {"app": "infer"}}, "topologyKey": ZONE_LABEL}
+                        ]
+                    }
+                },
+            },
+        }
+    )
+    await client.create(guard)
+    spread = [
+        {
+            "maxSkew": 1,
+            "topologyKey": ZONE_LABEL,
+            "whenUnsatisfiable": "DoNotSchedule",
+            "labelSelector": {"matchLabels": {"app": "web"}},
+        }
+    ]
+    async with running(client, pool.config(policy="binpack")):
+        await client.create(gpu_pod(pool, "infer", {"gpu-fraction": "0.25"}, labels={"app": "infer"}))
+        for i in range(2):
+            pod = gpu_pod(pool, f"web-{i}", {"gpu-fraction": "0.25"}, labels={"app": "web"})
+            await client.create(with_spec(pod, topologySpreadConstraints=spread))
+        # The guard's anti-affinity, on a node gpufrac does not manage, keeps infer out of its zone.
+        assert "existing pods anti-affinity" in await reported(client, pool, "infer")
+        # Zone "elsewhere" (an unmanaged node, no web pod) holds the spread's minimum at 0: one web pod
+        # fits in the managed node's zone, the second would make the skew 2.
+        bound = await wait_bound(client, pool.namespace, 2, timeout=20)  # the guard and one web pod
+        webs = [p.metadata.name for p in bound if p.metadata.name.startswith("web") and p.spec.nodeName]
+        assert len(webs) == 1
+        waiting = "web-1" if webs == ["web-0"] else "web-0"
+        assert "topology spread constraints" in await reported(client, pool, waiting)
+        # The guard goes: infer is placed at once (its anti-affinity no longer holds anyone off). The
+        # parked pods are retried on their own only every unschedulable_resync_s (60 s): well after
+        # these waits.
+        await client.delete(Pod, "guard", namespace=pool.namespace, grace_period=0)
+        await wait_for(
+            lambda: _bound_to(client, pool, "infer", managed),
+            timeout=20,
+            what="infer bound after the guard left",
+        )
+        # A web pod arrives in zone elsewhere (bound there by another scheduler): the minimum is 1, and
+        # the waiting web pod is placed at once.
+        other = with_spec(
+            gpu_pod(pool, "web-elsewhere", labels={"app": "web"}), nodeName=elsewhere, schedulerName=None
+        )
+        await client.create(other)
+        await wait_for(
+            lambda: _bound_to(client, pool, waiting, managed),
+            timeout=20,
+            what=f"{waiting} bound after a web pod arrived in the other zone",
+        )
+
+
+async def _bound_to(client: AsyncClient, pool: Pool, name: str, node: str) -> bool:
+    return (await client.get(Pod, name, namespace=pool.namespace)).spec.nodeName == node

@@ -17,7 +17,9 @@ Rules that relate a pod to other pods (inter-pod affinity, topology spread) or t
 besides CPU, memory and GPUs (host ports, extended resources, ephemeral storage, room held for nominated
 pods) depend on more than one node, so they are not cached per kind: ``PodBook`` (``topology``)
 evaluates them per pod as an overlay on the cached results, and ranks nodes by a pod's preferences
-before its policy's score does. A pod with none of them stays on the cached path.
+before its policy's score does. A pod with none of them stays on the cached path. Nodes nothing is
+placed on but that are topology domains all the same (``add_topology_node``; the scheduler's unmanaged
+nodes) and the pods bound to them (``add_topology_pod``) are known to that book alone.
 
 Transactions: ``statement()`` returns a Statement; placements made through it are undone in reverse
 order by ``discard`` (or on an exception), because applying and releasing an allocation are exact
@@ -161,6 +163,8 @@ class Engine:
     # -- nodes ----------------------------------------------------------------------------------------
 
     def add_node(self, spec: NodeSpec) -> None:
+        if self.book.is_outside(spec.name):
+            raise ValueError(f"node {spec.name} is a topology-only node; remove it as such first")
         n = self.state.add_node(spec)
         if self._rank.size < self.state.rows:
             grown = np.zeros(self.state.rows, dtype=np.int64)
@@ -209,6 +213,36 @@ class Engine:
     @property
     def node_names(self) -> list[str]:
         return sorted(self.state.index)
+
+    # -- topology-only nodes --------------------------------------------------------------------------
+
+    def add_topology_node(self, spec: NodeSpec) -> None:
+        """Add or replace a node nothing is placed on whose labels and taints still make topology
+        domains for affinity and spread (the scheduler: a node it does not manage; kube-scheduler counts
+        every node). Only ``spec.name``, ``labels`` and ``taints`` are read."""
+        if spec.name in self.state.index:
+            raise ValueError(f"node {spec.name} is a node pods are placed on, not a topology-only node")
+        self.book.set_outside_node(spec)
+
+    def remove_topology_node(self, name: str) -> list[str]:
+        """Drop a topology-only node and the pods counted on it; returns those pods' uids."""
+        return self.book.remove_outside_node(name)
+
+    def add_topology_pod(self, pod: PendingPod, node: str) -> bool:
+        """Count ``pod``, bound to topology-only node ``node``, for other pods' affinity and spread rules
+        (its labels, namespace and terms; it holds no resources here). Replaces an earlier count.
+        Returns whether its arrival may let a waiting pod in (a required affinity or a spread
+        constraint counted it)."""
+        if pod.uid in self._bound:
+            raise ValueError(f"pod {pod.key} ({pod.uid}) is placed on {self._bound[pod.uid].placement.node}")
+        return self.book.add_outside(pod, node)
+
+    def remove_topology_pod(self, uid: str) -> bool | None:
+        """Stop counting a pod of a topology-only node. None when it was not counted; else whether its
+        leaving may let a waiting pod in (it carried a required anti-affinity term, or a pod's
+        anti-affinity term, preferred term or spread constraint counted it; fewer pods never satisfy a
+        required affinity)."""
+        return self.book.remove_outside(uid)
 
     def ledger(self, node: str) -> list[GpuLedger]:
         return self.state.ledger(node)

@@ -6,9 +6,9 @@ recomputes a node only when that node changes. That is right for CPU, memory and
 the node alone, but an affinity or spread rule depends on the pods of a whole topology domain (a zone)
 or of the whole cluster. So these rules are evaluated per pod, as an overlay on the cached results:
 ``filter`` answers a reason per node slot (0: no objection), ``soft`` a preference level per node slot.
-A pod that carries none of these rules, asks for none of these resources, and is repelled by no placed
-pod's anti-affinity gets ``None`` from both at the cost of a dictionary lookup, so the common pod keeps
-the cached path.
+A pod that carries none of these rules, asks for none of these resources, and is repelled or attracted
+by no placed pod's terms gets ``None`` from both at the cost of a dictionary lookup, so the common pod
+keeps the cached path.
 
 Counting: a *tracker* is a count, per node slot, of the placed pods that one predicate selects (the pods
 matching all required affinity terms of a pod, the pods one anti-affinity term selects, the pods of a
@@ -17,6 +17,16 @@ pods and then kept current as pods are placed and released, so a rule costs a fe
 pod (counts summed per topology domain with ``bincount``) whatever the number of pods. Pods placed in
 the same batch are placed one after another through ``add``, so a batch keeps these rules between its
 own pods, as kube-scheduler does between its scheduling cycles.
+
+Topology-only nodes. kube-scheduler counts every node as a topology domain and every pod bound
+anywhere, but the engine places only on the nodes it holds ledgers for (for the scheduler: the managed
+nodes). Nodes it must know for their labels and taints alone (``set_outside_node``; the scheduler's
+unmanaged nodes) and the pods bound to them (``add_outside``: labels, namespace, the terms they carry)
+live here only: they have slots after the state's rows, so every per-slot count is one array laid out
+as [state rows | topology-only slots], moved to a new layout when either part grows (rare: the state
+doubles its rows, the topology-only part doubles its capacity). They are domains and hold counted pods
+like any node, but ``filter`` and ``soft`` answer for the state's rows only: nothing is placed on them.
+With no topology-only node the layout is the state's rows alone, as before.
 
 Semantics follow kube-scheduler v1.34 (pkg/scheduler/framework/plugins/interpodaffinity/filtering.go
 and scoring.go, podtopologyspread/filtering.go and scoring.go, nodeports, noderesources/fit.go):
@@ -37,16 +47,20 @@ and scoring.go, podtopologyspread/filtering.go and scoring.go, nodeports, nodere
   that rank nodes before the GPU policy does: the GPU policy chooses among nodes of about the same
   preference. (kube-scheduler adds the scores of all its plugins; a GPU scheduler whose placement
   score is a fragmentation measure cannot add them meaningfully, so a preference ranks first, coarsely.)
+- the inter-pod affinity score counts placed pods' terms too, as kube-scheduler's does: a placed pod's
+  preferred affinity (+weight) and anti-affinity (-weight) terms, and its required affinity terms
+  (+``HARD_POD_AFFINITY_WEIGHT``), that select the new pod score every node of the placed pod's domain.
+  A pod with no preference of its own is ranked by them too.
 
-The domains are those of the nodes this engine knows (for the scheduler: the managed nodes), and the
-pods those placed or booked on them, including pods of other schedulers the service books.
+The domains are those of the nodes this engine places on and of the topology-only nodes, and the pods
+counted those placed or booked on either, including pods of other schedulers the service books.
 """
 
 from __future__ import annotations
 
 import math
 from collections import Counter, OrderedDict
-from collections.abc import Hashable, Mapping
+from collections.abc import Callable, Hashable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,8 +69,9 @@ import numpy as np
 from .decision import Reason
 from .demand import Demand
 from .filters import NodeAffinity, NodeSelector, TaintToleration
-from .model import PendingPod, TaintEffect
+from .model import NodeSpec, PendingPod, TaintEffect
 from .pod_constraints import (
+    NO_EXTRAS,
     HostPort,
     InclusionPolicy,
     NodeExtras,
@@ -67,16 +82,30 @@ from .pod_constraints import (
 from .state import ClusterState
 
 SOFT_LEVELS = 10
+#: kube-scheduler's InterPodAffinityArgs.hardPodAffinityWeight (default 1): what a placed pod's required
+#: affinity term that selects the new pod adds to the score of its domain's nodes.
+HARD_POD_AFFINITY_WEIGHT = 1
 _MAX_TRACKERS = 1024
 _MAX_MATCH_CACHE = 8192
+_OUTSIDE_MIN_CAPACITY = 8
+#: What counted a pod (``_count``: tracker kinds, and "anti" for a required anti-affinity of its own)
+#: when its leaving, or its arrival, may let a waiting pod in: fewer pods can lift an anti-affinity or
+#: lower a spread domain's count; more pods can satisfy a required affinity or raise a spread minimum.
+_HELPS_WHEN_LEAVING = frozenset({"anti", "term", "spread"})
+_HELPS_WHEN_ARRIVING = frozenset({"all", "spread"})
+
+#: A term a placed pod carries that scores other pods: the term and its signed weight.
+ScoredTerm = tuple[PodAffinityTerm, int]
 
 
 @dataclass(frozen=True, slots=True)
 class _Entry:
     namespace: str
     labels: Mapping[str, str]
+    #: the state's node slot, or ``~i`` for topology-only slot ``i`` (negative)
     row: int
     anti: tuple[PodAffinityTerm, ...]
+    scored: tuple[ScoredTerm, ...]
     extras: NodeExtras
 
 
@@ -93,6 +122,76 @@ def _labels_key(labels: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
     return tuple(sorted(labels.items())) if labels else ()
 
 
+def scored_terms(pod: PendingPod) -> tuple[ScoredTerm, ...]:
+    """The terms of ``pod`` that score *other* pods once it is placed (kube-scheduler's
+    processExistingPod): preferred affinity (+weight), preferred anti-affinity (-weight), required
+    affinity (+``HARD_POD_AFFINITY_WEIGHT``)."""
+    c = pod.constraints
+    if not (c.preferred_affinity or c.preferred_anti_affinity or c.required_affinity):
+        return ()
+    return (
+        *((w.term, w.weight) for w in c.preferred_affinity),
+        *((w.term, -w.weight) for w in c.preferred_anti_affinity),
+        *((t, HARD_POD_AFFINITY_WEIGHT) for t in c.required_affinity),
+    )
+
+
+class _HeldTerms:
+    """Terms placed pods carry that act on *other* pods, each with its holders counted per slot.
+
+    Used twice: for required anti-affinity (the symmetric rule; key: the term) and for the terms scored
+    back (key: a ``ScoredTerm``). Which keys select a label set is cached by the label set alone (most
+    pods share a few); the namespace is checked on the few whose selector matched.
+    """
+
+    def __init__(self, term_of: Callable[[Any], PodAffinityTerm]) -> None:
+        self.holders: dict[Hashable, np.ndarray] = {}
+        self._total: Counter[Hashable] = Counter()
+        self._hits: dict[tuple[tuple[str, str], ...], tuple[Hashable, ...]] = {}
+        self._term_of = term_of
+
+    def count(self, key: Hashable, slot: int, delta: int, span: int) -> None:
+        holders = self.holders.get(key)
+        if holders is None:
+            holders = self.holders[key] = np.zeros(span, dtype=np.int64)
+            # A new key: the label sets seen so far learn whether it selects them (cheaper than
+            # forgetting them all, which every first replica of a deployment would cause).
+            selector = self._term_of(key).selector
+            for labels, hits in self._hits.items():
+                if selects(selector, dict(labels)):
+                    self._hits[labels] = (*hits, key)
+        holders[slot] += delta
+        self._total[key] += delta
+        if self._total[key] <= 0:
+            del self.holders[key], self._total[key]
+            for labels, hits in self._hits.items():
+                if key in hits:
+                    self._hits[labels] = tuple(k for k in hits if k != key)
+
+    def selecting(
+        self, pod: PendingPod, namespace_labels: Mapping[str, Mapping[str, str]]
+    ) -> tuple[Any, ...]:
+        """The keys whose term selects ``pod``."""
+        if not self.holders:
+            return ()
+        key = _labels_key(pod.labels)
+        found = self._hits.get(key)
+        if found is None:
+            if len(self._hits) > _MAX_MATCH_CACHE:
+                self._hits.clear()
+            found = self._hits[key] = tuple(
+                k for k in self.holders if selects(self._term_of(k).selector, pod.labels)
+            )
+        if not found:
+            return found
+        return tuple(
+            k for k in found if self._term_of(k).matches(pod.namespace, pod.labels, namespace_labels)
+        )
+
+    def clear_matches(self) -> None:
+        self._hits.clear()
+
+
 class PodBook:
     """See the module docstring. ``namespace_labels`` are what namespace selectors match against."""
 
@@ -105,14 +204,21 @@ class PodBook:
         # Trackers by one label pair every pod they count must carry (None: no such pair), so placing a
         # pod tests only the trackers that can count it, not all of them.
         self._buckets: dict[tuple[str, str] | None, set[Hashable]] = {}
-        self._anti: dict[PodAffinityTerm, np.ndarray] = {}
-        self._anti_total: Counter[PodAffinityTerm] = Counter()
-        self._anti_hits: dict[tuple[tuple[str, str], ...], tuple[PodAffinityTerm, ...]] = {}
+        self._anti = _HeldTerms(lambda term: term)
+        self._scored = _HeldTerms(lambda scored: scored[0])
         self._ports: dict[tuple[str, int], dict[int, Counter[str]]] = {}
         self._ext_used: dict[str, np.ndarray] = {}
         self._eph_used = np.zeros(0, dtype=np.int64)
         self._holds: dict[str, _Hold] = {}
-        self._epoch = -1
+        # Topology-only nodes (see the module docstring): specs by slot, slots by name, pods by slot.
+        self._out_specs: list[NodeSpec | None] = []
+        self._out_index: dict[str, int] = {}
+        self._out_free: list[int] = []
+        self._out_pods: dict[int, set[str]] = {}
+        self._out_capacity = 0
+        self._out_epoch = 0
+        self._layout = (state.rows, 0)
+        self._epoch: tuple[int, int, tuple[int, int]] | None = None
         self._domains: dict[str, np.ndarray] = {}
         self._eligible: dict[Hashable, np.ndarray] = {}
         self._ext_cap: dict[str, np.ndarray] = {}
@@ -129,27 +235,46 @@ class PodBook:
         self.namespace_labels[name] = dict(labels)
         self._trackers.clear()
         self._buckets.clear()
-        self._anti_hits.clear()
+        self._anti.clear_matches()
+        self._scored.clear_matches()
 
     def add(self, pod: PendingPod, row: int) -> None:
+        """``pod`` is placed (or bound) on node slot ``row`` of the state."""
+        self._enter(pod, row)
+
+    def _enter(self, pod: PendingPod, row: int) -> bool:
         if pod.uid in self._entries:
             self.remove(pod.uid)
         self._holds.pop(pod.uid, None)
-        entry = _Entry(pod.namespace, pod.labels, row, pod.constraints.required_anti_affinity, pod.extras)
+        entry = _Entry(
+            pod.namespace,
+            pod.labels,
+            row,
+            pod.constraints.required_anti_affinity,
+            scored_terms(pod),
+            # Nothing is placed on a topology-only node, so what a pod takes there is not counted.
+            pod.extras if row >= 0 else NO_EXTRAS,
+        )
         self._entries[pod.uid] = entry
         for pair in entry.labels.items():
             self._by_label.setdefault(pair, set()).add(pod.uid)
-        self._count(entry, +1)
+        if row < 0:
+            self._out_pods.setdefault(~row, set()).add(pod.uid)
+        return bool(self._count(entry, +1) & _HELPS_WHEN_ARRIVING)
 
-    def remove(self, uid: str) -> None:
+    def remove(self, uid: str) -> bool:
+        """Forget a pod; True when its leaving may let another pod in (``_HELPS_WHEN_LEAVING``)."""
         entry = self._entries.pop(uid, None)
-        if entry is not None:
-            for pair in entry.labels.items():
-                holders = self._by_label[pair]
-                holders.discard(uid)
-                if not holders:
-                    del self._by_label[pair]
-            self._count(entry, -1)
+        if entry is None:
+            return False
+        for pair in entry.labels.items():
+            holders = self._by_label[pair]
+            holders.discard(uid)
+            if not holders:
+                del self._by_label[pair]
+        if entry.row < 0:
+            self._out_pods[~entry.row].discard(uid)
+        return bool(self._count(entry, -1) & _HELPS_WHEN_LEAVING)
 
     def nominate(self, pod: PendingPod, row: int | None) -> None:
         """Hold ``pod``'s resources on node slot ``row`` (None, an unknown node: hold nothing)."""
@@ -166,35 +291,113 @@ class PodBook:
         for uid in [uid for uid, h in self._holds.items() if h.row == row]:
             del self._holds[uid]
 
-    def _count(self, entry: _Entry, delta: int) -> None:
+    # -- topology-only nodes ----------------------------------------------------------------------------
+
+    def is_outside(self, name: str) -> bool:
+        return name in self._out_index
+
+    def set_outside_node(self, spec: NodeSpec) -> None:
+        """Add or replace a topology-only node (only its labels and taints are read)."""
+        slot = self._out_index.get(spec.name)
+        if slot is None:
+            if self._out_free:
+                slot = self._out_free.pop()
+            else:
+                slot = len(self._out_specs)
+                self._out_specs.append(None)
+            self._out_index[spec.name] = slot
+            if slot >= self._out_capacity:
+                self._out_capacity = max(_OUTSIDE_MIN_CAPACITY, 2 * self._out_capacity)
+        self._out_specs[slot] = spec
+        self._out_epoch += 1
+
+    def remove_outside_node(self, name: str) -> list[str]:
+        """Drop a topology-only node and the pods counted on it; returns those pods' uids."""
+        slot = self._out_index.pop(name, None)
+        if slot is None:
+            return []
+        uids = sorted(self._out_pods.get(slot, ()))
+        for uid in uids:
+            self.remove(uid)
+        self._out_pods.pop(slot, None)
+        self._out_specs[slot] = None
+        self._out_free.append(slot)
+        self._out_epoch += 1
+        return uids
+
+    def add_outside(self, pod: PendingPod, node: str) -> bool:
+        """Count ``pod``, bound to topology-only node ``node``, for other pods' rules; True when its
+        arrival may let a waiting pod in (``_HELPS_WHEN_ARRIVING``)."""
+        slot = self._out_index.get(node)
+        if slot is None:
+            raise ValueError(f"pod {pod.key}: node {node} is not a known topology-only node")
+        return self._enter(pod, ~slot)
+
+    def remove_outside(self, uid: str) -> bool | None:
+        """Stop counting a pod on a topology-only node: None when it was not counted, else whether its
+        leaving may let another pod in (``remove``)."""
+        entry = self._entries.get(uid)
+        if entry is None or entry.row >= 0:
+            return None
+        return self.remove(uid)
+
+    def _slot(self, row: int) -> int:
+        return row if row >= 0 else self.state.rows + ~row
+
+    @property
+    def _span(self) -> int:
+        return self.state.rows + self._out_capacity
+
+    def _all_specs(self) -> Iterator[tuple[int, NodeSpec]]:
+        """(slot, spec) of every node: the state's, then the topology-only ones."""
+        for n, spec in enumerate(self.state.nodes):
+            if spec is not None:
+                yield n, spec
+        base = self.state.rows
+        for i, spec in enumerate(self._out_specs):
+            if spec is not None:
+                yield base + i, spec
+
+    def _sync_layout(self) -> None:
+        """Move every per-slot count to [state rows | topology-only capacity] when either grew."""
+        rows, capacity = self.state.rows, self._out_capacity
+        if self._layout == (rows, capacity):
+            return
+        old_rows, old_capacity = self._layout
+
+        def moved(arr: np.ndarray) -> np.ndarray:
+            out = np.zeros(rows + capacity, dtype=arr.dtype)
+            out[:old_rows] = arr[:old_rows]
+            out[rows : rows + old_capacity] = arr[old_rows : old_rows + old_capacity]
+            return out
+
+        for store in (self._trackers, self._anti.holders, self._scored.holders):
+            for key, arr in list(store.items()):
+                store[key] = moved(arr)
+        self._layout = (rows, capacity)
+
+    def _count(self, entry: _Entry, delta: int) -> set[str]:
+        """Add ``delta`` of ``entry`` to every count; returns what counted it: the kinds of the trackers
+        that did, and "anti" when it carries a required anti-affinity term."""
+        self._sync_layout()
         row = entry.row
+        slot = self._slot(row)
+        span = self._span
         candidates = set(self._buckets.get(None, ()))
         for pair in entry.labels.items():
             candidates.update(self._buckets.get(pair, ()))
+        kinds = {"anti"} if entry.anti else set()
         for key in candidates:
             if self._tracker_matches(key, entry.namespace, entry.labels):
-                counts = self._trackers[key] = self._grown(self._trackers[key])
-                counts[row] += delta
+                self._trackers[key][slot] += delta
+                kinds.add(key[0])  # type: ignore[index]
         for term in entry.anti:
-            holders = self._anti.get(term)
-            if holders is None:
-                holders = self._anti[term] = np.zeros(self.state.rows, dtype=np.int64)
-                # A new term: the label sets seen so far learn whether it selects them (cheaper than
-                # forgetting them all, which every first replica of a deployment would cause).
-                for labels, hits in self._anti_hits.items():
-                    if selects(term.selector, dict(labels)):
-                        self._anti_hits[labels] = (*hits, term)
-            holders = self._anti[term] = self._grown(holders)
-            holders[row] += delta
-            self._anti_total[term] += delta
-            if self._anti_total[term] <= 0:
-                del self._anti[term], self._anti_total[term]
-                for labels, hits in self._anti_hits.items():
-                    if term in hits:
-                        self._anti_hits[labels] = tuple(t for t in hits if t != term)
+            self._anti.count(term, slot, delta, span)
+        for scored in entry.scored:
+            self._scored.count(scored, slot, delta, span)
         extras = entry.extras
         if not extras:
-            return
+            return kinds
         for port in extras.host_ports:
             by_row = self._ports.setdefault((port.protocol, port.port), {})
             ips = by_row.setdefault(row, Counter())
@@ -212,8 +415,10 @@ class PodBook:
         if extras.ephemeral_bytes:
             self._eph_used = self._grown(self._eph_used)
             self._eph_used[row] += delta * extras.ephemeral_bytes
+        return kinds
 
     def _grown(self, arr: np.ndarray) -> np.ndarray:
+        """``arr`` (indexed by the state's rows only) grown to the state's rows."""
         rows = self.state.rows
         if arr.size >= rows:
             return arr
@@ -241,16 +446,18 @@ class PodBook:
         return selector.match_labels[0]
 
     def _tracker(self, key: Hashable) -> np.ndarray:
+        """Counts per slot, over the whole layout (the state's rows, then the topology-only slots)."""
+        self._sync_layout()
         counts = self._trackers.get(key)
         if counts is None:
-            counts = np.zeros(self.state.rows, dtype=np.int64)
+            counts = np.zeros(self._span, dtype=np.int64)
             bucket = self._bucket(key)
             entries = self._entries
             # Only pods carrying the bucket's label pair can be counted: look at those alone.
             for uid in entries if bucket is None else self._by_label.get(bucket, ()):
                 entry = entries[uid]
                 if self._tracker_matches(key, entry.namespace, entry.labels):
-                    counts[entry.row] += 1
+                    counts[self._slot(entry.row)] += 1
             self._trackers[key] = counts
             self._buckets.setdefault(bucket, set()).add(key)
             if len(self._trackers) > _MAX_TRACKERS:
@@ -258,15 +465,15 @@ class PodBook:
                 self._buckets[self._bucket(old)].discard(old)
         else:
             self._trackers.move_to_end(key)
-            if counts.size < self.state.rows:
-                counts = self._trackers[key] = self._grown(counts)
-        return counts[: self.state.rows]
+        return counts
 
     # -- topology ---------------------------------------------------------------------------------------
 
     def _sync_epoch(self) -> None:
-        if self._epoch != self.state.spec_epoch:
-            self._epoch = self.state.spec_epoch
+        self._sync_layout()
+        epoch = (self.state.spec_epoch, self._out_epoch, self._layout)
+        if self._epoch != epoch:
+            self._epoch = epoch
             self._domains.clear()
             self._eligible.clear()
             self._ext_cap.clear()
@@ -275,21 +482,20 @@ class PodBook:
             self._any_prefer_no_schedule = None
 
     def domain(self, key: str) -> np.ndarray:
-        """Per node slot, the id of its value of label ``key`` (-1: absent, or no node)."""
+        """Per slot of the layout, the id of its node's value of label ``key`` (-1: absent, or no node)."""
         found = self._domains.get(key)
         if found is None:
-            st = self.state
-            found = np.full(st.rows, -1, dtype=np.int64)
+            found = np.full(self._span, -1, dtype=np.int64)
             values: dict[str, int] = {}
-            for n, spec in enumerate(st.nodes):
-                if spec is not None and key in spec.labels:
+            for n, spec in self._all_specs():
+                if key in spec.labels:
                     found[n] = values.setdefault(spec.labels[key], len(values))
             self._domains[key] = found
         return found
 
     @staticmethod
     def _per_domain(dom: np.ndarray, counts: np.ndarray, mask: np.ndarray | None = None) -> np.ndarray:
-        """For each node slot, the sum of ``counts`` over the slots (within ``mask``) of its domain."""
+        """For each slot, the sum of ``counts`` over the slots (within ``mask``) of its domain."""
         use = dom >= 0 if mask is None else (dom >= 0) & mask
         out = np.zeros(dom.size, dtype=np.int64)
         if not use.any():
@@ -305,12 +511,9 @@ class PodBook:
         key = (demand.static_key, honour_affinity, honour_taints)
         found = self._eligible.get(key)
         if found is None:
-            st = self.state
-            found = np.zeros(st.rows, dtype=bool)
+            found = np.zeros(self._span, dtype=bool)
             selector, affinity, taints = NodeSelector(), NodeAffinity(), TaintToleration()
-            for n, spec in enumerate(st.nodes):
-                if spec is None:
-                    continue
+            for n, spec in self._all_specs():
                 ok = True
                 if honour_affinity:
                     ok = (
@@ -325,21 +528,6 @@ class PodBook:
 
     # -- the overlay ------------------------------------------------------------------------------------
 
-    def _existing_anti(self, pod: PendingPod) -> tuple[PodAffinityTerm, ...]:
-        if not self._anti:
-            return ()
-        # Cached by label set alone (most pods share a few, unlabelled ones one); the namespace is
-        # checked on the few terms whose selector matched.
-        key = _labels_key(pod.labels)
-        found = self._anti_hits.get(key)
-        if found is None:
-            if len(self._anti_hits) > _MAX_MATCH_CACHE:
-                self._anti_hits.clear()
-            found = self._anti_hits[key] = tuple(t for t in self._anti if selects(t.selector, pod.labels))
-        if not found:
-            return found
-        return tuple(t for t in found if t.matches(pod.namespace, pod.labels, self.namespace_labels))
-
     def _holds_against(self, pod: PendingPod) -> list[_Hold]:
         return [h for uid, h in self._holds.items() if uid != pod.uid and h.priority >= pod.priority]
 
@@ -347,7 +535,7 @@ class PodBook:
         """A reason per node slot (0: no objection), or None when nothing here concerns the pod."""
         self._sync_epoch()
         c, extras = pod.constraints, pod.extras
-        repelled = self._existing_anti(pod)
+        repelled = self._anti.selecting(pod, self.namespace_labels)
         holds = self._holds_against(pod) if self._holds else []
         hard = c.required_affinity or c.required_anti_affinity or c.hard_spread
         if not (hard or extras or repelled or holds):
@@ -356,7 +544,8 @@ class PodBook:
         reason = np.zeros(rows, dtype=np.uint8)
 
         def fail(mask: np.ndarray, code: Reason) -> None:
-            reason[mask & (reason == 0)] = code
+            # Masks over the whole layout: only the state's rows can take the pod.
+            reason[mask[:rows] & (reason == 0)] = code
 
         if holds:
             self._check_holds(pod, holds, fail)
@@ -370,7 +559,7 @@ class PodBook:
             fail((dom >= 0) & (near > 0), Reason.POD_ANTI_AFFINITY)
         for term in repelled:
             dom = self.domain(term.topology_key)
-            near = self._per_domain(dom, self._grown(self._anti[term])[:rows])
+            near = self._per_domain(dom, self._anti.holders[term])
             fail((dom >= 0) & (near > 0), Reason.EXISTING_ANTI_AFFINITY)
         if c.hard_spread:
             self._check_spread(pod, demand, c.hard_spread, fail)
@@ -428,8 +617,8 @@ class PodBook:
 
     def _affinity_ok(self, pod: PendingPod, terms: tuple[PodAffinityTerm, ...]) -> np.ndarray:
         counts = self._tracker(("all", terms))
-        has_all = np.ones(self.state.rows, dtype=bool)
-        exist = np.ones(self.state.rows, dtype=bool)
+        has_all = np.ones(self._span, dtype=bool)
+        exist = np.ones(self._span, dtype=bool)
         anywhere = False
         for term in terms:
             dom = self.domain(term.topology_key)
@@ -484,12 +673,13 @@ class PodBook:
     # -- preferences ------------------------------------------------------------------------------------
 
     def soft(self, pod: PendingPod, demand: Demand, candidates: np.ndarray) -> np.ndarray | None:
-        """Preference level (0..SOFT_LEVELS) per node slot, normalised over ``candidates``; None when the
-        pod states no preference."""
+        """Preference level (0..SOFT_LEVELS) per node slot of the state, normalised over ``candidates``;
+        None when neither the pod nor a placed pod's terms state a preference about it."""
         c = pod.constraints
-        prefer = c.preferred_affinity or c.preferred_anti_affinity
-        spread = c.soft_spread
         self._sync_epoch()
+        back = self._scored.selecting(pod, self.namespace_labels)
+        prefer = c.preferred_affinity or c.preferred_anti_affinity or back
+        spread = c.soft_spread
         untolerated = self._prefer_no_schedule(demand)
         if not (prefer or spread or c.preferred_node or untolerated is not None) or not candidates.any():
             return None
@@ -515,7 +705,11 @@ class PodBook:
             for sign, weighted in ((1, c.preferred_affinity), (-1, c.preferred_anti_affinity)):
                 for w in weighted:
                     dom = self.domain(w.term.topology_key)
-                    raw += sign * w.weight * self._per_domain(dom, self._tracker(("term", w.term)))
+                    raw += sign * w.weight * self._per_domain(dom, self._tracker(("term", w.term)))[:rows]
+            for scored in back:  # placed pods' terms that select this pod, on their domains' nodes
+                term, weight = scored
+                dom = self.domain(term.topology_key)
+                raw += weight * self._per_domain(dom, self._scored.holders[scored])[:rows]
             lo, hi = raw[candidates].min(), raw[candidates].max()
             if hi > lo:
                 total += 2 * 100 * (raw - lo) / (hi - lo)
@@ -524,12 +718,12 @@ class PodBook:
             keys = tuple(sc.topology_key for sc in spread)
             keys_present = np.ones(rows, dtype=bool)
             for k in keys:
-                keys_present &= self.domain(k) >= 0
+                keys_present &= self.domain(k)[:rows] >= 0
             raw = np.zeros(rows, dtype=np.float64)
             for sc in spread:
                 _, near, _, _ = self._spread_counts(pod, demand, sc, keys)
                 weight = math.log(self._spread_frame(demand, sc, keys)[2].size + 2)
-                raw += near * weight + (sc.max_skew - 1)
+                raw += near[:rows] * weight + (sc.max_skew - 1)
             scored = candidates & keys_present
             if scored.any():
                 lo, hi = raw[scored].min(), raw[scored].max()

@@ -34,6 +34,14 @@ replaces the spec. A changed GPU inventory keeps every booking whose GPUs are al
 confirmed pods that lost a GPU from their annotations (the missing GPU is not counted) and releases
 unconfirmed ones (their bind's outcome, seen by the informer, books them again).
 
+Topology-only nodes. kube-scheduler counts every node as an affinity and spread domain, and every pod
+bound anywhere. ``set_topology_node`` tells the engine of a node the scheduler does not manage (its
+labels and taints; nothing is placed there), and the pods the API shows bound to it (kept as pods
+waiting for their node, above) are counted in the engine for other pods' rules: their labels, namespace
+and terms. A topology-only node that becomes managed is dropped as such before it is added, and its
+pods are booked as bound pods; a managed node that goes may come back as a topology-only node (the
+service tells), and the bookings kept aside for it count there meanwhile.
+
 Everything here is synchronous and in memory: informer handlers and the scheduling loop call it.
 """
 
@@ -136,6 +144,8 @@ class BookingCache:
         self._parked: dict[str, Booking] = {}
         #: Bound bookings waiting for their confirmation: uid -> deadline.
         self._deadlines: dict[str, float] = {}
+        #: Nodes the scheduler does not manage, known as topology domains: name -> spec.
+        self._topology: dict[str, NodeSpec] = {}
 
     # -- reading ------------------------------------------------------------------------------------------
 
@@ -160,6 +170,11 @@ class BookingCache:
     def nodes(self) -> dict[str, NodeSpec]:
         """The known nodes by name (read only)."""
         return self._nodes
+
+    @property
+    def topology_nodes(self) -> dict[str, NodeSpec]:
+        """The nodes known as topology domains only, by name (read only)."""
+        return self._topology
 
     def waiting_for_node(self, node: str) -> list[str]:
         return sorted(self._waiting.get(node, {}))
@@ -222,22 +237,33 @@ class BookingCache:
 
     # -- what the informers show --------------------------------------------------------------------------
 
-    def confirm(self, pod: Pod) -> None:
-        """The API shows ``pod`` bound to ``pod.spec.nodeName`` (ours, or another scheduler's)."""
+    def confirm(self, pod: Pod) -> bool:
+        """The API shows ``pod`` bound to ``pod.spec.nodeName`` (ours, or another scheduler's). True when
+        the pod, newly counted on an unmanaged node, may let a waiting pod in (a required affinity or a
+        spread constraint counts it)."""
         uid, node = pod.metadata.uid, pod.spec.nodeName
         booking = self.booking(uid)
         if booking is not None:
             if booking.node == node:
                 booking.pod, booking.state, booking.deadline = pod, BookingState.CONFIRMED, None
                 self._deadlines.pop(uid, None)
-                return
+                return False
             self._release(uid)
-        for waiting in self._waiting.values():
-            waiting.pop(uid, None)
+        # A pod's nodeName never changes once set, so it waits under that node alone (looking through
+        # every node's waiting pods cost a pass over all unmanaged nodes per pod event).
+        waiting = self._waiting.get(node)
+        previous = waiting.pop(uid, None) if waiting is not None else None
         if node not in self._nodes:
             self._waiting.setdefault(node, {})[uid] = pod
-            return
+            # Counted again only when what other pods' rules read changed (a pod's terms are immutable;
+            # its labels are not); status updates are most of the events.
+            if node in self._topology and (
+                previous is None or previous.metadata.labels != pod.metadata.labels
+            ):
+                return self._count(pod, node)
+            return False
         self._book_bound(pod)
+        return False
 
     def release(self, uid: str) -> bool:
         """Drop a pod's booking whatever its state (a preemption victim's room handed to its preemptor).
@@ -245,7 +271,8 @@ class BookingCache:
         return self._release(uid)
 
     def remove(self, pod: Pod) -> bool:
-        """The pod is gone (deleted or finished). True when it held something."""
+        """The pod is gone (deleted or finished). True when it held something (for a pod of an unmanaged
+        node: when its leaving may let a waiting pod in)."""
         uid = pod.metadata.uid
         node = pod.spec.nodeName if pod.spec else None
         if node and node in self._waiting:
@@ -258,6 +285,8 @@ class BookingCache:
         if previous == spec:
             return NodeChange(added=False, changed=False)
         if previous is None:
+            if self._topology.pop(spec.name, None) is not None:
+                self.engine.remove_topology_node(spec.name)  # its pods are booked as bound below
             self.engine.add_node(spec)
             self._nodes[spec.name] = spec
             uuids = {g.uuid for g in spec.gpus}
@@ -296,6 +325,30 @@ class BookingCache:
         self.engine.remove_node(name)  # the engine lets go of every pod it held there
         del self._nodes[name]
 
+    def set_topology_node(self, spec: NodeSpec) -> bool:
+        """A node the scheduler does not manage, added or changed: a topology domain for affinity and
+        spread, its bound pods counted (see the module docstring). Ignored for a managed node. True when
+        the engine's view changed."""
+        if spec.name in self._nodes or self._topology.get(spec.name) == spec:
+            return False
+        added = spec.name not in self._topology
+        self.engine.add_topology_node(spec)
+        self._topology[spec.name] = spec
+        if added:
+            for pod in self._waiting.get(spec.name, {}).values():
+                self._count(pod, spec.name)
+            for booking in self._parked.values():
+                if booking.node == spec.name:
+                    self._count(booking.pod, spec.name)
+        return True
+
+    def remove_topology_node(self, name: str) -> bool:
+        """A topology-only node went (or became managed). True when it was known."""
+        if self._topology.pop(name, None) is None:
+            return False
+        self.engine.remove_topology_node(name)  # its pods stay waiting for their node
+        return True
+
     # -- internals ----------------------------------------------------------------------------------------
 
     def _hold(self, pending: PendingPod, pod: Pod, placement: Placement, state: BookingState) -> Placement:
@@ -305,6 +358,32 @@ class BookingCache:
         self._bookings[pending.uid] = Booking(pod=pod, pending=pending, placement=written, state=state)
         self._on_node.setdefault(written.node, set()).add(pending.uid)
         return written
+
+    def _count(self, pod: Pod, node: str) -> bool:
+        """Count a pod bound to topology-only ``node`` for other pods' rules (True: it may let a waiting
+        pod in)."""
+        return self.engine.add_topology_pod(self._bound_pending(pod, PodGpuRequest()), node)
+
+    def _bound_pending(self, pod: Pod, gpu: PodGpuRequest) -> PendingPod:
+        """The engine's view of a bound pod: what it takes and the rules it carries, or, when a field
+        cannot be read, what it takes and its labels."""
+        meta = pod.metadata
+        try:
+            return pending_pod(
+                pod, gpu=gpu, arrival=0, default_queue=self._default_queue, mode_policy=self._mode_policy
+            )
+        except RefusedPod as error:  # a bound pod still takes its resources; its rules cannot be read
+            log.warning("bound pod %s/%s: %s", meta.namespace, meta.name, error)
+            cpu, memory = host_request(pod)
+            return PendingPod(
+                namespace=meta.namespace,
+                name=meta.name,
+                uid=meta.uid,
+                gpu=gpu,
+                cpu_milli=cpu,
+                memory_bytes=memory,
+                labels=dict(meta.labels or {}),
+            )
 
     def _book_bound(self, pod: Pod) -> None:
         """Book a pod the API shows bound to a known node, from what its binder wrote."""
@@ -322,22 +401,7 @@ class BookingCache:
             gpu = PodGpuRequest()
         spec = self._nodes[node]
         placement = bound_placement(pod, gpu=gpu, gpus_by_uuid={g.uuid: g for g in spec.gpus})
-        try:
-            pending = pending_pod(
-                pod, gpu=gpu, arrival=0, default_queue=self._default_queue, mode_policy=self._mode_policy
-            )
-        except RefusedPod as error:  # a bound pod still takes its resources; its rules cannot be read
-            log.warning("bound pod %s/%s: %s", meta.namespace, meta.name, error)
-            cpu, memory = host_request(pod)
-            pending = PendingPod(
-                namespace=meta.namespace,
-                name=meta.name,
-                uid=meta.uid,
-                gpu=gpu,
-                cpu_milli=cpu,
-                memory_bytes=memory,
-                labels=dict(meta.labels or {}),
-            )
+        pending = self._bound_pending(pod, gpu)
         try:
             self.engine.assume(pending, placement)
         except ValueError as error:
@@ -350,11 +414,15 @@ class BookingCache:
 
     def _release(self, uid: str) -> bool:
         self._deadlines.pop(uid, None)
+        # A pod counted on a topology-only node "held something" only if its leaving may let a waiting
+        # pod in (an anti-affinity it carried, or a rule that counted it other than a required
+        # affinity): unmanaged nodes' pods come and go often, and each release wakes every parked pod.
+        counted = bool(self._topology) and bool(self.engine.remove_topology_pod(uid))
         if self._parked.pop(uid, None) is not None:
             return True
         booking = self._bookings.pop(uid, None)
         if booking is None:
-            return False
+            return counted
         self.engine.forget(uid)
         on_node = self._on_node.get(booking.node)
         if on_node is not None:

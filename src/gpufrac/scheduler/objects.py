@@ -17,10 +17,13 @@ from __future__ import annotations
 import json
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from datetime import UTC, datetime
 from decimal import Decimal
+from typing import Any, ClassVar
 
+import msgspec
+from lightkube.core.resource import ApiInfo, GlobalResource
 from lightkube.resources.core_v1 import Node, Pod
 from lightkube.utils.quantity import parse_quantity
 
@@ -57,6 +60,60 @@ class InvalidInventory(ValueError):
 
 
 # -- nodes ------------------------------------------------------------------------------------------------
+
+
+class _TopologyMeta(msgspec.Struct, omit_defaults=True):
+    name: str = ""
+    namespace: str | None = None
+    resourceVersion: str | None = None
+    labels: dict[str, str] | None = None
+
+
+class _TopologyTaint(msgspec.Struct, omit_defaults=True):
+    key: str = ""
+    value: str | None = None
+    effect: str = ""
+
+
+class _TopologySpec(msgspec.Struct, omit_defaults=True):
+    taints: list[_TopologyTaint] | None = None
+
+
+class NodeTopology(GlobalResource, msgspec.Struct, omit_defaults=True):
+    """A Node read for its topology alone: name, labels and taints (the ``nodes`` API, decoded narrowly).
+
+    The scheduler watches every node this way to know the nodes it does not manage as topology domains
+    (kube-scheduler counts them all). A full Node carries its status (conditions, addresses, the list of
+    its images: kilobytes per node); decoding into this type skips all of it as the JSON is read, so a
+    cluster of thousands of nodes outside gpufrac's costs little memory to watch.
+    """
+
+    _api_info: ClassVar[ApiInfo] = Node._api_info
+    metadata: _TopologyMeta = msgspec.field(default_factory=_TopologyMeta)
+    spec: _TopologySpec | None = None
+
+
+def _taints(raw: Iterable[Any]) -> tuple[Taint, ...]:
+    """The taints the engine knows (NoSchedule, PreferNoSchedule, NoExecute), from the API's."""
+    return tuple(
+        Taint(key=t.key, value=t.value or "", effect=TaintEffect(t.effect))
+        for t in raw
+        if t.effect in TaintEffect.__members__.values()
+    )
+
+
+def topology_node_spec(node: NodeTopology) -> NodeSpec:
+    """The engine's view of a node the scheduler does not manage: a topology domain by its labels, with
+    its taints (a spread constraint's ``nodeTaintsPolicy: Honor`` reads them); no resources and no
+    GPUs, since nothing is placed there (``Engine.add_topology_node``)."""
+    return NodeSpec(
+        name=node.metadata.name,
+        cpu_milli=0,
+        memory_bytes=0,
+        max_pods=0,
+        labels=dict(node.metadata.labels or {}),
+        taints=_taints((node.spec.taints if node.spec else None) or ()),
+    )
 
 
 def node_inventory(node: Node) -> tuple[GpuDevice, ...]:
@@ -134,11 +191,7 @@ def node_spec(node: Node, *, agent_heartbeat_expired: bool = False) -> NodeSpec:
     model = gpus[0].model if gpus else labels.get(keys.GPU_MODEL_LABEL, "")
     if model and keys.GPU_MODEL_LABEL not in labels:
         labels[keys.GPU_MODEL_LABEL] = model
-    taints = tuple(
-        Taint(key=t.key, value=t.value or "", effect=TaintEffect(t.effect))
-        for t in (spec.taints if spec else None) or []
-        if t.effect in TaintEffect.__members__.values()
-    )
+    taints = _taints((spec.taints if spec else None) or ())
     extended, ephemeral = node_resources(allocatable)
     return NodeSpec(
         name=meta.name,

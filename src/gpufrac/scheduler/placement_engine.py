@@ -1,7 +1,8 @@
 """What the service needs from the placement engine, and the engine it gets.
 
 The engine (``gpufrac.placement.Engine``) is pure and shared with the simulator. The service only asks
-it to learn and forget nodes, place a batch (holding what it placed; a gang all-or-nothing), book a
+it to learn and forget nodes (and the nodes it does not manage, as topology domains with the pods
+bound to them), place a batch (holding what it placed; a gang all-or-nothing), book a
 placement it did not make (a bound pod seen at start-up or bound by a previous leader), let go of a
 pod, and show its ledgers.
 ``PlacementEngine`` names exactly that, so the seam stays narrow and visible; ``build_engine`` maps the
@@ -32,6 +33,21 @@ class PlacementEngine(Protocol):
 
     def remove_node(self, name: str) -> list[str]:
         """Drop a node and every pod held on it; returns those pods."""
+
+    def add_topology_node(self, spec: NodeSpec) -> None:
+        """Add or replace a node nothing is placed on that is a topology domain all the same (a node
+        the scheduler does not manage: its labels and taints)."""
+
+    def remove_topology_node(self, name: str) -> list[str]:
+        """Drop a topology-only node and the pods counted on it; returns those pods."""
+
+    def add_topology_pod(self, pod: PendingPod, node: str) -> bool:
+        """Count a pod bound to a topology-only node for other pods' affinity and spread rules; returns
+        whether its arrival may let a waiting pod in."""
+
+    def remove_topology_pod(self, uid: str) -> bool | None:
+        """Stop counting a pod of a topology-only node: None when it was not counted, else whether its
+        leaving may let a waiting pod in."""
 
     def schedule(
         self, pods: Sequence[PendingPod], *, gang: bool = False, min_member: int | None = None

@@ -5,8 +5,10 @@ lease, probes, the handler adapter and the shutdown order).
 
 State. Informers feed one booking cache (``gpufrac.scheduler.booking_cache``), which holds the engine:
 our pods (``spec.schedulerName`` = ours), other schedulers' pods already bound (they take cpu, memory and
-pod slots, host ports and other resources on managed nodes, their labels and anti-affinity count for
-affinity and spread, and GPUs if they carry the contract) and managed nodes; a fourth informer watches
+pod slots, host ports and other resources on managed nodes, their labels and terms count for affinity
+and spread, and GPUs if they carry the contract) and managed nodes; every node, read narrowly
+(``objects.NodeTopology``: labels and taints), so that the nodes gpufrac does not manage are topology
+domains as kube-scheduler counts them, with the pods bound there counted; another informer watches
 the node agents' Leases (below). Three more read what some pod fields refer to: namespaces (labels,
 for ``namespaceSelector``), claims and volumes (a bound volume's node affinity); ``pod_fields`` says
 which fields are honoured. Every
@@ -85,12 +87,14 @@ from gpufrac.scheduler.config import SchedulerConfig
 from gpufrac.scheduler.gangs import GangKey, Gangs, gang_of
 from gpufrac.scheduler.metrics import GpuAllocation, SchedulerMetrics, StateReaders
 from gpufrac.scheduler.objects import (
+    NodeTopology,
     agent_heartbeat,
     gpu_request,
     node_spec,
     pending_pod,
     pod_queue,
     queue_label,
+    topology_node_spec,
 )
 from gpufrac.scheduler.placement_engine import PlacementEngine
 from gpufrac.scheduler.pod_fields import RefusedPod, refused_fields, scheduling_gates, volume_terms
@@ -216,6 +220,15 @@ class SchedulerService:
             name="node-leases",
         )
         self.nodes.add_handler(Handler(changed=self._node_changed, deleted=self._node_deleted))
+        # Every node, read narrowly (labels and taints): the unmanaged ones are topology domains for
+        # affinity and spread, as kube-scheduler counts them; the pods bound to them come through the pod
+        # informers above, which do not select by node.
+        self.topology_nodes: Informer[NodeTopology] = Informer(
+            client=client, resource=NodeTopology, name="topology-nodes"
+        )
+        self.topology_nodes.add_handler(
+            Handler(changed=self._topology_node_changed, deleted=self._topology_node_deleted)
+        )
         self.leases.add_handler(Handler(changed=self._lease_changed, deleted=self._lease_deleted))
         # Pod fields kube-scheduler honours (#19): namespace labels for affinity terms' namespaceSelector,
         # and the claims and volumes whose node affinity a pod inherits.
@@ -265,6 +278,7 @@ class SchedulerService:
                 self.pods,
                 self.foreign_pods,
                 self.nodes,
+                self.topology_nodes,
                 self.leases,
                 self.namespaces,
                 self.claims,
@@ -379,8 +393,10 @@ class SchedulerService:
     async def _lead(self) -> None:
         await self.queue_directory.wait_synced()
         log.info(
-            "informers synced: %d managed nodes, %d pods booked, %d pending; placing pods as leader %s",
+            "informers synced: %d managed nodes (and %d other nodes as topology domains), %d pods booked, "
+            "%d pending; placing pods as leader %s",
             len(self.cache.nodes),
+            len(self.cache.topology_nodes),
             len(self.cache),
             len(self.queue),
             self.identity,
@@ -735,7 +751,8 @@ class SchedulerService:
     def _pod_changed(self, old: Pod | None, pod: Pod) -> None:
         if pod.spec and pod.spec.nodeName:
             self.queue.remove(pod.metadata.uid)
-            self.cache.confirm(pod)
+            if self.cache.confirm(pod):
+                self.queue.cluster_changed()
             return
         uid = pod.metadata.uid
         if pod.metadata.deletionTimestamp is not None:
@@ -783,8 +800,10 @@ class SchedulerService:
         self.queue.cluster_changed()
 
     def _foreign_changed(self, old: Pod | None, pod: Pod) -> None:
-        if pod.spec and pod.spec.nodeName:
-            self.cache.confirm(pod)
+        # A pod counted on an unmanaged node that a waiting pod's affinity or spread counts wakes the
+        # parked pods (kube-scheduler's queueing hints do as much).
+        if pod.spec and pod.spec.nodeName and self.cache.confirm(pod):
+            self.queue.cluster_changed()
 
     def _pod_deleted(self, pod: Pod) -> None:
         uid = pod.metadata.uid
@@ -840,8 +859,23 @@ class SchedulerService:
             self.queue.cluster_changed()
 
     def _node_deleted(self, node: Node) -> None:
-        self._heartbeats.forget(node.metadata.name)
-        self.cache.remove_node(node.metadata.name)
+        name = node.metadata.name
+        self._heartbeats.forget(name)
+        self.cache.remove_node(name)
+        # No longer managed (its label went) but still a node: a topology domain from now on.
+        still = self.topology_nodes.store.get(name)
+        if still is not None and self.cache.set_topology_node(topology_node_spec(still)):
+            self.queue.cluster_changed()
+
+    def _topology_node_changed(self, old: NodeTopology | None, node: NodeTopology) -> None:
+        # A managed node is the managed informer's (the cache ignores it here); one that has just become
+        # managed is dropped as a topology node when that informer adds it.
+        if self.cache.set_topology_node(topology_node_spec(node)):
+            self.queue.cluster_changed()
+
+    def _topology_node_deleted(self, node: NodeTopology) -> None:
+        if self.cache.remove_topology_node(node.metadata.name):
+            self.queue.cluster_changed()
 
     async def _expire_heartbeats(self) -> None:
         """Re-evaluate nodes when their agents' heartbeats expire: time passing is no API event."""
