@@ -363,7 +363,8 @@ def test_the_search_answers_as_the_previous_exhaustive_order_did(case, kind, bud
 
 @settings(max_examples=10, deadline=None, suppress_health_check=list(HealthCheck))
 @given(
-    crowded(nodes=100, pods=1300), st.sampled_from([whole(1), whole(2), mib(8000), mib(6000, mode=SM), fraction(0.5, count=2)])
+    crowded(nodes=100, pods=1300),
+    st.sampled_from([whole(1), whole(2), mib(8000), mib(6000, mode=SM), fraction(0.5, count=2)]),
 )
 def test_on_a_crowded_cluster_the_search_answers_as_before(e, shape):
     """Over a thousand single victims (more than four first chunks: the prefix sort runs), most tied on
