@@ -103,6 +103,13 @@ async def test_reference_examples_are_bound_with_the_contract_annotations(
 
         for pod in pods.values():
             assert condition(pod)[0] == "True"
+
+        # Scheduled Events follow the binds (they wait while binds are in flight): wait for them.
+        async def both_reported() -> bool:
+            events = await scheduled_events(client, pool.namespace)
+            return len(events) >= 2
+
+        await wait_for(both_reported, timeout=20, what="two Scheduled Events")
         events = await scheduled_events(client, pool.namespace)
         assert sorted(e.involvedObject.name for e in events) == ["inference", "notebook"]
         assert all(e.message.startswith(f"Successfully assigned {pool.namespace}/") for e in events)
