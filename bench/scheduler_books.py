@@ -34,6 +34,7 @@ from lightkube.core import decoders
 from lightkube.resources.core_v1 import Node, Pod
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpufrac.contract import keys
 from gpufrac.local.simnodes import NodeShape, sim_node
 from gpufrac.placement.decision import Placement
 from gpufrac.placement.model import ModePolicy
@@ -41,7 +42,6 @@ from gpufrac.scheduler.booking_cache import BookingCache
 from gpufrac.scheduler.config import SchedulerConfig
 from gpufrac.scheduler.objects import NodeTopology, gpu_request, node_spec, pending_pod, topology_node_spec
 from gpufrac.scheduler.placement_engine import build_engine
-from gpufrac.scheduler.pod_fields import ZONE_LABEL
 from scheduler_e2e import pod_manifest
 
 BATCH = 256
@@ -117,7 +117,7 @@ def kubelet_node(i: int) -> bytes:
                 "kubernetes.io/os": "linux",
                 "kubernetes.io/arch": "amd64",
                 "node.kubernetes.io/instance-type": "m6i.4xlarge",
-                ZONE_LABEL: f"zone-{i % 3}",
+                keys.ZONE_LABEL: f"zone-{i % 3}",
                 "topology.kubernetes.io/region": "region-1",
             },
             "annotations": {

@@ -14,8 +14,8 @@ from lightkube import AsyncClient
 from lightkube.resources.core_v1 import Node, PersistentVolume, PersistentVolumeClaim, Pod
 from sched_harness import POOL_LABEL, Pool, add_nodes, condition, gpu_pod, running, wait_bound, wait_for
 
+from gpufrac.contract import keys
 from gpufrac.local.simnodes import NodeShape, create_sim_nodes
-from gpufrac.scheduler.pod_fields import ZONE_LABEL
 
 pytestmark = pytest.mark.kube
 
@@ -200,7 +200,7 @@ async def create_unmanaged_node(client: AsyncClient, pool: Pool, name: str, *, z
         {
             "metadata": {
                 "name": name,
-                "labels": {HOST: name, ZONE_LABEL: zone, POOL_LABEL: pool.id},
+                "labels": {HOST: name, keys.ZONE_LABEL: zone, POOL_LABEL: pool.id},
             },
         }
     )
@@ -216,7 +216,7 @@ async def test_unmanaged_nodes_are_topology_domains_and_their_pods_count(
     (managed,) = await create_sim_nodes(
         client, count=1, prefix=f"{pool.id}-n-", labels={POOL_LABEL: pool.id}, zones=1
     )
-    zone = (await client.get(Node, managed)).metadata.labels[ZONE_LABEL]
+    zone = (await client.get(Node, managed)).metadata.labels[keys.ZONE_LABEL]
     same_zone = await create_unmanaged_node(client, pool, f"{pool.id}-cpu-0", zone=zone)
     elsewhere = await create_unmanaged_node(client, pool, f"{pool.id}-cpu-1", zone="elsewhere")
     guard = Pod.from_dict(
@@ -228,7 +228,10 @@ async def test_unmanaged_nodes_are_topology_domains_and_their_pods_count(
                 "affinity": {
                     "podAntiAffinity": {
                         "requiredDuringSchedulingIgnoredDuringExecution": [
-                            {"labelSelector": {"matchLabels": {"app": "infer"}}, "topologyKey": ZONE_LABEL}
+                            {
+                                "labelSelector": {"matchLabels": {"app": "infer"}},
+                                "topologyKey": keys.ZONE_LABEL,
+                            }
                         ]
                     }
                 },
@@ -239,7 +242,7 @@ async def test_unmanaged_nodes_are_topology_domains_and_their_pods_count(
     spread = [
         {
             "maxSkew": 1,
-            "topologyKey": ZONE_LABEL,
+            "topologyKey": keys.ZONE_LABEL,
             "whenUnsatisfiable": "DoNotSchedule",
             "labelSelector": {"matchLabels": {"app": "web"}},
         }

@@ -14,6 +14,7 @@ import json
 import msgspec
 from lightkube.resources.core_v1 import Node, Pod
 
+from gpufrac.contract import keys
 from gpufrac.local.simnodes import NodeShape, sim_node
 from gpufrac.placement.decision import Placement, Unschedulable
 from gpufrac.placement.engine import Engine
@@ -26,13 +27,12 @@ from gpufrac.scheduler.objects import (
     pending_pod,
     topology_node_spec,
 )
-from gpufrac.scheduler.pod_fields import HOSTNAME_LABEL, ZONE_LABEL
 
 ZONE = "z1"
 
 
 def managed(name: str) -> Node:
-    return sim_node(name=name, shape=NodeShape(gpus=1), labels={ZONE_LABEL: ZONE})
+    return sim_node(name=name, shape=NodeShape(gpus=1), labels={keys.ZONE_LABEL: ZONE})
 
 
 def unmanaged(name: str) -> NodeTopology:
@@ -43,7 +43,7 @@ def unmanaged(name: str) -> NodeTopology:
         "metadata": {
             "name": name,
             "resourceVersion": "7",
-            "labels": {HOSTNAME_LABEL: name, ZONE_LABEL: ZONE},
+            "labels": {keys.HOSTNAME_LABEL: name, keys.ZONE_LABEL: ZONE},
         },
         "spec": {"taints": [{"key": "dedicated", "value": "cpu", "effect": "NoSchedule"}]},
         "status": {"images": [{"names": ["registry/image:tag"], "sizeBytes": 1}] * 50},
@@ -75,7 +75,7 @@ def zone_apart(name: str) -> PendingPod:
                 "affinity": {
                     "podAntiAffinity": {
                         "requiredDuringSchedulingIgnoredDuringExecution": [
-                            {"labelSelector": {"matchLabels": {"app": "web"}}, "topologyKey": ZONE_LABEL}
+                            {"labelSelector": {"matchLabels": {"app": "web"}}, "topologyKey": keys.ZONE_LABEL}
                         ]
                     }
                 },
@@ -108,7 +108,7 @@ def new_cache() -> BookingCache:
 def test_the_narrow_read_of_a_node_keeps_its_labels_and_taints_and_nothing_else() -> None:
     node = unmanaged("cpu-0")
     spec = topology_node_spec(node)
-    assert spec.labels == {HOSTNAME_LABEL: "cpu-0", ZONE_LABEL: ZONE}
+    assert spec.labels == {keys.HOSTNAME_LABEL: "cpu-0", keys.ZONE_LABEL: ZONE}
     assert [(t.key, t.value, t.effect) for t in spec.taints] == [
         ("dedicated", "cpu", TaintEffect.NO_SCHEDULE)
     ]
