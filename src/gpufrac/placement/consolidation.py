@@ -39,6 +39,7 @@ from gpufrac.contract.keys import MOVABLE_ANNOTATION
 
 from .decision import Placement
 from .engine import Engine
+from .filters import resource_fit
 from .model import PendingPod
 from .preemption import DEFAULT_BUDGET, Kind, eligible_victims, find_victims
 
@@ -172,7 +173,7 @@ def plan_consolidation(
         kind=Kind.CONSOLIDATE,
         exclude=excluded,
         budget=budget,
-        trial=_placement_after_moves,
+        trial=_Trial(),
         verify_per_chunk=VERIFY_PER_CHUNK,
     )
     if found is not None:
@@ -221,9 +222,42 @@ class MoveBudget:
         return max(0.0, (moves - self._tokens) * 60 / self.per_minute)
 
 
-def _placement_after_moves(engine: Engine, pod: PendingPod, victims: list[str]) -> Placement | None:
-    result = relocate(engine, pod, victims)
-    return None if result is None else result[0]
+class _Trial:
+    """``relocate`` as the search's trial, after a cheap test that skips most sets that cannot work in a
+    full cluster. A moved pod that fits on no node now (``_home_now``) can only go back to the node the
+    set frees, since every other node only gets fuller; so the pending pod and those pods must fit in
+    that node's free memory plus what the set gives back. (A necessary condition: a set that passes is
+    still simulated.)"""
+
+    def __init__(self) -> None:
+        self._homes: dict[str, bool] = {}
+        self._need: dict[int, int] = {}
+
+    def __call__(self, engine: Engine, pod: PendingPod, victims: list[str]) -> Placement | None:
+        first = engine.placement_of(victims[0])
+        assert first is not None
+        n = engine.state.index[first.node]
+        need = self._need.get(n)
+        if need is None:
+            need = self._need[n] = _least_need_mib(engine, pod, np.array([n]))
+        held = {uid: _mib(engine.placement_of(uid)) for uid in victims}  # type: ignore[arg-type]
+        back = sum(mib for uid, mib in held.items() if not self._home_now(engine, uid))
+        if need + back > int(engine.state.free_total[n]) + sum(held.values()):
+            return None
+        result = relocate(engine, pod, victims)
+        return None if result is None else result[0]
+
+    def _home_now(self, engine: Engine, uid: str) -> bool:
+        found = self._homes.get(uid)
+        if found is None:
+            booked = engine.bound_pod(uid)
+            assert booked is not None
+            nodes = engine.static_fits(booked)
+            found = bool(nodes.size) and bool(
+                (resource_fit(engine.state, engine.demand(booked), nodes, engine.rules).reasons == 0).any()
+            )
+            self._homes[uid] = found
+        return found
 
 
 def _gpus(placement: Placement) -> set[str]:
