@@ -7,7 +7,7 @@ Examples::
     gpufrac simulate --trace my_pods.csv --nodes my_nodes.csv --policy binpack,fgd-align
     gpufrac simulate --trace default --policy all --scenario mixed     # both compute modes
     gpufrac simulate --trace default --policy fgd --seeds 42 --churn   # departures, queues, reclaim
-    gpufrac simulate --trace default --churn --consolidation --churn-cluster 0.1   # and moves
+    gpufrac simulate --trace default --churn --consolidation --churn-cluster 0.01  # and moves
     gpufrac simulate --trace cpu2x --policy fgd,fgd-align --offline-bound   # a CPU-heavier variant
     gpufrac simulate --trace default --policy fgd-align --window 16    # bursts of 16 received pods
     gpufrac simulate --from-cluster --policy all --export snap/        # your own cluster (kubeconfig)
