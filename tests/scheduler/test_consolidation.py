@@ -156,8 +156,9 @@ def test_a_move_the_per_minute_bound_cannot_pay_for_waits_and_says_so() -> None:
     assert started == ["_execute"]
     # The other movable pod would do for the second pod, but the minute's one move is spent.
     message = preemptions.consider(second, api_pod(), nowhere)
-    assert "Consolidation would move 1 pod(s) off node" in message
-    assert message.endswith("; deferred by consolidation.max_moves_per_minute=1.")
+    assert message.endswith(
+        "insufficient GPU memory. Consolidation: deferred by consolidation.max_moves_per_minute=1."
+    )
     assert started == ["_execute", "later"], "a retry is due once the bucket has refilled"
     now[0] = 59.0
     assert "deferred" in preemptions.consider(second, api_pod(), nowhere)
@@ -339,3 +340,45 @@ def test_the_pending_pods_room_is_held_while_the_moved_pod_leaves() -> None:
     assert engine.placement_of(f"{HOLD_PREFIX}first") is None
     assert engine.placement_of(f"mover-{node}") is None
     assert isinstance(engine.place(pending), Placement)
+
+
+def test_a_plan_of_more_moves_than_a_minute_allows_is_never_started() -> None:
+    # a: two movable 5000 MiB pods and a fixed 4000 (2000 free); b: a fixed 6000 (10000 free). A 12000
+    # MiB pod fits once both movable pods are on b: two moves, and the bound allows one a minute.
+    engine = Engine(policy="binpack")
+    owned = api_pod(annotations=OPTED_IN, owners=[owner(controller=True)])
+    for name, held in (
+        ("a", [("m1", 5000, True), ("m2", 5000, True), ("f", 4000, False)]),
+        ("b", [("g", 6000, False)]),
+    ):
+        gpu = GpuDevice(f"{name}-gpu", 0, 16000)
+        engine.add_node(NodeSpec(name=name, cpu_milli=64_000, memory_bytes=1 << 38, gpus=(gpu,)))
+        for uid, mib, can_move in held:
+            booked = PendingPod(namespace="ns", name=uid, uid=uid, gpu=mib_request(mib), movable=can_move)
+            device = DeviceAssignment(gpu.uuid, 0, mib, mib, None)
+            engine.assume(booked, Placement(uid, name, (ContainerPlacement("app", TS, False, (device,)),)))
+    started: list[str] = []
+
+    def spawn(coro: Any) -> None:
+        started.append(coro.cr_code.co_name)
+        coro.close()
+
+    preemptions = Preemptions(
+        client=None,  # type: ignore[arg-type]
+        engine=engine,
+        events=None,  # type: ignore[arg-type]
+        victim_pod=lambda uid: owned,
+        release=lambda uid: True,
+        place_now=lambda pod: None,
+        retry=lambda: None,
+        spawn=spawn,
+        preempt=False,
+        moves=MoveBudget(1, now=0.0),
+    )
+    big = PendingPod(namespace="ns", name="big", uid="big", gpu=mib_request(12000))
+    assert not isinstance(engine.place(big), Placement)
+    message = preemptions.consider(big, api_pod(), Unschedulable("big", 2, (("insufficient GPU memory", 2),)))
+    assert message.endswith(
+        "Consolidation would move 2 pod(s) off node a, more than consolidation.max_moves_per_minute=1 allows."
+    )
+    assert started == [], "nothing is evicted, and no retry would help"

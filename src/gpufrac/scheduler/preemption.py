@@ -193,6 +193,13 @@ class Preemptions:
         self, uid: str, pending: PendingPod, budget: MoveBudget
     ) -> tuple[Consolidation | None, str]:
         """A consolidation plan the bound allows now, or None and the sentence that says why not."""
+        bound = f"consolidation.max_moves_per_minute={budget.per_minute}"
+        wait = budget.wait_s(1, now=self._clock())
+        if wait > 0:
+            # Not one move left: no plan could be carried out, so none is searched for (a full cluster
+            # retries its parked pods on every change).
+            self._retry_after(wait)
+            return None, f" Consolidation: deferred by {bound}."
         candidates, _ = eligible_victims(self._engine, pending, kind=Kind.CONSOLIDATE)
         outcome = plan_consolidation(self._engine, pending, exclude=self._excluded(uid, candidates))
         if isinstance(outcome, NoConsolidation):
@@ -203,9 +210,9 @@ class Preemptions:
         wait = budget.wait_s(count, now=now)
         head = f" Consolidation would move {count} pod(s) off node {outcome.node}"
         if math.isinf(wait):
-            return None, f"{head}, more than consolidation.max_moves_per_minute={budget.per_minute} allows."
+            return None, f"{head}, more than {bound} allows."
         self._retry_after(wait)
-        return None, f"{head}; deferred by consolidation.max_moves_per_minute={budget.per_minute}."
+        return None, f"{head}; deferred by {bound}."
 
     def _hold(self, pending: PendingPod, plan: Consolidation) -> str | None:
         """Book, in the engine only, the part of the pending pod's room that is free already (its GPUs'
