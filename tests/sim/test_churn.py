@@ -92,3 +92,33 @@ def test_simulate_churn_reports_both_runs_per_queue(tmp_path) -> None:
     assert [q["pending_p50_s"] for q in ls] == [90.0, 0.0]
     bad = CliRunner().invoke(app, [*args, "--churn", "--churn-cluster", "0"])
     assert bad.exit_code == 2 and "cluster=0.0 must be a fraction in (0, 1]" in bad.output
+
+
+# One node of two T4s, one queue. At t=0 a fixed half and a movable 0.3 share a GPU (0.2 free) and a
+# 0.6 takes the other (0.4 free). At t=10 a half arrives: 0.6 GPU of memory is free, in two pieces.
+FRAGMENTED = [
+    trace_pod("half", "LS", 500, 0, 1000),
+    trace_pod("small", "LS", 300, 0, 1000),
+    trace_pod("big", "LS", 600, 0, 1000),
+    trace_pod("late", "LS", 500, 10, 500),
+]
+
+
+def test_consolidation_moves_the_small_pod_and_the_late_one_starts_at_once() -> None:
+    common = {"nodes": NODES, "pods": FRAGMENTED, "policy": "binpack", "seed": 0, "reclaim": False}
+    without = churn_replay(**common)
+    assert without.moves == 0 and without.pending_p99_s > 900  # the late pod waits for t=1000
+    # Every pod movable: only the 0.3 has a home elsewhere (the 0.4 left on the other GPU).
+    moved = churn_replay(**common, consolidation=True, movable_share=1.0)
+    assert moved.moves == 1 and moved.queues[0].moved == 1
+    assert moved.pending_p99_s == 0.0 and moved.started == 4
+    # No pod movable: the same wait as without consolidation.
+    kept = churn_replay(**common, consolidation=True, movable_share=0.0)
+    assert kept.moves == 0 and kept.pending_p99_s == without.pending_p99_s
+    with pytest.raises(ValueError, match="per_minute=0 must be at least 1"):
+        churn_replay(**common, consolidation=True, max_moves_per_minute=0)
+
+
+def test_simulate_consolidation_goes_with_churn_only(tmp_path) -> None:
+    result = CliRunner().invoke(app, ["simulate", "--consolidation"])
+    assert result.exit_code == 2 and "--consolidation goes with --churn" in result.output

@@ -166,6 +166,10 @@ DEFAULT_SCHEDULER_NAME = "gpufrac-scheduler"
 #: A pod's own placement policy (``binpack``, ``spread``, ``kai``, ``fgd``, ``fgd-align``), overriding
 #: the scheduler's configured one; an unknown name makes the pod unschedulable with the known names.
 PLACEMENT_POLICY_ANNOTATION = "gpufrac.io/placement-policy"
+#: A pod's consent to be moved by consolidation (value ``"true"``): the scheduler may evict it so that a
+#: pending pod fits, when a new home for it exists elsewhere. Honoured only for a pod a controller owns
+#: (an ownerReference with ``controller: true``), which recreates it; a bare pod is never moved.
+MOVABLE_ANNOTATION = "gpufrac.io/movable"
 
 
 # -- Dynamic Resource Allocation (resource.k8s.io/v1; docs/dra.md) ------------------------------------------

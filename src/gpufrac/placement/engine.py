@@ -307,7 +307,7 @@ class Engine:
 
     def _commit(self, pod: PendingPod, allocation: Allocation, placement: Placement) -> None:
         self.state.apply(allocation)
-        self.pods.add(pod.uid, allocation, priority=pod.priority, queue=pod.queue)
+        self.pods.add(pod.uid, allocation, priority=pod.priority, queue=pod.queue, movable=pod.movable)
         self.book.add(pod, allocation.node)
         mib = sum(c.request_mib for c in allocation.charges)
         gpus = _whole_gpus(allocation)

@@ -162,6 +162,8 @@ class PendingPod:
     engine's policy for this pod (the per-pod policy annotation). ``labels`` and ``constraints`` relate
     the pod to other pods (``gpufrac.placement.pod_constraints``); ``extras`` are the node-local
     resources besides CPU, memory and GPUs; ``nominated_node`` is where a preemptor made room for it.
+    ``movable``: once placed, consolidation may move it (it opted in and a controller recreates it;
+    ``gpufrac.placement.consolidation``).
     """
 
     namespace: str
@@ -182,6 +184,7 @@ class PendingPod:
     constraints: PodConstraints = NO_CONSTRAINTS
     extras: NodeExtras = NO_EXTRAS
     nominated_node: str | None = None
+    movable: bool = False
 
     @property
     def key(self) -> str:

@@ -1,9 +1,11 @@
 """Victim selection: which placed pods to remove so that a pending pod fits, and where it then goes.
 
-Two uses, one search. **Preemption** inside a queue: pods of the pending pod's queue with a lower
+Three uses, one search. **Preemption** inside a queue: pods of the pending pod's queue with a lower
 PriorityClass value may be removed. **Reclaim** across queues: a queue below its deserved share takes
 back from queues above theirs, and never pushes a victim queue below its own share (the victims taken
-from one queue may add up to at most that queue's usage over its deserved MiB).
+from one queue may add up to at most that queue's usage over its deserved MiB). **Consolidation**
+(``gpufrac.placement.consolidation``): movable pods of no higher priority are moved rather than
+removed; its trial also finds each moved pod a new home, so a set is only chosen when all of them have one.
 
 What counts as freed is the pending pod's exact shape, not a MiB total: the search asks the same
 filters placement runs (per-GPU memory, compute mode, device count, sm-sharing tenancy, compute
@@ -70,6 +72,14 @@ _FIRST_CHUNK = 256
 class Kind(StrEnum):
     PREEMPT = "preempt"
     RECLAIM = "reclaim"
+    CONSOLIDATE = "consolidate"
+
+
+class Trial(Protocol):
+    """Where the engine would place ``pod`` once ``victims`` are gone (None: nowhere, or the removal is
+    not acceptable); the engine must be left exactly as it was. ``simulate`` is the plain one."""
+
+    def __call__(self, engine: Engine, pod: PendingPod, victims: list[str]) -> Placement | None: ...
 
 
 class ShareBook(Protocol):
@@ -140,6 +150,7 @@ def eligible_victims(
 
     Preemption: same queue, lower priority. Reclaim: only when the pod's queue is below its deserved
     share; victims from other queues above theirs, each no bigger than its queue's excess.
+    Consolidation: movable pods (``PendingPod.movable``) of any queue whose priority is not higher.
     """
     table = engine.pods
     mask = table.live.copy()
@@ -153,6 +164,8 @@ def eligible_victims(
         if q is None:
             return np.empty(0, dtype=np.int64), slack
         mask &= (table.queue == q) & (table.priority < pod.priority)
+    elif kind is Kind.CONSOLIDATE:
+        mask &= table.movable & (table.priority <= pod.priority)
     else:
         book = shares or EngineShares(engine)
         if book.usage_mib(pod.queue) >= book.deserved_mib(pod.queue):
@@ -177,12 +190,15 @@ def find_victims(
     shares: ShareBook | None = None,
     exclude: Iterable[str] = (),
     budget: int = DEFAULT_BUDGET,
+    trial: Trial | None = None,
+    verify_per_chunk: int = _VERIFY_PER_CHUNK,
 ) -> Preemption | None:
     """The best victims for ``pod`` (see the module docstring), or None when no set makes it fit.
 
     Call it for a pod the engine could not place. ``exclude`` names pods that must not be chosen (an
     eviction a PodDisruptionBudget refused, a pod already being evicted). The engine is left exactly
-    as it was.
+    as it was. ``trial`` replaces ``simulate`` as the last word on a set (consolidation's also re-places
+    the moved pods); ``verify_per_chunk`` is how many hypotheses of a chunk it is asked about.
     """
     if not pod.gpu.containers:
         return None
@@ -224,7 +240,8 @@ def find_victims(
             part = order.rows(at, at + chunk)
             ok = fits(part)
             if ok.any():
-                found = _verify(engine, pod, kind, book, _Candidates(part.nodes[ok], part.victims[ok]))
+                good = _Candidates(part.nodes[ok], part.victims[ok])
+                found = _verify(engine, pod, kind, book, good, trial, verify_per_chunk)
                 if found is not None:
                     return found
             at, chunk = at + chunk, chunk * 4
@@ -288,7 +305,9 @@ def find_victims(
             for at in range(0, order.size, REPRIEVE_NODES):
                 best = order[at : at + REPRIEVE_NODES]
                 every = _Candidates(nodes[best], victims_on(best))
-                found = _reprieve(engine, pod, kind, book, every, fits, fits_after, tenant)
+                found = _reprieve(
+                    engine, pod, kind, book, every, fits, fits_after, tenant, trial, verify_per_chunk
+                )
                 if found is not None:
                     return found
             return None
@@ -327,6 +346,8 @@ def _reprieve(
     fits: _Fits,
     fits_after: Callable[[np.ndarray, Released], np.ndarray],
     tenant: int | None,
+    check: Trial | None,
+    verify_per_chunk: int,
 ) -> Preemption | None:
     """A minimal set per node: from all eligible victims, give back the most important first while the
     pod still fits (one vectorised filter run per round, across all nodes; each round subtracts one
@@ -352,7 +373,8 @@ def _reprieve(
         removed[ok, col] = PodTable.NOTHING
         released = released.minus(victim, ok)
     ok = fits(_Candidates(nodes, removed))
-    return _verify(engine, pod, kind, book, _in_cost_order(engine, _Candidates(nodes[ok], removed[ok])))
+    cand = _in_cost_order(engine, _Candidates(nodes[ok], removed[ok]))
+    return _verify(engine, pod, kind, book, cand, check, verify_per_chunk)
 
 
 class _CostOrder:
@@ -414,7 +436,13 @@ def _in_cost_order(engine: Engine, cand: _Candidates) -> _Candidates:
 
 
 def _verify(
-    engine: Engine, pod: PendingPod, kind: Kind, shares: ShareBook, cand: _Candidates
+    engine: Engine,
+    pod: PendingPod,
+    kind: Kind,
+    shares: ShareBook,
+    cand: _Candidates,
+    trial: Trial | None = None,
+    limit: int = _VERIFY_PER_CHUNK,
 ) -> Preemption | None:
     """Try the hypotheses (in cost order) on the engine itself; the first one that places the pod wins."""
     table = engine.pods
@@ -424,11 +452,12 @@ def _verify(
             engine.state.nodes[int(cand.nodes[i])],
             [table.uid[s] for s in cand.victims[i].tolist() if s != PodTable.NOTHING],
         )
-        for i in range(min(cand.nodes.size, _VERIFY_PER_CHUNK))
+        for i in range(min(cand.nodes.size, limit))
     ]
+    attempt = trial or simulate
     for node, victims in tries:
         assert node is not None
-        placement = simulate(engine, pod, victims)
+        placement = attempt(engine, pod, victims)
         if placement is None or placement.node != node.name:
             continue
         if kind is Kind.RECLAIM:

@@ -358,9 +358,9 @@ class PodTable:
     without these pods" for thousands of (node, victims) hypotheses at once. Rebuilding that from the
     engine's per-pod records would be a Python loop over every placed pod per decision; keeping the
     holdings as arrays (kept on ``add``/``remove`` by the engine, O(1) each) turns a hypothesis into a
-    few array sums. Per slot: node, priority, queue id, namespace id, host resources, total guaranteed
-    MiB, how many GPUs it holds, and per GPU slot the request, limit, compute ppm and number of charges
-    it puts there.
+    few array sums. Per slot: node, priority, queue id, namespace id, whether consolidation may move it,
+    host resources, total guaranteed MiB, how many GPUs it holds, and per GPU slot the request, limit,
+    compute ppm and number of charges it puts there.
     """
 
     NOTHING = 0
@@ -382,6 +382,7 @@ class PodTable:
         self.priority = np.zeros(rows, dtype=np.int64)
         self.queue = np.zeros(rows, dtype=np.int64)
         self.tenant = np.zeros(rows, dtype=np.int64)
+        self.movable = np.zeros(rows, dtype=bool)
         self.cpu = np.zeros(rows, dtype=np.int64)
         self.mem = np.zeros(rows, dtype=np.int64)
         self.mib = np.zeros(rows, dtype=np.int64)
@@ -399,6 +400,7 @@ class PodTable:
             "priority",
             "queue",
             "tenant",
+            "movable",
             "cpu",
             "mem",
             "mib",
@@ -427,7 +429,9 @@ class PodTable:
     def known_queue(self, name: str) -> int | None:
         return self._queues.get(name)
 
-    def add(self, uid: str, allocation: Allocation, *, priority: int, queue: str) -> None:
+    def add(
+        self, uid: str, allocation: Allocation, *, priority: int, queue: str, movable: bool = False
+    ) -> None:
         if self._free:
             s = self._free.pop()
         else:
@@ -443,6 +447,7 @@ class PodTable:
         self.priority[s] = priority
         self.queue[s] = self.queue_id(queue)
         self.tenant[s] = allocation.tenant
+        self.movable[s] = movable
         self.cpu[s] = allocation.cpu_milli
         self.mem[s] = allocation.memory_bytes
         self.mib[s] = sum(c.request_mib for c in allocation.charges)
@@ -457,6 +462,7 @@ class PodTable:
         s = self.slot_of.pop(uid)
         self.uid[s] = None
         self.live[s] = False
+        self.movable[s] = False
         self.node[s] = -1
         self.cpu[s] = self.mem[s] = self.mib[s] = self.gpus[s] = 0
         self.req[s, :] = self.lim[s, :] = self.ppm[s, :] = self.on[s, :] = 0

@@ -49,6 +49,16 @@ class LeaderElectionConfig(_Strict):
         return self
 
 
+class ConsolidationConfig(_Strict):
+    """Moving movable pods so that a pod that fits nowhere because free GPU memory is fragmented gets
+    room (docs/scheduler.md, "Consolidation")."""
+
+    enabled: bool = False
+    max_moves_per_minute: int = Field(default=4, ge=1)
+    """The bound on disruption: moves average at most this many a minute and come at most this many at
+    once; a plan that needs more waits (the pod says so)."""
+
+
 class SchedulerConfig(_Strict):
     scheduler_name: str = keys.DEFAULT_SCHEDULER_NAME
     """Pods whose ``spec.schedulerName`` equals this are ours."""
@@ -68,6 +78,11 @@ class SchedulerConfig(_Strict):
     preemption: bool = True
     """When a pod fits nowhere, evict lower-priority pods of its queue, or reclaim from queues above
     their deserved share for a queue below its own (through the Eviction API; docs/scheduler.md)."""
+
+    consolidation: ConsolidationConfig = ConsolidationConfig()
+    """When a pod still fits nowhere (no preemption or reclaim helps) and only because free GPU memory is
+    fragmented, evict movable pods (``gpufrac.io/movable: "true"`` and a controller owner) that have a
+    new home elsewhere; off by default."""
 
     sm_sharing_tenancy: Literal["namespace", "shared"] = "namespace"
     """namespace: an sm-sharing GPU holds pods of one namespace only (MPS merges error domains).

@@ -351,7 +351,18 @@ def pending_pod(
         constraints=pod_constraints(pod),
         extras=node_extras(pod),
         nominated_node=(pod.status.nominatedNodeName if pod.status else None) or None,
+        movable=movable(pod),
     )
+
+
+def movable(pod: Pod) -> bool:
+    """Whether consolidation may move the pod: it says ``gpufrac.io/movable: "true"`` and a controller
+    owns it (an ownerReference with ``controller: true``), which recreates it once it is evicted. A
+    bare pod is never moved, whatever it says: nothing would bring it back."""
+    meta = pod.metadata
+    if (meta.annotations or {}).get(keys.MOVABLE_ANNOTATION) != "true":
+        return False
+    return any(ref.controller for ref in meta.ownerReferences or ())
 
 
 # -- bound pods -------------------------------------------------------------------------------------------

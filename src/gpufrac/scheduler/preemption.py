@@ -1,4 +1,4 @@
-"""The scheduler's side of preemption and reclaim: evict the victims the engine chose, then place.
+"""The scheduler's side of preemption, reclaim and consolidation: evict the chosen pods, then place.
 
 When the engine cannot place a pod, ``Preemptions.consider`` asks ``gpufrac.placement.preemption`` for
 victims: first inside the pod's queue by PriorityClass value, then across queues (reclaim, for a queue
@@ -18,12 +18,23 @@ placed where it would be preempted again at once.
 
 Only pods this scheduler placed (or booked as its own) are candidates: a pod bound by another
 scheduler is not ours to evict.
+
+Consolidation (``gpufrac.placement.consolidation``) is tried when neither preemption nor reclaim has
+a plan (or preemption is off): movable pods are evicted the same way (dry run, budgets, Events:
+``Moved`` on each, ``Consolidating`` on the pending pod, the nomination), and their controllers
+recreate them and the replacements are placed like any pod. The same no-thrash rule keeps them off
+the room the moved pods leave; the rest of the pending pod's room, memory on its GPUs that is free
+already, is held for it in the engine (a booking of no pod, ``HOLD_PREFIX`` and the pod's uid) until it
+is placed, so that a replacement arriving while the moved pods terminate cannot take it. A
+``MoveBudget`` bounds the moves per minute: a plan it cannot pay for now is not started, the pod's
+message says so, and the pod is tried again when the bucket has refilled.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
@@ -37,7 +48,8 @@ from gpufrac.kube.errors import KubeError, NotFound, TooManyRequests
 from gpufrac.kube.events import NORMAL, WARNING, EventRecorder, ObjectRef
 from gpufrac.kube.eviction import evict_pod
 from gpufrac.kube.patch import set_nominated_node
-from gpufrac.placement.decision import Unschedulable
+from gpufrac.placement.consolidation import Consolidation, MoveBudget, NoConsolidation, plan_consolidation
+from gpufrac.placement.decision import ContainerPlacement, DeviceAssignment, Placement, Unschedulable
 from gpufrac.placement.engine import Engine
 from gpufrac.placement.model import PendingPod
 from gpufrac.placement.preemption import Kind, Preemption, ShareBook, eligible_victims, find_victims
@@ -46,8 +58,13 @@ log = logging.getLogger(__name__)
 
 #: Event reasons: on the pending pod, and on a victim by the kind of removal.
 PREEMPTING = "Preempting"
+CONSOLIDATING = "Consolidating"
 PREEMPTION_BLOCKED = "PreemptionBlocked"
-VICTIM_REASON = {Kind.PREEMPT: "Preempted", Kind.RECLAIM: "Reclaimed"}
+VICTIM_REASON = {Kind.PREEMPT: "Preempted", Kind.RECLAIM: "Reclaimed", Kind.CONSOLIDATE: "Moved"}
+_VERB = {Kind.PREEMPT: "Preempting", Kind.RECLAIM: "Reclaiming", Kind.CONSOLIDATE: "Moving"}
+
+#: The engine booking that holds, for a pod consolidation makes room for, what of its room is free already.
+HOLD_PREFIX = "consolidation-hold/"
 
 #: How long a victim a disruption budget refused stays aside for the pod that wanted it.
 REFUSAL_MEMORY_S = 60.0
@@ -56,10 +73,11 @@ REFUSAL_MEMORY_S = 60.0
 @dataclass(slots=True)
 class _Nomination:
     pod: Pod
-    plan: Preemption
+    plan: Preemption | Consolidation
     waiting: set[str]
     gone: set[str] = field(default_factory=set)
     evicting: bool = False
+    hold: str | None = None
 
 
 class Preemptions:
@@ -68,7 +86,8 @@ class Preemptions:
     The service lends what this needs and nothing more: ``victim_pod`` (the latest Pod of a booked
     uid, None for a pod that is not ours), ``release`` (drop a pod's booking), ``place_now`` (place a
     pod at once), ``retry`` (the cluster changed: try parked pods again) and ``spawn`` (run a task the
-    service drains at shutdown).
+    service drains at shutdown). ``preempt``: look for preemption and reclaim victims; ``moves``:
+    consolidate, within this bound (None: never).
     """
 
     def __init__(
@@ -84,6 +103,8 @@ class Preemptions:
         spawn: Callable[[Coroutine[Any, Any, None]], None],
         shares: ShareBook | None = None,
         clock: Callable[[], float] = time.monotonic,
+        preempt: bool = True,
+        moves: MoveBudget | None = None,
     ) -> None:
         self._client = client
         self._engine = engine
@@ -95,10 +116,14 @@ class Preemptions:
         self._spawn = spawn
         self._shares = shares
         self._clock = clock
+        self._preempt = preempt
+        self._moves = moves
+        self._retry_armed = False
         self._open: dict[str, _Nomination] = {}  # by the preempting pod's uid
         self._victim_of: dict[str, str] = {}  # victim uid -> preempting pod uid
         self._refused: dict[str, dict[str, float]] = {}  # pod uid -> victim uid -> when
         self.evictions = 0
+        self.moved = 0
 
     def consider(self, pending: PendingPod, pod: Pod, decision: Unschedulable) -> str:
         """The message to report for an unplaceable pod, after starting a preemption if one helps."""
@@ -109,8 +134,8 @@ class Preemptions:
             return f"{decision.message} {self._waiting(nomination)}"
         if not pending.gpu.containers:
             return decision.message
-        plan = None
-        for kind in (Kind.PREEMPT, Kind.RECLAIM):
+        plan: Preemption | Consolidation | None = None
+        for kind in (Kind.PREEMPT, Kind.RECLAIM) if self._preempt else ():
             # The common case, nobody to take from, costs one vectorised mask.
             candidates, _ = eligible_victims(self._engine, pending, kind=kind, shares=self._shares)
             if candidates.size == 0:
@@ -119,9 +144,14 @@ class Preemptions:
             plan = find_victims(self._engine, pending, kind=kind, shares=self._shares, exclude=exclude)
             if plan is not None:
                 break
+        note = ""
+        if plan is None and self._moves is not None:
+            plan, note = self._consolidation(uid, pending, self._moves)
         if plan is None:
-            return decision.message
+            return f"{decision.message}{note}"
         nomination = _Nomination(pod=pod, plan=plan, waiting=set(plan.victims))
+        if isinstance(plan, Consolidation):
+            nomination.hold = self._hold(pending, plan)
         self._open[uid] = nomination
         for victim in plan.victims:
             self._victim_of[victim] = uid
@@ -129,7 +159,7 @@ class Preemptions:
             "pod %s/%s: %s %d pod(s) on %s",
             pod.metadata.namespace,
             pod.metadata.name,
-            "preempting" if plan.kind is Kind.PREEMPT else "reclaiming",
+            _VERB[plan.kind].lower(),
             len(plan.victims),
             plan.node,
         )
@@ -159,9 +189,76 @@ class Preemptions:
 
     # -- internals ----------------------------------------------------------------------------------------
 
+    def _consolidation(
+        self, uid: str, pending: PendingPod, budget: MoveBudget
+    ) -> tuple[Consolidation | None, str]:
+        """A consolidation plan the bound allows now, or None and the sentence that says why not."""
+        bound = f"consolidation.max_moves_per_minute={budget.per_minute}"
+        wait = budget.wait_s(1, now=self._clock())
+        if wait > 0:
+            # Not one move left: no plan could be carried out, so none is searched for (a full cluster
+            # retries its parked pods on every change).
+            self._retry_after(wait)
+            return None, f" Consolidation: deferred by {bound}."
+        candidates, _ = eligible_victims(self._engine, pending, kind=Kind.CONSOLIDATE)
+        outcome = plan_consolidation(self._engine, pending, exclude=self._excluded(uid, candidates))
+        if isinstance(outcome, NoConsolidation):
+            return None, f" Consolidation: {outcome.detail}."
+        count, now = len(outcome.moves), self._clock()
+        if budget.take(count, now=now):
+            return outcome, ""
+        wait = budget.wait_s(count, now=now)
+        head = f" Consolidation would move {count} pod(s) off node {outcome.node}"
+        if math.isinf(wait):
+            return None, f"{head}, more than {bound} allows."
+        self._retry_after(wait)
+        return None, f"{head}; deferred by {bound}."
+
+    def _hold(self, pending: PendingPod, plan: Consolidation) -> str | None:
+        """Book, in the engine only, the part of the pending pod's room that is free already (its GPUs'
+        free memory up to what it asks on each), so nothing else lands there while the moved pods
+        leave. Returns the booking's uid (None when nothing of the room is free yet)."""
+        free = {ledger.uuid: ledger.free_mib for ledger in self._engine.ledger(plan.node)}
+        containers = []
+        for c in plan.placement.containers:
+            devices = tuple(
+                DeviceAssignment(d.uuid, d.index, mib, mib, None)
+                for d in c.devices
+                if (mib := min(d.request_mib, free.get(d.uuid, 0))) > 0
+            )
+            if devices:
+                containers.append(ContainerPlacement(c.container, c.mode, c.exclusive, devices))
+        if not containers:
+            return None
+        uid = f"{HOLD_PREFIX}{pending.uid}"
+        holder = PendingPod(
+            namespace=pending.namespace,
+            name=f"room-for-{pending.name}",
+            uid=uid,
+            priority=pending.priority,
+            queue=pending.queue,
+        )
+        self._engine.assume(holder, Placement(uid, plan.node, tuple(containers)))
+        return uid
+
+    def _retry_after(self, seconds: float) -> None:
+        """Try parked pods again once the move budget has refilled (one timer at a time)."""
+        if self._retry_armed:
+            return
+        self._retry_armed = True
+
+        async def later() -> None:
+            try:
+                await asyncio.sleep(seconds)
+            finally:
+                self._retry_armed = False
+            self._retry()
+
+        self._spawn(later())
+
     def _waiting(self, nomination: _Nomination) -> str:
         names = ", ".join(self._name(v) for v in nomination.plan.victims)
-        verb = "Preempting" if nomination.plan.kind is Kind.PREEMPT else "Reclaiming"
+        verb = _VERB[nomination.plan.kind]
         return f"{verb} {len(nomination.plan.victims)} pod(s) on node {nomination.plan.node}: {names}."
 
     def _name(self, uid: str) -> str:
@@ -181,6 +278,9 @@ class Preemptions:
 
     def _close(self, uid: str, nomination: _Nomination) -> None:
         self._open.pop(uid, None)
+        if nomination.hold is not None:
+            self._engine.forget(nomination.hold)
+            nomination.hold = None
         for victim in nomination.plan.victims:
             if self._victim_of.get(victim) == uid:
                 del self._victim_of[victim]
@@ -237,17 +337,21 @@ class Preemptions:
                     return
                 self.evictions += 1
                 reason = VICTIM_REASON[plan.kind]
-                self._events.emit(
-                    regarding=_ref(pod),
-                    type=NORMAL,
-                    reason=reason,
-                    message=f"{reason} by {self._pod_key(nomination.pod)} on node {plan.node}",
-                )
+                message = f"{reason} by {self._pod_key(nomination.pod)} on node {plan.node}"
+                if isinstance(plan, Consolidation):
+                    self.moved += 1
+                    target = next(m.target.node for m in plan.moves if m.uid == victim)
+                    message = (
+                        f"Moved by consolidation to make room for {self._pod_key(nomination.pod)} on node "
+                        f"{plan.node}; its controller recreates it (room for it was found on node {target})"
+                    )
+                self._events.emit(regarding=_ref(pod), type=NORMAL, reason=reason, message=message)
+            verb = "moved" if isinstance(plan, Consolidation) else "evicted"
             self._events.emit(
                 regarding=_ref(nomination.pod),
                 type=NORMAL,
-                reason=PREEMPTING,
-                message=f"evicted {len(victims)} pod(s) on node {plan.node} to make room: "
+                reason=CONSOLIDATING if isinstance(plan, Consolidation) else PREEMPTING,
+                message=f"{verb} {len(victims)} pod(s) on node {plan.node} to make room: "
                 + ", ".join(self._pod_key(p) if p else v for v, p in victims),
             )
             try:

@@ -44,7 +44,8 @@ update like any other.
 
 Queues come from Queue objects, KAI's Queue objects and the configuration file, merged into the engine
 (``gpufrac.scheduler.queues``; docs/queues.md). A pod that fits nowhere may preempt or reclaim
-(``gpufrac.scheduler.preemption``); pods of a gang are placed all or nothing (``gpufrac.scheduler.gangs``).
+(``gpufrac.scheduler.preemption``), or have movable pods moved for it (consolidation, the same module);
+pods of a gang are placed all or nothing (``gpufrac.scheduler.gangs``).
 
 Shutdown order matters: stop placing, let binds in flight finish (bounded, ``_drain``), then release the
 lease, so a successor never places while this replica still writes.
@@ -77,6 +78,7 @@ from gpufrac.kube.informer import Informer, object_key
 from gpufrac.kube.lease import LeadershipLost, LeaseTiming
 from gpufrac.kube.patch import set_pod_condition
 from gpufrac.kube.stream import ALL_NAMESPACES, Selection
+from gpufrac.placement.consolidation import MoveBudget
 from gpufrac.placement.decision import Decision, Placement, Unschedulable
 from gpufrac.placement.engine import Engine
 from gpufrac.placement.model import ModePolicy, PendingPod
@@ -344,9 +346,10 @@ class SchedulerService:
             spawn=lambda coro: self._spawn(coro, self._chores),
             retry=self.queue.cluster_changed,
         )
-        # Preemption and reclaim search the engine's own books, so they need the engine itself.
+        # Preemption, reclaim and consolidation search the engine's own books, so they need the engine.
         self.preemptions: Preemptions | None = None
-        if config.preemption and isinstance(engine, Engine):
+        consolidation = config.consolidation
+        if (config.preemption or consolidation.enabled) and isinstance(engine, Engine):
             self.preemptions = Preemptions(
                 client=client,
                 engine=engine,
@@ -356,6 +359,10 @@ class SchedulerService:
                 place_now=lambda pod: self._schedule([(pod.metadata.uid, pod)]),
                 retry=self.queue.cluster_changed,
                 spawn=lambda coro: self._spawn(coro, self._chores),
+                preempt=config.preemption,
+                moves=MoveBudget(consolidation.max_moves_per_minute, now=time.monotonic())
+                if consolidation.enabled
+                else None,
             )
 
     # -- running ------------------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""A replay with departures and queues: pending time and preemptions, with and without reclaim.
+"""A replay with departures and queues: pending time, preemptions and moves, with and without reclaim
+and consolidation.
 
 The paper's protocol (``replay``) only submits pods until the cluster is full. Here pods arrive at
 their ``creation_time`` and leave ``deletion_time - creation_time`` seconds after they start, so the
@@ -12,6 +13,14 @@ most ``retry_limit`` attempts per departure, so a long queue does not make the r
 above their share (the scheduler's rules); a victim goes back to pending with the running time it had
 left, as a controller would recreate it. Pending time is a pod's first start minus its creation time,
 per queue; a victim's second wait counts as a preemption of its queue, not as pending time.
+
+With ``consolidation`` a pod that still fits nowhere asks ``gpufrac.placement.consolidation`` for moves
+(the scheduler's rules and its bound: at most ``max_moves_per_minute``, a token bucket on trace time).
+The trace says nothing about which pods a controller would recreate, so movability is a stated,
+seeded share of the pods (``movable_share``, drawn once per pod from ``seed``; the same pods are movable
+in every run of one seed). A plan is applied at once: the moved pods leave, the pod starts, each moved
+pod starts again on the new home the plan found for it and keeps its departure time (a restart's own
+start-up time is not modelled; the simulator has no containers).
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from gpufrac.placement.consolidation import Consolidation, MoveBudget, plan_consolidation
 from gpufrac.placement.decision import Placement
 from gpufrac.placement.engine import Engine
 from gpufrac.placement.model import Queue
@@ -46,6 +56,7 @@ class QueueResult:
     pending_p50_s: float
     pending_p99_s: float
     preempted: int
+    moved: int = 0
 
 
 @dataclass
@@ -59,6 +70,10 @@ class ChurnResult:
     preemptions: int
     pending_p50_s: float
     pending_p99_s: float
+    consolidation: bool = False
+    moves: int = 0
+    """Pods moved by consolidation (0 without it)."""
+    movable_share: float = 0.0
     queues: list[QueueResult] = field(default_factory=list)
     timeline: list[tuple[int, dict[str, float]]] = field(default_factory=list)
     """(seconds, queue -> share of the cluster's GPU memory its running pods hold), thinned to about
@@ -94,6 +109,9 @@ def churn_replay(
     retry_limit: int = 64,
     load: float = 1.0,
     cluster: float = 1.0,
+    consolidation: bool = False,
+    movable_share: float = 0.5,
+    max_moves_per_minute: int = 4,
 ) -> ChurnResult:
     """Replay ``pods`` with their arrival and departure times (see the module docstring). ``load``
     divides the arrival times (2.0: pods arrive twice as fast, each running as long as in the trace),
@@ -101,6 +119,8 @@ def churn_replay(
     of the nodes (a seeded sample), the other such knob."""
     if load <= 0:
         raise ValueError(f"load={load} must be positive")
+    if not 0 <= movable_share <= 1:
+        raise ValueError(f"movable_share={movable_share} must be a fraction in [0, 1]")
     if not 0 < cluster <= 1:
         raise ValueError(f"cluster={cluster} must be a fraction in (0, 1]")
     if cluster < 1:
@@ -121,8 +141,11 @@ def churn_replay(
         engine.add_node(node_spec(node, gpu_mib))
     make = PodFactory()
     order = sorted(range(len(timed)), key=lambda i: (timed[i].created, i))  # type: ignore[arg-type, return-value]
+    # Drawn for every pod whatever ``consolidation`` says, so runs of one seed share their movable pods.
+    movable = np.random.default_rng([seed, 1]).random(len(timed)) < movable_share
     pending_pods = [
-        dataclasses.replace(make(timed[i], i), queue=queue_of(timed[i])) for i in range(len(timed))
+        dataclasses.replace(make(timed[i], i), queue=queue_of(timed[i]), movable=bool(movable[i]))
+        for i in range(len(timed))
     ]
     left = {i: max(0, int(timed[i].deleted) - int(timed[i].created)) for i in range(len(timed))}  # type: ignore[arg-type]
     arrive = [int(int(p.created) / load) for p in timed]  # type: ignore[arg-type]
@@ -134,6 +157,8 @@ def churn_replay(
     waits: dict[int, float] = {}
     waiting: dict[int, None] = {}  # insertion-ordered: oldest first
     preempted: dict[str, int] = defaultdict(int)
+    moved: dict[str, int] = defaultdict(int)
+    budget = MoveBudget(max_moves_per_minute, now=0.0) if consolidation else None
 
     def start(i: int, now: int) -> None:
         started_at[i] = now
@@ -141,16 +166,33 @@ def churn_replay(
         waiting.pop(i, None)
         heapq.heappush(events, (now + left[i], 0, i, version[i]))
 
+    def consolidate(i: int, now: int) -> bool:
+        assert budget is not None
+        if budget.wait_s(1, now=now) > 0:
+            return False  # not one move left this minute: no plan could be carried out
+        plan = plan_consolidation(engine, pending_pods[i])
+        if not isinstance(plan, Consolidation) or not budget.take(len(plan.moves), now=now):
+            return False
+        for move in plan.moves:
+            engine.forget(move.uid)
+        # The plan's own placements: the state they were found in is the state they are applied to.
+        engine.assume(pending_pods[i], plan.placement)
+        for move in plan.moves:
+            engine.assume(pending_pods[int(move.uid)], move.target)
+            moved[queue_of(timed[int(move.uid)])] += 1
+        start(i, now)
+        return True
+
     def attempt(i: int, now: int) -> bool:
         decision = engine.place(pending_pods[i])
         if isinstance(decision, Placement):
             start(i, now)
             return True
         if not reclaim:
-            return False
+            return consolidation and consolidate(i, now)
         plan = find_victims(engine, pending_pods[i], kind=Kind.RECLAIM)
         if plan is None:
-            return False
+            return consolidation and consolidate(i, now)
         for uid in plan.victims:
             v = int(uid)
             engine.forget(uid)
@@ -203,6 +245,7 @@ def churn_replay(
                 pending_p50_s=round(_percentile(done, 50), 1),
                 pending_p99_s=round(_percentile(done, 99), 1),
                 preempted=preempted[q],
+                moved=moved[q],
             )
         )
     everything = list(waits.values())
@@ -216,6 +259,9 @@ def churn_replay(
         preemptions=sum(preempted.values()),
         pending_p50_s=round(_percentile(everything, 50), 1),
         pending_p99_s=round(_percentile(everything, 99), 1),
+        consolidation=consolidation,
+        moves=sum(moved.values()),
+        movable_share=movable_share if consolidation else 0.0,
         queues=queues,
         timeline=timeline,
     )

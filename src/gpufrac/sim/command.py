@@ -7,6 +7,7 @@ Examples::
     gpufrac simulate --trace my_pods.csv --nodes my_nodes.csv --policy binpack,fgd-align
     gpufrac simulate --trace default --policy all --scenario mixed     # both compute modes
     gpufrac simulate --trace default --policy fgd --seeds 42 --churn   # departures, queues, reclaim
+    gpufrac simulate --trace default --churn --consolidation --churn-cluster 0.01  # and moves
     gpufrac simulate --trace cpu2x --policy fgd,fgd-align --offline-bound   # a CPU-heavier variant
     gpufrac simulate --trace default --policy fgd-align --window 16    # bursts of 16 received pods
     gpufrac simulate --from-cluster --policy all --export snap/        # your own cluster (kubeconfig)
@@ -113,6 +114,20 @@ def simulate(
     churn_cluster: Annotated[
         float, typer.Option(help="With --churn: keep this fraction of the nodes (a seeded sample).")
     ] = 1.0,
+    consolidation: Annotated[
+        bool,
+        typer.Option(
+            "--consolidation",
+            help="With --churn: also run with consolidation (moves of movable pods), reclaim off and on.",
+        ),
+    ] = False,
+    churn_movable: Annotated[
+        float,
+        typer.Option(help="With --consolidation: the share of pods that are movable (seeded draw per pod)."),
+    ] = 0.5,
+    max_moves_per_minute: Annotated[
+        int, typer.Option(min=1, help="With --consolidation: the bound on moves per minute of trace time.")
+    ] = 4,
     from_cluster: Annotated[
         bool,
         typer.Option(
@@ -140,6 +155,9 @@ def simulate(
     if scenario not in SCENARIOS:
         err.print(f"gpufrac simulate: unknown scenario {scenario!r}; known: {', '.join(SCENARIOS)}")
         raise typer.Exit(code=2)
+    if consolidation and not churn:
+        err.print("gpufrac simulate: --consolidation goes with --churn")
+        raise typer.Exit(code=2)
     if (kubeconfig or context or export) and not from_cluster:
         err.print("gpufrac simulate: --kubeconfig, --context and --export go with --from-cluster")
         raise typer.Exit(code=2)
@@ -165,6 +183,9 @@ def simulate(
             err=err,
             load=churn_load,
             cluster=churn_cluster,
+            consolidation=consolidation,
+            movable_share=churn_movable,
+            max_moves_per_minute=max_moves_per_minute,
             plot_path=None if no_plot else plot_path or Path("out") / f"churn-{name}.png",
         )
         return
@@ -239,13 +260,26 @@ def _churn(
     err: Console,
     load: float,
     cluster: float,
+    consolidation: bool,
+    movable_share: float,
+    max_moves_per_minute: int,
     plot_path: Path | None,
 ) -> None:
     try:
         runs = [
             churn_replay(
-                nodes=nodes, pods=pods, policy=policy, seed=seed, reclaim=reclaim, load=load, cluster=cluster
+                nodes=nodes,
+                pods=pods,
+                policy=policy,
+                seed=seed,
+                reclaim=reclaim,
+                load=load,
+                cluster=cluster,
+                consolidation=consolidate,
+                movable_share=movable_share,
+                max_moves_per_minute=max_moves_per_minute,
             )
+            for consolidate in ((False, True) if consolidation else (False,))
             for reclaim in (False, True)
         ]
     except ValueError as error:
@@ -257,21 +291,56 @@ def _churn(
         typer.echo(json.dumps(out))
         return
     title = f"{name}: churn replay, {policy}, seed {seed}, {runs[0].nodes} nodes, load x{load} (pending s)"
+    if consolidation:
+        title += f", {movable_share:.0%} of pods movable, at most {max_moves_per_minute} moves/min"
     out = Table(title=title)
-    for column in ("queue", "share", "pods", "reclaim", "started", "pending p50", "pending p99", "preempted"):
+    columns = ["queue", "share", "pods", "reclaim", "started", "pending p50", "pending p99", "preempted"]
+    if consolidation:
+        columns[4:4] = ["consolidation"]
+        columns.append("moved")
+    for column in columns:
         out.add_column(column)
     for run in runs:
-        for q in run.queues:
-            out.add_row(
+        rows = [
+            (
                 q.queue,
                 f"{q.deserved_share:.3f}",
                 str(q.pods),
-                "on" if run.reclaim else "off",
-                str(q.started),
-                f"{q.pending_p50_s:.0f}",
-                f"{q.pending_p99_s:.0f}",
-                str(q.preempted),
+                q.started,
+                q.pending_p50_s,
+                q.pending_p99_s,
+                q.preempted,
+                q.moved,
             )
+            for q in run.queues
+        ]
+        rows.append(
+            (
+                "all",
+                "",
+                str(run.pods),
+                run.started,
+                run.pending_p50_s,
+                run.pending_p99_s,
+                run.preemptions,
+                run.moves,
+            )
+        )
+        for queue, share, count, started, p50, p99, preempted, moved in rows:
+            cells = [
+                queue,
+                share,
+                count,
+                "on" if run.reclaim else "off",
+                str(started),
+                f"{p50:.0f}",
+                f"{p99:.0f}",
+                str(preempted),
+            ]
+            if consolidation:
+                cells[4:4] = ["on" if run.consolidation else "off"]
+                cells.append(str(moved))
+            out.add_row(*cells)
     Console().print(out)
     if written:
         Console().print(f"allocation over time: {written}")

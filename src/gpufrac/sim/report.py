@@ -167,7 +167,7 @@ def plot(trace: str, results: Sequence[RunResult], path: Path) -> Path:
 
 def plot_churn(trace: str, runs: Sequence[ChurnResult], path: Path) -> Path:
     """Per queue, its share of the cluster's GPU memory over time against its deserved share (dashed),
-    one panel per run (reclaim off, on)."""
+    one panel per run (reclaim off, on; then with consolidation)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -180,7 +180,10 @@ def plot_churn(trace: str, runs: Sequence[ChurnResult], path: Path) -> Path:
             line = ax.plot(hours, [shares.get(q.queue, 0.0) for _, shares in run.timeline], label=q.queue)
             ax.axhline(q.deserved_share, color=line[0].get_color(), linestyle="--", linewidth=0.8)
         ax.set(xlabel="hours", ylabel="share of cluster GPU memory (dashed: deserved)")
-        ax.set_title(f"{trace}: reclaim {'on' if run.reclaim else 'off'} ({run.preemptions} preemptions)")
+        title = f"{trace}: reclaim {'on' if run.reclaim else 'off'} ({run.preemptions} preemptions)"
+        if run.consolidation:
+            title += f", consolidation ({run.moves} moves)"
+        ax.set_title(title)
         ax.legend(loc="upper right")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
