@@ -32,7 +32,8 @@ fractions made a 100-queue tree seven times slower), so the properties the tests
 millionth of a unit: the shares of siblings add up to their parent's share, or to all the siblings want
 if that is less (nothing is left idle that someone wants); no queue gets more than its limit or its
 demand; more capacity never lowers a share; a queue that wants more never raises the share of a queue
-outside its own line (its ancestors and descendants). Callers that need whole units round down.
+in another top-level tree (in its own tree it can: a parent's part of a scarce capacity grows with what
+its children want, and all its children divide it). Callers that need whole units round down.
 """
 
 from __future__ import annotations
