@@ -23,7 +23,7 @@ from lightkube import ApiError, AsyncClient
 from lightkube.core import decoders
 from lightkube.core.generic_client import ALL_NS, GenericAsyncClient, json_encode
 
-from gpufrac.kube import lean_post
+from gpufrac.kube import lean_http
 from gpufrac.kube.errors import KubeError, from_status, translate
 
 T = TypeVar("T")
@@ -104,23 +104,18 @@ async def list_objects(
 async def post_subresource(client: AsyncClient, obj: object, *, name: str, namespace: str | None) -> None:
     """POST ``obj`` to its subresource of ``name`` (a Binding, an Eviction); the answer is not decoded.
 
-    Sent by ``kube.lean_post`` (a scheduler makes one per pod, and httpx's per-request cost was most of
+    Sent by ``kube.lean_http`` (a scheduler makes one per pod, and httpx's per-request cost was most of
     the scheduler's CPU), through httpx where that path does not apply; the request is lightkube's
-    either way.
+    either way. Watches below take the same path for the same reason.
     """
     generic = _generic(client)
     request = generic.prepare_request("post", obj=obj, name=name, namespace=namespace)
     request.response_type = None
-    poster = lean_post.for_client(client, config=generic.config, http=generic._client)
+    poster = lean_http.for_client(client, config=generic.config, http=generic._client)
     if poster is not None:
         answer = await poster.post(request.url, json_encode(request.data), params=request.params)
         if answer.status >= 400:
-            status = answer.status_object()
-            raise from_status(
-                code=status.get("code") or answer.status,
-                reason=status.get("reason"),
-                message=status.get("message") or answer.body[:200].decode("utf-8", "replace"),
-            )
+            raise _answer_error(answer)
         return
     try:
         generic.handle_response("post", await generic.send(generic.build_adapter_request(request)), request)
@@ -156,7 +151,20 @@ async def watch_objects(
     )
     # The server closes the stream after timeout_seconds and sends a bookmark at least every minute;
     # a read that stays silent well past both means the connection is dead.
-    request.timeout = httpx2.Timeout(10.0, read=timeout_seconds + 75.0)
+    read_timeout_s = timeout_seconds + 75.0
+    lean = lean_http.for_client(client, config=generic.config, http=generic._client)
+    if lean is not None:
+        lines = lean.watch_lines(request.url, params=request.params, read_timeout_s=read_timeout_s)
+        try:
+            async for line in lines:
+                if line:
+                    yield _watch_event(line, resource)
+        except lean_http.HttpStatusError as error:
+            raise _answer_error(error.answer) from None
+        finally:
+            await lines.aclose()
+        return
+    request.timeout = httpx2.Timeout(10.0, read=read_timeout_s)
     response = await generic.send(generic.build_adapter_request(request), stream=True)
     try:
         if response.is_error:
@@ -168,18 +176,31 @@ async def watch_objects(
             except httpx2.HTTPStatusError as error:
                 raise KubeError(str(error), code=response.status_code) from error
         async for line in response.aiter_lines():
-            if not line:
-                continue
-            event = decoders.decode_watch_event(line)
-            if event.type == "ERROR":
-                status = decoders.decode_status(event.object)
-                raise from_status(code=status.code, reason=status.reason, message=status.message)
-            if event.type == "BOOKMARK":
-                yield WatchEvent(
-                    type="BOOKMARK", object=None, resource_version=decode_bookmark_version(event.object)
-                )
-                continue
-            obj = decoders.decode_object(event.object, resource)
-            yield WatchEvent(type=event.type, object=obj, resource_version=obj.metadata.resourceVersion or "")
+            if line:
+                yield _watch_event(line, resource)
     finally:
         await response.aclose()
+
+
+def _answer_error(answer: lean_http.Answer) -> KubeError:
+    """The typed error for an error answer of the lean path, from its ``Status`` when it has one."""
+    status = answer.status_object()
+    return from_status(
+        code=status.get("code") or answer.status,
+        reason=status.get("reason"),
+        message=status.get("message") or answer.body[:200].decode("utf-8", "replace"),
+    )
+
+
+def _watch_event(line: str | bytes, resource: type[T]) -> WatchEvent[T]:
+    """One line of a watch stream; raises the typed error of an ERROR event (a 410 is ``Gone``)."""
+    event = decoders.decode_watch_event(line)
+    if event.type == "ERROR":
+        status = decoders.decode_status(event.object)
+        raise from_status(code=status.code, reason=status.reason, message=status.message)
+    if event.type == "BOOKMARK":
+        return WatchEvent(
+            type="BOOKMARK", object=None, resource_version=decode_bookmark_version(event.object)
+        )
+    obj = decoders.decode_object(event.object, resource)
+    return WatchEvent(type=event.type, object=obj, resource_version=obj.metadata.resourceVersion or "")

@@ -1,4 +1,4 @@
-"""The lean POST path (``gpufrac.kube.lean_post``) against servers that misbehave the ways real ones do.
+"""The lean POST path (``gpufrac.kube.lean_http``) against servers that misbehave the ways real ones do.
 
 A local HTTP/1.1 server stands in for what the API server, a load balancer or a token rotation can do
 to a kept-alive connection; the Binding semantics on the real API server are in test_writes.py, which
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from lightkube.config.client_adapter import BearerTokenFileAuth
 
-from gpufrac.kube.lean_post import LeanPoster
+from gpufrac.kube.lean_http import LeanHttp
 
 
 @dataclass
@@ -59,14 +59,14 @@ def created(body: bytes = b'{"kind":"Status","status":"Success","code":201}') ->
 
 
 @pytest.fixture
-async def serve() -> AsyncIterator[Callable[[Server], asyncio.Future[LeanPoster]]]:
+async def serve() -> AsyncIterator[Callable[[Server], asyncio.Future[LeanHttp]]]:
     servers: list[asyncio.Server] = []
 
-    async def start(server: Server, **poster: object) -> LeanPoster:
+    async def start(server: Server, **poster: object) -> LeanHttp:
         listening = await asyncio.start_server(server.handle, "127.0.0.1", 0)
         servers.append(listening)
         port = listening.sockets[0].getsockname()[1]
-        return LeanPoster(
+        return LeanHttp(
             host="127.0.0.1", port=port, path_prefix="", ssl_context=None, timeout_s=5.0, **poster
         )  # type: ignore[arg-type]
 

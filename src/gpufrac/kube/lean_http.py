@@ -1,11 +1,13 @@
-"""POSTs of small JSON bodies on kept-alive HTTP/1.1 connections: the scheduler's one write per pod.
+"""The two requests a scheduler makes per pod, on plain HTTP/1.1: a POST (the Binding) and a watch.
 
-Why: a burst binds thousands of pods, one Binding each. Through httpx a POST cost about 1 ms of CPU (its
-URL parsing, an auth flow per request, a connection pool that probes the socket of every idle connection
-on each request, h11's state machine): 45 % of the scheduler's CPU per pod under
-``bench/scheduler_e2e.py --profile``, on a machine where the scheduler shares the CPU with the API
-server it writes to. Here a request is one write of prepared bytes on a connection taken from a free
-list, and the answer a status line, headers and a ``Content-Length`` (or chunked) body.
+Why: a burst binds thousands of pods, one Binding each, and reads each pod twice from a watch. Through
+httpx a POST cost about 1 ms of CPU (its URL parsing, an auth flow per request, a connection pool that
+probes the socket of every idle connection on each request, h11's state machine), 45 % of the
+scheduler's CPU per pod under ``bench/scheduler_e2e.py --profile``, and reading watch lines through
+httpx and h11 another 30 % once the POSTs were lean, on a machine where the scheduler shares the CPU
+with the API server it talks to. Here a POST is one write of prepared bytes on a kept-alive connection
+taken from a free list, its answer a status line, headers and a ``Content-Length`` (or chunked) body;
+a watch is its own connection whose chunked body is split into lines.
 
 Same endpoint, TLS context and credentials as the lightkube client it is made from (``for_client``):
 the cluster's CA, the client certificate, and the ``Authorization`` header of lightkube's own auth
@@ -29,6 +31,7 @@ import ssl
 import time
 import weakref
 from collections import deque
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote, urlencode
@@ -80,8 +83,16 @@ class _Connection:
             self.writer.close()
 
 
-class LeanPoster:
-    """POSTs to one API server over up to ``max_connections`` kept-alive HTTPS connections."""
+class HttpStatusError(Exception):
+    """A watch request answered with an error status; ``answer`` holds the server's ``Status``."""
+
+    def __init__(self, answer: Answer) -> None:
+        super().__init__(f"HTTP {answer.status}")
+        self.answer = answer
+
+
+class LeanHttp:
+    """POSTs to one API server over up to ``max_connections`` kept-alive HTTPS connections, and watches."""
 
     def __init__(
         self,
@@ -113,9 +124,7 @@ class LeanPoster:
 
     async def post(self, path: str, body: bytes, *, params: dict[str, str] | None = None) -> Answer:
         """POST ``body`` (JSON) to ``path`` (relative to the server's URL); the answer, any status."""
-        target = self._prefix + "/" + quote(path.lstrip("/"), safe="/:@")
-        if params:
-            target += "?" + urlencode(params)
+        target = self._target(path, params)
         answer = await self._send(target, body)
         if answer.status == 401 and self._auth is not None:
             await self._authorize(refresh=answer)
@@ -128,20 +137,62 @@ class LeanPoster:
 
     # -- internals ----------------------------------------------------------------------------------
 
+    async def watch_lines(
+        self, path: str, *, params: dict[str, str], read_timeout_s: float
+    ) -> AsyncIterator[bytes]:
+        """GET ``path`` on a connection of its own and yield the lines of its body until the server ends
+        it; raises ``HttpStatusError`` for an error status (after a 401, the credentials are read again
+        for the next request) and ``TimeoutError`` when no byte arrives for ``read_timeout_s``."""
+        target = self._target(path, params)
+        if not self._authorized:
+            await self._authorize(refresh=None)
+        connection = await self._open()
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                connection.writer.write(self._head("GET", target, body=None))
+                await connection.writer.drain()
+                status, headers = await _read_head(connection.reader)
+            if status != 200:
+                async with asyncio.timeout(self._timeout_s):
+                    body = await _read_body(connection.reader, status, headers)
+                answer = Answer(status, body)
+                if status == 401 and self._auth is not None:
+                    await self._authorize(refresh=answer)
+                raise HttpStatusError(answer)
+            pending = b""
+            async for data in _body_pieces(connection.reader, headers, read_timeout_s=read_timeout_s):
+                pending += data
+                if b"\n" not in data:
+                    continue
+                *lines, pending = pending.split(b"\n")
+                for line in lines:
+                    yield line
+            if pending:
+                yield pending
+        finally:
+            connection.close()
+
+    def _target(self, path: str, params: dict[str, str] | None) -> str:
+        target = self._prefix + "/" + quote(path.lstrip("/"), safe="/:@")
+        return target + "?" + urlencode(params) if params else target
+
+    def _head(self, method: str, target: str, *, body: bytes | None) -> bytes:
+        head = [
+            f"{method} {target} HTTP/1.1",
+            f"Host: {self._host_header}",
+            "Accept: application/json",
+            f"User-Agent: {self._user_agent}",
+        ]
+        if body is not None:
+            head += ["Content-Type: application/json", f"Content-Length: {len(body)}"]
+        if self._authorization:
+            head.append(f"Authorization: {self._authorization}")
+        return ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + (body or b"")
+
     async def _send(self, target: str, body: bytes) -> Answer:
         if not self._authorized:
             await self._authorize(refresh=None)
-        head = [
-            f"POST {target} HTTP/1.1",
-            f"Host: {self._host_header}",
-            "Accept: application/json",
-            "Content-Type: application/json",
-            f"User-Agent: {self._user_agent}",
-            f"Content-Length: {len(body)}",
-        ]
-        if self._authorization:
-            head.append(f"Authorization: {self._authorization}")
-        request = ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + body
+        request = self._head("POST", target, body=body)
         async with self._slots:
             connection = await self._connection()
             try:
@@ -166,6 +217,9 @@ class LeanPoster:
             if connection.reusable(now):
                 return connection
             connection.close()
+        return await self._open()
+
+    async def _open(self) -> _Connection:
         try:
             async with asyncio.timeout(self._timeout_s):
                 reader, writer = await asyncio.open_connection(
@@ -199,6 +253,14 @@ class LeanPoster:
 
 async def _read_answer(reader: asyncio.StreamReader) -> tuple[int, bool, bytes]:
     """(status, whether the connection may be reused, body) of one HTTP/1.1 response."""
+    status, headers = await _read_head(reader)
+    keep_alive = headers.get("connection", "").lower() != "close" and headers[":version"] == "HTTP/1.1"
+    if "content-length" not in headers and "transfer-encoding" not in headers and status not in (204, 304):
+        keep_alive = False  # the body ends with the connection
+    return status, keep_alive, await _read_body(reader, status, headers)
+
+
+async def _read_head(reader: asyncio.StreamReader) -> tuple[int, dict[str, str]]:
     try:
         head = await reader.readuntil(b"\r\n\r\n")
     except asyncio.IncompleteReadError as error:
@@ -209,58 +271,71 @@ async def _read_answer(reader: asyncio.StreamReader) -> tuple[int, bool, bytes]:
     parts = lines[0].split(" ", 2)
     if len(parts) < 2 or not parts[0].startswith("HTTP/1.") or not parts[1].isdigit():
         raise ConnectionError(f"not an HTTP/1.1 answer: {lines[0][:80]!r}")
-    status = int(parts[1])
-    headers: dict[str, str] = {}
+    headers: dict[str, str] = {":version": parts[0]}
     for line in lines[1:]:
         name, sep, value = line.partition(":")
         if sep:
             headers[name.strip().lower()] = value.strip()
-    keep_alive = headers.get("connection", "").lower() != "close" and parts[0] == "HTTP/1.1"
+    return int(parts[1]), headers
+
+
+async def _read_body(reader: asyncio.StreamReader, status: int, headers: dict[str, str]) -> bytes:
+    if status in (204, 304) or 100 <= status < 200:
+        return b""
+    return b"".join([piece async for piece in _body_pieces(reader, headers, read_timeout_s=None)])
+
+
+async def _body_pieces(
+    reader: asyncio.StreamReader, headers: dict[str, str], *, read_timeout_s: float | None
+) -> AsyncIterator[bytes]:
+    """The body as it arrives: chunk by chunk, or all of a ``Content-Length``, or up to the end."""
     try:
         if headers.get("transfer-encoding", "").lower() == "chunked":
-            body = await _read_chunked(reader)
+            while True:
+                async with asyncio.timeout(read_timeout_s):
+                    size_line = await reader.readuntil(b"\r\n")
+                    size = int(size_line.split(b";", 1)[0].strip() or b"0", 16)
+                    if size == 0:
+                        while (await reader.readuntil(b"\r\n")) != b"\r\n":  # trailers, blank line
+                            pass
+                        return
+                    piece = await reader.readexactly(size)
+                    await reader.readexactly(2)
+                yield piece
         elif "content-length" in headers:
-            body = await reader.readexactly(int(headers["content-length"]))
-        elif status in (204, 304) or 100 <= status < 200:
-            body = b""
-        else:  # delimited by the end of the connection
-            body = await reader.read()
-            keep_alive = False
+            async with asyncio.timeout(read_timeout_s):
+                piece = await reader.readexactly(int(headers["content-length"]))
+            yield piece
+        else:
+            while True:
+                async with asyncio.timeout(read_timeout_s):
+                    piece = await reader.read(65536)
+                if not piece:
+                    return
+                yield piece
     except asyncio.IncompleteReadError as error:
         raise ConnectionError("the API server closed the connection in the middle of an answer") from error
-    return status, keep_alive, body
+    except ValueError as error:  # a chunk size that is not hex
+        raise ConnectionError(f"malformed chunked answer: {error}") from error
 
 
-async def _read_chunked(reader: asyncio.StreamReader) -> bytes:
-    chunks: list[bytes] = []
-    while True:
-        size_line = await reader.readuntil(b"\r\n")
-        size = int(size_line.split(b";", 1)[0].strip() or b"0", 16)
-        if size == 0:
-            while (await reader.readuntil(b"\r\n")) != b"\r\n":  # trailers, then the blank line
-                pass
-            return b"".join(chunks)
-        chunks.append(await reader.readexactly(size))
-        await reader.readexactly(2)
+_BY_CLIENT: weakref.WeakKeyDictionary[AsyncClient, LeanHttp | None] = weakref.WeakKeyDictionary()
 
 
-_POSTERS: weakref.WeakKeyDictionary[AsyncClient, LeanPoster | None] = weakref.WeakKeyDictionary()
-
-
-def for_client(client: AsyncClient, *, config: Any, http: httpx2.AsyncClient) -> LeanPoster | None:
+def for_client(client: AsyncClient, *, config: Any, http: httpx2.AsyncClient) -> LeanHttp | None:
     """The poster that speaks for ``client`` (one per client), or None where this path does not apply.
 
     ``config`` is lightkube's resolved ``SingleConfig`` and ``http`` its httpx client (both handed in by
     ``kube.stream``, the one module that reads lightkube's internals).
     """
-    if client in _POSTERS:
-        return _POSTERS[client]
+    if client in _BY_CLIENT:
+        return _BY_CLIENT[client]
     poster = _make(config, http)
-    _POSTERS[client] = poster
+    _BY_CLIENT[client] = poster
     return poster
 
 
-def _make(config: Any, http: httpx2.AsyncClient) -> LeanPoster | None:
+def _make(config: Any, http: httpx2.AsyncClient) -> LeanHttp | None:
     url = http.base_url
     if url.scheme not in ("https", "http") or not url.host:
         return None
@@ -272,7 +347,7 @@ def _make(config: Any, http: httpx2.AsyncClient) -> LeanPoster | None:
     else:
         context = None
     timeout = http.timeout
-    return LeanPoster(
+    return LeanHttp(
         host=url.host,
         port=url.port or (443 if url.scheme == "https" else 80),
         path_prefix=url.raw_path.decode("ascii").split("?", 1)[0],
