@@ -11,6 +11,7 @@ names, spelled exactly as they do; everything gpufrac adds lives under ``gpufrac
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 
@@ -323,6 +324,7 @@ _QUALIFIED_NAME = re.compile(r"([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]", re.ASC
 _DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*", re.ASCII)
 
 
+@functools.lru_cache(maxsize=4096)  # a scheduler checks the same few keys for every pod it binds
 def annotation_key_problem(key: str) -> str | None:
     """Why the API server would refuse ``key`` as an annotation key, in its own words; None if it is valid.
 
