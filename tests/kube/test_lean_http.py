@@ -1,8 +1,8 @@
-"""The lean POST path (``gpufrac.kube.lean_http``) against servers that misbehave the ways real ones do.
+"""The lean HTTP path (``gpufrac.kube.lean_http``) against servers that misbehave the ways real ones do.
 
 A local HTTP/1.1 server stands in for what the API server, a load balancer or a token rotation can do
-to a kept-alive connection; the Binding semantics on the real API server are in test_writes.py, which
-goes through this path too.
+to a kept-alive connection or a watch; the Binding semantics on the real API server are in
+test_writes.py and the watch's (bookmarks, 410) in test_informer.py, which go through this path too.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from lightkube.config.client_adapter import BearerTokenFileAuth
 
-from gpufrac.kube.lean_http import LeanHttp
+from gpufrac.kube.lean_http import HttpStatusError, LeanHttp
 
 
 @dataclass
@@ -142,3 +142,75 @@ async def test_a_rotated_token_is_read_again_after_a_401(serve, tmp_path: Path) 
     assert ["Bearer old" in h for h in server.heads] == [True, True, False]
     assert (await poster.post("c", b"{}")).status == 201  # the new header is kept, no 401 first
     assert len(server.heads) == 4
+
+
+async def start_raw(handler) -> tuple[asyncio.Server, int]:
+    listening = await asyncio.start_server(handler, "127.0.0.1", 0)
+    return listening, listening.sockets[0].getsockname()[1]
+
+
+def lean(port: int) -> LeanHttp:
+    return LeanHttp(host="127.0.0.1", port=port, path_prefix="", ssl_context=None, auth=None, timeout_s=5.0)
+
+
+async def test_a_watch_yields_whole_lines_whatever_the_chunking() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        for piece in (b'{"type":"ADD', b'ED"}\n{"type":"BOOKMARK"}\n', b'{"type":"MODIFIED"}\n'):
+            writer.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+            await writer.drain()
+        writer.write(b"0\r\n\r\n")
+        writer.close()
+
+    listening, port = await start_raw(handler)
+    try:
+        lines = [
+            line
+            async for line in lean(port).watch_lines(
+                "api/v1/pods", params={"watch": "true"}, read_timeout_s=5
+            )
+        ]
+    finally:
+        listening.close()
+    assert lines == [b'{"type":"ADDED"}', b'{"type":"BOOKMARK"}', b'{"type":"MODIFIED"}']
+
+
+async def test_a_watch_refused_carries_the_servers_status() -> None:
+    body = b'{"kind":"Status","code":410,"reason":"Expired","message":"too old resource version"}'
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 410 Gone\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        await writer.drain()
+        writer.close()
+
+    listening, port = await start_raw(handler)
+    try:
+        with pytest.raises(HttpStatusError) as refused:
+            async for _ in lean(port).watch_lines("api/v1/pods", params={}, read_timeout_s=5):
+                pass
+    finally:
+        listening.close()
+    assert refused.value.answer.status == 410
+    assert refused.value.answer.status_object()["message"] == "too old resource version"
+
+
+async def test_a_silent_watch_times_out_instead_of_hanging() -> None:
+    release = asyncio.Event()
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        await writer.drain()
+        await release.wait()  # a dead connection: nothing more arrives
+        writer.close()
+
+    listening, port = await start_raw(handler)
+    try:
+        with pytest.raises(TimeoutError):
+            async for _ in lean(port).watch_lines("api/v1/pods", params={}, read_timeout_s=0.2):
+                pass
+    finally:
+        release.set()
+        listening.close()

@@ -315,7 +315,7 @@ async def _body_pieces(
                 yield piece
     except asyncio.IncompleteReadError as error:
         raise ConnectionError("the API server closed the connection in the middle of an answer") from error
-    except ValueError as error:  # a chunk size that is not hex
+    except (ValueError, asyncio.LimitOverrunError) as error:  # a chunk size that is not hex, or endless
         raise ConnectionError(f"malformed chunked answer: {error}") from error
 
 
