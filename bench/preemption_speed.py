@@ -10,7 +10,12 @@ a-c; a reclaim probe is in queue d (below its share) and takes from a-c (above t
 Measured, in the same run: the plain placement time of a pod that fits (the last pods of the fill), the
 placement attempt that fails for each probe (what the scheduler does before it looks for victims), and
 the decision (``find_victims``: the search and the engine simulation of the chosen set). Target: decision
-p99 under 50 ms.
+p99 under 50 ms (preemption and reclaim; ``decision_p99_ms``). Then consolidation on the same cluster,
+where ``--movable`` (half) of the fill opted in: ``plan_consolidation``'s decision time per probe (the
+search, every moved pod placed again, the engine put back), how many probes got a plan, the mean moves,
+and why the others got none; first on the full cluster (no moved pod has anywhere to go), then after
+``--departures`` (a tenth) of the pods left, which leaves free memory in pieces: the case consolidation
+is for. ``consolidate_answers`` digests both rounds' plans.
 
 Times are taken on the clock ``--clock`` names: ``wall`` (time.perf_counter) or ``cpu``
 (time.process_time, this process's CPU time, as bench/placement_speed.py has it), which the other
@@ -20,7 +25,7 @@ either way. ``answers`` is a digest of every decision (node and victims per prob
 same arguments found the same victims exactly when their digests are equal.
 
 Usage: .venv/bin/python bench/preemption_speed.py [--nodes 1000] [--pods 20000] [--probes 200] [--seed 1]
-       [--clock wall|cpu]
+       [--movable 0.5] [--departures 0.1] [--clock wall|cpu]
 Prints a line per measurement, then a one-line JSON summary last.
 """
 
@@ -45,6 +50,7 @@ from gpufrac.contract.request import (  # noqa: E402
     GpuMemory,
     PodGpuRequest,
 )
+from gpufrac.placement.consolidation import Consolidation, plan_consolidation  # noqa: E402
 from gpufrac.placement.decision import Placement  # noqa: E402
 from gpufrac.placement.engine import Engine  # noqa: E402
 from gpufrac.placement.model import GpuDevice, NodeSpec, PendingPod, Queue  # noqa: E402
@@ -99,8 +105,12 @@ def stats(values: list[float]) -> dict[str, float]:
     }
 
 
-def build(nodes: int, pods: int, seed: int, *, clock: Callable[[], float]) -> tuple[Engine, list[float]]:
+def build(
+    nodes: int, pods: int, seed: int, *, clock: Callable[[], float], movable: float
+) -> tuple[Engine, list[float]]:
     rng = random.Random(seed)
+    # Its own stream, so the fill (and preemption's answers) are the same whatever --movable says.
+    opt_in = random.Random(f"movable-{seed}")
     engine = Engine(policy="binpack", seed=seed, queues=[Queue(q, deserved_share=0.25) for q in QUEUES])
     for i in range(nodes):
         gpus = tuple(GpuDevice(f"node-{i}-gpu-{g}", g, GPU_MIB, "A100") for g in range(8))
@@ -117,6 +127,7 @@ def build(nodes: int, pods: int, seed: int, *, clock: Callable[[], float]) -> tu
             priority=rng.randrange(10),
             queue=queue,
             arrival=attempts,
+            movable=opt_in.random() < movable,
         )
         start = clock()
         decision = engine.place(pod)
@@ -127,12 +138,69 @@ def build(nodes: int, pods: int, seed: int, *, clock: Callable[[], float]) -> tu
     return engine, times[-2000:]
 
 
+def consolidation_probes(
+    engine: Engine, probes: int, *, rng: random.Random, clock: Callable[[], float], other: Callable[[], float]
+) -> tuple[dict[str, object], str]:
+    """Consolidation decisions (``plan_consolidation``: the search, the relocation of every moved pod
+    and the engine put back) for probes that fit nowhere, and a digest of their plans."""
+    decide_ms, other_ms, moves, why, fit_anyway = [], [], [], {}, 0
+    by_shape: dict[str, list[float]] = {}
+    answers = hashlib.sha256()
+    for i in range(probes):
+        name, shape = PROBES[i % len(PROBES)]
+        pod = PendingPod(
+            rng.choice(NAMESPACES),
+            f"probe-consolidate-{i}",
+            f"probe-consolidate-{i}",
+            shape(),
+            priority=rng.randrange(5, 10),
+            queue=rng.choice(QUEUES[:3]),
+        )
+        decision = engine.place(pod)
+        if isinstance(decision, Placement):
+            engine.forget(pod.uid)
+            fit_anyway += 1
+            continue
+        start, start_other = clock(), other()
+        result = plan_consolidation(engine, pod)
+        decide_ms.append((clock() - start) * 1000)
+        other_ms.append((other() - start_other) * 1000)
+        by_shape.setdefault(name, []).append(decide_ms[-1])
+        if isinstance(result, Consolidation):
+            moves.append(len(result.moves))
+            answers.update(
+                repr((result.node, result.victims, [m.target.node for m in result.moves])).encode()
+            )
+        else:
+            why[str(result.why)] = why.get(str(result.why), 0) + 1
+            answers.update(str(result.why).encode())
+    entry: dict[str, object] = {
+        "decision": stats(decide_ms),
+        "decision_other_clock": stats(other_ms),
+        "with_plan": len(moves),
+        "mean_moves": round(sum(moves) / max(len(moves), 1), 2),
+        "without_plan": why,
+        "probes_that_fit_without": fit_anyway,
+        "decision_by_shape": {shape: stats(ms) for shape, ms in by_shape.items()},
+    }
+    return entry, answers.hexdigest()[:16]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nodes", type=int, default=1000)
     parser.add_argument("--pods", type=int, default=20000)
-    parser.add_argument("--probes", type=int, default=200, help="per kind (preempt, reclaim)")
+    parser.add_argument("--probes", type=int, default=200, help="per kind (preempt, reclaim, consolidate)")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument(
+        "--movable", type=float, default=0.5, help="share of the fill that opted in to consolidation (0.5)"
+    )
+    parser.add_argument(
+        "--departures",
+        type=float,
+        default=0.1,
+        help="share of the placed pods that leave before the second consolidation round (0.1)",
+    )
     parser.add_argument(
         "--clock",
         choices=("wall", "cpu"),
@@ -142,7 +210,7 @@ def main() -> None:
     args = parser.parse_args()
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
     load_before = os.getloadavg()[0]
-    engine, place_ms = build(args.nodes, args.pods, args.seed, clock=clock)
+    engine, place_ms = build(args.nodes, args.pods, args.seed, clock=clock, movable=args.movable)
     rng = random.Random(args.seed + 1)
     summary: dict[str, object] = {
         "bench": "preemption_speed",
@@ -201,8 +269,24 @@ def main() -> None:
         summary[str(kind)] = entry
         print(f"{kind}: {entry}")
         sys.stdout.flush()
+    summary["consolidate"], consolidate_answers = consolidation_probes(
+        engine, args.probes, rng=random.Random(args.seed + 2), clock=clock, other=other
+    )
+    print(f"consolidate, full cluster: {summary['consolidate']}")
+    # Departures leave free memory in pieces: the case consolidation is for.
+    gone = random.Random(f"departures-{args.seed}")
+    for uid in sorted(engine.bound_uids):
+        if gone.random() < args.departures:
+            engine.forget(uid)
+    summary["consolidate_after_departures"], after_answers = consolidation_probes(
+        engine, args.probes, rng=random.Random(args.seed + 3), clock=clock, other=other
+    )
+    summary["consolidate_after_departures"]["departures"] = args.departures
+    consolidate_answers += after_answers
+    print(f"consolidate, after departures: {summary['consolidate_after_departures']}")
     p99 = percentile(all_decisions, 0.99)
     summary["decision_p99_ms"] = round(p99, 3)
+    summary["consolidate_answers"] = consolidate_answers
     summary["decision_p99_ms_other_clock"] = round(percentile(all_other, 0.99), 3)
     summary["answers"] = answers.hexdigest()[:16]
     summary["target_p99_ms"] = TARGET_P99_MS

@@ -28,7 +28,7 @@ from gpufrac.placement.engine import Engine
 from gpufrac.placement.model import GpuDevice, ModePolicy, NodeSpec, PendingPod
 from gpufrac.scheduler.config import SchedulerConfig
 from gpufrac.scheduler.objects import movable, pending_pod
-from gpufrac.scheduler.preemption import HOLD_PREFIX, Preemptions
+from gpufrac.scheduler.preemption import HOLD_PREFIX, NO_PLAN_BACKOFF_S, Preemptions
 
 TS = ComputeMode.TIME_SLICING
 
@@ -382,3 +382,49 @@ def test_a_plan_of_more_moves_than_a_minute_allows_is_never_started() -> None:
         "Consolidation would move 2 pod(s) off node a, more than consolidation.max_moves_per_minute=1 allows."
     )
     assert started == [], "nothing is evicted, and no retry would help"
+
+
+def test_a_pod_without_a_plan_is_not_searched_again_until_its_backoff_ends() -> None:
+    # a: a movable 8000 MiB pod and a fixed 6000 (6000 free); b: a fixed 16000 (4000 free). A 10000 MiB
+    # pod fits nowhere, and the movable pod has nowhere to go: no plan.
+    engine = Engine(policy="binpack")
+    owned = api_pod(annotations=OPTED_IN, owners=[owner(controller=True)])
+    for name, held in (("a", [("mover", 8000, True), ("f", 6000, False)]), ("b", [("g", 16000, False)])):
+        gpu = GpuDevice(f"{name}-gpu", 0, 20000)
+        engine.add_node(NodeSpec(name=name, cpu_milli=64_000, memory_bytes=1 << 38, gpus=(gpu,)))
+        for uid, mib, can_move in held:
+            booked = PendingPod(namespace="ns", name=uid, uid=uid, gpu=mib_request(mib), movable=can_move)
+            device = DeviceAssignment(gpu.uuid, 0, mib, mib, None)
+            engine.assume(booked, Placement(uid, name, (ContainerPlacement("app", TS, False, (device,)),)))
+    now = [0.0]
+
+    def spawn(coro: Any) -> None:
+        coro.close()
+
+    preemptions = Preemptions(
+        client=None,  # type: ignore[arg-type]
+        engine=engine,
+        events=None,  # type: ignore[arg-type]
+        victim_pod=lambda uid: owned,
+        release=lambda uid: True,
+        place_now=lambda pod: None,
+        retry=lambda: None,
+        spawn=spawn,
+        clock=lambda: now[0],
+        preempt=False,
+        moves=MoveBudget(4, now=0.0),
+    )
+    big = PendingPod(namespace="ns", name="big", uid="big", gpu=mib_request(10000))
+    nowhere = Unschedulable("big", 2, (("insufficient GPU memory", 2),))
+    first = preemptions.consider(big, api_pod(), nowhere)
+    assert "Consolidation: no set of the 1 movable pod(s)" in first
+    # b's pod shrinks to 11000 MiB: the movable pod would now fit there, and the big pod on a after it.
+    engine.forget("g")
+    smaller = PendingPod(namespace="ns", name="g", uid="g", gpu=mib_request(11000))
+    device = DeviceAssignment("b-gpu", 0, 11000, 11000, None)
+    engine.assume(smaller, Placement("g", "b", (ContainerPlacement("app", TS, False, (device,)),)))
+    assert not isinstance(engine.place(big), Placement)
+    now[0] = NO_PLAN_BACKOFF_S - 1
+    assert preemptions.consider(big, api_pod(), nowhere) == first, "not searched again yet"
+    now[0] = NO_PLAN_BACKOFF_S
+    assert "Moving 1 pod(s) on node a" in preemptions.consider(big, api_pod(), nowhere)

@@ -231,6 +231,7 @@ class _Trial:
 
     def __init__(self) -> None:
         self._homes: dict[str, bool] = {}
+        self._by_kind: dict[object, bool] = {}
         self._need: dict[int, int] = {}
 
     def __call__(self, engine: Engine, pod: PendingPod, victims: list[str]) -> Placement | None:
@@ -248,14 +249,21 @@ class _Trial:
         return None if result is None else result[0]
 
     def _home_now(self, engine: Engine, uid: str) -> bool:
+        """Whether the pod fits on some node as the cluster is now. Asked once per kind of pod (the
+        engine's placement kind: everything that decides where a pod can go), not once per pod: in a
+        full cluster the search asks it of thousands of movable pods of a few dozen kinds."""
         found = self._homes.get(uid)
         if found is None:
             booked = engine.bound_pod(uid)
             assert booked is not None
-            nodes = engine.static_fits(booked)
-            found = bool(nodes.size) and bool(
-                (resource_fit(engine.state, engine.demand(booked), nodes, engine.rules).reasons == 0).any()
-            )
+            demand = engine.demand(booked)
+            found = self._by_kind.get(demand.kind)
+            if found is None:
+                nodes = engine.static_fits(booked)
+                found = bool(nodes.size) and bool(
+                    (resource_fit(engine.state, demand, nodes, engine.rules).reasons == 0).any()
+                )
+                self._by_kind[demand.kind] = found
             self._homes[uid] = found
         return found
 

@@ -48,7 +48,13 @@ from gpufrac.kube.errors import KubeError, NotFound, TooManyRequests
 from gpufrac.kube.events import NORMAL, WARNING, EventRecorder, ObjectRef
 from gpufrac.kube.eviction import evict_pod
 from gpufrac.kube.patch import set_nominated_node
-from gpufrac.placement.consolidation import Consolidation, MoveBudget, NoConsolidation, plan_consolidation
+from gpufrac.placement.consolidation import (
+    Consolidation,
+    MoveBudget,
+    NoConsolidation,
+    Why,
+    plan_consolidation,
+)
 from gpufrac.placement.decision import ContainerPlacement, DeviceAssignment, Placement, Unschedulable
 from gpufrac.placement.engine import Engine
 from gpufrac.placement.model import PendingPod
@@ -68,6 +74,12 @@ HOLD_PREFIX = "consolidation-hold/"
 
 #: How long a victim a disruption budget refused stays aside for the pod that wanted it.
 REFUSAL_MEMORY_S = 60.0
+#: After a consolidation search found no plan for a pod, it is not searched again for this long, doubled
+#: at each further miss up to the maximum. The search costs tens to hundreds of milliseconds in a full
+#: 8,000-GPU cluster (bench/preemption_speed.py) and a full cluster retries its parked pods on every
+#: change; the pod's own placement is still tried on every change.
+NO_PLAN_BACKOFF_S = 10.0
+NO_PLAN_BACKOFF_MAX_S = 160.0
 
 
 @dataclass(slots=True)
@@ -122,6 +134,7 @@ class Preemptions:
         self._open: dict[str, _Nomination] = {}  # by the preempting pod's uid
         self._victim_of: dict[str, str] = {}  # victim uid -> preempting pod uid
         self._refused: dict[str, dict[str, float]] = {}  # pod uid -> victim uid -> when
+        self._no_plan: dict[str, tuple[float, float, str]] = {}  # pod uid -> (search again at, delay, why)
         self.evictions = 0
         self.moved = 0
 
@@ -169,6 +182,7 @@ class Preemptions:
     def deleted(self, uid: str) -> bool:
         """A pod is gone. True when it is a victim whose booking is kept until its plan completes (the
         service must not release it); a preempting pod that is gone gives its plan up."""
+        self._no_plan.pop(uid, None)
         nomination = self._open.get(uid)
         if nomination is not None:
             self._close(uid, nomination)
@@ -200,11 +214,19 @@ class Preemptions:
             # retries its parked pods on every change).
             self._retry_after(wait)
             return None, f" Consolidation: deferred by {bound}."
+        now = self._clock()
+        missed = self._no_plan.get(uid)
+        if missed is not None and now < missed[0]:
+            return None, f" Consolidation: {missed[2]}."
         candidates, _ = eligible_victims(self._engine, pending, kind=Kind.CONSOLIDATE)
         outcome = plan_consolidation(self._engine, pending, exclude=self._excluded(uid, candidates))
         if isinstance(outcome, NoConsolidation):
+            if outcome.why is Why.NO_PLAN:
+                delay = NO_PLAN_BACKOFF_S if missed is None else min(NO_PLAN_BACKOFF_MAX_S, 2 * missed[1])
+                self._no_plan[uid] = (now + delay, delay, outcome.detail)
             return None, f" Consolidation: {outcome.detail}."
-        count, now = len(outcome.moves), self._clock()
+        self._no_plan.pop(uid, None)
+        count = len(outcome.moves)
         if budget.take(count, now=now):
             return outcome, ""
         wait = budget.wait_s(count, now=now)
