@@ -14,8 +14,9 @@ p99 under 50 ms (preemption and reclaim; ``decision_p99_ms``). Then consolidatio
 where ``--movable`` (half) of the fill opted in: ``plan_consolidation``'s decision time per probe (the
 search, every moved pod placed again, the engine put back), how many probes got a plan, the mean moves,
 and why the others got none; first on the full cluster (no moved pod has anywhere to go), then after
-``--departures`` (a tenth) of the pods left, which leaves free memory in pieces: the case consolidation
-is for. ``consolidate_answers`` digests both rounds' plans.
+``--departures`` (a tenth) of the fractional pods left, never the last pod of a GPU, which leaves free
+memory in pieces and no GPU whole: the case consolidation is for. ``consolidate_answers`` digests both
+rounds' plans.
 
 Times are taken on the clock ``--clock`` names: ``wall`` (time.perf_counter) or ``cpu``
 (time.process_time, this process's CPU time, as bench/placement_speed.py has it), which the other
@@ -136,6 +137,11 @@ def build(
             placed += 1
             times.append(elapsed)
     return engine, times[-2000:]
+
+
+def gpus_of(engine: Engine, uid: str) -> list[str]:
+    placement = engine.placement_of(uid)
+    return [] if placement is None else [u for c in placement.containers for u in c.uuids]
 
 
 def consolidation_probes(
@@ -273,10 +279,24 @@ def main() -> None:
         engine, args.probes, rng=random.Random(args.seed + 2), clock=clock, other=other
     )
     print(f"consolidate, full cluster: {summary['consolidate']}")
-    # Departures leave free memory in pieces: the case consolidation is for.
+    # Departures that leave free memory in pieces, the case consolidation is for: fractional pods leave,
+    # but never the last pod of a GPU, so no GPU becomes whole again.
     gone = random.Random(f"departures-{args.seed}")
+    tenants: dict[str, int] = {}
+    for uid in engine.bound_uids:
+        for uuid in gpus_of(engine, uid):
+            tenants[uuid] = tenants.get(uuid, 0) + 1
     for uid in sorted(engine.bound_uids):
-        if gone.random() < args.departures:
+        placement = engine.placement_of(uid)
+        assert placement is not None
+        fractional = all(not c.exclusive for c in placement.containers)
+        if (
+            fractional
+            and gone.random() < args.departures
+            and all(tenants[u] > 1 for u in gpus_of(engine, uid))
+        ):
+            for uuid in gpus_of(engine, uid):
+                tenants[uuid] -= 1
             engine.forget(uid)
     summary["consolidate_after_departures"], after_answers = consolidation_probes(
         engine, args.probes, rng=random.Random(args.seed + 3), clock=clock, other=other
