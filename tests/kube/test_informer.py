@@ -13,8 +13,10 @@ from collections.abc import AsyncIterator, Callable
 
 import pytest
 from lightkube import AsyncClient
+from lightkube.generic_resource import create_global_resource
 from lightkube.models.core_v1 import Container, PodSpec
 from lightkube.models.meta_v1 import ObjectMeta
+from lightkube.resources.apiextensions_v1 import CustomResourceDefinition
 from lightkube.resources.core_v1 import ConfigMap, Namespace, Pod
 
 from gpufrac.kube.informer import Informer
@@ -201,3 +203,60 @@ async def test_pod_watch_survives_the_api_servers_bookmark(client: AsyncClient, 
         finally:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
+
+
+Widget = create_global_resource("informer-test.gpufrac.io", "v1", "Widget", "widgets")
+
+
+async def test_a_resource_the_server_does_not_serve_is_empty_and_synced_until_it_is_served(
+    client: AsyncClient,
+) -> None:
+    """A component that also watches an optional API (a newer Kubernetes group, a CRD not installed)
+    must still start: the informer syncs empty, and picks the objects up once the API is served."""
+    informer = Informer(client=client, resource=Widget, unserved_retry_s=0.2)
+    recorder = Recorder()
+    informer.add_handler(recorder)
+    task = asyncio.create_task(informer.run())
+    try:
+        await asyncio.wait_for(informer.synced.wait(), 10)
+        assert informer.unserved and len(informer.store) == 0
+        await client.create(
+            CustomResourceDefinition.from_dict(
+                {
+                    "metadata": {"name": "widgets.informer-test.gpufrac.io"},
+                    "spec": {
+                        "group": "informer-test.gpufrac.io",
+                        "scope": "Cluster",
+                        "names": {"plural": "widgets", "singular": "widget", "kind": "Widget"},
+                        "versions": [
+                            {
+                                "name": "v1",
+                                "served": True,
+                                "storage": True,
+                                "schema": {
+                                    "openAPIV3Schema": {
+                                        "type": "object",
+                                        "x-kubernetes-preserve-unknown-fields": True,
+                                    }
+                                },
+                            }
+                        ],
+                    },
+                }
+            )
+        )
+        created = False
+        for _ in range(300):  # until the new CRD is established
+            with contextlib.suppress(Exception):
+                await client.create(Widget.from_dict({"metadata": {"name": "w1"}}))
+                created = True
+                break
+            await asyncio.sleep(0.1)
+        assert created
+        await eventually(lambda: ("add", "w1") in recorder.events, timeout=20)
+        assert not informer.unserved
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        with contextlib.suppress(Exception):
+            await client.delete(CustomResourceDefinition, "widgets.informer-test.gpufrac.io")

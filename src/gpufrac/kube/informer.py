@@ -7,6 +7,11 @@ deleted while the watch was away still produce a delete. Transient errors (conne
 re-watch from the last version after a backoff. An optional resync re-delivers every stored object as
 an update, which is how a consumer retries work that depends on time rather than on a change.
 
+A resource the API server does not serve (a list answered 404: an API group of a newer Kubernetes, a
+CRD not installed) counts as synced and empty, with one warning, and is listed again every
+``unserved_retry_s``; once served it behaves as any other. So a component that also watches an
+optional API (the scheduler's DRA claims, PodGroups) starts on a cluster without it.
+
 Handlers are synchronous on purpose: they run on the informer's task between two events and must only
 update memory and enqueue work (the scheduler's handlers do). A handler that raises is logged and the
 informer goes on; one bad object must not stop the watch for all others.
@@ -23,7 +28,7 @@ from typing import Generic, Protocol, TypeVar
 import httpx2
 from lightkube import AsyncClient
 
-from gpufrac.kube.errors import Gone, KubeError
+from gpufrac.kube.errors import Gone, KubeError, NotFound
 from gpufrac.kube.stream import Selection, WatchEvent, list_objects, watch_objects
 
 log = logging.getLogger(__name__)
@@ -86,6 +91,7 @@ class Informer(Generic[T]):
         resync_period: float | None = None,
         watch_timeout: int = 300,
         max_backoff: float = 30.0,
+        unserved_retry_s: float = 60.0,
         name: str | None = None,
     ) -> None:
         self._client = client
@@ -94,6 +100,9 @@ class Informer(Generic[T]):
         self._resync_period = resync_period
         self._watch_timeout = watch_timeout
         self._max_backoff = max_backoff
+        self._unserved_retry_s = unserved_retry_s
+        #: Whether the last list found the resource not served (404); see the module docstring.
+        self.unserved = False
         self._handlers: list[EventHandler[T]] = []
         self._version = ""
         self._watch_task: asyncio.Task[None] | None = None
@@ -132,7 +141,9 @@ class Informer(Generic[T]):
             while True:
                 try:
                     if need_list:
-                        await self._relist()
+                        if not await self._relist():
+                            await asyncio.sleep(self._unserved_retry_s)
+                            continue
                         need_list = False
                     self._watch_task = asyncio.create_task(self._watch_once(), name=f"{self.name}-watch")
                     try:
@@ -158,8 +169,26 @@ class Informer(Generic[T]):
             resync.cancel()
             await asyncio.gather(resync, return_exceptions=True)
 
-    async def _relist(self) -> None:
-        items, version = await list_objects(self._client, self._resource, selection=self._selection)
+    async def _relist(self) -> bool:
+        """List and diff against the store; False when the resource is not served (the store is then
+        empty and synced)."""
+        try:
+            items, version = await list_objects(self._client, self._resource, selection=self._selection)
+        except NotFound as error:
+            if not self.unserved:
+                log.warning(
+                    "%s: the API server does not serve this resource (%s); treated as empty, listed again "
+                    "every %.0fs",
+                    self.name,
+                    error.message,
+                    self._unserved_retry_s,
+                )
+            self.unserved = True
+            items, version = [], ""
+        else:
+            if self.unserved:
+                log.info("%s: the API server serves this resource now", self.name)
+            self.unserved = False
         fresh = {object_key(obj): obj for obj in items}
         old_items = self.store._items
         self.store._items = fresh
@@ -174,6 +203,7 @@ class Informer(Generic[T]):
                 self._dispatch("on_update", old, obj)
         self._version = version
         self.synced.set()
+        return not self.unserved
 
     async def _watch_once(self) -> None:
         events = watch_objects(

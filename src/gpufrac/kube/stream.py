@@ -98,6 +98,10 @@ async def list_objects(
             items.extend(chunk)
     except ApiError as error:
         raise translate(error) from error
+    except httpx2.HTTPStatusError as error:
+        # An answer that is not a Status: an API group or CRD the server does not serve answers a plain
+        # "404 page not found".
+        raise from_status(code=error.response.status_code, reason="", message=str(error)) from error
     return items, version
 
 
