@@ -1,0 +1,139 @@
+"""The booking cache's DRA claim holds, in memory with the real engine: a claim is booked once from its
+allocation as the node reads it, follows the informer's view, and comes back with its node."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightkube.resources.resource_v1 import ResourceClaim
+
+from gpufrac.contract import keys
+from gpufrac.placement.model import GpuDevice, NodeSpec
+from gpufrac.placement.state import EMPTY, SM_SHARING
+from gpufrac.scheduler.booking_cache import BookingCache
+from gpufrac.scheduler.claims import claim_placement, gpu_device_name, hold_key
+from gpufrac.scheduler.config import SchedulerConfig
+from gpufrac.scheduler.placement_engine import build_engine
+
+GPUS = (
+    GpuDevice(uuid="GPU-0f0e0d0c-0000-4000-8000-000000000001", index=0, memory_mib=81920, model="H100"),
+    GpuDevice(uuid="GPU-0f0e0d0c-0000-4000-8000-000000000002", index=1, memory_mib=81920, model="H100"),
+)
+NODE = NodeSpec(name="n1", cpu_milli=8000, memory_bytes=64 << 30, gpus=GPUS)
+
+
+def claim(
+    uid: str, *, gpu: GpuDevice = GPUS[0], memory: str | None = "30Gi", mode: str = "time-slicing"
+) -> dict[str, Any]:
+    result: dict[str, Any] = {
+        "request": "gpu",
+        "driver": keys.DRA_DRIVER_NAME,
+        "pool": "n1",
+        "device": gpu_device_name(gpu),
+    }
+    if memory is not None:
+        result["consumedCapacity"] = {keys.DRA_MEMORY_CAPACITY: memory, keys.DRA_COMPUTE_CAPACITY: "0"}
+    return {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaim",
+        "metadata": {"name": f"c-{uid}", "namespace": "team", "uid": uid},
+        "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": "x"}}]}},
+        "status": {
+            "allocation": {
+                "devices": {
+                    "results": [result],
+                    "config": [
+                        {
+                            "source": "FromClass",
+                            "requests": ["gpu"],
+                            "opaque": {
+                                "driver": keys.DRA_DRIVER_NAME,
+                                "parameters": {
+                                    "apiVersion": keys.DRA_CONFIG_API_VERSION,
+                                    "kind": keys.DRA_CONFIG_KIND,
+                                    keys.DRA_CONFIG_COMPUTE_MODE: mode,
+                                },
+                            },
+                        }
+                    ],
+                },
+                "nodeSelector": {
+                    "nodeSelectorTerms": [
+                        {"matchFields": [{"key": "metadata.name", "operator": "In", "values": ["n1"]}]}
+                    ]
+                },
+            }
+        },
+    }
+
+
+def unallocated(body: dict[str, Any]) -> ResourceClaim:
+    return ResourceClaim.from_dict({k: v for k, v in body.items() if k != "status"})
+
+
+def cache() -> BookingCache:
+    return BookingCache(engine=build_engine(SchedulerConfig()), default_queue="default")
+
+
+def free(books: BookingCache, gpu: int = 0) -> int:
+    return books.engine.ledger("n1")[gpu].free_mib
+
+
+def test_an_allocated_claim_is_booked_once_and_released_when_deallocated_or_deleted() -> None:
+    books = cache()
+    books.set_node(NODE)
+    body = claim("u1")
+    assert books.claim_changed(ResourceClaim.from_dict(body))
+    assert free(books) == 81920 - 30720
+    assert not books.claim_changed(ResourceClaim.from_dict(body))  # the same view again: nothing new
+    assert free(books) == 81920 - 30720
+    assert books.engine.ledger("n1")[0].pods == 1  # the GPU's holders: one, however many pods use it
+    assert books.claim_changed(unallocated(body))  # deallocated
+    assert free(books) == 81920 and books.engine.ledger("n1")[0].mode == EMPTY
+    books.claim_changed(ResourceClaim.from_dict(body))
+    assert books.release_claim("u1") and free(books) == 81920  # deleted
+
+
+def test_a_claim_this_scheduler_is_writing_survives_older_views_until_it_is_seen_or_fails() -> None:
+    books = cache()
+    books.set_node(NODE)
+    body = claim("u2", mode="sm-sharing")
+    books.hold_claim(body, node="n1", assumed=True)
+    assert books.engine.ledger("n1")[0].mode == SM_SHARING
+    # The finalizer's write comes back first, without the allocation: the hold stays.
+    assert not books.claim_changed(unallocated(body))
+    assert not books.claim_written("u2", landed=True)
+    assert not books.claim_changed(unallocated(body))
+    assert free(books) == 81920 - 30720
+    # Seen allocated: an ordinary hold from now on, released by a view without allocation.
+    books.claim_changed(ResourceClaim.from_dict(body))
+    assert books.claim_changed(unallocated(body)) and free(books) == 81920
+    # A write that failed releases at once.
+    books.hold_claim(body, node="n1", assumed=True)
+    assert books.claim_written("u2", landed=False) and free(books) == 81920
+
+
+def test_claims_wait_for_their_node_and_follow_it_through_changes() -> None:
+    books = cache()
+    books.claim_changed(ResourceClaim.from_dict(claim("u3", gpu=GPUS[1])))
+    books.set_node(NODE)
+    assert free(books, 1) == 81920 - 30720  # booked when the node came
+    books.remove_node("n1")
+    books.set_node(NODE)
+    assert free(books, 1) == 81920 - 30720  # and again when it came back
+    books.set_node(NodeSpec(name="n1", cpu_milli=8000, memory_bytes=64 << 30, gpus=GPUS[:1]))
+    assert books.engine.ledger("n1")[0].free_mib == 81920  # its GPU went: nothing held
+    books.set_node(NODE)
+    assert free(books, 1) == 81920 - 30720  # its GPU came back
+
+
+def test_the_ledger_reads_an_allocation_as_the_node_does() -> None:
+    """No consumed capacity (the DRAConsumableCapacity gate off) is the whole GPU, exclusive; a device the
+    node does not publish holds nothing there."""
+    body = claim("u4", memory=None)
+    placement = claim_placement(body, NODE)
+    assert placement is not None and placement.pod_uid == hold_key("u4")
+    (container,) = placement.containers
+    assert container.exclusive and container.devices[0].request_mib == 81920
+    body["status"]["allocation"]["devices"]["results"][0]["device"] = "gpu-elsewhere"
+    assert claim_placement(body, NODE) is None
