@@ -3,13 +3,16 @@ allocation as the node reads it, follows the informer's view, and comes back wit
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
+from lightkube.resources.core_v1 import Node, Pod
 from lightkube.resources.resource_v1 import ResourceClaim
 
 from gpufrac.contract import keys
 from gpufrac.placement.model import GpuDevice, NodeSpec
 from gpufrac.placement.state import EMPTY, SM_SHARING
+from gpufrac.scheduler.booking_audit import audit
 from gpufrac.scheduler.booking_cache import BookingCache
 from gpufrac.scheduler.claims import claim_placement, gpu_device_name, hold_key
 from gpufrac.scheduler.config import SchedulerConfig
@@ -137,3 +140,46 @@ def test_the_ledger_reads_an_allocation_as_the_node_does() -> None:
     assert container.exclusive and container.devices[0].request_mib == 81920
     body["status"]["allocation"]["devices"]["results"][0]["device"] = "gpu-elsewhere"
     assert claim_placement(body, NODE) is None
+
+
+def test_the_audit_judges_claims_and_annotation_pods_as_one_ledger() -> None:
+    node = Node.from_dict(
+        {
+            "metadata": {
+                "name": "n1",
+                "annotations": {
+                    keys.NODE_GPUS_ANNOTATION: json.dumps(
+                        [
+                            {"uuid": g.uuid, "index": g.index, "model": g.model, "mib": g.memory_mib}
+                            for g in GPUS
+                        ]
+                    )
+                },
+            }
+        }
+    )
+
+    def pod(name: str, gpu: GpuDevice, *, memory: str, mode: str = "time-slicing") -> Pod:
+        return Pod.from_dict(
+            {
+                "metadata": {
+                    "name": name,
+                    "namespace": "team",
+                    "annotations": {
+                        keys.devices_key("app"): gpu.uuid,
+                        keys.memory_request_key("app"): memory,
+                        keys.compute_mode_key("app"): mode,
+                    },
+                },
+                "spec": {"nodeName": "n1", "containers": [{"name": "app", "image": "x"}]},
+            }
+        )
+
+    claims = [ResourceClaim.from_dict(claim("u5", memory="60Gi"))]
+    fine = audit(nodes=[node], pods=[pod("p", GPUS[0], memory="20Gi")], claims=claims)
+    assert fine.ok and fine.gpus[GPUS[0].uuid].request_mib == 81920
+    assert fine.gpus[GPUS[0].uuid].pods == ["claim team/c-u5", "team/p"]
+    over = audit(nodes=[node], pods=[pod("p", GPUS[0], memory="21Gi")], claims=claims)
+    assert any("over-committed" in p for p in over.problems)
+    mixed = audit(nodes=[node], pods=[pod("p", GPUS[0], memory="1Gi", mode="sm-sharing")], claims=claims)
+    assert any("mixes" in p for p in mixed.problems)

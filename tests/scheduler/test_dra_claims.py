@@ -19,7 +19,7 @@ from lightkube import AsyncClient
 from lightkube.resources.core_v1 import Node, Pod
 from lightkube.resources.resource_v1 import DeviceClass, ResourceClaim, ResourceSlice
 from lightkube.types import PatchType
-from sched_harness import Pool, add_nodes, condition, gpu_pod, pods_of, running, wait_for
+from sched_harness import Pool, add_nodes, condition, gpu_pod, nodes_of, pods_of, running, wait_for
 
 from gpufrac.contract import keys
 from gpufrac.contract.request import ComputeMode
@@ -30,6 +30,7 @@ from gpufrac.node.dra.slices import ResourceSlicePublisher, slice_name
 from gpufrac.node.inject import NVIDIA_GPU_MEMORY_LIMIT, NVIDIA_GPU_MEMORY_REQUEST
 from gpufrac.node.inventory.backend import GpuInfo, NodeInventory
 from gpufrac.node.mps.mode import DriverVersion, capability_for
+from gpufrac.scheduler.booking_audit import audit
 from gpufrac.scheduler.claims import gpu_device_name
 from gpufrac.scheduler.objects import node_inventory
 
@@ -508,25 +509,14 @@ async def test_claim_pods_and_annotation_pods_never_over_commit_a_gpu(
             return all(p.spec.nodeName or condition(p)[0] == "False" for p in pods) and len(pods) == 8
 
         await wait_for(settled, timeout=30, what="every pod bound or reported")
-        devices = await devices_by_gpu(client, dra_nodes[0])
-        used: dict[str, int] = {}
-        bound = 0
-        for pod in await pods_of(client, pool.namespace):
-            if not pod.spec.nodeName:
-                continue
-            bound += 1
-            annotations = pod.metadata.annotations or {}
-            if pod.metadata.name.startswith("anno"):
-                used[annotations[keys.devices_key("app")]] = (
-                    used.get(annotations[keys.devices_key("app")], 0) + 30
-                )
-            else:
-                claim = await get_claim(client, pool, f"c{pod.metadata.name.split('-')[1]}")
-                gpu = devices[allocated_device(claim)]
-                used[gpu] = used.get(gpu, 0) + 30
-        # Two 30Gi shares per 80Gi GPU: four of the eight pods fit, whichever kind.
-        assert bound == 4
-        assert all(gib <= 80 for gib in used.values()), used
+        pods = await pods_of(client, pool.namespace)
+        claims = [c async for c in client.list(ResourceClaim, namespace=pool.namespace)]
+        report = audit(nodes=await nodes_of(client, pool), pods=pods, claims=claims)
+        assert report.ok, report.problems
+        # Two 30Gi shares per 80Gi GPU, whichever kind: four of the eight pods fit.
+        assert sum(1 for p in pods if p.spec.nodeName) == 4
+        assert sorted(b.request_mib for b in report.gpus.values()) == [61440, 61440]
+        assert sum(len(b.pods) for b in report.gpus.values()) == 4
 
 
 # -- compute modes ----------------------------------------------------------------------------------------
