@@ -492,6 +492,23 @@ async def test_a_claim_another_scheduler_allocated_holds_its_memory_against_anno
         assert await annotation_gpu(client, pool, "big") == devices[first]
 
 
+async def test_a_restarted_scheduler_books_the_claims_it_allocated_from_the_api(
+    client: AsyncClient, pool: Pool, dra_nodes: list[str]
+) -> None:
+    devices = await devices_by_gpu(client, dra_nodes[0])
+    await create_claim(client, claim_body(pool, "big", memory="70Gi"))
+    async with running(client, pool.config(), identity="first"):
+        await client.create(claim_pod(pool, "claimant", claim="big"))
+        await wait_pod_bound(client, pool, "claimant")
+    held = devices[allocated_device(await get_claim(client, pool, "big"))]
+    async with running(client, pool.config(), identity="second"):
+        await client.create(gpu_pod(pool, "after", {keys.memory_request_key("app"): "70Gi"}))
+        assert await annotation_gpu(client, pool, "after") != held
+        # Both GPUs hold 70Gi now: a second 70Gi pod has nowhere to go.
+        await client.create(gpu_pod(pool, "more", {keys.memory_request_key("app"): "70Gi"}))
+        await wait_unschedulable(client, pool, "more", says="insufficient GPU memory")
+
+
 async def test_claim_pods_and_annotation_pods_never_over_commit_a_gpu(
     client: AsyncClient, pool: Pool, dra_nodes: list[str]
 ) -> None:

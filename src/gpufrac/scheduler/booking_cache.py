@@ -71,7 +71,7 @@ from lightkube.resources.resource_v1 import ResourceClaim
 from gpufrac.contract.request import PodGpuRequest
 from gpufrac.placement.decision import ContainerPlacement, Decision, DeviceAssignment, Placement
 from gpufrac.placement.model import ModePolicy, NodeSpec, PendingPod
-from gpufrac.scheduler.claims import allocated_node, claim_placement, hold_key
+from gpufrac.scheduler.claims import allocated_node, claim_placement, hold_key, ours_allocated
 from gpufrac.scheduler.objects import bound_placement, gpu_request, host_request, pending_pod
 from gpufrac.scheduler.placement_engine import PlacementEngine
 from gpufrac.scheduler.pod_fields import RefusedPod
@@ -385,7 +385,7 @@ class BookingCache:
         this scheduler's own write of it is still out). True when the books changed."""
         uid = claim.metadata.uid
         body = claim.to_dict()
-        node = allocated_node(claim) if (body.get("status") or {}).get("allocation") else None
+        node = allocated_node(claim) if ours_allocated(claim) else None
         current = self._claims.get(uid)
         if node is None:
             if current is not None and current.assumed:

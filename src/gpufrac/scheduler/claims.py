@@ -233,6 +233,11 @@ def allocated_node(claim: ResourceClaim) -> str | None:
     return None
 
 
+def ours_allocated(claim: ResourceClaim) -> bool:
+    """Whether the claim is allocated with at least one device of our driver."""
+    return bool(_our_results(claim)[0])
+
+
 def _our_results(claim: ResourceClaim) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     allocation = (claim.to_dict().get("status") or {}).get("allocation") or {}
     results = (allocation.get("devices") or {}).get("results") or []
