@@ -31,7 +31,7 @@ from gpufrac.node.inject import NVIDIA_GPU_MEMORY_LIMIT, NVIDIA_GPU_MEMORY_REQUE
 from gpufrac.node.inventory.backend import GpuInfo, NodeInventory
 from gpufrac.node.mps.mode import DriverVersion, capability_for
 from gpufrac.scheduler.booking_audit import audit
-from gpufrac.scheduler.claims import gpu_device_name
+from gpufrac.scheduler.claims import ClaimWriter, gpu_device_name
 from gpufrac.scheduler.objects import node_inventory
 
 pytestmark = pytest.mark.kube
@@ -587,3 +587,28 @@ async def test_a_time_slicing_annotation_pod_waits_while_an_sm_sharing_claim_hol
             await wait_unschedulable(client, pool, "ts-pod", says="compute-mode conflict")
             await deallocate(client, pool, "mps")
             await wait_pod_bound(client, pool, "ts-pod")
+
+
+async def test_a_claim_changed_or_deleted_under_the_writer_is_not_allocated_and_says_why(
+    client: AsyncClient, pool: Pool
+) -> None:
+    """The writer's preconditions: a claim that changed since it was read is left alone (the pod is
+    placed again on the claim's new version), and a deleted one is reported as such."""
+    stale = await create_claim(client, claim_body(pool, "moving"))
+    await client.patch(
+        ResourceClaim, "moving", {"metadata": {"labels": {"touched": "yes"}}}, namespace=pool.namespace
+    )
+    gone = await create_claim(client, claim_body(pool, "gone"))
+    await client.delete(ResourceClaim, "gone", namespace=pool.namespace)
+    pod = Pod.from_dict({"metadata": {"name": "p", "namespace": pool.namespace, "uid": "0000-pod"}})
+    writer = ClaimWriter(client=client, fence=lambda: True)
+    allocation = {"devices": {"results": [], "config": []}}
+    landed, error = await writer.write(pod, claims=[stale], allocations={stale.metadata.uid: allocation})
+    assert landed == set() and error is not None and "ResourceClaim" in error and "changed" in error
+    assert "allocation" not in (await get_claim(client, pool, "moving")).get("status", {})
+    landed, error = await writer.write(pod, claims=[gone], allocations={gone.metadata.uid: allocation})
+    assert landed == set() and error == f"ResourceClaim {pool.namespace}/gone was deleted"
+    landed, error = await ClaimWriter(client=client, fence=lambda: False).write(
+        pod, claims=[stale], allocations={}
+    )
+    assert error == "this scheduler is no longer the leader"
