@@ -183,3 +183,33 @@ def test_the_audit_judges_claims_and_annotation_pods_as_one_ledger() -> None:
     assert any("over-committed" in p for p in over.problems)
     mixed = audit(nodes=[node], pods=[pod("p", GPUS[0], memory="1Gi", mode="sm-sharing")], claims=claims)
     assert any("mixes" in p for p in mixed.problems)
+
+
+def test_a_request_consumes_what_the_slice_request_policy_says() -> None:
+    """kube-scheduler's rounding (CapacityRequestPolicy), as the node agent's slices state it and as
+    other drivers may: default, validRange (min, step, max) and validValues."""
+    from decimal import Decimal
+
+    from lightkube.utils.quantity import parse_quantity
+
+    from gpufrac.node.dra.slices import desired_devices
+    from gpufrac.node.inventory.backend import GpuInfo, NodeInventory
+    from gpufrac.scheduler.claims import consumed
+
+    inventory = NodeInventory("615.20.01", "13.0", (GpuInfo("GPU-1", 0, 0, "H100", 81920),))
+    (device,) = desired_devices(inventory=inventory, capability=None)
+    memory, compute = (
+        device["capacity"][keys.DRA_MEMORY_CAPACITY],
+        device["capacity"][keys.DRA_COMPUTE_CAPACITY],
+    )
+    q = parse_quantity
+    assert consumed(None, memory) == q("80Gi")  # no amount: the whole GPU
+    assert consumed(q("20Gi"), memory) == q("20Gi")
+    assert consumed(q("1500Ki"), memory) == q("2Mi")  # whole MiB, rounded up
+    assert consumed(q("81Gi"), memory) is None  # more than the GPU
+    assert consumed(None, compute) == 0 and consumed(Decimal("25"), compute) == 25
+    assert consumed(Decimal("101"), compute) is None
+    values = {"value": "100", "requestPolicy": {"default": "10", "validValues": ["10", "50", "100"]}}
+    assert consumed(Decimal("11"), values) == 50 and consumed(Decimal("150"), values) is None
+    ranged = {"value": "100", "requestPolicy": {"default": "10", "validRange": {"min": "10", "step": "20"}}}
+    assert consumed(Decimal("1"), ranged) == 10 and consumed(Decimal("31"), ranged) == 50

@@ -129,11 +129,8 @@ class PublishedNode:
     """What a node's ResourceSlices of our driver publish: its pool, device names and capacities."""
 
     pool: str
+    #: Device name -> its ``capacity`` entries (``value`` and ``requestPolicy`` per capacity).
     capacity: Mapping[str, Mapping[str, Mapping[str, Any]]] = field(default_factory=dict)
-
-    @property
-    def devices(self) -> frozenset[str]:
-        return frozenset(self.capacity)
 
 
 def published_nodes(slices: Iterable[ResourceSlice]) -> dict[str, PublishedNode]:
