@@ -307,6 +307,25 @@ async def test_an_sm_sharing_claim_gets_its_compute_portion_and_memory_limit_fro
     assert bound.compute_portion == pytest.approx(0.25)
 
 
+async def test_a_claim_that_names_no_memory_takes_a_whole_gpu(
+    client: AsyncClient, pool: Pool, dra_nodes: list[str]
+) -> None:
+    await create_claim(client, claim_body(pool, "whole", memory=None))
+    await create_claim(client, claim_body(pool, "whole-too", memory=None))
+    async with running(client, pool.config()):
+        await client.create(gpu_pod(pool, "small", {keys.memory_request_key("app"): "1Gi"}))
+        small_gpu = await annotation_gpu(client, pool, "small")
+        await client.create(claim_pod(pool, "w1", claim="whole"))
+        await wait_pod_bound(client, pool, "w1")
+        # The only empty GPU is taken: a second whole-GPU claim waits.
+        await client.create(claim_pod(pool, "w2", claim="whole-too"))
+        await wait_unschedulable(client, pool, "w2", says="not enough whole free GPUs")
+    claim = await get_claim(client, pool, "whole")
+    (result,) = claim["status"]["allocation"]["devices"]["results"]
+    assert result["consumedCapacity"][keys.DRA_MEMORY_CAPACITY] == "80Gi"  # the slice's default: all of it
+    assert (await devices_by_gpu(client, dra_nodes[0]))[result["device"]] != small_gpu
+
+
 async def test_a_template_claim_pod_waits_for_its_claim_then_is_placed(
     client: AsyncClient, pool: Pool, dra_nodes: list[str]
 ) -> None:
