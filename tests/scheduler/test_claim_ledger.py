@@ -85,9 +85,12 @@ def free(books: BookingCache, gpu: int = 0) -> int:
 def test_an_allocated_claim_is_booked_once_and_released_when_deallocated_or_deleted() -> None:
     books = cache()
     books.set_node(NODE)
+    slots = int(books.engine.state.pods_free[books.engine.state.index["n1"]])
     body = claim("u1")
     assert books.claim_changed(ResourceClaim.from_dict(body))
     assert free(books) == 81920 - 30720
+    # A claim is no pod: it takes no pod slot (its pods take theirs).
+    assert books.engine.state.pods_free[books.engine.state.index["n1"]] == slots
     assert not books.claim_changed(ResourceClaim.from_dict(body))  # the same view again: nothing new
     assert free(books) == 81920 - 30720
     assert books.engine.ledger("n1")[0].pods == 1  # the GPU's holders: one, however many pods use it
