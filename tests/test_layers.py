@@ -20,7 +20,9 @@ ALLOWED: dict[str, set[str]] = {
     "kube": set(),
     # The controller runner (process/controller.py) runs informers and a lease for the components.
     "process": {"kube"},
-    "scheduler": {"contract", "placement", "kube", "process"},
+    # The scheduler reads DRA allocations with the node's own reader and names devices as the node's
+    # ResourceSlice does (ONLY below), so both sides book the same share.
+    "scheduler": {"contract", "placement", "kube", "process", "node"},
     "admission": {"contract", "kube", "process"},
     "node": {"contract", "kube", "process", "_generated"},
     "sim": {"contract", "placement"},
@@ -44,6 +46,9 @@ ONLY: dict[str, dict[str, tuple[str, ...]]] = {
     # kubectl's `top` reuses the node agent's view of its metrics, and it finds the agents' pods by the
     # names the operator renders them with.
     "kubectl": {"node": ("gpufrac.node.top",), "operator": ("gpufrac.operator.render",)},
+    "scheduler": {
+        "node": ("gpufrac.node.dra.prepare", "gpufrac.node.dra.slices", "gpufrac.node.inventory.backend")
+    },
 }
 
 #: The ``gpufrac`` command: a table of contents that registers each component's command.

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import yaml
 from helm_chart import one, render
 from lightkube import AsyncClient
 from lightkube.resources.resource_v1 import DeviceClass
@@ -75,3 +76,37 @@ async def test_the_api_server_accepts_the_classes(tmp_path: Path, akube: AsyncCl
         finally:
             assert created.metadata is not None and created.metadata.name is not None
             await akube.delete(DeviceClass, created.metadata.name)
+
+
+def test_the_scheduler_may_allocate_claims_only_where_dra_is_on(tmp_path: Path) -> None:
+    """The scheduler's configuration and ClusterRole follow dra.enabled as the DeviceClasses do: on a
+    cluster without resource.k8s.io/v1 its claim informers would never sync."""
+    name = "gpufrac-gpufrac-scheduler"
+    claim_rules = [
+        {
+            "apiGroups": ["resource.k8s.io"],
+            "resources": ["resourceclaims"],
+            "verbs": ["get", "list", "watch", "patch"],
+        },
+        {
+            "apiGroups": ["resource.k8s.io"],
+            "resources": ["resourceclaims/status"],
+            "verbs": ["update", "patch"],
+        },
+        {
+            "apiGroups": ["resource.k8s.io"],
+            "resources": ["deviceclasses", "resourceslices"],
+            "verbs": ["get", "list", "watch"],
+        },
+    ]
+    for extra, values, on in (
+        (SERVES_DRA, None, True),
+        ((), None, False),
+        (SERVES_DRA, {"dra": {"enabled": False}}, False),
+        ((), {"dra": {"enabled": True}}, True),
+    ):
+        objects = render(values, tmp_path=tmp_path, extra=extra)
+        rules = one(objects, "ClusterRole", name)["rules"]
+        assert all((rule in rules) is on for rule in claim_rules), (extra, values)
+        config = yaml.safe_load(one(objects, "ConfigMap", "gpufrac-scheduler")["data"]["scheduler.yaml"])
+        assert config["dra"] is on

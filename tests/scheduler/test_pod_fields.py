@@ -114,10 +114,12 @@ def test_extras_follow_kubes_request_arithmetic() -> None:
     )
 
 
-def test_dra_claims_are_refused_by_name() -> None:
+def test_dra_claims_are_refused_by_name_only_when_the_scheduler_runs_without_dra() -> None:
     p = pod({"resourceClaims": [{"name": "gpu", "resourceClaimName": "c"}]})
-    message = refused_fields(p)
+    message = refused_fields(p, dra=False)
     assert message is not None and message.startswith("spec.resourceClaims (gpu)")
+    assert "dra: false" in message
+    assert refused_fields(p, dra=True) is None  # the claims module judges them (test_dra_claims.py)
 
 
 def _claim(name: str, volume: str | None) -> PersistentVolumeClaim:

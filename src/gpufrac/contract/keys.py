@@ -204,6 +204,10 @@ DRA_CONFIG_KIND = "GpuShareConfig"
 DRA_CONFIG_COMPUTE_MODE = "computeMode"
 DRA_CONFIG_MEMORY_LIMIT = "memoryLimit"
 #: The chart's DeviceClass per compute mode is ``<mode>.<driver>`` (``time-slicing.gpu.gpufrac.io``).
+#: The finalizer kube-scheduler puts on a ResourceClaim before it allocates it
+#: (k8s.io/api/resource/v1 ``Finalizer``): the claim is not deleted while allocated;
+#: kube-controller-manager removes it when it deallocates. gpufrac-scheduler allocates the same way.
+DRA_CLAIM_FINALIZER = "resource.kubernetes.io/delete-protection"
 
 #: The name the node agent registers with the runtime's NRI (``PluginIdentity``), and the one GPU
 #: containers require.

@@ -2,9 +2,10 @@
 
 State comes in as nodes (``add_node`` / ``update_node`` / ``remove_node``) and as pods that already hold
 GPUs (``assume``, used at start to rebuild the ledgers from bound pods, so a restart never double-books a
-GPU). ``schedule(pods)`` places a batch in queue order and returns one Decision per pod: a Placement,
-which the engine has already assumed (the service binds it, and calls ``forget`` if binding fails), or
-Unschedulable with the per-reason node counts. ``place(pod)`` is the one-pod form.
+GPU), and as GPU shares no pod holds itself (``hold``: a DRA claim's allocation, booked once however
+many pods use it). ``schedule(pods)`` places a batch in queue order and returns one Decision per pod: a
+Placement, which the engine has already assumed (the service binds it, and calls ``forget`` if binding
+fails), or Unschedulable with the per-reason node counts. ``place(pod)`` is the one-pod form.
 
 How a pod is placed: pods of the same kind (see demand) share a cache of per-node results - reason code,
 score packed with the seeded tie-break rank, and the GPU a single-device pod would use. Only nodes whose
@@ -149,6 +150,9 @@ class Engine:
         self._bound: dict[str, _Bound] = {}
         self.pods = PodTable(gpu_slots=self.state.cols)
         self._on_node: dict[int, set[str]] = {}
+        #: Shares no pod holds (``hold``): key -> (allocation, placement, namespace), and per node.
+        self._holds: dict[str, tuple[Allocation, Placement, str]] = {}
+        self._held_on_node: dict[int, set[str]] = {}
         self._observed: set[str] = set()
         self.book = PodBook(self.state)
 
@@ -179,6 +183,8 @@ class Engine:
         dropped = sorted(self._on_node.get(n, ()))
         for uid in dropped:
             self.forget(uid)
+        for key in sorted(self._held_on_node.pop(n, ())):
+            self.release_hold(key)
         self.book.drop_row(n)
         self.state.remove_node(name)
         self._on_node.pop(n, None)
@@ -186,7 +192,7 @@ class Engine:
 
     def update_node(self, spec: NodeSpec) -> list[str]:
         """Apply a new spec. If the GPU inventory changed, pods whose GPUs are gone are dropped and
-        returned; the others keep their devices."""
+        returned; the others keep their devices (so do holds: one whose GPUs are gone is released)."""
         n = self.state.index.get(spec.name)
         if n is None:
             self.add_node(spec)
@@ -199,9 +205,15 @@ class Engine:
         bound = [self._bound[uid] for uid in sorted(self._on_node.get(n, ()))]
         for b in bound:
             self.forget(b.pod.uid)
+        holds = [(key, self._holds[key]) for key in sorted(self._held_on_node.get(n, ()))]
+        for key, _ in holds:
+            self.release_hold(key)
         self.state.remove_node(spec.name)
         self.add_node(spec)
         uuids = {g.uuid for g in spec.gpus}
+        for key, (_, placement, namespace) in holds:
+            if all(set(c.uuids) <= uuids for c in placement.containers):
+                self.hold(key, placement, namespace=namespace)
         dropped = []
         for b in bound:
             if all(set(c.uuids) <= uuids for c in b.placement.containers):
@@ -261,24 +273,55 @@ class Engine:
         if pod.uid in self._bound:
             self.forget(pod.uid)
         n = self.state.index[placement.node]
-        charges = []
-        for cp in placement.containers:
-            for d in cp.devices:
-                at = self.state.gpu_at.get(d.uuid)
-                if at is None or at[0] != n:
-                    raise ValueError(f"GPU {d.uuid} of pod {pod.key} is not on node {placement.node}")
-                mode = EXCLUSIVE if cp.exclusive else MODE_CODE[cp.mode]
-                ppm = 0 if d.compute_portion is None else portion_ppm(d.compute_portion)
-                charges.append(DeviceCharge(at[1], d.request_mib, d.limit_mib, ppm, mode))
         allocation = Allocation(
             node=n,
             cpu_milli=pod.cpu_milli,
             memory_bytes=pod.memory_bytes,
             tenant=self.state.namespace_id(pod.namespace),
-            charges=tuple(charges),
+            charges=self._charges(placement, n, holder=f"pod {pod.key}"),
         )
         self._commit(pod, allocation, placement)
         return placement
+
+    def _charges(self, placement: Placement, n: int, *, holder: str) -> tuple[DeviceCharge, ...]:
+        charges = []
+        for cp in placement.containers:
+            for d in cp.devices:
+                at = self.state.gpu_at.get(d.uuid)
+                if at is None or at[0] != n:
+                    raise ValueError(f"GPU {d.uuid} of {holder} is not on node {placement.node}")
+                mode = EXCLUSIVE if cp.exclusive else MODE_CODE[cp.mode]
+                ppm = 0 if d.compute_portion is None else portion_ppm(d.compute_portion)
+                charges.append(DeviceCharge(at[1], d.request_mib, d.limit_mib, ppm, mode))
+        return tuple(charges)
+
+    # -- shares no pod holds ----------------------------------------------------------------------------
+
+    def hold(self, key: str, placement: Placement, *, namespace: str) -> None:
+        """Book GPU shares that no pod holds itself: a DRA claim's allocation, which several pods may
+        use and which outlives them until it is deallocated. It charges its GPUs (memory, limits,
+        compute, mode, the tenant ``namespace``) like a pod, but no pod slot, no host resources, no
+        queue, and it is nobody's preemption victim nor counted by other pods' affinity rules.
+        Replaces an earlier hold of ``key``; raises ValueError when a GPU is not on the node."""
+        self.release_hold(key)
+        n = self.state.index.get(placement.node)
+        if n is None:
+            raise ValueError(f"node {placement.node} of {key} is not known")
+        charges = self._charges(placement, n, holder=key)
+        allocation = Allocation(n, 0, 0, self.state.namespace_id(namespace), charges, pods=0)
+        self.state.apply(allocation)
+        self._holds[key] = (allocation, placement, namespace)
+        self._held_on_node.setdefault(n, set()).add(key)
+
+    def release_hold(self, key: str) -> bool:
+        """Give back what ``hold`` booked for ``key``; False when it held nothing."""
+        found = self._holds.pop(key, None)
+        if found is None:
+            return False
+        allocation = found[0]
+        self.state.release(allocation)
+        self._held_on_node.get(allocation.node, set()).discard(key)
+        return True
 
     def forget(self, uid: str) -> bool:
         """Release everything a pod holds (deleted, finished, or its binding failed)."""

@@ -57,6 +57,9 @@ class Allocation:
     memory_bytes: int
     tenant: int
     charges: tuple[DeviceCharge, ...]
+    #: Pod slots it takes: 1 for a pod, 0 for GPU shares no pod holds itself (a DRA claim's allocation,
+    #: ``Engine.hold``).
+    pods: int = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -271,7 +274,7 @@ class ClusterState:
         n = a.node
         self.cpu_free[n] -= a.cpu_milli
         self.mem_free[n] -= a.memory_bytes
-        self.pods_free[n] -= 1
+        self.pods_free[n] -= a.pods
         for c in a.charges:
             g = c.gpu
             if self.npods[n, g] == 0:
@@ -289,7 +292,7 @@ class ClusterState:
         n = a.node
         self.cpu_free[n] += a.cpu_milli
         self.mem_free[n] += a.memory_bytes
-        self.pods_free[n] += 1
+        self.pods_free[n] += a.pods
         for c in reversed(a.charges):
             g = c.gpu
             self.npods[n, g] -= 1

@@ -5,7 +5,9 @@ Given the managed Nodes and the Pods, this recomputes every GPU's ledger from th
 whose guaranteed memory exceeds its capacity, a GPU holding both compute modes or an exclusive pod next
 to others, an sm-sharing GPU over 100% compute or shared by namespaces when tenancy is per namespace, a
 device that is not on the pod's node, a device assigned twice within a pod, and a pod carrying devices
-without a node. The tests and the benchmark use it after bursts and crashes; an operator can too.
+without a node. Allocated DRA claims of gpufrac's driver count on their GPUs too (once each, read as the
+node's prepare reads them), so a GPU shared by claims and annotation pods is judged as one ledger. The
+tests and the benchmark use it after bursts and crashes; an operator can too.
 """
 
 from __future__ import annotations
@@ -15,10 +17,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from lightkube.resources.core_v1 import Node, Pod
+from lightkube.resources.resource_v1 import ResourceClaim
 
 from gpufrac.contract.errors import InvalidPodRequest
 from gpufrac.contract.request import ComputeMode
 from gpufrac.placement.demand import PPM, portion_ppm
+from gpufrac.placement.model import NodeSpec
+from gpufrac.scheduler.claims import allocated_node, claim_placement
 from gpufrac.scheduler.objects import gpu_request, node_inventory
 
 _EXCLUSIVE = "exclusive"
@@ -48,14 +53,40 @@ class AuditReport:
 
 
 def audit(
-    *, nodes: Iterable[Node], pods: Iterable[Pod], sm_sharing_single_tenant: bool = True
+    *,
+    nodes: Iterable[Node],
+    pods: Iterable[Pod],
+    claims: Iterable[ResourceClaim] = (),
+    sm_sharing_single_tenant: bool = True,
 ) -> AuditReport:
     gpus: dict[str, GpuBooking] = {}
+    specs: dict[str, NodeSpec] = {}
     for node in nodes:
-        for gpu in node_inventory(node):
+        inventory = node_inventory(node)
+        specs[node.metadata.name] = NodeSpec(
+            name=node.metadata.name, cpu_milli=0, memory_bytes=0, gpus=inventory
+        )
+        for gpu in inventory:
             gpus[gpu.uuid] = GpuBooking(node=node.metadata.name, capacity_mib=gpu.memory_mib)
     problems: list[str] = []
     placed = 0
+    for claim in claims:
+        node_name = allocated_node(claim)
+        spec = specs.get(node_name or "")
+        placement = claim_placement(claim.to_dict(), spec) if spec is not None else None
+        if placement is None:
+            continue  # not allocated, another driver's, or on a node not audited
+        key = f"claim {claim.metadata.namespace}/{claim.metadata.name}"
+        for held in placement.containers:
+            for device in held.devices:
+                booking = gpus[device.uuid]
+                booking.request_mib += device.request_mib
+                booking.limit_mib += device.limit_mib
+                booking.modes.add(_EXCLUSIVE if held.exclusive else held.mode.value)
+                if held.mode is ComputeMode.SM_SHARING and not held.exclusive:
+                    booking.compute_ppm += portion_ppm(device.compute_portion or 0.0)
+                    booking.namespaces.add(claim.metadata.namespace)
+                booking.pods.append(key)
     for pod in pods:
         key = f"{pod.metadata.namespace}/{pod.metadata.name}"
         node = pod.spec.nodeName if pod.spec else None

@@ -128,6 +128,12 @@ class SchedulerConfig(_Strict):
     node_lease_namespace: str = Field(default=keys.NODE_LEASE_NAMESPACE, min_length=1)
     """Where the node agents' heartbeat Leases are (one per node, named after it)."""
 
+    dra: bool = True
+    """Allocate ResourceClaims of gpufrac's DRA driver and book every allocated claim of it (whoever
+    allocated it) in the same ledger as annotation pods (docs/dra.md). Needs ``resource.k8s.io/v1``
+    (Kubernetes 1.34+): on an older cluster set it to false (the chart does when the API is not served);
+    the claims' informers would otherwise never sync."""
+
     device_names: Literal["uuid", "cdi"] = "uuid"
     """How ``.gpus.devices`` names GPUs: physical UUIDs, or CDI names (``nvidia.com/gpu=<uuid>``)."""
 

@@ -3,8 +3,9 @@
 The engine (``gpufrac.placement.Engine``) is pure and shared with the simulator. The service only asks
 it to learn and forget nodes (and the nodes it does not manage, as topology domains with the pods
 bound to them), place a batch (holding what it placed; a gang all-or-nothing), book a
-placement it did not make (a bound pod seen at start-up or bound by a previous leader), let go of a
-pod, and show its ledgers.
+placement it did not make (a bound pod seen at start-up or bound by a previous leader), hold a DRA
+claim's allocation (booked once, whatever pods use it), let go of a pod or a claim, and show its
+ledgers.
 ``PlacementEngine`` names exactly that, so the seam stays narrow and visible; ``build_engine`` maps the
 scheduler's configuration onto the engine's knobs.
 """
@@ -60,6 +61,12 @@ class PlacementEngine(Protocol):
 
     def forget(self, uid: str) -> bool:
         """Give back everything ``uid`` holds; False when it held nothing."""
+
+    def hold(self, key: str, placement: Placement, *, namespace: str) -> None:
+        """Book GPU shares no pod holds itself (a DRA claim's allocation); replaces an earlier hold."""
+
+    def release_hold(self, key: str) -> bool:
+        """Give back a hold; False when there was none."""
 
     def set_queues(self, queues: Iterable[Queue]) -> None:
         """Replace the known queues (``gpufrac.scheduler.queues`` merges their sources)."""

@@ -8,8 +8,10 @@ lists every field). Honoured: inter-pod affinity and anti-affinity (required and
 constraints, host ports, extended resources, ephemeral storage, ``status.nominatedNodeName``, and
 PersistentVolumeClaims bound to PersistentVolumes (their node affinity is ANDed with the pod's).
 Refused: claims not bound yet (WaitForFirstConsumer, or an Immediate claim still waiting: gpufrac does
-not bind or provision volumes, which kube-scheduler's VolumeBinding plugin does) and DRA
-``resourceClaims``. ``schedulingGates`` are the service's business: a gated pod is not placed at all.
+not bind or provision volumes, which kube-scheduler's VolumeBinding plugin does), and DRA
+``resourceClaims`` when the scheduler runs without DRA (``dra: false``); with it, claims of gpufrac's
+driver are allocated (``gpufrac.scheduler.claims``, which refuses the others by name).
+``schedulingGates`` are the service's business: a gated pod is not placed at all.
 """
 
 from __future__ import annotations
@@ -211,14 +213,15 @@ def scheduling_gates(pod: Pod) -> tuple[str, ...]:
     return tuple(g.name for g in (pod.spec.schedulingGates if pod.spec else None) or [])
 
 
-def refused_fields(pod: Pod) -> str | None:
-    """The sentence for a field gpufrac does not honour, or None."""
+def refused_fields(pod: Pod, *, dra: bool) -> str | None:
+    """The sentence for a field gpufrac does not honour, or None. ``dra``: the scheduler allocates
+    claims of gpufrac's driver (its configuration's ``dra``)."""
     spec = pod.spec
-    if spec is not None and spec.resourceClaims:
+    if spec is not None and spec.resourceClaims and not dra:
         names = ", ".join(c.name for c in spec.resourceClaims)
         return (
-            f"spec.resourceClaims ({names}): the gpufrac scheduler does not allocate dynamic resource "
-            "claims; use the gpufrac annotations for GPUs, or kube-scheduler for this pod"
+            f"spec.resourceClaims ({names}): this gpufrac scheduler runs with dra: false and allocates no "
+            "dynamic resource claims; use the gpufrac annotations for GPUs, or kube-scheduler for this pod"
         )
     return None
 

@@ -42,6 +42,15 @@ takes no new pods; since an expiry is time passing and not an API event, a timer
 their heartbeats expire (``gpufrac.kube.heartbeat``), and a heartbeat that resumes is a Lease (or Node)
 update like any other.
 
+DRA claims (``dra: true``, the default; docs/dra.md): three more informers read ResourceClaims,
+DeviceClasses and ResourceSlices. Every allocated claim of gpufrac's driver on a managed node is booked
+in the engine once, whoever allocated it (``BookingCache.claim_changed``), so annotation pods and claims
+never book the same memory. A pod whose claims are all gpufrac's (``gpufrac.scheduler.claims``) is
+placed like an annotation pod: its claims' requests are containers of its engine request, restricted
+to nodes that publish our devices (and to the node its already allocated claims are on); once placed,
+its shares become the claims' holds and the pod keeps its host resources, and the bind first writes
+each claim's allocation and reservation (``ClaimWriter``), then the Binding.
+
 Queues come from Queue objects, KAI's Queue objects and the configuration file, merged into the engine
 (``gpufrac.scheduler.queues``; docs/queues.md). A pod that fits nowhere may preempt or reclaim
 (``gpufrac.scheduler.preemption``), or have movable pods moved for it (consolidation, the same module);
@@ -62,13 +71,16 @@ import socket
 import time
 import uuid
 from collections.abc import Callable, Coroutine, Iterable, Sequence
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any, Protocol
 
 from lightkube import AsyncClient
 from lightkube.resources.coordination_v1 import Lease
 from lightkube.resources.core_v1 import Namespace, Node, PersistentVolume, PersistentVolumeClaim, Pod
+from lightkube.resources.resource_v1 import DeviceClass, ResourceClaim, ResourceSlice
 
+from gpufrac.contract import keys
 from gpufrac.contract.errors import InvalidPodRequest
 from gpufrac.contract.request import PodGpuRequest
 from gpufrac.kube.errors import Conflict
@@ -81,10 +93,26 @@ from gpufrac.kube.stream import ALL_NAMESPACES, Selection
 from gpufrac.placement.consolidation import MoveBudget
 from gpufrac.placement.decision import Decision, Placement, Unschedulable
 from gpufrac.placement.engine import Engine
-from gpufrac.placement.model import ModePolicy, PendingPod
+from gpufrac.placement.model import (
+    ModePolicy,
+    NodeSelectorRequirement,
+    NodeSelectorTerm,
+    PendingPod,
+    SelectorOperator,
+)
 from gpufrac.process.controller import ControllerRunner, Election, Handler, cancel
 from gpufrac.scheduler.binder import Binder, BindMode, BindResult, Outcome, stale_binding_keys
 from gpufrac.scheduler.booking_cache import BookingCache
+from gpufrac.scheduler.claims import (
+    ClaimPlan,
+    ClaimWriter,
+    DriverClass,
+    PublishedNode,
+    allocation,
+    driver_class,
+    plan_claims,
+    published_nodes,
+)
 from gpufrac.scheduler.config import SchedulerConfig
 from gpufrac.scheduler.gangs import GangKey, Gangs, gang_of
 from gpufrac.scheduler.metrics import GpuAllocation, SchedulerMetrics, StateReaders
@@ -121,6 +149,14 @@ _ERROR_TEXT_MAX = 300
 _EXPIRY_CHECK_S = 1.0
 
 
+@dataclass(frozen=True, slots=True)
+class _ClaimBind:
+    """A claim pod's part of its bind: every claim it uses, and the allocations to write (by claim uid)."""
+
+    plan: ClaimPlan
+    allocations: dict[str, dict[str, Any]]
+
+
 class PodFilter(Protocol):
     """Narrows where one pod may go, with what the engine cannot see (e.g. the pods on each node).
 
@@ -147,11 +183,14 @@ def default_identity() -> str:
 
 
 def _meaningful_change(old: Pod, new: Pod) -> bool:
-    """A change a user made (spec, labels, annotations), not a status write."""
+    """A change a user made (spec, labels, annotations), not a status write; or the names of the claims
+    kube-controller-manager generated from the pod's ResourceClaimTemplates (a pod waits for them)."""
     return (
         old.spec != new.spec
         or old.metadata.annotations != new.metadata.annotations
         or old.metadata.labels != new.metadata.labels
+        or (old.status.resourceClaimStatuses if old.status else None)
+        != (new.status.resourceClaimStatuses if new.status else None)
     )
 
 
@@ -247,6 +286,33 @@ class SchedulerService:
         self.namespaces.add_handler(Handler(changed=self._namespace_changed, deleted=self._storage_changed))
         self.claims.add_handler(Handler(changed=self._storage_changed, deleted=self._storage_changed))
         self.volumes.add_handler(Handler(changed=self._storage_changed, deleted=self._storage_changed))
+        # DRA (docs/dra.md): claims of our driver are allocated here and booked whoever allocated them.
+        dra_informers: tuple[Informer[Any], ...] = ()
+        self.resource_claims: Informer[ResourceClaim] | None = None
+        self.device_classes: Informer[DeviceClass] | None = None
+        self.resource_slices: Informer[ResourceSlice] | None = None
+        self._classes: dict[str, DriverClass | None] = {}
+        self._published: dict[str, PublishedNode] = {}
+        if config.dra:
+            self.resource_claims = Informer(
+                client=client,
+                resource=ResourceClaim,
+                selection=Selection(namespace=ALL_NAMESPACES),
+                name="resource-claims",
+            )
+            self.device_classes = Informer(client=client, resource=DeviceClass, name="device-classes")
+            self.resource_slices = Informer(client=client, resource=ResourceSlice, name="resource-slices")
+            self.resource_claims.add_handler(
+                Handler(changed=self._resource_claim_changed, deleted=self._resource_claim_deleted)
+            )
+            self.device_classes.add_handler(
+                Handler(changed=self._device_class_changed, deleted=self._device_class_deleted)
+            )
+            self.resource_slices.add_handler(
+                Handler(changed=self._slices_changed, deleted=self._slices_changed)
+            )
+            dra_informers = (self.resource_claims, self.device_classes, self.resource_slices)
+        self._claim_plans: dict[str, ClaimPlan] = {}
 
         # Events wait while binds are in flight: during a burst the API server's writes go to binds.
         self.events = EventRecorder(
@@ -285,6 +351,7 @@ class SchedulerService:
                 self.namespaces,
                 self.claims,
                 self.volumes,
+                *dra_informers,
             ),
             lead=self._lead,
             registry=self.metrics.registry,
@@ -312,6 +379,7 @@ class SchedulerService:
             drain=self._drain,
         )
         self.elector = self.runner.elector
+        self.claim_writer = ClaimWriter(client=client, fence=self.is_leader)
         self.binder = Binder(
             client=client,
             fence=self.is_leader,
@@ -474,9 +542,20 @@ class SchedulerService:
     ) -> None:
         """Bind a placed pod (the cache booked it), or report why not, after the post-filter and
         preemption had their say."""
+        plan = self._claim_plans.pop(pending.uid, None)
         if isinstance(decision, Placement):
+            claims: _ClaimBind | None = None
+            if plan is not None:
+                try:
+                    decision, claims = self._claim_shares(pending, decision, plan)
+                except ValueError as error:
+                    if self.cache.forget(pending.uid):
+                        self.queue.cluster_changed()
+                    self._unschedulable(pod, str(error))
+                    return
+                gpu = PodGpuRequest()  # the GPUs are the claims'; the pod gets no annotations
             self._in_flight.add(pending.uid)
-            self._spawn(self._bind(pod, gpu, decision), self._binds)
+            self._spawn(self._bind(pod, gpu, decision, claims=claims), self._binds)
         elif isinstance(decision, BaseException):
             self._failed_on(pod, decision, doing="placing")
         elif gang is not None:
@@ -541,6 +620,33 @@ class SchedulerService:
         for (pending, pod, gpu), decision in zip(members, decisions, strict=True):
             self._apply(pending, pod, gpu, decision, gang=key)
 
+    def _claim_shares(
+        self, pending: PendingPod, placement: Placement, plan: ClaimPlan
+    ) -> tuple[Placement, _ClaimBind]:
+        """A placed claim pod: its shares become its claims' allocations, held at once in the books
+        (assumed until written), and the pod keeps its host resources only. Raises ValueError when the
+        node does not publish a chosen GPU as a device (its slice lags its inventory)."""
+        node = placement.node
+        spec, published = self.cache.nodes[node], self._published.get(node)
+        allocations: dict[str, dict[str, Any]] = {}
+        if plan.to_allocate:
+            if published is None:
+                raise ValueError(f"node {node} publishes no ResourceSlice of driver {keys.DRA_DRIVER_NAME}")
+            for claim in plan.to_allocate:
+                allocations[claim.claim.metadata.uid] = allocation(
+                    claim, placement=placement, node=spec, published=published
+                )
+        for claim in plan.to_allocate:
+            body = claim.claim.to_dict()
+            body["status"] = {
+                **(body.get("status") or {}),
+                "allocation": allocations[claim.claim.metadata.uid],
+            }
+            self.cache.hold_claim(body, node=node, assumed=True)
+        host = Placement(pod_uid=placement.pod_uid, node=node, containers=())
+        self.cache.rebook(pending.uid, replace(pending, gpu=PodGpuRequest()), host)
+        return host, _ClaimBind(plan, allocations)
+
     def _own_bound_pod(self, uid: str) -> Pod | None:
         """The pod of a booked uid if this scheduler placed it (only such pods may be preempted)."""
         booking = self.cache.booking(uid)
@@ -557,9 +663,29 @@ class SchedulerService:
             gpu = gpu_request(pod)
         except InvalidPodRequest as error:
             return str(error)
-        refused = refused_fields(pod)
+        refused = refused_fields(pod, dra=self.config.dra)
         if refused is not None:
             return refused
+        node_terms: list[tuple[NodeSelectorTerm, ...]] = []
+        mode_policy = self._mode_policy
+        plan: ClaimPlan | None = None
+        if pod.spec and pod.spec.resourceClaims:
+            planned = self._plan_claims(pod, gpu)
+            if isinstance(planned, str):
+                return planned
+            plan = planned
+            gpu = PodGpuRequest(containers=tuple(share.gpu for share in plan.shares))
+            # A claim's class names its mode: no fallback to the other one.
+            mode_policy = ModePolicy.REQUIRED
+            nodes = [plan.node] if plan.node is not None else sorted(plan.nodes) if plan.shares else []
+            if nodes:
+                node_terms.append(
+                    (
+                        NodeSelectorTerm(
+                            (NodeSelectorRequirement(keys.HOSTNAME_LABEL, SelectorOperator.IN, tuple(nodes)),)
+                        ),
+                    )
+                )
         self._arrivals += 1
         try:
             pending = pending_pod(
@@ -567,12 +693,13 @@ class SchedulerService:
                 gpu=gpu,
                 arrival=self._arrivals,
                 default_queue=self.config.default_queue,
-                mode_policy=self._mode_policy,
+                mode_policy=mode_policy,
                 volume_terms=volume_terms(
                     pod,
                     claim=lambda ns, name: self.claims.store.get(f"{ns}/{name}"),
                     volume=self.volumes.store.get,
-                ),
+                )
+                + node_terms,
             )
         except RefusedPod as error:
             return str(error)
@@ -581,7 +708,26 @@ class SchedulerService:
             if isinstance(narrowed, str):
                 return narrowed
             pending = narrowed
+        if plan is not None:
+            self._claim_plans[pending.uid] = plan
+        else:
+            self._claim_plans.pop(pending.uid, None)
         return pending, gpu
+
+    def _plan_claims(self, pod: Pod, gpu: PodGpuRequest) -> ClaimPlan | str:
+        if gpu.wants_gpu:
+            return (
+                "spec.resourceClaims and a GPU request in annotations or nvidia.com/gpu: a pod gets its GPUs "
+                "one way; use claims or the gpufrac annotations, not both"
+            )
+        claims = self.resource_claims
+        assert claims is not None  # refused_fields refuses claims when DRA is off
+        return plan_claims(
+            pod,
+            claim=lambda ns, name: claims.store.get(f"{ns}/{name}"),
+            classes=self._classes,
+            published=self._published,
+        )
 
     def _decide(self, todo: list[tuple[PendingPod, Pod, PodGpuRequest]]) -> list[Decision | BaseException]:
         """The decisions for the batch, each Placement booked as assumed; if the engine fails on the
@@ -620,14 +766,32 @@ class SchedulerService:
             reason=SCHEDULER_ERROR,
         )
 
-    async def _bind(self, pod: Pod, gpu: PodGpuRequest, placement: Placement) -> None:
+    async def _bind(
+        self, pod: Pod, gpu: PodGpuRequest, placement: Placement, *, claims: _ClaimBind | None = None
+    ) -> None:
         uid = pod.metadata.uid
         try:
             async with self._bind_gate:
-                result = await self.binder.bind(pod, request=gpu, placement=placement)
+                result = None
+                if claims is not None:
+                    result = await self._write_claims(pod, claims)
+                if result is None:
+                    result = await self.binder.bind(pod, request=gpu, placement=placement)
         finally:
             self._in_flight.discard(uid)
         self._after_bind(pod, placement, result)
+
+    async def _write_claims(self, pod: Pod, claims: _ClaimBind) -> BindResult | None:
+        """Write a claim pod's allocations and reservations (None: all landed, bind the pod)."""
+        landed, error = await self.claim_writer.write(
+            pod, claims=claims.plan.claims, allocations=claims.allocations
+        )
+        for claim_uid in claims.allocations:
+            if self.cache.claim_written(claim_uid, landed=claim_uid in landed):
+                self.queue.cluster_changed()
+        if error is None:
+            return None
+        return BindResult(Outcome.FAILED, error, "claim")
 
     def _after_bind(self, pod: Pod, placement: Placement, result: BindResult) -> None:
         uid, meta = pod.metadata.uid, pod.metadata
@@ -806,6 +970,27 @@ class SchedulerService:
         """A claim, volume or namespace changed: pods waiting on one may fit now."""
         self.queue.cluster_changed()
 
+    def _resource_claim_changed(self, old: ResourceClaim | None, claim: ResourceClaim) -> None:
+        self.cache.claim_changed(claim)
+        self.queue.cluster_changed()  # a claim created, allocated or freed: pods waiting on it may go
+
+    def _resource_claim_deleted(self, claim: ResourceClaim) -> None:
+        self.cache.release_claim(claim.metadata.uid)
+        self.queue.cluster_changed()
+
+    def _device_class_changed(self, old: DeviceClass | None, device_class: DeviceClass) -> None:
+        self._classes[device_class.metadata.name] = driver_class(device_class)
+        self.queue.cluster_changed()
+
+    def _device_class_deleted(self, device_class: DeviceClass) -> None:
+        self._classes.pop(device_class.metadata.name, None)
+        self.queue.cluster_changed()
+
+    def _slices_changed(self, *objects: Any) -> None:
+        assert self.resource_slices is not None
+        self._published = published_nodes(self.resource_slices.store)
+        self.queue.cluster_changed()
+
     def _foreign_changed(self, old: Pod | None, pod: Pod) -> None:
         # A pod counted on an unmanaged node that a waiting pod's affinity or spread counts wakes the
         # parked pods (kube-scheduler's queueing hints do as much).
@@ -819,6 +1004,7 @@ class SchedulerService:
         self.queue.remove(uid)
         self._first_seen.pop(uid, None)
         self._reported.pop(uid, None)
+        self._claim_plans.pop(uid, None)
         if self.preemptions is not None and self.preemptions.deleted(uid):
             return  # a victim: its room stays booked until its preemptor takes it
         if self.cache.remove(pod):
