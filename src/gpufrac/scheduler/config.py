@@ -131,8 +131,9 @@ class SchedulerConfig(_Strict):
     dra: bool = True
     """Allocate ResourceClaims of gpufrac's DRA driver and book every allocated claim of it (whoever
     allocated it) in the same ledger as annotation pods (docs/dra.md). Needs ``resource.k8s.io/v1``
-    (Kubernetes 1.34+): on an older cluster set it to false (the chart does when the API is not served);
-    the claims' informers would otherwise never sync."""
+    (Kubernetes 1.34+); on an older cluster the claim informers find the API not served, sync empty
+    with one warning and look again every minute, so nothing else changes (the chart also sets it to
+    false there, which saves the three watches)."""
 
     device_names: Literal["uuid", "cdi"] = "uuid"
     """How ``.gpus.devices`` names GPUs: physical UUIDs, or CDI names (``nvidia.com/gpu=<uuid>``)."""
