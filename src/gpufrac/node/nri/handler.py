@@ -61,7 +61,6 @@ which drops again when the container is removed.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import os
 import time
@@ -87,7 +86,7 @@ from gpufrac.node.inject import (
 from gpufrac.node.inventory.backend import GpuInfo
 from gpufrac.node.mapping import AllocationRecord, InvalidContainerId, MappingStore, check_container_id
 from gpufrac.node.metrics import FOREIGN_GPU, EnforcementCounters
-from gpufrac.node.mps.containers import ContainerHooks, apply_adjustment
+from gpufrac.node.mps.containers import ContainerHooks, apply_adjustment, read_only_shared_pipe
 from gpufrac.node.mps.supervisor import MpsUnavailable
 from gpufrac.node.nri.plugin import ContainerRejected
 
@@ -102,8 +101,6 @@ DEVICE_LIST_MOUNT_ROOT = "/var/run/nvidia-container-devices"
 REASON_FOREIGN_GPU = "GpuOutsideGpufrac"
 #: What the agent does with such a container: create it and report it, or refuse it.
 ForeignGpuPolicy = Literal["report", "refuse"]
-#: The classic MPS pipe directory's mount: read-only, nothing executable or a device (see the docstring).
-SHARED_PIPE_MOUNT_OPTIONS = ("rbind", "ro", "nosuid", "nodev", "noexec")
 CDI_GPU_KINDS = (CDI_GPU_KIND, DEVICE_PLUGIN_CDI_GPU_KIND)
 
 
@@ -229,16 +226,7 @@ class GpuInjector:
                 self.failed_open += 1
                 log.warning("nri: MPS unavailable, creating without it (fail-open): %s", exc, extra=where)
 
-        if self._shared_pipe_dir is not None:
-            plan = dataclasses.replace(
-                plan,
-                mounts=tuple(
-                    dataclasses.replace(m, options=SHARED_PIPE_MOUNT_OPTIONS)
-                    if m.source.rstrip("/") == self._shared_pipe_dir.rstrip("/")
-                    else m
-                    for m in plan.mounts
-                ),
-            )
+        plan = read_only_shared_pipe(plan, shared_pipe_dir=self._shared_pipe_dir)
         mount_source = next((m.source for m in plan.mounts), None)
         if mount_source == source:  # our private leaf (MPS may have re-pointed the mount at its own)
             os.makedirs(source, mode=0o755, exist_ok=True)
