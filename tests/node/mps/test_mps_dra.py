@@ -30,6 +30,7 @@ from gpufrac.contract import keys
 from gpufrac.node.dra.ledger import NodeGpu
 from gpufrac.node.dra.plugin import DraPlugin
 from gpufrac.node.dra.prepare import cdi_device_name, spec_path
+from gpufrac.node.mps.containers import SHARED_PIPE_MOUNT_OPTIONS
 from gpufrac.node.mps.names import namespace_name
 from gpufrac.node.mps.service import MpsService
 from gpufrac.node.mps.supervisor import SupervisorState
@@ -49,11 +50,12 @@ class Agent:
     """The agent's DRA and MPS halves wired as ``NodeAgent`` wires them: the plugin sets a share up
     through the service's hooks, the service's live set reads the plugin's prepared claims."""
 
-    def __init__(self, *, client: AsyncClient, env: MpsEnv, cdi: Path) -> None:
+    def __init__(self, *, client: AsyncClient, env: MpsEnv, cdi: Path, driver: str = "615.20.01") -> None:
+        settings = env.settings()
         self.service = MpsService(
-            settings=env.settings(),
+            settings=settings,
             events=RecordingSink(),
-            read_driver=lambda: "615.20.01",
+            read_driver=lambda: driver,
             claims=lambda: self.plugin.prepared_plans(),
         )
         self.plugin = DraPlugin(
@@ -64,6 +66,7 @@ class Agent:
             cdi_dir=cdi,
             pipe_root=str(env.root / "leaves"),
             mps=self.service.hooks,
+            shared_pipe_dir=str(settings.pipe_dir),  # classic MPS's, mounted read-only
         )
         self._task: asyncio.Task[None] | None = None
 
@@ -149,10 +152,14 @@ async def sm_claim(client: AsyncClient, namespace: str, *, memory: str, compute:
     return {"namespace": namespace, "name": name, "uid": created.metadata.uid}
 
 
-def mps_mount(cdi: Path, uid: str) -> str:
+def spec_mount(cdi: Path, uid: str) -> dict[str, Any]:
     (device,) = json.loads(spec_path(cdi, uid).read_text())["devices"]
     (mount,) = device["containerEdits"]["mounts"]
-    return str(mount["hostPath"])
+    return dict(mount)
+
+
+def mps_mount(cdi: Path, uid: str) -> str:
+    return str(spec_mount(cdi, uid)["hostPath"])
 
 
 async def test_an_sm_sharing_claim_gets_its_namespace_which_survives_nri_and_goes_at_unprepare(
@@ -217,3 +224,20 @@ async def test_an_agent_restart_recreates_a_prepared_claims_namespace_from_its_s
 
     await second.plugin.unprepare(uid=claim["uid"])
     assert ns not in await second.namespaces()
+
+
+async def test_on_classic_mps_an_sm_sharing_claim_mounts_the_pipe_directory_read_only(
+    akube: AsyncClient, namespace: str, mps_env: MpsEnv, cdi: Path, agents: list[Agent]
+) -> None:
+    """Before r615 there are no namespaces: the share's container reaches the node's one pipe directory,
+    read-only as an annotation container's, and its limits are the client variables of the spec."""
+    agent = Agent(client=akube, env=mps_env, cdi=cdi, driver="550.54.15")
+    agents.append(agent)
+    await agent.start()
+    claim = await sm_claim(akube, namespace, memory="4Gi", compute="50")
+    await agent.plugin.prepare(**claim)
+    mount = spec_mount(cdi, claim["uid"])
+    assert mount["hostPath"] == str(mps_env.root / "pipe")
+    assert mount["options"] == list(SHARED_PIPE_MOUNT_OPTIONS) and "ro" in mount["options"]
+    await agent.plugin.unprepare(uid=claim["uid"])
+    assert not spec_path(cdi, claim["uid"]).exists() and (mps_env.root / "pipe").is_dir()
