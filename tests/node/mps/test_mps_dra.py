@@ -50,8 +50,10 @@ class Agent:
     """The agent's DRA and MPS halves wired as ``NodeAgent`` wires them: the plugin sets a share up
     through the service's hooks, the service's live set reads the plugin's prepared claims."""
 
-    def __init__(self, *, client: AsyncClient, env: MpsEnv, cdi: Path, driver: str = "615.20.01") -> None:
-        settings = env.settings()
+    def __init__(
+        self, *, client: AsyncClient, env: MpsEnv, cdi: Path, driver: str = "615.20.01", **settings_: Any
+    ) -> None:
+        settings = env.settings(**settings_)
         self.service = MpsService(
             settings=settings,
             events=RecordingSink(),
@@ -105,13 +107,16 @@ async def agents() -> AsyncIterator[list[Agent]]:
             await agent.stop()
 
 
-async def sm_claim(client: AsyncClient, namespace: str, *, memory: str, compute: str) -> dict[str, Any]:
-    """An sm-sharing claim allocated on our device with ``memory`` and ``compute`` percent consumed."""
-    name = f"sm-{uuidlib.uuid4().hex[:6]}"
+async def sm_claim(
+    client: AsyncClient, namespace: str, *, memory: str, compute: str, mode: str = "sm-sharing"
+) -> dict[str, Any]:
+    """A claim (sm-sharing unless ``mode`` says otherwise) allocated on our device with ``memory`` and
+    ``compute`` percent consumed."""
+    name = f"share-{uuidlib.uuid4().hex[:6]}"
     request = {
         "name": "gpu",
         "exactly": {
-            "deviceClassName": f"sm-sharing.{keys.DRA_DRIVER_NAME}",
+            "deviceClassName": f"{mode}.{keys.DRA_DRIVER_NAME}",
             "capacity": {"requests": {keys.DRA_MEMORY_CAPACITY: memory, keys.DRA_COMPUTE_CAPACITY: compute}},
         },
     }
@@ -132,7 +137,7 @@ async def sm_claim(client: AsyncClient, namespace: str, *, memory: str, compute:
             "parameters": {
                 "apiVersion": keys.DRA_CONFIG_API_VERSION,
                 "kind": keys.DRA_CONFIG_KIND,
-                "computeMode": "sm-sharing",
+                "computeMode": mode,
             },
         },
     }
@@ -241,3 +246,24 @@ async def test_on_classic_mps_an_sm_sharing_claim_mounts_the_pipe_directory_read
     assert mount["options"] == list(SHARED_PIPE_MOUNT_OPTIONS) and "ro" in mount["options"]
     await agent.plugin.unprepare(uid=claim["uid"])
     assert not spec_path(cdi, claim["uid"]).exists() and (mps_env.root / "pipe").is_dir()
+
+
+async def test_a_time_slicing_claim_reaches_the_default_socket_when_time_slicing_clients_is_on(
+    akube: AsyncClient, namespace: str, mps_env: MpsEnv, cdi: Path, agents: list[Agent]
+) -> None:
+    """``mps_time_slicing_clients``: the share's container gets a directory holding only a link to the
+    default server's socket, as an annotation container does; it survives an NRI reconcile and goes at
+    unprepare."""
+    agent = Agent(client=akube, env=mps_env, cdi=cdi, time_slicing_clients=True)
+    agents.append(agent)
+    await agent.start()
+    claim = await sm_claim(akube, namespace, memory="4Gi", compute="0", mode="time-slicing")
+    await agent.plugin.prepare(**claim)
+    assert agent.service.supervisor is not None and agent.service.supervisor.default_links is not None
+    directory = agent.service.supervisor.default_links.directory(cdi_device_name(claim["uid"], DEVICE))
+    assert mps_mount(cdi, claim["uid"]) == str(directory)
+    assert [p.name for p in directory.iterdir()] == ["control"]
+    await agent.nri_synchronize()  # no annotation container: the claim's directory is live all the same
+    assert (directory / "control").exists()
+    await agent.plugin.unprepare(uid=claim["uid"])
+    assert not directory.exists()
