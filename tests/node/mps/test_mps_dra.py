@@ -80,7 +80,9 @@ class Agent:
             )
         )
 
-    async def stop(self) -> None:
+    async def stop(self, *, handover: bool = False) -> None:
+        """Stop as the agent does; with ``handover`` the daemon is left serving for the next agent."""
+        self.service.handover_on_exit = handover
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -267,3 +269,34 @@ async def test_a_time_slicing_claim_reaches_the_default_socket_when_time_slicing
     assert (directory / "control").exists()
     await agent.plugin.unprepare(uid=claim["uid"])
     assert not directory.exists()
+
+
+async def test_a_claims_namespace_and_its_client_survive_an_agent_handover(
+    akube: AsyncClient, namespace: str, mps_env: MpsEnv, cdi: Path, agents: list[Agent]
+) -> None:
+    """The default agent restart (``mps_handover``): the daemon keeps serving, the new agent adopts it
+    with the claim's namespace as it is, and the claim's process connected before is still served;
+    the runtime's reconnection (no annotation container) does not delete the namespace."""
+    handover = {"handover": True, "own_cgroup": None}  # a host process here: no container cgroup to leave
+    first = Agent(client=akube, env=mps_env, cdi=cdi, **handover)
+    agents.append(first)
+    await first.start()
+    claim = await sm_claim(akube, namespace, memory="8Gi", compute="30")
+    await first.plugin.prepare(**claim)
+    ns = namespace_name(cdi_device_name(claim["uid"], DEVICE))
+    assert first.service.supervisor is not None
+    directory = first.service.supervisor.namespace_dir(ns)
+    client, greeting = await mps_env.client(directory)
+    assert greeting == f"connected shared {ns} 30"
+    await first.stop(handover=True)
+
+    second = Agent(client=akube, env=mps_env, cdi=cdi, **handover)
+    agents.append(second)
+    await second.start()
+    assert second.service.supervisor is not None
+    await second.nri_synchronize()
+    assert ns in await second.namespaces()
+    clients = await second.service.supervisor.control.list_clients()
+    assert [(c.pid, c.namespace) for c in clients] == [(client.pid, ns)]  # never cut off
+    client.kill()
+    await client.wait()
