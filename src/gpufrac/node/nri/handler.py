@@ -20,9 +20,10 @@ when it starts -- after the container exists -- so no per-container leaf can hol
 and a bind mount of single files would miss what appears later. Every sm-sharing container therefore
 sees the control socket and can send the control daemon its commands, as any local client can; v3
 (per-namespace directories) is what isolates tenants. What the plan can narrow, it does: the shared
-directory (``shared_pipe_dir``) is mounted read-only, nosuid, nodev, noexec (``SHARED_PIPE_MOUNT_OPTIONS``)
--- connecting to a socket or opening a pipe does not need a writable mount, so a container can use MPS
-but cannot remove, replace or plant an entry that other tenants' clients would then talk to.
+directory (``shared_pipe_dir``) is mounted read-only, nosuid, nodev, noexec
+(``mps.containers.read_only_shared_pipe``, which DRA claims get too) -- connecting to a socket or
+opening a pipe does not need a writable mount, so a container can use MPS but cannot remove, replace or
+plant an entry that other tenants' clients would then talk to.
 ``shared_pipe_writable`` gives the write access back should a driver's client need it.
 
 Devices are checked against this node's inventory before anything is injected: every assigned device
