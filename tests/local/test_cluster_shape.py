@@ -36,3 +36,14 @@ def test_gpufrac_up_runs_the_scheduler_services_default_policy() -> None:
     assert SchedulerConfig.model_validate(written).policy == "fgd-plus"
     # A policy asked for is passed through.
     assert SchedulerConfig.model_validate(Timings().scheduler_config(policy="binpack")).policy == "binpack"
+
+
+def test_dra_needs_the_real_node() -> None:
+    """A claim is prepared by a real kubelet: `gpufrac up --dra` without `--runtime containerd` says so."""
+    with pytest.raises(ValueError, match=r"dra=True with runtime 'simulated'.*needs runtime 'containerd'"):
+        ClusterShape(dra=True)
+    with pytest.raises(
+        typer.BadParameter, match=r"--dra with --runtime simulated: .*needs --runtime containerd"
+    ):
+        _shape(2, 4, "H100-80GB", None, "simulated", True)
+    assert _shape(1, 4, "H100-80GB", None, "containerd", True).dra is True

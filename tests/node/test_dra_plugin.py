@@ -7,6 +7,7 @@ kubelet and scheduler path is what is left (docs/dra.md).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import tempfile
@@ -17,7 +18,10 @@ from typing import Any
 
 import grpc
 import pytest
-from lightkube import AsyncClient
+from lightkube import ApiError, AsyncClient
+from lightkube.models.core_v1 import Container, PodSpec
+from lightkube.models.meta_v1 import ObjectMeta
+from lightkube.resources.core_v1 import Pod
 from lightkube.resources.resource_v1 import ResourceClaim
 from lightkube.types import PatchType
 
@@ -26,11 +30,14 @@ from gpufrac._generated.kubelet.dra.v1 import api_pb2_grpc as dra_grpc
 from gpufrac._generated.kubelet.pluginregistration.v1 import api_pb2 as reg_pb2
 from gpufrac._generated.kubelet.pluginregistration.v1 import api_pb2_grpc as reg_grpc
 from gpufrac.contract import keys
+from gpufrac.node.dra.ledger import NodeGpu
 from gpufrac.node.dra.plugin import DraPlugin
 from gpufrac.node.dra.prepare import CDI_KIND, spec_path
 
 GPU = "GPU-0f0e0d0c-0000-4000-8000-000000000001"
 DEVICE = GPU.lower()
+THE_GPU = NodeGpu(uuid=GPU, index=0, usable_mib=81920)  # exactly 80Gi usable
+NODE = "dra-node-1"
 
 
 @pytest.fixture
@@ -45,7 +52,8 @@ def root() -> Iterator[Path]:
 async def plugin(akube: AsyncClient, root: Path) -> AsyncIterator[DraPlugin]:
     p = DraPlugin(
         client=akube,
-        devices=lambda: {DEVICE: GPU},
+        node_name=NODE,
+        devices=lambda: {DEVICE: THE_GPU},
         kubelet_dir=root / "kubelet",
         cdi_dir=root / "cdi",
         pipe_root=str(root / "mps"),
@@ -58,10 +66,20 @@ async def plugin(akube: AsyncClient, root: Path) -> AsyncIterator[DraPlugin]:
 
 
 async def allocated_claim(
-    client: AsyncClient, namespace: str, *, memory: str = "20Gi", mode: str = "time-slicing"
+    client: AsyncClient,
+    namespace: str,
+    *,
+    memory: str = "20Gi",
+    mode: str = "time-slicing",
+    compute: str | None = None,
+    name: str | None = None,
 ) -> dict[str, Any]:
-    """A claim for ``memory`` of a GPU in ``mode``, allocated on our device as kube-scheduler does."""
-    name = f"share-{uuidlib.uuid4().hex[:6]}"
+    """A claim for ``memory`` of a GPU in ``mode`` (and ``compute`` percent), allocated on our device as
+    kube-scheduler does."""
+    name = name or f"share-{uuidlib.uuid4().hex[:6]}"
+    consumed = {keys.DRA_MEMORY_CAPACITY: memory}
+    if compute is not None:
+        consumed[keys.DRA_COMPUTE_CAPACITY] = compute
     created = await client.create(
         ResourceClaim.from_dict(
             {
@@ -94,7 +112,7 @@ async def allocated_claim(
                         "pool": "node-1",
                         "device": DEVICE,
                         "shareID": str(uuidlib.uuid4()),
-                        "consumedCapacity": {keys.DRA_MEMORY_CAPACITY: memory},
+                        "consumedCapacity": consumed,
                     }
                 ],
                 "config": [
@@ -202,7 +220,9 @@ async def test_a_socket_path_too_long_for_unix_is_refused_before_anything_listen
     akube: AsyncClient, root: Path
 ) -> None:
     deep = root / ("k" * 100)
-    p = DraPlugin(client=akube, devices=dict, kubelet_dir=deep, cdi_dir=root / "cdi", pipe_root="/run/x")
+    p = DraPlugin(
+        client=akube, node_name=NODE, devices=dict, kubelet_dir=deep, cdi_dir=root / "cdi", pipe_root="/run/x"
+    )
     with pytest.raises(ValueError, match=r"a unix socket path has at most 107"):
         await p.start()
     assert not (deep / "plugins").exists()
@@ -242,7 +262,8 @@ async def test_a_spec_that_cannot_be_written_fails_the_claims_answer_not_the_cal
     blocked.write_text("")  # the spec directory cannot be made
     p = DraPlugin(
         client=akube,
-        devices=lambda: {DEVICE: GPU},
+        node_name=NODE,
+        devices=lambda: {DEVICE: THE_GPU},
         kubelet_dir=root / "k",
         cdi_dir=blocked,
         pipe_root=str(root),
@@ -258,3 +279,81 @@ async def test_a_spec_that_cannot_be_written_fails_the_claims_answer_not_the_cal
         assert not reply.claims[claim["uid"]].devices
     finally:
         await p.stop()
+
+
+async def annotation_pod(
+    client: AsyncClient, namespace: str, *, memory: str, mode: str = "time-slicing", device: str = GPU
+) -> str:
+    """A pod gpufrac-scheduler bound to the plugin's node: its binding annotations and ``nodeName``, as
+    the atomic binder writes them in one update (no kubelet runs here: it is bound, not started)."""
+    name = f"annotated-{uuidlib.uuid4().hex[:6]}"
+    prefix = "nvidia.com/container.app."
+    await client.create(
+        Pod(
+            metadata=ObjectMeta(
+                name=name,
+                namespace=namespace,
+                annotations={
+                    prefix + "gpus.devices": device,
+                    prefix + "gpu-memory.request": memory,
+                    prefix + "gpu-memory.limit": memory,
+                    prefix + "gpu-compute.mode": mode,
+                },
+            ),
+            spec=PodSpec(nodeName=NODE, containers=[Container(name="app", image="busybox")]),
+        )
+    )
+    return name
+
+
+async def test_a_share_that_does_not_fit_beside_claims_and_annotation_pods_is_refused_naming_them(
+    plugin: DraPlugin, akube: AsyncClient, namespace: str, root: Path
+) -> None:
+    """The stock scheduler sees only claims: 20Gi of claims and a 40Gi annotation pod leave 20Gi of the
+    80Gi GPU, so a 30Gi claim it allocated there is refused by the node, and fits once the pod is gone."""
+    first = await allocated_claim(akube, namespace, memory="20Gi", name="first")
+    pod = await annotation_pod(akube, namespace, memory="40Gi")
+    big = await allocated_claim(akube, namespace, memory="30Gi", name="big")
+    try:
+        async with grpc.aio.insecure_channel(f"unix://{plugin.endpoint}") as channel:
+            stub = dra_grpc.DRAPluginStub(channel)
+
+            async def prepare(claim: dict[str, Any]) -> str:
+                reply = await stub.NodePrepareResources(
+                    dra_pb2.NodePrepareResourcesRequest(claims=[claim_ref(claim)])
+                )
+                return str(reply.claims[claim["uid"]].error)
+
+            assert await prepare(first) == ""
+            error = await prepare(big)
+            assert (
+                f"claim {namespace}/big (request gpu) asks for 30720 MiB on GPU {GPU}, which has 81920 "
+                f"usable MiB of which 61440 are held (20480 MiB by claim {namespace}/first; 40960 MiB by "
+                f"pod {namespace}/{pod}): 61440 + 30720 = 92160 MiB is over 81920" in error
+            )
+            assert not spec_path(root / "cdi", big["uid"]).exists()  # nothing of it reaches the runtime
+            assert await prepare(first) == ""  # a retry of a prepared claim does not count against itself
+
+            await akube.delete(Pod, pod, namespace=namespace, grace_period=0)
+            assert await prepare(big) == ""  # the kubelet's retry passes once the memory is released
+    finally:
+        with contextlib.suppress(ApiError):  # bound to the tests' node: it must not outlive this test
+            await akube.delete(Pod, pod, namespace=namespace, grace_period=0)
+
+
+async def test_a_claim_in_the_other_mode_than_an_annotation_pod_on_the_gpu_is_refused_naming_the_pod(
+    plugin: DraPlugin, akube: AsyncClient, namespace: str
+) -> None:
+    pod = await annotation_pod(akube, namespace, memory="10Gi", mode="sm-sharing", device="0")  # by index
+    claim = await allocated_claim(akube, namespace)
+    try:
+        async with grpc.aio.insecure_channel(f"unix://{plugin.endpoint}") as channel:
+            reply = await dra_grpc.DRAPluginStub(channel).NodePrepareResources(
+                dra_pb2.NodePrepareResourcesRequest(claims=[claim_ref(claim)])
+            )
+    finally:  # bound to the tests' node: it must not outlive this test (no namespace controller runs)
+        await akube.delete(Pod, pod, namespace=namespace, grace_period=0)
+    assert (
+        f"asks for time-slicing on GPU {GPU}, which is held in sm-sharing by pod {namespace}/{pod}"
+        in reply.claims[claim["uid"]].error
+    )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -15,8 +16,10 @@ from gpufrac.node.dra.prepare import (
     AllocationError,
     cdi_spec,
     make_pipe_leaves,
-    modes_in_use,
+    modes_of,
     prepare_claim,
+    prepared_plan,
+    read_prepared,
     refuse_mixed_modes,
     remove_spec,
     spec_path,
@@ -202,16 +205,20 @@ def test_a_share_of_the_other_mode_on_a_gpu_holding_prepared_claims_is_refused(t
     write_spec(cdi, held, cdi_spec(held, prepare(claim())))  # a time-slicing claim on the GPU
     sm = prepare(claim(config=[class_config("sm-sharing")]))
     with pytest.raises(AllocationError) as caught:
-        refuse_mixed_modes(sm, in_use=modes_in_use(cdi, other_than=UID))
+        refuse_mixed_modes(sm, in_use=modes_of(read_prepared(cdi, other_than=UID)))
     assert (
-        f"request gpu asks for sm-sharing on GPU {GPU}, which is held in time-slicing by claim(s) {held}: "
+        f"request gpu asks for sm-sharing on GPU {GPU}, which is held in time-slicing by claim {held}: "
         "one compute mode per GPU" in str(caught.value)
     )
-    refuse_mixed_modes(prepare(claim()), in_use=modes_in_use(cdi, other_than=UID))  # same mode: fine
+    refuse_mixed_modes(
+        prepare(claim()), in_use=modes_of(read_prepared(cdi, other_than=UID))
+    )  # same mode: fine
     # A retried prepare of the held claim itself, now sm-sharing (its own spec does not count against it).
-    refuse_mixed_modes(sm, in_use=modes_in_use(cdi, other_than=held))
+    refuse_mixed_modes(sm, in_use=modes_of(read_prepared(cdi, other_than=held)))
     remove_spec(cdi, held)
-    refuse_mixed_modes(sm, in_use=modes_in_use(cdi, other_than=UID))  # released: the GPU takes either
+    refuse_mixed_modes(
+        sm, in_use=modes_of(read_prepared(cdi, other_than=UID))
+    )  # released: the GPU takes either
 
 
 def test_an_sm_sharing_share_gets_its_compute_portion_as_the_nri_path_gives_it() -> None:
@@ -294,3 +301,24 @@ def test_a_memory_limit_that_cannot_hold_is_refused_naming_the_parameter(
     with pytest.raises(AllocationError) as caught:
         prepare(claim(consumed=consumed, config=[claim_config(memoryLimit=limit)]))
     assert says in str(caught.value)
+
+
+def test_a_prepared_share_reads_back_from_its_spec_as_what_it_was_planned_from(tmp_path: Path) -> None:
+    """The spec files are the node's state: what a GPU holds (mode, memory) and the MPS namespace a
+    share needs are read back from them, and plan the same injection again."""
+    obj = claim(
+        config=[class_config("sm-sharing"), claim_config(memoryLimit="30Gi", computeMode="sm-sharing")]
+    )
+    obj["status"]["allocation"]["devices"]["results"][0]["consumedCapacity"][keys.DRA_COMPUTE_CAPACITY] = "29"
+    whole = claim(consumed=None)
+    whole["metadata"]["uid"] = other = "bbbbbbbb-1111-2222-3333-444455556666"
+    write_spec(tmp_path, UID, cdi_spec(UID, prepare(obj), claim="team-a/share"))
+    write_spec(tmp_path, other, cdi_spec(other, prepare(whole)))  # written without the claim's name
+
+    shares, exclusive = sorted(read_prepared(tmp_path), key=lambda d: d.claim_uid != UID)
+    assert (shares.claim, shares.key) == ("team-a/share", f"{UID}-{DEVICE}")
+    (planned,) = prepare(obj)
+    assert shares.bound == replace(planned.plan.bound, container=shares.key)  # 0.29 as written: 29 %
+    assert prepared_plan(shares).env == planned.plan.env
+    assert (exclusive.claim, exclusive.bound.exclusive, exclusive.bound.request_mib) == (other, True, None)
+    assert [d.key for d in read_prepared(tmp_path, other_than=UID)] == [exclusive.key]

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import shutil
-import subprocess
 import sys
 import tempfile
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -19,15 +18,23 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 from lightkube import AsyncClient
-from lightkube.models.core_v1 import Container, PodSpec, Toleration
+from lightkube.models.core_v1 import (
+    Container,
+    HostPathVolumeSource,
+    PodSpec,
+    Toleration,
+    Volume,
+    VolumeMount,
+)
 from lightkube.models.meta_v1 import ObjectMeta
 from lightkube.resources.core_v1 import Node, Pod
-from lightkube.resources.resource_v1 import DeviceClass, ResourceClaim
+from lightkube.resources.resource_v1 import DeviceClass, ResourceClaim, ResourceClaimTemplate
 
 from gpufrac.contract import keys
+from gpufrac.local import ociimage
 from gpufrac.local.controlplane import ControlPlane
+from gpufrac.local.dra import install_device_classes
 from gpufrac.local.featuregates import feature_gates_flag
 from gpufrac.local.processes import Spawned, spawn, terminate
 from gpufrac.local.realnode import (
@@ -49,8 +56,6 @@ if _missing:
     pytest.skip(f"no real node on this machine: it lacks {'; '.join(_missing)}", allow_module_level=True)
 
 NODE = "dra-gpu-000"
-ROOT = Path(__file__).resolve().parents[2]
-CHART = ROOT / "deploy" / "helm" / "gpufrac"
 
 
 async def eventually(check: Callable[[], Awaitable[Any]], *, what: str, timeout: float = 120.0) -> None:
@@ -79,8 +84,8 @@ async def dra_node(controlplane: ControlPlane) -> AsyncIterator[tuple[RealNode, 
     )
     scheduler: Spawned | None = None
     (work / "logs").mkdir(parents=True, exist_ok=True)
-    # The controller manager lifts the not-ready taint a new Node gets (RealNode waits for that) and
-    # deallocates claims whose pods are gone.
+    # The controller manager lifts the not-ready taint a new Node gets (RealNode waits for that),
+    # expands ResourceClaimTemplates into claims and deallocates claims whose pods are gone.
     controllers = spawn(
         name="kube-controller-manager",
         argv=[
@@ -105,30 +110,7 @@ async def dra_node(controlplane: ControlPlane) -> AsyncIterator[tuple[RealNode, 
             ],
             logs=work / "logs",
         )
-        rendered = subprocess.run(
-            [
-                str(TESTENV_BIN / "helm"),
-                "template",
-                "gpufrac",
-                str(CHART),
-                "--set",
-                "dra.enabled=true",
-                "--show-only",
-                "templates/dra-deviceclasses.yaml",
-            ],
-            check=True,
-            capture_output=True,
-            text=True,
-            env={
-                "HOME": str(work),
-                "HELM_CACHE_HOME": str(work / "helm"),
-                "HELM_CONFIG_HOME": str(work / "helm"),
-                "HELM_DATA_HOME": str(work / "helm"),
-            },
-        ).stdout
-        for doc in yaml.safe_load_all(rendered):
-            if doc:
-                await client.create(DeviceClass.from_dict(doc))
+        await install_device_classes(client, work_dir=work)  # the chart's, rendered by helm
         yield node, client
     finally:
         if scheduler is not None:
@@ -253,3 +235,102 @@ async def test_four_20gi_claims_share_an_80gi_gpu_a_fifth_does_not_fit_and_resta
         return not spec.exists()
 
     await eventually(unprepared, what="the kubelet to unprepare the claim (its CDI spec removed)")
+
+    # The rest go too, and their claims with them (the GPU is free for the next test).
+    for pod in current:
+        if pod is not gone and pod.metadata is not None and pod.metadata.name is not None:
+            await client.delete(Pod, pod.metadata.name, namespace=namespace)
+
+    async def nothing_prepared() -> bool:
+        return not list((node.root / "cdi").glob(f"{keys.DRA_DRIVER_NAME}-*.json"))
+
+    await eventually(nothing_prepared, what="every claim unprepared", timeout=180)
+
+
+def template_pod(name: str, namespace: str, *, template: str, gate: Path) -> Pod:
+    """A pod whose claim comes from ``template``; its init container waits until ``gate``/go exists, so
+    the test holds the pod between prepare (before the sandbox) and the start of its GPU container."""
+    pod = runnable_here(
+        Pod(
+            metadata=ObjectMeta(name=name, namespace=namespace),
+            spec=PodSpec(
+                containers=[Container(name="app", resources={"claims": [{"name": "gpu"}]})],  # type: ignore[arg-type]
+                resourceClaims=[{"name": "gpu", "resourceClaimTemplateName": template}],  # type: ignore[list-item]
+                tolerations=[Toleration(key=keys.MANAGED_TAINT_KEY, operator="Exists")],
+                volumes=[Volume(name="gate", hostPath=HostPathVolumeSource(path=str(gate)))],
+            ),
+        )
+    )
+    assert pod.spec is not None
+    pod.spec.initContainers = [
+        Container(
+            name="gate",
+            image=ociimage.WORKLOAD.ref,
+            imagePullPolicy="Never",
+            command=["/bin/sh", "-c", "until [ -e /gate/go ]; do sleep 0.2; done"],
+            volumeMounts=[VolumeMount(name="gate", mountPath="/gate")],
+        )
+    ]
+    return pod
+
+
+async def test_a_claim_template_is_expanded_and_its_claim_survives_an_agent_restart_before_start(
+    dra_node: tuple[RealNode, AsyncClient], namespace: str, tmp_path: Path
+) -> None:
+    node, client = dra_node
+    await client.create(
+        ResourceClaimTemplate.from_dict(
+            {
+                "apiVersion": "resource.k8s.io/v1",
+                "kind": "ResourceClaimTemplate",
+                "metadata": {"name": "gpu-20gi", "namespace": namespace},
+                "spec": {"spec": claim_for("unused", namespace, "20Gi").to_dict()["spec"]},
+            }
+        )
+    )
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    await client.create(template_pod("templated", namespace, template="gpu-20gi", gate=gate))
+
+    async def generated() -> str | None:
+        pod = await client.get(Pod, "templated", namespace=namespace)
+        statuses = (pod.status.resourceClaimStatuses or []) if pod.status else []
+        return next((s.resourceClaimName for s in statuses if s.resourceClaimName), None)
+
+    await eventually(generated, what="kube-controller-manager to create the pod's claim from the template")
+    claim_name = await generated()
+    assert claim_name is not None
+    claim = (await client.get(ResourceClaim, claim_name, namespace=namespace)).to_dict()
+    assert [o["name"] for o in claim["metadata"]["ownerReferences"]] == ["templated"]
+    spec = spec_path(node.root / "cdi", claim["metadata"]["uid"])
+
+    async def held_at_the_gate() -> bool:
+        pod = await client.get(Pod, "templated", namespace=namespace)
+        inits = (pod.status.initContainerStatuses or []) if pod.status else []
+        return spec.exists() and any(s.state is not None and s.state.running is not None for s in inits)
+
+    await eventually(held_at_the_gate, what="the claim prepared and the pod held before its GPU container")
+    # Exactly between prepare and container start: the agent dies (SIGKILL, none of its shutdown runs).
+    # The container starts while it is away -- the runtime reads our CDI spec, not the agent -- and gets
+    # its share; the agent comes back and unprepares the claim when the pod goes.
+    await node.kill_agent()
+    (gate / "go").touch()
+
+    async def app_running() -> bool:
+        return running(await client.get(Pod, "templated", namespace=namespace))
+
+    await eventually(app_running, what="the GPU container to start while the agent is down")
+    pod = await client.get(Pod, "templated", namespace=namespace)
+    assert pod.status is not None and pod.status.containerStatuses
+    env = process_environ(node.container_pid(pod.status.containerStatuses[0].containerID or ""))
+    assert (env[NVIDIA_GPU_MEMORY_REQUEST], env[NVIDIA_GPU_MEMORY_LIMIT]) == ("20480", "20480")
+    assert env[NVIDIA_VISIBLE_DEVICES] == gpu_uuid(NODE, 0)
+
+    await node.start_agent()
+    await client.delete(Pod, "templated", namespace=namespace)
+
+    async def released() -> bool:
+        claims = [c async for c in client.list(ResourceClaim, namespace=namespace)]
+        return not spec.exists() and not claims
+
+    await eventually(released, what="the claim unprepared by the restarted agent and deleted with its pod")

@@ -69,6 +69,8 @@ from lightkube.resources.rbac_authorization_v1 import ClusterRoleBinding as Clus
 from gpufrac.contract import keys
 from gpufrac.kube.errors import Conflict, NotFound, api_errors
 from gpufrac.local.controlplane import REPO_ROOT, ControlPlane
+from gpufrac.local.dra import install_device_classes
+from gpufrac.local.featuregates import feature_gates_flag
 from gpufrac.local.kubelet import SimulatedKubelet
 from gpufrac.local.nriruntime import NriRuntime
 from gpufrac.local.realnode import RealNode
@@ -116,10 +118,18 @@ class ClusterShape:
     #: ``simulated`` (NRI's runtime side + the simulated kubelet, any number of nodes) or ``containerd``
     #: (one real node: containerd, runc and a kubelet).
     runtime: str = "simulated"
+    #: gpufrac's DRA driver (docs/dra.md): the node agent's ``--dra`` and the chart's DeviceClasses; only
+    #: with ``containerd`` (a claim is prepared by a real kubelet).
+    dra: bool = False
 
     def __post_init__(self) -> None:
         if self.runtime not in RUNTIMES:
             raise ValueError(f"runtime {self.runtime!r}: must be one of {', '.join(RUNTIMES)}")
+        if self.dra and self.runtime != "containerd":
+            raise ValueError(
+                f"dra=True with runtime {self.runtime!r}: claims are prepared by a real kubelet, so DRA "
+                "needs runtime 'containerd'"
+            )
         if self.runtime == "containerd" and self.nodes != 1:
             raise ValueError(f"nodes={self.nodes} with runtime 'containerd': a real node is one per machine")
 
@@ -276,6 +286,9 @@ class LocalCluster:
             await self._create_node_lease_namespace()
             if self.shape.runtime == "containerd":
                 await self._start_real_node()
+                if self.shape.dra:
+                    self._progress("installing the chart's DRA DeviceClasses")
+                    await install_device_classes(self.client, work_dir=self.work_dir)
             else:
                 self._progress(f"registering {self.shape.nodes} simulated GPU nodes")
                 await self._create_nodes()
@@ -494,6 +507,7 @@ class LocalCluster:
             apiserver=self.controlplane.server,
             with_agent=self.with_gpufrac,
             progress=self._progress,
+            dra=self.shape.dra,
         )
         self.real_node = node
         await node.start()
@@ -501,7 +515,9 @@ class LocalCluster:
             self.metrics_urls[name] = node.metrics_url
 
     async def _start_kube_components(self) -> None:
-        """kube-controller-manager and kube-scheduler, as the admin, on loopback ports of their own.
+        """kube-controller-manager and kube-scheduler, as the admin, on loopback ports of their own, with
+        the embedded cluster's feature gates (``local.featuregates``: the scheduler allocates and the
+        controller manager expands ResourceClaimTemplates and deallocates claims with them).
 
         The controller manager signs legacy ServiceAccount token Secrets with the API server's own
         service-account key (``--service-account-private-key-file``; the API server verifies tokens
@@ -520,6 +536,7 @@ class LocalCluster:
             "--leader-elect=false",
             f"--bind-address={LOOPBACK}",
             "--v=1",
+            *filter(None, [feature_gates_flag()]),
         ]
         bins = realnode_binaries()
         started = []

@@ -23,7 +23,9 @@ if TYPE_CHECKING:
     from gpufrac.local.cluster import ClusterShape, LocalCluster
 
 
-def _shape(nodes: int, gpus: int, model: str, policy: str | None, runtime: str = "simulated") -> ClusterShape:
+def _shape(
+    nodes: int, gpus: int, model: str, policy: str | None, runtime: str = "simulated", dra: bool = False
+) -> ClusterShape:
     from gpufrac.local.cluster import RUNTIMES, ClusterShape
 
     if model not in GPU_MODELS:
@@ -34,7 +36,14 @@ def _shape(nodes: int, gpus: int, model: str, policy: str | None, runtime: str =
         raise typer.BadParameter(
             f"--nodes {nodes} with --runtime containerd: the real node is one per machine"
         )
-    return ClusterShape(nodes=nodes, node=NodeShape(gpus=gpus, model=model), policy=policy, runtime=runtime)
+    if dra and runtime != "containerd":
+        raise typer.BadParameter(
+            f"--dra with --runtime {runtime}: claims are prepared by a real kubelet, so --dra needs "
+            "--runtime containerd"
+        )
+    return ClusterShape(
+        nodes=nodes, node=NodeShape(gpus=gpus, model=model), policy=policy, runtime=runtime, dra=dra
+    )
 
 
 def up(
@@ -55,11 +64,17 @@ def up(
         help="simulated: NRI's runtime side and a simulated kubelet; containerd: one real node "
         "(containerd, runc, kubelet; needs root and cgroups).",
     ),
+    dra: bool = typer.Option(
+        False,
+        "--dra",
+        help="With --runtime containerd: gpufrac's DRA driver (the node agent's --dra, the chart's "
+        "DeviceClasses), so pods can ask for a share with a ResourceClaim(Template) (docs/dra.md).",
+    ),
 ) -> None:
     """Start the embedded cluster (control plane, webhook, scheduler, node agents) until Ctrl-C."""
     console = Console()
     count = nodes if nodes is not None else (1 if runtime == "containerd" else 2)
-    asyncio.run(_up(console, _shape(count, gpus, gpu_model, policy, runtime), work_dir))
+    asyncio.run(_up(console, _shape(count, gpus, gpu_model, policy, runtime, dra), work_dir))
 
 
 async def _up(console: Console, shape: ClusterShape, work_dir: Path | None) -> None:
@@ -91,6 +106,14 @@ async def _up(console: Console, shape: ClusterShape, work_dir: Path | None) -> N
                 "hostNetwork: true"
             )
         console.print("  submit pods with schedulerName: gpufrac-scheduler (see examples/); Ctrl-C stops")
+        if shape.dra:
+            from gpufrac.contract import keys
+            from gpufrac.contract.request import ComputeMode
+
+            classes = " or ".join(f"{mode.value}.{keys.DRA_DRIVER_NAME}" for mode in ComputeMode)
+            console.print(
+                f"  or with a ResourceClaim(Template) of {classes}, placed by kube-scheduler (docs/dra.md)"
+            )
         console.print("  a component that exits is restarted with back-off, and said so here")
         code = await _until_stopped(cluster, stop)
         if code is not None:

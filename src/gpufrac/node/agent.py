@@ -41,12 +41,13 @@ from gpufrac.contract.quantities import MIB
 from gpufrac.kube.events import NORMAL, EventRecorder, ObjectRef
 from gpufrac.node import labels as names
 from gpufrac.node.config import NodeAgentSettings
+from gpufrac.node.dra.ledger import NodeGpu
 from gpufrac.node.dra.slices import ResourceSlicePublisher, device_name
 from gpufrac.node.driver_upgrade import DriverUpgradeWatch
 from gpufrac.node.gpu_faults import GpuFaultNotifier
 from gpufrac.node.gpustack import SIMULATED_STACK, GpuStackGate
 from gpufrac.node.heartbeat import NodeLease
-from gpufrac.node.inject import EnvPlanner
+from gpufrac.node.inject import EnvPlanner, InjectionPlan
 from gpufrac.node.inventory.backend import (
     GpuInfo,
     GpuInventoryBackend,
@@ -54,6 +55,7 @@ from gpufrac.node.inventory.backend import (
     NodeInventory,
 )
 from gpufrac.node.inventory.publish import InventoryPublisher
+from gpufrac.node.inventory.reserve import usable_mib
 from gpufrac.node.mapping import MappingStore
 from gpufrac.node.metrics import CountingMpsEvents, EnforcementCounters
 from gpufrac.node.mps.config import MpsSettings
@@ -154,6 +156,7 @@ class NodeAgent:
                 on_change=lambda: self.publisher.poke() if self.publisher is not None else None,
                 recorder=self.recorder,
                 counted=lambda sink: CountingMpsEvents(sink=sink, counters=self.counters),
+                claims=self._prepared_claims,
             )
             if settings.mps
             else None
@@ -220,10 +223,15 @@ class NodeAgent:
 
             self.dra_plugin = DraPlugin(
                 client=client,
+                node_name=settings.node_name,
                 devices=self._dra_devices,
                 kubelet_dir=settings.kubelet_dir,
                 cdi_dir=settings.cdi_dir,
                 pipe_root=str(settings.pipe_root),
+                mps=self.mps.hooks if self.mps is not None else None,
+                shared_pipe_dir=str(settings.mps_pipe_dir)
+                if self.mps is not None and not settings.mps_classic_pipe_writable
+                else None,
             )
         # The heartbeat: the node's Lease, renewed (gpufrac.node.heartbeat), never a Node write.
         self.lease = (
@@ -244,9 +252,20 @@ class NodeAgent:
             ready=self._ready,
         )
 
-    def _dra_devices(self) -> dict[str, str]:
-        """The DRA plugin's view of the GPUs: the usable ones of the agent's inventory (the slice's)."""
-        return {device_name(g): g.uuid for g in self._usable_gpus or ()}
+    def _dra_devices(self) -> dict[str, NodeGpu]:
+        """The DRA plugin's view of the GPUs: the usable ones of the agent's inventory, with the memory
+        the slice offers (usable MiB: the driver's and MPS's reserve taken off, as the publisher does)."""
+        reserve, mps = self.settings.memory_reserve, self.settings.mps
+        return {
+            device_name(g): NodeGpu(
+                uuid=g.uuid, index=g.index, usable_mib=usable_mib(g, settings=reserve, mps=mps)
+            )
+            for g in self._usable_gpus or ()
+        }
+
+    def _prepared_claims(self) -> list[tuple[str, InjectionPlan]]:
+        """The prepared DRA claims' shares, for the MPS live set (none without ``--dra``)."""
+        return self.dra_plugin.prepared_plans() if self.dra_plugin is not None else []
 
     def _capability(self, driver: DriverVersion) -> NodeMpsCapability:
         if self.mps is not None:  # what the supervisor actually runs

@@ -85,6 +85,20 @@ async def test_the_link_follows_the_daemon_across_a_restart_and_synchronize(make
     await client.wait()
 
 
+async def test_a_container_synchronized_while_linked_leaves_no_directory_at_remove(make_supervisor) -> None:
+    """A Synchronize relinks every live container to the socket it is already linked to (rename(2) of two
+    links to one inode does nothing): nothing of that may stay behind, or RemoveContainer could not
+    remove the directory and it would leak."""
+    supervisor = await started(make_supervisor(time_slicing_clients=True))
+    hooks = MpsContainerHooks(supervisor=supervisor)
+    plan = planned(CID_T, mode="time-slicing", portion=None)
+    directory = host_mps_dir(apply_adjustment(plan, await hooks.on_create(plan, container_id=CID_T)))
+    await hooks.on_synchronize([(CID_T, plan)])
+    assert [p.name for p in directory.iterdir()] == ["control"]
+    await hooks.on_remove(container_id=CID_T)
+    assert not directory.exists()
+
+
 async def test_off_by_default_time_slicing_stays_off_mps_and_the_default_socket_is_context_shared(
     make_supervisor, mps_env
 ) -> None:

@@ -34,6 +34,12 @@ when KAI Scheduler schedules (`kai.enabled`). */}}
 {{- if and .root.Values.enabled (index .root.Values .component "enabled") (not $kaiSchedules) }}true{{ end }}
 {{- end }}
 
+{{/* DRA is on (docs/dra.md): dra.enabled true, or auto on a cluster that serves resource.k8s.io/v1. */}}
+{{- define "gpufrac.draOn" -}}
+{{- $dra := toString .Values.dra.enabled }}
+{{- if and .Values.enabled (or (eq $dra "true") (and (eq $dra "auto") (.Capabilities.APIVersions.Has "resource.k8s.io/v1/DeviceClass"))) }}true{{ end }}
+{{- end }}
+
 {{- define "gpufrac.schedulerUser" -}}
 system:serviceaccount:{{ .Release.Namespace }}:gpufrac-scheduler
 {{- end }}

@@ -14,6 +14,16 @@ with the CDI device IDs; unprepare removes the spec. Each claim gets its own ans
 fails only its pod, with a message that says why. Both are idempotent: the kubelet retries them, and a
 restarted agent finds its state in the spec files.
 
+Before a spec is written, and as one step with the write (a lock: two prepares cannot both pass), the
+node checks what the GPU already holds: one compute mode per GPU (``prepare.refuse_mixed_modes``) and
+its memory, prepared claims and annotation pods together (``gpufrac.node.dra.ledger``). With MPS
+(``mps``: the agent's ``MpsService.hooks``) each share then gets what an annotation container gets at
+CreateContainer -- an sm-sharing share its namespace on the shared server, with the same ceiling and
+memory cap -- and the spec mounts that directory; unprepare removes the spec first, then the namespace
+(an agent that dies in between leaves an orphan the next reconcile deletes, never a spec without its
+namespace). ``prepared_plans`` is the MPS live set's claim half: the spec files, plus the prepares in
+flight between namespace and spec.
+
 The messages are generated at build time from the pinned ``k8s.io/kubelet`` module
 (``scripts/gen-kubelet-protos``).
 """
@@ -24,27 +34,45 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import grpc
 from lightkube import AsyncClient
+from lightkube.resources.core_v1 import Pod
 from lightkube.resources.resource_v1 import ResourceClaim
 
 from gpufrac.contract import keys
 from gpufrac.kube.errors import KubeError, NotFound, api_errors
+from gpufrac.node.dra.ledger import (
+    NodeGpu,
+    claim_holdings,
+    pod_holdings,
+    pod_modes,
+    pod_shares,
+    refuse_overcommit,
+)
 from gpufrac.node.dra.prepare import (
     DEFAULT_CDI_DIR,
     AllocationError,
     PreparedShare,
+    cdi_device_name,
     cdi_spec,
     make_pipe_leaves,
-    modes_in_use,
+    modes_of,
     prepare_claim,
+    prepared_plan,
+    read_claim,
+    read_prepared,
     refuse_mixed_modes,
     remove_spec,
+    spec_path,
     write_spec,
 )
+from gpufrac.node.inject import InjectionPlan
+from gpufrac.node.mps.containers import ContainerHooks, apply_adjustment, read_only_shared_pipe
+from gpufrac.node.mps.supervisor import MpsUnavailable
 
 try:
     from gpufrac._generated.kubelet.dra.v1 import api_pb2 as dra_pb2
@@ -65,8 +93,8 @@ SERVICE_VERSION = "v1.DRAPlugin"
 DEFAULT_KUBELET_DIR = Path("/var/lib/kubelet")
 _UNIX_PATH_MAX = 107  # sun_path is 108 bytes with the terminating NUL
 
-#: The node's devices: our device name -> GPU UUID (the inventory's current view).
-DeviceUuids = Callable[[], Mapping[str, str]]
+#: The node's devices: our device name -> the GPU (the inventory's current view, as the slice offers it).
+NodeDevices = Callable[[], Mapping[str, NodeGpu]]
 
 
 class _Registration(reg_grpc.RegistrationServicer):  # type: ignore[misc]
@@ -111,7 +139,7 @@ class _Service(dra_grpc.DRAPluginServicer):  # type: ignore[misc]
                             cdi_device_ids=list(share.cdi_device_ids),
                         )
                     )
-            except (AllocationError, KubeError, OSError) as exc:  # OSError: the spec or leaf not written
+            except (AllocationError, MpsUnavailable, KubeError, OSError) as exc:  # OSError: spec, leaf
                 log.warning("dra: cannot prepare claim %s/%s: %s", claim.namespace, claim.name, exc)
                 answer.error = str(exc)
         return response
@@ -121,7 +149,7 @@ class _Service(dra_grpc.DRAPluginServicer):  # type: ignore[misc]
         for claim in request.claims:
             answer = response.claims[claim.uid]
             try:
-                self._plugin.unprepare(uid=claim.uid)
+                await self._plugin.unprepare(uid=claim.uid)
             except OSError as exc:
                 answer.error = f"removing the CDI spec of claim {claim.namespace}/{claim.name}: {exc}"
         return response
@@ -134,24 +162,49 @@ class DraPlugin:
         self,
         *,
         client: AsyncClient,
-        devices: DeviceUuids,
+        node_name: str,
+        devices: NodeDevices,
         kubelet_dir: Path = DEFAULT_KUBELET_DIR,
         cdi_dir: Path = DEFAULT_CDI_DIR,
         pipe_root: str,
+        mps: ContainerHooks | None = None,
+        shared_pipe_dir: str | None = None,
     ) -> None:
+        """``mps``: the MPS hooks (None: the node runs no MPS); ``shared_pipe_dir``: classic MPS's pipe
+        directory, mounted read-only as for annotation containers (None: writable, or no MPS)."""
         self._client = client
+        self._node_name = node_name
         self._devices = devices
         self._cdi_dir = cdi_dir
         self._pipe_root = pipe_root
+        self._mps = mps
+        self._shared_pipe_dir = shared_pipe_dir
         self.endpoint = kubelet_dir / "plugins" / keys.DRA_DRIVER_NAME / "dra.sock"
         self.registration_socket = kubelet_dir / "plugins_registry" / f"{keys.DRA_DRIVER_NAME}-reg.sock"
         self.registered: bool | None = None
         self.registration_error: str | None = None
         self._servers: list[grpc.aio.Server] = []
         self._prepare_lock = asyncio.Lock()
+        self._in_flight: dict[str, InjectionPlan] = {}  # shares whose namespace exists, spec not yet
+
+    def prepared_plans(self) -> list[tuple[str, InjectionPlan]]:
+        """Each prepared share as ``(key, plan)``: from the spec files, and the prepares in flight."""
+        plans = {d.key: prepared_plan(d) for d in read_prepared(self._cdi_dir)}
+        return list({**plans, **self._in_flight}.items())
+
+    async def _pods_here(self) -> list[dict[str, Any]]:
+        """The pods bound to this node, as the API server has them (``gpufrac.node.dra.ledger``: why)."""
+        with api_errors():
+            return [
+                pod.to_dict()
+                async for pod in self._client.list(
+                    Pod, namespace="*", fields={"spec.nodeName": self._node_name}
+                )
+            ]
 
     async def prepare(self, *, namespace: str, name: str, uid: str) -> tuple[PreparedShare, ...]:
-        """Read the claim, check it is the pod's (same UID) and fits the GPU's mode, write its CDI spec."""
+        """Read the claim, check it is the pod's (same UID) and fits the GPU (its mode, its memory), give
+        each share its MPS setup, write its CDI spec."""
         try:
             with api_errors():
                 obj = await self._client.get(ResourceClaim, name, namespace=namespace)
@@ -165,16 +218,76 @@ class DraPlugin:
                 f"ResourceClaim {namespace}/{name} has uid {claim['metadata'].get('uid')}, not {uid}: "
                 "it was deleted and created again; the pod's claim is gone"
             )
-        shares = prepare_claim(claim, uuids=self._devices(), pipe_root=self._pipe_root)
-        async with self._prepare_lock:  # the check and the write as one step: two prepares cannot both pass
-            in_use = await asyncio.to_thread(modes_in_use, self._cdi_dir, other_than=uid)
+        gpus = self._devices()
+        shares = prepare_claim(
+            claim, uuids={device: gpu.uuid for device, gpu in gpus.items()}, pipe_root=self._pipe_root
+        )
+        async with self._prepare_lock:  # the checks and the write as one step: two prepares cannot both pass
+            prepared = await asyncio.to_thread(read_prepared, self._cdi_dir, other_than=uid)
+            pods = pod_shares(await self._pods_here(), gpus=gpus.values())
+            in_use = modes_of(prepared)
+            for gpu_uuid, modes in pod_modes(pods).items():
+                for mode, holders in modes.items():
+                    in_use.setdefault(gpu_uuid, {}).setdefault(mode, set()).update(holders)
             refuse_mixed_modes(shares, in_use=in_use)
-            await asyncio.to_thread(make_pipe_leaves, shares)
-            await asyncio.to_thread(write_spec, self._cdi_dir, uid, cdi_spec(uid, shares))
+            held = claim_holdings(prepared, gpus=gpus.values())
+            for gpu_uuid, holdings in pod_holdings(pods).items():
+                held.setdefault(gpu_uuid, []).extend(holdings)
+            refuse_overcommit(shares, gpus=gpus.values(), held=held, claim=f"{namespace}/{name}")
+            # A retried prepare of a claim already prepared (its containers may run) keeps its MPS setup
+            # whatever happens now; a first one leaves nothing behind when it fails.
+            undo = not spec_path(self._cdi_dir, uid).exists()
+            shares = await self._with_mps(shares, uid=uid, undo=undo)
+            try:
+                await asyncio.to_thread(make_pipe_leaves, shares)
+                spec = cdi_spec(uid, shares, claim=f"{namespace}/{name}")
+                await asyncio.to_thread(write_spec, self._cdi_dir, uid, spec)
+            except BaseException:
+                if undo:
+                    await self._release(keys=[cdi_device_name(uid, s.device) for s in shares])
+                raise
+            finally:
+                for share in shares:
+                    self._in_flight.pop(cdi_device_name(uid, share.device), None)
         return shares
 
-    def unprepare(self, *, uid: str) -> None:
-        remove_spec(self._cdi_dir, uid, pipe_root=self._pipe_root)
+    async def _with_mps(
+        self, shares: tuple[PreparedShare, ...], *, uid: str, undo: bool
+    ) -> tuple[PreparedShare, ...]:
+        """Each share with its MPS setup (the hooks an annotation container's CreateContainer calls); on a
+        failure (``MpsUnavailable``: the daemon is not serving) the error stands and the kubelet retries;
+        with ``undo`` what was set up is released first."""
+        if self._mps is None:
+            return shares
+        done: list[PreparedShare] = []
+        try:
+            for share in shares:
+                key = cdi_device_name(uid, share.device)
+                self._in_flight[key] = share.plan  # in the live set before its namespace exists
+                plan = apply_adjustment(share.plan, await self._mps.on_create(share.plan, container_id=key))
+                plan = read_only_shared_pipe(plan, shared_pipe_dir=self._shared_pipe_dir)
+                done.append(replace(share, plan=plan))
+        except BaseException:
+            keys = [cdi_device_name(uid, s.device) for s in shares]
+            if undo:
+                await self._release(keys=keys)
+            for key in keys:
+                self._in_flight.pop(key, None)
+            raise
+        return tuple(done)
+
+    async def _release(self, *, keys: list[str]) -> None:
+        for key in keys:
+            self._in_flight.pop(key, None)
+            if self._mps is not None:
+                await self._mps.on_remove(container_id=key)
+
+    async def unprepare(self, *, uid: str) -> None:
+        """Remove the claim's spec, then its shares' MPS setup (idempotent)."""
+        async with self._prepare_lock:
+            shares = await asyncio.to_thread(read_claim, self._cdi_dir, uid)
+            await asyncio.to_thread(remove_spec, self._cdi_dir, uid, pipe_root=self._pipe_root)
+            await self._release(keys=[d.key for d in shares])
 
     async def start(self) -> None:
         """Serve the DRA service first, then the registration socket (the kubelet calls the endpoint as

@@ -26,7 +26,10 @@ Reading an allocation (``status.allocation.devices``, resource.k8s.io/v1):
 The spec is one file per claim, written atomically (temporary file, then rename) and removed at
 unprepare; writing it again gives the same file, removing a missing one is fine. Each share's MPS leaf
 directory is made at prepare (the runtime bind-mounts it) and removed with the spec when empty. Those
-files are the only state, so a restarted agent neither loses nor doubles a prepared claim.
+files are the only state, so a restarted agent neither loses nor doubles a prepared claim: ``read_prepared``
+reads each share back (its GPU and mode from the device's annotations, its memory and compute from the
+env the planner wrote) as the ``BoundContainer`` it was planned from -- what the node holds on each GPU
+(one mode per GPU, the memory booked) and the MPS namespaces that must live.
 """
 
 from __future__ import annotations
@@ -45,7 +48,14 @@ from gpufrac.contract.errors import ContractError
 from gpufrac.contract.quantities import parse_mib
 from gpufrac.contract.render import BoundContainer
 from gpufrac.contract.request import ComputeMode
-from gpufrac.node.inject import InjectionPlan, pipe_leaf, plan_bound
+from gpufrac.node.inject import (
+    CUDA_MPS_ACTIVE_THREAD_PERCENTAGE,
+    NVIDIA_GPU_MEMORY_LIMIT,
+    NVIDIA_GPU_MEMORY_REQUEST,
+    InjectionPlan,
+    pipe_leaf,
+    plan_bound,
+)
 
 #: The CDI kind of the specs this driver writes: ``gpu.gpufrac.io/claim=<claim uid>-<device>``.
 CDI_KIND = f"{keys.DRA_DRIVER_NAME}/claim"
@@ -54,6 +64,8 @@ CDI_VERSION = "0.6.0"
 #: that the node can tell, from the specs alone, what a GPU already holds.
 MODE_ANNOTATION = f"{keys.DRA_DRIVER_NAME}/compute-mode"
 UUID_ANNOTATION = f"{keys.DRA_DRIVER_NAME}/uuid"
+#: ``<namespace>/<name>`` of the claim a spec device belongs to: who holds a GPU, said in refusals.
+CLAIM_ANNOTATION = f"{keys.DRA_DRIVER_NAME}/claim"
 #: Where CDI-enabled runtimes look for specs (containerd's and CRI-O's default ``cdi_spec_dirs``).
 DEFAULT_CDI_DIR = Path("/var/run/cdi")
 
@@ -233,8 +245,9 @@ def cdi_device_name(claim_uid: str, device: str) -> str:
     return f"{claim_uid}-{device}"
 
 
-def cdi_spec(claim_uid: str, shares: Iterable[PreparedShare]) -> dict[str, Any]:
-    """The CDI spec (one device per share) with each share's env and mounts as container edits."""
+def cdi_spec(claim_uid: str, shares: Iterable[PreparedShare], *, claim: str = "") -> dict[str, Any]:
+    """The CDI spec (one device per share) with each share's env and mounts as container edits;
+    ``claim`` (``<namespace>/<name>``) is recorded beside each device to say who holds the GPU."""
     return {
         "cdiVersion": CDI_VERSION,
         "kind": CDI_KIND,
@@ -244,6 +257,7 @@ def cdi_spec(claim_uid: str, shares: Iterable[PreparedShare]) -> dict[str, Any]:
                 "annotations": {
                     MODE_ANNOTATION: share.plan.bound.mode.value,
                     UUID_ANNOTATION: share.plan.bound.devices[0],
+                    **({CLAIM_ANNOTATION: claim} if claim else {}),
                 },
                 "containerEdits": {
                     "env": [f"{key}={value}" for key, value in share.plan.env],
@@ -277,33 +291,112 @@ def write_spec(cdi_dir: Path, claim_uid: str, spec: Mapping[str, Any]) -> Path:
     return path
 
 
-def modes_in_use(cdi_dir: Path, *, other_than: str) -> dict[str, dict[str, set[str]]]:
-    """GPU UUID -> compute mode -> the claim UIDs prepared with it, from the specs in ``cdi_dir`` (the
-    claim ``other_than`` left out: a retried prepare does not conflict with itself)."""
-    found: dict[str, dict[str, set[str]]] = {}
+@dataclass(frozen=True, slots=True)
+class PreparedDevice:
+    """One share of a prepared claim as its CDI spec records it.
+
+    ``key`` is the spec device's name (``<claim uid>-<device>``): it names the share's MPS namespace and
+    its default-socket directory as a container id names a container's. ``bound`` is what the planner
+    was given: the GPU, the mode, request and limit MiB (None: the whole GPU) and the compute portion."""
+
+    claim_uid: str
+    claim: str  # <namespace>/<name>, or the UID for a spec written without it
+    key: str
+    bound: BoundContainer
+    pipe_source: str | None  # the host directory the spec mounts as the MPS directory
+
+
+def _int_env(env: Mapping[str, str], key: str) -> int | None:
+    try:
+        return int(env[key]) if key in env else None
+    except ValueError:
+        return None
+
+
+def _read_device(uid: str, device: Mapping[str, Any]) -> PreparedDevice | None:
+    notes = device.get("annotations") or {}
+    if MODE_ANNOTATION not in notes or UUID_ANNOTATION not in notes or not device.get("name"):
+        return None
+    try:
+        mode = ComputeMode(notes[MODE_ANNOTATION])
+    except ValueError:
+        return None
+    edits = device.get("containerEdits") or {}
+    env = dict(str(e).partition("=")[::2] for e in edits.get("env") or [])
+    request = _int_env(env, NVIDIA_GPU_MEMORY_REQUEST)
+    limit = _int_env(env, NVIDIA_GPU_MEMORY_LIMIT)
+    percent = _int_env(env, CUDA_MPS_ACTIVE_THREAD_PERCENTAGE)
+    mounts = edits.get("mounts") or []
+    return PreparedDevice(
+        claim_uid=uid,
+        claim=str(notes.get(CLAIM_ANNOTATION) or uid),
+        key=str(device["name"]),
+        bound=BoundContainer(
+            container=str(device["name"]),
+            devices=(str(notes[UUID_ANNOTATION]),),
+            mode=mode,
+            request_mib=request,
+            limit_mib=(limit if limit is not None else request) if request is not None else None,
+            # The planner wrote floor(portion x 100); that percent over 100 plans the same ceiling again.
+            compute_portion=percent / 100 if percent is not None and mode is ComputeMode.SM_SHARING else None,
+            exclusive=request is None,
+        ),
+        pipe_source=str(mounts[0].get("hostPath")) if mounts else None,
+    )
+
+
+def _read_spec(path: Path, uid: str) -> list[PreparedDevice]:
+    try:
+        spec = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return []  # removed meanwhile, or not ours to judge
+    devices = spec.get("devices") if isinstance(spec, dict) else None
+    read = (_read_device(uid, d) for d in devices or () if isinstance(d, dict))
+    return [d for d in read if d is not None]
+
+
+def read_prepared(cdi_dir: Path, *, other_than: str | None = None) -> list[PreparedDevice]:
+    """Every share of the claims prepared in ``cdi_dir`` (the claim ``other_than`` left out: a retried
+    prepare does not conflict with itself), read back from their specs. A spec that cannot be read
+    (removed meanwhile, or not ours) is skipped."""
+    found: list[PreparedDevice] = []
     prefix = f"{keys.DRA_DRIVER_NAME}-"
-    for path in cdi_dir.glob(f"{prefix}*.json") if cdi_dir.is_dir() else ():
+    for path in sorted(cdi_dir.glob(f"{prefix}*.json")) if cdi_dir.is_dir() else ():
         uid = path.name[len(prefix) : -len(".json")]
-        if uid == other_than:
-            continue
-        try:
-            spec = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue  # removed meanwhile, or not ours to judge
-        for device in spec.get("devices") or []:
-            notes = device.get("annotations") or {}
-            if MODE_ANNOTATION in notes and UUID_ANNOTATION in notes:
-                found.setdefault(notes[UUID_ANNOTATION], {}).setdefault(notes[MODE_ANNOTATION], set()).add(
-                    uid
-                )
+        if uid != other_than:
+            found.extend(_read_spec(path, uid))
+    return found
+
+
+def read_claim(cdi_dir: Path, claim_uid: str) -> list[PreparedDevice]:
+    """The shares of one prepared claim (none when it has no spec)."""
+    return _read_spec(spec_path(cdi_dir, claim_uid), claim_uid)
+
+
+def prepared_plan(device: PreparedDevice) -> InjectionPlan:
+    """The injection plan a prepared share was written from (``plan_bound`` of what its spec records)."""
+    return plan_bound(device.bound, pipe_source=device.pipe_source or "")
+
+
+#: GPU UUID -> compute mode -> who holds the GPU in it (``claim <ns>/<name>``, ``pod <ns>/<name>``).
+ModesInUse = dict[str, dict[str, set[str]]]
+
+
+def modes_of(prepared: Iterable[PreparedDevice]) -> ModesInUse:
+    """What mode each GPU is held in by the prepared claims ``prepared``."""
+    found: ModesInUse = {}
+    for device in prepared:
+        modes = found.setdefault(device.bound.devices[0], {})
+        modes.setdefault(device.bound.mode.value, set()).add(f"claim {device.claim}")
     return found
 
 
 def refuse_mixed_modes(
     shares: Iterable[PreparedShare], *, in_use: Mapping[str, Mapping[str, set[str]]]
 ) -> None:
-    """One compute mode per GPU holds for claims too: a share whose GPU already holds prepared claims of
-    the other mode is refused (``AllocationError``), so the pod does not start instead of mixing modes.
+    """One compute mode per GPU holds for claims too: a share whose GPU is already held in the other mode
+    (by prepared claims, or annotation pods: ``in_use`` says by whom) is refused (``AllocationError``), so
+    the pod does not start instead of mixing modes.
 
     The stock kube-scheduler does not know the rule, so this is the node's last word, not placement:
     such a pod waits in ContainerCreating with the reason in its Events (docs/dra.md)."""
@@ -312,9 +405,7 @@ def refuse_mixed_modes(
         mode = share.plan.bound.mode.value
         others = {m: uids for m, uids in (in_use.get(uuid) or {}).items() if m != mode and uids}
         if others:
-            held = "; ".join(
-                f"{m} by claim(s) {', '.join(sorted(uids))}" for m, uids in sorted(others.items())
-            )
+            held = "; ".join(f"{m} by {', '.join(sorted(uids))}" for m, uids in sorted(others.items()))
             raise AllocationError(
                 f"request {share.request} asks for {mode} on GPU {uuid}, which is held in {held}: one "
                 "compute mode per GPU (modes never mix on a GPU); the claim waits until those are released"

@@ -15,6 +15,16 @@ the MPS directory mount at a private, empty per-container leaf). MPS owns its da
 - ``on_synchronize(containers)`` at Synchronize (every NRI connection): the live set, so an agent restart
   recreates the namespaces of running containers instead of stranding them.
 
+DRA claims (``gpufrac.node.dra.plugin``) use the same hooks with a share's key (``<claim uid>-<device>``,
+the name of its CDI device) in place of a container id: ``on_create`` at prepare (before the CDI spec is
+written, so the spec mounts the namespace's directory), ``on_remove`` at unprepare. A share outlives its
+containers (several may use it, one after the other), so its namespace is the claim's, not a
+container's; it is never drained at StopContainer (the kubelet unprepares only once the pod's containers
+are gone). The live set is the runtime's containers AND the prepared claims (``claims``, read from their
+CDI specs at every Synchronize and when the service starts), so neither an NRI reconcile nor an agent
+restart deletes a prepared claim's namespace as an orphan, and one whose spec is gone (an agent that
+died between removing the spec and the namespace at unprepare) is deleted as one.
+
 Per mode:
 
 - v3, sm-sharing: a namespace ``names.namespace_name(<id>)`` (``gpufrac_<id prefix>_<digest>``) on the
@@ -40,7 +50,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -60,6 +70,10 @@ from gpufrac.node.mps.supervisor import (
 from gpufrac.node.usage.cgroup import container_id_of
 
 log = logging.getLogger(__name__)
+
+#: The classic MPS pipe directory's mount: read-only, nothing executable or a device
+#: (``read_only_shared_pipe``; why: ``gpufrac.node.nri.handler``).
+SHARED_PIPE_MOUNT_OPTIONS = ("rbind", "ro", "nosuid", "nodev", "noexec")
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +116,10 @@ class ContainerHooks(Protocol):
     async def on_synchronize(self, containers: Iterable[tuple[str, InjectionPlan]]) -> None: ...
 
 
+#: The prepared DRA claims' shares as ``(key, plan)``, read when the live set is needed.
+PreparedClaims = Callable[[], Iterable[tuple[str, InjectionPlan]]]
+
+
 def thread_ceiling(portion: float | None) -> int:
     """The namespace's active-thread percentage (``inject.active_thread_percentage``; 100 without one)."""
     return 100 if portion is None else active_thread_percentage(portion)
@@ -110,6 +128,33 @@ def thread_ceiling(portion: float | None) -> int:
 def uses_mps(plan: InjectionPlan) -> bool:
     """Whether a container with this plan is an MPS client (sm-sharing, not a whole GPU)."""
     return plan.bound.mode is ComputeMode.SM_SHARING and not plan.bound.exclusive
+
+
+def namespace_spec(plan: InjectionPlan, *, owner: str) -> NamespaceSpec:
+    """The MPS namespace of a container or a claim's share (``owner``: the container id or the share's
+    key): its active-thread ceiling from the compute portion, its pinned-memory cap from the limit."""
+    return NamespaceSpec(
+        name=namespace_name(owner),
+        active_thread_percentage=thread_ceiling(plan.bound.compute_portion),
+        pinned_memory_limit_mib=plan.bound.limit_mib,
+        container_id=owner,
+    )
+
+
+def read_only_shared_pipe(plan: InjectionPlan, *, shared_pipe_dir: str | None) -> InjectionPlan:
+    """``plan`` with a mount of classic MPS's shared pipe directory made read-only, nosuid, nodev, noexec
+    (``SHARED_PIPE_MOUNT_OPTIONS``); unchanged without ``shared_pipe_dir`` (the mount stays writable)."""
+    if shared_pipe_dir is None:
+        return plan
+    return dataclasses.replace(
+        plan,
+        mounts=tuple(
+            dataclasses.replace(m, options=SHARED_PIPE_MOUNT_OPTIONS)
+            if m.source.rstrip("/") == shared_pipe_dir.rstrip("/")
+            else m
+            for m in plan.mounts
+        ),
+    )
 
 
 def time_slicing_fraction(plan: InjectionPlan) -> bool:
@@ -121,10 +166,17 @@ def time_slicing_fraction(plan: InjectionPlan) -> bool:
 class MpsContainerHooks:
     """The ``ContainerHooks`` of a node running MPS."""
 
-    def __init__(self, *, supervisor: MpsSupervisor, proc_root: Path = Path("/proc")) -> None:
+    def __init__(
+        self,
+        *,
+        supervisor: MpsSupervisor,
+        proc_root: Path = Path("/proc"),
+        claims: PreparedClaims = tuple,
+    ) -> None:
         """``proc_root``: the host's /proc (the agent runs with hostPID), where a client PID's cgroup
-        names its container."""
+        names its container. ``claims``: the prepared DRA claims' shares, the live set's other half."""
         self._supervisor = supervisor
+        self._claims = claims
         self._proc_root = proc_root
         self._sm: set[str] = set()
         self._ts: set[str] = set()  # time-slicing containers on the default socket
@@ -140,7 +192,7 @@ class MpsContainerHooks:
         that went away meanwhile are deleted. Before the daemon is READY this only records them (the
         reconcile at READY does the rest); after, the reconcile runs in the background so Synchronize is
         answered at once."""
-        containers = list(containers)
+        containers = [*containers, *self._claims()]
         live = [(cid, plan) for cid, plan in containers if uses_mps(plan)]
         self._sm = {cid for cid, _ in live}
         supervisor = self._supervisor
@@ -150,17 +202,26 @@ class MpsContainerHooks:
             links.set_live(self._ts)
         if supervisor.mode is not MpsMode.V3:
             return
-        supervisor.set_namespaces([self._spec(plan, container_id=cid) for cid, plan in live])
+        supervisor.set_namespaces([namespace_spec(plan, owner=cid) for cid, plan in live])
         if supervisor.state is SupervisorState.READY:
             self._reconciling = asyncio.create_task(supervisor.reconcile_logged(), name="mps-reconcile")
 
-    def _spec(self, plan: InjectionPlan, *, container_id: str) -> NamespaceSpec:
-        return NamespaceSpec(
-            name=namespace_name(container_id),
-            active_thread_percentage=thread_ceiling(plan.bound.compute_portion),
-            pinned_memory_limit_mib=plan.bound.limit_mib,
-            container_id=container_id,
-        )
+    def keep_claims(self) -> None:
+        """Before the runtime's first Synchronize: the prepared claims' namespaces join the live set (and
+        are created at the daemon's first reconcile), without declaring it complete -- the runtime's
+        containers are not known yet, so nothing is deleted as an orphan until they are."""
+        claims = list(self._claims())
+        live = [(key, plan) for key, plan in claims if uses_mps(plan)]
+        self._sm |= {key for key, _ in live}
+        links = self._supervisor.default_links
+        if links is not None:
+            for key, plan in claims:
+                if time_slicing_fraction(plan):
+                    self._ts.add(key)
+                    with contextlib.suppress(OSError, ValueError):  # linked again at the next Synchronize
+                        links.add(key)
+        if self._supervisor.mode is MpsMode.V3:
+            self._supervisor.keep_namespaces(namespace_spec(plan, owner=key) for key, plan in live)
 
     async def on_create(self, plan: InjectionPlan, *, container_id: str) -> MpsAdjustment:
         supervisor = self._supervisor
@@ -177,7 +238,7 @@ class MpsContainerHooks:
         if not uses_mps(plan):
             return MpsAdjustment()
         if supervisor.mode is MpsMode.V3:
-            spec = self._spec(plan, container_id=container_id)
+            spec = namespace_spec(plan, owner=container_id)
             pipe_directory = await supervisor.ensure_namespace(spec)
             self._sm.add(container_id)
             return MpsAdjustment(pipe_source=str(pipe_directory))

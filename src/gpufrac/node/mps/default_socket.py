@@ -114,3 +114,7 @@ class DefaultSocketLinks:
         except FileNotFoundError:
             return  # no daemon socket yet: the refresh at READY links it
         os.replace(staged, target)  # atomic: a process in the container never sees no `control`
+        # rename(2) of two links to one inode does nothing and succeeds: relinking a directory already on
+        # the current socket (every Synchronize) would leave the staged name behind, and the directory
+        # could then never be removed.
+        staged.unlink(missing_ok=True)

@@ -27,7 +27,7 @@ from gpufrac.kube.events import EventRecorder
 from gpufrac.node.inject import InjectionPlan
 from gpufrac.node.inventory.backend import InventoryUnavailable
 from gpufrac.node.mps.config import MpsSettings
-from gpufrac.node.mps.containers import MpsAdjustment, MpsContainerHooks, uses_mps
+from gpufrac.node.mps.containers import MpsAdjustment, MpsContainerHooks, PreparedClaims, uses_mps
 from gpufrac.node.mps.events import EventSink, NodeEventSink
 from gpufrac.node.mps.mode import DriverVersion, NodeMpsCapability, capability_for
 from gpufrac.node.mps.supervisor import MpsSupervisor, MpsUnavailable
@@ -52,10 +52,13 @@ class MpsService:
         on_change: Callable[[], None] | None = None,
         retry_s: float = 5.0,
         recorder: EventRecorder | None = None,
+        claims: PreparedClaims = tuple,
     ) -> None:
         """``recorder``: the ``EventRecorder`` behind ``events`` when this service owns it (it then runs
-        for as long as ``run`` does, and flushes the Events of the final stop)."""
+        for as long as ``run`` does, and flushes the Events of the final stop). ``claims``: the prepared
+        DRA claims' shares (``gpufrac.node.mps.containers``), part of the live set from the start."""
         self._recorder = recorder
+        self._claims = claims
         self._settings = settings
         self._events = events
         self._read_driver = read_driver
@@ -85,6 +88,7 @@ class MpsService:
         on_change: Callable[[], None] | None = None,
         recorder: EventRecorder | None = None,
         counted: Callable[[EventSink], EventSink] = lambda sink: sink,
+        claims: PreparedClaims = tuple,
     ) -> MpsService:
         """The service of a node agent: Events on its Node when it has an API client, log lines if not.
 
@@ -97,6 +101,7 @@ class MpsService:
                 events=counted(LogEventSink()),
                 read_driver=read_driver,
                 on_change=on_change,
+                claims=claims,
             )
         owned = recorder is None
         if recorder is None:
@@ -109,6 +114,7 @@ class MpsService:
             read_driver=read_driver,
             on_change=on_change,
             recorder=recorder if owned else None,
+            claims=claims,
         )
 
     async def run(self) -> None:
@@ -116,10 +122,12 @@ class MpsService:
         supervisor = MpsSupervisor(
             settings=self._settings, driver=driver, events=self._events, on_change=self._on_change
         )
-        hooks = MpsContainerHooks(supervisor=supervisor)
+        hooks = MpsContainerHooks(supervisor=supervisor, claims=self._claims)
         if self._pending is not None:  # the runtime's live containers, known before the daemon starts
             await hooks.on_synchronize(self._pending)
             self._pending = None
+        else:  # the prepared claims' namespaces are made at the first READY all the same
+            hooks.keep_claims()
         self.supervisor, self._started = supervisor, hooks
         recording = asyncio.create_task(self._recorder.run()) if self._recorder is not None else None
         try:

@@ -387,6 +387,12 @@ class MpsSupervisor:
             self._namespaces.pop(spec.name, None)
             raise MpsUnavailable(f"namespace {spec.name}: {error}") from error
 
+    def keep_namespaces(self, specs: Iterable[NamespaceSpec]) -> None:
+        """Adds ``specs`` to the live set without declaring it complete (the runtime's containers are not
+        known yet): they are created at the next reconcile, and nothing is deleted on their account."""
+        for spec in specs:
+            self._namespaces[spec.name] = spec
+
     def set_namespaces(self, specs: Iterable[NamespaceSpec]) -> None:
         """Replaces the live set without touching the daemon; the next ``reconcile`` applies it."""
         self._namespaces = {spec.name: spec for spec in specs}

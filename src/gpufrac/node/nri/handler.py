@@ -20,9 +20,10 @@ when it starts -- after the container exists -- so no per-container leaf can hol
 and a bind mount of single files would miss what appears later. Every sm-sharing container therefore
 sees the control socket and can send the control daemon its commands, as any local client can; v3
 (per-namespace directories) is what isolates tenants. What the plan can narrow, it does: the shared
-directory (``shared_pipe_dir``) is mounted read-only, nosuid, nodev, noexec (``SHARED_PIPE_MOUNT_OPTIONS``)
--- connecting to a socket or opening a pipe does not need a writable mount, so a container can use MPS
-but cannot remove, replace or plant an entry that other tenants' clients would then talk to.
+directory (``shared_pipe_dir``) is mounted read-only, nosuid, nodev, noexec
+(``mps.containers.read_only_shared_pipe``, which DRA claims get too) -- connecting to a socket or
+opening a pipe does not need a writable mount, so a container can use MPS but cannot remove, replace or
+plant an entry that other tenants' clients would then talk to.
 ``shared_pipe_writable`` gives the write access back should a driver's client need it.
 
 Devices are checked against this node's inventory before anything is injected: every assigned device
@@ -61,7 +62,6 @@ which drops again when the container is removed.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import os
 import time
@@ -87,7 +87,7 @@ from gpufrac.node.inject import (
 from gpufrac.node.inventory.backend import GpuInfo
 from gpufrac.node.mapping import AllocationRecord, InvalidContainerId, MappingStore, check_container_id
 from gpufrac.node.metrics import FOREIGN_GPU, EnforcementCounters
-from gpufrac.node.mps.containers import ContainerHooks, apply_adjustment
+from gpufrac.node.mps.containers import ContainerHooks, apply_adjustment, read_only_shared_pipe
 from gpufrac.node.mps.supervisor import MpsUnavailable
 from gpufrac.node.nri.plugin import ContainerRejected
 
@@ -102,8 +102,6 @@ DEVICE_LIST_MOUNT_ROOT = "/var/run/nvidia-container-devices"
 REASON_FOREIGN_GPU = "GpuOutsideGpufrac"
 #: What the agent does with such a container: create it and report it, or refuse it.
 ForeignGpuPolicy = Literal["report", "refuse"]
-#: The classic MPS pipe directory's mount: read-only, nothing executable or a device (see the docstring).
-SHARED_PIPE_MOUNT_OPTIONS = ("rbind", "ro", "nosuid", "nodev", "noexec")
 CDI_GPU_KINDS = (CDI_GPU_KIND, DEVICE_PLUGIN_CDI_GPU_KIND)
 
 
@@ -229,16 +227,7 @@ class GpuInjector:
                 self.failed_open += 1
                 log.warning("nri: MPS unavailable, creating without it (fail-open): %s", exc, extra=where)
 
-        if self._shared_pipe_dir is not None:
-            plan = dataclasses.replace(
-                plan,
-                mounts=tuple(
-                    dataclasses.replace(m, options=SHARED_PIPE_MOUNT_OPTIONS)
-                    if m.source.rstrip("/") == self._shared_pipe_dir.rstrip("/")
-                    else m
-                    for m in plan.mounts
-                ),
-            )
+        plan = read_only_shared_pipe(plan, shared_pipe_dir=self._shared_pipe_dir)
         mount_source = next((m.source for m in plan.mounts), None)
         if mount_source == source:  # our private leaf (MPS may have re-pointed the mount at its own)
             os.makedirs(source, mode=0o755, exist_ok=True)
