@@ -37,9 +37,9 @@ module cache of ``testenv/controlplane/go.mod``):
   ``FirstFitGpu`` takes the first GPU with room, and a request for N devices the first N.
 - **Ties.** v1.34.4's ``selectHost`` (``pkg/scheduler/schedule_one.go``) picks uniformly at random among
   the top score (reservoir sampling); v1.37.2 pops a heap (``framework/sorted_nodes.go``) whose
-  ``Randomizer`` is set only when extenders run, so it takes the first top-scored node of a node scan
-  that starts at a rotating index. Neither prefers a node for long; the model uses the engine's fixed
-  random node order of each seed (``engine.tie_rank``), which keeps replays reproducible.
+  ``Randomizer`` is set only when extenders run, so which top-scored node wins is set by the order of a
+  node scan that starts at a rotating index. Neither prefers a node for long; the model uses the
+  engine's fixed random node order of each seed (``engine.tie_rank``), which keeps replays reproducible.
 
 Why the amounts are faithful: a claim for a share of a GPU consumes its capacity request rounded up to
 the slice's ``requestPolicy`` step (``structured/internal/incubating/consumable_capacity.go``,
