@@ -23,23 +23,38 @@ class ComputeMode(StrEnum):
     SM_SHARING = "sm-sharing"
 
 
+ROUND_UP_SLACK = 1e-6
+"""MiB by which float noise alone may lift ``portion x GPU MiB`` above a whole MiB (0.07 x 100 is
+7.000000000000001 in floats); a rounded-up portion ignores it, so a whole amount stays whole."""
+
+
 @dataclass(frozen=True, slots=True)
 class GpuMemory:
-    """An amount of memory on ONE device: exactly one of ``mib`` or ``portion`` is set."""
+    """An amount of memory on ONE device: exactly one of ``mib`` or ``portion`` is set.
+
+    ``round_up`` resolves a portion to the next whole MiB instead of flooring it: what a DRA claim for
+    that share of the GPU consumes, since our ResourceSlice's ``requestPolicy`` rounds a capacity request
+    up to its 1 MiB step (docs/dra.md). The simulator's ``claims`` scenario uses it; annotations never do.
+    """
 
     mib: int | None = None
     portion: float | None = None
+    round_up: bool = False
 
     def __post_init__(self) -> None:
         if (self.mib is None) == (self.portion is None):
             raise ValueError("GpuMemory needs exactly one of mib or portion")
+        if self.round_up and self.portion is None:
+            raise ValueError(f"GpuMemory(mib={self.mib}): round_up applies to a portion, not to whole MiB")
 
     def resolve(self, gpu_mib: int) -> int:
-        """Whole MiB on a GPU of ``gpu_mib``: a portion is floored, never below 1 MiB."""
+        """Whole MiB on a GPU of ``gpu_mib``: a portion is floored (rounded up with ``round_up``), never
+        below 1 MiB."""
         if self.mib is not None:
             return self.mib
         assert self.portion is not None
-        return max(1, math.floor(self.portion * gpu_mib))
+        exact = self.portion * gpu_mib
+        return max(1, math.ceil(exact - ROUND_UP_SLACK) if self.round_up else math.floor(exact))
 
     def share_of(self, gpu_mib: int) -> float:
         """This amount as a share of a GPU of ``gpu_mib`` (used for compute portions)."""

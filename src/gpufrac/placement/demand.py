@@ -4,7 +4,7 @@ Pods of one kind (same host resources, same GPU request, same constraints, same 
 on every node, so the engine derives a ``Demand`` once per kind and caches filter and score results per
 (kind, node). ``Demand.kind`` is that identity. A portion resolves differently on GPUs of different
 sizes, so resolution is vectorised over GPU capacities here, with exactly the arithmetic of
-``GpuMemory.resolve`` (``max(1, floor(portion x MiB))``).
+``GpuMemory.resolve`` (``max(1, floor(portion x MiB))``, or ``ceil`` for a claim's ``round_up`` share).
 
 Compute portions are kept as integer parts per million (ppm) so that sums are exact: a GPU accepts
 sm-sharing tenants while the sum of their ppm stays at or below 1,000,000.
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from gpufrac.contract.request import ComputeMode, ContainerGpuRequest, GpuMemory
+from gpufrac.contract.request import ROUND_UP_SLACK, ComputeMode, ContainerGpuRequest, GpuMemory
 
 from .model import ModePolicy, PendingPod
 
@@ -31,7 +31,9 @@ def resolve_mib(memory: GpuMemory, cap: np.ndarray) -> np.ndarray:
     if memory.mib is not None:
         return np.full(cap.shape, memory.mib, dtype=np.int64)
     assert memory.portion is not None
-    return np.maximum(1, np.floor(memory.portion * cap)).astype(np.int64)
+    exact = memory.portion * cap
+    whole = np.ceil(exact - ROUND_UP_SLACK) if memory.round_up else np.floor(exact)
+    return np.maximum(1, whole).astype(np.int64)
 
 
 def portion_ppm(portion: float) -> int:

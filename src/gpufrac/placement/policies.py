@@ -16,6 +16,10 @@
   (``Fgd(joint="auto")``: CPU taken from a node with free GPUs is charged as the GPU it strands) for
   CPU-only pods, and for every pod when the workload asks for about as much CPU per GPU as the cluster
   has; and a batch of pods already received is placed largest first (look-ahead, ``largest_first``).
+- ``kube-dra``: not ours, and not a recommendation: a model of the stock kube-scheduler placing pods
+  whose ResourceClaims ask for shares of our GPUs (``gpufrac.placement.stock``: its default cpu/memory
+  scores for the node, the DRA allocator's first device with room for the GPU), to measure our policies
+  against (docs/dra.md, "Ours against the stock allocator").
 
 A policy's score is the weighted sum of its scorers. ``lexicographic`` builds "first A, then B" by giving
 A a weight larger than B's range. The first scorer that proposes a GPU for a single-device pod decides
@@ -49,6 +53,7 @@ from .scoring import (
     WorstFitGpu,
 )
 from .state import ClusterState
+from .stock import FirstFitGpu, KubeBalancedAllocation, KubeLeastAllocated
 from .typical import OnlineTypicalPods, PriorTypicalPods, TypicalPod, TypicalSource
 
 
@@ -134,6 +139,9 @@ POLICIES: dict[str, PolicyFactory] = {
         lexicographic(Fgd(_typical(prior), joint="auto"), Alignment(levels=10), then_range=11),
         BestFitGpu(),
         largest_first=True,
+    ),
+    "kube-dra": lambda _: Policy(
+        "kube-dra", ((KubeLeastAllocated(), 1), (KubeBalancedAllocation(), 1)), FirstFitGpu()
     ),
 }
 DEFAULT_POLICY = "fgd-plus"

@@ -3,9 +3,9 @@
 The simulator owns nothing about placement: it builds ``NodeSpec``s and ``PendingPod``s from trace rows
 and drives ``gpufrac.placement.Engine``, the scheduler service's engine, so its figures are the
 product's. Modules: ``trace`` (files, data directory), ``workload`` (the published sampling protocol and
-row translation), ``scenarios`` (variants with both compute modes), ``replay`` (one run and its
-metrics), ``metrics``, ``experiment`` (many runs in worker processes), ``report`` (table, JSON, PNG),
-``synthetic`` (a generated trace for tests), ``paper`` (the published means), ``command``
+row translation), ``scenarios`` (variants with both compute modes, or as DRA claims), ``replay`` (one
+run and its metrics), ``metrics``, ``experiment`` (many runs in worker processes), ``report`` (table,
+JSON, PNG), ``synthetic`` (a generated trace for tests), ``paper`` (the published means), ``command``
 (``gpufrac simulate``).
 
 Programmatic use::

@@ -6,6 +6,7 @@ Examples::
     gpufrac simulate --trace gpushare60 --policy all --workers 2 --json
     gpufrac simulate --trace my_pods.csv --nodes my_nodes.csv --policy binpack,fgd-align
     gpufrac simulate --trace default --policy all --scenario mixed     # both compute modes
+    gpufrac simulate --trace default --policy fgd-plus,kube-dra --scenario claims  # as DRA claims, vs stock
     gpufrac simulate --trace default --policy fgd --seeds 42 --churn   # departures, queues, reclaim
     gpufrac simulate --trace default --churn --consolidation --churn-cluster 0.01  # and moves
     gpufrac simulate --trace cpu2x --policy fgd,fgd-align --offline-bound   # a CPU-heavier variant

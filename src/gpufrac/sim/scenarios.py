@@ -7,6 +7,15 @@ eight teams (namespaces), so single-tenant sm-sharing GPUs are per team; and eve
 asks for half of each of its GPUs instead of whole ones (``gpu-fraction: 0.5`` with
 ``gpu-fraction-num-devices: N``). The assignment is a pure function of the pod's row, so all policies
 and seeds see the same workload.
+
+``claims`` replays the trace as DRA ResourceClaims on gpufrac's ResourceSlice (docs/dra.md, "Ours
+against the stock allocator"): each GPU pod's claim asks, per device, for its share of the GPU's memory
+(``gpu_milli`` x the GPU's MiB), which the slice's ``requestPolicy`` rounds up to whole MiB; a whole-GPU
+pod's claim names no amount and so consumes the whole device (the policy's default), exclusively; a
+multi-GPU pod asks for ``num_gpu`` devices. The only difference from the annotation pods of ``plain`` is
+that rounding: ``ceil(p x MiB)`` instead of ``floor``, so two claims for half of a 15,109 MiB T4
+(7,555 MiB each) do not fit on it where two annotation pods (7,554 MiB) do. The claims are time-slicing
+(the default DeviceClass); FGD's prior keeps the trace's shapes.
 """
 
 from __future__ import annotations
@@ -18,7 +27,7 @@ from gpufrac.contract.request import ComputeMode
 
 from .trace import TracePod
 
-SCENARIOS = ("plain", "mixed")
+SCENARIOS = ("plain", "mixed", "claims")
 TEAMS = 8
 
 
@@ -27,6 +36,8 @@ def prepare(pods: Sequence[TracePod], scenario: str) -> list[TracePod]:
         return list(pods)
     if scenario == "mixed":
         return [_mixed(i, p) for i, p in enumerate(pods)]
+    if scenario == "claims":
+        return [replace(p, claim=True) for p in pods]
     raise ValueError(f"unknown scenario {scenario!r}; known: {', '.join(SCENARIOS)}")
 
 

@@ -3,8 +3,9 @@
 A trace is a list of nodes and a list of pods in the openb CSV format (see shared/data/openb/README.md):
 nodes ``sn,cpu_milli,memory_mib,gpu,model``; pods ``name,cpu_milli,memory_mib,num_gpu,gpu_milli`` and
 optionally ``gpu_spec,qos,...``. ``gpu_milli`` is thousandths of ONE GPU; a pod with ``gpu_milli`` 1000
-takes ``num_gpu`` whole GPUs. Two fields the trace does not have but our scenarios need (compute mode,
-namespace) default to time-slicing in one namespace.
+takes ``num_gpu`` whole GPUs. Three fields the trace does not have but our scenarios need (compute mode,
+namespace, whether the share is asked for with a DRA claim) default to an annotation pod, time-slicing,
+in one namespace.
 
 Named traces resolve against a data directory: ``--data-dir``, else ``$GPUFRAC_DATA_DIR``, else (only
 when running from a source checkout, for the repository's tests and benchmarks) ``shared/data/openb``
@@ -74,6 +75,9 @@ class TracePod:
     qos: str = ""
     mode: ComputeMode = ComputeMode.TIME_SLICING
     namespace: str = "openb"
+    claim: bool = False
+    """The share is asked for with a DRA ResourceClaim (scenario ``claims``): it consumes its portion of
+    the GPU rounded up to whole MiB, where an annotation pod's is rounded down (``GpuMemory.round_up``)."""
     created: int | None = None
     """Seconds into the trace when the pod was created (``creation_time``), when the trace has it."""
     deleted: int | None = None

@@ -7,7 +7,8 @@ instead). Pods are submitted one by one, never deleted. Everything random comes 
 ``numpy.random.default_rng(seed)``.
 
 Translation: ``gpu_milli < 1000`` becomes the contract's portion request (``gpu-fraction``) on each of
-``num_gpu`` GPUs; ``gpu_milli == 1000`` becomes an exclusive request for ``num_gpu`` whole GPUs;
+``num_gpu`` GPUs (rounded up to whole MiB instead of down for a pod expressed as a DRA claim,
+``TracePod.claim``); ``gpu_milli == 1000`` becomes an exclusive request for ``num_gpu`` whole GPUs;
 ``gpu_spec`` becomes a required node affinity ``gpufrac.io/gpu-model In (...)``; CPU and host memory are
 requested as in the trace. The typical pods of FGD's prior are built from the original list (before
 sampling), keyed by (cpu, gpu_milli, num_gpu, gpu_spec), CPU-only pods included.
@@ -83,7 +84,7 @@ def gpu_request(pod: TracePod) -> PodGpuRequest:
             CONTAINER, None, None, pod.mode, device_count=pod.num_gpu, exclusive=True
         )
     else:
-        memory = GpuMemory(portion=pod.gpu_milli / 1000)
+        memory = GpuMemory(portion=pod.gpu_milli / 1000, round_up=pod.claim)
         request = ContainerGpuRequest(CONTAINER, memory, None, pod.mode, device_count=pod.num_gpu)
     return PodGpuRequest((request,))
 
