@@ -56,7 +56,7 @@ from gpufrac.contract import keys
 from gpufrac.contract.request import ComputeMode, ContainerGpuRequest, GpuMemory
 from gpufrac.kube.errors import Conflict, KubeError, NotFound
 from gpufrac.kube.patch import merge_patch
-from gpufrac.node.dra.prepare import AllocationError, prepare_claim
+from gpufrac.node.dra.prepare import AllocationError, prepare_claim, read_share_parameters
 from gpufrac.node.dra.slices import device_name, mib_quantity
 from gpufrac.node.inventory.backend import GpuInfo
 from gpufrac.placement.decision import ContainerPlacement, DeviceAssignment, Placement
@@ -257,25 +257,12 @@ def _claim_config(
             continue
         parameters = opaque.get("parameters") or {}
         at = f"{where}.spec.devices.config[{i}].opaque.parameters"
-        if (parameters.get("apiVersion"), parameters.get("kind")) != (
-            keys.DRA_CONFIG_API_VERSION,
-            keys.DRA_CONFIG_KIND,
-        ):
-            raise _Refused(
-                f"{at}: apiVersion/kind {parameters.get('apiVersion')!r}/{parameters.get('kind')!r} is "
-                f"invalid: it must be {keys.DRA_CONFIG_API_VERSION!r}/{keys.DRA_CONFIG_KIND!r}"
-            )
-        if keys.DRA_CONFIG_COMPUTE_MODE in parameters:
-            value = parameters[keys.DRA_CONFIG_COMPUTE_MODE]
-            try:
-                mode = ComputeMode(value)
-            except ValueError:
-                known = " or ".join(m.value for m in ComputeMode)
-                raise _Refused(
-                    f"{at}.{keys.DRA_CONFIG_COMPUTE_MODE}={value!r} is invalid: it must be {known}"
-                ) from None
-        if keys.DRA_CONFIG_MEMORY_LIMIT in parameters:
-            limit = str(parameters[keys.DRA_CONFIG_MEMORY_LIMIT])
+        try:
+            found_mode, found_limit = read_share_parameters(parameters, where=at)
+        except AllocationError as error:
+            raise _Refused(str(error)) from None
+        mode = found_mode or mode
+        limit = found_limit if found_limit is not None else limit
     return mode, limit
 
 

@@ -93,6 +93,34 @@ class ShareConfig:
     limit: str | None = None  # a quantity (``memoryLimit``); None: the limit is the share
 
 
+def read_share_parameters(
+    parameters: Mapping[str, Any], *, where: str
+) -> tuple[ComputeMode | None, str | None]:
+    """(computeMode, memoryLimit) of one ``GpuShareConfig`` (None where it sets none); raises
+    ``AllocationError`` naming ``where``, the key and the rule. The scheduler reads a claim's own config
+    with it too, so both sides accept exactly the same parameters."""
+    if (parameters.get("apiVersion"), parameters.get("kind")) != (
+        keys.DRA_CONFIG_API_VERSION,
+        keys.DRA_CONFIG_KIND,
+    ):
+        raise AllocationError(
+            f"{where}: apiVersion/kind {parameters.get('apiVersion')!r}/{parameters.get('kind')!r} is "
+            f"invalid: it must be {keys.DRA_CONFIG_API_VERSION!r}/{keys.DRA_CONFIG_KIND!r}"
+        )
+    mode: ComputeMode | None = None
+    if keys.DRA_CONFIG_COMPUTE_MODE in parameters:
+        value = parameters[keys.DRA_CONFIG_COMPUTE_MODE]
+        try:
+            mode = ComputeMode(value)
+        except ValueError:
+            known = " or ".join(m.value for m in ComputeMode)
+            raise AllocationError(
+                f"{where}: {keys.DRA_CONFIG_COMPUTE_MODE}={json.dumps(value)} is invalid: it must be {known}"
+            ) from None
+    limit = parameters.get(keys.DRA_CONFIG_MEMORY_LIMIT)
+    return mode, None if limit is None else str(limit)
+
+
 def _share_config(config: Iterable[Mapping[str, Any]], request: str) -> ShareConfig:
     found = ShareConfig()
     ordered = sorted(
@@ -107,26 +135,11 @@ def _share_config(config: Iterable[Mapping[str, Any]], request: str) -> ShareCon
             continue
         parameters = opaque.get("parameters") or {}
         where = f"status.allocation.devices.config opaque parameters of driver {keys.DRA_DRIVER_NAME}"
-        if (parameters.get("apiVersion"), parameters.get("kind")) != (
-            keys.DRA_CONFIG_API_VERSION,
-            keys.DRA_CONFIG_KIND,
-        ):
-            raise AllocationError(
-                f"{where}: apiVersion/kind {parameters.get('apiVersion')!r}/{parameters.get('kind')!r} is "
-                f"invalid: it must be {keys.DRA_CONFIG_API_VERSION!r}/{keys.DRA_CONFIG_KIND!r}"
-            )
-        if keys.DRA_CONFIG_COMPUTE_MODE in parameters:
-            value = parameters[keys.DRA_CONFIG_COMPUTE_MODE]
-            try:
-                found = replace(found, mode=ComputeMode(value))
-            except ValueError:
-                known = " or ".join(m.value for m in ComputeMode)
-                raise AllocationError(
-                    f"{where}: {keys.DRA_CONFIG_COMPUTE_MODE}={json.dumps(value)} is invalid: it must be "
-                    f"{known}"
-                ) from None
-        if keys.DRA_CONFIG_MEMORY_LIMIT in parameters:
-            found = replace(found, limit=str(parameters[keys.DRA_CONFIG_MEMORY_LIMIT]))
+        mode, limit = read_share_parameters(parameters, where=where)
+        if mode is not None:
+            found = replace(found, mode=mode)
+        if limit is not None:
+            found = replace(found, limit=limit)
     return found
 
 
