@@ -342,28 +342,32 @@ def test_the_pending_pods_room_is_held_while_the_moved_pod_leaves() -> None:
     assert isinstance(engine.place(pending), Placement)
 
 
-def test_a_plan_of_more_moves_than_a_minute_allows_is_never_started() -> None:
-    # a: two movable 5000 MiB pods and a fixed 4000 (2000 free); b: a fixed 6000 (10000 free). A 12000
-    # MiB pod fits once both movable pods are on b: two moves, and the bound allows one a minute.
+def one_gpu_nodes(held: dict[str, list[tuple[str, int, bool]]], gpu_mib: int) -> Engine:
+    """One node of one ``gpu_mib`` GPU per key, holding its (uid, MiB, movable) pods."""
     engine = Engine(policy="binpack")
-    owned = api_pod(annotations=OPTED_IN, owners=[owner(controller=True)])
-    for name, held in (
-        ("a", [("m1", 5000, True), ("m2", 5000, True), ("f", 4000, False)]),
-        ("b", [("g", 6000, False)]),
-    ):
-        gpu = GpuDevice(f"{name}-gpu", 0, 16000)
+    for name, pods in held.items():
+        gpu = GpuDevice(f"{name}-gpu", 0, gpu_mib)
         engine.add_node(NodeSpec(name=name, cpu_milli=64_000, memory_bytes=1 << 38, gpus=(gpu,)))
-        for uid, mib, can_move in held:
+        for uid, mib, can_move in pods:
             booked = PendingPod(namespace="ns", name=uid, uid=uid, gpu=mib_request(mib), movable=can_move)
             device = DeviceAssignment(gpu.uuid, 0, mib, mib, None)
             engine.assume(booked, Placement(uid, name, (ContainerPlacement("app", TS, False, (device,)),)))
-    started: list[str] = []
+    return engine
+
+
+def decisions_only(
+    engine: Engine, *, moves: MoveBudget, clock: Any = None, started: list[str] | None = None
+) -> Preemptions:
+    """Preemptions whose evictions are not run (the decision is what is tested); ``started`` collects
+    the names of the tasks it starts. Every pod is movable and owned by a controller."""
+    owned = api_pod(annotations=OPTED_IN, owners=[owner(controller=True)])
 
     def spawn(coro: Any) -> None:
-        started.append(coro.cr_code.co_name)
+        if started is not None:
+            started.append(coro.cr_code.co_name)
         coro.close()
 
-    preemptions = Preemptions(
+    return Preemptions(
         client=None,  # type: ignore[arg-type]
         engine=engine,
         events=None,  # type: ignore[arg-type]
@@ -373,8 +377,19 @@ def test_a_plan_of_more_moves_than_a_minute_allows_is_never_started() -> None:
         retry=lambda: None,
         spawn=spawn,
         preempt=False,
-        moves=MoveBudget(1, now=0.0),
+        moves=moves,
+        **({"clock": clock} if clock is not None else {}),
     )
+
+
+def test_a_plan_of_more_moves_than_a_minute_allows_is_never_started() -> None:
+    # a: two movable 5000 MiB pods and a fixed 4000 (2000 free); b: a fixed 6000 (10000 free). A 12000
+    # MiB pod fits once both movable pods are on b: two moves, and the bound allows one a minute.
+    engine = one_gpu_nodes(
+        {"a": [("m1", 5000, True), ("m2", 5000, True), ("f", 4000, False)], "b": [("g", 6000, False)]}, 16000
+    )
+    started: list[str] = []
+    preemptions = decisions_only(engine, moves=MoveBudget(1, now=0.0), started=started)
     big = PendingPod(namespace="ns", name="big", uid="big", gpu=mib_request(12000))
     assert not isinstance(engine.place(big), Placement)
     message = preemptions.consider(big, api_pod(), Unschedulable("big", 2, (("insufficient GPU memory", 2),)))
@@ -387,33 +402,11 @@ def test_a_plan_of_more_moves_than_a_minute_allows_is_never_started() -> None:
 def test_a_pod_without_a_plan_is_not_searched_again_until_its_backoff_ends() -> None:
     # a: a movable 8000 MiB pod and a fixed 6000 (6000 free); b: a fixed 16000 (4000 free). A 10000 MiB
     # pod fits nowhere, and the movable pod has nowhere to go: no plan.
-    engine = Engine(policy="binpack")
-    owned = api_pod(annotations=OPTED_IN, owners=[owner(controller=True)])
-    for name, held in (("a", [("mover", 8000, True), ("f", 6000, False)]), ("b", [("g", 16000, False)])):
-        gpu = GpuDevice(f"{name}-gpu", 0, 20000)
-        engine.add_node(NodeSpec(name=name, cpu_milli=64_000, memory_bytes=1 << 38, gpus=(gpu,)))
-        for uid, mib, can_move in held:
-            booked = PendingPod(namespace="ns", name=uid, uid=uid, gpu=mib_request(mib), movable=can_move)
-            device = DeviceAssignment(gpu.uuid, 0, mib, mib, None)
-            engine.assume(booked, Placement(uid, name, (ContainerPlacement("app", TS, False, (device,)),)))
-    now = [0.0]
-
-    def spawn(coro: Any) -> None:
-        coro.close()
-
-    preemptions = Preemptions(
-        client=None,  # type: ignore[arg-type]
-        engine=engine,
-        events=None,  # type: ignore[arg-type]
-        victim_pod=lambda uid: owned,
-        release=lambda uid: True,
-        place_now=lambda pod: None,
-        retry=lambda: None,
-        spawn=spawn,
-        clock=lambda: now[0],
-        preempt=False,
-        moves=MoveBudget(4, now=0.0),
+    engine = one_gpu_nodes(
+        {"a": [("mover", 8000, True), ("f", 6000, False)], "b": [("g", 16000, False)]}, 20000
     )
+    now = [0.0]
+    preemptions = decisions_only(engine, moves=MoveBudget(4, now=0.0), clock=lambda: now[0])
     big = PendingPod(namespace="ns", name="big", uid="big", gpu=mib_request(10000))
     nowhere = Unschedulable("big", 2, (("insufficient GPU memory", 2),))
     first = preemptions.consider(big, api_pod(), nowhere)
