@@ -2,7 +2,8 @@
 
 The cluster's own kube-controller-manager and kube-scheduler (with its feature gates) expand a
 ResourceClaimTemplate and allocate the claim on the node's slice; the classes are the chart's, installed
-by ``up``; the container's process has the share's limits from our CDI spec.
+by ``up``; the container's process has the share's limits from our CDI spec. gpufrac-scheduler, which
+``up`` runs too, allocates claims on the same GPU through the same ledger.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import pytest
 from lightkube.models.core_v1 import Container, PodSpec, Toleration
 from lightkube.models.meta_v1 import ObjectMeta
 from lightkube.resources.core_v1 import Pod
-from lightkube.resources.resource_v1 import DeviceClass, ResourceClaimTemplate
+from lightkube.resources.resource_v1 import DeviceClass, ResourceClaim, ResourceClaimTemplate
 
 from gpufrac.contract import keys
 from gpufrac.contract.request import ComputeMode
@@ -109,3 +110,83 @@ async def test_up_with_dra_runs_a_pod_whose_claim_comes_from_a_template(cluster:
     env = process_environ(node.container_pid(pod.status.containerStatuses[0].containerID or ""))
     assert (env[NVIDIA_VISIBLE_DEVICES], env[NVIDIA_GPU_MEMORY_LIMIT]) == (gpu_uuid(NODE, 0), "20480")
     await client.delete(Pod, "infer", namespace="default")
+
+
+def claim(name: str, *, mode: ComputeMode, memory: str) -> ResourceClaim:
+    request = {
+        "name": "gpu",
+        "exactly": {
+            "deviceClassName": f"{mode.value}.{keys.DRA_DRIVER_NAME}",
+            "capacity": {"requests": {keys.DRA_MEMORY_CAPACITY: memory}},
+        },
+    }
+    return ResourceClaim.from_dict(
+        {
+            "apiVersion": "resource.k8s.io/v1",
+            "kind": "ResourceClaim",
+            "metadata": {"name": name, "namespace": "default"},
+            "spec": {"devices": {"requests": [request]}},
+        }
+    )
+
+
+def claim_pod(name: str, *, claim_name: str, scheduler: str | None) -> Pod:
+    return runnable_here(
+        Pod(
+            metadata=ObjectMeta(name=name, namespace="default"),
+            spec=PodSpec(
+                schedulerName=scheduler,
+                containers=[Container(name="app", resources={"claims": [{"name": "gpu"}]})],  # type: ignore[arg-type]
+                resourceClaims=[{"name": "gpu", "resourceClaimName": claim_name}],  # type: ignore[list-item]
+                tolerations=[Toleration(key=keys.MANAGED_TAINT_KEY, operator="Exists")],
+            ),
+        )
+    )
+
+
+async def test_the_stock_scheduler_and_gpufrac_scheduler_share_the_gpu_through_one_ledger(
+    cluster: LocalCluster,
+) -> None:
+    """A claim allocated by kube-scheduler and one allocated by gpufrac-scheduler run side by side on
+    the one GPU, each with its own limits from our CDI spec; an sm-sharing claim for gpufrac-scheduler
+    then waits, since the GPU holds time-slicing shares (one compute mode per GPU)."""
+    client = cluster.client
+    assert client is not None
+    node = cluster.real_node
+    assert node is not None
+    await client.create(claim("stock-20gi", mode=ComputeMode.TIME_SLICING, memory="20Gi"))
+    await client.create(claim("ours-10gi", mode=ComputeMode.TIME_SLICING, memory="10Gi"))
+    await client.create(claim("ours-mps", mode=ComputeMode.SM_SHARING, memory="10Gi"))
+    await client.create(claim_pod("stock", claim_name="stock-20gi", scheduler=None))
+    await client.create(claim_pod("ours", claim_name="ours-10gi", scheduler=keys.DEFAULT_SCHEDULER_NAME))
+
+    async def limit_of(name: str) -> str | None:
+        pod = await client.get(Pod, name, namespace="default")
+        statuses = (pod.status.containerStatuses or []) if pod.status else []
+        if not statuses or statuses[0].state is None or statuses[0].state.running is None:
+            return None
+        env = process_environ(node.container_pid(statuses[0].containerID or ""))
+        return env[NVIDIA_GPU_MEMORY_LIMIT]
+
+    async def both_run() -> bool:
+        return (await limit_of("stock"), await limit_of("ours")) == ("20480", "10240")
+
+    await eventually(both_run, what="the stock-scheduled and the gpufrac-scheduled claim pods to run")
+    ours = await client.get(ResourceClaim, "ours-10gi", namespace="default")
+    results = ours.to_dict()["status"]["allocation"]["devices"]["results"]
+    assert [(r["driver"], r["pool"]) for r in results] == [(keys.DRA_DRIVER_NAME, NODE)]
+
+    await client.create(claim_pod("ours-mps", claim_name="ours-mps", scheduler=keys.DEFAULT_SCHEDULER_NAME))
+
+    async def refused() -> bool:
+        pod = await client.get(Pod, "ours-mps", namespace="default")
+        conditions = (pod.status.conditions or []) if pod.status else []
+        return any(
+            c.type == "PodScheduled" and "compute-mode conflict" in (c.message or "") for c in conditions
+        )
+
+    await eventually(refused, what="the sm-sharing claim pod to wait with the mode conflict")
+    pod = await client.get(Pod, "ours-mps", namespace="default")
+    assert pod.spec is not None and not pod.spec.nodeName
+    for name in ("stock", "ours", "ours-mps"):
+        await client.delete(Pod, name, namespace="default")
