@@ -11,10 +11,11 @@ from lightkube.models.meta_v1 import ObjectMeta
 from lightkube.resources.core_v1 import Event, Pod
 
 from gpufrac.kube.binding import bind_pod
-from gpufrac.kube.errors import Conflict, NotFound
+from gpufrac.kube.errors import Conflict, KubeError, NotFound
 from gpufrac.kube.events import WARNING, EventRecorder, ObjectRef
 from gpufrac.kube.patch import set_annotations, set_pod_condition
 from gpufrac.kube.stream import Selection, watch_objects
+from gpufrac.local.controlplane import ControlPlane
 
 pytestmark = pytest.mark.kube
 
@@ -221,3 +222,20 @@ async def test_events_wait_while_the_recorder_yields_and_are_written_once_it_sto
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_a_binding_goes_out_as_the_clients_transport_says(
+    controlplane: ControlPlane, client: AsyncClient, namespace: str
+) -> None:
+    """A client whose transport impersonates a user without rights is refused the Binding: the lean
+    write path must not speak as the client's own (admin) identity behind the transport's back."""
+    await new_pod(client, namespace)
+    nobody = controlplane.async_client(impersonate="system:serviceaccount:default:nobody")
+    try:
+        with pytest.raises(KubeError) as refused:
+            await bind_pod(nobody, name="p", namespace=namespace, node="n1")
+    finally:
+        await nobody.close()
+    assert refused.value.code == 403
+    pod = await client.get(Pod, "p", namespace=namespace)
+    assert pod.spec is not None and not pod.spec.nodeName

@@ -13,9 +13,9 @@ Same endpoint, TLS context and credentials as the lightkube client it is made fr
 the cluster's CA, the client certificate, and the ``Authorization`` header of lightkube's own auth
 object (static token, token file, exec plugin, basic). That header is computed once and again after a
 401 (the token file is re-read, the exec plugin re-run) before the request is retried once, which is
-what those auth flows do per request in httpx. Anything this path does not speak (plain HTTP to a
-proxy, an ``https_proxy`` in the environment) falls back to the httpx client (``for_client`` answers
-None).
+what those auth flows do per request in httpx. Anything this path does not speak (a proxy in the
+environment, a transport of the caller's own such as one that adds impersonation headers) falls back to
+the httpx client (``for_client`` answers None).
 
 A failure after the request may have been written is raised as ``ConnectionError`` (or
 ``TimeoutError``); it is never retried here, because a POST may have taken effect: the binder reads the
@@ -341,6 +341,10 @@ def _make(config: Any, http: httpx2.AsyncClient) -> LeanHttp | None:
         return None
     if any(os.environ.get(name) for name in _PROXY_VARIABLES):
         return None  # httpx honours the proxy; this path does not speak CONNECT
+    if type(http._transport) is not httpx2.AsyncHTTPTransport or http._mounts:
+        # A transport of the caller's own (one that impersonates another user, say) decides what goes
+        # out: this path would bypass it and speak as the client's own identity.
+        return None
     if url.scheme == "https":
         context = verify_cluster(config.cluster, config.user, config.abs_file)
         context.set_alpn_protocols(["http/1.1"])
