@@ -49,6 +49,8 @@ def _scheduler() -> CollectorRegistry:
             is_leader=lambda: True,
             informer_relists=lambda: {"pods": 0},
             heartbeat_expired_nodes=lambda: 0,
+            events_pending=lambda: 0,
+            events_dropped=lambda: 0,
         )
     )
     return metrics.registry

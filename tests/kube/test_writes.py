@@ -12,7 +12,7 @@ from lightkube.resources.core_v1 import Event, Pod
 
 from gpufrac.kube.binding import bind_pod
 from gpufrac.kube.errors import Conflict, KubeError, NotFound
-from gpufrac.kube.events import WARNING, EventRecorder, ObjectRef
+from gpufrac.kube.events import NORMAL, WARNING, EventRecorder, ObjectRef
 from gpufrac.kube.patch import set_annotations, set_pod_condition
 from gpufrac.kube.stream import Selection, watch_objects
 from gpufrac.local.controlplane import ControlPlane
@@ -219,6 +219,38 @@ async def test_events_wait_while_the_recorder_yields_and_are_written_once_it_sto
                 break
             await asyncio.sleep(0.05)
         assert [e.message for e in events] == ["assigned"]
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_an_event_held_by_a_burst_that_never_ends_is_written_after_max_hold(
+    client: AsyncClient, namespace: str
+) -> None:
+    """Under load that never stops, an Event still comes, late: the hold is bounded by max_hold_s, and
+    until it is written the recorder counts it as pending."""
+    pod = await new_pod(client, namespace)
+    recorder = EventRecorder(
+        client=client,
+        component="gpufrac-test",
+        instance="t1",
+        workers=1,
+        yield_to=lambda: True,
+        max_hold_s=1.0,
+    )
+    task = asyncio.create_task(recorder.run())
+    ref = ObjectRef(kind="Pod", namespace=namespace, name="p", uid=pod.metadata.uid)
+    try:
+        recorder.emit(regarding=ref, type=NORMAL, reason="Scheduled", message="assigned late")
+        assert recorder.pending == 1
+        events: list[Event] = []
+        for _ in range(200):
+            events = [e async for e in client.list(Event, namespace=namespace)]
+            if events:
+                break
+            await asyncio.sleep(0.05)
+        assert [e.message for e in events] == ["assigned late"]
+        assert recorder.pending == 0
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)

@@ -20,6 +20,7 @@ import yaml
 from lightkube import AsyncClient
 from lightkube.models.meta_v1 import ObjectMeta
 from lightkube.resources.core_v1 import Event, Namespace, Pod
+from prometheus_client.parser import text_string_to_metric_families
 from sched_harness import (
     Pool,
     add_nodes,
@@ -122,6 +123,15 @@ async def test_reference_examples_are_bound_with_the_contract_annotations(
         assert metric(text, "gpufrac_scheduler_schedule_attempts_total", result="scheduled") == 2
         assert metric(text, "gpufrac_scheduler_leader") == 1
         assert allocated(text, node=pods["inference"].spec.nodeName, gpu=inference_gpus[0]) == 40960
+        assert metric(text, "gpufrac_scheduler_events_pending") == 0  # both Events were written
+        assert metric(text, "gpufrac_scheduler_events_dropped") == 0
+        async with httpx2.AsyncClient() as http:
+            answer = await http.get(
+                f"http://127.0.0.1:{service.probe_port}/metrics",
+                params={"name[]": "gpufrac_scheduler_leader"},
+            )
+        families = [f.name for f in text_string_to_metric_families(answer.text)]
+        assert families == ["gpufrac_scheduler_leader"]  # a scrape by name skips the per-GPU series
     assert (await audit_pool(client, pool)).ok
 
 

@@ -4,9 +4,12 @@
 A few workers write the queue out; when the queue is full the Event is dropped and counted (client-go's
 broadcaster drops too: Events are for people, the pod's condition is the record machines read).
 
-Events yield to the work they describe: with ``yield_to`` (the scheduler passes "binds are in
-flight"), the workers wait while it answers True, so during a burst the API server spends its writes on
-binds and the Events follow once the burst is bound (the queue bound still sheds under a long one).
+Events yield to the work they describe: with ``yield_to`` (the scheduler passes "a burst is being
+bound"), the workers wait while it answers True, so during a burst the API server spends its CPU on
+binds and the Events follow once the burst is bound: an Event costs the API server about as much as the
+Binding it reports. ``max_hold_s`` bounds the wait, so under load that never stops the Events still
+come, late; the queue bound still sheds under a burst longer than it. Creates go out on the same lean
+HTTP path as the scheduler's Bindings (``kube.stream.create_object``).
 
 Aggregation is the light half of client-go's: a repeat of the same (object, type, reason, message)
 within ``aggregate_window`` bumps ``count`` and ``lastTimestamp`` of the Event already written instead
@@ -31,6 +34,7 @@ from lightkube.resources.core_v1 import Event
 from lightkube.types import PatchType
 
 from gpufrac.kube.errors import KubeError, NotFound, api_errors
+from gpufrac.kube.stream import create_object
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +70,7 @@ class _Pending:
     reason: str
     message: str
     at: datetime
+    since: float  # monotonic, for max_hold_s
 
 
 class EventRecorder:
@@ -82,6 +87,7 @@ class EventRecorder:
         aggregate_window: float = 600.0,
         remembered: int = 4096,
         yield_to: Callable[[], bool] | None = None,
+        max_hold_s: float = 60.0,
     ) -> None:
         self._client = client
         self._component = component
@@ -92,13 +98,22 @@ class EventRecorder:
         self._remembered = remembered
         self._written: OrderedDict[tuple[str, str, str, str], _Written] = OrderedDict()
         self._yield_to = yield_to
+        self._max_hold_s = max_hold_s
+        self._holding = 0
         self.dropped = 0
         self.failed = 0
 
     def emit(self, *, regarding: ObjectRef, type: str, reason: str, message: str) -> None:
         try:
             self._queue.put_nowait(
-                _Pending(regarding=regarding, type=type, reason=reason, message=message, at=datetime.now(UTC))
+                _Pending(
+                    regarding=regarding,
+                    type=type,
+                    reason=reason,
+                    message=message,
+                    at=datetime.now(UTC),
+                    since=time.monotonic(),
+                )
             )
         except asyncio.QueueFull:
             self.dropped += 1
@@ -114,12 +129,25 @@ class EventRecorder:
             await asyncio.gather(*workers, return_exceptions=True)
             await self._flush(deadline=time.monotonic() + 1.0)
 
+    @property
+    def pending(self) -> int:
+        """Events emitted and not yet written (queued, or held by a worker that yields)."""
+        return self._queue.qsize() + self._holding
+
     async def _work(self) -> None:
         while True:
             pending = await self._queue.get()
-            while self._yield_to is not None and self._yield_to():
-                await asyncio.sleep(_YIELD_POLL_S)
-            await self._write(pending)
+            self._holding += 1
+            try:
+                while (
+                    self._yield_to is not None
+                    and self._yield_to()
+                    and time.monotonic() - pending.since < self._max_hold_s
+                ):
+                    await asyncio.sleep(_YIELD_POLL_S)
+                await self._write(pending)
+            finally:
+                self._holding -= 1
 
     async def _flush(self, *, deadline: float) -> None:
         while not self._queue.empty() and time.monotonic() < deadline:
@@ -181,5 +209,5 @@ class EventRecorder:
             reportingInstance=self._instance,
         )
         with api_errors():
-            await self._client.create(event)
+            await create_object(self._client, event, namespace=ref.namespace)
         return name

@@ -112,6 +112,16 @@ async def post_subresource(client: AsyncClient, obj: object, *, name: str, names
     the scheduler's CPU), through httpx where that path does not apply; the request is lightkube's
     either way. Watches below take the same path for the same reason.
     """
+    await _post(client, obj, name=name, namespace=namespace)
+
+
+async def create_object(client: AsyncClient, obj: object, *, namespace: str | None) -> None:
+    """Create ``obj`` (named by the caller) without decoding the answer: the same lean path as a
+    Binding, for writes made once per pod (the scheduler's ``Scheduled`` Events)."""
+    await _post(client, obj, name=None, namespace=namespace)
+
+
+async def _post(client: AsyncClient, obj: object, *, name: str | None, namespace: str | None) -> None:
     generic = _generic(client)
     request = generic.prepare_request("post", obj=obj, name=name, namespace=namespace)
     request.response_type = None

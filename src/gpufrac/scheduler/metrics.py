@@ -37,6 +37,8 @@ class StateReaders:
     is_leader: Callable[[], bool]
     informer_relists: Callable[[], dict[str, int]]
     heartbeat_expired_nodes: Callable[[], int]
+    events_pending: Callable[[], int]
+    events_dropped: Callable[[], int]
 
 
 class _StateCollector(Collector):
@@ -51,6 +53,46 @@ class _StateCollector(Collector):
         for queue, count in sorted(r.pending_by_queue().items()):
             pending.add_metric([queue], count)
         yield pending
+        leader = GaugeMetricFamily("gpufrac_scheduler_leader", "1 while this replica holds the lease.")
+        leader.add_metric([], 1 if r.is_leader() else 0)
+        yield leader
+        relists = GaugeMetricFamily(
+            "gpufrac_scheduler_informer_relists",
+            "Relists after the watch expired (410 Gone), by informer.",
+            labels=["informer"],
+        )
+        for name, count in sorted(r.informer_relists().items()):
+            relists.add_metric([name], count)
+        yield relists
+        expired = GaugeMetricFamily(
+            "gpufrac_scheduler_nodes_heartbeat_expired",
+            "Managed nodes whose node agent's heartbeat expired (they take no new pods).",
+        )
+        expired.add_metric([], r.heartbeat_expired_nodes())
+        yield expired
+        events = GaugeMetricFamily(
+            "gpufrac_scheduler_events_pending",
+            "Events emitted and not yet written (they wait while a burst is being bound).",
+        )
+        events.add_metric([], r.events_pending())
+        yield events
+        dropped = GaugeMetricFamily(
+            "gpufrac_scheduler_events_dropped",
+            "Events dropped because the queue was full (a burst longer than the queue).",
+        )
+        dropped.add_metric([], r.events_dropped())
+        yield dropped
+
+
+class _GpuCollector(Collector):
+    """The per-GPU families, apart: three series per GPU are most of a large cluster's exposition, and a
+    scrape that asks for other families by name (``?name[]=``) does not collect them."""
+
+    def __init__(self, readers: StateReaders) -> None:
+        self._readers = readers
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        r = self._readers
         requested = GaugeMetricFamily(
             "gpufrac_scheduler_gpu_memory_allocated_mib",
             "Guaranteed GPU memory placed on each GPU (sum of requests).",
@@ -74,23 +116,6 @@ class _StateCollector(Collector):
         yield requested
         yield limits
         yield capacity
-        leader = GaugeMetricFamily("gpufrac_scheduler_leader", "1 while this replica holds the lease.")
-        leader.add_metric([], 1 if r.is_leader() else 0)
-        yield leader
-        relists = GaugeMetricFamily(
-            "gpufrac_scheduler_informer_relists",
-            "Relists after the watch expired (410 Gone), by informer.",
-            labels=["informer"],
-        )
-        for name, count in sorted(r.informer_relists().items()):
-            relists.add_metric([name], count)
-        yield relists
-        expired = GaugeMetricFamily(
-            "gpufrac_scheduler_nodes_heartbeat_expired",
-            "Managed nodes whose node agent's heartbeat expired (they take no new pods).",
-        )
-        expired.add_metric([], r.heartbeat_expired_nodes())
-        yield expired
 
 
 class SchedulerMetrics:
@@ -124,3 +149,4 @@ class SchedulerMetrics:
 
     def watch_state(self, readers: StateReaders) -> None:
         self.registry.register(_StateCollector(readers))
+        self.registry.register(_GpuCollector(readers))

@@ -148,6 +148,11 @@ _ERROR_TEXT_MAX = 300
 #: How often bound bookings are checked for a confirmation that never came.
 _EXPIRY_CHECK_S = 1.0
 
+#: Events wait while a burst is being bound: binds in flight, or one finished this recently.
+EVENTS_SETTLE_S = 1.0
+#: Events a burst may leave waiting (one per pod bound); more are dropped and counted.
+EVENTS_QUEUE = 10_000
+
 
 @dataclass(frozen=True, slots=True)
 class _ClaimBind:
@@ -314,9 +319,13 @@ class SchedulerService:
             dra_informers = (self.resource_claims, self.device_classes, self.resource_slices)
         self._claim_plans: dict[str, ClaimPlan] = {}
 
-        # Events wait while binds are in flight: during a burst the API server's writes go to binds.
+        # Events wait while a burst is being bound: the API server's CPU goes to binds first.
         self.events = EventRecorder(
-            client=client, component=COMPONENT, instance=self.identity, yield_to=lambda: bool(self._binds)
+            client=client,
+            component=COMPONENT,
+            instance=self.identity,
+            queue_size=EVENTS_QUEUE,
+            yield_to=self._binding_burst,
         )
         self.queue: SchedulingQueue[Pod] = SchedulingQueue(
             backoff_initial=config.backoff_initial_s,
@@ -395,6 +404,8 @@ class SchedulerService:
                 heartbeat_expired_nodes=lambda: sum(
                     1 for spec in self.cache.nodes.values() if spec.agent_heartbeat_expired
                 ),
+                events_pending=lambda: self.events.pending,
+                events_dropped=lambda: self.events.dropped,
             )
         )
         self._bind_gate = asyncio.Semaphore(config.bind_concurrency)
@@ -407,6 +418,7 @@ class SchedulerService:
         self._reported: dict[str, str] = {}
         self._arrivals = 0
         self._binds: set[asyncio.Task[None]] = set()
+        self._last_bound = -math.inf
         self._chores: set[asyncio.Task[None]] = set()
         self.bound_total = 0
         self.gangs = Gangs(
@@ -441,6 +453,10 @@ class SchedulerService:
 
     def is_leader(self) -> bool:
         return self.runner.is_leader()
+
+    def _binding_burst(self) -> bool:
+        """Binds in flight, or one finished within ``EVENTS_SETTLE_S``: the Events wait (EventRecorder)."""
+        return bool(self._binds) or time.monotonic() - self._last_bound < EVENTS_SETTLE_S
 
     @property
     def synced(self) -> bool:
@@ -798,6 +814,7 @@ class SchedulerService:
         if result.outcome is Outcome.BOUND:
             self.cache.finish_binding(uid)
             self.bound_total += 1
+            self._last_bound = time.monotonic()
             self.metrics.attempts.labels("scheduled").inc()
             seen = self._first_seen.pop(uid, None)
             if seen is not None:
