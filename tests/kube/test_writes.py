@@ -190,7 +190,8 @@ async def test_repeated_events_are_aggregated_into_one_with_a_count(
 async def test_events_wait_while_the_recorder_yields_and_are_written_once_it_stops(
     client: AsyncClient, namespace: str
 ) -> None:
-    """The scheduler's Events yield to binds in flight, so a burst's writes go to binds first."""
+    """The scheduler's Scheduled Events yield to a burst being bound, so its writes go to binds first;
+    an Event emitted without ``yields`` (a warning, a preemption) is written all the same."""
     pod = await new_pod(client, namespace)
     busy = True
     asked = asyncio.Event()
@@ -199,7 +200,7 @@ async def test_events_wait_while_the_recorder_yields_and_are_written_once_it_sto
     def binding() -> bool:
         nonlocal calls
         calls += 1
-        if calls >= 3:  # the worker holds the Event and keeps asking
+        if calls >= 3:  # the Event is held back and the worker keeps asking
             asked.set()
         return busy
 
@@ -209,16 +210,24 @@ async def test_events_wait_while_the_recorder_yields_and_are_written_once_it_sto
     task = asyncio.create_task(recorder.run())
     ref = ObjectRef(kind="Pod", namespace=namespace, name="p", uid=pod.metadata.uid)
     try:
-        recorder.emit(regarding=ref, type=WARNING, reason="Scheduled", message="assigned")
+        recorder.emit(regarding=ref, type=NORMAL, reason="Scheduled", message="assigned", yields=True)
         await asyncio.wait_for(asked.wait(), timeout=10)
         assert [e async for e in client.list(Event, namespace=namespace)] == []
-        busy = False
+        recorder.emit(regarding=ref, type=WARNING, reason="Preempting", message="urgent")
         for _ in range(200):
             events = [e async for e in client.list(Event, namespace=namespace)]
             if events:
                 break
             await asyncio.sleep(0.05)
-        assert [e.message for e in events] == ["assigned"]
+        assert [e.message for e in events] == ["urgent"]  # written while the burst is on
+        assert recorder.pending == 1  # the Scheduled one, held back
+        busy = False
+        for _ in range(200):
+            events = [e async for e in client.list(Event, namespace=namespace)]
+            if len(events) == 2:
+                break
+            await asyncio.sleep(0.05)
+        assert sorted(e.message for e in events) == ["assigned", "urgent"]
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
@@ -241,7 +250,7 @@ async def test_an_event_held_by_a_burst_that_never_ends_is_written_after_max_hol
     task = asyncio.create_task(recorder.run())
     ref = ObjectRef(kind="Pod", namespace=namespace, name="p", uid=pod.metadata.uid)
     try:
-        recorder.emit(regarding=ref, type=NORMAL, reason="Scheduled", message="assigned late")
+        recorder.emit(regarding=ref, type=NORMAL, reason="Scheduled", message="assigned late", yields=True)
         assert recorder.pending == 1
         events: list[Event] = []
         for _ in range(200):

@@ -23,7 +23,16 @@ import pytest
 import yaml
 from lightkube import AsyncClient
 from lightkube.resources.core_v1 import Pod
-from sched_harness import Pool, add_nodes, condition, gpu_pod, running, wait_bound, wait_for
+from sched_harness import (
+    Pool,
+    add_nodes,
+    condition,
+    gpu_pod,
+    running,
+    scheduled_events,
+    wait_bound,
+    wait_for,
+)
 
 from gpufrac.contract import keys
 from gpufrac.local.controlplane import ControlPlane
@@ -74,6 +83,11 @@ async def placed(client: AsyncClient, pool: Pool):
             return all(condition(pod)[0] == "False" for pod in waiting)
 
         await wait_for(reported, timeout=20, what="PodScheduled=False on big and picky")
+
+        async def small_reported() -> bool:  # Scheduled Events follow the binds, on purpose
+            return len(await scheduled_events(client, pool.namespace)) == 1
+
+        await wait_for(small_reported, timeout=20, what="the Scheduled Event of small")
         yield node, small
 
 

@@ -4,8 +4,9 @@
 A few workers write the queue out; when the queue is full the Event is dropped and counted (client-go's
 broadcaster drops too: Events are for people, the pod's condition is the record machines read).
 
-Events yield to the work they describe: with ``yield_to`` (the scheduler passes "a burst is being
-bound"), the workers wait while it answers True, so during a burst the API server spends its CPU on
+Routine Events yield to the work they describe: an Event emitted with ``yields`` (the scheduler's
+``Scheduled``, one per pod) waits while ``yield_to`` answers True (the scheduler passes "a burst is being
+bound"), so during a burst the API server spends its CPU on
 binds and the Events follow once the burst is bound: an Event costs the API server about as much as the
 Binding it reports. ``max_hold_s`` bounds the wait, so under load that never stops the Events still
 come, late; the queue bound still sheds under a burst longer than it. Creates go out on the same lean
@@ -19,9 +20,10 @@ of creating another, so a pod retried every few seconds leaves one Event that sa
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -71,6 +73,7 @@ class _Pending:
     message: str
     at: datetime
     since: float  # monotonic, for max_hold_s
+    yields: bool
 
 
 class EventRecorder:
@@ -92,31 +95,39 @@ class EventRecorder:
         self._client = client
         self._component = component
         self._instance = instance
-        self._queue: asyncio.Queue[_Pending] = asyncio.Queue(maxsize=queue_size)
+        self._queue_size = queue_size
+        # Two lines: Events that yield wait in their own, so a held Scheduled never delays a warning.
+        self._urgent: deque[_Pending] = deque()
+        self._deferred: deque[_Pending] = deque()
+        self._arrived = asyncio.Event()
         self._workers = workers
         self._window = aggregate_window
         self._remembered = remembered
         self._written: OrderedDict[tuple[str, str, str, str], _Written] = OrderedDict()
         self._yield_to = yield_to
         self._max_hold_s = max_hold_s
-        self._holding = 0
+        self._writing = 0
         self.dropped = 0
         self.failed = 0
 
-    def emit(self, *, regarding: ObjectRef, type: str, reason: str, message: str) -> None:
-        try:
-            self._queue.put_nowait(
-                _Pending(
-                    regarding=regarding,
-                    type=type,
-                    reason=reason,
-                    message=message,
-                    at=datetime.now(UTC),
-                    since=time.monotonic(),
-                )
-            )
-        except asyncio.QueueFull:
+    def emit(
+        self, *, regarding: ObjectRef, type: str, reason: str, message: str, yields: bool = False
+    ) -> None:
+        """Queue an Event; with ``yields`` it waits while ``yield_to`` answers True (module docstring)."""
+        if len(self._urgent) + len(self._deferred) >= self._queue_size:
             self.dropped += 1
+            return
+        pending = _Pending(
+            regarding=regarding,
+            type=type,
+            reason=reason,
+            message=message,
+            at=datetime.now(UTC),
+            since=time.monotonic(),
+            yields=yields,
+        )
+        (self._deferred if yields and self._yield_to is not None else self._urgent).append(pending)
+        self._arrived.set()
 
     async def run(self) -> None:
         """Write Events until cancelled; on cancellation, flush what is queued for at most a second."""
@@ -131,27 +142,41 @@ class EventRecorder:
 
     @property
     def pending(self) -> int:
-        """Events emitted and not yet written (queued, or held by a worker that yields)."""
-        return self._queue.qsize() + self._holding
+        """Events emitted and not yet written (queued, held back, or being written)."""
+        return len(self._urgent) + len(self._deferred) + self._writing
+
+    def _next(self) -> _Pending | None:
+        """The next Event to write now: any urgent one, else a held one once nothing holds it back (or
+        it has waited ``max_hold_s``)."""
+        if self._urgent:
+            return self._urgent.popleft()
+        if self._deferred:
+            assert self._yield_to is not None
+            if not self._yield_to() or time.monotonic() - self._deferred[0].since >= self._max_hold_s:
+                return self._deferred.popleft()
+        return None
 
     async def _work(self) -> None:
         while True:
-            pending = await self._queue.get()
-            self._holding += 1
+            pending = self._next()
+            if pending is None:
+                self._arrived.clear()
+                if self._deferred:  # held back: look again shortly
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout(_YIELD_POLL_S):
+                            await self._arrived.wait()
+                else:
+                    await self._arrived.wait()
+                continue
+            self._writing += 1
             try:
-                while (
-                    self._yield_to is not None
-                    and self._yield_to()
-                    and time.monotonic() - pending.since < self._max_hold_s
-                ):
-                    await asyncio.sleep(_YIELD_POLL_S)
                 await self._write(pending)
             finally:
-                self._holding -= 1
+                self._writing -= 1
 
     async def _flush(self, *, deadline: float) -> None:
-        while not self._queue.empty() and time.monotonic() < deadline:
-            pending = self._queue.get_nowait()
+        while (self._urgent or self._deferred) and time.monotonic() < deadline:
+            pending = (self._urgent or self._deferred).popleft()
             try:
                 await asyncio.wait_for(self._write(pending), timeout=max(0.01, deadline - time.monotonic()))
             except TimeoutError:

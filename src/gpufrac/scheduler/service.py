@@ -319,7 +319,7 @@ class SchedulerService:
             dra_informers = (self.resource_claims, self.device_classes, self.resource_slices)
         self._claim_plans: dict[str, ClaimPlan] = {}
 
-        # Events wait while a burst is being bound: the API server's CPU goes to binds first.
+        # Scheduled Events wait while a burst is being bound: the API server's CPU goes to binds first.
         self.events = EventRecorder(
             client=client,
             component=COMPONENT,
@@ -828,6 +828,7 @@ class SchedulerService:
                 reason="Scheduled",
                 message=f"Successfully assigned {meta.namespace}/{meta.name} to {placement.node}"
                 + (f" with GPUs {gpus}" if gpus else ""),
+                yields=True,
             )
             return
         if self.cache.forget(uid):
