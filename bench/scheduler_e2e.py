@@ -492,6 +492,13 @@ async def scheduler_round(
         result["events_written_s"], result["events_dropped"] = await wait_events_written(
             port, timeout=args.timeout
         )
+        # What the deferred Events cost once written, charged to the same pods.
+        result["scheduler_cpu_ms_per_pod_with_events"] = round(
+            1000 * (cpu_seconds(proc.pid) - scheduler_before) / args.pods, 2
+        )
+        result["control_plane_cpu_ms_per_pod_with_events"] = round(
+            1000 * (cpu_seconds(cp.pid) - cp_before) / args.pods, 2
+        )
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
