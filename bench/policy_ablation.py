@@ -17,6 +17,10 @@ Variants (registered here, not in the product's policy table, except the named p
   asks for instead of its pod count; ``fgd-plus-cov99`` / ``fgd-plus-cov100``: the typical pods cover
   99 % / all of the workload instead of 95 % (so the rare 0.05-0.16 GPU pods that alone fit next to a
   0.81 GPU pod count as typical);
+- ``ss-fgd-plus``: online bin packing's Sum-of-Squares rule (``SumOfSquares``) first for pods that share
+  one GPU, then fgd-plus's keys; ``fgd-plus-ss``: fgd-plus's FGD, Sum-of-Squares, then alignment;
+  ``fgd-plus-ssgpu``: the same with FGD and Sum-of-Squares scored on the same GPU
+  (``FgdThenSumOfSquares``). Slow: every node is rescored for every pod;
 - look-ahead: any policy run with ``--window W`` gets the pods in bursts of W already received pods;
   a ``+lf`` suffix places each burst largest first (``Policy.largest_first``);
 - online learning: ``--online`` gives no prior; ``fgd-align-decay<N>`` forgets with a half-life of N
