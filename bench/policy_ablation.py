@@ -13,6 +13,14 @@ Variants (registered here, not in the product's policy table, except the named p
   ``fgd200-align``: FGD's sigmoid scaled to 0..50 or 0..200 instead of 0..100 (fewer or more ties);
 - ``fgd-align-cpujoint``: the joint measure for CPU-only pods only (the pods that strand GPUs by eating a
   node's CPU), GPU pods scored as in fgd-align;
+- ``fgd-plus-bygpu``: fgd-plus one pod at a time with FGD's typical pods weighted by the GPU each shape
+  asks for instead of its pod count; ``fgd-plus-cov99`` / ``fgd-plus-cov100``: the typical pods cover
+  99 % / all of the workload instead of 95 % (so the rare 0.05-0.16 GPU pods that alone fit next to a
+  0.81 GPU pod count as typical);
+- ``ss-fgd-plus``: online bin packing's Sum-of-Squares rule (``SumOfSquares``) first for pods that share
+  one GPU, then fgd-plus's keys; ``fgd-plus-ss``: fgd-plus's FGD, Sum-of-Squares, then alignment;
+  ``fgd-plus-ssgpu``: the same with FGD and Sum-of-Squares scored on the same GPU
+  (``FgdThenSumOfSquares``). Slow: every node is rescored for every pod;
 - look-ahead: any policy run with ``--window W`` gets the pods in bursts of W already received pods;
   a ``+lf`` suffix places each burst largest first (``Policy.largest_first``);
 - online learning: ``--online`` gives no prior; ``fgd-align-decay<N>`` forgets with a half-life of N
@@ -36,9 +44,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 
-from gpufrac.placement.fragmentation import Fgd  # noqa: E402
+import numpy as np  # noqa: E402
+
+from gpufrac.placement.demand import Demand  # noqa: E402
+from gpufrac.placement.filters import Fit  # noqa: E402
+from gpufrac.placement.fragmentation import Fgd, _sigmoid_score  # noqa: E402
 from gpufrac.placement.policies import POLICIES, Policy, Prior, _typical  # noqa: E402
-from gpufrac.placement.scoring import Alignment, BestFit, BestFitGpu, Scorer  # noqa: E402
+from gpufrac.placement.scoring import Alignment, BestFit, BestFitGpu, Scorer, milli_of  # noqa: E402
+from gpufrac.placement.state import ClusterState  # noqa: E402
 from gpufrac.placement.typical import OnlineTypicalPods, PriorTypicalPods, TypicalSource  # noqa: E402
 from gpufrac.sim.experiment import by_policy, mean, parse_seeds, run_experiment  # noqa: E402
 from gpufrac.sim.trace import load_nodes, load_pods, node_file, pod_file  # noqa: E402
@@ -53,6 +66,86 @@ def chain(name: str, *keys: tuple[Scorer, int], largest_first: bool = False) -> 
         weighted.append((scorer, weight))
         weight *= values
     return Policy(name, tuple(reversed(weighted)), BestFitGpu(), largest_first=largest_first)
+
+
+class SumOfSquares:
+    """Online bin packing's Sum-of-Squares rule (Csirik et al., STOC'99) for a pod that shares one GPU.
+
+    N[g]: how many partly used GPUs have g hundredths of a GPU free. Putting a pod of share s on a GPU
+    with room g turns one g into g - s; the rule picks the GPU that keeps sum(N[g]^2) lowest, which
+    keeps the rooms of one size few, so later pods find a room they fill exactly. Global input: the
+    epoch moves on every placement, so the engine rescores every node (slow; a measurement only).
+    Other pods score a constant.
+    """
+
+    BINS = 100
+    CLIP = 1800
+    RANGE = 2 * CLIP + 1
+
+    def __init__(self) -> None:
+        self.counts = np.zeros(self.BINS + 1, dtype=np.int64)
+        self.epoch = 0
+        self._seen = b""
+
+    def prepare(self, state: ClusterState) -> None:
+        fm = state.free_milli(state.live())
+        rooms = np.rint(fm[(fm > 0) & (fm < 1000)] / 10).astype(np.int64)
+        counts = np.bincount(rooms, minlength=self.BINS + 1)[: self.BINS + 1]
+        counts[0] = counts[self.BINS] = 0
+        key = counts.tobytes()
+        if key != self._seen:
+            self._seen = key
+            self.counts = counts
+            self.epoch += 1
+
+    def score(self, state: ClusterState, demand: Demand, fit: Fit) -> tuple[np.ndarray, np.ndarray | None]:
+        single = demand.single
+        if single is None or single.count != 1 or single.exclusive:
+            return np.full(fit.nodes.size, self.CLIP, dtype=np.int64), None
+        values = np.where(fit.masks[0], self.per_gpu(state, demand, fit), -1)
+        best = values.argmax(axis=1)
+        return values[np.arange(values.shape[0]), best], best
+
+    def per_gpu(self, state: ClusterState, demand: Demand, fit: Fit) -> np.ndarray:
+        """(nodes, GPU slots) score of putting the one-GPU share ``demand`` on each GPU (0..RANGE-1)."""
+        single = demand.single
+        assert single is not None
+        cap = state.cap[fit.nodes]
+        fm = fit.free_milli()
+        room = np.rint(fm / 10).astype(np.int64)
+        share = np.rint(milli_of(single.request_mib(cap), cap) / 10).astype(np.int64)
+        left = np.maximum(room - share, 0)
+        n = self.counts
+        opened = room >= self.BINS
+        delta = np.where(opened, 0, 1 - 2 * n[np.minimum(room, self.BINS)])  # the room g goes away
+        delta = delta + np.where(left > 0, 2 * n[np.minimum(left, self.BINS)] + 1, 0)  # room g - s appears
+        return self.CLIP - np.clip(delta, -self.CLIP, self.CLIP)
+
+
+class FgdThenSumOfSquares:
+    """FGD's score per GPU, ties broken by ``SumOfSquares`` on the same GPU (one GPU choice for both)."""
+
+    def __init__(self, fgd: Fgd, squares: SumOfSquares) -> None:
+        self.fgd = fgd
+        self.squares = squares
+
+    @property
+    def epoch(self) -> tuple:
+        return (self.fgd.epoch, self.squares.epoch)
+
+    def prepare(self, state: ClusterState) -> None:
+        self.fgd.prepare(state)
+        self.squares.prepare(state)
+
+    def score(self, state: ClusterState, demand: Demand, fit: Fit) -> tuple[np.ndarray, np.ndarray | None]:
+        delta, mask = self.fgd.deltas(state, demand, fit)
+        fgd = _sigmoid_score(delta, self.fgd.scale)
+        if mask is None:
+            return fgd * SumOfSquares.RANGE + SumOfSquares.CLIP, None
+        ss = self.squares.per_gpu(state, demand, fit)
+        values = np.where(mask, fgd * SumOfSquares.RANGE + ss, -1)
+        best = values.argmax(axis=1)
+        return values[np.arange(values.shape[0]), best], best
 
 
 def decaying(prior: Prior | None, half_life: float) -> TypicalSource:
@@ -79,6 +172,29 @@ def _variants() -> dict[str, Callable[[Prior | None], Policy]]:
         "fgd200-align": lambda p: chain("fgd200-align", (fgd(p, scale=200.0), 201), (Alignment(), 11)),
     }
 
+    def typical_of(prior: Prior | None, *, by_gpu: bool = False, coverage: float = 0.95) -> TypicalSource:
+        if prior is None:
+            return OnlineTypicalPods(by_gpu=by_gpu, coverage=coverage)
+        return PriorTypicalPods(prior, by_gpu=by_gpu, coverage=coverage)
+
+    out["fgd-plus-bygpu"] = lambda p: chain(
+        "fgd-plus-bygpu", (Fgd(typical_of(p, by_gpu=True), joint="auto"), 101), (Alignment(), 11)
+    )
+    for cov in (99, 100):
+        out[f"fgd-plus-cov{cov}"] = lambda p, c=cov: chain(
+            f"fgd-plus-cov{c}", (Fgd(typical_of(p, coverage=c / 100), joint="auto"), 101), (Alignment(), 11)
+        )
+    out["ss-fgd-plus"] = lambda p: chain(
+        "ss-fgd-plus", (SumOfSquares(), SumOfSquares.RANGE), (fgd(p, joint="auto"), 101), (Alignment(), 11)
+    )
+    out["fgd-plus-ss"] = lambda p: chain(
+        "fgd-plus-ss", (fgd(p, joint="auto"), 101), (SumOfSquares(), SumOfSquares.RANGE), (Alignment(), 11)
+    )
+    out["fgd-plus-ssgpu"] = lambda p: chain(
+        "fgd-plus-ssgpu",
+        (FgdThenSumOfSquares(fgd(p, joint="auto"), SumOfSquares()), 101 * SumOfSquares.RANGE),
+        (Alignment(), 11),
+    )
     out["fgd-align-cpujoint"] = lambda p: chain(
         "fgd-align-cpujoint", (fgd(p, joint="cpu-only"), 101), (Alignment(), 11)
     )
