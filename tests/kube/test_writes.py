@@ -265,6 +265,43 @@ async def test_an_event_held_by_a_burst_that_never_ends_is_written_after_max_hol
         await asyncio.gather(task, return_exceptions=True)
 
 
+async def test_a_burst_longer_than_half_the_queue_has_its_events_written_as_it_goes_not_dropped(
+    client: AsyncClient, namespace: str
+) -> None:
+    """At most half the queue is held back: the Events beyond it are written during the burst, late,
+    instead of filling the queue and being dropped."""
+    pod = await new_pod(client, namespace)
+    recorder = EventRecorder(
+        client=client,
+        component="gpufrac-test",
+        instance="t1",
+        workers=1,
+        queue_size=4,
+        yield_to=lambda: True,
+        max_hold_s=3600.0,
+    )
+    task = asyncio.create_task(recorder.run())
+    try:
+        for i in range(5):
+            ref = ObjectRef(kind="Pod", namespace=namespace, name=f"p{i}", uid=pod.metadata.uid)
+            recorder.emit(
+                regarding=ref, type=NORMAL, reason="Scheduled", message=f"assigned {i}", yields=True
+            )
+            await asyncio.sleep(0)
+        events: list[Event] = []
+        for _ in range(200):
+            events = [e async for e in client.list(Event, namespace=namespace)]
+            if len(events) >= 4:
+                break
+            await asyncio.sleep(0.05)
+        assert sorted(e.message for e in events) == [f"assigned {i}" for i in range(4)]  # oldest first
+        assert recorder.dropped == 0
+        assert recorder.pending == 1  # the newest, still held while the burst goes on
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
 async def test_a_binding_goes_out_as_the_clients_transport_says(
     controlplane: ControlPlane, client: AsyncClient, namespace: str
 ) -> None:

@@ -6,11 +6,11 @@ broadcaster drops too: Events are for people, the pod's condition is the record 
 
 Routine Events yield to the work they describe: an Event emitted with ``yields`` (the scheduler's
 ``Scheduled``, one per pod) waits while ``yield_to`` answers True (the scheduler passes "a burst is being
-bound"), so during a burst the API server spends its CPU on
-binds and the Events follow once the burst is bound: an Event costs the API server about as much as the
-Binding it reports. ``max_hold_s`` bounds the wait, so under load that never stops the Events still
-come, late; the queue bound still sheds under a burst longer than it. Creates go out on the same lean
-HTTP path as the scheduler's Bindings (``kube.stream.create_object``).
+bound"), so the API server spends its CPU on binds first (an Event costs it about as much as the Binding
+it reports) and the Events follow once the burst is bound. ``max_hold_s`` bounds the wait, and at most
+half the queue is held back: a burst longer than that gets its Events written as it goes, late by half
+a queue, instead of dropped. Creates go out on the same lean HTTP path as the scheduler's Bindings
+(``kube.stream.create_object``).
 
 Aggregation is the light half of client-go's: a repeat of the same (object, type, reason, message)
 within ``aggregate_window`` bumps ``count`` and ``lastTimestamp`` of the Event already written instead
@@ -152,7 +152,11 @@ class EventRecorder:
             return self._urgent.popleft()
         if self._deferred:
             assert self._yield_to is not None
-            if not self._yield_to() or time.monotonic() - self._deferred[0].since >= self._max_hold_s:
+            if (
+                len(self._deferred) >= self._queue_size // 2  # a long burst: hold no more, drop none
+                or time.monotonic() - self._deferred[0].since >= self._max_hold_s
+                or not self._yield_to()
+            ):
                 return self._deferred.popleft()
         return None
 
