@@ -41,6 +41,13 @@ class StateReaders:
     events_dropped: Callable[[], int]
 
 
+def _single(name: str, documentation: str, value: float) -> GaugeMetricFamily:
+    """A gauge of one unlabelled value."""
+    gauge = GaugeMetricFamily(name, documentation)
+    gauge.add_metric([], value)
+    return gauge
+
+
 class _StateCollector(Collector):
     def __init__(self, readers: StateReaders) -> None:
         self._readers = readers
@@ -53,9 +60,7 @@ class _StateCollector(Collector):
         for queue, count in sorted(r.pending_by_queue().items()):
             pending.add_metric([queue], count)
         yield pending
-        leader = GaugeMetricFamily("gpufrac_scheduler_leader", "1 while this replica holds the lease.")
-        leader.add_metric([], 1 if r.is_leader() else 0)
-        yield leader
+        yield _single("gpufrac_scheduler_leader", "1 while this replica holds the lease.", int(r.is_leader()))
         relists = GaugeMetricFamily(
             "gpufrac_scheduler_informer_relists",
             "Relists after the watch expired (410 Gone), by informer.",
@@ -64,24 +69,21 @@ class _StateCollector(Collector):
         for name, count in sorted(r.informer_relists().items()):
             relists.add_metric([name], count)
         yield relists
-        expired = GaugeMetricFamily(
+        yield _single(
             "gpufrac_scheduler_nodes_heartbeat_expired",
             "Managed nodes whose node agent's heartbeat expired (they take no new pods).",
+            r.heartbeat_expired_nodes(),
         )
-        expired.add_metric([], r.heartbeat_expired_nodes())
-        yield expired
-        events = GaugeMetricFamily(
+        yield _single(
             "gpufrac_scheduler_events_pending",
             "Events emitted and not yet written (they wait while a burst is being bound).",
+            r.events_pending(),
         )
-        events.add_metric([], r.events_pending())
-        yield events
-        dropped = GaugeMetricFamily(
+        yield _single(
             "gpufrac_scheduler_events_dropped",
             "Events dropped because the queue was full (a burst longer than the queue).",
+            r.events_dropped(),
         )
-        dropped.add_metric([], r.events_dropped())
-        yield dropped
 
 
 class _GpuCollector(Collector):
