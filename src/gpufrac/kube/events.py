@@ -153,7 +153,7 @@ class EventRecorder:
         if self._deferred:
             assert self._yield_to is not None
             if (
-                len(self._deferred) >= self._queue_size // 2  # a long burst: hold no more, drop none
+                len(self._deferred) >= self._queue_size // 2  # a long burst: half the queue stays free
                 or time.monotonic() - self._deferred[0].since >= self._max_hold_s
                 or not self._yield_to()
             ):
