@@ -215,6 +215,11 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def cpu_ms_per_pod(pid: int, before: float, pods: int) -> float:
+    """Milliseconds of CPU ``pid`` has used since ``before`` (its ``cpu_seconds``), per pod."""
+    return round(1000 * (cpu_seconds(pid) - before) / pods, 2)
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
@@ -403,12 +408,8 @@ async def baseline_round(
             timeout=args.timeout,
             rules_share=args.rules,
         )
-        result["binder_cpu_ms_per_pod"] = round(
-            1000 * (cpu_seconds(binder.pid) - binder_before) / args.baseline_pods, 2
-        )
-        result["control_plane_cpu_ms_per_pod"] = round(
-            1000 * (cpu_seconds(cp.pid) - cp_before) / args.baseline_pods, 2
-        )
+        result["binder_cpu_ms_per_pod"] = cpu_ms_per_pod(binder.pid, binder_before, args.baseline_pods)
+        result["control_plane_cpu_ms_per_pod"] = cpu_ms_per_pod(cp.pid, cp_before, args.baseline_pods)
     finally:
         binder.send_signal(signal.SIGTERM)
         binder.wait(timeout=30)
@@ -480,12 +481,8 @@ async def scheduler_round(
         )
         result.update(measured)
         # CPU per pod holds still when the machine is shared; pods/s does not.
-        result["scheduler_cpu_ms_per_pod"] = round(
-            1000 * (cpu_seconds(proc.pid) - scheduler_before) / args.pods, 2
-        )
-        result["control_plane_cpu_ms_per_pod"] = round(
-            1000 * (cpu_seconds(cp.pid) - cp_before) / args.pods, 2
-        )
+        result["scheduler_cpu_ms_per_pod"] = cpu_ms_per_pod(proc.pid, scheduler_before, args.pods)
+        result["control_plane_cpu_ms_per_pod"] = cpu_ms_per_pod(cp.pid, cp_before, args.pods)
         rss, peak = rss_mib(proc.pid)
         result["scheduler_rss_mib"] = round(rss, 1)
         result["scheduler_peak_rss_mib"] = round(peak, 1)
@@ -493,12 +490,8 @@ async def scheduler_round(
             port, timeout=args.timeout
         )
         # What the deferred Events cost once written, charged to the same pods.
-        result["scheduler_cpu_ms_per_pod_with_events"] = round(
-            1000 * (cpu_seconds(proc.pid) - scheduler_before) / args.pods, 2
-        )
-        result["control_plane_cpu_ms_per_pod_with_events"] = round(
-            1000 * (cpu_seconds(cp.pid) - cp_before) / args.pods, 2
-        )
+        result["scheduler_cpu_ms_per_pod_with_events"] = cpu_ms_per_pod(proc.pid, scheduler_before, args.pods)
+        result["control_plane_cpu_ms_per_pod_with_events"] = cpu_ms_per_pod(cp.pid, cp_before, args.pods)
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
