@@ -1,11 +1,13 @@
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator
 
 import pytest
 from lightkube import AsyncClient
 from lightkube.models.meta_v1 import ObjectMeta
 from lightkube.resources.core_v1 import Namespace
+from lightkube.resources.scheduling_v1 import PriorityClass
 from sched_harness import Pool, delete_nodes, new_pool
 
 
@@ -23,3 +25,17 @@ async def pool(client: AsyncClient) -> AsyncIterator[Pool]:
         yield p
     finally:
         await delete_nodes(client, p)
+
+
+@pytest.fixture
+async def priorities(client: AsyncClient, pool: Pool) -> AsyncIterator[dict[str, str]]:
+    """Three PriorityClasses of this pool: low (5), mid (10), high (1000)."""
+    names = {level: f"{level}-{pool.id}" for level in ("low", "mid", "high")}
+    for level, value in (("low", 5), ("mid", 10), ("high", 1000)):
+        await client.create(PriorityClass(metadata=ObjectMeta(name=names[level]), value=value))
+    try:
+        yield names
+    finally:
+        for name in names.values():
+            with contextlib.suppress(Exception):
+                await client.delete(PriorityClass, name)

@@ -9,7 +9,9 @@ from lightkube import AsyncClient
 from lightkube.models.meta_v1 import ObjectMeta
 from lightkube.resources.apiextensions_v1 import CustomResourceDefinition
 from lightkube.resources.core_v1 import Pod
+from lightkube.resources.policy_v1 import PodDisruptionBudget
 from sched_harness import Pool, add_nodes, audit_pool, condition, gpu_pod, running, wait_bound, wait_for
+from test_preemption import events, exists, mark_running, whole_gpu_pod
 
 from gpufrac.contract import keys
 from gpufrac.kube.errors import Conflict, api_errors
@@ -158,3 +160,105 @@ def test_a_gang_times_out_once_after_its_pod_groups_timeout() -> None:
     assert gangs.waited(key) == (32.0, False), "the timeout is announced once"
     gangs.placed(key)
     assert not gangs.timed_out(key)
+
+
+def high_member(pool: Pool, name: str, group: str, priority: str) -> Pod:
+    pod = whole_gpu_pod(pool, name, priority=priority)
+    pod.metadata.labels = {**(pod.metadata.labels or {}), keys.POD_GROUP_LABEL: group}
+    return pod
+
+
+async def test_a_high_priority_gang_evicts_a_victim_on_each_node_once_and_starts_whole(
+    client: AsyncClient, pool: Pool, podgroup_crd: None, priorities: dict[str, str]
+) -> None:
+    names = await add_nodes(client, pool, count=2, shape=NodeShape(gpus=1))
+    await pod_group(client, pool, "urgent", 2)
+    ns = pool.namespace
+    async with running(client, pool.config()) as service:
+        for i in range(2):
+            await client.create(whole_gpu_pod(pool, f"low-{i}", priority=priorities["low"]))
+        await wait_bound(client, ns, 2, timeout=20)
+        for i in range(2):
+            await mark_running(client, ns, f"low-{i}")
+        # One member alone could preempt on either node; the gang needs both nodes or nothing.
+        for i in range(2):
+            await client.create(high_member(pool, f"g-{i}", "urgent", priorities["high"]))
+
+        async def gang_bound() -> bool:
+            pods = [await client.get(Pod, f"g-{i}", namespace=ns) for i in range(2)]
+            return all(p.spec.nodeName for p in pods)
+
+        await wait_for(gang_bound, timeout=30, what="both gang members bound")
+        members = [await client.get(Pod, f"g-{i}", namespace=ns) for i in range(2)]
+        assert {p.spec.nodeName for p in members} == set(names)
+        assert not any([await exists(client, ns, f"low-{i}") for i in range(2)])
+        preempted = await events(client, ns, "Preempted")
+        assert sorted(e.involvedObject.name for e in preempted) == ["low-0", "low-1"]
+        assert all(f"by gang {ns}/urgent" in e.message for e in preempted)
+        preempting = await events(client, ns, "Preempting")
+        assert sorted(e.involvedObject.name for e in preempting) == ["g-0", "g-1"]
+        assert service.preemptions is not None and service.preemptions.evictions == 2
+        assert (await audit_pool(client, pool)).ok
+
+
+async def test_no_pod_is_evicted_for_a_gang_that_would_still_not_fit(
+    client: AsyncClient, pool: Pool, podgroup_crd: None, priorities: dict[str, str]
+) -> None:
+    await add_nodes(client, pool, count=2, shape=NodeShape(gpus=1))
+    await pod_group(client, pool, "urgent", 2)
+    ns = pool.namespace
+    async with running(client, pool.config()) as service:
+        # One node's GPU is held by a pod as important as the gang: a victim exists for one member only.
+        await client.create(whole_gpu_pod(pool, "low", priority=priorities["low"]))
+        await client.create(whole_gpu_pod(pool, "peer", priority=priorities["high"]))
+        await wait_bound(client, ns, 2, timeout=20)
+        for i in range(2):
+            await client.create(high_member(pool, f"g-{i}", "urgent", priorities["high"]))
+        for i in range(2):
+            await reported(client, pool, f"g-{i}", f"gang {ns}/urgent: 0/2 nodes are available: gang of 2")
+        await asyncio.sleep(1.0)
+        assert await exists(client, ns, "low")
+        assert service.preemptions is not None and service.preemptions.evictions == 0
+        assert not await events(client, ns, "Preempting")
+
+
+async def test_a_budget_refusal_for_a_gang_moves_its_plan_to_other_victims(
+    client: AsyncClient, pool: Pool, podgroup_crd: None, priorities: dict[str, str]
+) -> None:
+    await add_nodes(client, pool, count=3, shape=NodeShape(gpus=1))
+    await pod_group(client, pool, "urgent", 2)
+    ns = pool.namespace
+    budget = PodDisruptionBudget.from_dict(
+        {
+            "metadata": {"name": "keep", "namespace": ns},
+            "spec": {"minAvailable": 1, "selector": {"matchLabels": {"app": "protected"}}},
+        }
+    )
+    await client.create(budget)
+    async with running(client, pool.config()) as service:
+        # The cheapest victim (lowest priority) is protected by the budget.
+        protected = whole_gpu_pod(pool, "protected", priority=priorities["low"])
+        protected.metadata.labels = {"app": "protected"}
+        await client.create(protected)
+        for i in range(2):
+            await client.create(whole_gpu_pod(pool, f"mid-{i}", priority=priorities["mid"]))
+        await wait_bound(client, ns, 3, timeout=20)
+        for name in ("protected", "mid-0", "mid-1"):
+            await mark_running(client, ns, name)
+        for i in range(2):
+            await client.create(high_member(pool, f"g-{i}", "urgent", priorities["high"]))
+
+        async def gang_bound() -> bool:
+            pods = [await client.get(Pod, f"g-{i}", namespace=ns) for i in range(2)]
+            return all(p.spec.nodeName for p in pods)
+
+        await wait_for(gang_bound, timeout=30, what="both gang members bound")
+        assert await exists(client, ns, "protected")
+        assert sorted(e.involvedObject.name for e in await events(client, ns, "Preempted")) == [
+            "mid-0",
+            "mid-1",
+        ]
+        blocked = await events(client, ns, "PreemptionBlocked")
+        assert sorted(e.involvedObject.name for e in blocked) == ["g-0", "g-1"]
+        assert service.preemptions is not None and service.preemptions.evictions == 2
+        assert (await audit_pool(client, pool)).ok

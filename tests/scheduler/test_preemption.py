@@ -9,33 +9,14 @@ disruption controller has processed it: an eviction of that pod is refused (429)
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import AsyncIterator
 
-import pytest
 from lightkube import AsyncClient
-from lightkube.models.meta_v1 import ObjectMeta
 from lightkube.resources.core_v1 import Event, Pod
 from lightkube.resources.policy_v1 import PodDisruptionBudget
-from lightkube.resources.scheduling_v1 import PriorityClass
 from sched_harness import Pool, add_nodes, audit_pool, condition, gpu_pod, running, wait_bound, wait_for
 
 from gpufrac.contract import keys
 from gpufrac.local.simnodes import NodeShape
-
-
-@pytest.fixture
-async def priorities(client: AsyncClient, pool: Pool) -> AsyncIterator[dict[str, str]]:
-    """Three PriorityClasses of this pool: low (5), mid (10), high (1000)."""
-    names = {level: f"{level}-{pool.id}" for level in ("low", "mid", "high")}
-    for level, value in (("low", 5), ("mid", 10), ("high", 1000)):
-        await client.create(PriorityClass(metadata=ObjectMeta(name=names[level]), value=value))
-    try:
-        yield names
-    finally:
-        for name in names.values():
-            with contextlib.suppress(Exception):
-                await client.delete(PriorityClass, name)
 
 
 def whole_gpu_pod(pool: Pool, name: str, *, priority: str | None = None, queue: str | None = None) -> Pod:

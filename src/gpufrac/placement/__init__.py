@@ -23,7 +23,8 @@ Public API (what the scheduler service calls)::
 Modules: ``model`` (inputs), ``decision`` (outputs and reason codes), ``demand`` (a pod's request as
 filters compute with it), ``state`` (ledgers as arrays), ``filters``, ``scoring``, ``typical`` and
 ``fragmentation`` (FGD), ``policies``, ``fair_share`` (queue shares and order), ``engine``, ``preemption``
-(victims for preemption and reclaim: ``find_victims(engine, pod, kind=Kind.PREEMPT)``), ``consolidation``
+(victims for preemption and reclaim: ``find_victims(engine, pod, kind=Kind.PREEMPT)``), ``gang_preemption``
+(victims for a whole gang: ``find_gang_victims(engine, members, min_member=n, kind=...)``), ``consolidation``
 (moves of movable pods for a pod that fits nowhere because free memory is fragmented:
 ``plan_consolidation(engine, pod)``, and ``MoveBudget``, the per-minute bound);
 ``pod_constraints`` and ``topology``: rules between pods and node-local resources besides GPUs.

@@ -57,6 +57,7 @@ from gpufrac.placement.consolidation import (
 )
 from gpufrac.placement.decision import ContainerPlacement, DeviceAssignment, Placement, Unschedulable
 from gpufrac.placement.engine import Engine
+from gpufrac.placement.gang_preemption import GangPreemption, find_gang_victims
 from gpufrac.placement.model import PendingPod
 from gpufrac.placement.preemption import Kind, Preemption, ShareBook, eligible_victims, find_victims
 
@@ -82,14 +83,27 @@ NO_PLAN_BACKOFF_S = 10.0
 NO_PLAN_BACKOFF_MAX_S = 160.0
 
 
+Plan = Preemption | Consolidation | GangPreemption
+
+
 @dataclass(slots=True)
 class _Nomination:
+    """An open plan. ``pod`` is placed once the victims are gone (for a gang, any member: placing one
+    places the gang); ``members`` are the pods it makes room for (a gang's, or just ``pod``), ``keys``
+    what it is filed under in ``Preemptions._open`` (the first one owns the victims)."""
+
     pod: Pod
-    plan: Preemption | Consolidation
+    plan: Plan
     waiting: set[str]
+    keys: tuple[str, ...]
+    members: list[Pod]
     gone: set[str] = field(default_factory=set)
     evicting: bool = False
     hold: str | None = None
+
+    @property
+    def owner(self) -> str:
+        return self.keys[0]
 
 
 class Preemptions:
@@ -131,9 +145,11 @@ class Preemptions:
         self._preempt = preempt
         self._moves = moves
         self._retry_armed = False
-        self._open: dict[str, _Nomination] = {}  # by the preempting pod's uid
-        self._victim_of: dict[str, str] = {}  # victim uid -> preempting pod uid
-        self._refused: dict[str, dict[str, float]] = {}  # pod uid -> victim uid -> when
+        self._open: dict[
+            str, _Nomination
+        ] = {}  # by the preempting pod's uid (a gang's: its key, each member's uid)
+        self._victim_of: dict[str, str] = {}  # victim uid -> the owner key of its nomination
+        self._refused: dict[str, dict[str, float]] = {}  # pod uid or gang key -> victim uid -> when
         self._no_plan: dict[str, tuple[float, float, str]] = {}  # pod uid -> (search again at, delay, why)
         self.evictions = 0
         self.moved = 0
@@ -162,22 +178,65 @@ class Preemptions:
             plan, note = self._consolidation(uid, pending, self._moves)
         if plan is None:
             return f"{decision.message}{note}"
-        nomination = _Nomination(pod=pod, plan=plan, waiting=set(plan.victims))
+        nomination = self._start(plan, pod, [pod], (uid,))
         if isinstance(plan, Consolidation):
             nomination.hold = self._hold(pending, plan)
-        self._open[uid] = nomination
+        return f"{decision.message} {self._waiting(nomination)}"
+
+    def consider_gang(self, key: str, members: list[tuple[PendingPod, Pod]], min_member: int) -> str:
+        """For a gang the engine could not place: start a preemption (or reclaim) that makes room for
+        ``min_member`` of ``members`` together, if one does. Returns what to add to each member's
+        message ("" when nothing was started). ``key`` names the gang (it owns the victims)."""
+        nomination = next(
+            (n for n in (self._open.get(k) for k in (key, *(p.uid for p, _ in members))) if n is not None),
+            None,
+        )
+        if nomination is not None:
+            nomination.members = [pod for _, pod in members]
+            return f" {self._waiting(nomination)}"
+        pendings = [pending for pending, _ in members]
+        if not self._preempt or not any(p.gpu.containers for p in pendings):
+            return ""
+        plan: GangPreemption | None = None
+        for kind in (Kind.PREEMPT, Kind.RECLAIM):
+            eligible = [
+                eligible_victims(self._engine, p, kind=kind, shares=self._shares)[0] for p in pendings
+            ]
+            candidates = np.unique(np.concatenate(eligible))
+            if candidates.size == 0:
+                continue
+            plan = find_gang_victims(
+                self._engine,
+                pendings,
+                min_member=min_member,
+                kind=kind,
+                shares=self._shares,
+                exclude=self._excluded(key, candidates),
+            )
+            if plan is not None:
+                break
+        if plan is None:
+            return ""
+        pods = [pod for _, pod in members]
+        nomination = self._start(plan, pods[0], pods, (key, *(p.uid for p in pendings)))
+        return f" {self._waiting(nomination)}"
+
+    def _start(self, plan: Plan, pod: Pod, members: list[Pod], keys: tuple[str, ...]) -> _Nomination:
+        """File a plan and start its evictions."""
+        nomination = _Nomination(pod=pod, plan=plan, waiting=set(plan.victims), keys=keys, members=members)
+        for k in keys:
+            self._open[k] = nomination
         for victim in plan.victims:
-            self._victim_of[victim] = uid
+            self._victim_of[victim] = nomination.owner
         log.info(
-            "pod %s/%s: %s %d pod(s) on %s",
-            pod.metadata.namespace,
-            pod.metadata.name,
+            "%s: %s %d pod(s) on %s",
+            self._for(nomination),
             _VERB[plan.kind].lower(),
             len(plan.victims),
-            plan.node,
+            _where(plan),
         )
-        self._spawn(self._execute(uid, nomination))
-        return f"{decision.message} {self._waiting(nomination)}"
+        self._spawn(self._execute(nomination.owner, nomination))
+        return nomination
 
     def deleted(self, uid: str) -> bool:
         """A pod is gone. True when it is a victim whose booking is kept until its plan completes (the
@@ -195,7 +254,7 @@ class Preemptions:
         nomination.gone.add(uid)
         if nomination.waiting or nomination.evicting:
             return True
-        # The last victim left: release them all and place the pod now, before any other pod.
+        # The last victim left: release them all and place the pod (or the gang) now, before any other pod.
         self._close(owner, nomination)
         pod = nomination.pod
         self._place_now(pod)
@@ -281,7 +340,14 @@ class Preemptions:
     def _waiting(self, nomination: _Nomination) -> str:
         names = ", ".join(self._name(v) for v in nomination.plan.victims)
         verb = _VERB[nomination.plan.kind]
-        return f"{verb} {len(nomination.plan.victims)} pod(s) on node {nomination.plan.node}: {names}."
+        return f"{verb} {len(nomination.plan.victims)} pod(s) on {_where(nomination.plan)}: {names}."
+
+    def _for(self, nomination: _Nomination) -> str:
+        """Whom a plan makes room for: the pod, or the gang and its members."""
+        if isinstance(nomination.plan, GangPreemption):
+            names = ", ".join(self._pod_key(p) for p in nomination.members)
+            return f"gang {nomination.owner} ({names})"
+        return self._pod_key(nomination.pod)
 
     def _name(self, uid: str) -> str:
         booked = self._engine.bound_pod(uid)
@@ -299,7 +365,9 @@ class Preemptions:
         return set(self._victim_of) | set(refused) | not_ours
 
     def _close(self, uid: str, nomination: _Nomination) -> None:
-        self._open.pop(uid, None)
+        for key in nomination.keys:
+            if self._open.get(key) is nomination:
+                del self._open[key]
         if nomination.hold is not None:
             self._engine.forget(nomination.hold)
             nomination.hold = None
@@ -313,13 +381,13 @@ class Preemptions:
         self._refused.setdefault(uid, {})[refused] = self._clock()
         if self._open.get(uid) is nomination:
             self._close(uid, nomination)
-        pod = nomination.pod
-        self._events.emit(
-            regarding=_ref(pod),
-            type=WARNING,
-            reason=PREEMPTION_BLOCKED,
-            message=f"evicting {self._name(refused)} was refused ({detail}); looking for other victims",
-        )
+        for pod in nomination.members:
+            self._events.emit(
+                regarding=_ref(pod),
+                type=WARNING,
+                reason=PREEMPTION_BLOCKED,
+                message=f"evicting {self._name(refused)} was refused ({detail}); looking for other victims",
+            )
         self._retry()
 
     async def _execute(self, uid: str, nomination: _Nomination) -> None:
@@ -359,7 +427,7 @@ class Preemptions:
                     return
                 self.evictions += 1
                 reason = VICTIM_REASON[plan.kind]
-                message = f"{reason} by {self._pod_key(nomination.pod)} on node {plan.node}"
+                message = f"{reason} by {self._for(nomination)} on {_where(plan)}"
                 if isinstance(plan, Consolidation):
                     self.moved += 1
                     target = next(m.target.node for m in plan.moves if m.uid == victim)
@@ -369,26 +437,40 @@ class Preemptions:
                     )
                 self._events.emit(regarding=_ref(pod), type=NORMAL, reason=reason, message=message)
             verb = "moved" if isinstance(plan, Consolidation) else "evicted"
-            self._events.emit(
-                regarding=_ref(nomination.pod),
-                type=NORMAL,
-                reason=CONSOLIDATING if isinstance(plan, Consolidation) else PREEMPTING,
-                message=f"{verb} {len(victims)} pod(s) on node {plan.node} to make room: "
-                + ", ".join(self._pod_key(p) if p else v for v, p in victims),
+            room = (
+                "to make room"
+                if len(nomination.members) == 1
+                else f"to make room for {self._for(nomination)}"
             )
-            try:
-                await set_nominated_node(
-                    self._client,
-                    name=nomination.pod.metadata.name,
-                    namespace=nomination.pod.metadata.namespace,
-                    node=plan.node,
+            for member in nomination.members:
+                self._events.emit(
+                    regarding=_ref(member),
+                    type=NORMAL,
+                    reason=CONSOLIDATING if isinstance(plan, Consolidation) else PREEMPTING,
+                    message=f"{verb} {len(victims)} pod(s) on {_where(plan)} {room}: "
+                    + ", ".join(self._pod_key(p) if p else v for v, p in victims),
                 )
-            except KubeError as error:  # best effort: the plan goes on without the status field
-                log.warning("could not set nominatedNodeName on %s: %s", self._pod_key(nomination.pod), error)
+            for member in nomination.members:
+                node = (
+                    plan.node_of.get(member.metadata.uid or "")
+                    if isinstance(plan, GangPreemption)
+                    else plan.node
+                )
+                if node is None:
+                    continue  # a gang member beyond minMember the check did not place
+                try:
+                    await set_nominated_node(
+                        self._client,
+                        name=member.metadata.name,
+                        namespace=member.metadata.namespace,
+                        node=node,
+                    )
+                except KubeError as error:  # best effort: the plan goes on without the status field
+                    log.warning("could not set nominatedNodeName on %s: %s", self._pod_key(member), error)
         except asyncio.CancelledError:
             raise
         except Exception:
-            log.exception("preemption for %s failed", self._pod_key(nomination.pod))
+            log.exception("preemption for %s failed", self._for(nomination))
             if self._open.get(uid) is nomination:
                 self._close(uid, nomination)
             self._retry()
@@ -403,6 +485,14 @@ class Preemptions:
     @staticmethod
     def _pod_key(pod: Pod) -> str:
         return f"{pod.metadata.namespace}/{pod.metadata.name}"
+
+
+def _where(plan: Plan) -> str:
+    """ "node a" or, for a gang's plan over several, "nodes a, b"."""
+    if isinstance(plan, GangPreemption):
+        nodes = plan.nodes
+        return f"node {nodes[0]}" if len(nodes) == 1 else f"nodes {', '.join(nodes)}"
+    return f"node {plan.node}"
 
 
 def _ref(pod: Pod) -> ObjectRef:

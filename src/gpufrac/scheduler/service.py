@@ -555,6 +555,7 @@ class SchedulerService:
         decision: Decision | BaseException,
         *,
         gang: GangKey | None = None,
+        note: str = "",
     ) -> None:
         """Bind a placed pod (the cache booked it), or report why not, after the post-filter and
         preemption had their say."""
@@ -575,7 +576,7 @@ class SchedulerService:
         elif isinstance(decision, BaseException):
             self._failed_on(pod, decision, doing="placing")
         elif gang is not None:
-            self._unschedulable(pod, f"gang {gang}: {decision.message}")
+            self._unschedulable(pod, f"gang {gang}: {decision.message}{note}")
         elif self._post_filter is not None and self._post_filter.post_filter(
             pending, pod, decision, self.cache
         ):
@@ -631,10 +632,16 @@ class SchedulerService:
             )
         except Exception as error:
             decisions = [error] * len(members)
+        note = ""
         if any(isinstance(d, Placement) for d in decisions):
             self.gangs.placed(key)
+        elif self.preemptions is not None and all(isinstance(d, Unschedulable) for d in decisions):
+            try:
+                note = self.preemptions.consider_gang(str(key), [(m[0], m[1]) for m in members], need)
+            except Exception:  # a failed search must not cost the members their report
+                log.exception("preemption search for gang %s failed", key)
         for (pending, pod, gpu), decision in zip(members, decisions, strict=True):
-            self._apply(pending, pod, gpu, decision, gang=key)
+            self._apply(pending, pod, gpu, decision, gang=key, note=note)
 
     def _claim_shares(
         self, pending: PendingPod, placement: Placement, plan: ClaimPlan
