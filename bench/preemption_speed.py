@@ -14,13 +14,14 @@ p99 under 50 ms (preemption and reclaim; ``decision_p99_ms``). Then gangs (``gan
 and 8 members of one shape (whole GPUs, halves, two whole GPUs) with ``minMember`` all of them and a
 priority of 5-9, whose gang statement fails; the decision is ``find_gang_victims`` (a search per member,
 the gang statement with the victims gone, one more per victim for the reprieve), reported on its own
-(``gang_decision_p99_ms``, same target). Then consolidation on the same cluster,
-where ``--movable`` (half) of the fill opted in: ``plan_consolidation``'s decision time per probe (the
-search, every moved pod placed again, the engine put back), how many probes got a plan, the mean moves,
-and why the others got none; first on the full cluster (no moved pod has anywhere to go), then after
-``--departures`` (a tenth) of the fractional pods left, never the last pod of a GPU, which leaves free
-memory in pieces and no GPU whole: the case consolidation is for. ``consolidate_answers`` digests both
-rounds' plans.
+(``gang_decision_p99_ms``, same target). Then consolidation on the same cluster, where ``--movable``
+(half) of the fill opted in: ``plan_consolidation``'s decision time per probe (the search, every moved
+pod placed again, the engine put back), how many probes got a plan, the mean moves, and why the others
+got none; first on the full cluster (no moved pod has anywhere to go), then after ``--departures`` (a
+tenth) of the fractional pods left, never the last pod of a GPU, which leaves free memory in pieces and
+no GPU whole: the case consolidation is for. After the departures the same for gangs
+(``gang_consolidate_after_departures``: 2 and 4 whole GPUs, and 2 pods of two whole GPUs;
+``plan_gang_consolidation``). ``consolidate_answers`` digests every round's plans.
 
 Times are taken on the clock ``--clock`` names: ``wall`` (time.perf_counter) or ``cpu``
 (time.process_time, this process's CPU time, as bench/placement_speed.py has it), which the other
@@ -58,7 +59,11 @@ from gpufrac.contract.request import (  # noqa: E402
 from gpufrac.placement.consolidation import Consolidation, plan_consolidation  # noqa: E402
 from gpufrac.placement.decision import Placement  # noqa: E402
 from gpufrac.placement.engine import Engine  # noqa: E402
-from gpufrac.placement.gang_preemption import find_gang_victims  # noqa: E402
+from gpufrac.placement.gang_preemption import (  # noqa: E402
+    GangPreemption,
+    find_gang_victims,
+    plan_gang_consolidation,
+)
 from gpufrac.placement.model import GpuDevice, NodeSpec, PendingPod, Queue  # noqa: E402
 from gpufrac.placement.preemption import Kind, find_victims  # noqa: E402
 
@@ -87,6 +92,12 @@ def fill_shape(rng: random.Random) -> PodGpuRequest:
     mode = ComputeMode.SM_SHARING if rng.random() < 0.3 else ComputeMode.TIME_SLICING
     return fraction(rng.choice((0.2, 0.25, 0.3, 0.4, 0.5)), mode=mode)
 
+
+GANG_MOVE_PROBES = (
+    ("2x-whole", 2, lambda: whole(1)),
+    ("4x-whole", 4, lambda: whole(1)),
+    ("2x-two-whole", 2, lambda: whole(2)),
+)
 
 GANG_PROBES = (
     ("2x-whole", 2, lambda: whole(1)),
@@ -194,6 +205,49 @@ def gang_probes(
         "decision_other_clock": stats(other_ms),
         "with_victims": found,
         "mean_victims": round(victims / max(found, 1), 2),
+        "probes_that_fit_without": fit_anyway,
+        "decision_by_shape": {shape: stats(ms) for shape, ms in by_shape.items()},
+    }
+    return entry, answers.hexdigest()[:16]
+
+
+def gang_consolidation_probes(
+    engine: Engine, probes: int, *, rng: random.Random, clock: Callable[[], float], other: Callable[[], float]
+) -> tuple[dict[str, object], str]:
+    """Consolidation decisions for gangs whose statement fails (``plan_gang_consolidation``)."""
+    decide_ms, other_ms, moves, why, fit_anyway = [], [], [], {}, 0
+    by_shape: dict[str, list[float]] = {}
+    answers = hashlib.sha256()
+    for i in range(probes):
+        name, size, shape = GANG_MOVE_PROBES[i % len(GANG_MOVE_PROBES)]
+        priority, queue, namespace = rng.randrange(5, 10), rng.choice(QUEUES[:3]), rng.choice(NAMESPACES)
+        members = [
+            PendingPod(namespace, f"mgang-{i}-{m}", f"mgang-{i}-{m}", shape(), priority=priority, queue=queue)
+            for m in range(size)
+        ]
+        placed = [d for d in engine.schedule(members, gang=True, min_member=size) if isinstance(d, Placement)]
+        if placed:
+            for d in placed:
+                engine.forget(d.pod_uid)
+            fit_anyway += 1
+            continue
+        start, start_other = clock(), other()
+        result = plan_gang_consolidation(engine, members, min_member=size)
+        decide_ms.append((clock() - start) * 1000)
+        other_ms.append((other() - start_other) * 1000)
+        by_shape.setdefault(name, []).append(decide_ms[-1])
+        if isinstance(result, GangPreemption):
+            moves.append(len(result.moves))
+            answers.update(repr((result.nodes, result.victims)).encode())
+        else:
+            why[str(result.why)] = why.get(str(result.why), 0) + 1
+            answers.update(str(result.why).encode())
+    entry: dict[str, object] = {
+        "decision": stats(decide_ms),
+        "decision_other_clock": stats(other_ms),
+        "with_plan": len(moves),
+        "mean_moves": round(sum(moves) / max(len(moves), 1), 2),
+        "without_plan": why,
         "probes_that_fit_without": fit_anyway,
         "decision_by_shape": {shape: stats(ms) for shape, ms in by_shape.items()},
     }
@@ -365,6 +419,11 @@ def main() -> None:
     summary["consolidate_after_departures"]["departures"] = args.departures
     consolidate_answers += after_answers
     print(f"consolidate, after departures: {summary['consolidate_after_departures']}")
+    summary["gang_consolidate_after_departures"], gang_move_answers = gang_consolidation_probes(
+        engine, args.probes, rng=random.Random(args.seed + 5), clock=clock, other=other
+    )
+    consolidate_answers += gang_move_answers
+    print(f"gang consolidate, after departures: {summary['gang_consolidate_after_departures']}")
     p99 = percentile(all_decisions, 0.99)
     summary["decision_p99_ms"] = round(p99, 3)
     summary["consolidate_answers"] = consolidate_answers

@@ -3,6 +3,8 @@
 The rules checked on random small clusters: a plan's victims are only pods the rules allow; once they
 are gone the engine's own gang statement places at least minMember members; no victim can be spared;
 the engine is left as it was; and when even every allowed victim leaving is not enough, there is no plan.
+Consolidation for a gang likewise: only movable pods of no higher priority move, each at most once, and
+with each at the new home the plan names, the gang statement places minMember members.
 """
 
 from __future__ import annotations
@@ -13,9 +15,10 @@ from hypothesis import strategies as st
 from placement_builders import fraction, mib, node, pod, whole
 from test_placement_preemption import books, untouched
 
+from gpufrac.placement.consolidation import NoConsolidation, Why
 from gpufrac.placement.decision import Placement
 from gpufrac.placement.engine import Engine
-from gpufrac.placement.gang_preemption import find_gang_victims
+from gpufrac.placement.gang_preemption import GangPreemption, find_gang_victims, plan_gang_consolidation
 from gpufrac.placement.model import PendingPod, Queue
 from gpufrac.placement.preemption import Kind
 
@@ -171,3 +174,97 @@ def test_min_member_below_one_has_no_plan(min_member):
     e = Engine(policy="binpack")
     e.add_node(node("a", gpus=1))
     assert find_gang_victims(e, [pod(whole(1), priority=5)], min_member=min_member, kind=Kind.PREEMPT) is None
+
+
+def gang_fits_after_moves(
+    e: Engine, members: list[PendingPod], min_member: int, plan: GangPreemption
+) -> bool:
+    """The gang statement with each moved pod at its new home; the engine is restored."""
+    sources = [(e.bound_pod(m.uid), e.placement_of(m.uid)) for m in plan.moves]
+    for m in plan.moves:
+        e.forget(m.uid)
+    for (booked, _), m in zip(sources, plan.moves, strict=True):
+        e.assume(booked, m.target)
+    try:
+        return gang_fits_without(e, members, min_member, [])
+    finally:
+        for m in plan.moves:
+            e.forget(m.uid)
+        for booked, placement in reversed(sources):
+            e.assume(booked, placement)
+
+
+def test_a_gang_gets_two_whole_gpus_by_one_move():
+    # Three one-GPU nodes: two hold a movable half each, one is free. Moving one half next to the other
+    # frees a second GPU for a gang of two full-GPU pods.
+    e = Engine(policy="spread")
+    for name in ("a", "b", "c"):
+        e.add_node(node(name, gpus=1, mib=16000))
+    halves = [pod(mib(8000), name=f"half-{n}", movable=True) for n in ("a", "b")]
+    for p in halves:
+        assert isinstance(e.place(p), Placement)
+    assert len({e.placement_of(p.uid).node for p in halves}) == 2
+    gang = [pod(mib(16000), name=f"full-{i}") for i in range(2)]
+    assert not gang_fits_without(e, gang, 2, [])
+    before = books(e)
+    plan = plan_gang_consolidation(e, gang, min_member=2)
+    assert untouched(e, before)
+    assert isinstance(plan, GangPreemption) and plan.kind is Kind.CONSOLIDATE
+    assert len(plan.moves) == 1 and plan.victims == (plan.moves[0].uid,)
+    assert plan.moves[0].target.node != plan.moves[0].source.node
+    assert gang_fits_after_moves(e, gang, 2, plan)
+
+
+def test_no_pod_is_moved_for_a_gang_that_still_would_not_fit():
+    e = Engine(policy="spread")
+    for name in ("a", "b"):
+        e.add_node(node(name, gpus=1, mib=16000))
+    for n in ("a", "b"):
+        assert isinstance(e.place(pod(mib(8000), name=f"half-{n}", movable=True)), Placement)
+    three = [pod(mib(16000), name=f"full-{i}") for i in range(2)]
+    plan = plan_gang_consolidation(e, three, min_member=2)
+    assert isinstance(plan, NoConsolidation)
+    assert plan.why in (Why.NO_PLAN, Why.NOT_FRAGMENTED)
+
+
+@st.composite
+def fragmented(draw):
+    """Spread fractions (many of them movable) over a few GPUs, and a gang of larger pieces: free memory
+    in pieces, the case consolidation is for."""
+    e = Engine(policy="spread", seed=draw(st.integers(0, 3)))
+    for i in range(draw(st.integers(2, 4))):
+        e.add_node(node(f"n{i}", gpus=draw(st.integers(1, 2)), mib=16000))
+    for i in range(draw(st.integers(2, 8))):
+        p = pod(
+            draw(st.sampled_from([fraction(0.25), fraction(0.5), mib(6000)])),
+            name=f"f{i}",
+            priority=draw(st.integers(0, 3)),
+            movable=draw(st.booleans()),
+        )
+        e.place(p)
+    size = draw(st.integers(1, 3))
+    shape = draw(st.sampled_from([fraction(0.75), mib(16000), whole(1), fraction(0.5, count=2)]))
+    priority = draw(st.integers(1, 4))
+    gang = [pod(shape, name=f"m{i}", priority=priority) for i in range(size)]
+    return e, gang, draw(st.integers(1, size))
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
+@given(fragmented())
+def test_a_gang_consolidation_moves_only_movable_pods_once_and_places_the_gang(case):
+    e, gang, min_member = case
+    if gang_fits_without(e, gang, min_member, []):
+        return
+    before = books(e)
+    plan = plan_gang_consolidation(e, gang, min_member=min_member)
+    assert untouched(e, before), "the search left the engine as it was"
+    if isinstance(plan, NoConsolidation):
+        return
+    moved = [m.uid for m in plan.moves]
+    assert moved and len(set(moved)) == len(moved)
+    for uid in moved:
+        booked = e.bound_pod(uid)
+        assert booked.movable and booked.priority <= gang[0].priority
+    assert gang_fits_after_moves(e, gang, min_member, plan)
+    assert len(plan.placements) >= min_member
+    assert untouched(e, before)

@@ -6,6 +6,7 @@ from collections.abc import AsyncIterator
 import pytest
 from lightkube import AsyncClient
 from lightkube.models.meta_v1 import ObjectMeta
+from lightkube.resources.apps_v1 import ReplicaSet
 from lightkube.resources.core_v1 import Namespace
 from lightkube.resources.scheduling_v1 import PriorityClass
 from sched_harness import Pool, delete_nodes, new_pool
@@ -39,3 +40,27 @@ async def priorities(client: AsyncClient, pool: Pool) -> AsyncIterator[dict[str,
         for name in names.values():
             with contextlib.suppress(Exception):
                 await client.delete(PriorityClass, name)
+
+
+@pytest.fixture
+async def replicaset(client: AsyncClient, pool: Pool) -> AsyncIterator[ReplicaSet]:
+    """A ReplicaSet that owns the movable pods (no controller runs: the test recreates its pods)."""
+    rs = ReplicaSet.from_dict(
+        {
+            "metadata": {"name": "serve", "namespace": pool.namespace},
+            "spec": {
+                "replicas": 0,
+                "selector": {"matchLabels": {"app": "serve"}},
+                "template": {
+                    "metadata": {"labels": {"app": "serve"}},
+                    "spec": {"containers": [{"name": "app", "image": "busybox"}]},
+                },
+            },
+        }
+    )
+    created = await client.create(rs)
+    try:
+        yield created
+    finally:
+        with contextlib.suppress(Exception):
+            await client.delete(ReplicaSet, "serve", namespace=pool.namespace)

@@ -8,8 +8,6 @@ termination grace period is deleted by its eviction at once, as a kubelet would 
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pydantic
@@ -168,30 +166,6 @@ def test_a_move_the_per_minute_bound_cannot_pay_for_waits_and_says_so() -> None:
 
 
 # -- through the API server --------------------------------------------------------------------------------
-
-
-@pytest.fixture
-async def replicaset(client: AsyncClient, pool: Pool) -> AsyncIterator[ReplicaSet]:
-    """A ReplicaSet that owns the movable pods (no controller runs: the test recreates its pods)."""
-    rs = ReplicaSet.from_dict(
-        {
-            "metadata": {"name": "serve", "namespace": pool.namespace},
-            "spec": {
-                "replicas": 0,
-                "selector": {"matchLabels": {"app": "serve"}},
-                "template": {
-                    "metadata": {"labels": {"app": "serve"}},
-                    "spec": {"containers": [{"name": "app", "image": "busybox"}]},
-                },
-            },
-        }
-    )
-    created = await client.create(rs)
-    try:
-        yield created
-    finally:
-        with contextlib.suppress(Exception):
-            await client.delete(ReplicaSet, "serve", namespace=pool.namespace)
 
 
 def fraction_pod(

@@ -8,9 +8,11 @@ import pytest
 from lightkube import AsyncClient
 from lightkube.models.meta_v1 import ObjectMeta
 from lightkube.resources.apiextensions_v1 import CustomResourceDefinition
+from lightkube.resources.apps_v1 import ReplicaSet
 from lightkube.resources.core_v1 import Pod
 from lightkube.resources.policy_v1 import PodDisruptionBudget
 from sched_harness import Pool, add_nodes, audit_pool, condition, gpu_pod, running, wait_bound, wait_for
+from test_consolidation import fraction_pod, node_of
 from test_preemption import events, exists, mark_running, whole_gpu_pod
 
 from gpufrac.contract import keys
@@ -261,4 +263,54 @@ async def test_a_budget_refusal_for_a_gang_moves_its_plan_to_other_victims(
         blocked = await events(client, ns, "PreemptionBlocked")
         assert sorted(e.involvedObject.name for e in blocked) == ["g-0", "g-1"]
         assert service.preemptions is not None and service.preemptions.evictions == 2
+        assert (await audit_pool(client, pool)).ok
+
+
+async def test_a_gang_of_fractions_gets_room_by_one_move_and_starts_whole(
+    client: AsyncClient, pool: Pool, podgroup_crd: None, replicaset: ReplicaSet
+) -> None:
+    """Three one-GPU nodes: a and b each hold a movable half, c is free. A gang of two 0.6 pods fits only
+    once one half joins the other; the gang's room on c is held while the moved half leaves."""
+    names = sorted(await add_nodes(client, pool, count=3, shape=NodeShape(gpus=1)))
+    ns = pool.namespace
+    config = pool.config(consolidation={"enabled": True, "max_moves_per_minute": 4})
+    async with running(client, config) as service:
+        # Keep c full while the halves are placed, and the first half's GPU full while the second is.
+        await client.create(fraction_pod(pool, "block-c", "0.9", node=names[2], opt_in=False))
+        await wait_bound(client, ns, 1, timeout=20)
+        await client.create(fraction_pod(pool, "half-1", "0.5", movable_by=replicaset))
+        await wait_bound(client, ns, 2, timeout=20)
+        first = await node_of(client, ns, "half-1")
+        await client.create(fraction_pod(pool, "block-half", "0.5", node=first, opt_in=False))
+        await client.create(fraction_pod(pool, "half-2", "0.5", movable_by=replicaset))
+        await wait_bound(client, ns, 4, timeout=20)
+        assert {first, await node_of(client, ns, "half-2")} == set(names[:2])
+        for blocker in ("block-c", "block-half"):
+            await client.delete(Pod, blocker, namespace=ns)
+        await pod_group(client, pool, "pair", 2)
+        for i in range(2):
+            await client.create(member(pool, f"g-{i}", "pair"))
+
+        async def one_half_gone() -> bool:
+            left = [p.metadata.name async for p in client.list(Pod, namespace=ns)]
+            return "half-1" not in left or "half-2" not in left
+
+        await wait_for(one_half_gone, timeout=30, what="one movable half evicted")
+        # The ReplicaSet controller's part: a replacement with the same template and owner.
+        await client.create(fraction_pod(pool, "half-3", "0.5", movable_by=replicaset))
+
+        async def all_bound() -> bool:
+            return all([await node_of(client, ns, n) for n in ("g-0", "g-1", "half-3")])
+
+        await wait_for(all_bound, timeout=30, what="the gang and the replacement bound")
+        gang_nodes = {await node_of(client, ns, f"g-{i}") for i in range(2)}
+        assert names[2] in gang_nodes and len(gang_nodes) == 2
+        assert await node_of(client, ns, "half-3") not in gang_nodes, (
+            "the replacement kept off the gang's room"
+        )
+        moved = await events(client, ns, "Moved")
+        assert len(moved) == 1 and f"room for gang {ns}/pair" in moved[0].message
+        consolidating = await events(client, ns, "Consolidating")
+        assert sorted(e.involvedObject.name for e in consolidating) == ["g-0", "g-1"]
+        assert service.preemptions is not None and service.preemptions.moved == 1
         assert (await audit_pool(client, pool)).ok

@@ -18,13 +18,20 @@ The engine is left exactly as it was.
 The result is minimal (no victim can be spared) but, unlike the single-pod search, not guaranteed the
 fewest: an exact search over victim sets for several pods at once grows as the product of the
 members' searches. docs/scheduler.md says so.
+
+Consolidation for a gang (``plan_gang_consolidation``) goes the same way with
+``gpufrac.placement.consolidation.plan_consolidation`` per member: each moved pod is booked at the new
+home its plan found, so the next members plan around it and no pod is moved twice; the plan counts
+when the gang statement then places ``minMember`` members. Its moves are each member's fewest; no
+reprieve is run (giving a moved pod back would mean undoing its new home too).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, replace
 
+from .consolidation import Consolidation, Move, NoConsolidation, Why, plan_consolidation
 from .decision import Placement
 from .engine import Engine
 from .model import PendingPod
@@ -35,17 +42,95 @@ from .preemption import DEFAULT_BUDGET, Kind, ShareBook, find_victims
 class GangPreemption:
     """Remove ``victims`` (pod uids, most important first) from ``nodes`` (each once); the gang
     statement then gives the members ``placements`` (what it placed in the check, at least
-    ``minMember`` of them)."""
+    ``minMember`` of them). For consolidation (``kind`` CONSOLIDATE) the victims are moved: ``moves``
+    says where each found a new home."""
 
     kind: Kind
     victims: tuple[str, ...]
     nodes: tuple[str, ...]
     placements: tuple[Placement, ...]
+    moves: tuple[Move, ...] = ()
 
     @property
     def node_of(self) -> dict[str, str]:
         """Per member uid the node the check placed it on."""
         return {p.pod_uid: p.node for p in self.placements}
+
+
+class _Scratch:
+    """Changes made to the engine while a gang is planned, each undone by ``undo`` in reverse."""
+
+    def __init__(self, engine: Engine, exclude: Iterable[str], members: Sequence[PendingPod]) -> None:
+        self.engine = engine
+        self.barred = set(exclude) | {m.uid for m in members}
+        self.members: list[str] = []  # members booked by the search
+        self.removed: list[tuple[PendingPod, Placement]] = []  # pods booked off (victims, moved pods)
+        self.moved: list[str] = []  # moved pods booked at their new home
+        self.moves: list[Move] = []
+
+    def place(self, pod: PendingPod) -> bool:
+        if isinstance(self.engine.place(pod), Placement):
+            self.members.append(pod.uid)
+            return True
+        return False
+
+    def take(self, pod: PendingPod, placement: Placement, victims: Iterable[str]) -> None:
+        """Book ``victims`` off and ``pod`` at ``placement``."""
+        for uid in victims:
+            booked, where = self.engine.bound_pod(uid), self.engine.placement_of(uid)
+            if booked is None or where is None:
+                raise ValueError(f"pod {uid} is not placed")
+            self.engine.forget(uid)
+            self.removed.append((booked, where))
+            self.barred.add(uid)
+        self.engine.assume(pod, placement)
+        self.members.append(pod.uid)
+
+    def move(self, pod: PendingPod, plan: Consolidation) -> None:
+        """Apply a member's consolidation: its moved pods at their new homes, the member in its room."""
+        moved = {m.uid: self.engine.bound_pod(m.uid) for m in plan.moves}
+        self.take(pod, plan.placement, moved)
+        for m in plan.moves:
+            booked = moved[m.uid]
+            assert booked is not None
+            self.engine.assume(replace(booked, nominated_node=None), m.target)
+            self.moved.append(m.uid)
+            self.moves.append(m)
+
+    def forget_members(self) -> None:
+        for uid in reversed(self.members):
+            self.engine.forget(uid)
+        self.members.clear()
+
+    def undo(self) -> None:
+        self.forget_members()
+        for uid in reversed(self.moved):
+            self.engine.forget(uid)
+        self.moved.clear()
+        for booked, placement in reversed(self.removed):
+            if self.engine.bound_pod(booked.uid) is None:
+                self.engine.assume(booked, placement)
+
+
+def _plan(
+    engine: Engine,
+    members: Sequence[PendingPod],
+    min_member: int,
+    scratch: _Scratch,
+    make_room: Callable[[PendingPod], bool],
+) -> tuple[Placement, ...] | None:
+    """Members largest first, each placed or given room by ``make_room`` (on the scratch books), until
+    ``min_member`` have a place; then the gang statement on the books without the members. None when
+    too few members got a place, no room had to be made, or the statement places too few."""
+    for pod in sorted(members, key=lambda p: engine.demand(p).size, reverse=True):
+        if len(scratch.members) >= min_member:
+            break
+        if not scratch.place(pod):
+            make_room(pod)
+    if len(scratch.members) < min_member or not scratch.removed:
+        return None
+    scratch.forget_members()
+    return _gang_fits(engine, members, min_member)
 
 
 def find_gang_victims(
@@ -63,35 +148,21 @@ def find_gang_victims(
     ``find_victims``. The engine is left exactly as it was."""
     if min_member < 1 or not any(m.gpu.containers for m in members):
         return None
-    barred = set(exclude) | {m.uid for m in members}
-    removed: list[tuple[PendingPod, Placement]] = []  # victims booked off, in order
-    tentative: list[str] = []  # members booked by the search
+    scratch = _Scratch(engine, exclude, members)
+
+    def make_room(pod: PendingPod) -> bool:
+        plan = find_victims(engine, pod, kind=kind, shares=shares, exclude=scratch.barred, budget=budget)
+        if plan is not None:
+            scratch.take(pod, plan.placement, plan.victims)
+        return plan is not None
+
     try:
-        for pod in sorted(members, key=lambda p: engine.demand(p).size, reverse=True):
-            if len(tentative) >= min_member:
-                break
-            decision = engine.place(pod)
-            if isinstance(decision, Placement):
-                tentative.append(pod.uid)
-                continue
-            plan = find_victims(engine, pod, kind=kind, shares=shares, exclude=barred, budget=budget)
-            if plan is None:
-                continue
-            for uid in plan.victims:
-                removed.append(_book_off(engine, uid))
-                barred.add(uid)
-            engine.assume(pod, plan.placement)
-            tentative.append(pod.uid)
-        if len(tentative) < min_member or not removed:
-            return None
-        _forget_all(engine, tentative)
-        placements = _gang_fits(engine, members, min_member)
+        placements = _plan(engine, members, min_member, scratch, make_room)
         if placements is None:
             return None
         # Reprieve: give back each victim the statement can do without, most important first.
-        victims = sorted(removed, key=lambda r: -r[0].priority)
         needed: list[tuple[PendingPod, Placement]] = []
-        for booked, placement in victims:
+        for booked, placement in sorted(scratch.removed, key=lambda r: -r[0].priority):
             engine.assume(booked, placement)
             without = _gang_fits(engine, members, min_member)
             if without is None:
@@ -102,10 +173,47 @@ def find_gang_victims(
         nodes = tuple(dict.fromkeys(p.node for _, p in needed))
         return GangPreemption(kind, tuple(b.uid for b, _ in needed), nodes, placements)
     finally:
-        _forget_all(engine, tentative)
-        for booked, placement in reversed(removed):
-            if engine.bound_pod(booked.uid) is None:
-                engine.assume(booked, placement)
+        scratch.undo()
+
+
+def plan_gang_consolidation(
+    engine: Engine,
+    members: Sequence[PendingPod],
+    *,
+    min_member: int,
+    exclude: Iterable[str] = (),
+    budget: int = DEFAULT_BUDGET,
+) -> GangPreemption | NoConsolidation:
+    """Moves after which the gang statement places at least ``min_member`` of ``members`` (see the
+    module docstring), or why there are none (the first member's reason when no member got a plan).
+    The engine is left exactly as it was."""
+    if min_member < 1 or not any(m.gpu.containers for m in members):
+        return NoConsolidation(Why.NO_GPU, "the gang asks for no GPU")
+    scratch = _Scratch(engine, exclude, members)
+    first: list[NoConsolidation] = []
+
+    def make_room(pod: PendingPod) -> bool:
+        plan = plan_consolidation(engine, pod, exclude=scratch.barred, budget=budget)
+        if isinstance(plan, NoConsolidation):
+            first.append(plan)
+            return False
+        scratch.move(pod, plan)
+        return True
+
+    try:
+        placements = _plan(engine, members, min_member, scratch, make_room)
+        if placements is not None:
+            moves = tuple(scratch.moves)
+            nodes = tuple(dict.fromkeys(m.source.node for m in moves))
+            return GangPreemption(Kind.CONSOLIDATE, tuple(m.uid for m in moves), nodes, placements, moves)
+        if first and not scratch.removed:
+            return first[0]
+        return NoConsolidation(
+            Why.NO_PLAN,
+            f"no moves of movable pods make room for {min_member} of the gang's {len(members)} pods together",
+        )
+    finally:
+        scratch.undo()
 
 
 def _gang_fits(
@@ -117,17 +225,3 @@ def _gang_fits(
     for p in placed:
         engine.forget(p.pod_uid)
     return placed if len(placed) >= min_member else None
-
-
-def _book_off(engine: Engine, uid: str) -> tuple[PendingPod, Placement]:
-    booked, placement = engine.bound_pod(uid), engine.placement_of(uid)
-    if booked is None or placement is None:
-        raise ValueError(f"victim {uid} is not placed")
-    engine.forget(uid)
-    return booked, placement
-
-
-def _forget_all(engine: Engine, uids: list[str]) -> None:
-    for uid in reversed(uids):
-        engine.forget(uid)
-    uids.clear()

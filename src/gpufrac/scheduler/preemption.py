@@ -28,6 +28,12 @@ already, is held for it in the engine (a booking of no pod, ``HOLD_PREFIX`` and 
 is placed, so that a replacement arriving while the moved pods terminate cannot take it. A
 ``MoveBudget`` bounds the moves per minute: a plan it cannot pay for now is not started, the pod's
 message says so, and the pod is tried again when the bucket has refilled.
+
+A gang that does not fit (``consider_gang``) is planned for as a whole
+(``gpufrac.placement.gang_preemption``): victims, or moves, after which the gang statement places
+``minMember`` members, or nothing. Its plan is filed under the gang's key and each member's uid, every
+member gets the Events and its own nomination, and when the last victim is gone one member is placed
+now, which places the gang.
 """
 
 from __future__ import annotations
@@ -57,7 +63,7 @@ from gpufrac.placement.consolidation import (
 )
 from gpufrac.placement.decision import ContainerPlacement, DeviceAssignment, Placement, Unschedulable
 from gpufrac.placement.engine import Engine
-from gpufrac.placement.gang_preemption import GangPreemption, find_gang_victims
+from gpufrac.placement.gang_preemption import GangPreemption, find_gang_victims, plan_gang_consolidation
 from gpufrac.placement.model import PendingPod
 from gpufrac.placement.preemption import Kind, Preemption, ShareBook, eligible_victims, find_victims
 
@@ -84,6 +90,7 @@ NO_PLAN_BACKOFF_MAX_S = 160.0
 
 
 Plan = Preemption | Consolidation | GangPreemption
+_Moves = Consolidation | GangPreemption  # a consolidation plan: a pod's, or a gang's (kind CONSOLIDATE)
 
 
 @dataclass(slots=True)
@@ -99,7 +106,7 @@ class _Nomination:
     members: list[Pod]
     gone: set[str] = field(default_factory=set)
     evicting: bool = False
-    hold: str | None = None
+    holds: list[str] = field(default_factory=list)
 
     @property
     def owner(self) -> str:
@@ -175,12 +182,18 @@ class Preemptions:
                 break
         note = ""
         if plan is None and self._moves is not None:
-            plan, note = self._consolidation(uid, pending, self._moves)
+            candidates, _ = eligible_victims(self._engine, pending, kind=Kind.CONSOLIDATE)
+            plan, note = self._consolidation(
+                uid,
+                lambda exclude: plan_consolidation(self._engine, pending, exclude=exclude),
+                candidates,
+                self._moves,
+            )
         if plan is None:
             return f"{decision.message}{note}"
         nomination = self._start(plan, pod, [pod], (uid,))
         if isinstance(plan, Consolidation):
-            nomination.hold = self._hold(pending, plan)
+            self._hold(nomination, [(pending, plan.placement)])
         return f"{decision.message} {self._waiting(nomination)}"
 
     def consider_gang(self, key: str, members: list[tuple[PendingPod, Pod]], min_member: int) -> str:
@@ -195,10 +208,10 @@ class Preemptions:
             nomination.members = [pod for _, pod in members]
             return f" {self._waiting(nomination)}"
         pendings = [pending for pending, _ in members]
-        if not self._preempt or not any(p.gpu.containers for p in pendings):
+        if not any(p.gpu.containers for p in pendings):
             return ""
         plan: GangPreemption | None = None
-        for kind in (Kind.PREEMPT, Kind.RECLAIM):
+        for kind in (Kind.PREEMPT, Kind.RECLAIM) if self._preempt else ():
             eligible = [
                 eligible_victims(self._engine, p, kind=kind, shares=self._shares)[0] for p in pendings
             ]
@@ -215,10 +228,27 @@ class Preemptions:
             )
             if plan is not None:
                 break
+        note = ""
+        if plan is None and self._moves is not None:
+            eligible = [eligible_victims(self._engine, p, kind=Kind.CONSOLIDATE)[0] for p in pendings]
+            moves, note = self._consolidation(
+                key,
+                lambda exclude: plan_gang_consolidation(
+                    self._engine, pendings, min_member=min_member, exclude=exclude
+                ),
+                np.unique(np.concatenate(eligible)),
+                self._moves,
+            )
+            if moves is not None:
+                assert isinstance(moves, GangPreemption)
+                plan = moves
         if plan is None:
-            return ""
+            return note
         pods = [pod for _, pod in members]
         nomination = self._start(plan, pods[0], pods, (key, *(p.uid for p in pendings)))
+        if plan.kind is Kind.CONSOLIDATE:
+            by_uid = {p.uid: p for p in pendings}
+            self._hold(nomination, [(by_uid[pl.pod_uid], pl) for pl in plan.placements])
         return f" {self._waiting(nomination)}"
 
     def _start(self, plan: Plan, pod: Pod, members: list[Pod], keys: tuple[str, ...]) -> _Nomination:
@@ -263,9 +293,14 @@ class Preemptions:
     # -- internals ----------------------------------------------------------------------------------------
 
     def _consolidation(
-        self, uid: str, pending: PendingPod, budget: MoveBudget
-    ) -> tuple[Consolidation | None, str]:
-        """A consolidation plan the bound allows now, or None and the sentence that says why not."""
+        self,
+        key: str,
+        search: Callable[[set[str]], _Moves | NoConsolidation],
+        candidates: np.ndarray,
+        budget: MoveBudget,
+    ) -> tuple[_Moves | None, str]:
+        """A consolidation plan (``search``'s, for the pod or gang filed under ``key``) the bound allows
+        now, or None and the sentence that says why not."""
         bound = f"consolidation.max_moves_per_minute={budget.per_minute}"
         wait = budget.wait_s(1, now=self._clock())
         if wait > 0:
@@ -274,53 +309,53 @@ class Preemptions:
             self._retry_after(wait)
             return None, f" Consolidation: deferred by {bound}."
         now = self._clock()
-        missed = self._no_plan.get(uid)
+        missed = self._no_plan.get(key)
         if missed is not None and now < missed[0]:
             return None, f" Consolidation: {missed[2]}."
-        candidates, _ = eligible_victims(self._engine, pending, kind=Kind.CONSOLIDATE)
-        outcome = plan_consolidation(self._engine, pending, exclude=self._excluded(uid, candidates))
+        outcome = search(self._excluded(key, candidates))
         if isinstance(outcome, NoConsolidation):
             if outcome.why is Why.NO_PLAN:
                 delay = NO_PLAN_BACKOFF_S if missed is None else min(NO_PLAN_BACKOFF_MAX_S, 2 * missed[1])
-                self._no_plan[uid] = (now + delay, delay, outcome.detail)
+                self._no_plan[key] = (now + delay, delay, outcome.detail)
             return None, f" Consolidation: {outcome.detail}."
-        self._no_plan.pop(uid, None)
+        self._no_plan.pop(key, None)
         count = len(outcome.moves)
         if budget.take(count, now=now):
             return outcome, ""
         wait = budget.wait_s(count, now=now)
-        head = f" Consolidation would move {count} pod(s) off node {outcome.node}"
+        head = f" Consolidation would move {count} pod(s) off {_where(outcome)}"
         if math.isinf(wait):
             return None, f"{head}, more than {bound} allows."
         self._retry_after(wait)
         return None, f"{head}; deferred by {bound}."
 
-    def _hold(self, pending: PendingPod, plan: Consolidation) -> str | None:
-        """Book, in the engine only, the part of the pending pod's room that is free already (its GPUs'
+    def _hold(self, nomination: _Nomination, rooms: list[tuple[PendingPod, Placement]]) -> None:
+        """Book, in the engine only, the part of each pending pod's room that is free already (its GPUs'
         free memory up to what it asks on each), so nothing else lands there while the moved pods
-        leave. Returns the booking's uid (None when nothing of the room is free yet)."""
-        free = {ledger.uuid: ledger.free_mib for ledger in self._engine.ledger(plan.node)}
-        containers = []
-        for c in plan.placement.containers:
-            devices = tuple(
-                DeviceAssignment(d.uuid, d.index, mib, mib, None)
-                for d in c.devices
-                if (mib := min(d.request_mib, free.get(d.uuid, 0))) > 0
+        leave. The bookings are the nomination's ``holds``, given back when it closes."""
+        for pending, placement in rooms:
+            free = {ledger.uuid: ledger.free_mib for ledger in self._engine.ledger(placement.node)}
+            containers = []
+            for c in placement.containers:
+                devices = tuple(
+                    DeviceAssignment(d.uuid, d.index, mib, mib, None)
+                    for d in c.devices
+                    if (mib := min(d.request_mib, free.get(d.uuid, 0))) > 0
+                )
+                if devices:
+                    containers.append(ContainerPlacement(c.container, c.mode, c.exclusive, devices))
+            if not containers:
+                continue
+            uid = f"{HOLD_PREFIX}{pending.uid}"
+            holder = PendingPod(
+                namespace=pending.namespace,
+                name=f"room-for-{pending.name}",
+                uid=uid,
+                priority=pending.priority,
+                queue=pending.queue,
             )
-            if devices:
-                containers.append(ContainerPlacement(c.container, c.mode, c.exclusive, devices))
-        if not containers:
-            return None
-        uid = f"{HOLD_PREFIX}{pending.uid}"
-        holder = PendingPod(
-            namespace=pending.namespace,
-            name=f"room-for-{pending.name}",
-            uid=uid,
-            priority=pending.priority,
-            queue=pending.queue,
-        )
-        self._engine.assume(holder, Placement(uid, plan.node, tuple(containers)))
-        return uid
+            self._engine.assume(holder, Placement(uid, placement.node, tuple(containers)))
+            nomination.holds.append(uid)
 
     def _retry_after(self, seconds: float) -> None:
         """Try parked pods again once the move budget has refilled (one timer at a time)."""
@@ -368,9 +403,9 @@ class Preemptions:
         for key in nomination.keys:
             if self._open.get(key) is nomination:
                 del self._open[key]
-        if nomination.hold is not None:
-            self._engine.forget(nomination.hold)
-            nomination.hold = None
+        for hold in nomination.holds:
+            self._engine.forget(hold)
+        nomination.holds.clear()
         for victim in nomination.plan.victims:
             if self._victim_of.get(victim) == uid:
                 del self._victim_of[victim]
@@ -428,15 +463,15 @@ class Preemptions:
                 self.evictions += 1
                 reason = VICTIM_REASON[plan.kind]
                 message = f"{reason} by {self._for(nomination)} on {_where(plan)}"
-                if isinstance(plan, Consolidation):
+                if plan.kind is Kind.CONSOLIDATE:
                     self.moved += 1
-                    target = next(m.target.node for m in plan.moves if m.uid == victim)
+                    target = next(m.target.node for m in plan.moves if m.uid == victim)  # type: ignore[union-attr]
                     message = (
-                        f"Moved by consolidation to make room for {self._pod_key(nomination.pod)} on node "
-                        f"{plan.node}; its controller recreates it (room for it was found on node {target})"
+                        f"Moved by consolidation to make room for {self._for(nomination)} on {_where(plan)}; "
+                        f"its controller recreates it (room for it was found on node {target})"
                     )
                 self._events.emit(regarding=_ref(pod), type=NORMAL, reason=reason, message=message)
-            verb = "moved" if isinstance(plan, Consolidation) else "evicted"
+            verb = "moved" if plan.kind is Kind.CONSOLIDATE else "evicted"
             room = (
                 "to make room"
                 if len(nomination.members) == 1
@@ -446,7 +481,7 @@ class Preemptions:
                 self._events.emit(
                     regarding=_ref(member),
                     type=NORMAL,
-                    reason=CONSOLIDATING if isinstance(plan, Consolidation) else PREEMPTING,
+                    reason=CONSOLIDATING if plan.kind is Kind.CONSOLIDATE else PREEMPTING,
                     message=f"{verb} {len(victims)} pod(s) on {_where(plan)} {room}: "
                     + ", ".join(self._pod_key(p) if p else v for v, p in victims),
                 )
