@@ -26,7 +26,13 @@ from gpufrac.placement.engine import Engine
 from gpufrac.placement.model import GpuDevice, ModePolicy, NodeSpec, PendingPod
 from gpufrac.scheduler.config import SchedulerConfig
 from gpufrac.scheduler.objects import movable, pending_pod
-from gpufrac.scheduler.preemption import HOLD_PREFIX, NO_PLAN_BACKOFF_S, Preemptions
+from gpufrac.scheduler.preemption import (
+    HOLD_PREFIX,
+    NO_PLAN_BACKOFF_MAX_S,
+    NO_PLAN_BACKOFF_S,
+    REFUSAL_MEMORY_S,
+    Preemptions,
+)
 
 TS = ComputeMode.TIME_SLICING
 
@@ -395,3 +401,23 @@ def test_a_pod_without_a_plan_is_not_searched_again_until_its_backoff_ends() -> 
     assert preemptions.consider(big, api_pod(), nowhere) == first, "not searched again yet"
     now[0] = NO_PLAN_BACKOFF_S
     assert "Moving 1 pod(s) on node a" in preemptions.consider(big, api_pod(), nowhere)
+
+
+def test_backoffs_of_pods_no_longer_tried_are_forgotten() -> None:
+    # Many pods without a plan, each tried once and then never again (placed elsewhere later, or gone
+    # without the scheduler being told): a scheduler that runs for months must not remember them all.
+    engine = one_gpu_nodes(
+        {"a": [("mover", 8000, True), ("f", 6000, False)], "b": [("g", 16000, False)]}, 20000
+    )
+    now = [0.0]
+    preemptions = decisions_only(engine, moves=MoveBudget(4, now=0.0), clock=lambda: now[0])
+    nowhere = Unschedulable("x", 2, (("insufficient GPU memory", 2),))
+    for i in range(50):
+        big = PendingPod(namespace="ns", name=f"big-{i}", uid=f"big-{i}", gpu=mib_request(10000))
+        assert "no set of the 1 movable pod(s)" in preemptions.consider(big, api_pod(), nowhere)
+    assert preemptions.remembered == 50
+    # One pod keeps being tried; the others' backoffs have long ended.
+    live = PendingPod(namespace="ns", name="live", uid="live", gpu=mib_request(10000))
+    now[0] = NO_PLAN_BACKOFF_S + NO_PLAN_BACKOFF_MAX_S + REFUSAL_MEMORY_S + 1
+    preemptions.consider(live, api_pod(), nowhere)
+    assert preemptions.remembered == 1

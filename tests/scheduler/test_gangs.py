@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import pytest
 from lightkube import AsyncClient
@@ -18,7 +19,17 @@ from test_preemption import events, exists, mark_running, whole_gpu_pod
 from gpufrac.contract import keys
 from gpufrac.kube.errors import Conflict, api_errors
 from gpufrac.local.simnodes import NodeShape
-from gpufrac.scheduler.gangs import POD_GROUPS, SCHEDULER_PLUGINS, GangKey, Gangs, GangSpec, _Read, spec_of
+from gpufrac.scheduler.gangs import (
+    FORGET_AFTER_S,
+    POD_GROUPS,
+    REFRESH_S,
+    SCHEDULER_PLUGINS,
+    GangKey,
+    Gangs,
+    GangSpec,
+    _Read,
+    spec_of,
+)
 
 FRACTION = {"gpu-fraction": "0.6"}
 
@@ -314,3 +325,28 @@ async def test_a_gang_of_fractions_gets_room_by_one_move_and_starts_whole(
         assert sorted(e.involvedObject.name for e in consolidating) == ["g-0", "g-1"]
         assert service.preemptions is not None and service.preemptions.moved == 1
         assert (await audit_pool(client, pool)).ok
+
+
+def test_a_gang_not_tried_for_an_hour_is_forgotten_and_its_pod_group_read_again() -> None:
+    now = [0.0]
+    reads: list[str] = []
+
+    def spawn(coro: Any) -> None:
+        reads.append(coro.cr_frame.f_locals["key"].name)
+        coro.close()
+
+    gangs = Gangs(client=None, spawn=spawn, retry=lambda: None, clock=lambda: now[0])  # type: ignore[arg-type]
+    done, waiting = GangKey(SCHEDULER_PLUGINS, "ns", "done"), GangKey(SCHEDULER_PLUGINS, "ns", "waiting")
+    for key in (done, waiting):
+        assert gangs.spec(key) is None
+        gangs._store(key, _Read(GangSpec(2, 30.0), at=now[0]))
+        gangs.waited(key)
+    assert reads == ["done", "waiting"] and len(gangs) == 2
+    # Only the waiting gang's pods keep being tried (every few minutes, as parked pods are).
+    while now[0] <= FORGET_AFTER_S + REFRESH_S:
+        now[0] += 25.0
+        assert isinstance(gangs.spec(waiting), GangSpec)
+    assert len(gangs) == 1
+    assert gangs.waited(waiting)[0] > FORGET_AFTER_S, "the waiting gang keeps its waiting time"
+    # A pod of the forgotten gang comes back: its PodGroup is read anew.
+    assert gangs.spec(done) is None and reads[-1] == "done"

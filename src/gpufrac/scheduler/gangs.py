@@ -48,6 +48,11 @@ REFRESH_S = 30.0
 DEFAULT_TIMEOUT_S = 600.0
 """How long a gang may wait when its PodGroup names no timeout (KAI's PodGroup has none)."""
 
+FORGET_AFTER_S = 3600.0
+"""A gang none of whose pods was tried for this long is forgotten (its PodGroup read, its waiting
+time): a scheduler that runs for months sees a PodGroup per job. Parked pods are tried again far more
+often than this, so a gang still waiting keeps its timeout."""
+
 
 @dataclass(frozen=True, slots=True)
 class GangKey:
@@ -115,6 +120,8 @@ class Gangs:
         self._reading: set[GangKey] = set()
         self._waiting_since: dict[GangKey, float] = {}
         self._timed_out: set[GangKey] = set()
+        self._seen: dict[GangKey, float] = {}
+        self._pruned_at = clock()
 
     def spec(self, key: GangKey) -> GangSpec | str | None:
         """The gang's rule, the sentence saying why its members cannot be placed, or None while the
@@ -122,6 +129,8 @@ class Gangs:
         that follows)."""
         read = self._reads.get(key)
         now = self._clock()
+        self._seen[key] = now
+        self._prune(now)
         if (read is None or now - read.at > REFRESH_S) and key not in self._reading:
             self._reading.add(key)
             self._spawn(self._read(key))
@@ -152,20 +161,40 @@ class Gangs:
         self._waiting_since.pop(key, None)
         self._timed_out.discard(key)
 
+    def __len__(self) -> int:
+        """Gangs known (seen within ``FORGET_AFTER_S``)."""
+        return len(self._seen)
+
+    def _prune(self, now: float) -> None:
+        if now - self._pruned_at < REFRESH_S:
+            return
+        self._pruned_at = now
+        for key in [k for k, at in self._seen.items() if now - at > FORGET_AFTER_S]:
+            del self._seen[key]
+            self._reading.discard(key)  # a read in flight for an hour is not coming back
+            self._reads.pop(key, None)
+            self._waiting_since.pop(key, None)
+            self._timed_out.discard(key)
+
     async def _read(self, key: GangKey) -> None:
         try:
             with api_errors():
                 obj = await self._client.get(POD_GROUPS[key.api], key.name, namespace=key.namespace)
-            self._reads[key] = _Read(spec_of(obj, key), self._clock())
+            self._store(key, _Read(spec_of(obj, key), self._clock()))
         except NotFound:
-            self._reads[key] = _Read(None, self._clock())
+            self._store(key, _Read(None, self._clock()))
         except httpx2.HTTPStatusError as error:  # a 404 without a Status: the API serves no such kind
             if error.response.status_code != 404:
                 raise
             text = f"PodGroup {key} ({key.api}) not found: the API serves no {key.api} PodGroups"
-            self._reads[key] = _Read(None, self._clock(), error=text)
+            self._store(key, _Read(None, self._clock(), error=text))
         except (KubeError, ValueError) as error:
-            self._reads[key] = _Read(None, self._clock(), error=str(error))
+            self._store(key, _Read(None, self._clock(), error=str(error)))
         finally:
             self._reading.discard(key)
         self._retry()
+
+    def _store(self, key: GangKey, read: _Read) -> None:
+        """Keep a read only for a gang still known (one forgotten while it was read is not brought back)."""
+        if key in self._seen:
+            self._reads[key] = read

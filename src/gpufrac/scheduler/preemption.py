@@ -157,13 +157,17 @@ class Preemptions:
         ] = {}  # by the preempting pod's uid (a gang's: its key, each member's uid)
         self._victim_of: dict[str, str] = {}  # victim uid -> the owner key of its nomination
         self._refused: dict[str, dict[str, float]] = {}  # pod uid or gang key -> victim uid -> when
-        self._no_plan: dict[str, tuple[float, float, str]] = {}  # pod uid -> (search again at, delay, why)
+        self._no_plan: dict[
+            str, tuple[float, float, str]
+        ] = {}  # pod uid or gang key -> (again at, delay, why)
+        self._pruned_at = clock()
         self.evictions = 0
         self.moved = 0
 
     def consider(self, pending: PendingPod, pod: Pod, decision: Unschedulable) -> str:
         """The message to report for an unplaceable pod, after starting a preemption if one helps."""
         uid = pending.uid
+        self._prune()
         nomination = self._open.get(uid)
         if nomination is not None:
             nomination.pod = pod
@@ -200,6 +204,7 @@ class Preemptions:
         """For a gang the engine could not place: start a preemption (or reclaim) that makes room for
         ``min_member`` of ``members`` together, if one does. Returns what to add to each member's
         message ("" when nothing was started). ``key`` names the gang (it owns the victims)."""
+        self._prune()
         nomination = next(
             (n for n in (self._open.get(k) for k in (key, *(p.uid for p, _ in members))) if n is not None),
             None,
@@ -272,6 +277,7 @@ class Preemptions:
         """A pod is gone. True when it is a victim whose booking is kept until its plan completes (the
         service must not release it); a preempting pod that is gone gives its plan up."""
         self._no_plan.pop(uid, None)
+        self._refused.pop(uid, None)
         nomination = self._open.get(uid)
         if nomination is not None:
             self._close(uid, nomination)
@@ -290,7 +296,31 @@ class Preemptions:
         self._place_now(pod)
         return True
 
+    @property
+    def remembered(self) -> int:
+        """Pods and gangs with a refusal or a consolidation backoff remembered (bounded by ``_prune``)."""
+        return len(self._refused.keys() | self._no_plan.keys())
+
     # -- internals ----------------------------------------------------------------------------------------
+
+    def _prune(self) -> None:
+        """Forget refusals older than ``REFUSAL_MEMORY_S`` and backoffs that ended long ago, at most once
+        a ``REFUSAL_MEMORY_S``: a gang's key, and a pod that was placed rather than deleted, are never
+        forgotten otherwise, and a scheduler runs for months. A backoff forgotten early only restarts
+        at ``NO_PLAN_BACKOFF_S``."""
+        now = self._clock()
+        if now - self._pruned_at < REFUSAL_MEMORY_S:
+            return
+        self._pruned_at = now
+        for key, victims in list(self._refused.items()):
+            for victim, when in list(victims.items()):
+                if now - when > REFUSAL_MEMORY_S:
+                    del victims[victim]
+            if not victims:
+                del self._refused[key]
+        for key, (again_at, _, _) in list(self._no_plan.items()):
+            if now - again_at > NO_PLAN_BACKOFF_MAX_S:
+                del self._no_plan[key]
 
     def _consolidation(
         self,
