@@ -211,37 +211,44 @@ def gang_probes(
     return entry, answers.hexdigest()[:16]
 
 
-def gang_consolidation_probes(
-    engine: Engine, probes: int, *, rng: random.Random, clock: Callable[[], float], other: Callable[[], float]
+def fit_now(engine: Engine, pods: list[PendingPod]) -> bool:
+    """Whether the pods fit together as the cluster is now (the engine is left as it was)."""
+    placed = [d for d in engine.schedule(pods, gang=True) if isinstance(d, Placement)]
+    for d in placed:
+        engine.forget(d.pod_uid)
+    return bool(placed)
+
+
+def consolidation_rounds(
+    engine: Engine,
+    probes: int,
+    *,
+    probe: Callable[[int], tuple[str, list[PendingPod]]],
+    decide: Callable[[list[PendingPod]], tuple[int | None, str]],
+    clock: Callable[[], float],
+    other: Callable[[], float],
 ) -> tuple[dict[str, object], str]:
-    """Consolidation decisions for gangs whose statement fails (``plan_gang_consolidation``)."""
+    """Consolidation decisions for probes that fit nowhere, and a digest of their plans. ``probe(i)``
+    names the i-th probe's shape and gives its pods; ``decide`` returns the moves of its plan (None: no
+    plan) and the text the digest takes (the plan, or why there is none)."""
     decide_ms, other_ms, moves, why, fit_anyway = [], [], [], {}, 0
     by_shape: dict[str, list[float]] = {}
     answers = hashlib.sha256()
     for i in range(probes):
-        name, size, shape = GANG_MOVE_PROBES[i % len(GANG_MOVE_PROBES)]
-        priority, queue, namespace = rng.randrange(5, 10), rng.choice(QUEUES[:3]), rng.choice(NAMESPACES)
-        members = [
-            PendingPod(namespace, f"mgang-{i}-{m}", f"mgang-{i}-{m}", shape(), priority=priority, queue=queue)
-            for m in range(size)
-        ]
-        placed = [d for d in engine.schedule(members, gang=True, min_member=size) if isinstance(d, Placement)]
-        if placed:
-            for d in placed:
-                engine.forget(d.pod_uid)
+        name, pods = probe(i)
+        if fit_now(engine, pods):
             fit_anyway += 1
             continue
         start, start_other = clock(), other()
-        result = plan_gang_consolidation(engine, members, min_member=size)
+        count, text = decide(pods)
         decide_ms.append((clock() - start) * 1000)
         other_ms.append((other() - start_other) * 1000)
         by_shape.setdefault(name, []).append(decide_ms[-1])
-        if isinstance(result, GangPreemption):
-            moves.append(len(result.moves))
-            answers.update(repr((result.nodes, result.victims)).encode())
+        answers.update(text.encode())
+        if count is None:
+            why[text] = why.get(text, 0) + 1
         else:
-            why[str(result.why)] = why.get(str(result.why), 0) + 1
-            answers.update(str(result.why).encode())
+            moves.append(count)
     entry: dict[str, object] = {
         "decision": stats(decide_ms),
         "decision_other_clock": stats(other_ms),
@@ -259,47 +266,52 @@ def consolidation_probes(
 ) -> tuple[dict[str, object], str]:
     """Consolidation decisions (``plan_consolidation``: the search, the relocation of every moved pod
     and the engine put back) for probes that fit nowhere, and a digest of their plans."""
-    decide_ms, other_ms, moves, why, fit_anyway = [], [], [], {}, 0
-    by_shape: dict[str, list[float]] = {}
-    answers = hashlib.sha256()
-    for i in range(probes):
+
+    def probe(i: int) -> tuple[str, list[PendingPod]]:
         name, shape = PROBES[i % len(PROBES)]
+        uid = f"probe-consolidate-{i}"
         pod = PendingPod(
             rng.choice(NAMESPACES),
-            f"probe-consolidate-{i}",
-            f"probe-consolidate-{i}",
+            uid,
+            uid,
             shape(),
             priority=rng.randrange(5, 10),
             queue=rng.choice(QUEUES[:3]),
         )
-        decision = engine.place(pod)
-        if isinstance(decision, Placement):
-            engine.forget(pod.uid)
-            fit_anyway += 1
-            continue
-        start, start_other = clock(), other()
-        result = plan_consolidation(engine, pod)
-        decide_ms.append((clock() - start) * 1000)
-        other_ms.append((other() - start_other) * 1000)
-        by_shape.setdefault(name, []).append(decide_ms[-1])
+        return name, [pod]
+
+    def decide(pods: list[PendingPod]) -> tuple[int | None, str]:
+        result = plan_consolidation(engine, pods[0])
         if isinstance(result, Consolidation):
-            moves.append(len(result.moves))
-            answers.update(
-                repr((result.node, result.victims, [m.target.node for m in result.moves])).encode()
+            return len(result.moves), repr(
+                (result.node, result.victims, [m.target.node for m in result.moves])
             )
-        else:
-            why[str(result.why)] = why.get(str(result.why), 0) + 1
-            answers.update(str(result.why).encode())
-    entry: dict[str, object] = {
-        "decision": stats(decide_ms),
-        "decision_other_clock": stats(other_ms),
-        "with_plan": len(moves),
-        "mean_moves": round(sum(moves) / max(len(moves), 1), 2),
-        "without_plan": why,
-        "probes_that_fit_without": fit_anyway,
-        "decision_by_shape": {shape: stats(ms) for shape, ms in by_shape.items()},
-    }
-    return entry, answers.hexdigest()[:16]
+        return None, str(result.why)
+
+    return consolidation_rounds(engine, probes, probe=probe, decide=decide, clock=clock, other=other)
+
+
+def gang_consolidation_probes(
+    engine: Engine, probes: int, *, rng: random.Random, clock: Callable[[], float], other: Callable[[], float]
+) -> tuple[dict[str, object], str]:
+    """Consolidation decisions for gangs whose statement fails (``plan_gang_consolidation``)."""
+
+    def probe(i: int) -> tuple[str, list[PendingPod]]:
+        name, size, shape = GANG_MOVE_PROBES[i % len(GANG_MOVE_PROBES)]
+        priority, queue, namespace = rng.randrange(5, 10), rng.choice(QUEUES[:3]), rng.choice(NAMESPACES)
+        members = [
+            PendingPod(namespace, f"mgang-{i}-{m}", f"mgang-{i}-{m}", shape(), priority=priority, queue=queue)
+            for m in range(size)
+        ]
+        return name, members
+
+    def decide(pods: list[PendingPod]) -> tuple[int | None, str]:
+        result = plan_gang_consolidation(engine, pods, min_member=len(pods))
+        if isinstance(result, GangPreemption):
+            return len(result.moves), repr((result.nodes, result.victims))
+        return None, str(result.why)
+
+    return consolidation_rounds(engine, probes, probe=probe, decide=decide, clock=clock, other=other)
 
 
 def main() -> None:
