@@ -167,6 +167,27 @@ def gpus_of(engine: Engine, uid: str) -> list[str]:
     return [] if placement is None else [u for c in placement.containers for u in c.uuids]
 
 
+def victims_entry(
+    failed_ms: list[float],
+    decide_ms: list[float],
+    other_ms: list[float],
+    found: int,
+    victims: int,
+    fit_anyway: int,
+    by_shape: dict[str, list[float]],
+) -> dict[str, object]:
+    """The summary of one round of victim searches."""
+    return {
+        "failed_placement": stats(failed_ms),
+        "decision": stats(decide_ms),
+        "decision_other_clock": stats(other_ms),
+        "with_victims": found,
+        "mean_victims": round(victims / max(found, 1), 2),
+        "probes_that_fit_without": fit_anyway,
+        "decision_by_shape": {shape: stats(ms) for shape, ms in by_shape.items()},
+    }
+
+
 def gang_probes(
     engine: Engine, probes: int, *, rng: random.Random, clock: Callable[[], float], other: Callable[[], float]
 ) -> tuple[dict[str, object], str]:
@@ -199,16 +220,8 @@ def gang_probes(
         if result is not None:
             found += 1
             victims += len(result.victims)
-    entry: dict[str, object] = {
-        "failed_gang_statement": stats(failed_ms),
-        "decision": stats(decide_ms),
-        "decision_other_clock": stats(other_ms),
-        "with_victims": found,
-        "mean_victims": round(victims / max(found, 1), 2),
-        "probes_that_fit_without": fit_anyway,
-        "decision_by_shape": {shape: stats(ms) for shape, ms in by_shape.items()},
-    }
-    return entry, answers.hexdigest()[:16]
+    entry = victims_entry(failed_ms, decide_ms, other_ms, found, victims, fit_anyway, by_shape)
+    return {"failed_gang_statement": entry.pop("failed_placement"), **entry}, answers.hexdigest()[:16]
 
 
 def fit_now(engine: Engine, pods: list[PendingPod]) -> bool:
@@ -385,15 +398,7 @@ def main() -> None:
                 victims += len(result.victims)
         all_decisions.extend(decide_ms)
         all_other.extend(other_ms)
-        entry = {
-            "failed_placement": stats(failed_ms),
-            "decision": stats(decide_ms),
-            "decision_other_clock": stats(other_ms),
-            "with_victims": found,
-            "mean_victims": round(victims / max(found, 1), 2),
-            "probes_that_fit_without": fit_anyway,
-            "decision_by_shape": {shape: stats(ms) for shape, ms in by_shape.items()},
-        }
+        entry = victims_entry(failed_ms, decide_ms, other_ms, found, victims, fit_anyway, by_shape)
         summary[str(kind)] = entry
         print(f"{kind}: {entry}")
         sys.stdout.flush()

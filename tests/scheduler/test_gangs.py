@@ -175,6 +175,13 @@ def test_a_gang_times_out_once_after_its_pod_groups_timeout() -> None:
     assert not gangs.timed_out(key)
 
 
+async def wait_all_bound(client: AsyncClient, namespace: str, names: list[str]) -> None:
+    async def bound() -> bool:
+        return all([(await client.get(Pod, n, namespace=namespace)).spec.nodeName for n in names])
+
+    await wait_for(bound, timeout=30, what=f"{', '.join(names)} bound")
+
+
 def high_member(pool: Pool, name: str, group: str, priority: str) -> Pod:
     pod = whole_gpu_pod(pool, name, priority=priority)
     pod.metadata.labels = {**(pod.metadata.labels or {}), keys.POD_GROUP_LABEL: group}
@@ -197,11 +204,7 @@ async def test_a_high_priority_gang_evicts_a_victim_on_each_node_once_and_starts
         for i in range(2):
             await client.create(high_member(pool, f"g-{i}", "urgent", priorities["high"]))
 
-        async def gang_bound() -> bool:
-            pods = [await client.get(Pod, f"g-{i}", namespace=ns) for i in range(2)]
-            return all(p.spec.nodeName for p in pods)
-
-        await wait_for(gang_bound, timeout=30, what="both gang members bound")
+        await wait_all_bound(client, ns, ["g-0", "g-1"])
         members = [await client.get(Pod, f"g-{i}", namespace=ns) for i in range(2)]
         assert {p.spec.nodeName for p in members} == set(names)
         assert not any([await exists(client, ns, f"low-{i}") for i in range(2)])
@@ -261,11 +264,7 @@ async def test_a_budget_refusal_for_a_gang_moves_its_plan_to_other_victims(
         for i in range(2):
             await client.create(high_member(pool, f"g-{i}", "urgent", priorities["high"]))
 
-        async def gang_bound() -> bool:
-            pods = [await client.get(Pod, f"g-{i}", namespace=ns) for i in range(2)]
-            return all(p.spec.nodeName for p in pods)
-
-        await wait_for(gang_bound, timeout=30, what="both gang members bound")
+        await wait_all_bound(client, ns, ["g-0", "g-1"])
         assert await exists(client, ns, "protected")
         assert sorted(e.involvedObject.name for e in await events(client, ns, "Preempted")) == [
             "mid-0",
@@ -310,10 +309,7 @@ async def test_a_gang_of_fractions_gets_room_by_one_move_and_starts_whole(
         # The ReplicaSet controller's part: a replacement with the same template and owner.
         await client.create(fraction_pod(pool, "half-3", "0.5", movable_by=replicaset))
 
-        async def all_bound() -> bool:
-            return all([await node_of(client, ns, n) for n in ("g-0", "g-1", "half-3")])
-
-        await wait_for(all_bound, timeout=30, what="the gang and the replacement bound")
+        await wait_all_bound(client, ns, ["g-0", "g-1", "half-3"])
         gang_nodes = {await node_of(client, ns, f"g-{i}") for i in range(2)}
         assert names[2] in gang_nodes and len(gang_nodes) == 2
         assert await node_of(client, ns, "half-3") not in gang_nodes, (
