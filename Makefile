@@ -56,7 +56,7 @@ test: venv testenv
 
 # Every benchmark prints a one-line JSON summary last; results and commands are in docs/benchmarks.md.
 # BENCHES=... runs a subset, e.g. `make bench BENCHES="placement_speed usage_collect"`.
-BENCHES ?= placement_speed placement_memory preemption_speed usage_collect nri_create_latency scheduler_e2e trace_quality
+BENCHES ?= placement_speed placement_memory preemption_speed preemption_e2e usage_collect nri_create_latency scheduler_e2e trace_quality
 bench: venv testenv
 	@mkdir -p out/bench
 	@for b in $(BENCHES); do \

@@ -46,6 +46,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -417,21 +418,19 @@ async def baseline_round(
     return result
 
 
-async def scheduler_round(
-    cp: ControlPlane, client: AsyncClient, args: argparse.Namespace, *, workdir: Path, tag: str
-) -> dict[str, Any]:
-    """One burst placed and bound by ``gpufrac scheduler`` (started for it, as deployed), audited from the
-    API objects, its pods deleted afterwards."""
-    namespace = f"bench-{tag}"
-    await client.create(Namespace(metadata=ObjectMeta(name=namespace)))
+@contextlib.contextmanager
+def scheduler_process(
+    cp: ControlPlane, *, workdir: Path, tag: str, settings: dict[str, Any], profile: Path | None = None
+) -> Iterator[tuple[subprocess.Popen[bytes], int, dict[str, Any]]]:
+    """``gpufrac scheduler`` as deployed (its own process, leader election on) with ``settings`` on top
+    of the bench's: its process, its probe port, and (filled when it is stopped, by SIGTERM on leaving)
+    ``{"exit": its exit code, or "killed"}``. Its log is ``scheduler-<tag>.log`` in ``workdir``."""
     port = free_port()
-    config = workdir / "scheduler.yaml"
+    config = workdir / f"scheduler-{tag}.yaml"
     config.write_text(
         yaml.safe_dump(
             {
-                "policy": args.policy,
-                "bind_mode": args.bind_mode,
-                **({"bind_concurrency": args.bind_concurrency} if args.bind_concurrency else {}),
+                **settings,
                 "http_host": "127.0.0.1",
                 "http_port": port,
                 # Generous lease timing: on a shared machine a replica starved of CPU for 10 s
@@ -448,25 +447,44 @@ async def scheduler_round(
             }
         )
     )
-    log = open(workdir / f"scheduler-{tag}.log", "wb")  # noqa: SIM115 - closed below
     command = ["scheduler", "--config", str(config), "--kubeconfig", str(cp.kubeconfig)]
     start = (
-        [sys.executable, "-c", CPU_PROFILED, str(args.profile), *command]
-        if args.profile
-        else [
-            sys.executable,
-            "-m",
-            "gpufrac",
-            *command,
-        ]
+        [sys.executable, "-c", CPU_PROFILED, str(profile), *command]
+        if profile
+        else [sys.executable, "-m", "gpufrac", *command]
     )
-    proc = subprocess.Popen(
-        start,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
+    ended: dict[str, Any] = {}
+    with open(workdir / f"scheduler-{tag}.log", "wb") as log:
+        proc = subprocess.Popen(start, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            yield proc, port, ended
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                ended["exit"] = proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                ended["exit"] = "killed"
+
+
+async def scheduler_round(
+    cp: ControlPlane, client: AsyncClient, args: argparse.Namespace, *, workdir: Path, tag: str
+) -> dict[str, Any]:
+    """One burst placed and bound by ``gpufrac scheduler`` (started for it, as deployed), audited from the
+    API objects, its pods deleted afterwards."""
+    namespace = f"bench-{tag}"
+    await client.create(Namespace(metadata=ObjectMeta(name=namespace)))
+    settings = {
+        "policy": args.policy,
+        "bind_mode": args.bind_mode,
+        **({"bind_concurrency": args.bind_concurrency} if args.bind_concurrency else {}),
+    }
     result: dict[str, Any] = {}
-    try:
+    with scheduler_process(cp, workdir=workdir, tag=tag, settings=settings, profile=args.profile) as (
+        proc,
+        port,
+        ended,
+    ):
         await wait_leading(port, proc, timeout=max(120.0, args.nodes / 10))
         result["scheduler_rss_idle_mib"] = round(rss_mib(proc.pid)[0], 1)
         cp_before, scheduler_before = cpu_seconds(cp.pid), cpu_seconds(proc.pid)
@@ -492,14 +510,7 @@ async def scheduler_round(
         # What the deferred Events cost once written, charged to the same pods.
         result["scheduler_cpu_ms_per_pod_with_events"] = cpu_ms_per_pod(proc.pid, scheduler_before, args.pods)
         result["control_plane_cpu_ms_per_pod_with_events"] = cpu_ms_per_pod(cp.pid, cp_before, args.pods)
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            result["scheduler_exit"] = proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            result["scheduler_exit"] = "killed"
-        log.close()
+    result["scheduler_exit"] = ended["exit"]
 
     pods = [p async for p in client.list(Pod, namespace=namespace)]
     nodes = [n async for n in client.list(Node)]
