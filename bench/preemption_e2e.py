@@ -117,6 +117,19 @@ async def auditor(client: AsyncClient, every: float, found: list[str], count: li
         await asyncio.sleep(every)
 
 
+async def victim_events(
+    client: AsyncClient, reason: str, victims: int, *, timeout: float = 60.0
+) -> list[Event]:
+    """The ``reason`` Events of the namespace, once there are ``victims`` of them (the scheduler writes
+    them as it evicts, while the burst goes on) or ``timeout`` has passed."""
+    deadline = time.monotonic() + timeout
+    while True:
+        events = [e async for e in client.list(Event, namespace=NAMESPACE) if e.reason == reason]
+        if len(events) >= victims or time.monotonic() > deadline:
+            return events
+        await asyncio.sleep(0.5)
+
+
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     workdir = Path(tempfile.mkdtemp(prefix="gpufrac-bench-"))
     gpus = args.nodes * args.gpus
@@ -210,6 +223,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 result["scheduler_cpu_ms_per_burst_pod"] = cpu_ms_per_pod(
                     proc.pid, scheduler_before, args.burst
                 )
+                reason = "Reclaimed" if reclaim else "Preempted"
+                events = await victim_events(client, reason, len([p for p in gone if p.startswith("fill-")]))
+                result["victim_events_s"] = round(time.monotonic() - max(clock.bound_at.values()), 1)
             result["scheduler_exit"] = ended["exit"]
             watching.cancel()
             await asyncio.gather(watching, return_exceptions=True)
@@ -220,10 +236,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             result["burst_pods_per_s"] = round(args.burst / (last - first), 1)
             result["p50_ms"] = round(1000 * statistics.median(latencies), 1)
             result["p99_ms"] = round(1000 * percentile(latencies, 0.99), 1)
-            reason = "Reclaimed" if reclaim else "Preempted"
-            events = [e async for e in client.list(Event, namespace=NAMESPACE) if e.reason == reason]
-            per_victim = Counter(e.involvedObject.uid for e in events)
             victims = {p for p in gone if p.startswith("fill-")}
+            per_victim = Counter(e.involvedObject.uid for e in events)
             result["victims"] = len(victims)
             result["victim_events"] = len(events)
             result["victims_evicted_twice"] = sum(1 for n in per_victim.values() if n > 1)

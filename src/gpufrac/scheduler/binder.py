@@ -7,7 +7,11 @@ Two ways, one contract (``bind_mode``):
   the API server applies them together with ``nodeName`` in a single update, preconditioned on the
   pod's uid and the resourceVersion the decision was made on. There is no moment at which a pod has
   devices but no node, nothing to roll back, and half the API writes of the two-step form - which is
-  what the API server, the bottleneck of a burst, pays for.
+  what the API server, the bottleneck of a burst, pays for. A 409 whose pod, read back, differs from
+  the one placed only in its status (the scheduler's own PodScheduled condition or a preemptor's
+  nomination, written while the informer had not yet shown it) is bound once more on the version read:
+  what the placement was computed from is unchanged. Any other change is a 409 the scheduler looks at
+  again.
 - ``patch-then-bind``: the two-step form (docs/scheduler.md). The annotations are merge-patched
   with the pod's resourceVersion (a pod changed since is not annotated: 409, the scheduler looks again),
   then the Binding carries the version that patch returned, so exactly the annotated pod is bound. If
@@ -151,6 +155,20 @@ def _failed_bind(
     return BindResult(outcome, f"binding failed: {error}", reason)
 
 
+def _only_status_moved(pod: Pod, current: Pod | None) -> bool:
+    """Whether ``current`` is ``pod`` unbound and unchanged but for its status (and version): what the
+    placement was computed from (spec, labels, annotations) is what the API holds."""
+    if current is None or current.metadata.uid != pod.metadata.uid or current.metadata.deletionTimestamp:
+        return False
+    if current.spec is None or current.spec.nodeName:
+        return False
+    return (
+        current.spec == pod.spec
+        and (current.metadata.labels or {}) == (pod.metadata.labels or {})
+        and (current.metadata.annotations or {}) == (pod.metadata.annotations or {})
+    )
+
+
 def _error_reason(error: Exception) -> str:
     if isinstance(error, Conflict):
         return "conflict"
@@ -195,31 +213,39 @@ class Binder:
     ) -> BindResult:
         """One write: the Binding carries the annotations, applied with nodeName in one update."""
         meta = pod.metadata
-        if not self._fence():
-            return BindResult(Outcome.NOT_LEADER)
-        try:
-            await bind_pod(
-                self._client,
-                name=meta.name,
-                namespace=meta.namespace,
-                node=placement.node,
-                uid=meta.uid,
-                resource_version=meta.resourceVersion,
-                annotations=written,
-            )
-            return BindResult(Outcome.BOUND)
-        except NotFound as error:
-            return BindResult(Outcome.GONE, str(error), "not_found")
-        except (KubeError, httpx2.HTTPError, OSError) as error:
-            # The write may have happened and only its answer been lost: read the pod to know.
+        version = meta.resourceVersion
+        for attempt in range(2):
+            if not self._fence():
+                return BindResult(Outcome.NOT_LEADER)
             try:
-                with api_errors():
-                    current = await self._client.get(Pod, meta.name, namespace=meta.namespace)
-            except NotFound:
-                return BindResult(Outcome.GONE, str(error), _error_reason(error))
-            except (KubeError, httpx2.HTTPError, OSError):
-                current = None
-            return _failed_bind(error, current=current, pod=pod, placement=placement, written=written)
+                await bind_pod(
+                    self._client,
+                    name=meta.name,
+                    namespace=meta.namespace,
+                    node=placement.node,
+                    uid=meta.uid,
+                    resource_version=version,
+                    annotations=written,
+                )
+                return BindResult(Outcome.BOUND)
+            except NotFound as error:
+                return BindResult(Outcome.GONE, str(error), "not_found")
+            except (KubeError, httpx2.HTTPError, OSError) as error:
+                # The write may have happened and only its answer been lost: read the pod to know.
+                try:
+                    with api_errors():
+                        current = await self._client.get(Pod, meta.name, namespace=meta.namespace)
+                except NotFound:
+                    return BindResult(Outcome.GONE, str(error), _error_reason(error))
+                except (KubeError, httpx2.HTTPError, OSError):
+                    current = None
+                if attempt == 0 and isinstance(error, Conflict) and _only_status_moved(pod, current):
+                    # Our own status writes (the PodScheduled condition, a preemptor's nomination) move
+                    # the version the informer has not shown yet: the placement still describes the pod.
+                    version = current.metadata.resourceVersion  # type: ignore[union-attr]
+                    continue
+                return _failed_bind(error, current=current, pod=pod, placement=placement, written=written)
+        raise AssertionError("unreachable")  # pragma: no cover - the loop always returns
 
     async def _patch_then_bind(
         self, pod: Pod, *, placement: Placement, written: dict[str, str]
