@@ -9,6 +9,7 @@ disruption controller has processed it: an eviction of that pod is refused (429)
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 from lightkube import AsyncClient
 from lightkube.resources.core_v1 import Event, Pod
@@ -16,7 +17,12 @@ from lightkube.resources.policy_v1 import PodDisruptionBudget
 from sched_harness import Pool, add_nodes, audit_pool, condition, gpu_pod, running, wait_bound, wait_for
 
 from gpufrac.contract import keys
+from gpufrac.contract.request import ContainerGpuRequest, PodGpuRequest
 from gpufrac.local.simnodes import NodeShape
+from gpufrac.placement.decision import Placement, Unschedulable
+from gpufrac.placement.engine import Engine
+from gpufrac.placement.model import GpuDevice, NodeSpec, PendingPod
+from gpufrac.scheduler.preemption import Preemptions
 
 
 def whole_gpu_pod(pool: Pool, name: str, *, priority: str | None = None, queue: str | None = None) -> Pod:
@@ -181,3 +187,50 @@ async def test_a_burst_of_high_priority_pods_on_a_full_cluster_evicts_each_victi
         assert audits > 1
         left = [p.metadata.name async for p in client.list(Pod, namespace=ns)]
         assert sorted(left) == [f"high-{i}" for i in range(4)]
+
+
+def test_a_cycle_searches_for_victims_until_its_budget_is_spent_then_defers_the_rest() -> None:
+    """A burst of preemptors on a big cluster must not hold the event loop (lease renewals, binds) for
+    seconds: once a cycle's search budget is spent, its other pods wait for the next cycle, unreported;
+    the first search of a cycle always runs, so every pod gets its turn."""
+    engine = Engine(policy="binpack")
+    gpus = tuple(GpuDevice(f"g{i}", i, 16000) for i in range(2))
+    engine.add_node(NodeSpec(name="n", cpu_milli=64_000, memory_bytes=1 << 38, gpus=gpus))
+    whole = PodGpuRequest((ContainerGpuRequest("app", None, None, exclusive=True),))
+    for i in range(2):
+        low = PendingPod(namespace="ns", name=f"low-{i}", uid=f"low-{i}", gpu=whole, priority=0)
+        assert isinstance(engine.place(low), Placement)
+    spawned: list[str] = []
+
+    def spawn(coro: Any) -> None:
+        spawned.append(coro.cr_code.co_name)
+        coro.close()
+
+    preemptions = Preemptions(
+        client=None,  # type: ignore[arg-type]
+        engine=engine,
+        events=None,  # type: ignore[arg-type]
+        victim_pod=lambda uid: Pod.from_dict({"metadata": {"name": uid, "namespace": "ns", "uid": uid}}),
+        release=engine.forget,
+        place_now=lambda pod: None,
+        retry=lambda: None,
+        spawn=spawn,
+        search_budget_s=0.0,
+    )
+    high = [
+        PendingPod(namespace="ns", name=f"high-{i}", uid=f"high-{i}", gpu=whole, priority=10)
+        for i in range(2)
+    ]
+    nowhere = Unschedulable("x", 1, (("not enough whole free GPUs", 1),))
+    preemptions.new_cycle()
+    first = preemptions.consider(high[0], Pod.from_dict({"metadata": {"name": "high-0"}}), nowhere)
+    assert first is not None and "Preempting 1 pod(s) on node n" in first
+    assert preemptions.consider(high[1], Pod.from_dict({"metadata": {"name": "high-1"}}), nowhere) is None
+    assert preemptions.deferred == 1
+    # A pod with a plan of its own is always answered: its message says what it waits for.
+    again = preemptions.consider(high[0], Pod.from_dict({"metadata": {"name": "high-0"}}), nowhere)
+    assert again is not None and "Preempting" in again
+    preemptions.new_cycle()
+    second = preemptions.consider(high[1], Pod.from_dict({"metadata": {"name": "high-1"}}), nowhere)
+    assert second is not None and "Preempting 1 pod(s) on node n" in second
+    assert spawned == ["_execute", "_execute"]

@@ -85,6 +85,11 @@ REFUSAL_MEMORY_S = 60.0
 #: at each further miss up to the maximum. The search costs tens to hundreds of milliseconds in a full
 #: 8,000-GPU cluster (bench/preemption_speed.py) and a full cluster retries its parked pods on every
 #: change; the pod's own placement is still tried on every change.
+SEARCH_BUDGET_S = 0.1
+"""Most seconds one scheduling cycle spends searching for victims or moves. The cycle's other pods that
+fit nowhere are tried again in the next cycle, after the event loop has run: lease renewals, binds and
+watch events wait while a cycle runs, and a burst of 2,000 preemptors on a full 8,000-GPU cluster
+searched for seconds at a stretch until the scheduler lost its lease (bench/preemption_e2e.py)."""
 NO_PLAN_BACKOFF_S = 10.0
 NO_PLAN_BACKOFF_MAX_S = 160.0
 
@@ -138,6 +143,7 @@ class Preemptions:
         clock: Callable[[], float] = time.monotonic,
         preempt: bool = True,
         moves: MoveBudget | None = None,
+        search_budget_s: float = SEARCH_BUDGET_S,
     ) -> None:
         self._client = client
         self._engine = engine
@@ -163,9 +169,37 @@ class Preemptions:
         self._pruned_at = clock()
         self.evictions = 0
         self.moved = 0
+        self.deferred = 0
+        self._search_budget_s = search_budget_s
+        self._searched_s = 0.0
+        self._searched = False
 
-    def consider(self, pending: PendingPod, pod: Pod, decision: Unschedulable) -> str:
-        """The message to report for an unplaceable pod, after starting a preemption if one helps."""
+    def new_cycle(self) -> None:
+        """A scheduling cycle starts: its search budget is full again."""
+        self._searched_s = 0.0
+        self._searched = False
+
+    def consider(self, pending: PendingPod, pod: Pod, decision: Unschedulable) -> str | None:
+        """The message to report for an unplaceable pod, after starting a preemption if one helps; None
+        when this cycle's search budget is spent (try the pod again in the next cycle, unreported)."""
+        if pending.uid not in self._open and pending.gpu.containers and self._spent():
+            return None
+        started = time.perf_counter()
+        try:
+            return self._consider(pending, pod, decision)
+        finally:
+            self._searched_s += time.perf_counter() - started
+
+    def _spent(self) -> bool:
+        """Whether this cycle's budget is spent (one search per cycle always runs, so every pod gets
+        its turn however slow a search is)."""
+        if not self._searched or self._searched_s < self._search_budget_s:
+            self._searched = True
+            return False
+        self.deferred += 1
+        return True
+
+    def _consider(self, pending: PendingPod, pod: Pod, decision: Unschedulable) -> str:
         uid = pending.uid
         self._prune()
         nomination = self._open.get(uid)
@@ -200,10 +234,21 @@ class Preemptions:
             self._hold(nomination, [(pending, plan.placement)])
         return f"{decision.message} {self._waiting(nomination)}"
 
-    def consider_gang(self, key: str, members: list[tuple[PendingPod, Pod]], min_member: int) -> str:
+    def consider_gang(self, key: str, members: list[tuple[PendingPod, Pod]], min_member: int) -> str | None:
         """For a gang the engine could not place: start a preemption (or reclaim) that makes room for
         ``min_member`` of ``members`` together, if one does. Returns what to add to each member's
-        message ("" when nothing was started). ``key`` names the gang (it owns the victims)."""
+        message ("" when nothing was started; None when this cycle's search budget is spent, as for
+        ``consider``). ``key`` names the gang (it owns the victims)."""
+        keys = (key, *(p.uid for p, _ in members))
+        if not any(k in self._open for k in keys) and self._spent():
+            return None
+        started = time.perf_counter()
+        try:
+            return self._consider_gang(key, members, min_member)
+        finally:
+            self._searched_s += time.perf_counter() - started
+
+    def _consider_gang(self, key: str, members: list[tuple[PendingPod, Pod]], min_member: int) -> str:
         self._prune()
         nomination = next(
             (n for n in (self._open.get(k) for k in (key, *(p.uid for p, _ in members))) if n is not None),

@@ -507,6 +507,8 @@ class SchedulerService:
 
     def _schedule(self, batch: list[tuple[str, Pod]]) -> None:
         """One scheduling cycle: read and filter each pod, place the batch, bind or report each pod."""
+        if self.preemptions is not None:
+            self.preemptions.new_cycle()
         todo: list[tuple[PendingPod, Pod, PodGpuRequest]] = []
         for uid, queued in batch:
             pod = self.pods.store.get(object_key(queued))
@@ -582,7 +584,11 @@ class SchedulerService:
         ):
             self.queue.park(pod.metadata.uid, pod, queue=pending.queue)
         elif self.preemptions is not None:
-            self._unschedulable(pod, self.preemptions.consider(pending, pod, decision))
+            message = self.preemptions.consider(pending, pod, decision)
+            if message is None:  # this cycle's search budget is spent: the next cycle searches for it
+                self.queue.add(pending.uid, pod, queue=pending.queue)
+            else:
+                self._unschedulable(pod, message)
         else:
             self._unschedulable(pod, decision.message)
 
@@ -632,7 +638,7 @@ class SchedulerService:
             )
         except Exception as error:
             decisions = [error] * len(members)
-        note = ""
+        note: str | None = ""
         if any(isinstance(d, Placement) for d in decisions):
             self.gangs.placed(key)
         elif self.preemptions is not None and all(isinstance(d, Unschedulable) for d in decisions):
@@ -640,6 +646,10 @@ class SchedulerService:
                 note = self.preemptions.consider_gang(str(key), [(m[0], m[1]) for m in members], need)
             except Exception:  # a failed search must not cost the members their report
                 log.exception("preemption search for gang %s failed", key)
+            if note is None:  # this cycle's search budget is spent: the next cycle searches for it
+                for pending, pod, _ in members:
+                    self.queue.add(pending.uid, pod, queue=pending.queue)
+                return
         for (pending, pod, gpu), decision in zip(members, decisions, strict=True):
             self._apply(pending, pod, gpu, decision, gang=key, note=note)
 
