@@ -227,6 +227,8 @@ def test_a_cycle_searches_for_victims_until_its_budget_is_spent_then_defers_the_
     assert first is not None and "Preempting 1 pod(s) on node n" in first
     assert preemptions.consider(high[1], Pod.from_dict({"metadata": {"name": "high-1"}}), nowhere) is None
     assert preemptions.deferred == 1
+    # Deferred pods come back spread out by what a search cost, the first soonest.
+    assert 0 < preemptions.deferral_s() < preemptions.deferral_s()
     # A pod with a plan of its own is always answered: its message says what it waits for.
     again = preemptions.consider(high[0], Pod.from_dict({"metadata": {"name": "high-0"}}), nowhere)
     assert again is not None and "Preempting" in again

@@ -96,3 +96,15 @@ async def test_a_cancellation_that_arrives_with_a_pod_stops_the_wait_and_loses_n
         await waiting
     assert [k for k, _ in await q.next_batch(window=0, max_batch=10)] == ["p"]
     assert q.pending_by_queue() == {"default": 1}  # the parked pod is still parked
+
+
+async def test_a_deferred_pod_comes_back_after_its_delay_in_delay_order_without_a_failure() -> None:
+    q: SchedulingQueue[str] = SchedulingQueue(backoff_initial=0.05)
+    q.defer("later", "pod-later", queue="default", delay_s=0.2)
+    q.defer("sooner", "pod-sooner", queue="default", delay_s=0.05)
+    first = await asyncio.wait_for(q.next_batch(window=0, max_batch=10), timeout=2)
+    assert first == [("sooner", "pod-sooner")], "the one due first comes first, alone"
+    second = await asyncio.wait_for(q.next_batch(window=0, max_batch=10), timeout=2)
+    assert second == [("later", "pod-later")]
+    # Deferring is not failing: a bind failure afterwards still waits the first backoff step.
+    assert q.back_off("later", "pod-later", queue="default") == pytest.approx(0.05)

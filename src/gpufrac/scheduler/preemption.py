@@ -171,24 +171,42 @@ class Preemptions:
         self.moved = 0
         self.deferred = 0
         self._search_budget_s = search_budget_s
+        self._ours: set[str] = set()  # booked pods this scheduler placed (candidates it may evict)
         self._searched_s = 0.0
         self._searched = False
+        self._search_cost_s: float | None = None  # a moving average of one search
+        self._deferred_in_cycle = 0
 
     def new_cycle(self) -> None:
         """A scheduling cycle starts: its search budget is full again."""
         self._searched_s = 0.0
         self._searched = False
+        self._deferred_in_cycle = 0
+
+    def deferral_s(self) -> float:
+        """How long the next pod deferred in this cycle waits. Deferred pods come back spread by the
+        measured cost of a search, so each later cycle meets about as many of them as its budget can
+        search (placing all of them again every cycle cost more than the searches)."""
+        self._deferred_in_cycle += 1
+        return self._deferred_in_cycle * max(self._search_cost_s or 0.0, 0.001)
 
     def consider(self, pending: PendingPod, pod: Pod, decision: Unschedulable) -> str | None:
         """The message to report for an unplaceable pod, after starting a preemption if one helps; None
         when this cycle's search budget is spent (try the pod again in the next cycle, unreported)."""
-        if pending.uid not in self._open and pending.gpu.containers and self._spent():
+        if pending.uid in self._open or not pending.gpu.containers:
+            return self._consider(pending, pod, decision)  # answered without a search
+        if self._spent():
             return None
         started = time.perf_counter()
         try:
             return self._consider(pending, pod, decision)
         finally:
-            self._searched_s += time.perf_counter() - started
+            self._charge(time.perf_counter() - started)
+
+    def _charge(self, seconds: float) -> None:
+        self._searched_s += seconds
+        cost = self._search_cost_s
+        self._search_cost_s = seconds if cost is None else 0.8 * cost + 0.2 * seconds
 
     def _spent(self) -> bool:
         """Whether this cycle's budget is spent (one search per cycle always runs, so every pod gets
@@ -239,14 +257,15 @@ class Preemptions:
         ``min_member`` of ``members`` together, if one does. Returns what to add to each member's
         message ("" when nothing was started; None when this cycle's search budget is spent, as for
         ``consider``). ``key`` names the gang (it owns the victims)."""
-        keys = (key, *(p.uid for p, _ in members))
-        if not any(k in self._open for k in keys) and self._spent():
+        if any(k in self._open for k in (key, *(p.uid for p, _ in members))):
+            return self._consider_gang(key, members, min_member)  # answered from its open plan
+        if self._spent():
             return None
         started = time.perf_counter()
         try:
             return self._consider_gang(key, members, min_member)
         finally:
-            self._searched_s += time.perf_counter() - started
+            self._charge(time.perf_counter() - started)
 
     def _consider_gang(self, key: str, members: list[tuple[PendingPod, Pod]], min_member: int) -> str:
         self._prune()
@@ -323,6 +342,7 @@ class Preemptions:
         service must not release it); a preempting pod that is gone gives its plan up."""
         self._no_plan.pop(uid, None)
         self._refused.pop(uid, None)
+        self._ours.discard(uid)
         nomination = self._open.get(uid)
         if nomination is not None:
             self._close(uid, nomination)
@@ -470,8 +490,14 @@ class Preemptions:
             if now - when > REFUSAL_MEMORY_S:
                 del refused[victim]
         table = self._engine.pods
-        uids = (table.uid[s] for s in candidates.tolist())
-        not_ours = {v for v in uids if v is not None and self._victim_pod(v) is None}
+        not_ours = set()
+        for victim in (table.uid[s] for s in candidates.tolist()):
+            if victim is None or victim in self._ours:
+                continue
+            if self._victim_pod(victim) is None:
+                not_ours.add(victim)
+            else:
+                self._ours.add(victim)  # a pod's scheduler never changes: asked once per pod
         return set(self._victim_of) | set(refused) | not_ours
 
     def _close(self, uid: str, nomination: _Nomination) -> None:

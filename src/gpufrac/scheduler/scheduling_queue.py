@@ -101,6 +101,15 @@ class SchedulingQueue(Generic[T]):
         self._wake.set()
         return delay
 
+    def defer(self, key: str, item: T, *, queue: str, delay_s: float) -> None:
+        """Try ``key`` again after ``delay_s``, without counting a failure (work it needs was put off)."""
+        self._active.pop(key, None)
+        self._unschedulable.pop(key, None)
+        self._backoff[key] = _Entry(
+            item=item, queue=queue, failures=self._failures.get(key, 0), ready_at=time.monotonic() + delay_s
+        )
+        self._wake.set()
+
     def park(self, key: str, item: T, *, queue: str) -> None:
         """No node fits ``key`` now: keep it aside until the cluster changes."""
         self._active.pop(key, None)

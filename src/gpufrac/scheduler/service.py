@@ -585,8 +585,8 @@ class SchedulerService:
             self.queue.park(pod.metadata.uid, pod, queue=pending.queue)
         elif self.preemptions is not None:
             message = self.preemptions.consider(pending, pod, decision)
-            if message is None:  # this cycle's search budget is spent: the next cycle searches for it
-                self.queue.add(pending.uid, pod, queue=pending.queue)
+            if message is None:  # this cycle's search budget is spent: a later cycle searches for it
+                self.queue.defer(pending.uid, pod, queue=pending.queue, delay_s=self.preemptions.deferral_s())
             else:
                 self._unschedulable(pod, message)
         else:
@@ -646,9 +646,10 @@ class SchedulerService:
                 note = self.preemptions.consider_gang(str(key), [(m[0], m[1]) for m in members], need)
             except Exception:  # a failed search must not cost the members their report
                 log.exception("preemption search for gang %s failed", key)
-            if note is None:  # this cycle's search budget is spent: the next cycle searches for it
+            if note is None:  # this cycle's search budget is spent: a later cycle searches for it
+                delay = self.preemptions.deferral_s()
                 for pending, pod, _ in members:
-                    self.queue.add(pending.uid, pod, queue=pending.queue)
+                    self.queue.defer(pending.uid, pod, queue=pending.queue, delay_s=delay)
                 return
         for (pending, pod, gpu), decision in zip(members, decisions, strict=True):
             self._apply(pending, pod, gpu, decision, gang=key, note=note)
