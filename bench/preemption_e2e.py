@@ -219,7 +219,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     port, timeout=args.timeout
                 )
                 reason = "Reclaimed" if reclaim else "Preempted"
-                events = [e async for e in client.list(Event, namespace=NAMESPACE) if e.reason == reason]
+                every = [e async for e in client.list(Event, namespace=NAMESPACE)]
+                events = [e for e in every if e.reason == reason]
+                result["events_by_reason"] = dict(Counter(e.reason for e in every).most_common())
             result["scheduler_exit"] = ended["exit"]
             watching.cancel()
             await asyncio.gather(watching, return_exceptions=True)

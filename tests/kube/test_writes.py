@@ -317,3 +317,41 @@ async def test_a_binding_goes_out_as_the_clients_transport_says(
     assert refused.value.code == 403
     pod = await client.get(Pod, "p", namespace=namespace)
     assert pod.spec is not None and not pod.spec.nodeName
+
+
+async def test_a_full_queue_drops_a_held_routine_event_rather_than_a_warning(
+    client: AsyncClient, namespace: str
+) -> None:
+    """A burst's routine Events can fill the queue (a 16,000-pod fill's Scheduled ones, held while it
+    is bound); a preemption or a warning emitted then still gets written, in place of the oldest held."""
+    pod = await new_pod(client, namespace)
+    busy = True
+    recorder = EventRecorder(
+        client=client,
+        component="gpufrac-test",
+        instance="t1",
+        workers=1,
+        queue_size=2,
+        yield_to=lambda: busy,
+        max_hold_s=3600.0,
+    )
+    ref = ObjectRef(kind="Pod", namespace=namespace, name="p", uid=pod.metadata.uid)
+    for i in range(2):
+        recorder.emit(regarding=ref, type=NORMAL, reason="Scheduled", message=f"assigned {i}", yields=True)
+    recorder.emit(regarding=ref, type=NORMAL, reason="Scheduled", message="assigned 2", yields=True)
+    assert recorder.dropped == 1  # a routine one meeting a full queue is dropped
+    recorder.emit(regarding=ref, type=WARNING, reason="Preempted", message="evicted")
+    assert recorder.dropped == 2 and recorder.pending == 2
+    busy = False
+    task = asyncio.create_task(recorder.run())
+    try:
+        events: list[Event] = []
+        for _ in range(200):
+            events = [e async for e in client.list(Event, namespace=namespace)]
+            if len(events) >= 2:
+                break
+            await asyncio.sleep(0.05)
+        assert sorted(e.message for e in events) == ["assigned 1", "evicted"]
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)

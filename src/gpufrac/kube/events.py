@@ -2,7 +2,8 @@
 
 ``emit`` only enqueues: a scheduler that waited for an Event write per pod would halve its throughput.
 A few workers write the queue out; when the queue is full the Event is dropped and counted (client-go's
-broadcaster drops too: Events are for people, the pod's condition is the record machines read).
+broadcaster drops too: Events are for people, the pod's condition is the record machines read), except
+that an Event that does not yield (a warning, a preemption) takes the place of the oldest one held back.
 
 Routine Events yield to the work they describe: an Event emitted with ``yields`` (the scheduler's
 ``Scheduled``, one per pod) waits while ``yield_to`` answers True (the scheduler passes "a burst is being
@@ -116,7 +117,10 @@ class EventRecorder:
         """Queue an Event; with ``yields`` it waits while ``yield_to`` answers True (module docstring)."""
         if len(self._urgent) + len(self._deferred) >= self._queue_size:
             self.dropped += 1
-            return
+            if yields or not self._deferred:
+                return
+            # A warning or a preemption Event does not lose to a routine one: the oldest held one goes.
+            self._deferred.popleft()
         pending = _Pending(
             regarding=regarding,
             type=type,
