@@ -53,6 +53,7 @@ import numpy as np
 from gpufrac.contract.request import ComputeMode
 
 from .decision import Placement
+from .demand import Demand
 from .engine import Engine
 from .filters import resource_fit
 from .model import PendingPod, QueueResource
@@ -232,11 +233,11 @@ def find_victims(
     if slots.size == 0:
         return None
 
-    def first_fitting(order: _CostOrder) -> Preemption | None:
+    def first_fitting(order: _CostOrder, *, stop: int | None = None) -> Preemption | None:
         """Sets in cost order, tried a chunk at a time: the first chunk holding a fitting set holds the
-        best one, and on a big cluster the first chunk usually does."""
+        best one, and on a big cluster the first chunk usually does. ``stop``: try no set past it."""
         at, chunk = 0, _FIRST_CHUNK
-        while at < order.size:
+        while at < (order.size if stop is None else min(order.size, stop)):
             part = order.rows(at, at + chunk)
             ok = fits(part)
             if ok.any():
@@ -260,7 +261,16 @@ def find_victims(
     for container, mask in zip(demand.containers, now.masks, strict=True):
         alone &= mask.sum(axis=1)[at] + touched >= container.count
     single = slots[alone]
-    found = first_fitting(_CostOrder(engine, _Candidates(table.node[single], single[:, None])))
+    found = first_fitting(
+        _CostOrder(engine, _Candidates(table.node[single], single[:, None])), stop=_FIRST_CHUNK
+    )
+    if found is None and single.size > _FIRST_CHUNK:
+        # The first chunk held no answer: before trying the rest, drop the victims after whose leaving,
+        # even with their own memory given back, fewer of the node's GPUs hold what a device needs than
+        # a container asks (on a full cluster of equal pods no one victim frees a GPU, and every single
+        # victim would be tried). Only sets that cannot fit go, so the first fitting one is unchanged.
+        single = single[_may_free_alone(engine, demand, single)]
+        found = first_fitting(_CostOrder(engine, _Candidates(table.node[single], single[:, None])))
     if found is not None:
         return found
 
@@ -318,6 +328,21 @@ def find_victims(
             return found
         size += 1
     return None
+
+
+def _may_free_alone(engine: Engine, demand: Demand, slots: np.ndarray) -> np.ndarray:
+    """Per victim slot: whether, with its memory given back, its node has as many GPUs holding what one
+    device of each container needs as the container asks (memory only: a necessary condition)."""
+    table, st = engine.pods, engine.state
+    on = table.node[slots]
+    cap = st.cap[on]
+    after = st.free[on].copy()
+    cols = min(after.shape[1], table.req.shape[1])
+    after[:, :cols] += table.req[slots, :cols]
+    ok = np.ones(slots.size, dtype=bool)
+    for container in demand.containers:
+        ok &= ((cap > 0) & (after >= container.request_mib(cap))).sum(axis=1) >= container.count
+    return ok
 
 
 @cache
