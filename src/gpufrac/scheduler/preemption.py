@@ -81,15 +81,15 @@ HOLD_PREFIX = "consolidation-hold/"
 
 #: How long a victim a disruption budget refused stays aside for the pod that wanted it.
 REFUSAL_MEMORY_S = 60.0
+#: Most seconds one scheduling cycle spends searching for victims or moves. The cycle's other pods that
+#: fit nowhere are tried again in a later cycle, after the event loop has run: lease renewals, binds and
+#: watch events wait while a cycle runs, and a burst of 2,000 preemptors on a full 8,000-GPU cluster
+#: searched for seconds at a stretch until the scheduler lost its lease (bench/preemption_e2e.py).
+SEARCH_BUDGET_S = 0.1
 #: After a consolidation search found no plan for a pod, it is not searched again for this long, doubled
 #: at each further miss up to the maximum. The search costs tens to hundreds of milliseconds in a full
 #: 8,000-GPU cluster (bench/preemption_speed.py) and a full cluster retries its parked pods on every
 #: change; the pod's own placement is still tried on every change.
-SEARCH_BUDGET_S = 0.1
-"""Most seconds one scheduling cycle spends searching for victims or moves. The cycle's other pods that
-fit nowhere are tried again in the next cycle, after the event loop has run: lease renewals, binds and
-watch events wait while a cycle runs, and a burst of 2,000 preemptors on a full 8,000-GPU cluster
-searched for seconds at a stretch until the scheduler lost its lease (bench/preemption_e2e.py)."""
 NO_PLAN_BACKOFF_S = 10.0
 NO_PLAN_BACKOFF_MAX_S = 160.0
 
@@ -158,14 +158,12 @@ class Preemptions:
         self._preempt = preempt
         self._moves = moves
         self._retry_armed = False
-        self._open: dict[
-            str, _Nomination
-        ] = {}  # by the preempting pod's uid (a gang's: its key, each member's uid)
+        # By the preempting pod's uid; a gang's plan by the gang's key and each member's uid.
+        self._open: dict[str, _Nomination] = {}
         self._victim_of: dict[str, str] = {}  # victim uid -> the owner key of its nomination
         self._refused: dict[str, dict[str, float]] = {}  # pod uid or gang key -> victim uid -> when
-        self._no_plan: dict[
-            str, tuple[float, float, str]
-        ] = {}  # pod uid or gang key -> (again at, delay, why)
+        # Pod uid or gang key -> (search again at, delay, why).
+        self._no_plan: dict[str, tuple[float, float, str]] = {}
         self._pruned_at = clock()
         self.evictions = 0
         self.moved = 0
@@ -193,20 +191,24 @@ class Preemptions:
     def consider(self, pending: PendingPod, pod: Pod, decision: Unschedulable) -> str | None:
         """The message to report for an unplaceable pod, after starting a preemption if one helps; None
         when this cycle's search budget is spent (try the pod again in the next cycle, unreported)."""
-        if pending.uid in self._open or not pending.gpu.containers:
-            return self._consider(pending, pod, decision)  # answered without a search
+        answered = pending.uid in self._open or not pending.gpu.containers
+        return self._within_budget(answered, lambda: self._consider(pending, pod, decision))
+
+    def _within_budget(self, answered: bool, search: Callable[[], str]) -> str | None:
+        """``search()``, timed against this cycle's budget; None when the budget is spent. ``answered``:
+        no search is needed (an open plan answers), so neither the budget nor the clock applies."""
+        if answered:
+            return search()
         if self._spent():
             return None
         started = time.perf_counter()
         try:
-            return self._consider(pending, pod, decision)
+            return search()
         finally:
-            self._charge(time.perf_counter() - started)
-
-    def _charge(self, seconds: float) -> None:
-        self._searched_s += seconds
-        cost = self._search_cost_s
-        self._search_cost_s = seconds if cost is None else 0.8 * cost + 0.2 * seconds
+            seconds = time.perf_counter() - started
+            self._searched_s += seconds
+            cost = self._search_cost_s
+            self._search_cost_s = seconds if cost is None else 0.8 * cost + 0.2 * seconds
 
     def _spent(self) -> bool:
         """Whether this cycle's budget is spent (one search per cycle always runs, so every pod gets
@@ -257,15 +259,8 @@ class Preemptions:
         ``min_member`` of ``members`` together, if one does. Returns what to add to each member's
         message ("" when nothing was started; None when this cycle's search budget is spent, as for
         ``consider``). ``key`` names the gang (it owns the victims)."""
-        if any(k in self._open for k in (key, *(p.uid for p, _ in members))):
-            return self._consider_gang(key, members, min_member)  # answered from its open plan
-        if self._spent():
-            return None
-        started = time.perf_counter()
-        try:
-            return self._consider_gang(key, members, min_member)
-        finally:
-            self._charge(time.perf_counter() - started)
+        answered = any(k in self._open for k in (key, *(p.uid for p, _ in members)))
+        return self._within_budget(answered, lambda: self._consider_gang(key, members, min_member))
 
     def _consider_gang(self, key: str, members: list[tuple[PendingPod, Pod]], min_member: int) -> str:
         self._prune()
