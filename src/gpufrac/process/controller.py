@@ -221,11 +221,13 @@ async def serve(
     """Connect, build the controller (anything with ``run()``) and run it until SIGTERM/SIGINT (exit code
     0) or a failure such as a lost lease (1)."""
     from gpufrac.kube.client import connect
+    from gpufrac.process.heap import tune_collector
     from gpufrac.process.signals import run_until_signal
 
     client = connect(kubeconfig=kubeconfig, field_manager=field_manager)
     try:
         controller = build(client)
+        tune_collector()  # after the imports and the build: what is alive now lives as long as the process
         return await run_until_signal(controller.run(), name=name, expected=(LeadershipLost,))
     finally:
         await client.close()
