@@ -38,7 +38,7 @@ from .typical import TypicalSet, TypicalSource
 class Shapes:
     """Typical-pod arrays for a set of nodes: per-node share needs and per-pod constants."""
 
-    need: np.ndarray  # (D, K) thousandths of a GPU per device of k on each node's GPUs
+    need: np.ndarray  # (D, K) thousandths of a GPU per device of k; (1, K) when the nodes' GPUs are alike
     count: np.ndarray  # (K,)
     cpu: np.ndarray  # (K,)
     access: np.ndarray  # (D, K) k wants a GPU and may use this node's model
@@ -49,8 +49,8 @@ class Shapes:
 def shapes_for(state: ClusterState, typical: TypicalSet, nodes: np.ndarray) -> Shapes:
     caps = reference_cap(state, nodes).tolist()
     first = caps[0] if caps else 0
-    if all(c == first for c in caps):
-        need = np.broadcast_to(typical.need(first), (len(caps), len(typical.pods)))
+    if caps.count(first) == len(caps):
+        need = typical.need(first)[None, :]  # one row that broadcasts over the nodes (the common case)
     else:
         need = np.stack([typical.need(c) for c in caps])
     modes = typical._memo.get("mode")
@@ -80,12 +80,22 @@ def fragments(
     return _fragments(fm, cpu, shapes, _usable(fm, mode, shapes), joint=joint)
 
 
+def _terms(fm: np.ndarray, usable: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(total free (D,), room usable by k (D, K), GPUs usable by k (D, K)): the sums a fragment is made of."""
+    return fm.sum(axis=1), (fm[:, :, None] * usable).sum(axis=1), usable.sum(axis=1)
+
+
 def _fragments(
-    fm: np.ndarray, cpu: np.ndarray, shapes: Shapes, usable: np.ndarray, *, joint: bool = False
+    fm: np.ndarray,
+    cpu: np.ndarray,
+    shapes: Shapes,
+    usable: np.ndarray,
+    *,
+    joint: bool = False,
+    terms: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
 ) -> np.ndarray:
-    total = fm.sum(axis=1)
-    room = (fm[:, :, None] * usable).sum(axis=1)
-    runs = shapes.access & (usable.sum(axis=1) >= shapes.count) & (cpu[:, None] >= shapes.cpu)
+    total, room, count = _terms(fm, usable) if terms is None else terms
+    runs = shapes.access & (count >= shapes.count) & (cpu[:, None] >= shapes.cpu)
     if joint:
         room = _host_limited(room, _gpu_copies(fm, usable, shapes).sum(axis=1), _host_copies(cpu, shapes))
     return np.where(runs, total[:, None] - room, total[:, None])
@@ -204,10 +214,13 @@ class Fgd:
         shapes = shapes_for(state, typical, nodes)
         usable = _usable(fm, mode, shapes)
         joint = self._every_pod or (self.joint in ("cpu-only", "auto") and not demand.wants_gpu)
-        before = _fragments(fm, cpu, shapes, usable, joint=joint)
+        terms = _terms(fm, usable)
+        before = _fragments(fm, cpu, shapes, usable, joint=joint, terms=terms)
         single = demand.single
         if single is not None and single.count == 1 and not single.exclusive:
-            return self._single_gpu_deltas(state, demand, fit, fm, usable, cpu, shapes, before, joint=joint)
+            return self._single_gpu_deltas(
+                state, demand, fit, fm, usable, cpu, shapes, before, terms, joint=joint
+            )
         fm_after, mode_after = fm.copy(), mode.copy()
         for i, c in enumerate(demand.containers):
             chosen = _first_fitting(fm_after, fit.masks[i], c.count, exclusive=c.exclusive)
@@ -232,6 +245,7 @@ class Fgd:
         cpu: np.ndarray,
         shapes: Shapes,
         before: np.ndarray,
+        terms: tuple[np.ndarray, np.ndarray, np.ndarray],
         *,
         joint: bool,
     ) -> tuple[np.ndarray, np.ndarray]:
@@ -242,9 +256,7 @@ class Fgd:
         fa = free_after * 1000 // np.maximum(cap, 1)  # (D, G) free room of g after the pod lands on it
         code = MODE_CODE[c.mode]
         usable_after = (fa[:, :, None] >= shapes.need[:, None, :]) & (shapes.mode[None, None, :] == code)
-        total = fm.sum(axis=1)
-        room = (fm[:, :, None] * usable).sum(axis=1)  # (D, K)
-        count = usable.sum(axis=1)  # (D, K)
+        total, room, count = terms  # before the pod: (D,), (D, K), (D, K)
         total_after = total[:, None] - (fm - fa)  # (D, G)
         room_after = room[:, None, :] - fm[:, :, None] * usable + fa[:, :, None] * usable_after
         count_after = count[:, None, :] - usable + usable_after
