@@ -9,20 +9,23 @@ disruption controller has processed it: an eviction of that pod is refused (429)
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 from typing import Any
 
 from lightkube import AsyncClient
 from lightkube.resources.core_v1 import Event, Pod
 from lightkube.resources.policy_v1 import PodDisruptionBudget
+from lightkube.types import PatchType
 from sched_harness import Pool, add_nodes, audit_pool, condition, gpu_pod, running, wait_bound, wait_for
 
 from gpufrac.contract import keys
-from gpufrac.contract.request import ContainerGpuRequest, PodGpuRequest
+from gpufrac.contract.request import ComputeMode, ContainerGpuRequest, GpuMemory, PodGpuRequest
 from gpufrac.local.simnodes import NodeShape
 from gpufrac.placement.decision import Placement, Unschedulable
 from gpufrac.placement.engine import Engine
 from gpufrac.placement.model import GpuDevice, NodeSpec, PendingPod
-from gpufrac.scheduler.preemption import Preemptions
+from gpufrac.placement.state import TIME_SLICING
+from gpufrac.scheduler.preemption import HOLD_PREFIX, Preemptions
 
 
 def whole_gpu_pod(pool: Pool, name: str, *, priority: str | None = None, queue: str | None = None) -> Pod:
@@ -189,6 +192,60 @@ async def test_a_burst_of_high_priority_pods_on_a_full_cluster_evicts_each_victi
         assert sorted(left) == [f"high-{i}" for i in range(4)]
 
 
+async def test_a_restarted_scheduler_waits_for_the_victims_of_the_plan_made_before_it(
+    client: AsyncClient, pool: Pool, priorities: dict[str, str]
+) -> None:
+    """The first scheduler evicts low-a for high and nominates low-a's node; a finalizer keeps low-a
+    terminating while the scheduler is replaced. The second must evict nobody else (low-b would do, on
+    the other node) and place high on the nominated node once low-a is gone."""
+    await add_nodes(client, pool, count=2, shape=NodeShape(gpus=1))
+    ns = pool.namespace
+    low_a = whole_gpu_pod(pool, "low-a", priority=priorities["low"])
+    low_a.metadata.finalizers = ["gpufrac.test/keep"]
+    async with running(client, pool.config(), identity="first") as first:
+        await client.create(low_a)
+        await client.create(whole_gpu_pod(pool, "low-b", priority=priorities["mid"]))
+        await wait_bound(client, ns, 2, timeout=20)
+        await client.create(whole_gpu_pod(pool, "high", priority=priorities["high"]))
+
+        async def evicted_and_nominated() -> bool:
+            victim = await client.get(Pod, "low-a", namespace=ns)
+            high = await client.get(Pod, "high", namespace=ns)
+            return victim.metadata.deletionTimestamp is not None and bool(
+                high.status and high.status.nominatedNodeName
+            )
+
+        await wait_for(evicted_and_nominated, timeout=30, what="low-a evicted and high nominated")
+        assert first.preemptions is not None and first.preemptions.evictions == 1
+    node_a = (await client.get(Pod, "low-a", namespace=ns)).spec.nodeName
+    high_uid = (await client.get(Pod, "high", namespace=ns)).metadata.uid
+    async with running(client, pool.config(), identity="second") as second:
+        preemptions = second.preemptions
+        assert preemptions is not None
+
+        async def plan_taken_up() -> bool:
+            return preemptions.open_plan(high_uid) is not None
+
+        await wait_for(plan_taken_up, timeout=30, what="the second scheduler waiting on the first's plan")
+        plan = preemptions.open_plan(high_uid)
+        assert plan is not None and plan.victims == (
+            (await client.get(Pod, "low-a", namespace=ns)).metadata.uid,
+        )
+        await client.patch(
+            Pod, "low-a", {"metadata": {"finalizers": None}}, namespace=ns, patch_type=PatchType.MERGE
+        )
+
+        async def high_bound() -> bool:
+            return bool((await client.get(Pod, "high", namespace=ns)).spec.nodeName)
+
+        await wait_for(high_bound, timeout=30, what="the high-priority pod bound")
+        assert (await client.get(Pod, "high", namespace=ns)).spec.nodeName == node_a
+        assert await exists(client, ns, "low-b")
+        assert preemptions.evictions == 0
+        assert [e.involvedObject.name for e in await events(client, ns, "Preempted")] == ["low-a"]
+        assert (await audit_pool(client, pool)).ok
+
+
 def test_a_cycle_searches_for_victims_until_its_budget_is_spent_then_defers_the_rest() -> None:
     """A burst of preemptors on a big cluster must not hold the event loop (lease renewals, binds) for
     seconds: once a cycle's search budget is spent, its other pods wait for the next cycle, unreported;
@@ -236,3 +293,138 @@ def test_a_cycle_searches_for_victims_until_its_budget_is_spent_then_defers_the_
     second = preemptions.consider(high[1], Pod.from_dict({"metadata": {"name": "high-1"}}), nowhere)
     assert second is not None and "Preempting 1 pod(s) on node n" in second
     assert spawned == ["_execute", "_execute"]
+
+
+def _whole() -> PodGpuRequest:
+    return PodGpuRequest((ContainerGpuRequest("app", None, None, exclusive=True),))
+
+
+def _mib(mib: int) -> PodGpuRequest:
+    return PodGpuRequest((ContainerGpuRequest("app", GpuMemory(mib=mib), None),))
+
+
+def _one_gpu_nodes(pods: dict[str, list[tuple[str, PodGpuRequest, int]]]) -> Engine:
+    """One node of one 16,000 MiB GPU per key, holding its (uid, request, priority) pods."""
+    engine = Engine(policy="binpack")
+    for name, held in pods.items():
+        gpu = GpuDevice(f"{name}-gpu", 0, 16000)
+        engine.add_node(NodeSpec(name=name, cpu_milli=64_000, memory_bytes=1 << 38, gpus=(gpu,)))
+        for uid, gpu_request, priority in held:
+            pod = PendingPod(namespace="ns", name=uid, uid=uid, gpu=gpu_request, priority=priority)
+            placed = engine.place(replace(pod, nominated_node=name))
+            assert isinstance(placed, Placement) and placed.node == name
+    return engine
+
+
+def _preemptions(engine: Engine, spawned: list[str], placed_now: list[Pod]) -> Preemptions:
+    def spawn(coro: Any) -> None:
+        spawned.append(coro.cr_code.co_name)
+        coro.close()
+
+    return Preemptions(
+        client=None,  # type: ignore[arg-type]
+        engine=engine,
+        events=None,  # type: ignore[arg-type]
+        victim_pod=lambda uid: Pod.from_dict({"metadata": {"name": uid, "namespace": "ns", "uid": uid}}),
+        release=engine.forget,
+        place_now=placed_now.append,
+        retry=lambda: None,
+        spawn=spawn,
+    )
+
+
+def _nominated(name: str, node: str | None) -> Pod:
+    return Pod.from_dict(
+        {"metadata": {"name": name, "namespace": "ns", "uid": name}, "status": {"nominatedNodeName": node}}
+    )
+
+
+NOWHERE = Unschedulable("high", 2, (("not enough whole free GPUs", 2),))
+
+
+def test_the_free_part_of_a_preemptors_room_is_held_while_its_victim_leaves() -> None:
+    """A whole-GPU pod evicts a half-GPU pod: the other half, free already, is held for it, so a small
+    pod arriving while the victim terminates goes elsewhere instead of taking it and being preempted in
+    its turn (no thrash)."""
+    engine = _one_gpu_nodes({"n": [("low", _mib(8000), 0)], "m": [("keep", _whole(), 100)]})
+    engine.add_node(
+        NodeSpec(
+            name="spare", cpu_milli=64_000, memory_bytes=1 << 38, gpus=(GpuDevice("spare-gpu", 0, 8000),)
+        )
+    )
+    spawned: list[str] = []
+    placed_now: list[Pod] = []
+    preemptions = _preemptions(engine, spawned, placed_now)
+    high = PendingPod(namespace="ns", name="high", uid="high", gpu=_whole(), priority=10)
+    message = preemptions.consider(high, _nominated("high", None), NOWHERE)
+    assert message is not None and "Preempting 1 pod(s) on node n: ns/low." in message
+    assert spawned == ["_execute"]
+    hold = engine.placement_of(f"{HOLD_PREFIX}high")
+    assert hold is not None and hold.node == "n"
+    assert [d.request_mib for c in hold.containers for d in c.devices] == [8000]
+    # binpack would put a 4,000 MiB pod on the fuller GPU, n's; the hold sends it to the spare node.
+    small = engine.place(PendingPod(namespace="ns", name="small", uid="small", gpu=_mib(4000)))
+    assert isinstance(small, Placement) and small.node == "spare"
+    assert preemptions.deleted("low")
+    assert placed_now == [placed_now[0]] and placed_now[0].metadata.name == "high"
+    assert engine.placement_of(f"{HOLD_PREFIX}high") is None
+    placed = engine.place(high)
+    assert isinstance(placed, Placement) and placed.node == "n"
+
+
+def test_after_a_restart_a_nominated_pod_waits_for_the_leaving_pods_instead_of_a_new_victim() -> None:
+    """The scheduler before this one evicted two pods on node n for ``high`` and set its
+    nominatedNodeName; they are still terminating. A fresh scheduler must not pick a new victim (one
+    pod on m would be the cheaper plan): it files the old plan again and places ``high`` on n first
+    when they are gone."""
+    engine = _one_gpu_nodes(
+        {"n": [("low-1", _mib(8000), 0), ("low-2", _mib(8000), 0)], "m": [("other", _whole(), 0)]}
+    )
+    spawned: list[str] = []
+    placed_now: list[Pod] = []
+    preemptions = _preemptions(engine, spawned, placed_now)
+    for uid in ("low-1", "low-2"):
+        preemptions.leaving(uid)
+    high = PendingPod(namespace="ns", name="high", uid="high", gpu=_whole(), priority=10)
+    message = preemptions.consider(high, _nominated("high", "n"), NOWHERE)
+    assert message is not None and "Preempting 2 pod(s) on node n" in message
+    assert spawned == [], "nothing is evicted again"
+    plan = preemptions.open_plan("high")
+    assert plan is not None and sorted(plan.victims) == ["low-1", "low-2"]
+    assert preemptions.deleted("low-1") and placed_now == []
+    assert preemptions.deleted("low-2")
+    assert [p.metadata.name for p in placed_now] == ["high"]
+    assert preemptions.open_plan("high") is None
+    assert engine.placement_of("other") is not None
+
+
+def test_a_nominated_pod_whose_leaving_neighbours_are_not_enough_searches_as_usual() -> None:
+    """Only half of n's GPU is leaving and the other half belongs to a pod it may not evict: waiting
+    would never be enough, so the usual search runs (and takes the pod on m)."""
+    engine = _one_gpu_nodes(
+        {"n": [("low", _mib(8000), 0), ("keep", _mib(8000), 100)], "m": [("other", _whole(), 0)]}
+    )
+    spawned: list[str] = []
+    preemptions = _preemptions(engine, spawned, [])
+    preemptions.leaving("low")
+    high = PendingPod(namespace="ns", name="high", uid="high", gpu=_whole(), priority=10)
+    message = preemptions.consider(high, _nominated("high", "n"), NOWHERE)
+    assert message is not None and "Preempting 1 pod(s) on node m: ns/other." in message
+    assert spawned == ["_execute"]
+
+
+def test_a_preemptor_of_another_mode_gets_the_gpu_in_its_mode_once_the_victim_and_the_hold_are_gone() -> None:
+    """An sm-sharing pod evicts a time-slicing pod from half a GPU: the free half is held while the
+    GPU keeps its time-slicing mode; once the victim is gone the pod gets the GPU in its own mode."""
+    engine = _one_gpu_nodes({"n": [("low", _mib(8000), 0)]})
+    placed_now: list[Pod] = []
+    preemptions = _preemptions(engine, [], placed_now)
+    sm = PodGpuRequest((ContainerGpuRequest("app", GpuMemory(mib=12000), None, mode=ComputeMode.SM_SHARING),))
+    high = PendingPod(namespace="ns", name="high", uid="high", gpu=sm, priority=10)
+    message = preemptions.consider(high, _nominated("high", None), NOWHERE)
+    assert message is not None and "Preempting 1 pod(s) on node n: ns/low." in message
+    [gpu] = engine.ledger("n")
+    assert (gpu.free_mib, gpu.mode) == (0, TIME_SLICING)
+    assert preemptions.deleted("low") and [p.metadata.name for p in placed_now] == ["high"]
+    placed = engine.place(high)
+    assert isinstance(placed, Placement) and placed.containers[0].mode is ComputeMode.SM_SHARING

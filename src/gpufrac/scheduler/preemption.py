@@ -11,10 +11,17 @@ the pod, ``Preempted`` or ``Reclaimed`` on each victim).
 
 No thrash. The victims stay booked in the engine while they terminate (they still hold their GPUs;
 booking them off early would let another pod bind onto memory still in use), and a victim that is
-gone keeps its booking until the last victim of the plan is gone too. Then, in the same event
-handler, the victims are released and the preempting pod is placed, before any other pod is
-considered: no pod, a victim's replacement included, can take the room in between, so nothing is
-placed where it would be preempted again at once.
+gone keeps its booking until the last victim of the plan is gone too. The rest of the pod's room,
+memory on its GPUs that is free already, is held for it in the engine (a booking of no pod,
+``HOLD_PREFIX`` and the pod's uid). Then, in the same event handler, the victims are released, the
+hold is given back and the preempting pod is placed, before any other pod is considered: no pod, a
+victim's replacement included, can take the room in between, so nothing is placed where it would be
+preempted again at once.
+
+A restart (or a new leader) loses these books, not the plan: the victims are still terminating and
+the pod still carries ``status.nominatedNodeName``. When the pods leaving that node free enough room
+for it, the new scheduler files the plan again (``_resume``: no eviction is repeated, the room is held,
+the pod is placed first when they are gone) instead of choosing new victims.
 
 Only pods this scheduler placed (or booked as its own) are candidates: a pod bound by another
 scheduler is not ours to evict.
@@ -23,9 +30,8 @@ Consolidation (``gpufrac.placement.consolidation``) is tried when neither preemp
 a plan (or preemption is off): movable pods are evicted the same way (dry run, budgets, Events:
 ``Moved`` on each, ``Consolidating`` on the pending pod, the nomination), and their controllers
 recreate them and the replacements are placed like any pod. The same no-thrash rule keeps them off
-the room the moved pods leave; the rest of the pending pod's room, memory on its GPUs that is free
-already, is held for it in the engine (a booking of no pod, ``HOLD_PREFIX`` and the pod's uid) until it
-is placed, so that a replacement arriving while the moved pods terminate cannot take it. A
+the room the moved pods leave, and the hold keeps a replacement arriving while the moved pods
+terminate off the rest of the room. A
 ``MoveBudget`` bounds the moves per minute: a plan it cannot pay for now is not started, the pod's
 message says so, and the pod is tried again when the bucket has refilled.
 
@@ -76,8 +82,8 @@ PREEMPTION_BLOCKED = "PreemptionBlocked"
 VICTIM_REASON = {Kind.PREEMPT: "Preempted", Kind.RECLAIM: "Reclaimed", Kind.CONSOLIDATE: "Moved"}
 _VERB = {Kind.PREEMPT: "Preempting", Kind.RECLAIM: "Reclaiming", Kind.CONSOLIDATE: "Moving"}
 
-#: The engine booking that holds, for a pod consolidation makes room for, what of its room is free already.
-HOLD_PREFIX = "consolidation-hold/"
+#: The engine booking that holds, for a pod a plan makes room for, what of its room is free already.
+HOLD_PREFIX = "room-hold/"
 
 #: How long a victim a disruption budget refused stays aside for the pod that wanted it.
 REFUSAL_MEMORY_S = 60.0
@@ -170,6 +176,7 @@ class Preemptions:
         self.deferred = 0
         self._search_budget_s = search_budget_s
         self._ours: set[str] = set()  # booked pods this scheduler placed (candidates it may evict)
+        self._leaving: set[str] = set()  # booked pods with a deletionTimestamp, until they are gone
         self._searched_s = 0.0
         self._searched = False
         self._search_cost_s: float | None = None  # a moving average of one search
@@ -219,6 +226,10 @@ class Preemptions:
         self.deferred += 1
         return True
 
+    def leaving(self, uid: str) -> None:
+        """A booked pod got a deletionTimestamp: it is on its way out (until ``deleted``)."""
+        self._leaving.add(uid)
+
     def _consider(self, pending: PendingPod, pod: Pod, decision: Unschedulable) -> str:
         uid = pending.uid
         self._prune()
@@ -228,6 +239,9 @@ class Preemptions:
             return f"{decision.message} {self._waiting(nomination)}"
         if not pending.gpu.containers:
             return decision.message
+        nomination = self._resume(pending, pod)
+        if nomination is not None:
+            return f"{decision.message} {self._waiting(nomination)}"
         plan: Preemption | Consolidation | None = None
         for kind in (Kind.PREEMPT, Kind.RECLAIM) if self._preempt else ():
             # The common case, nobody to take from, costs one vectorised mask.
@@ -250,8 +264,7 @@ class Preemptions:
         if plan is None:
             return f"{decision.message}{note}"
         nomination = self._start(plan, pod, [pod], (uid,))
-        if isinstance(plan, Consolidation):
-            self._hold(nomination, [(pending, plan.placement)])
+        self._hold(nomination, [(pending, plan.placement)])
         return f"{decision.message} {self._waiting(nomination)}"
 
     def consider_gang(self, key: str, members: list[tuple[PendingPod, Pod]], min_member: int) -> str | None:
@@ -310,18 +323,63 @@ class Preemptions:
             return note
         pods = [pod for _, pod in members]
         nomination = self._start(plan, pods[0], pods, (key, *(p.uid for p in pendings)))
-        if plan.kind is Kind.CONSOLIDATE:
-            by_uid = {p.uid: p for p in pendings}
-            self._hold(nomination, [(by_uid[pl.pod_uid], pl) for pl in plan.placements])
+        by_uid = {p.uid: p for p in pendings}
+        self._hold(nomination, [(by_uid[pl.pod_uid], pl) for pl in plan.placements])
         return f" {self._waiting(nomination)}"
 
-    def _start(self, plan: Plan, pod: Pod, members: list[Pod], keys: tuple[str, ...]) -> _Nomination:
-        """File a plan and start its evictions."""
+    def _resume(self, pending: PendingPod, pod: Pod) -> _Nomination | None:
+        """Take up the plan of the scheduler before this one (a restart, a new leader) for a pod it
+        nominated: when the pods already leaving the pod's nominated node free enough room for it, wait
+        for them instead of choosing victims again (kube-scheduler likewise lets no pod preempt while
+        lower-priority pods terminate on its nominated node). The plan is filed as if made here: the
+        free part of the room is held, and the pod is placed first when the last of them is gone."""
+        node = (pod.status.nominatedNodeName if pod.status else None) or None
+        row = self._engine.state.index.get(node) if node and self._leaving else None
+        if row is None:
+            return None
+        table = self._engine.pods
+        leaving = {
+            u
+            for u in self._leaving - self._victim_of.keys()  # not another open plan's victims
+            if (slot := table.slot_of.get(u)) is not None and table.node[slot] == row
+        }
+        if not leaving:
+            return None
+        kinds = ((Kind.PREEMPT, Kind.RECLAIM) if self._preempt else ()) + (
+            (Kind.CONSOLIDATE,) if self._moves is not None else ()
+        )
+        for kind in kinds:
+            candidates, _ = eligible_victims(self._engine, pending, kind=kind, shares=self._shares)
+            eligible = {table.uid[slot] for slot in candidates.tolist()}
+            if not eligible & leaving:
+                continue  # none of the leaving pods may make room for this pod
+            others = (eligible - leaving) | self._victim_of.keys()
+            plan = find_victims(self._engine, pending, kind=kind, shares=self._shares, exclude=others)
+            if plan is not None:
+                break
+        else:
+            return None
+        nomination = self._file(plan, pod, [pod], (pending.uid,))
+        self._hold(nomination, [(pending, plan.placement)])
+        log.info(
+            "%s: waiting again for %d pod(s) leaving %s (a plan made before this scheduler started)",
+            self._pod_key(pod),
+            len(plan.victims),
+            _where(plan),
+        )
+        return nomination
+
+    def _file(self, plan: Plan, pod: Pod, members: list[Pod], keys: tuple[str, ...]) -> _Nomination:
         nomination = _Nomination(pod=pod, plan=plan, waiting=set(plan.victims), keys=keys, members=members)
         for k in keys:
             self._open[k] = nomination
         for victim in plan.victims:
             self._victim_of[victim] = nomination.owner
+        return nomination
+
+    def _start(self, plan: Plan, pod: Pod, members: list[Pod], keys: tuple[str, ...]) -> _Nomination:
+        """File a plan and start its evictions."""
+        nomination = self._file(plan, pod, members, keys)
         log.info(
             "%s: %s %d pod(s) on %s",
             self._for(nomination),
@@ -338,6 +396,7 @@ class Preemptions:
         self._no_plan.pop(uid, None)
         self._refused.pop(uid, None)
         self._ours.discard(uid)
+        self._leaving.discard(uid)
         nomination = self._open.get(uid)
         if nomination is not None:
             self._close(uid, nomination)
@@ -355,6 +414,11 @@ class Preemptions:
         pod = nomination.pod
         self._place_now(pod)
         return True
+
+    def open_plan(self, key: str) -> Plan | None:
+        """The plan a pod (by uid) or a gang (by key) is waiting on, if any."""
+        nomination = self._open.get(key)
+        return None if nomination is None else nomination.plan
 
     @property
     def remembered(self) -> int:
@@ -421,8 +485,10 @@ class Preemptions:
 
     def _hold(self, nomination: _Nomination, rooms: list[tuple[PendingPod, Placement]]) -> None:
         """Book, in the engine only, the part of each pending pod's room that is free already (its GPUs'
-        free memory up to what it asks on each), so nothing else lands there while the moved pods
-        leave. The bookings are the nomination's ``holds``, given back when it closes."""
+        free memory up to what it asks on each), so nothing else lands there while the victims or
+        moved pods leave. On a GPU they still use, the GPU keeps their mode until the last booking on
+        it goes (``ClusterState.apply``). The bookings are the nomination's ``holds``, given back when
+        it closes, before the victims' own bookings."""
         for pending, placement in rooms:
             free = {ledger.uuid: ledger.free_mib for ledger in self._engine.ledger(placement.node)}
             containers = []

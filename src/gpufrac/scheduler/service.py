@@ -960,6 +960,8 @@ class SchedulerService:
             self.queue.remove(pod.metadata.uid)
             if self.cache.confirm(pod):
                 self.queue.cluster_changed()
+            if pod.metadata.deletionTimestamp is not None and self.preemptions is not None:
+                self.preemptions.leaving(pod.metadata.uid)
             return
         uid = pod.metadata.uid
         if pod.metadata.deletionTimestamp is not None:
