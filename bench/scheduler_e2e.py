@@ -24,6 +24,7 @@ at equal burst sizes, one run each.)
     .venv/bin/python bench/scheduler_e2e.py --nodes 100 --pods 500 --baseline-pods 0   # quick look
     .venv/bin/python bench/scheduler_e2e.py --profile /tmp/sched.prof   # the scheduler under cProfile
     .venv/bin/python bench/scheduler_e2e.py --rules 0.25    # a quarter of the pods anti-affine or spread
+    .venv/bin/python bench/scheduler_e2e.py --baseline-burn-ms 0.7   # the baseline spends 0.7 ms CPU a pod
 
 With ``--rules`` the audit also checks the rules held: no two replicas of an anti-affine deployment on
 one node, and every spread deployment within maxSkew 1 over the zones.
@@ -275,8 +276,11 @@ async def burst(
     }
 
 
-async def baseline_binder(kubeconfig: Path, namespace: str, scheduler: str, nodes: list[str]) -> None:
-    """The baseline's binder process: round-robin Binding per pending pod, nothing else."""
+async def baseline_binder(
+    kubeconfig: Path, namespace: str, scheduler: str, nodes: list[str], *, burn_ms: float = 0.0
+) -> None:
+    """The baseline's binder process: round-robin Binding per pending pod, nothing else (but ``burn_ms``
+    of CPU spent before each Binding, when ``--baseline-burn-ms`` asks for it)."""
     client = connect(kubeconfig=kubeconfig)
     queue: asyncio.Queue[Pod] = asyncio.Queue()
 
@@ -304,6 +308,10 @@ async def baseline_binder(kubeconfig: Path, namespace: str, scheduler: str, node
         while True:
             pod = await queue.get()
             turn += 1
+            if burn_ms:
+                until = time.process_time() + burn_ms / 1000
+                while time.process_time() < until:
+                    pass
             await bind_pod(client, name=pod.metadata.name, namespace=namespace, node=nodes[turn % len(nodes)])
 
     tasks = [asyncio.create_task(informer.run())] + [asyncio.create_task(worker()) for _ in range(32)]
@@ -393,7 +401,15 @@ async def baseline_round(
     namespace = f"baseline-{tag}"
     await client.create(Namespace(metadata=ObjectMeta(name=namespace)))
     binder = subprocess.Popen(
-        [sys.executable, __file__, "--as-baseline-binder", str(cp.kubeconfig), namespace, *names[:64]],
+        [
+            sys.executable,
+            __file__,
+            "--as-baseline-binder",
+            str(cp.kubeconfig),
+            namespace,
+            str(args.baseline_burn_ms),
+            *names[:64],
+        ],
         stdout=subprocess.DEVNULL,
         stderr=open(workdir / f"baseline-{tag}.log", "wb"),  # noqa: SIM115 - lives as long as the child
     )
@@ -540,6 +556,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "policy": args.policy,
         "bind_mode": args.bind_mode,
         "rules_share": args.rules,
+        "baseline_burn_ms": args.baseline_burn_ms,
     }
     rounds: list[dict[str, Any]] = []
     with ControlPlane(data_dir=workdir / "cp") as cp:
@@ -595,7 +612,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def main() -> None:
     if len(sys.argv) > 2 and sys.argv[1] == "--as-baseline-binder":
-        asyncio.run(baseline_binder(Path(sys.argv[2]), sys.argv[3], "bench-baseline", sys.argv[4:]))
+        kubeconfig, namespace, burn, *nodes = sys.argv[2:]
+        binder = baseline_binder(Path(kubeconfig), namespace, "bench-baseline", nodes, burn_ms=float(burn))
+        asyncio.run(binder)
         return
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--nodes", type=int, default=1000)
@@ -612,6 +631,13 @@ def main() -> None:
         type=float,
         default=0.0,
         help="share of pods that are replicas with a required anti-affinity or a zone spread (issue #19)",
+    )
+    parser.add_argument(
+        "--baseline-burn-ms",
+        type=float,
+        default=0.0,
+        help="CPU the baseline binder spends per pod before binding it (a calibration: the baseline's rate "
+        "with as much CPU per pod as the scheduler spends)",
     )
     parser.add_argument("--bind-concurrency", type=int, help="scheduler bind_concurrency")
     parser.add_argument("--concurrency", type=int, default=64, help="create requests in flight")
