@@ -4,7 +4,8 @@ Why: their informer caches hold hundreds of thousands of Python objects (every p
 cluster, decoded), and CPython's default collector (a young-generation pass every 700 net allocations,
 and full passes that walk the whole heap) spent about 15 % of the scheduler's CPU in a 5,000-pod burst
 on 1,000 nodes: 837 young, 76 middle and 6 full passes, the full ones 128 ms each
-(docs/benchmarks.md, "The collector"). Two settings, as large Python services do:
+(docs/benchmarks.md, "What the ratio measures, the collector, ..."). Two settings, as large Python
+services do:
 
 - the objects alive once the process has imported its code and built its controller (modules,
   classes, the configuration) are moved out of the collector's reach with ``gc.freeze``: they live as
