@@ -29,9 +29,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gpufrac.contract import keys
 from gpufrac.local.simnodes import NodeShape, create_sim_nodes
+from gpufrac.placement.engine import Engine
 from gpufrac.scheduler.booking_audit import AuditReport, audit
 from gpufrac.scheduler.config import SchedulerConfig
 from gpufrac.scheduler.placement_engine import PlacementEngine
+from gpufrac.scheduler.preemption import Preemptions
 from gpufrac.scheduler.service import SchedulerService, build_service
 
 POOL_LABEL = "gpufrac.io/test-pool"
@@ -286,3 +288,33 @@ def metric(text: str, name: str, **labels: str) -> float:
             if sample.name == name and labels.items() <= sample.labels.items():
                 return float(sample.value)
     raise AssertionError(f"{name}{labels} not in the metrics")
+
+
+def preemptions_without_io(
+    engine: Engine,
+    *,
+    victim_pod: Callable[[str], Pod | None],
+    started: list[str] | None = None,
+    release: Callable[[str], bool] = lambda uid: True,
+    place_now: Callable[[Pod], None] = lambda pod: None,
+    **options: Any,
+) -> Preemptions:
+    """Preemptions on ``engine`` whose evictions and Events are not run (the decision is what is
+    tested); ``started`` collects the names of the tasks it starts."""
+
+    def spawn(coro: Any) -> None:
+        if started is not None:
+            started.append(coro.cr_code.co_name)
+        coro.close()
+
+    return Preemptions(
+        client=None,  # type: ignore[arg-type]
+        engine=engine,
+        events=None,  # type: ignore[arg-type]
+        victim_pod=victim_pod,
+        release=release,
+        place_now=place_now,
+        retry=lambda: None,
+        spawn=spawn,
+        **options,
+    )

@@ -15,7 +15,17 @@ import pytest
 from lightkube import AsyncClient
 from lightkube.resources.apps_v1 import ReplicaSet
 from lightkube.resources.core_v1 import Event, Pod
-from sched_harness import Pool, add_nodes, audit_pool, condition, gpu_pod, running, wait_bound, wait_for
+from sched_harness import (
+    Pool,
+    add_nodes,
+    audit_pool,
+    condition,
+    gpu_pod,
+    preemptions_without_io,
+    running,
+    wait_bound,
+    wait_for,
+)
 
 from gpufrac.contract import keys
 from gpufrac.contract.request import ComputeMode, ContainerGpuRequest, GpuMemory, PodGpuRequest
@@ -288,19 +298,11 @@ async def test_without_movable_pods_the_pod_stays_pending_and_says_why(
 def test_the_pending_pods_room_is_held_while_the_moved_pod_leaves() -> None:
     engine, pods = two_fragmented_pairs()
     placed_now: list[Pod] = []
-
-    def spawn(coro: Any) -> None:
-        coro.close()
-
-    preemptions = Preemptions(
-        client=None,  # type: ignore[arg-type]
-        engine=engine,
-        events=None,  # type: ignore[arg-type]
+    preemptions = preemptions_without_io(
+        engine,
         victim_pod=pods.get,
-        release=lambda uid: engine.forget(uid),
+        release=engine.forget,
         place_now=placed_now.append,
-        retry=lambda: None,
-        spawn=spawn,
         preempt=False,
         moves=MoveBudget(4, now=0.0),
     )
@@ -341,21 +343,10 @@ def decisions_only(
     """Preemptions whose evictions are not run (the decision is what is tested); ``started`` collects
     the names of the tasks it starts. Every pod is movable and owned by a controller."""
     owned = api_pod(annotations=OPTED_IN, owners=[owner(controller=True)])
-
-    def spawn(coro: Any) -> None:
-        if started is not None:
-            started.append(coro.cr_code.co_name)
-        coro.close()
-
-    return Preemptions(
-        client=None,  # type: ignore[arg-type]
-        engine=engine,
-        events=None,  # type: ignore[arg-type]
+    return preemptions_without_io(
+        engine,
         victim_pod=lambda uid: owned,
-        release=lambda uid: True,
-        place_now=lambda pod: None,
-        retry=lambda: None,
-        spawn=spawn,
+        started=started,
         preempt=False,
         moves=moves,
         **({"clock": clock} if clock is not None else {}),

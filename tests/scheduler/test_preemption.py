@@ -16,7 +16,17 @@ from lightkube import AsyncClient
 from lightkube.resources.core_v1 import Event, Pod
 from lightkube.resources.policy_v1 import PodDisruptionBudget
 from lightkube.types import PatchType
-from sched_harness import Pool, add_nodes, audit_pool, condition, gpu_pod, running, wait_bound, wait_for
+from sched_harness import (
+    Pool,
+    add_nodes,
+    audit_pool,
+    condition,
+    gpu_pod,
+    preemptions_without_io,
+    running,
+    wait_bound,
+    wait_for,
+)
 
 from gpufrac.contract import keys
 from gpufrac.contract.request import ComputeMode, ContainerGpuRequest, GpuMemory, PodGpuRequest
@@ -258,22 +268,7 @@ def test_a_cycle_searches_for_victims_until_its_budget_is_spent_then_defers_the_
         low = PendingPod(namespace="ns", name=f"low-{i}", uid=f"low-{i}", gpu=whole, priority=0)
         assert isinstance(engine.place(low), Placement)
     spawned: list[str] = []
-
-    def spawn(coro: Any) -> None:
-        spawned.append(coro.cr_code.co_name)
-        coro.close()
-
-    preemptions = Preemptions(
-        client=None,  # type: ignore[arg-type]
-        engine=engine,
-        events=None,  # type: ignore[arg-type]
-        victim_pod=lambda uid: Pod.from_dict({"metadata": {"name": uid, "namespace": "ns", "uid": uid}}),
-        release=engine.forget,
-        place_now=lambda pod: None,
-        retry=lambda: None,
-        spawn=spawn,
-        search_budget_s=0.0,
-    )
+    preemptions = _preemptions(engine, spawned, [], search_budget_s=0.0)
     high = [
         PendingPod(namespace="ns", name=f"high-{i}", uid=f"high-{i}", gpu=whole, priority=10)
         for i in range(2)
@@ -316,20 +311,14 @@ def _one_gpu_nodes(pods: dict[str, list[tuple[str, PodGpuRequest, int]]]) -> Eng
     return engine
 
 
-def _preemptions(engine: Engine, spawned: list[str], placed_now: list[Pod]) -> Preemptions:
-    def spawn(coro: Any) -> None:
-        spawned.append(coro.cr_code.co_name)
-        coro.close()
-
-    return Preemptions(
-        client=None,  # type: ignore[arg-type]
-        engine=engine,
-        events=None,  # type: ignore[arg-type]
+def _preemptions(engine: Engine, spawned: list[str], placed_now: list[Pod], **options: Any) -> Preemptions:
+    return preemptions_without_io(
+        engine,
         victim_pod=lambda uid: Pod.from_dict({"metadata": {"name": uid, "namespace": "ns", "uid": uid}}),
+        started=spawned,
         release=engine.forget,
         place_now=placed_now.append,
-        retry=lambda: None,
-        spawn=spawn,
+        **options,
     )
 
 
