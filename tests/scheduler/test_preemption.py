@@ -417,3 +417,35 @@ def test_a_preemptor_of_another_mode_gets_the_gpu_in_its_mode_once_the_victim_an
     assert preemptions.deleted("low") and [p.metadata.name for p in placed_now] == ["high"]
     placed = engine.place(high)
     assert isinstance(placed, Placement) and placed.containers[0].mode is ComputeMode.SM_SHARING
+
+
+def test_after_a_restart_a_nominated_gang_waits_for_the_pods_leaving_its_members_nodes() -> None:
+    """The same for a gang of two whole-GPU pods nominated to nodes a and b, whose four victims are
+    still terminating: no new victim (the pod on c would be a cheaper second GPU), no eviction again,
+    and the gang is placed when the last of the four is gone."""
+    leaving = {"a": ["a-1", "a-2"], "b": ["b-1", "b-2"]}
+    engine = _one_gpu_nodes(
+        {node: [(uid, _mib(8000), 0) for uid in uids] for node, uids in leaving.items()}
+        | {"c": [("other", _whole(), 0)]}
+    )
+    spawned: list[str] = []
+    placed_now: list[Pod] = []
+    preemptions = _preemptions(engine, spawned, placed_now)
+    for uids in leaving.values():
+        for uid in uids:
+            preemptions.leaving(uid)
+    members = [
+        (
+            PendingPod(namespace="ns", name=f"g-{i}", uid=f"g-{i}", gpu=_whole(), priority=10),
+            _nominated(f"g-{i}", n),
+        )
+        for i, n in enumerate(("a", "b"))
+    ]
+    note = preemptions.consider_gang("ns/g", members, 2)
+    assert note is not None and "Preempting 4 pod(s) on nodes a, b" in note
+    assert spawned == [], "nothing is evicted again"
+    for uid in ("a-1", "a-2", "b-1"):
+        assert preemptions.deleted(uid) and placed_now == []
+    assert preemptions.deleted("b-2")
+    assert [p.metadata.name for p in placed_now] == ["g-0"]
+    assert preemptions.open_plan("ns/g") is None and engine.placement_of("other") is not None

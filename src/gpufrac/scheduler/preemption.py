@@ -21,7 +21,8 @@ preempted again at once.
 A restart (or a new leader) loses these books, not the plan: the victims are still terminating and
 the pod still carries ``status.nominatedNodeName``. When the pods leaving that node free enough room
 for it, the new scheduler files the plan again (``_resume``: no eviction is repeated, the room is held,
-the pod is placed first when they are gone) instead of choosing new victims.
+the pod is placed first when they are gone) instead of choosing new victims; a gang's likewise
+(``_resume_gang``, from the nodes its members are nominated to).
 
 Only pods this scheduler placed (or booked as its own) are candidates: a pod bound by another
 scheduler is not ours to evict.
@@ -287,6 +288,9 @@ class Preemptions:
         pendings = [pending for pending, _ in members]
         if not any(p.gpu.containers for p in pendings):
             return ""
+        nomination = self._resume_gang(key, members, min_member)
+        if nomination is not None:
+            return f" {self._waiting(nomination)}"
         plan: GangPreemption | None = None
         for kind in (Kind.PREEMPT, Kind.RECLAIM) if self._preempt else ():
             eligible = [
@@ -333,41 +337,93 @@ class Preemptions:
         for them instead of choosing victims again (kube-scheduler likewise lets no pod preempt while
         lower-priority pods terminate on its nominated node). The plan is filed as if made here: the
         free part of the room is held, and the pod is placed first when the last of them is gone."""
-        node = (pod.status.nominatedNodeName if pod.status else None) or None
-        row = self._engine.state.index.get(node) if node and self._leaving else None
-        if row is None:
+        leaving = self._leaving_on([pod])
+        plan = self._from_leaving(
+            [pending],
+            leaving,
+            lambda kind, exclude: find_victims(
+                self._engine, pending, kind=kind, shares=self._shares, exclude=exclude
+            ),
+        )
+        if plan is None:
             return None
-        table = self._engine.pods
-        leaving = {
-            u
-            for u in self._leaving - self._victim_of.keys()  # not another open plan's victims
-            if (slot := table.slot_of.get(u)) is not None and table.node[slot] == row
+        assert isinstance(plan, Preemption)
+        nomination = self._file(plan, pod, [pod], (pending.uid,))
+        self._hold(nomination, [(pending, plan.placement)])
+        self._resumed(nomination)
+        return nomination
+
+    def _resume_gang(
+        self, key: str, members: list[tuple[PendingPod, Pod]], min_member: int
+    ) -> _Nomination | None:
+        """``_resume`` for a gang: the pods leaving the nodes its members are nominated to, when they
+        make room for ``min_member`` of them together."""
+        pendings = [pending for pending, _ in members]
+        pods = [pod for _, pod in members]
+        plan = self._from_leaving(
+            pendings,
+            self._leaving_on(pods),
+            lambda kind, exclude: find_gang_victims(
+                self._engine, pendings, min_member=min_member, kind=kind, shares=self._shares, exclude=exclude
+            ),
+        )
+        if plan is None:
+            return None
+        assert isinstance(plan, GangPreemption)
+        nomination = self._file(plan, pods[0], pods, (key, *(p.uid for p in pendings)))
+        by_uid = {p.uid: p for p in pendings}
+        self._hold(nomination, [(by_uid[pl.pod_uid], pl) for pl in plan.placements])
+        self._resumed(nomination)
+        return nomination
+
+    def _leaving_on(self, pods: list[Pod]) -> set[str]:
+        """The booked pods leaving the nodes ``pods`` are nominated to, but another open plan's victims."""
+        index = self._engine.state.index
+        rows = {
+            index[node]
+            for pod in pods
+            if (node := (pod.status.nominatedNodeName if pod.status else None)) and node in index
         }
+        if not rows or not self._leaving:
+            return set()
+        table = self._engine.pods
+        return {
+            uid
+            for uid in self._leaving - self._victim_of.keys()
+            if (slot := table.slot_of.get(uid)) is not None and int(table.node[slot]) in rows
+        }
+
+    def _from_leaving(
+        self,
+        pendings: list[PendingPod],
+        leaving: set[str],
+        search: Callable[[Kind, set[str]], Preemption | GangPreemption | None],
+    ) -> Preemption | GangPreemption | None:
+        """The first plan ``search`` finds, kind by kind, among the ``leaving`` pods alone (every other
+        pod the kind allows is excluded), or None."""
         if not leaving:
             return None
+        table = self._engine.pods
         kinds = ((Kind.PREEMPT, Kind.RECLAIM) if self._preempt else ()) + (
             (Kind.CONSOLIDATE,) if self._moves is not None else ()
         )
         for kind in kinds:
-            candidates, _ = eligible_victims(self._engine, pending, kind=kind, shares=self._shares)
-            eligible = {table.uid[slot] for slot in candidates.tolist()}
+            slots = [eligible_victims(self._engine, p, kind=kind, shares=self._shares)[0] for p in pendings]
+            eligible = {table.uid[slot] for slot in np.unique(np.concatenate(slots)).tolist()}
             if not eligible & leaving:
-                continue  # none of the leaving pods may make room for this pod
-            others = (eligible - leaving) | self._victim_of.keys()
-            plan = find_victims(self._engine, pending, kind=kind, shares=self._shares, exclude=others)
+                continue  # none of the leaving pods may make room for these pods
+            plan = search(kind, (eligible - leaving) | self._victim_of.keys())
             if plan is not None:
-                break
-        else:
-            return None
-        nomination = self._file(plan, pod, [pod], (pending.uid,))
-        self._hold(nomination, [(pending, plan.placement)])
+                return plan
+        return None
+
+    def _resumed(self, nomination: _Nomination) -> None:
         log.info(
             "%s: waiting again for %d pod(s) leaving %s (a plan made before this scheduler started)",
-            self._pod_key(pod),
-            len(plan.victims),
-            _where(plan),
+            self._for(nomination),
+            len(nomination.plan.victims),
+            _where(nomination.plan),
         )
-        return nomination
 
     def _file(self, plan: Plan, pod: Pod, members: list[Pod], keys: tuple[str, ...]) -> _Nomination:
         nomination = _Nomination(pod=pod, plan=plan, waiting=set(plan.victims), keys=keys, members=members)
