@@ -56,6 +56,7 @@ import yaml
 from lightkube import AsyncClient
 from lightkube.models.meta_v1 import ObjectMeta
 from lightkube.resources.core_v1 import Namespace, Node, Pod
+from prometheus_client.parser import text_string_to_metric_families
 
 from gpufrac.contract import keys
 from gpufrac.kube.binding import bind_pod
@@ -368,6 +369,20 @@ EVENT_METRICS = [
 ]
 
 
+async def gc_passes(port: int) -> dict[str, int]:
+    """The scheduler's garbage-collector passes so far, per generation (``python_gc_collections_total``)."""
+    passes: dict[str, int] = {}
+    async with httpx2.AsyncClient() as http:
+        answer = await http.get(
+            f"http://127.0.0.1:{port}/metrics", params=[("name[]", "python_gc_collections_total")]
+        )
+    for family in text_string_to_metric_families(answer.text):
+        for sample in family.samples:
+            if sample.name == "python_gc_collections_total":
+                passes[sample.labels["generation"]] = int(sample.value)
+    return passes
+
+
 async def wait_events_written(port: int, *, timeout: float) -> tuple[float, int]:
     """Seconds until the scheduler has written every Event its burst left waiting (they yield to binds),
     and how many it dropped: the bench does not stop the scheduler on work it deferred."""
@@ -503,6 +518,7 @@ async def scheduler_round(
     ):
         await wait_leading(port, proc, timeout=max(120.0, args.nodes / 10))
         result["scheduler_rss_idle_mib"] = round(rss_mib(proc.pid)[0], 1)
+        gc_before = await gc_passes(port)
         cp_before, scheduler_before = cpu_seconds(cp.pid), cpu_seconds(proc.pid)
         measured = await burst(
             client,
@@ -517,6 +533,8 @@ async def scheduler_round(
         # CPU per pod holds still when the machine is shared; pods/s does not.
         result["scheduler_cpu_ms_per_pod"] = cpu_ms_per_pod(proc.pid, scheduler_before, args.pods)
         result["control_plane_cpu_ms_per_pod"] = cpu_ms_per_pod(cp.pid, cp_before, args.pods)
+        gc_after = await gc_passes(port)
+        result["scheduler_gc_passes"] = {g: n - gc_before.get(g, 0) for g, n in sorted(gc_after.items())}
         rss, peak = rss_mib(proc.pid)
         result["scheduler_rss_mib"] = round(rss, 1)
         result["scheduler_peak_rss_mib"] = round(peak, 1)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, GCCollector, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -124,6 +124,7 @@ class SchedulerMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         register_build_info(self.registry, component="scheduler")
+        GCCollector(registry=self.registry)  # python_gc_*: the collector's passes (gpufrac.process.heap)
         self.attempts = Counter(
             "gpufrac_scheduler_schedule_attempts",
             "Scheduling attempts by result (scheduled, unschedulable, error).",
