@@ -13,10 +13,10 @@ anti-affinity on the hostname against their own replicas, half a topology spread
 DoNotSchedule) over eight zones; every node gets a hostname and a zone label. Those rules are evaluated
 per pod (``gpufrac.placement.topology``), outside the per-kind cache, so this is what they cost.
 
-Targets: binpack >= 5,000 placements/s, fgd >= 1,000 placements/s, fgd-plus (the default) >= 1,500;
-with pod rules, fgd-class policies (fgd, fgd-align, fgd-plus) >= 1,500 placements/s.
+Targets: binpack >= 5,000 placements/s, fgd >= 1,000 placements/s, fgd-room (the default) >= 1,500;
+with pod rules, fgd-class policies (fgd, fgd-align, fgd-plus, fgd-room) >= 1,500 placements/s.
 
-Usage: .venv/bin/python bench/placement_speed.py [--policies binpack,fgd,fgd-align,fgd-plus] [--seed 42]
+Usage: .venv/bin/python bench/placement_speed.py [--policies binpack,fgd,fgd-align,fgd-room] [--seed 42]
        [--repeat 3] [--baseline-pods 1500] [--rules 0.25] [--apps 200] [--clock wall|cpu]
 Prints a line per policy, then a one-line JSON summary last.
 """
@@ -48,8 +48,8 @@ from gpufrac.placement.pod_constraints import (  # noqa: E402
 from gpufrac.sim.trace import load_nodes, load_pods, node_file, pod_file  # noqa: E402
 from gpufrac.sim.workload import PodFactory, capacity_milli, inflate, node_spec, shape_counts  # noqa: E402
 
-TARGETS = {"binpack": 5000.0, "fgd": 1000.0, "fgd-plus": 1500.0}
-RULES_TARGETS = {"fgd": 1500.0, "fgd-align": 1500.0, "fgd-plus": 1500.0}
+TARGETS = {"binpack": 5000.0, "fgd": 1000.0, "fgd-room": 1500.0}
+RULES_TARGETS = {"fgd": 1500.0, "fgd-align": 1500.0, "fgd-plus": 1500.0, "fgd-room": 1500.0}
 HOST = "kubernetes.io/hostname"
 ZONE = "topology.kubernetes.io/zone"
 ZONES = 8
@@ -114,7 +114,7 @@ def run(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--policies", default="binpack,fgd,fgd-align,fgd-plus")
+    parser.add_argument("--policies", default="binpack,fgd,fgd-align,fgd-room")
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--repeat", type=int, default=3, help="best of N (the machine is shared)")
     parser.add_argument("--baseline-pods", type=int, default=1500)

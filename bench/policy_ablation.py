@@ -21,6 +21,11 @@ Variants (registered here, not in the product's policy table, except the named p
   one GPU, then fgd-plus's keys; ``fgd-plus-ss``: fgd-plus's FGD, Sum-of-Squares, then alignment;
   ``fgd-plus-ssgpu``: the same with FGD and Sum-of-Squares scored on the same GPU
   (``FgdThenSumOfSquares``). Slow: every node is rescored for every pod;
+- ``fgd-room`` (the product's default) ranks one-GPU shares by the room they leave stranded
+  (``gpufrac.placement.room_waste``) before fgd-plus's keys; ``fgd-room-stop<X>``: the same with the
+  stranded-room estimate's stop weight X instead of 0.005; ``fgd-room-cov100``: its table built from
+  every share of the workload, not the typical 95 %; ``fgd-plus-room``: fgd-plus's FGD first, the
+  stranded room only as its tie-break on the same GPU (``FgdThenRoomWaste``);
 - look-ahead: any policy run with ``--window W`` gets the pods in bursts of W already received pods;
   a ``+lf`` suffix places each burst largest first (``Policy.largest_first``);
 - online learning: ``--online`` gives no prior; ``fgd-align-decay<N>`` forgets with a half-life of N
@@ -50,6 +55,7 @@ from gpufrac.placement.demand import Demand  # noqa: E402
 from gpufrac.placement.filters import Fit  # noqa: E402
 from gpufrac.placement.fragmentation import Fgd, _sigmoid_score  # noqa: E402
 from gpufrac.placement.policies import POLICIES, Policy, Prior, _typical  # noqa: E402
+from gpufrac.placement.room_waste import RoomWaste  # noqa: E402
 from gpufrac.placement.scoring import Alignment, BestFit, BestFitGpu, Scorer, milli_of  # noqa: E402
 from gpufrac.placement.state import ClusterState  # noqa: E402
 from gpufrac.placement.typical import OnlineTypicalPods, PriorTypicalPods, TypicalSource  # noqa: E402
@@ -148,6 +154,31 @@ class FgdThenSumOfSquares:
         return values[np.arange(values.shape[0]), best], best
 
 
+class FgdThenRoomWaste:
+    """FGD's score per GPU, ties broken by ``RoomWaste`` on the same GPU (one GPU choice for both)."""
+
+    def __init__(self, fgd: Fgd, waste: RoomWaste) -> None:
+        self.fgd = fgd
+        self.waste = waste
+
+    @property
+    def epoch(self) -> tuple:
+        return (self.fgd.epoch, self.waste.epoch)
+
+    def prepare(self, state: ClusterState) -> None:
+        self.fgd.prepare(state)
+
+    def score(self, state: ClusterState, demand: Demand, fit: Fit) -> tuple[np.ndarray, np.ndarray | None]:
+        delta, mask = self.fgd.deltas(state, demand, fit)
+        fgd = _sigmoid_score(delta, self.fgd.scale)
+        if mask is None:
+            return fgd * RoomWaste.RANGE + RoomWaste.CLIP, None
+        w = self.waste.per_gpu(state, demand, fit)
+        values = np.where(mask, fgd * RoomWaste.RANGE + w, -1)
+        best = values.argmax(axis=1)
+        return values[np.arange(values.shape[0]), best], best
+
+
 def decaying(prior: Prior | None, half_life: float) -> TypicalSource:
     return PriorTypicalPods(prior) if prior is not None else OnlineTypicalPods(half_life=half_life)
 
@@ -194,6 +225,27 @@ def _variants() -> dict[str, Callable[[Prior | None], Policy]]:
         "fgd-plus-ssgpu",
         (FgdThenSumOfSquares(fgd(p, joint="auto"), SumOfSquares()), 101 * SumOfSquares.RANGE),
         (Alignment(), 11),
+    )
+    for stop in (0.001, 0.002, 0.01, 0.02, 0.05):
+        out[f"fgd-room-stop{stop}"] = lambda p, stop=stop: chain(
+            f"fgd-room-stop{stop}",
+            (RoomWaste(_typical(p), stop=stop), RoomWaste.RANGE),
+            (fgd(p, joint="auto"), 101),
+            (Alignment(), 11),
+            largest_first=True,
+        )
+    out["fgd-plus-room"] = lambda p: chain(
+        "fgd-plus-room",
+        (FgdThenRoomWaste(fgd(p, joint="auto"), RoomWaste(_typical(p))), 101 * RoomWaste.RANGE),
+        (Alignment(), 11),
+        largest_first=True,
+    )
+    out["fgd-room-cov100"] = lambda p: chain(
+        "fgd-room-cov100",
+        (RoomWaste(typical_of(p, coverage=1.0)), RoomWaste.RANGE),
+        (fgd(p, joint="auto"), 101),
+        (Alignment(), 11),
+        largest_first=True,
     )
     out["fgd-align-cpujoint"] = lambda p: chain(
         "fgd-align-cpujoint", (fgd(p, joint="cpu-only"), 101), (Alignment(), 11)

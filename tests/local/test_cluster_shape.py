@@ -33,7 +33,7 @@ def test_gpufrac_up_runs_the_scheduler_services_default_policy() -> None:
     shape = _shape(2, 4, "H100-80GB", None)
     written = Timings().scheduler_config(policy=shape.policy)
     assert "policy" not in written
-    assert SchedulerConfig.model_validate(written).policy == "fgd-plus"
+    assert SchedulerConfig.model_validate(written).policy == "fgd-room"
     # A policy asked for is passed through.
     assert SchedulerConfig.model_validate(Timings().scheduler_config(policy="binpack")).policy == "binpack"
 

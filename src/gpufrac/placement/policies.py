@@ -11,11 +11,15 @@
   the fixed node order. FGD measures GPU fragments but treats CPU only as a yes/no threshold, so it lets
   CPU-heavy pods exhaust the CPU of GPU-dense nodes and strand their GPUs; alignment steers them to
   CPU-rich nodes. See docs/placement.md for the measurements.
-- ``fgd-plus``: ours, the default of the scheduler service and ``gpufrac up``. fgd-align, with two
-  additions measured in the ablation (docs/benchmarks.md): FGD's joint GPU x CPU measure
-  (``Fgd(joint="auto")``: CPU taken from a node with free GPUs is charged as the GPU it strands) for
-  CPU-only pods, and for every pod when the workload asks for about as much CPU per GPU as the cluster
-  has; and a batch of pods already received is placed largest first (look-ahead, ``largest_first``).
+- ``fgd-plus``: ours. fgd-align, with two additions measured in the ablation (docs/benchmarks.md):
+  FGD's joint GPU x CPU measure (``Fgd(joint="auto")``: CPU taken from a node with free GPUs is charged
+  as the GPU it strands) for CPU-only pods, and for every pod when the workload asks for about as much
+  CPU per GPU as the cluster has; and a batch of pods already received is placed largest first
+  (look-ahead, ``largest_first``).
+- ``fgd-room``: ours, the default of the scheduler service and ``gpufrac up``. fgd-plus with one key in
+  front for pods that share one GPU: the room they leave stranded (``room_waste``), so a share closes a
+  room the typical shares would not fill instead of cutting a fresh one down to a dead end. Other pods
+  score alike on that key and are placed by fgd-plus's keys.
 - ``kube-dra``: not ours, and not a recommendation: a model of the stock kube-scheduler placing pods
   whose ResourceClaims ask for shares of our GPUs (``gpufrac.placement.stock``: its default cpu/memory
   scores for the node, the DRA allocator's first device with room for the GPU), to measure our policies
@@ -37,6 +41,7 @@ import numpy as np
 from .demand import Demand
 from .filters import Fit
 from .fragmentation import Fgd
+from .room_waste import RoomWaste
 from .scoring import (
     SCORE_LIMIT,
     Alignment,
@@ -126,6 +131,18 @@ def _typical(prior: Prior | None, *, by_gpu: bool = False) -> TypicalSource:
     return PriorTypicalPods(prior, by_gpu=by_gpu)
 
 
+def _fgd_room(typical: TypicalSource) -> Policy:
+    """Stranded room first, then FGD (joint where CPU is scarce), then alignment; one typical source,
+    fed by the FGD scorer only (``RoomWaste`` reads it)."""
+    room, fgd, align = RoomWaste(typical), Fgd(typical, joint="auto"), Alignment(levels=10)
+    return Policy(
+        "fgd-room",
+        ((room, 101 * 11), (fgd, 11), (align, 1)),
+        BestFitGpu(),
+        largest_first=True,
+    )
+
+
 POLICIES: dict[str, PolicyFactory] = {
     "binpack": lambda _: Policy("binpack", ((BestFit(), 1),), BestFitGpu()),
     "spread": lambda _: Policy("spread", ((LeastAllocated(), 1),), WorstFitGpu()),
@@ -140,11 +157,12 @@ POLICIES: dict[str, PolicyFactory] = {
         BestFitGpu(),
         largest_first=True,
     ),
+    "fgd-room": lambda prior: _fgd_room(_typical(prior)),
     "kube-dra": lambda _: Policy(
         "kube-dra", ((KubeLeastAllocated(), 1), (KubeBalancedAllocation(), 1)), FirstFitGpu()
     ),
 }
-DEFAULT_POLICY = "fgd-plus"
+DEFAULT_POLICY = "fgd-room"
 """The policy of the scheduler service and ``gpufrac up`` unless configured (docs/placement.md: why)."""
 
 

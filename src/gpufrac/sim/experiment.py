@@ -18,7 +18,7 @@ from .replay import BOUND, RunResult, offline_bound, replay
 from .scenarios import prepare
 from .trace import TraceNode, TracePod
 
-DEFAULT_POLICIES = ("binpack", "spread", "kai", "fgd", "fgd-align", "fgd-plus")
+DEFAULT_POLICIES = ("binpack", "spread", "kai", "fgd", "fgd-align", "fgd-plus", "fgd-room")
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,140 @@
+"""Stranded room: how much of a partly used GPU the typical shares will never fill, and a scorer on it.
+
+FGD (``fragmentation``) asks whether each typical pod fits the free room *now*. That makes it blind to
+what the room becomes: a 0.32-GPU pod next to a 0.47 leaves 0.21, which only the rare 0.05-0.16 pods
+fill, while the same pod in a 0.35 room leaves 0.03, and in a fresh GPU leaves 0.68, which a 0.65 pod
+closes. At the end of the published replays a quarter of the free GPU sits in such small rooms between
+shares (docs/benchmarks.md, "Where the missing points are").
+
+``stranded_table`` estimates, for every free room r (thousandths of a GPU), the part of r still empty when
+arrivals stop: while some typical one-GPU share fits, the next one that arrives is a weighted draw among
+them and the room shrinks by it; arrivals stop at rate ``stop`` against the weight of the fitting shares,
+so a room that only rare pods fit is mostly stranded:
+
+    W[r] = (sum over fitting shares s of q_s W[r - s] + stop x r) / (sum of those q_s + stop)
+
+with q_s a share's weight among the typical pods that want a GPU, W[r] = r when no share fits, and
+W[1000] = 0: a whole GPU is never stranded, whole-GPU pods take it. A share pod placed on a GPU with room
+r scores W[r] - W[r - share]: the stranded room it removes (negative: it strands room).
+
+``RoomWaste`` is that score as a node scorer that also picks the GPU, for pods that share one GPU; every
+other pod gets one constant value, so the next key (FGD) decides for them. ``fgd-room``, the default
+policy, ranks by it first (``policies``). ``stop`` = 0.005 was the best of 0.001-0.05 on the default
+trace; the ablation is in docs/benchmarks.md. Compute modes are not told apart here (FGD's key does).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .demand import Demand
+from .filters import Fit
+from .scoring import milli_of
+from .state import ClusterState
+from .typical import TypicalSet, TypicalSource
+
+STOP_WEIGHT = 0.005
+"""Rate at which arrivals stop, against the weights of the typical GPU pods (which sum to 1)."""
+
+
+def one_gpu_shares(typical: TypicalSet, cap_mib: int) -> list[tuple[int, float]]:
+    """(thousandths of a ``cap_mib`` GPU, weight among the typical GPU pods) of each typical share."""
+    wants = np.array([p.wants_gpu for p in typical.pods], dtype=bool)
+    weights = typical.weights * wants
+    total = float(weights.sum())
+    if total <= 0:
+        return []
+    need = typical.need(cap_mib)
+    return [
+        (int(n), float(w) / total)
+        for p, n, w in zip(typical.pods, need, weights, strict=True)
+        if p.memory is not None and not p.exclusive and p.count == 1 and 0 < n < 1000 and w > 0
+    ]
+
+
+def stranded_table(shares: list[tuple[int, float]], stop: float = STOP_WEIGHT) -> np.ndarray:
+    """(1001,) W[r]: thousandths of a GPU a room of r is expected to keep empty (module docstring)."""
+    if stop <= 0:
+        raise ValueError(f"stop must be positive, got {stop}")
+    table = np.zeros(1001)
+    if not shares:
+        table[:1000] = np.arange(1000)
+        return table
+    size = np.array([s for s, _ in shares], dtype=np.int64)
+    weight = np.array([w for _, w in shares])
+    for r in range(1, 1000):
+        fits = size <= r
+        q = weight[fits]
+        table[r] = (float(q @ table[r - size[fits]]) + stop * r) / (float(q.sum()) + stop)
+    return table
+
+
+class RoomWaste:
+    """Score a one-GPU share by the stranded room it removes (module docstring); choose that GPU.
+
+    Reads ``source`` but does not feed it: in ``fgd-room`` the FGD scorer shares the source and observes
+    the requests, so each request is counted once.
+    """
+
+    CLIP = 1000
+    RANGE = 2 * CLIP + 1
+    """Scores lie in 0..RANGE-1; every pod that is not a one-GPU share scores CLIP."""
+
+    def __init__(self, source: TypicalSource, *, stop: float = STOP_WEIGHT) -> None:
+        self.source = source
+        self.stop = stop
+        self._tables: dict[tuple[int, int], np.ndarray] = {}
+        self._sizes_epoch = -1
+        self._one_size = 0
+
+    @property
+    def epoch(self) -> int:
+        return self.source.current().epoch
+
+    def table(self, cap_mib: int) -> np.ndarray:
+        """W for GPUs of ``cap_mib`` under the current typical pods, rounded to integers (memoised per
+        snapshot)."""
+        typical = self.source.current()
+        key = (typical.epoch, cap_mib)
+        found = self._tables.get(key)
+        if found is None:
+            if len(self._tables) > 64:
+                self._tables.clear()  # old snapshots of an online source
+            exact = stranded_table(one_gpu_shares(typical, cap_mib), self.stop)
+            found = self._tables[key] = np.rint(exact).astype(np.int64)
+        return found
+
+    def one_size(self, state: ClusterState) -> int:
+        """The GPU size in MiB when every GPU of the cluster has it, else 0 (re-read when nodes change)."""
+        if state.spec_epoch != self._sizes_epoch:
+            self._sizes_epoch = state.spec_epoch
+            caps = state.cap[: state.rows][state.present[: state.rows]]
+            sizes = np.unique(caps[caps > 0])
+            self._one_size = int(sizes[0]) if sizes.size == 1 else 0
+        return self._one_size
+
+    def per_gpu(self, state: ClusterState, demand: Demand, fit: Fit) -> np.ndarray:
+        """(nodes, GPU slots) score of putting the one-GPU share ``demand`` on each slot."""
+        single = demand.single
+        assert single is not None
+        cap = state.cap[fit.nodes]
+        room = fit.free_milli()  # 0..1000; 0 on absent slots, whose cap is 0
+        left = np.maximum(room - milli_of(single.request_mib(cap), cap), 0)
+        size = self.one_size(state)
+        if size:  # the common case: every GPU of the cluster has one size
+            table = self.table(size)
+            return self.CLIP + table[room] - table[left]  # |W[r] - W[r']| <= 1000: W lies in 0..r
+        removed = np.zeros(room.shape, dtype=np.int64)
+        for size in np.unique(cap[cap > 0]).tolist():
+            table = self.table(size)
+            on = cap == size
+            removed[on] = table[room[on]] - table[left[on]]
+        return self.CLIP + removed
+
+    def score(self, state: ClusterState, demand: Demand, fit: Fit) -> tuple[np.ndarray, np.ndarray | None]:
+        single = demand.single
+        if single is None or single.count != 1 or single.exclusive:
+            return np.full(fit.nodes.size, self.CLIP, dtype=np.int64), None
+        values = np.where(fit.masks[0], self.per_gpu(state, demand, fit), -1)
+        best = values.argmax(axis=1)  # first maximum: lowest GPU index on ties
+        return values[np.arange(values.shape[0]), best], best

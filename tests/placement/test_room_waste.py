@@ -1,0 +1,152 @@
+"""The stranded-room estimate by hand, and fgd-room closing rooms that fgd-plus cuts down to dead ends."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import pytest
+from placement_builders import fraction, node, pod, whole
+
+from gpufrac.contract.request import ComputeMode, GpuMemory
+from gpufrac.placement.decision import ContainerPlacement, DeviceAssignment, Placement
+from gpufrac.placement.engine import Engine
+from gpufrac.placement.policies import DEFAULT_POLICY, make_policy
+from gpufrac.placement.room_waste import RoomWaste, one_gpu_shares, stranded_table
+from gpufrac.placement.typical import PriorTypicalPods, TypicalPod, select_typical
+
+MIB = 16384
+
+
+def share(portion: float) -> TypicalPod:
+    return TypicalPod(cpu_milli=0, memory=GpuMemory(portion=portion))
+
+
+WHOLE = TypicalPod(cpu_milli=0, memory=None, exclusive=True)
+CPU_ONLY = TypicalPod(cpu_milli=1000, memory=None)
+# Whole GPUs 40 %, then 0.65, 0.47 and 0.32 shares at 20 % each.
+PRIOR = Counter({WHOLE: 2, share(0.65): 1, share(0.47): 1, share(0.32): 1})
+
+
+def test_without_shares_every_partial_room_is_stranded_and_a_whole_gpu_is_not():
+    table = stranded_table([])
+    assert table[1000] == 0
+    assert table[:1000].tolist() == list(range(1000))
+
+
+def test_a_room_the_common_share_fills_exactly_is_hardly_stranded_one_only_rare_pods_fit_mostly_is():
+    table = stranded_table([(500, 0.99), (200, 0.01)])
+    assert table[0] == 0
+    # 499: only the 0.2 pods fit, twice at most: 499 -> 299 -> 99 (nothing fits 99).
+    w299 = (0.01 * 99 + 0.005 * 299) / 0.015
+    assert table[499] == pytest.approx((0.01 * w299 + 0.005 * 499) / 0.015)
+    assert table[500] < 0.01 * 500  # the 0.5 pods close it
+    assert table[400] == pytest.approx((0.01 * table[200] + 0.005 * 400) / 0.015)
+    assert table[200] > 0.3 * 200  # only the 1 % pods fit: two thirds of it stays empty
+    assert table[199] == 199  # nothing fits
+
+
+def test_stop_weight_must_be_positive():
+    with pytest.raises(ValueError, match="stop must be positive, got 0"):
+        stranded_table([(500, 1.0)], stop=0)
+
+
+def test_shares_are_weighted_among_the_gpu_pods_only():
+    typical = select_typical(Counter({WHOLE: 2, share(0.5): 1, CPU_ONLY: 1}), coverage=1.0)
+    assert one_gpu_shares(typical, MIB) == [(500, pytest.approx(1 / 3))]
+
+
+def _book(e: Engine, portion: float, node_name: str) -> None:
+    """A time-slicing pod of ``portion`` already bound on GPU 0 of ``node_name``."""
+    p = pod(fraction(portion))
+    mib = int(portion * MIB)
+    device = DeviceAssignment(f"{node_name}-g0", 0, mib, mib, None)
+    e.assume(
+        p,
+        Placement(
+            p.uid, node_name, (ContainerPlacement("main", ComputeMode.TIME_SLICING, False, (device,)),)
+        ),
+    )
+
+
+def _cluster(policy: str, seed: int) -> Engine:
+    """x: one GPU holding a 0.47 (0.53 free); y: one GPU holding a 0.32 (0.68 free)."""
+    e = Engine(policy=policy, seed=seed, typical=PRIOR)
+    e.add_node(node("x", gpus=1, mib=MIB))
+    e.add_node(node("y", gpus=1, mib=MIB))
+    _book(e, 0.47, "x")
+    _book(e, 0.32, "y")
+    return e
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_fgd_room_leaves_rooms_later_shares_use_where_fgd_plus_leaves_dead_ends(seed):
+    """A 0.32, a 0.47 and a 0.32 arrive. Next to the 0.47 on x the first 0.32 would leave 0.21, which no
+    typical pod fits, yet FGD's measure falls there (the 0.53 room already counted as a fragment for
+    whole GPUs and 0.65s), so fgd-plus takes it; the 0.47 then cuts y down to 0.21 too and the last
+    0.32 finds no room. fgd-room puts the first 0.32 next to the other 0.32 on y (0.36 left, which a
+    0.32 closes), the 0.47 next to the 0.47 on x (0.06 left), and the last 0.32 fits on y."""
+    outcome = {}
+    for policy in ("fgd-plus", "fgd-room"):
+        e = _cluster(policy, seed)
+        decisions = [e.place(pod(fraction(p))) for p in (0.32, 0.47, 0.32)]
+        outcome[policy] = [d.node if isinstance(d, Placement) else None for d in decisions]
+    assert outcome == {"fgd-plus": ["x", "y", None], "fgd-room": ["y", "x", "y"]}
+
+
+def test_fgd_room_is_the_default_and_leaves_whole_gpu_pods_to_fgd():
+    assert DEFAULT_POLICY == "fgd-room"
+    policy = make_policy("fgd-room", PRIOR)
+    room = policy.scorers[0][0]
+    assert isinstance(room, RoomWaste)
+    e = _cluster("fgd-room", 0)
+    e.add_node(node("z", gpus=1, mib=MIB))
+    placed = e.place(pod(whole(1)))
+    assert isinstance(placed, Placement) and placed.node == "z"  # the only empty GPU
+
+
+def test_fgd_room_learns_online_once_per_request():
+    """No prior: the FGD key feeds the shared typical source, the room key reads it (one count each)."""
+    e = Engine(policy="fgd-room", seed=0)
+    e.add_node(node("a", gpus=2, mib=MIB))
+    policy = e.policy("fgd-room")
+    room = policy.scorers[0][0]
+    assert isinstance(room, RoomWaste)
+    assert len(policy.learning) == 1
+    e.place(pod(fraction(0.5)))
+    e.place(pod(fraction(0.25)))
+    learned = room.source.current()
+    assert sorted(p.memory.portion for p in learned.pods) == [0.25, 0.5]
+    assert np.isclose(learned.weights.sum(), 1.0)
+
+
+def test_room_scores_follow_the_gpu_size_of_each_node():
+    """A MiB request is a different share of a 16 GiB and a 32 GiB GPU; each node's table is its own."""
+    typical = PriorTypicalPods(Counter({share(0.5): 1}))
+    scorer = RoomWaste(typical)
+    small, large = scorer.table(16384), scorer.table(32768)
+    assert small is not large and np.array_equal(small, large)  # portions: the same thousandths
+    assert scorer.table(16384) is small  # memoised per snapshot
+
+
+def test_a_mib_request_is_scored_against_each_gpu_size():
+    """8 GiB is half of a 16 GiB GPU (an exact fit for the typical 0.5 pods that follow) but a quarter
+    of a 32 GiB one (0.75 left, of which a 0.5 pod closes only two thirds)."""
+    from placement_builders import mib
+
+    from gpufrac.placement.demand import demand_of
+    from gpufrac.placement.filters import GpuRules, resource_fit
+
+    e = Engine(policy="fgd-room", seed=0, typical=Counter({share(0.5): 1}))
+    e.add_node(node("small", gpus=1, mib=16384))
+    e.add_node(node("large", gpus=1, mib=32768))
+    demand = demand_of(pod(mib(8192)), policy="fgd-room")
+    fit = resource_fit(e.state, demand, e.state.live(), GpuRules()).feasible()
+    scorer = RoomWaste(PriorTypicalPods(Counter({share(0.5): 1})))
+    assert scorer.one_size(e.state) == 0
+    values = scorer.per_gpu(e.state, demand, fit)[:, 0]
+    table = scorer.table(16384)
+    by_node = dict(zip((e.state.nodes[i].name for i in fit.nodes.tolist()), values.tolist(), strict=True))
+    assert by_node == {"small": RoomWaste.CLIP - table[500], "large": RoomWaste.CLIP - table[750]}
+    assert table[500] < 5 and table[750] > 240
+    assert e.place(pod(mib(8192))).node == "small"
