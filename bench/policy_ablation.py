@@ -20,12 +20,12 @@ Variants (registered here, not in the product's policy table, except the named p
 - ``ss-fgd-plus``: online bin packing's Sum-of-Squares rule (``SumOfSquares``) first for pods that share
   one GPU, then fgd-plus's keys; ``fgd-plus-ss``: fgd-plus's FGD, Sum-of-Squares, then alignment;
   ``fgd-plus-ssgpu``: the same with FGD and Sum-of-Squares scored on the same GPU
-  (``FgdThenSumOfSquares``). Slow: every node is rescored for every pod;
+  (``FgdThen``). Slow: every node is rescored for every pod;
 - ``fgd-room`` (the product's default) ranks one-GPU shares by the room they leave stranded
   (``gpufrac.placement.room_waste``) before fgd-plus's keys; ``fgd-room-stop<X>``: the same with the
   stranded-room estimate's stop weight X instead of 0.005; ``fgd-room-cov100``: its table built from
   every share of the workload, not the typical 95 %; ``fgd-plus-room``: fgd-plus's FGD first, the
-  stranded room only as its tie-break on the same GPU (``FgdThenRoomWaste``);
+  stranded room only as its tie-break on the same GPU (``FgdThen``);
 - look-ahead: any policy run with ``--window W`` gets the pods in bursts of W already received pods;
   a ``+lf`` suffix places each burst largest first (``Policy.largest_first``);
 - online learning: ``--online`` gives no prior; ``fgd-align-decay<N>`` forgets with a half-life of N
@@ -128,53 +128,31 @@ class SumOfSquares:
         return self.CLIP - np.clip(delta, -self.CLIP, self.CLIP)
 
 
-class FgdThenSumOfSquares:
-    """FGD's score per GPU, ties broken by ``SumOfSquares`` on the same GPU (one GPU choice for both)."""
+class FgdThen:
+    """FGD's score per GPU, ties broken by ``then`` on the same GPU (one GPU choice for both).
 
-    def __init__(self, fgd: Fgd, squares: SumOfSquares) -> None:
+    ``then`` scores GPUs with ``per_gpu`` in 0..RANGE-1 and gives CLIP to every pod it does not rank
+    (``SumOfSquares``, ``RoomWaste``)."""
+
+    def __init__(self, fgd: Fgd, then: SumOfSquares | RoomWaste) -> None:
         self.fgd = fgd
-        self.squares = squares
+        self.then = then
 
     @property
     def epoch(self) -> tuple:
-        return (self.fgd.epoch, self.squares.epoch)
+        return (self.fgd.epoch, self.then.epoch)
 
     def prepare(self, state: ClusterState) -> None:
         self.fgd.prepare(state)
-        self.squares.prepare(state)
+        if isinstance(self.then, SumOfSquares):
+            self.then.prepare(state)
 
     def score(self, state: ClusterState, demand: Demand, fit: Fit) -> tuple[np.ndarray, np.ndarray | None]:
         delta, mask = self.fgd.deltas(state, demand, fit)
         fgd = _sigmoid_score(delta, self.fgd.scale)
         if mask is None:
-            return fgd * SumOfSquares.RANGE + SumOfSquares.CLIP, None
-        ss = self.squares.per_gpu(state, demand, fit)
-        values = np.where(mask, fgd * SumOfSquares.RANGE + ss, -1)
-        best = values.argmax(axis=1)
-        return values[np.arange(values.shape[0]), best], best
-
-
-class FgdThenRoomWaste:
-    """FGD's score per GPU, ties broken by ``RoomWaste`` on the same GPU (one GPU choice for both)."""
-
-    def __init__(self, fgd: Fgd, waste: RoomWaste) -> None:
-        self.fgd = fgd
-        self.waste = waste
-
-    @property
-    def epoch(self) -> tuple:
-        return (self.fgd.epoch, self.waste.epoch)
-
-    def prepare(self, state: ClusterState) -> None:
-        self.fgd.prepare(state)
-
-    def score(self, state: ClusterState, demand: Demand, fit: Fit) -> tuple[np.ndarray, np.ndarray | None]:
-        delta, mask = self.fgd.deltas(state, demand, fit)
-        fgd = _sigmoid_score(delta, self.fgd.scale)
-        if mask is None:
-            return fgd * RoomWaste.RANGE + RoomWaste.CLIP, None
-        w = self.waste.per_gpu(state, demand, fit)
-        values = np.where(mask, fgd * RoomWaste.RANGE + w, -1)
+            return fgd * self.then.RANGE + self.then.CLIP, None
+        values = np.where(mask, fgd * self.then.RANGE + self.then.per_gpu(state, demand, fit), -1)
         best = values.argmax(axis=1)
         return values[np.arange(values.shape[0]), best], best
 
@@ -223,7 +201,7 @@ def _variants() -> dict[str, Callable[[Prior | None], Policy]]:
     )
     out["fgd-plus-ssgpu"] = lambda p: chain(
         "fgd-plus-ssgpu",
-        (FgdThenSumOfSquares(fgd(p, joint="auto"), SumOfSquares()), 101 * SumOfSquares.RANGE),
+        (FgdThen(fgd(p, joint="auto"), SumOfSquares()), 101 * SumOfSquares.RANGE),
         (Alignment(), 11),
     )
     for stop in (0.001, 0.002, 0.01, 0.02, 0.05):
@@ -236,7 +214,7 @@ def _variants() -> dict[str, Callable[[Prior | None], Policy]]:
         )
     out["fgd-plus-room"] = lambda p: chain(
         "fgd-plus-room",
-        (FgdThenRoomWaste(fgd(p, joint="auto"), RoomWaste(_typical(p))), 101 * RoomWaste.RANGE),
+        (FgdThen(fgd(p, joint="auto"), RoomWaste(_typical(p))), 101 * RoomWaste.RANGE),
         (Alignment(), 11),
         largest_first=True,
     )

@@ -3,7 +3,7 @@
 FGD (``fragmentation``) asks whether each typical pod fits the free room *now*. That makes it blind to
 what the room becomes: a 0.32-GPU pod next to a 0.47 leaves 0.21, which only the rare 0.05-0.16 pods
 fill, while the same pod in a 0.35 room leaves 0.03, and in a fresh GPU leaves 0.68, which a 0.65 pod
-closes. At the end of the published replays a quarter of the free GPU sits in such small rooms between
+closes. At the end of the published replays almost a third of the free GPU sat in such small rooms between
 shares (docs/benchmarks.md, "Where the missing points are").
 
 ``stranded_table`` estimates, for every free room r (thousandths of a GPU), the part of r still empty when
