@@ -22,10 +22,15 @@
 # the same Go; the image: its archive newer than the bases and than the Dockerfile and every file it
 # copies), so a second run does nothing. buildah's storage lives in
 # ${GPUFRAC_BUILDAH_STORE:-~/.cache/gpufrac-testenv/buildah} and keeps the layer cache between runs.
+# It keeps nothing else: before and after each build the working containers left behind (buildah leaves
+# one per `FROM` stage that only serves `COPY --from`, and a killed build leaves its own) and the images
+# no tag reaches any more (the previous build's chain) are removed. vfs stores a full copy of each, and
+# without this every build added about 3 GB (54 GB after a day of CI runs, until the disk was full).
+# One run at a time per store (flock), since the tidying would remove a concurrent build's containers.
 # Needs root (mmdebstrap's root mode, buildah's chroot) and Debian's mmdebstrap and buildah
 # (installed by testenv/packages.sh).
 #
-# Usage: bash testenv/image/build.sh [--force]
+# Usage: bash testenv/image/build.sh [--force | --tidy]   (--tidy: only tidy the store, build nothing)
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -34,7 +39,13 @@ out="$here/../bin/images"
 archive="$out/gpufrac.oci.tar"
 store="${GPUFRAC_BUILDAH_STORE:-${XDG_CACHE_HOME:-$HOME/.cache}/gpufrac-testenv/buildah}"
 force=0
-[[ "${1:-}" == "--force" ]] && force=1
+tidy_only=0
+case "${1:-}" in
+    --force) force=1 ;;
+    --tidy) tidy_only=1 ;;
+    "") ;;
+    *) echo "image: unknown argument ${1} (usage: build.sh [--force | --tidy])" >&2; exit 2 ;;
+esac
 
 version="$(sed -n 's/^__version__ = "\(.*\)"$/\1/p' "$repo/src/gpufrac/__init__.py")"
 [[ -n "$version" ]] || { echo "image: no __version__ in src/gpufrac/__init__.py" >&2; exit 1; }
@@ -55,6 +66,22 @@ buildah=(buildah --root "$store/root" --runroot "$store/run" --storage-driver vf
 mkdir -p "$out" "$store"
 stamps="$store/stamps"
 mkdir -p "$stamps"
+exec 9>"$store/lock"
+flock 9
+
+# tidy_store: remove every working container and every image no tag reaches (the bases, the current image
+# and the intermediate images of its layer cache stay).
+tidy_store() {
+    "${buildah[@]}" rm --all >/dev/null 2>&1 || true
+    "${buildah[@]}" rmi --prune >/dev/null 2>&1 || true
+}
+
+if [[ $tidy_only == 1 ]]; then
+    before="$(du -sm "$store" | cut -f1)"
+    tidy_store
+    echo "image: tidied $store (${before} MB before, $(du -sm "$store" | cut -f1) MB after)"
+    exit 0
+fi
 
 # has_image NAME STAMP KEY: the image exists and was made from KEY (what it is made of, kept in STAMP).
 has_image() {
@@ -120,6 +147,7 @@ if [[ $force == 0 && -f "$archive" && -z "$newer" && "$archive" -nt "$python_sta
 fi
 echo "image: building $image from Dockerfile with buildah (${newer:-forced})"
 start=$SECONDS
+tidy_store
 # The RUN steps trust what this machine trusts: its CA bundle is bind-mounted over the image's for the
 # build only (RUN mounts are not committed), since the network here may pass through a TLS proxy whose
 # CA only the machine's bundle holds.
@@ -129,4 +157,5 @@ start=$SECONDS
     -t "$image" -f "$repo/Dockerfile" "$repo" >/dev/null
 "${buildah[@]}" push --quiet "$image" "oci-archive:$archive.tmp:$image"
 mv -f "$archive.tmp" "$archive"
+tidy_store
 echo "image: built $image in $((SECONDS - start))s ($archive)"
