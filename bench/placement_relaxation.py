@@ -16,8 +16,12 @@ Rules for one-GPU shares (whole-GPU pods always take an empty GPU):
 - ``room``: ``gpufrac.placement.room_waste``'s stranded room first (the product's first key in
   ``fgd-room``), then FGD's measure, then best fit.
 
+``--rooms N`` also prints, for the first seed and each rule, the N largest groups of the free room left at
+130 % arrival, grouped by what the GPU holds (``(810,)``: one 0.81 share and nothing else), in points of
+the cluster's GPUs: where the room that no rule fills sits.
+
 Usage: .venv/bin/python bench/placement_relaxation.py [--trace default] [--seeds 42-44]
-       [--rules first-fit,best-fit,fgd,room]
+       [--rules first-fit,best-fit,fgd,room] [--rooms 0]
 Prints a line per rule, then a one-line JSON summary last. docs/benchmarks.md (issue 16) has the figures.
 """
 
@@ -27,6 +31,7 @@ import argparse
 import json
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
@@ -85,10 +90,12 @@ def rules(typical: TypicalSet) -> dict[str, Rule]:
     return {"first-fit": first_fit, "best-fit": best_fit, "fgd": fgd, "room": room_first}
 
 
-def replay(pods, gpus: int, capacity: int, seed: int, rule: Rule) -> float:
-    """Allocation at 130 % arrival on ``gpus`` interchangeable GPUs (module docstring)."""
+def replay(pods, gpus: int, capacity: int, seed: int, rule: Rule, rooms: Counter | None = None) -> float:
+    """Allocation at 130 % arrival on ``gpus`` interchangeable GPUs (module docstring). When ``rooms`` is
+    given, it receives the free room at 130 % arrival in milli-GPUs, keyed by the shares each GPU holds."""
     sequence = inflate(pods, seed=seed, capacity=capacity)
     room = np.full(gpus, 1000, dtype=np.int64)
+    holds: list[list[int]] = [[] for _ in range(gpus)]
     arrived = np.zeros(len(sequence))
     allocated = np.zeros(len(sequence))
     arrived_milli = allocated_milli = 0
@@ -102,10 +109,18 @@ def replay(pods, gpus: int, capacity: int, seed: int, rule: Rule) -> float:
         elif pod.num_gpu and pod.gpu_milli:
             fits = np.flatnonzero(room >= pod.gpu_milli)
             if fits.size:
-                room[rule(room, fits, pod.gpu_milli)] -= pod.gpu_milli
+                gpu = rule(room, fits, pod.gpu_milli)
+                room[gpu] -= pod.gpu_milli
+                holds[gpu].append(pod.gpu_milli)
                 allocated_milli += pod.gpu_milli
         arrived[i] = 100.0 * arrived_milli / capacity
         allocated[i] = 100.0 * allocated_milli / capacity
+        if rooms is not None and arrived[i] <= 130:
+            final = (room.copy(), [tuple(sorted(h, reverse=True)) for h in holds])
+    if rooms is not None:
+        free, held = final
+        for gpu in np.flatnonzero(free > 0):
+            rooms[held[gpu]] += int(free[gpu])
     return allocation_at(arrived, allocated, 130)
 
 
@@ -114,6 +129,7 @@ def main() -> None:
     parser.add_argument("--trace", default="default")
     parser.add_argument("--seeds", default="42-44")
     parser.add_argument("--rules", default="first-fit,best-fit,fgd,room")
+    parser.add_argument("--rooms", type=int, default=0, help="print the N largest groups of free room")
     args = parser.parse_args()
     trace = args.trace
     pods = variant(trace, load_pods(pod_file(BASE))) if trace in VARIANTS else load_pods(pod_file(trace))
@@ -128,10 +144,19 @@ def main() -> None:
     started = time.perf_counter()
     out: dict[str, float] = {}
     for name in chosen:
-        per_seed = [replay(pods, capacity // 1000, capacity, s, known[name]) for s in seeds]
+        rooms: Counter = Counter()
+        per_seed = [
+            replay(pods, capacity // 1000, capacity, s, known[name], rooms if k == 0 and args.rooms else None)
+            for k, s in enumerate(seeds)
+        ]
         out[name] = round(mean(per_seed), 3)
         listed = " ".join(f"{v:.2f}" for v in per_seed)
         print(f"{trace} relaxed {name:10s} @130 {out[name]:.3f}  seeds: {listed}")
+        if args.rooms:
+            total = sum(rooms.values())
+            print(f"  free room at 130 %, seed {seeds[0]}: {100 * total / capacity:.2f} points of the GPUs")
+            for held, milli in rooms.most_common(args.rooms):
+                print(f"    holds {held}: {100 * milli / capacity:.3f} points")
     print(
         json.dumps(
             {
