@@ -19,8 +19,8 @@
 #    annotation is the tag, which `ctr images import` reads).
 #
 # Each step is skipped when its output is up to date (a base: made from the same suite and packages, or
-# the same Go; the image: its archive newer than the bases and than the Dockerfile and every file it
-# copies), so a second run does nothing. buildah's storage lives in
+# the same Go; the image: made from the same bases and the same content of the Dockerfile and every file
+# it copies), so a second run does nothing. buildah's storage lives in
 # ${GPUFRAC_BUILDAH_STORE:-~/.cache/gpufrac-testenv/buildah} and keeps the layer cache between runs.
 # It keeps nothing else: before and after each build the working containers left behind (buildah leaves
 # one per `FROM` stage that only serves `COPY --from`, and a killed build leaves its own) and the images
@@ -132,20 +132,29 @@ else
     echo "image: made $go_base in $((SECONDS - start))s"
 fi
 
-# The image's inputs: the Dockerfile, .dockerignore and what its COPY steps name.
-# The generated messages are not inputs (the image generates its own), nor is their directory, which
-# `make testenv` (re)fills after this script.
+# The image's inputs: the Dockerfile, .dockerignore and what its COPY steps name, by content (a hash of
+# every file's path and bytes, and of the two bases' image IDs, kept next to the archive), so what `make testenv` writes later (the
+# generated messages, which the image makes for itself, and the directory entries that creates), the
+# egg-info of `pip install -e` and byte code do not count, and a deleted file does.
 inputs=(Dockerfile .dockerignore pyproject.toml setup.py README.md src scripts/gen-nri-protos
     scripts/gen-cri-protos scripts/gen-kubelet-protos testenv/nriruntime/go.mod testenv/nriruntime/go.sum
     testenv/controlplane/go.mod testenv/controlplane/go.sum)
-newer="$(cd "$repo" && find "${inputs[@]}" -newer "$archive" \
-    -not -path 'src/gpufrac/_generated' -not -path 'src/gpufrac/_generated/*' -not -name '*.pyc' \
-    -not -path '*/__pycache__*' -print -quit 2>/dev/null || echo missing)"
-if [[ $force == 0 && -f "$archive" && -z "$newer" && "$archive" -nt "$python_stamp" && "$archive" -nt "$go_stamp" ]]; then
+inputs_key="$( (cd "$repo" && find "${inputs[@]}" -type f -not -path 'src/gpufrac/_generated/*' \
+    -not -path '*/__pycache__/*' -not -path '*.egg-info/*' -not -name '*.pyc' -print0 | LC_ALL=C sort -z \
+    | xargs -0 sha256sum; for base in "$python_base" "$go_base"; do
+        "${buildah[@]}" images --no-trunc --quiet "$base"; done) | sha256sum | cut -d' ' -f1)"
+inputs_stamp="$archive.inputs"
+if [[ ! -f "$archive" ]]; then
+    why=missing
+elif [[ $force == 1 ]]; then
+    why=forced
+elif [[ ! -f "$inputs_stamp" || "$(cat "$inputs_stamp")" != "$inputs_key" ]]; then
+    why="its inputs changed"
+else
     echo "image: $image is up to date ($archive)"
     exit 0
 fi
-echo "image: building $image from Dockerfile with buildah (${newer:-forced})"
+echo "image: building $image from Dockerfile with buildah ($why)"
 start=$SECONDS
 tidy_store
 # The RUN steps trust what this machine trusts: its CA bundle is bind-mounted over the image's for the
@@ -157,5 +166,6 @@ tidy_store
     -t "$image" -f "$repo/Dockerfile" "$repo" >/dev/null
 "${buildah[@]}" push --quiet "$image" "oci-archive:$archive.tmp:$image"
 mv -f "$archive.tmp" "$archive"
+echo "$inputs_key" > "$inputs_stamp"
 tidy_store
 echo "image: built $image in $((SECONDS - start))s ($archive)"
