@@ -21,8 +21,8 @@ BUILD = ROOT / "testenv" / "image" / "build.sh"
 
 
 def _buildah(store: Path, *args: str) -> str:
-    command = ["buildah", "--root", str(store / "root"), "--runroot", str(store / "run"), "--storage-driver"]
-    done = subprocess.run([*command, "vfs", *args], check=True, capture_output=True, text=True, timeout=120)
+    where = ["--root", str(store / "root"), "--runroot", str(store / "run"), "--storage-driver=vfs"]
+    done = subprocess.run(["buildah", *where, *args], check=True, capture_output=True, text=True, timeout=120)
     return done.stdout.strip()
 
 

@@ -71,9 +71,10 @@ flock 9
 
 # tidy_store: remove every working container and every image no tag reaches (the bases, the current image
 # and the intermediate images of its layer cache stay).
+# A failure only warns: the build itself does not depend on it.
 tidy_store() {
-    "${buildah[@]}" rm --all >/dev/null 2>&1 || true
-    "${buildah[@]}" rmi --prune >/dev/null 2>&1 || true
+    "${buildah[@]}" rm --all >/dev/null || echo "image: warning: could not remove $store's working containers" >&2
+    "${buildah[@]}" rmi --prune >/dev/null || echo "image: warning: could not prune $store's untagged images" >&2
 }
 
 if [[ $tidy_only == 1 ]]; then
@@ -132,10 +133,10 @@ else
     echo "image: made $go_base in $((SECONDS - start))s"
 fi
 
-# The image's inputs: the Dockerfile, .dockerignore and what its COPY steps name, by content (a hash of
-# every file's path and bytes, and of the two bases' image IDs, kept next to the archive), so what `make testenv` writes later (the
-# generated messages, which the image makes for itself, and the directory entries that creates), the
-# egg-info of `pip install -e` and byte code do not count, and a deleted file does.
+# The image's inputs: the Dockerfile, .dockerignore and what its COPY steps name, by content: a hash of
+# every file's path and bytes and of the two bases' image IDs, kept next to the archive. What `make
+# testenv` writes later (the generated messages, which the image makes for itself, and the directory
+# entries that creates), the egg-info of `pip install -e` and byte code do not count; a deleted file does.
 inputs=(Dockerfile .dockerignore pyproject.toml setup.py README.md src scripts/gen-nri-protos
     scripts/gen-cri-protos scripts/gen-kubelet-protos testenv/nriruntime/go.mod testenv/nriruntime/go.sum
     testenv/controlplane/go.mod testenv/controlplane/go.sum)
