@@ -12,6 +12,10 @@ that have arrived, as in ``gpufrac.sim.replay``):
 - ``lfcpu``: largest GPU first, then the most CPU per GPU first;
 - ``small-shares``: whole-GPU pods largest first, shares smallest first;
 - ``arrival``: arrival order (no look-ahead);
+- ``policy``: the policy's own look-ahead order (``Engine.batch_key``): largest first for fgd-plus; for
+  fgd-room whole GPUs first, then the shares that strand the least room on a fresh GPU
+  (``RoomWaste.batch_key``); ``room@X``: that order with its table's stop weight X instead of
+  ``ORDER_STOP_WEIGHT`` (the sweep in docs/benchmarks.md);
 - ``best-placed``: largest first; when a pod of the window fails, also ``hard``, ``lfcpu`` and
   ``arrival`` (each on a statement that is discarded), and the order that placed the most GPU is kept;
 - ``best-frag``: ``lf``, ``hard`` and ``lfcpu`` for every window, keeping the one that placed the most
@@ -40,9 +44,12 @@ sys.path.insert(0, str(ROOT / "src"))
 import numpy as np  # noqa: E402
 
 from gpufrac.placement.decision import Placement  # noqa: E402
+from gpufrac.placement.demand import demand_of  # noqa: E402
 from gpufrac.placement.engine import Engine  # noqa: E402
 from gpufrac.placement.fragmentation import node_fragmentation  # noqa: E402
 from gpufrac.placement.model import PendingPod  # noqa: E402
+from gpufrac.placement.room_waste import RoomWaste  # noqa: E402
+from gpufrac.placement.typical import PriorTypicalPods  # noqa: E402
 from gpufrac.sim.experiment import mean, parse_seeds  # noqa: E402
 from gpufrac.sim.metrics import allocation_at  # noqa: E402
 from gpufrac.sim.trace import TraceNode, TracePod, load_nodes, load_pods, node_file, pod_file  # noqa: E402
@@ -106,6 +113,14 @@ def replay(
         engine.add_node(node_spec(node))
     typical = typical_pods(pods)
     orders = keys(nodes)
+    if order == "policy":
+        orders[order] = lambda tp, i: (tuple(-v for v in engine.batch_key(pending[i])), i)
+    elif order.startswith("room@"):
+        room = RoomWaste(PriorTypicalPods(shape_counts(pods)), order_stop=float(order[len("room@") :]))
+        orders[order] = lambda tp, i: (
+            tuple(-v for v in room.batch_key(demand_of(pending[i], policy=policy))),
+            i,
+        )
     sequence = inflate(pods, seed=seed, capacity=capacity)
     make = PodFactory()
     arrived = np.zeros(len(sequence))
@@ -125,6 +140,7 @@ def replay(
         }
         return statement, ok, sum(tp.gpu_total_milli for i, tp in group if ok[i])
 
+    pending: dict[int, PendingPod] = {}
     for first in range(0, len(sequence), window):
         group = list(enumerate(sequence[first : first + window], start=first))
         pending = {i: make(tp, i) for i, tp in group}
@@ -154,6 +170,16 @@ def replay(
     return allocation_at(arrived, allocated, 130)
 
 
+def _stop_weight(order: str) -> bool:
+    """Whether ``order`` is ``room@X`` with a positive number X."""
+    if not order.startswith("room@"):
+        return False
+    try:
+        return float(order[len("room@") :]) > 0
+    except ValueError:
+        return False
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trace", default="default")
@@ -163,9 +189,9 @@ def main() -> None:
     parser.add_argument("--seeds", default="42")
     args = parser.parse_args()
     nodes = load_nodes(node_file())
-    known = [*keys(nodes), *BEST]
+    known = [*keys(nodes), "policy", "room@X", *BEST]
     orders = args.orders.split(",")
-    unknown = [o for o in orders if o not in known]
+    unknown = [o for o in orders if o not in known and not _stop_weight(o)]
     if unknown:
         parser.error(f"unknown order {', '.join(unknown)}; known: {', '.join(known)}")
     if args.window < 2:

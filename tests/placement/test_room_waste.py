@@ -1,4 +1,5 @@
-"""The stranded-room estimate by hand, and fgd-room closing rooms that fgd-plus cuts down to dead ends."""
+"""The stranded-room estimate by hand, fgd-room closing rooms that fgd-plus cuts down to dead ends, and
+its look-ahead giving the last free GPU of a batch to the share whose room later shares fill."""
 
 from __future__ import annotations
 
@@ -150,3 +151,44 @@ def test_a_mib_request_is_scored_against_each_gpu_size():
     assert by_node == {"small": RoomWaste.CLIP - table[500], "large": RoomWaste.CLIP - table[750]}
     assert table[500] < 5 and table[750] > 240
     assert e.place(pod(mib(8192))).node == "small"
+
+
+def test_a_batch_gives_the_last_free_gpu_to_the_share_whose_room_the_common_shares_fill():
+    """One empty GPU, a batch of a 0.55 and a 0.47 (they do not fit together). Largest first (fgd-plus)
+    gives the GPU to the 0.55, whose 0.45 room no typical share fits; fgd-room gives it to the 0.47,
+    whose 0.53 room the common 0.47s close, and the 0.55 waits."""
+    prior = Counter({WHOLE: 2, share(0.47): 2, share(0.55): 1})
+    placed = {}
+    for policy in ("fgd-plus", "fgd-room"):
+        e = Engine(policy=policy, seed=0, typical=prior)
+        e.add_node(node("x", gpus=1, mib=MIB))
+        batch = [pod(fraction(0.55), name="big"), pod(fraction(0.47), name="small")]
+        decisions = e.schedule(batch)
+        placed[policy] = [p.name for p, d in zip(batch, decisions, strict=True) if isinstance(d, Placement)]
+    assert placed == {"fgd-plus": ["big"], "fgd-room": ["small"]}
+
+
+def test_batch_order_whole_gpus_first_then_shares_by_stranded_room_then_cpu_only_and_it_follows_learning():
+    """Before any share is learned every room is stranded, so shares go largest first; once the 0.47s
+    are known, a 0.47 (0.53 left, which a 0.47 closes) goes before a 0.55 (0.45 left, nothing fits)."""
+    e = Engine(policy="fgd-room", seed=0)
+    e.add_node(node("a", gpus=4, mib=MIB))
+    pods = {
+        "two whole": pod(whole(2)),
+        "whole": pod(whole(1)),
+        "0.55": pod(fraction(0.55)),
+        "0.47": pod(fraction(0.47)),
+        "cpu only": pod(cpu_milli=500),
+    }
+
+    def order() -> list[str]:
+        return sorted(pods, key=lambda name: e.batch_key(pods[name]), reverse=True)
+
+    assert order() == ["two whole", "whole", "0.55", "0.47", "cpu only"]
+    for _ in range(3):
+        e.place(pod(fraction(0.47)))  # learned online: the typical shares are now 0.47s
+    assert order() == ["two whole", "whole", "0.47", "0.55", "cpu only"]
+    assert Engine(policy="fgd-plus", seed=0).batch_key(pods["0.55"]) == (550, 0, 0)  # largest first
+    # Equal shares keep their arrival order whatever CPU they ask for (CPU-heavy ones in a row would use
+    # up the CPU of the nodes they land on).
+    assert e.batch_key(pod(fraction(0.47), cpu_milli=8000)) == e.batch_key(pod(fraction(0.47), cpu_milli=100))

@@ -420,8 +420,8 @@ class Engine:
         largest_first: bool | None = None,
     ) -> list[Decision]:
         """Place ``pods`` in queue order. One Decision per pod, in input order. ``largest_first``
-        (default: the policy's look-ahead) places the pods of a queue and priority largest first
-        (``fair_share``).
+        (default: the policy's look-ahead) places the pods of a queue and priority in the look-ahead's
+        order (``batch_key``: largest first unless the policy orders otherwise; ``fair_share``).
 
         With ``gang`` the batch is one statement: if fewer than ``min_member`` pods (default: all of
         them) are placed, every placement of the batch is discarded and each pod is Unschedulable with
@@ -438,8 +438,7 @@ class Engine:
             largest_first = self.policy(self.default_policy).largest_first
 
         def size(i: int) -> tuple[int, ...]:
-            pod = pods[i]
-            return self._demand(pod, pod.policy or self.default_policy, flip=False).size
+            return self.batch_key(pods[i])
 
         with self.statement() as st:
 
@@ -468,6 +467,14 @@ class Engine:
 
     def statement(self) -> Statement:
         return Statement(self)
+
+    def batch_key(self, pod: PendingPod) -> tuple[int, ...]:
+        """Where ``pod`` goes when a batch is placed by look-ahead, larger first: the default policy's
+        order (``Policy.batch_key``; fgd-room's puts the shares that strand the least room first), else
+        largest first (``Demand.size``). One order per batch, even for pods that name their own policy."""
+        demand = self._demand(pod, pod.policy or self.default_policy, flip=False)
+        order = self.policy(self.default_policy).batch_key
+        return demand.size if order is None else order(demand)
 
     def place(self, pod: PendingPod) -> Decision:
         """Place one pod now (assumed on success)."""

@@ -19,7 +19,8 @@
 - ``fgd-room``: ours, the default of the scheduler service and ``gpufrac up``. fgd-plus with one key in
   front for pods that share one GPU: the room they leave stranded (``room_waste``), so a share closes a
   room the typical shares would not fill instead of cutting a fresh one down to a dead end. Other pods
-  score alike on that key and are placed by fgd-plus's keys.
+  score alike on that key and are placed by fgd-plus's keys. Its look-ahead orders a batch by the same
+  measure (``RoomWaste.batch_key``): whole GPUs first, then the shares that strand the least room.
 - ``kube-dra``: not ours, and not a recommendation: a model of the stock kube-scheduler placing pods
   whose ResourceClaims ask for shares of our GPUs (``gpufrac.placement.stock``: its default cpu/memory
   scores for the node, the DRA allocator's first device with room for the GPU), to measure our policies
@@ -72,6 +73,8 @@ class Policy:
     picker: GpuPicker
     largest_first: bool = False
     """Look-ahead: a batch of pods already received is placed largest first (``fair_share``)."""
+    batch_key: Callable[[Demand], tuple[int, ...]] | None = field(default=None, compare=False)
+    """The look-ahead's order, larger first, when it is not ``Demand.size`` (largest first)."""
     epoched: tuple[Epoched, ...] = field(init=False, repr=False, compare=False)
     preparing: tuple[Preparing, ...] = field(init=False, repr=False, compare=False)
     learning: tuple[Learning, ...] = field(init=False, repr=False, compare=False)
@@ -140,6 +143,7 @@ def _fgd_room(typical: TypicalSource) -> Policy:
         ((room, 101 * 11), (fgd, 11), (align, 1)),
         BestFitGpu(),
         largest_first=True,
+        batch_key=room.batch_key,
     )
 
 
