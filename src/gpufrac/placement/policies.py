@@ -72,7 +72,7 @@ class Policy:
     scorers: tuple[tuple[Scorer, int], ...]
     picker: GpuPicker
     largest_first: bool = False
-    """Look-ahead: a batch of pods already received is placed largest first (``fair_share``)."""
+    """Look-ahead: a batch of pods already received is placed in ``batch_key``'s order (``fair_share``)."""
     batch_key: Callable[[Demand], tuple[int, ...]] | None = field(default=None, compare=False)
     """The look-ahead's order, larger first, when it is not ``Demand.size`` (largest first)."""
     epoched: tuple[Epoched, ...] = field(init=False, repr=False, compare=False)
