@@ -34,6 +34,16 @@ async def new_pod(client: AsyncClient, namespace: str, name: str = "p") -> Pod:
     )
 
 
+async def pending_settles(recorder: EventRecorder, expected: int, *, timeout_s: float = 10.0) -> bool:
+    """Whether the recorder's pending count reaches ``expected``: a written Event is visible to a list
+    before the recorder's own create call has returned, so the count can lag the list briefly."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while recorder.pending != expected and loop.time() < deadline:
+        await asyncio.sleep(0.02)
+    return recorder.pending == expected
+
+
 async def test_a_patch_on_a_stale_version_is_a_typed_conflict(client: AsyncClient, namespace: str) -> None:
     pod = await new_pod(client, namespace)
     stale = pod.metadata.resourceVersion
@@ -220,7 +230,7 @@ async def test_events_wait_while_the_recorder_yields_and_are_written_once_it_sto
                 break
             await asyncio.sleep(0.05)
         assert [e.message for e in events] == ["urgent"]  # written while the burst is on
-        assert recorder.pending == 1  # the Scheduled one, held back
+        assert await pending_settles(recorder, 1)  # the Scheduled one, held back
         busy = False
         for _ in range(200):
             events = [e async for e in client.list(Event, namespace=namespace)]
@@ -259,7 +269,7 @@ async def test_an_event_held_by_a_burst_that_never_ends_is_written_after_max_hol
                 break
             await asyncio.sleep(0.05)
         assert [e.message for e in events] == ["assigned late"]
-        assert recorder.pending == 0
+        assert await pending_settles(recorder, 0)
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
@@ -296,7 +306,7 @@ async def test_a_burst_longer_than_half_the_queue_has_its_events_written_as_it_g
             await asyncio.sleep(0.05)
         assert sorted(e.message for e in events) == [f"assigned {i}" for i in range(4)]  # oldest first
         assert recorder.dropped == 0
-        assert recorder.pending == 1  # the newest, still held while the burst goes on
+        assert await pending_settles(recorder, 1)  # the newest, still held while the burst goes on
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
