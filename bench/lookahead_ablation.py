@@ -13,9 +13,11 @@ that have arrived, as in ``gpufrac.sim.replay``):
 - ``small-shares``: whole-GPU pods largest first, shares smallest first;
 - ``arrival``: arrival order (no look-ahead);
 - ``policy``: the policy's own look-ahead order (``Engine.batch_key``): largest first for fgd-plus; for
-  fgd-room whole GPUs first, then the shares that strand the least room on a fresh GPU
-  (``RoomWaste.batch_key``); ``room@X``: that order with its table's stop weight X instead of
-  ``ORDER_STOP_WEIGHT`` (the sweep in docs/benchmarks.md);
+  fgd-room whole GPUs first, then the shares in tiers of the room they strand on a fresh GPU, least
+  first, arrival order within a tier (``RoomWaste.batch_key``); ``room@X``: that order with its table's
+  stop weight X instead of ``ORDER_STOP_WEIGHT``; ``tier@N``: with tiers of N thousandths instead of
+  ``ORDER_TIER`` (``tier@1``: every distinct stranded room its own tier, the order of 2026-12-03's
+  fourth round up to ties; the sweeps are in docs/benchmarks.md);
 - ``best-placed``: largest first; when a pod of the window fails, also ``hard``, ``lfcpu`` and
   ``arrival`` (each on a statement that is discarded), and the order that placed the most GPU is kept;
 - ``best-frag``: ``lf``, ``hard`` and ``lfcpu`` for every window, keeping the one that placed the most
@@ -115,8 +117,12 @@ def replay(
     orders = keys(nodes)
     if order == "policy":
         orders[order] = lambda tp, i: (tuple(-v for v in engine.batch_key(pending[i])), i)
-    elif order.startswith("room@"):
-        room = RoomWaste(PriorTypicalPods(shape_counts(pods)), order_stop=float(order[len("room@") :]))
+    elif order.startswith(("room@", "tier@")):
+        value = order.split("@", 1)[1]
+        room = RoomWaste(
+            PriorTypicalPods(shape_counts(pods)),
+            **({"order_stop": float(value)} if order.startswith("room@") else {"order_tier": int(value)}),
+        )
         orders[order] = lambda tp, i: (
             tuple(-v for v in room.batch_key(demand_of(pending[i], policy=policy))),
             i,
@@ -170,12 +176,11 @@ def replay(
     return allocation_at(arrived, allocated, 130)
 
 
-def _stop_weight(order: str) -> bool:
-    """Whether ``order`` is ``room@X`` with a positive number X."""
-    if not order.startswith("room@"):
-        return False
+def _parametrised(order: str) -> bool:
+    """Whether ``order`` is ``room@X`` with a positive number X or ``tier@N`` with a whole N >= 1."""
+    name, _, value = order.partition("@")
     try:
-        return float(order[len("room@") :]) > 0
+        return (name == "room" and float(value) > 0) or (name == "tier" and int(value) >= 1)
     except ValueError:
         return False
 
@@ -189,9 +194,9 @@ def main() -> None:
     parser.add_argument("--seeds", default="42")
     args = parser.parse_args()
     nodes = load_nodes(node_file())
-    known = [*keys(nodes), "policy", "room@X", *BEST]
+    known = [*keys(nodes), "policy", "room@X", "tier@N", *BEST]
     orders = args.orders.split(",")
-    unknown = [o for o in orders if o not in known and not _stop_weight(o)]
+    unknown = [o for o in orders if o not in known and not _parametrised(o)]
     if unknown:
         parser.error(f"unknown order {', '.join(unknown)}; known: {', '.join(known)}")
     if args.window < 2:

@@ -1,6 +1,6 @@
 """Where a replay's last points go: the GPU left free at 130 % arrival, and the demand that failed.
 
-Issue 16 asks for 96.3 % on the default trace; fgd-plus gave 95.85, fgd-room (the default) gives 96.06
+Issue 16 asks for 96.3 % on the default trace; fgd-plus gave 95.85, fgd-room (the default) gives 96.12
 (10 seeds). This bench says what the missing
 capacity is made of, so an idea can be judged before it is built: the free GPU capacity at the end of
 the replay grouped by the room left on each GPU (and whether a single pod holds that GPU alone), each

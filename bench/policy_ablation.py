@@ -25,7 +25,10 @@ Variants (registered here, not in the product's policy table, except the named p
   (``gpufrac.placement.room_waste``) before fgd-plus's keys; ``fgd-room-stop<X>``: the same with the
   stranded-room estimate's stop weight X instead of 0.005; ``fgd-room-cov100``: its table built from
   every share of the workload, not the typical 95 %; ``fgd-plus-room``: fgd-plus's FGD first, the
-  stranded room only as its tie-break on the same GPU (``FgdThen``);
+  stranded room only as its tie-break on the same GPU (``FgdThen``); ``fgd-room-gpuonly``: fgd-room
+  without the charge for the GPU room a share's CPU strands (``RoomWaste(host=False)``: fgd-room as it
+  was until 2026-12-03); ``fgd-room-crossed``: the charge for every typical pod whose CPU need a share
+  crosses, not only when the node is left too little CPU for any (``RoomWaste(every_crossing=True)``);
 - look-ahead: any policy run with ``--window W`` gets the pods in bursts of W already received pods;
   a ``+lf`` suffix places each burst largest first (``Policy.largest_first``);
 - online learning: ``--online`` gives no prior; ``fgd-align-decay<N>`` forgets with a half-life of N
@@ -215,6 +218,20 @@ def _variants() -> dict[str, Callable[[Prior | None], Policy]]:
     out["fgd-plus-room"] = lambda p: chain(
         "fgd-plus-room",
         (FgdThen(fgd(p, joint="auto"), RoomWaste(_typical(p))), 101 * RoomWaste.RANGE),
+        (Alignment(), 11),
+        largest_first=True,
+    )
+    out["fgd-room-gpuonly"] = lambda p: chain(
+        "fgd-room-gpuonly",
+        (RoomWaste(_typical(p), host=False), RoomWaste.RANGE),
+        (fgd(p, joint="auto"), 101),
+        (Alignment(), 11),
+        largest_first=True,
+    )
+    out["fgd-room-crossed"] = lambda p: chain(
+        "fgd-room-crossed",
+        (RoomWaste(_typical(p), every_crossing=True), RoomWaste.RANGE),
+        (fgd(p, joint="auto"), 101),
         (Alignment(), 11),
         largest_first=True,
     )

@@ -192,3 +192,103 @@ def test_batch_order_whole_gpus_first_then_shares_by_stranded_room_then_cpu_only
     # Equal shares keep their arrival order whatever CPU they ask for (CPU-heavy ones in a row would use
     # up the CPU of the nodes they land on).
     assert e.batch_key(pod(fraction(0.47), cpu_milli=8000)) == e.batch_key(pod(fraction(0.47), cpu_milli=100))
+
+
+def _cpu_tight_cluster(host: bool, *, light: TypicalPod | None = None) -> Engine:
+    """tight: two GPUs, a 0.47 (8 cores) on GPU 0, 20 cores in all (12 free); roomy: one empty GPU,
+    32 cores. The typical pods ask for 8 cores each (and ``light``, if given, is typical too)."""
+    prior = Counter(
+        {
+            TypicalPod(cpu_milli=8000, memory=None, exclusive=True): 2,
+            TypicalPod(cpu_milli=8000, memory=GpuMemory(portion=0.47)): 1,
+        }
+    )
+    if light is not None:
+        prior[light] = 1
+    e = Engine(policy="fgd-room", seed=0, typical=prior)
+    e.add_node(node("tight", gpus=2, mib=MIB, cpu=20_000))
+    e.add_node(node("roomy", gpus=1, mib=MIB, cpu=32_000))
+    p = pod(fraction(0.47), cpu_milli=8000)
+    mib = int(0.47 * MIB)
+    device = DeviceAssignment("tight-g0", 0, mib, mib, None)
+    e.assume(
+        p,
+        Placement(p.uid, "tight", (ContainerPlacement("main", ComputeMode.TIME_SLICING, False, (device,)),)),
+    )
+    room = e.policy("fgd-room").scorers[0][0]
+    assert isinstance(room, RoomWaste)
+    room.host = host
+    return e
+
+
+@pytest.mark.parametrize("host", [True, False])
+def test_a_share_does_not_close_a_room_with_cpu_the_node_needs_for_its_other_gpu(host):
+    """A 0.47, a whole GPU and a 0.47 arrive, 8 cores each. The stranded room alone puts the first 0.47
+    next to the other on tight (0.06 left) and leaves tight 4 cores, too few for anything on its empty
+    GPU: the whole GPU goes to roomy and the last 0.47 fits nowhere. Charged for the GPU its CPU
+    strands, the first 0.47 opens roomy's GPU, the whole GPU takes tight's, and the last 0.47 joins the
+    first on roomy."""
+    e = _cpu_tight_cluster(host)
+    decisions = [
+        e.place(pod(fraction(0.47), cpu_milli=8000)),
+        e.place(pod(whole(1), cpu_milli=8000)),
+        e.place(pod(fraction(0.47), cpu_milli=8000)),
+    ]
+    nodes = [d.node if isinstance(d, Placement) else None for d in decisions]
+    assert nodes == (["roomy", "tight", "roomy"] if host else ["tight", "roomy", None])
+
+
+def test_cpu_stranded_is_the_room_typical_pods_lose_when_the_share_leaves_too_little_cpu_for_any():
+    from gpufrac.placement.demand import demand_of
+    from gpufrac.placement.filters import GpuRules, resource_fit
+    from gpufrac.placement.fragmentation import cpu_stranded
+
+    def stranded(e: Engine, cpu_milli: int) -> dict[str, list[float]]:
+        """cpu_stranded of a 0.47 asking for ``cpu_milli`` on GPUs 0 and 1 of each node."""
+        demand = demand_of(pod(fraction(0.47), cpu_milli=cpu_milli), policy="fgd-room")
+        fit = resource_fit(e.state, demand, e.state.live(), GpuRules()).feasible()
+        typical = e.policy("fgd-room").scorers[0][0].source.current()
+        values = cpu_stranded(e.state, typical, demand, fit)
+        return {e.state.nodes[i].name: values[row, :2].tolist() for row, i in enumerate(fit.nodes.tolist())}
+
+    heavy = stranded(_cpu_tight_cluster(True), 8000)
+    # On tight, 12 cores fall to 4. On GPU 0 (0.06 left) both typical pods lose the empty GPU 1; on
+    # GPU 1 no GPU is left whole, so only the 0.47s lose something: the two 0.53 rooms.
+    whole_weight, share_weight = 2 / 3, 1 / 3
+    assert heavy["tight"] == pytest.approx(
+        [1000 * whole_weight + 1000 * share_weight, 2 * 530 * share_weight]
+    )
+    assert heavy["roomy"] == [0.0, 0.0]  # 32 cores: 24 left
+    assert stranded(_cpu_tight_cluster(True), 4000)["tight"] == [0.0, 0.0]  # 12 cores fall to 8: enough
+
+    # With a typical 0.81 that asks for 2 cores, the 4 cores left still host one: nothing is charged,
+    # although the 8-core pods can no longer come (charging that kept shares off small nodes).
+    e = _cpu_tight_cluster(True, light=TypicalPod(cpu_milli=2000, memory=GpuMemory(portion=0.81)))
+    assert stranded(e, 8000)["tight"] == [0.0, 0.0]
+
+
+def test_a_batch_keeps_arrival_order_among_shares_whose_stranded_rooms_fall_in_one_tier():
+    """A 0.47 and a 0.46 strand almost the same room (one tier), so the one that came first gets the last
+    room of a batch whichever it is; a 0.55, whose room nothing fills, waits for a later tier. Ranked by
+    the exact stranded room, one size would win every time and pods of one shape would line up."""
+    prior = Counter({WHOLE: 2, share(0.47): 1, share(0.46): 1})
+    e = Engine(policy="fgd-room", seed=0, typical=prior)
+    room = e.policy("fgd-room").scorers[0][0]
+    assert isinstance(room, RoomWaste)
+    table = stranded_table(one_gpu_shares(room.source.current(), MIB), room.order_stop)
+    assert table[530] != table[540]  # the exact measure tells them apart
+    assert e.batch_key(pod(fraction(0.47))) == e.batch_key(pod(fraction(0.46)))
+    assert e.batch_key(pod(fraction(0.47))) > e.batch_key(pod(fraction(0.55)))
+
+    for first, second in ((0.47, 0.46), (0.46, 0.47)):
+        e = Engine(policy="fgd-room", seed=0, typical=prior)
+        e.add_node(node("x", gpus=1, mib=MIB))
+        _book(e, 0.4, "x")  # 0.6 left: room for one of the two
+        batch = [
+            pod(fraction(0.55), name="late"),
+            pod(fraction(first), name="a"),
+            pod(fraction(second), name="b"),
+        ]
+        decisions = e.schedule(batch)
+        placed = [p.name for p, d in zip(batch, decisions, strict=True) if isinstance(d, Placement)]
+        assert placed == ["a"]

@@ -136,6 +136,51 @@ def node_fragmentation(
     return frag, free
 
 
+def cpu_stranded(
+    state: ClusterState, typical: TypicalSet, demand: Demand, fit: Fit, *, every_crossing: bool = False
+) -> np.ndarray:
+    """(D, G) thousandths of a GPU that the one-GPU share ``demand`` strands by its CPU, on each GPU:
+    non-zero only where the share leaves its node too little free CPU for any typical GPU pod.
+
+    Then FGD's fragment grows by the room the typical pods could still use before the share came and
+    cannot use after, for want of CPU: that room, weighted, is the charge. Only that case is charged,
+    not every typical pod whose CPU need the share crosses: charging each crossing kept shares off the
+    small CPU-poor nodes, which CPU-heavy whole-GPU pods then took, stranding the other GPU (cpu050:
+    -0.4 point; docs/benchmarks.md); ``every_crossing`` does that, for the ablation. The GPU side is
+    left to the stranded room (``room_waste``).
+    """
+    nodes = fit.nodes
+    fm = fit.free_milli()
+    single = demand.single
+    out = np.zeros(fm.shape)
+    if not typical.pods or demand.cpu_milli <= 0 or single is None:
+        return out
+    shapes = shapes_for(state, typical, nodes)
+    cpu = state.cpu_free[nodes]
+    cpu_after = cpu - demand.cpu_milli
+    least = np.where(shapes.access, shapes.cpu[None, :], _NEVER).min(axis=1)  # (D,) least CPU of a GPU pod
+    left_short = shapes.cpu if every_crossing else least[:, None]  # (K,) or (D, 1)
+    crossed = (cpu[:, None] >= shapes.cpu) & (cpu_after[:, None] < left_short)  # (D, K)
+    rows = np.flatnonzero(crossed.any(axis=1))
+    if rows.size == 0:
+        return out
+    need = shapes.need if shapes.need.shape[0] == 1 else shapes.need[rows]
+    sub = Shapes(need, shapes.count, shapes.cpu, shapes.access[rows], shapes.mode, shapes.weights)
+    fm = fm[rows]
+    usable = _usable(fm, state.mode[nodes[rows]], sub)
+    _, room, count = _terms(fm, usable)
+    cap = state.cap[nodes[rows]]
+    fa = np.maximum(state.free[nodes[rows]] - single.request_mib(cap), 0) * 1000 // np.maximum(cap, 1)
+    usable_after = (fa[:, :, None] >= need[:, None, :]) & (
+        shapes.mode[None, None, :] == MODE_CODE[single.mode]
+    )
+    room_after = room[:, None, :] - fm[:, :, None] * usable + fa[:, :, None] * usable_after
+    count_after = count[:, None, :] - usable + usable_after
+    lost = sub.access[:, None, :] & (count_after >= shapes.count) & crossed[rows][:, None, :]
+    out[rows] = (lost * room_after) @ shapes.weights
+    return out
+
+
 def _sigmoid_score(delta: np.ndarray, scale: float = 100.0) -> np.ndarray:
     return np.trunc(scale / (1.0 + np.exp(-delta / 1000.0))).astype(np.int64)
 

@@ -18,9 +18,10 @@
   (look-ahead, ``largest_first``).
 - ``fgd-room``: ours, the default of the scheduler service and ``gpufrac up``. fgd-plus with one key in
   front for pods that share one GPU: the room they leave stranded (``room_waste``), so a share closes a
-  room the typical shares would not fill instead of cutting a fresh one down to a dead end. Other pods
+  room the typical shares would not fill instead of cutting a fresh one down to a dead end, charged for
+  the GPU room its CPU strands when it leaves the node too little CPU for any typical GPU pod. Other pods
   score alike on that key and are placed by fgd-plus's keys. Its look-ahead orders a batch by the same
-  measure (``RoomWaste.batch_key``): whole GPUs first, then the shares that strand the least room.
+  measure (``RoomWaste.batch_key``): whole GPUs first, then the shares in tiers of the room they strand.
 - ``kube-dra``: not ours, and not a recommendation: a model of the stock kube-scheduler placing pods
   whose ResourceClaims ask for shares of our GPUs (``gpufrac.placement.stock``: its default cpu/memory
   scores for the node, the DRA allocator's first device with room for the GPU), to measure our policies

@@ -21,15 +21,19 @@ r scores W[r] - W[r - share]: the stranded room it removes (negative: it strands
 other pod gets one constant value, so the next key (FGD) decides for them. ``fgd-room``, the default
 policy, ranks by it first (``policies``). ``stop`` = 0.005 was the best of 0.001-0.05 on the default
 trace; the ablation is in docs/benchmarks.md. Compute modes are not told apart here (FGD's key does).
+With ``host`` (the default) the score also subtracts the GPU room the share's CPU strands when it leaves
+its node too little CPU for any typical GPU pod (``fragmentation.cpu_stranded``): ranked first, the room
+alone would close a room with CPU the node's empty GPUs need.
 
 ``RoomWaste.batch_key`` is fgd-room's look-ahead order for a batch of received pods: pods asking for a
-whole GPU or more first, largest first; then shares, the one that would leave the least stranded room on
-a fresh GPU first; CPU-only pods last; arrival order among equals. The table for that order stops
-arrivals ten times sooner (``ORDER_STOP_WEIGHT``, ``order_stop``): a batch decides who gets the GPUs
-that are free now, so what fills a room soon matters, not what fills it eventually. On the default
-trace it places the 0.55 shares (whose 0.45 room no typical share fills well) after the small ones;
-with 512-pod batches it reaches 96.38 % against 96.30 largest first (docs/benchmarks.md, "The
-look-ahead's order").
+whole GPU or more first, largest first; then shares, in tiers of the stranded room each would leave on a
+fresh GPU (``ORDER_TIER`` thousandths per tier), least first; CPU-only pods last; arrival order within a
+tier and among equals. The table for that order stops arrivals ten times sooner
+(``ORDER_STOP_WEIGHT``, ``order_stop``): a batch decides who gets the GPUs that are free now, so what
+fills a room soon matters, not what fills it eventually. On the default trace it places the 0.55 shares
+(whose 0.45 room no typical share fills well) after the small ones, and keeps the common 0.81, 0.65 and
+0.47 shares in arrival order: with 512-pod batches it reaches 96.41 % (10 seeds) and beats one pod at a
+time on every published trace (docs/benchmarks.md, "GPU stranded next to exhausted CPU").
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ import numpy as np
 
 from .demand import SIZE_GPU_MIB, Demand
 from .filters import Fit
+from .fragmentation import cpu_stranded
 from .scoring import milli_of
 from .state import ClusterState
 from .typical import TypicalSet, TypicalSource
@@ -47,6 +52,8 @@ STOP_WEIGHT = 0.005
 ORDER_STOP_WEIGHT = 0.05
 """The same rate for the batch order (``RoomWaste.batch_key``): 0.02-0.05 measured best on the default
 trace, 0.005 worst (docs/benchmarks.md)."""
+ORDER_TIER = 50
+"""Thousandths of stranded room per tier of the batch order: shares in one tier keep arrival order."""
 
 
 def one_gpu_shares(typical: TypicalSet, cap_mib: int) -> list[tuple[int, float]]:
@@ -93,11 +100,26 @@ class RoomWaste:
     """Scores lie in 0..RANGE-1; every pod that is not a one-GPU share scores CLIP."""
 
     def __init__(
-        self, source: TypicalSource, *, stop: float = STOP_WEIGHT, order_stop: float = ORDER_STOP_WEIGHT
+        self,
+        source: TypicalSource,
+        *,
+        stop: float = STOP_WEIGHT,
+        order_stop: float = ORDER_STOP_WEIGHT,
+        order_tier: int = ORDER_TIER,
+        host: bool = True,
+        every_crossing: bool = False,
     ) -> None:
+        if order_tier < 1:
+            raise ValueError(f"order_tier must be at least 1 thousandth, got {order_tier}")
         self.source = source
         self.stop = stop
         self.order_stop = order_stop
+        self.order_tier = order_tier
+        self.host = host
+        """Charge the GPU room the share's CPU strands (``fragmentation.cpu_stranded``) on the same scale."""
+        self.every_crossing = every_crossing
+        """Charge every typical pod whose CPU need the share crosses, not only a node left with too little
+        CPU for any (an ablation; ``cpu_stranded``)."""
         self._tables: dict[tuple[int, int], np.ndarray] = {}
         self._order: tuple[int, np.ndarray] | None = None
         self._sizes_epoch = -1
@@ -123,10 +145,11 @@ class RoomWaste:
     def batch_key(self, demand: Demand) -> tuple[int, int, int]:
         """Where ``demand`` goes in a batch placed by look-ahead, larger first (module docstring).
         Shares are measured as ``Demand.size`` measures them (a MiB request against a ``SIZE_GPU_MIB``
-        GPU); ties fall back to the larger share, then arrival. CPU and memory are left out on purpose:
-        ordered by CPU, the CPU-heavy pods of a size land one after another on the same nodes and use
-        up their CPU next to free GPUs (gpuspec10, 512-pod batches: 91.4 % with CPU in the key, 93.4
-        without; docs/benchmarks.md)."""
+        GPU) and ranked in tiers of ``ORDER_TIER`` stranded thousandths; within a tier they keep their
+        arrival order. CPU and memory are left out on purpose, and so is the exact stranded room: both
+        line up pods of one shape, and CPU-heavy pods of one shape placed one after another land on the
+        same nodes and use up their CPU next to free GPUs (docs/benchmarks.md, "The look-ahead's
+        order")."""
         milli = demand.size[0]
         if milli >= 1000:
             return (2, 0, milli)
@@ -136,8 +159,8 @@ class RoomWaste:
         if self._order is None or self._order[0] != typical.epoch:
             shares = one_gpu_shares(typical, SIZE_GPU_MIB)
             self._order = (typical.epoch, stranded_table(shares, self.order_stop))
-        stranded = self._order[1][1000 - milli]
-        return (1, -round(1000 * float(stranded)), milli)
+        stranded = float(self._order[1][1000 - milli])
+        return (1, -int(stranded // self.order_tier), 0)
 
     def one_size(self, state: ClusterState) -> int:
         """The GPU size in MiB when every GPU of the cluster has it, else 0 (re-read when nodes change)."""
@@ -158,12 +181,18 @@ class RoomWaste:
         size = self.one_size(state)
         if size:  # the common case: every GPU of the cluster has one size
             table = self.table(size)
-            return self.CLIP + table[room] - table[left]  # |W[r] - W[r']| <= 1000: W lies in 0..r
-        removed = np.zeros(room.shape, dtype=np.int64)
-        for size in np.unique(cap[cap > 0]).tolist():
-            table = self.table(size)
-            on = cap == size
-            removed[on] = table[room[on]] - table[left[on]]
+            removed = table[room] - table[left]  # |W[r] - W[r']| <= 1000: W lies in 0..r
+        else:
+            removed = np.zeros(room.shape, dtype=np.int64)
+            for size in np.unique(cap[cap > 0]).tolist():
+                table = self.table(size)
+                on = cap == size
+                removed[on] = table[room[on]] - table[left[on]]
+        if self.host:
+            stranded = cpu_stranded(
+                state, self.source.current(), demand, fit, every_crossing=self.every_crossing
+            )
+            removed = np.maximum(removed - np.rint(stranded).astype(np.int64), -self.CLIP)
         return self.CLIP + removed
 
     def score(self, state: ClusterState, demand: Demand, fit: Fit) -> tuple[np.ndarray, np.ndarray | None]:
