@@ -221,20 +221,25 @@ def _variants() -> dict[str, Callable[[Prior | None], Policy]]:
         (Alignment(), 11),
         largest_first=True,
     )
-    out["fgd-room-gpuonly"] = lambda p: chain(
-        "fgd-room-gpuonly",
-        (RoomWaste(_typical(p), host=False), RoomWaste.RANGE),
-        (fgd(p, joint="auto"), 101),
-        (Alignment(), 11),
-        largest_first=True,
-    )
-    out["fgd-room-crossed"] = lambda p: chain(
-        "fgd-room-crossed",
-        (RoomWaste(_typical(p), every_crossing=True), RoomWaste.RANGE),
-        (fgd(p, joint="auto"), 101),
-        (Alignment(), 11),
-        largest_first=True,
-    )
+
+    def room_variant(name: str, **kw: bool) -> Callable[[Prior | None], Policy]:
+        """fgd-room's keys with ``RoomWaste(**kw)``; one typical source for both keys, fed by FGD, as in
+        the product (with ``--online`` a source of its own would never learn anything)."""
+
+        def make(p: Prior | None) -> Policy:
+            typical = _typical(p)
+            return chain(
+                name,
+                (RoomWaste(typical, **kw), RoomWaste.RANGE),
+                (Fgd(typical, joint="auto"), 101),
+                (Alignment(), 11),
+                largest_first=True,
+            )
+
+        return make
+
+    out["fgd-room-gpuonly"] = room_variant("fgd-room-gpuonly", host=False)
+    out["fgd-room-crossed"] = room_variant("fgd-room-crossed", every_crossing=True)
     out["fgd-room-cov100"] = lambda p: chain(
         "fgd-room-cov100",
         (RoomWaste(typical_of(p, coverage=1.0)), RoomWaste.RANGE),

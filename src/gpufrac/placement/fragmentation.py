@@ -155,28 +155,38 @@ def cpu_stranded(
     out = np.zeros(fm.shape)
     if not typical.pods or demand.cpu_milli <= 0 or single is None:
         return out
-    shapes = shapes_for(state, typical, nodes)
     cpu = state.cpu_free[nodes]
     cpu_after = cpu - demand.cpu_milli
-    least = np.where(shapes.access, shapes.cpu[None, :], _NEVER).min(axis=1)  # (D,) least CPU of a GPU pod
-    left_short = shapes.cpu if every_crossing else least[:, None]  # (K,) or (D, 1)
-    crossed = (cpu[:, None] >= shapes.cpu) & (cpu_after[:, None] < left_short)  # (D, K)
+    key = ("least_cpu", len(state.model_names))
+    least_by_model = typical._memo.get(key)
+    if least_by_model is None:  # per model: the least CPU a typical GPU pod allowed there asks for
+        access = typical.access(state.model_names)
+        least_by_model = typical._memo[key] = np.where(access, typical.column("cpu_milli"), _NEVER).min(
+            axis=1
+        )
+    least = least_by_model[state.model[nodes]]  # (D,)
+    if every_crossing:
+        cpus = typical.column("cpu_milli")
+        crossed = (cpu[:, None] >= cpus) & (cpu_after[:, None] < cpus)  # (D, K)
+    else:  # only nodes the share leaves short of every typical GPU pod; checked first, cheaply
+        short = (cpu_after < least) & (cpu >= least)
+        if not short.any():
+            return out
+        crossed = (cpu[:, None] >= typical.column("cpu_milli")) & short[:, None]
     rows = np.flatnonzero(crossed.any(axis=1))
     if rows.size == 0:
         return out
-    need = shapes.need if shapes.need.shape[0] == 1 else shapes.need[rows]
-    sub = Shapes(need, shapes.count, shapes.cpu, shapes.access[rows], shapes.mode, shapes.weights)
+    shapes = shapes_for(state, typical, nodes[rows])
     fm = fm[rows]
-    usable = _usable(fm, state.mode[nodes[rows]], sub)
+    usable = _usable(fm, state.mode[nodes[rows]], shapes)
     _, room, count = _terms(fm, usable)
     cap = state.cap[nodes[rows]]
     fa = np.maximum(state.free[nodes[rows]] - single.request_mib(cap), 0) * 1000 // np.maximum(cap, 1)
-    usable_after = (fa[:, :, None] >= need[:, None, :]) & (
-        shapes.mode[None, None, :] == MODE_CODE[single.mode]
-    )
+    mode_ok = shapes.mode[None, None, :] == MODE_CODE[single.mode]
+    usable_after = (fa[:, :, None] >= shapes.need[:, None, :]) & mode_ok
     room_after = room[:, None, :] - fm[:, :, None] * usable + fa[:, :, None] * usable_after
     count_after = count[:, None, :] - usable + usable_after
-    lost = sub.access[:, None, :] & (count_after >= shapes.count) & crossed[rows][:, None, :]
+    lost = shapes.access[:, None, :] & (count_after >= shapes.count) & crossed[rows][:, None, :]
     out[rows] = (lost * room_after) @ shapes.weights
     return out
 
