@@ -148,8 +148,8 @@ class RoomWaste:
         GPU) and ranked in tiers of ``ORDER_TIER`` stranded thousandths; within a tier they keep their
         arrival order. CPU and memory are left out on purpose, and so is the exact stranded room: both
         line up pods of one shape, and CPU-heavy pods of one shape placed one after another land on the
-        same nodes and use up their CPU next to free GPUs (docs/benchmarks.md, "The look-ahead's
-        order")."""
+        same nodes and use up their CPU next to free GPUs (docs/benchmarks.md, "GPU stranded next to
+        exhausted CPU")."""
         milli = demand.size[0]
         if milli >= 1000:
             return (2, 0, milli)
