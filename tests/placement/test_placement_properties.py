@@ -8,8 +8,9 @@ every ledger to its start; the same inputs give the same placements.
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import Counter, defaultdict
 
+import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from placement_builders import node
@@ -19,9 +20,11 @@ from gpufrac.contract.request import ComputeMode, ContainerGpuRequest, GpuMemory
 from gpufrac.placement.decision import ContainerPlacement, DeviceAssignment, Placement
 from gpufrac.placement.demand import PPM, portion_ppm
 from gpufrac.placement.engine import Engine
-from gpufrac.placement.filters import GpuRules
+from gpufrac.placement.filters import GpuRules, resource_fit
+from gpufrac.placement.fragmentation import Fgd
 from gpufrac.placement.model import ModePolicy, PendingPod
 from gpufrac.placement.policies import POLICIES
+from gpufrac.placement.typical import PriorTypicalPods, TypicalPod
 
 MODES = (ComputeMode.TIME_SLICING, ComputeMode.SM_SHARING)
 
@@ -217,3 +220,85 @@ def test_same_seed_same_placements(scenario):
     _, _, first = run(*scenario)
     _, _, second = run(*scenario)
     assert first == second
+
+
+# -- FGD's per-node terms, kept between pods --------------------------------------------------------------
+
+TYPICAL = Counter(
+    {
+        TypicalPod(cpu_milli=2000, memory=GpuMemory(portion=0.5)): 4,
+        TypicalPod(cpu_milli=0, memory=GpuMemory(portion=0.25), mode=ComputeMode.SM_SHARING): 2,
+        TypicalPod(cpu_milli=8000, memory=None, count=1, exclusive=True): 3,
+        TypicalPod(cpu_milli=16000, memory=None, count=2, exclusive=True): 1,
+        TypicalPod(cpu_milli=4000, memory=None, count=0): 2,
+        TypicalPod(cpu_milli=1000, memory=GpuMemory(mib=5000), count=2): 1,
+        TypicalPod(cpu_milli=1000, memory=GpuMemory(portion=0.3), models=frozenset({"A100"})): 1,
+    }
+)
+
+
+def masked_deltas(scorer: Fgd, state, demand, fit) -> np.ndarray:
+    delta, mask = scorer.deltas(state, demand, fit)
+    return delta if mask is None else np.where(mask, delta, 0)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    clusters(),
+    st.lists(st.integers(0, 10**6), min_size=1, max_size=20),
+    st.data(),
+    st.sampled_from(["none", "all"]),
+)
+def test_fgd_scores_from_kept_node_terms_equal_scores_derived_afresh(cluster, draws, data, joint):
+    """The scorer keeps each node's terms until the node changes (``fragmentation._BeforeTerms``); a
+    scorer that derives everything anew must give the same deltas through places, releases, and nodes
+    that add rows and GPU slots."""
+    e = Engine(policy="binpack")
+    for spec in cluster:
+        e.add_node(spec)
+    kept = Fgd(PriorTypicalPods(TYPICAL), joint=joint)  # type: ignore[arg-type]
+    placed: list[str] = []
+    for i, choice in enumerate(draws):
+        if i == len(draws) // 3:  # more node rows than the state started with (64), then more GPU slots (8)
+            for j in range(64):
+                e.add_node(node(f"spare{j}", gpus=1, cpu=4000))
+        if i == 2 * len(draws) // 3:
+            e.add_node(node("late", gpus=10, mib=40960, model="A100"))
+        if placed and choice % 4 == 0:
+            e.forget(placed.pop(choice % len(placed)))
+        pod = data.draw(requests(i))
+        demand = e.demand(pod)
+        fit = resource_fit(e.state, demand, e.state.live(), e.rules).feasible()
+        if fit.nodes.size:
+            fresh = Fgd(PriorTypicalPods(TYPICAL), joint=joint)  # type: ignore[arg-type]
+            assert np.array_equal(
+                masked_deltas(kept, e.state, demand, fit), masked_deltas(fresh, e.state, demand, fit)
+            )
+        if isinstance(e.place(pod), Placement):
+            placed.append(pod.uid)
+
+
+def test_fgd_never_keeps_terms_of_a_hypothetical_state():
+    """Preemption's what-if states copy the nodes' versions but not their free room, and number their
+    rows from 0: terms kept from one would be served for the wrong node or the wrong room."""
+    e = Engine(policy="binpack")
+    for i in range(3):
+        e.add_node(node(f"n{i}", gpus=2))
+    half = PodGpuRequest((ContainerGpuRequest("main", GpuMemory(portion=0.5), None),))
+    for i in range(5):
+        e.place(PendingPod("ns", f"p{i}", f"u{i}", half, cpu_milli=1000))
+    probe = PendingPod("ns", "probe", "probe", half, cpu_milli=1000)
+    demand = e.demand(probe)
+    kept = Fgd(PriorTypicalPods(TYPICAL))
+    real = resource_fit(e.state, demand, e.state.live(), e.rules).feasible()
+    before = masked_deltas(kept, e.state, demand, real)
+    # Node n2 in row 0 and n0 in row 2, with the pods of n0 gone.
+    nodes = np.array([e.state.index["n2"], e.state.index["n1"], e.state.index["n0"]])
+    victims = np.zeros((3, 4), dtype=np.int64)
+    on_n0 = [s for uid, s in e.pods.slot_of.items() if e.placement_of(uid).node == "n0"]
+    victims[2, : len(on_n0)] = on_n0
+    hyp = e.pods.hypothetical(e.state, nodes, e.pods.of_sets(victims, tenant=None), tenant=None)
+    hfit = resource_fit(hyp, demand, np.arange(3), e.rules).feasible()
+    fresh = Fgd(PriorTypicalPods(TYPICAL))
+    assert np.array_equal(masked_deltas(kept, hyp, demand, hfit), masked_deltas(fresh, hyp, demand, hfit))
+    assert np.array_equal(masked_deltas(kept, e.state, demand, real), before)

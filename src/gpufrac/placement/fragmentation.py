@@ -30,7 +30,7 @@ import numpy as np
 from .demand import Demand
 from .filters import Fit
 from .scoring import milli_of, reference_cap
-from .state import EMPTY, EXCLUSIVE, MODE_CODE, ClusterState
+from .state import ABSENT, EMPTY, EXCLUSIVE, MODE_CODE, ClusterState
 from .typical import TypicalSet, TypicalSource
 
 
@@ -44,18 +44,20 @@ class Shapes:
     access: np.ndarray  # (D, K) k wants a GPU and may use this node's model
     mode: np.ndarray  # (K,) mode code of k
     weights: np.ndarray  # (K,)
+    mode_ok: np.ndarray  # (mode codes, K) a GPU in that mode can take a device of k
 
 
 def shapes_for(state: ClusterState, typical: TypicalSet, nodes: np.ndarray) -> Shapes:
-    caps = reference_cap(state, nodes).tolist()
-    first = caps[0] if caps else 0
-    if caps.count(first) == len(caps):
-        need = typical.need(first)[None, :]  # one row that broadcasts over the nodes (the common case)
-    else:
-        need = np.stack([typical.need(c) for c in caps])
+    caps = reference_cap(state, nodes)
+    first = caps[0] if caps.size else 0
+    # Nodes whose GPUs are alike (the common case) share one row, which broadcasts over them.
+    need = typical.need(int(first))[None, :] if (caps == first).all() else typical.need_rows(caps)
     modes = typical._memo.get("mode")
     if modes is None:
         modes = typical._memo["mode"] = np.array([MODE_CODE[p.mode] for p in typical.pods], dtype=np.int8)
+        # (mode code of a GPU, K): may a device of k go on a GPU in that mode (empty, or k's own mode)
+        codes = np.arange(ABSENT + 1)[:, None]
+        typical._memo["mode_ok"] = (codes == EMPTY) | (codes == modes[None, :])
     return Shapes(
         need=need,
         count=typical.column("count"),
@@ -63,14 +65,13 @@ def shapes_for(state: ClusterState, typical: TypicalSet, nodes: np.ndarray) -> S
         access=typical.access(state.model_names)[state.model[nodes]],
         mode=modes,
         weights=typical.weights,
+        mode_ok=typical._memo["mode_ok"],
     )
 
 
 def _usable(fm: np.ndarray, mode: np.ndarray, shapes: Shapes) -> np.ndarray:
     """(D, G, K): GPU g can take one device of typical pod k."""
-    fits = fm[:, :, None] >= shapes.need[:, None, :]
-    mode_ok = (mode[:, :, None] == EMPTY) | (mode[:, :, None] == shapes.mode[None, None, :])
-    return fits & mode_ok
+    return (fm[:, :, None] >= shapes.need[:, None, :]) & shapes.mode_ok[mode]
 
 
 def fragments(
@@ -191,6 +192,90 @@ def cpu_stranded(
     return out
 
 
+class _BeforeTerms:
+    """Per node, the terms every score starts from - the usable GPUs of each typical pod, their sums and
+    the fragments before the pod - kept while the node's version holds.
+
+    A placement changes one node, but every pod kind placed after it rescores that node (151 kinds on
+    the default trace); without this each kind derived the same terms again. One instance per typical
+    set and joint flag serves the engine's state; a hypothetical state (preemption's what-if) keeps the
+    nodes' versions but not their free amounts, so it gets a fresh, uncached one (``scratch``).
+    """
+
+    def __init__(self, state: ClusterState, typical: TypicalSet, joint: bool, rows: int) -> None:
+        self.state, self.typical, self.joint = state, typical, joint
+        k = len(typical.pods)
+        self.version = np.full(rows, -1, dtype=np.int64)
+        self.usable = np.zeros((rows, state.cols, k), dtype=bool)
+        self.total = np.zeros(rows, dtype=np.int64)
+        self.room = np.zeros((rows, k), dtype=np.int64)
+        self.count = np.zeros((rows, k), dtype=np.int64)
+        self.before = np.zeros((rows, k), dtype=np.int64)
+
+    @classmethod
+    def scratch(
+        cls, state: ClusterState, typical: TypicalSet, joint: bool, fit: Fit, shapes: Shapes
+    ) -> tuple[_BeforeTerms, np.ndarray]:
+        """Terms of ``fit``'s nodes, held in rows 0..D-1 (returned), kept nowhere."""
+        rows = np.arange(fit.nodes.size)
+        held = cls(state, typical, joint, rows.size)
+        held._derive(rows, rows, fit.free_milli(), state.mode[fit.nodes], state.cpu_free[fit.nodes], shapes)
+        return held, rows
+
+    def serves(self, state: ClusterState, typical: TypicalSet, joint: bool) -> bool:
+        return (
+            self.state is state
+            and self.typical is typical
+            and self.joint == joint
+            and self.usable.shape[1] == state.cols
+        )
+
+    def refreshed(self, fit: Fit, shapes: Shapes) -> np.ndarray:
+        """Bring ``fit``'s nodes up to date; returns the rows they are held in (the node indices)."""
+        state, nodes = self.state, fit.nodes
+        extra = state.rows - self.version.size
+        if extra > 0:
+            self.version = np.concatenate([self.version, np.full(extra, -1, dtype=np.int64)])
+            for name in ("usable", "total", "room", "count", "before"):
+                old = getattr(self, name)
+                setattr(self, name, np.concatenate([old, np.zeros((extra, *old.shape[1:]), old.dtype)]))
+        stale = np.flatnonzero(self.version[nodes] != state.version[nodes])
+        if stale.size:
+            rows = nodes[stale]
+            fm = fit.free_milli()[stale]
+            self._derive(stale, rows, fm, state.mode[rows], state.cpu_free[rows], shapes)
+            self.version[rows] = state.version[rows]
+        return nodes
+
+    def _derive(
+        self,
+        at: np.ndarray,
+        rows: np.ndarray,
+        fm: np.ndarray,
+        mode: np.ndarray,
+        cpu: np.ndarray,
+        shapes: Shapes,
+    ) -> None:
+        """Derive the terms of the nodes at positions ``at`` of ``shapes`` into ``rows``."""
+        part = Shapes(
+            need=shapes.need if shapes.need.shape[0] == 1 else shapes.need[at],
+            count=shapes.count,
+            cpu=shapes.cpu,
+            access=shapes.access[at],
+            mode=shapes.mode,
+            weights=shapes.weights,
+            mode_ok=shapes.mode_ok,
+        )
+        usable = _usable(fm, mode, part)
+        terms = _terms(fm, usable)
+        self.usable[rows] = usable
+        self.total[rows], self.room[rows], self.count[rows] = terms
+        self.before[rows] = _fragments(fm, cpu, part, usable, joint=self.joint, terms=terms)
+
+    def terms(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        return self.total[rows], self.room[rows], self.count[rows]
+
+
 def _sigmoid_score(delta: np.ndarray, scale: float = 100.0) -> np.ndarray:
     return np.trunc(scale / (1.0 + np.exp(-delta / 1000.0))).astype(np.int64)
 
@@ -229,6 +314,7 @@ class Fgd:
         self._spec_epoch = -1
         self._typical_epoch = -1
         self._cluster_cpu_per_gpu = 0.0
+        self._cached: dict[bool, _BeforeTerms] = {}
 
     @property
     def epoch(self) -> int:
@@ -258,7 +344,8 @@ class Fgd:
         self._every_pod = limit > 0 and wanted >= limit
 
     def deltas(self, state: ClusterState, demand: Demand, fit: Fit) -> tuple[np.ndarray, np.ndarray | None]:
-        """Fragmentation decrease per node (or per node and GPU slot for a single shared device)."""
+        """Fragmentation decrease per node, or per node and GPU slot for a single shared device: then only
+        where the returned mask holds (the GPUs it fits on), 0 elsewhere."""
         typical = self.source.current()
         nodes = fit.nodes
         fm = fit.free_milli()
@@ -267,15 +354,37 @@ class Fgd:
         if not typical.pods:
             return np.zeros(nodes.size), None
         shapes = shapes_for(state, typical, nodes)
-        usable = _usable(fm, mode, shapes)
         joint = self._every_pod or (self.joint in ("cpu-only", "auto") and not demand.wants_gpu)
-        terms = _terms(fm, usable)
-        before = _fragments(fm, cpu, shapes, usable, joint=joint, terms=terms)
+        if state.hypothetical:
+            held, rows = _BeforeTerms.scratch(state, typical, joint, fit, shapes)
+        else:
+            held = self._cached.get(joint)
+            if held is None or not held.serves(state, typical, joint):
+                held = self._cached[joint] = _BeforeTerms(state, typical, joint, state.rows)
+            rows = held.refreshed(fit, shapes)
+        before = held.before[rows]
         single = demand.single
         if single is not None and single.count == 1 and not single.exclusive:
-            return self._single_gpu_deltas(
-                state, demand, fit, fm, usable, cpu, shapes, before, terms, joint=joint
+            return self._single_gpu_deltas(state, demand, fit, held, rows, cpu, shapes, before, joint=joint)
+        if not demand.containers:  # CPU only: the GPUs stay as they are, only the node's CPU moves
+            usable = held.usable[rows] if joint else None  # only the joint measure reads it
+            terms = held.terms(rows)
+            after = _fragments(fm, cpu - demand.cpu_milli, shapes, usable, joint=joint, terms=terms)
+            return (before - after) @ shapes.weights, None
+        first = demand.containers[0]
+        if len(demand.containers) == 1 and first.exclusive and not joint:
+            # Whole GPUs: each GPU taken leaves every sum it was in; the rest of the node stays as it is.
+            taken, ok = _first_taken(fm, fit.masks[0], first.count)  # (D, c) GPU indices, and which count
+            was = np.where(ok, fm[np.arange(nodes.size)[:, None], taken], 0)
+            gone = held.usable[rows[:, None], taken] & ok[:, :, None]  # (D, c, K)
+            total, room, count = held.terms(rows)
+            terms = (
+                total - was.sum(axis=1),
+                room - (was[:, :, None] * gone).sum(axis=1),
+                count - gone.sum(axis=1),
             )
+            after = _fragments(fm, cpu - demand.cpu_milli, shapes, None, terms=terms)
+            return (before - after) @ shapes.weights, None
         fm_after, mode_after = fm.copy(), mode.copy()
         for i, c in enumerate(demand.containers):
             chosen = _first_fitting(fm_after, fit.masks[i], c.count, exclusive=c.exclusive)
@@ -295,40 +404,40 @@ class Fgd:
         state: ClusterState,
         demand: Demand,
         fit: Fit,
-        fm: np.ndarray,
-        usable: np.ndarray,
+        held: _BeforeTerms,
+        rows: np.ndarray,
         cpu: np.ndarray,
         shapes: Shapes,
         before: np.ndarray,
-        terms: tuple[np.ndarray, np.ndarray, np.ndarray],
         *,
         joint: bool,
     ) -> tuple[np.ndarray, np.ndarray]:
         nodes = fit.nodes
         c = demand.containers[0]
-        cap = state.cap[nodes]
-        free_after = np.maximum(state.free[nodes] - c.request_mib(cap), 0)
-        fa = free_after * 1000 // np.maximum(cap, 1)  # (D, G) free room of g after the pod lands on it
-        code = MODE_CODE[c.mode]
-        usable_after = (fa[:, :, None] >= shapes.need[:, None, :]) & (shapes.mode[None, None, :] == code)
-        total, room, count = terms  # before the pod: (D,), (D, K), (D, K)
-        total_after = total[:, None] - (fm - fa)  # (D, G)
-        room_after = room[:, None, :] - fm[:, :, None] * usable + fa[:, :, None] * usable_after
-        count_after = count[:, None, :] - usable + usable_after
+        mask = fit.masks[0]
+        d, g = np.nonzero(mask)  # only the GPUs the share fits on are scored: (P,) node and GPU of each
+        cap = state.cap[nodes[d], g]
+        free_after = np.maximum(state.free[nodes[d], g] - c.request_mib(cap), 0)
+        fa = free_after * 1000 // np.maximum(cap, 1)  # (P,) free room of the GPU after the pod lands on it
+        was = fit.free_milli()[d, g]
+        on = rows[d]
+        usable_was = held.usable[on, g]  # (P, K)
+        need = shapes.need if shapes.need.shape[0] == 1 else shapes.need[d]
+        usable_after = (fa[:, None] >= need) & (shapes.mode == MODE_CODE[c.mode])
+        total_after = held.total[on] - (was - fa)  # (P,)
+        room_after = held.room[on] - was[:, None] * usable_was + fa[:, None] * usable_after
+        count_after = held.count[on] - usable_was + usable_after
         cpu_after = cpu - demand.cpu_milli
-        runs = (
-            shapes.access[:, None, :]
-            & (count_after >= shapes.count)
-            & (cpu_after[:, None, None] >= shapes.cpu)
-        )
+        runs = shapes.access[d] & (count_after >= shapes.count) & (cpu_after[d, None] >= shapes.cpu)
         if joint:
-            per = _gpu_copies(fm, usable, shapes)  # (D, G, K)
-            need = np.maximum(shapes.need, 1)[:, None, :]
-            copies_after = per.sum(axis=1)[:, None, :] - per + usable_after * (fa[:, :, None] // need)
-            room_after = _host_limited(room_after, copies_after, _host_copies(cpu_after, shapes)[:, None, :])
-        after = np.where(runs, total_after[:, :, None] - room_after, total_after[:, :, None])
-        delta = (before[:, None, :] - after) @ shapes.weights  # (D, G)
-        return delta, fit.masks[0]
+            per = _gpu_copies(fit.free_milli(), held.usable[rows], shapes)  # (D, G, K)
+            lands = usable_after * (fa[:, None] // np.maximum(need, 1))  # copies the GPU holds after
+            copies_after = per.sum(axis=1)[d] - per[d, g] + lands
+            room_after = _host_limited(room_after, copies_after, _host_copies(cpu_after, shapes)[d])
+        after = np.where(runs, total_after[:, None] - room_after, total_after[:, None])
+        delta = np.zeros(mask.shape)  # (D, G); 0 where the share does not fit, which the mask hides
+        delta[d, g] = (before[d] - after) @ shapes.weights
+        return delta, mask
 
     def score(self, state: ClusterState, demand: Demand, fit: Fit) -> tuple[np.ndarray, np.ndarray | None]:
         delta, mask = self.deltas(state, demand, fit)
@@ -342,10 +451,16 @@ class Fgd:
 _NEVER = np.iinfo(np.int64).max
 
 
+def _first_taken(fm: np.ndarray, mask: np.ndarray, count: int) -> tuple[np.ndarray, np.ndarray]:
+    """(D, count) the GPUs the paper's Sub() would take - least free room first, lowest index - and
+    whether each is in ``mask`` (a node short of GPUs gets fewer)."""
+    order = np.argsort(np.where(mask, fm, _NEVER), axis=1, kind="stable")[:, :count]
+    return order, np.take_along_axis(mask, order, axis=1)
+
+
 def _first_fitting(fm: np.ndarray, mask: np.ndarray, count: int, *, exclusive: bool) -> np.ndarray:
-    """(D, G) the ``count`` GPUs the paper's Sub() would take: least free room first, lowest index."""
-    key = np.where(mask, fm, _NEVER)
-    order = np.argsort(key, axis=1, kind="stable")[:, :count]
+    """(D, G) the GPUs of ``_first_taken`` as a mask."""
+    order, ok = _first_taken(fm, mask, count)
     chosen = np.zeros(mask.shape, dtype=bool)
-    np.put_along_axis(chosen, order, True, axis=1)
-    return chosen & mask
+    np.put_along_axis(chosen, order, ok, axis=1)
+    return chosen

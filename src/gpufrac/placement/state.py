@@ -104,6 +104,10 @@ _ARRAYS = [
 class ClusterState:
     """Node slots and GPU slots as arrays; see the module docstring."""
 
+    hypothetical = False
+    """True for ``PodTable.hypothetical``'s what-if copies: they keep the nodes' versions but not their
+    free amounts, so caches keyed by version must not serve them."""
+
     def __init__(self, *, node_slots: int = 64, gpu_slots: int = 8) -> None:
         self.nodes: list[NodeSpec | None] = []
         self.index: dict[str, int] = {}
@@ -545,6 +549,7 @@ class PodTable:
         cols = state.cols
         r = released.widened(cols)
         out = ClusterState.__new__(ClusterState)
+        out.hypothetical = True
         out.nodes = state.nodes
         out.index = state.index
         out._namespaces = state._namespaces

@@ -108,6 +108,17 @@ class TypicalSet:
             self._memo[cap_mib] = found
         return found
 
+    def need_rows(self, caps: np.ndarray) -> np.ndarray:
+        """(D, K) ``need`` for each GPU size in ``caps``, from one table of the sizes seen so far."""
+        known, table = self._memo.get("need_table", (np.zeros(0, dtype=np.int64), None))
+        at = np.searchsorted(known, caps)
+        if table is None or (at >= known.size).any() or (known[np.minimum(at, known.size - 1)] != caps).any():
+            known = np.union1d(known, caps).astype(np.int64)
+            table = np.stack([self.need(c) for c in known.tolist()])
+            self._memo["need_table"] = (known, table)
+            at = np.searchsorted(known, caps)
+        return table[at]
+
     def column(self, name: str) -> np.ndarray:
         """(K,) per-pod constant: ``count``, ``cpu_milli``."""
         found = self._memo.get(name)
