@@ -52,6 +52,11 @@ def shapes_for(state: ClusterState, typical: TypicalSet, nodes: np.ndarray) -> S
     first = caps[0] if caps.size else 0
     # Nodes whose GPUs are alike (the common case) share one row, which broadcasts over them.
     need = typical.need(int(first))[None, :] if (caps == first).all() else typical.need_rows(caps)
+    return _with(typical, need, typical.access(state.model_names)[state.model[nodes]])
+
+
+def _with(typical: TypicalSet, need: np.ndarray, access: np.ndarray) -> Shapes:
+    """``Shapes`` of nodes with these per-node arrays; the per-pod ones are memoised on ``typical``."""
     modes = typical._memo.get("mode")
     if modes is None:
         modes = typical._memo["mode"] = np.array([MODE_CODE[p.mode] for p in typical.pods], dtype=np.int8)
@@ -62,7 +67,7 @@ def shapes_for(state: ClusterState, typical: TypicalSet, nodes: np.ndarray) -> S
         need=need,
         count=typical.column("count"),
         cpu=typical.column("cpu_milli"),
-        access=typical.access(state.model_names)[state.model[nodes]],
+        access=access,
         mode=modes,
         weights=typical.weights,
         mode_ok=typical._memo["mode_ok"],
@@ -193,8 +198,9 @@ def cpu_stranded(
 
 
 class _BeforeTerms:
-    """Per node, the terms every score starts from - the usable GPUs of each typical pod, their sums and
-    the fragments before the pod - kept while the node's version holds.
+    """Per node, the terms every score starts from - the typical pods' needs on its GPUs and access to its
+    model, the usable GPUs of each typical pod, their sums and the fragments before the pod - kept while
+    the node's version holds.
 
     A placement changes one node, but every pod kind placed after it rescores that node (151 kinds on
     the default trace); without this each kind derived the same terms again. One instance per typical
@@ -206,6 +212,8 @@ class _BeforeTerms:
         self.state, self.typical, self.joint = state, typical, joint
         k = len(typical.pods)
         self.version = np.full(rows, -1, dtype=np.int64)
+        self.need = np.zeros((rows, k), dtype=np.int64)
+        self.access = np.zeros((rows, k), dtype=bool)
         self.usable = np.zeros((rows, state.cols, k), dtype=bool)
         self.total = np.zeros(rows, dtype=np.int64)
         self.room = np.zeros((rows, k), dtype=np.int64)
@@ -214,13 +222,14 @@ class _BeforeTerms:
 
     @classmethod
     def scratch(
-        cls, state: ClusterState, typical: TypicalSet, joint: bool, fit: Fit, shapes: Shapes
-    ) -> tuple[_BeforeTerms, np.ndarray]:
-        """Terms of ``fit``'s nodes, held in rows 0..D-1 (returned), kept nowhere."""
+        cls, state: ClusterState, typical: TypicalSet, joint: bool, fit: Fit
+    ) -> tuple[_BeforeTerms, np.ndarray, Shapes]:
+        """Terms of ``fit``'s nodes, held in rows 0..D-1 (returned, with the nodes' shapes), kept nowhere."""
         rows = np.arange(fit.nodes.size)
         held = cls(state, typical, joint, rows.size)
-        held._derive(rows, rows, fit.free_milli(), state.mode[fit.nodes], state.cpu_free[fit.nodes], shapes)
-        return held, rows
+        shapes = shapes_for(state, typical, fit.nodes)
+        held._derive(rows, fit.free_milli(), state.mode[fit.nodes], state.cpu_free[fit.nodes], shapes)
+        return held, rows, shapes
 
     def serves(self, state: ClusterState, typical: TypicalSet, joint: bool) -> bool:
         return (
@@ -230,47 +239,37 @@ class _BeforeTerms:
             and self.usable.shape[1] == state.cols
         )
 
-    def refreshed(self, fit: Fit, shapes: Shapes) -> np.ndarray:
-        """Bring ``fit``'s nodes up to date; returns the rows they are held in (the node indices)."""
+    def refreshed(self, fit: Fit) -> tuple[np.ndarray, Shapes]:
+        """Bring ``fit``'s nodes up to date; returns the rows they are held in (the node indices) and
+        their shapes."""
         state, nodes = self.state, fit.nodes
         extra = state.rows - self.version.size
         if extra > 0:
             self.version = np.concatenate([self.version, np.full(extra, -1, dtype=np.int64)])
-            for name in ("usable", "total", "room", "count", "before"):
+            for name in ("need", "access", "usable", "total", "room", "count", "before"):
                 old = getattr(self, name)
                 setattr(self, name, np.concatenate([old, np.zeros((extra, *old.shape[1:]), old.dtype)]))
         stale = np.flatnonzero(self.version[nodes] != state.version[nodes])
         if stale.size:
             rows = nodes[stale]
             fm = fit.free_milli()[stale]
-            self._derive(stale, rows, fm, state.mode[rows], state.cpu_free[rows], shapes)
+            self._derive(
+                rows, fm, state.mode[rows], state.cpu_free[rows], shapes_for(state, self.typical, rows)
+            )
             self.version[rows] = state.version[rows]
-        return nodes
+        return nodes, _with(self.typical, self.need[nodes], self.access[nodes])
 
     def _derive(
-        self,
-        at: np.ndarray,
-        rows: np.ndarray,
-        fm: np.ndarray,
-        mode: np.ndarray,
-        cpu: np.ndarray,
-        shapes: Shapes,
+        self, rows: np.ndarray, fm: np.ndarray, mode: np.ndarray, cpu: np.ndarray, shapes: Shapes
     ) -> None:
-        """Derive the terms of the nodes at positions ``at`` of ``shapes`` into ``rows``."""
-        part = Shapes(
-            need=shapes.need if shapes.need.shape[0] == 1 else shapes.need[at],
-            count=shapes.count,
-            cpu=shapes.cpu,
-            access=shapes.access[at],
-            mode=shapes.mode,
-            weights=shapes.weights,
-            mode_ok=shapes.mode_ok,
-        )
-        usable = _usable(fm, mode, part)
+        """Derive the terms of nodes with ``shapes`` (in their order) into ``rows``."""
+        usable = _usable(fm, mode, shapes)
         terms = _terms(fm, usable)
+        self.need[rows] = shapes.need
+        self.access[rows] = shapes.access
         self.usable[rows] = usable
         self.total[rows], self.room[rows], self.count[rows] = terms
-        self.before[rows] = _fragments(fm, cpu, part, usable, joint=self.joint, terms=terms)
+        self.before[rows] = _fragments(fm, cpu, shapes, usable, joint=self.joint, terms=terms)
 
     def terms(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         return self.total[rows], self.room[rows], self.count[rows]
@@ -353,15 +352,14 @@ class Fgd:
         cpu = state.cpu_free[nodes]
         if not typical.pods:
             return np.zeros(nodes.size), None
-        shapes = shapes_for(state, typical, nodes)
         joint = self._every_pod or (self.joint in ("cpu-only", "auto") and not demand.wants_gpu)
         if state.hypothetical:
-            held, rows = _BeforeTerms.scratch(state, typical, joint, fit, shapes)
+            held, rows, shapes = _BeforeTerms.scratch(state, typical, joint, fit)
         else:
             held = self._cached.get(joint)
             if held is None or not held.serves(state, typical, joint):
                 held = self._cached[joint] = _BeforeTerms(state, typical, joint, state.rows)
-            rows = held.refreshed(fit, shapes)
+            rows, shapes = held.refreshed(fit)
         before = held.before[rows]
         single = demand.single
         if single is not None and single.count == 1 and not single.exclusive:
