@@ -2,10 +2,10 @@
 
 Replays one seed of the default trace (the published protocol: ~10,800 pods, 1.3x arrival) per policy
 and reports engine placements per second (placed pods / engine time; failed attempts count in the time).
-Baseline in the same run: the same engine with its per-node result cache defeated, i.e. every node is
-filtered and scored for every pod (vectorised, but not incremental), on the first ``--baseline-pods``
-pods. The ratio shows what the incremental design buys; load average is printed because the machine is
-shared.
+Baseline in the same run: the same engine with its per-node caches defeated (the per-kind results and
+FGD's kept node terms), i.e. every node is filtered and scored for every pod (vectorised, but not
+incremental), on the first ``--baseline-pods`` pods. The ratio shows what the incremental design
+buys; load average is printed because the machine is shared.
 
 With pod rules (issue #19), in the same run: the replay again with ``--rules`` (default 25%) of the pods
 belonging to one of ``--apps`` deployments, as inference replicas do: half of those carry a required pod
@@ -37,6 +37,7 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from gpufrac.placement.decision import Placement  # noqa: E402
 from gpufrac.placement.engine import Engine  # noqa: E402
+from gpufrac.placement.fragmentation import Fgd  # noqa: E402
 from gpufrac.placement.model import NodeSpec, PendingPod  # noqa: E402
 from gpufrac.placement.pod_constraints import (  # noqa: E402
     LabelSelector,
@@ -82,6 +83,15 @@ def with_rules(pods: list[PendingPod], *, share: float, apps: int, seed: int) ->
     return out
 
 
+def defeat_caches(engine: Engine) -> None:
+    """Every node is filtered and scored anew: the per-kind results and FGD's kept node terms dropped."""
+    for kind in engine._kinds.values():
+        kind.version[:] = -1
+        for scorer, _ in kind.policy.scorers:
+            if isinstance(scorer, Fgd):
+                scorer.forget()
+
+
 def run(
     policy: str,
     nodes,
@@ -106,8 +116,7 @@ def run(
     start = clock()
     for pod in submitted:
         if not cached:
-            for kind in engine._kinds.values():
-                kind.version[:] = -1
+            defeat_caches(engine)
         placed += isinstance(engine.place(pod), Placement)
     return placed / (clock() - start)
 

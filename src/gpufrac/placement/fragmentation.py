@@ -319,6 +319,10 @@ class Fgd:
     def epoch(self) -> int:
         return 2 * self.source.current().epoch + self._every_pod
 
+    def forget(self) -> None:
+        """Drop the kept node terms (``_BeforeTerms``): the next score derives every node anew."""
+        self._cached.clear()
+
     def observe(self, demand: Demand) -> None:
         self.source.observe(demand)
 

@@ -124,6 +124,8 @@ class RoomWaste:
         self._order: tuple[int, np.ndarray] | None = None
         self._sizes_epoch = -1
         self._one_size = 0
+        self._sizes = np.zeros(0, dtype=np.int64)
+        self._stacked: tuple[tuple[int, int], np.ndarray] | None = None
 
     @property
     def epoch(self) -> int:
@@ -167,9 +169,26 @@ class RoomWaste:
         if state.spec_epoch != self._sizes_epoch:
             self._sizes_epoch = state.spec_epoch
             caps = state.cap[: state.rows][state.present[: state.rows]]
-            sizes = np.unique(caps[caps > 0])
-            self._one_size = int(sizes[0]) if sizes.size == 1 else 0
+            self._sizes = np.unique(caps[caps > 0])
+            self._one_size = int(self._sizes[0]) if self._sizes.size == 1 else 0
         return self._one_size
+
+    def _removed_by_size(self, cap: np.ndarray, room: np.ndarray, left: np.ndarray) -> np.ndarray:
+        """``table[room] - table[left]`` with each slot's own GPU size's table (0 on absent slots)."""
+        sizes = self._sizes
+        key = (self.source.current().epoch, self._sizes_epoch)
+        if self._stacked is None or self._stacked[0] != key:
+            self._stacked = (key, np.stack([self.table(size) for size in sizes.tolist()]))
+        at = np.minimum(np.searchsorted(sizes, cap), sizes.size - 1)
+        if not (sizes[at] == cap)[cap > 0].all():  # a size the cluster did not have when last read
+            removed = np.zeros(room.shape, dtype=np.int64)
+            for size in np.unique(cap[cap > 0]).tolist():
+                table = self.table(size)
+                on = cap == size
+                removed[on] = table[room[on]] - table[left[on]]
+            return removed
+        tables = self._stacked[1]
+        return np.where(cap > 0, tables[at, room] - tables[at, left], 0)
 
     def per_gpu(self, state: ClusterState, demand: Demand, fit: Fit) -> np.ndarray:
         """(nodes, GPU slots) score of putting the one-GPU share ``demand`` on each slot."""
@@ -182,12 +201,10 @@ class RoomWaste:
         if size:  # the common case: every GPU of the cluster has one size
             table = self.table(size)
             removed = table[room] - table[left]  # |W[r] - W[r']| <= 1000: W lies in 0..r
+        elif self._sizes.size:
+            removed = self._removed_by_size(cap, room, left)
         else:
             removed = np.zeros(room.shape, dtype=np.int64)
-            for size in np.unique(cap[cap > 0]).tolist():
-                table = self.table(size)
-                on = cap == size
-                removed[on] = table[room[on]] - table[left[on]]
         if self.host:
             stranded = cpu_stranded(
                 state, self.source.current(), demand, fit, every_crossing=self.every_crossing
