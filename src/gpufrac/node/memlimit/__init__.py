@@ -1,0 +1,1 @@
+"""The driver's per-cgroup GPU memory limit: set, read back, kept in force (docs/node-agent.md)."""
