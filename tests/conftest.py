@@ -19,6 +19,15 @@ from lightkube.models.meta_v1 import ObjectMeta
 from lightkube.resources.core_v1 import Namespace
 
 from gpufrac.local.controlplane import ControlPlane, ControlPlaneError, find_binary
+from real_layers import RealLayerGuard, machine_lacks, required
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # CI must not go green with its real-node layers skipped (tests/real_layers.py says why and how).
+    if required(os.environ):
+        config.pluginmanager.register(
+            RealLayerGuard(lacks=machine_lacks(euid=os.geteuid())), "gpufrac-real-layer-guard"
+        )
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
