@@ -79,6 +79,8 @@ GPU_RESOURCE = "nvidia.com/gpu"
 
 QUEUE_LABEL = "gpufrac.io/queue"
 KAI_QUEUE_LABEL = "kai.scheduler/queue"
+#: On a Namespace (set by the cluster admin): the queue of the namespace's pods that name none.
+NAMESPACE_DEFAULT_QUEUE_LABEL = "gpufrac.io/default-queue"
 
 #: The API group of gpufrac's resources (GpuFractioningConfig, Queue) and of KAI Scheduler's Queue
 #: (scheduling.run.ai/v2), which the scheduler reads (docs/queues.md).
@@ -120,6 +122,8 @@ NODE_REASON_AGENT_HEARTBEAT_EXPIRED = "NodeAgentHeartbeatExpired"
 #: The GPU Operator is upgrading the node's driver (``gpufrac.contract.gpu_operator``): MPS is drained and
 #: the agent has let go of NVML, so that the driver can unload.
 NODE_REASON_DRIVER_UPGRADE = "DriverUpgradeInProgress"
+#: Node readiness while the driver's per-cgroup memory limit has not passed the agent's canary.
+NODE_REASON_MEMORY_LIMIT_CANARY_FAILED = "GpuMemoryLimitCanaryFailed"
 NODE_AGENT_REASONS = frozenset(
     {
         NODE_REASON_OPERAND_UNSUPPORTED,
@@ -133,8 +137,15 @@ NODE_AGENT_REASONS = frozenset(
         NODE_REASON_AGENT_STOPPED,
         NODE_REASON_AGENT_HEARTBEAT_EXPIRED,
         NODE_REASON_DRIVER_UPGRADE,
+        NODE_REASON_MEMORY_LIMIT_CANARY_FAILED,
     }
 )
+#: Pod condition written by the node agent: True only when every fractional container of the pod on the
+#: node had its GPU memory limits read back from the driver equal to its plan (docs/node-agent.md).
+POD_MEMORY_ENFORCED_CONDITION = "GpuMemoryEnforced"
+POD_REASON_LIMITS_READ_BACK = "LimitsReadBack"
+POD_REASON_LIMITS_NOT_IN_FORCE = "LimitsNotInForce"
+POD_REASON_LIMITS_NOT_VERIFIED = "LimitsNotVerified"
 #: The namespace of the node agents' heartbeat Leases, one per node named after it (the kubelet's are in
 #: ``kube-node-lease``). The agent renews its own; the scheduler and the operator watch them.
 NODE_LEASE_NAMESPACE = "gpufrac-node-lease"

@@ -216,12 +216,38 @@ class Quota:
 
 
 @dataclass(frozen=True, slots=True)
+class LabelSelector:
+    """A Kubernetes label selector (``matchLabels`` ANDed with ``matchExpressions``); an empty one matches
+    every set of labels, as in Kubernetes. Expressions use In, NotIn, Exists and DoesNotExist."""
+
+    match_labels: Mapping[str, str] = field(default_factory=dict)
+    match_expressions: tuple[NodeSelectorRequirement, ...] = ()
+
+    def matches(self, labels: Mapping[str, str]) -> bool:
+        return all(labels.get(k) == v for k, v in self.match_labels.items()) and all(
+            r.matches(labels) for r in self.match_expressions
+        )
+
+    def __str__(self) -> str:
+        parts = [f"{k}={v}" for k, v in sorted(self.match_labels.items())]
+        for r in self.match_expressions:
+            values = f" ({', '.join(r.values)})" if r.values else ""
+            parts.append(f"{r.key} {r.operator.value}{values}")
+        return ", ".join(parts) or "every namespace"
+
+
+@dataclass(frozen=True, slots=True)
 class Queue:
     """A queue: its parent (None: a top-level queue) and its quota per resource.
 
     ``deserved_share`` is the configuration file's older form of a GPU-memory deserved quota: a fraction
     of the cluster's GPU memory, used when ``gpu_memory.deserved`` is 0. Pending pods of the queue
     furthest below its deserved GPU memory go first among pods of equal priority.
+
+    Who may use it (``gpufrac.placement.queue_access``): ``namespaces`` (names) and ``namespace_selector``
+    (labels of the Namespace); a namespace either admits is admitted. With neither (both None) the queue
+    is open to every namespace: not a tenant boundary. ``max_priority`` bounds the priority of its pods
+    (None: no bound).
     """
 
     name: str
@@ -229,6 +255,22 @@ class Queue:
     gpu_memory: Quota = Quota()
     gpus: Quota = Quota()
     deserved_share: float = 0.0
+    namespaces: frozenset[str] | None = None
+    namespace_selector: LabelSelector | None = None
+    max_priority: int | None = None
+
+    @property
+    def bound(self) -> bool:
+        """Whether the queue says which namespaces may use it (False: open to all)."""
+        return self.namespaces is not None or self.namespace_selector is not None
+
+    def admits(self, namespace: str, labels: Mapping[str, str]) -> bool:
+        """Whether pods of ``namespace`` (whose Namespace carries ``labels``) may join this queue."""
+        if not self.bound:
+            return True
+        if self.namespaces is not None and namespace in self.namespaces:
+            return True
+        return self.namespace_selector is not None and self.namespace_selector.matches(labels)
 
     def quota(self, resource: QueueResource) -> Quota:
         return self.gpu_memory if resource is QueueResource.GPU_MEMORY else self.gpus
