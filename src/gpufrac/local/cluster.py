@@ -464,12 +464,14 @@ class LocalCluster:
     async def _start_node(self, name: str) -> None:
         node_dir = self.work_dir / "nodes" / name
         node_dir.mkdir(parents=True, exist_ok=True)
-        runtime = NriRuntime(socket_path=node_dir / "nri.sock")
+        runtime = NriRuntime(socket_path=node_dir / "nri.sock", cgroup_root=node_dir / "cgroupfs")
         await runtime.start()
         self._runtimes[name] = runtime
         shape = self.shape.node
         metrics_port, health_port = _free_port(), _free_port()
-        config = self._write_config(f"node-agent-{name}", self.timings.node_agent_config())
+        # The simulated driver keys limits by the runtime's (simulated) cgroup directories.
+        agent_config = {**self.timings.node_agent_config(), "cgroup_root": str(runtime.cgroup_root)}
+        config = self._write_config(f"node-agent-{name}", agent_config)
         process = self._spawn(
             f"node-agent-{name}",
             [

@@ -10,7 +10,9 @@ agent connected to it as an ordinary NRI plugin — and simulates the rest (no i
 What each container received (the environment our plugin injected, its MPS mount, or the error it
 failed with) is written on the Pod as the ``gpufrac.io/simulated-containers`` annotation (JSON), so
 ``gpufrac demo`` and tests can show it; then the pod's status becomes Running (or stays Pending with a
-``CreateContainerError`` status, as a real kubelet reports a refused create). A deleted pod's containers
+``CreateContainerError`` status, as a real kubelet reports a refused create, or ``RunContainerError``
+for a refused start: the node agent refuses to start a fraction whose GPU memory limit it could not set
+and read back). A deleted pod's containers
 are stopped and removed, which is what lets the node agent drop their mapping records.
 """
 
@@ -178,7 +180,15 @@ class SimulatedKubelet:
                 statuses.append(_waiting(container.name, container.image, str(error)))
                 continue
             self._running[meta.uid].container_ids.append(container_id)
-            await runtime.start_container(container_id)
+            try:
+                await runtime.start_container(container_id)
+            except NriRuntimeError as error:  # a plugin refused the start (the GPU memory limit not in force)
+                failed = True
+                received[container.name] = {**injected_view(created.env, created.mounts), "error": str(error)}
+                statuses.append(
+                    _waiting(container.name, container.image, str(error), reason="RunContainerError")
+                )
+                continue
             received[container.name] = injected_view(created.env, created.mounts)
             statuses.append(_running(container.name, container.image))
 
@@ -253,12 +263,14 @@ def _running(name: str, image: str | None) -> dict[str, Any]:
     }
 
 
-def _waiting(name: str, image: str | None, message: str) -> dict[str, Any]:
+def _waiting(
+    name: str, image: str | None, message: str, *, reason: str = "CreateContainerError"
+) -> dict[str, Any]:
     return {
         "name": name,
         "image": image or "",
         "imageID": "",
         "ready": False,
         "restartCount": 0,
-        "state": {"waiting": {"reason": "CreateContainerError", "message": message}},
+        "state": {"waiting": {"reason": reason, "message": message}},
     }

@@ -10,6 +10,12 @@ it, and the node agent's tests use it to reach the NRI plugin only through the r
 
 Pods and containers travel as protobuf JSON of NRI's own messages, so the keyword arguments map onto
 ``api.PodSandbox`` / ``api.Container`` fields one to one.
+
+With ``cgroup_root`` the runtime also does what runc does with a container's cgroup, SIMULATED as plain
+directories: a created container gets ``<cgroup_root><cgroups_path>`` (default ``/kubepods/pod<pod
+id>/<id>``, the cgroupfs driver's layout) and its ``linux.cgroups_path`` says so; a removed one loses it.
+The node agent's simulated driver keys its memory limits by those directories, as NVML keys them by
+the real cgroups, so the same agent code sets and reads back limits here and on a real node.
 """
 
 from __future__ import annotations
@@ -86,11 +92,18 @@ class NriRuntime:
         log_level: str = "warning",
         default_validator: bool = False,
         required_plugins: Sequence[str] = (),
+        cgroup_root: Path | None = None,
     ) -> None:
-        """``default_validator`` turns on NRI's built-in default validator (containerd's
+        """``cgroup_root``: where created containers get a (SIMULATED) cgroup directory; None: none.
+        ``default_validator`` turns on NRI's built-in default validator (containerd's
         ``default_validator`` section): a container whose pod requires a plugin that is not connected
         (``required-plugins.noderesource.dev``, or ``required_plugins`` for every container) is refused."""
         self.socket_path = socket_path
+        self.cgroup_root = cgroup_root
+        self._cgroups: dict[str, Path] = {}
+        if cgroup_root is not None:  # a cgroup v2 root, as the agent recognises one
+            cgroup_root.mkdir(parents=True, exist_ok=True)
+            (cgroup_root / "cgroup.controllers").touch()
         self._binary = binary or binary_path()
         self._args = [
             "-socket",
@@ -211,6 +224,7 @@ class NriRuntime:
         annotations: Mapping[str, str] | None = None,
         args: Sequence[str] = (),
         cdi_devices: Sequence[str] = (),
+        cgroups_path: str | None = None,
     ) -> CreatedContainer:
         """Create through every connected plugin; raises ``ContainerCreateFailed`` when one refuses.
 
@@ -226,9 +240,17 @@ class NriRuntime:
             "args": list(args),
             "CDI_devices": [{"name": n} for n in cdi_devices],
         }
+        if cgroups_path is None and self.cgroup_root is not None:
+            cgroups_path = f"/kubepods/pod{pod_id}/{id}"
+        if cgroups_path is not None:
+            container["linux"] = {"cgroups_path": cgroups_path}
         reply = await self._exchange({"op": "create_container", "container": container})
         if not reply.get("ok"):
             raise ContainerCreateFailed(reply.get("error", "failed"))
+        if self.cgroup_root is not None and cgroups_path is not None:  # what runc's create makes
+            cgroup = self.cgroup_root / cgroups_path.lstrip("/")
+            cgroup.mkdir(parents=True, exist_ok=True)
+            self._cgroups[id] = cgroup
         created = reply["container"]
         return CreatedContainer(
             id=id,
@@ -247,6 +269,10 @@ class NriRuntime:
 
     async def remove_container(self, id: str) -> None:
         await self.command("remove_container", id=id)
+        cgroup = self._cgroups.pop(id, None)
+        if cgroup is not None:
+            with contextlib.suppress(OSError):
+                cgroup.rmdir()
 
     async def stop_pod(self, id: str) -> None:
         await self.command("stop_pod", id=id)

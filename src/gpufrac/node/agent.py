@@ -57,6 +57,9 @@ from gpufrac.node.inventory.backend import (
 from gpufrac.node.inventory.publish import InventoryPublisher
 from gpufrac.node.inventory.reserve import usable_mib
 from gpufrac.node.mapping import MappingStore
+from gpufrac.node.memlimit.condition import PodConditionWriter
+from gpufrac.node.memlimit.driver import MemoryLimitDriver
+from gpufrac.node.memlimit.enforcer import LimitEnforcer
 from gpufrac.node.metrics import CountingMpsEvents, EnforcementCounters
 from gpufrac.node.mps.config import MpsSettings
 from gpufrac.node.mps.events import NodeEventSink
@@ -72,6 +75,32 @@ if TYPE_CHECKING:
     from gpufrac.node.dra.plugin import DraPlugin
 
 log = logging.getLogger(__name__)
+
+
+def make_limits_driver(
+    settings: NodeAgentSettings, *, inventory: Callable[[], NodeInventory | None]
+) -> MemoryLimitDriver:
+    """The driver's per-cgroup memory limits: NVML (REAL) or the simulated driver (SIMULATED)."""
+    if (settings.memory_limits_backend or settings.backend) == "nvml":
+        from gpufrac.node.memlimit.driver import NvmlMemoryLimits
+
+        return NvmlMemoryLimits()
+    from gpufrac.node.memlimit.simulated import SimulatedMemoryLimits
+
+    def gpus() -> Sequence[GpuInfo]:
+        read = inventory()
+        return read.gpus if read is not None else ()
+
+    def driver_version() -> str:
+        read = inventory()
+        return read.driver_version if read is not None else settings.sim_driver
+
+    return SimulatedMemoryLimits(
+        path=settings.sim_memory_limits or settings.state_dir / "sim-memory-limits.json",
+        gpus=gpus,
+        driver_version=driver_version,
+        cgroup_root=settings.cgroup_root,
+    )
 
 
 def make_backend(settings: NodeAgentSettings) -> GpuInventoryBackend:
@@ -161,6 +190,26 @@ class NodeAgent:
             if settings.mps
             else None
         )
+        self.conditions: PodConditionWriter | None = None
+        self.limits = (
+            LimitEnforcer(
+                driver=make_limits_driver(settings, inventory=lambda: self._inventory),
+                gpu_uuid=self._gpu_uuid,
+                cgroup_root=settings.cgroup_root,
+                proc_root=settings.proc_root,
+                events=self.recorder if self.recorder is not None else _LoggedEvents(),
+                on_change=self._limits_changed,
+            )
+            if settings.memory_limits == "driver"
+            else None
+        )
+        if client is not None and settings.publish:
+            self.conditions = PodConditionWriter(
+                client=client,
+                records=self.store.allocations,
+                booked=self.limits.booked if self.limits is not None else list,
+                events=self.recorder,
+            )
         self.injector = GpuInjector(
             store=self.store,
             pipe_root=settings.pipe_root,
@@ -176,6 +225,7 @@ class NodeAgent:
             foreign_gpus_exempt=frozenset(settings.foreign_gpus_exempt_namespaces),
             shared_pipe_dir=str(settings.mps_pipe_dir) if self.mps is not None else None,
             shared_pipe_writable=settings.mps_classic_pipe_writable,
+            limits=self.limits,
         )
         self.plugin = NriPlugin(
             handler=self.injector,
@@ -193,6 +243,7 @@ class NodeAgent:
                 backend=self.backend,
                 capability=self._capability,
                 nri_connected=self.plugin.synchronized.is_set,
+                limits_canary=self._canary_problem,
                 interval_s=settings.publish_interval_s,
                 resync_s=settings.node_resync_s,
                 taint=settings.taint,
@@ -271,6 +322,44 @@ class NodeAgent:
         if self.mps is not None:  # what the supervisor actually runs
             return self.mps.capability(driver)
         return capability_for(driver=driver, mps_running=self.settings.assume_mps_running)
+
+    def _gpu_uuid(self, device: str) -> str | None:
+        """The UUID of an assigned device (UUID, index or CDI name) among the usable GPUs; None if unknown."""
+        name = device.partition("=")[2] if "=" in device else device
+        for gpu in self._usable_gpus or ():
+            if name in (gpu.uuid, str(gpu.index)):
+                return gpu.uuid
+        return None
+
+    def _limits_changed(self, pod_uid: str) -> None:
+        if self.conditions is not None:
+            self.conditions.poke(pod_uid)
+
+    def _canary_problem(self) -> str | None:
+        if self.limits is None:
+            return None
+        result = self.limits.canary_result
+        if result is None:
+            return "the canary has not run yet"
+        return None if result.passed else result.message
+
+    async def _keep_limits(self) -> None:
+        """The canary at start and after a driver change, then every running fraction read back."""
+        assert self.limits is not None
+        canary_driver: str | None = None
+        while True:
+            inventory = self._inventory
+            if inventory is not None and self.upgrading is None:
+                passed = self.limits.canary_result is not None and self.limits.canary_result.passed
+                if inventory.driver_version != canary_driver or not passed:
+                    gpus = [g.uuid for g in inventory.usable]
+                    before = self.limits.canary_result
+                    await asyncio.to_thread(self.limits.canary, gpus=gpus)
+                    canary_driver = inventory.driver_version
+                    if before != self.limits.canary_result and self.publisher is not None:
+                        self.publisher.poke()
+                await asyncio.to_thread(self.limits.audit)
+            await asyncio.sleep(self.settings.memory_limit_audit_s)
 
     def _nri_state(self, synchronized: bool) -> None:
         log.info("nri: %s", "in the runtime's path" if synchronized else "not connected")
@@ -469,6 +558,10 @@ class NodeAgent:
             tasks.append(asyncio.create_task(self.lease.run(), name="heartbeat-lease"))
         if self.upgrades is not None:
             tasks.append(asyncio.create_task(self.upgrades.run(), name="driver-upgrades"))
+        if self.limits is not None:
+            tasks.append(asyncio.create_task(self._keep_limits(), name="memory-limits"))
+        if self.conditions is not None:
+            tasks.append(asyncio.create_task(self.conditions.run(), name="pod-conditions"))
         # MPS and usage reporting, paused around driver upgrades; cancelled with the publisher (MPS stops
         # the daemon in a finally; reporting closes CRI, then the metrics endpoint).
         tasks.append(asyncio.create_task(self._gpu_users(), name="gpu-users"))

@@ -121,6 +121,25 @@ class NodeAgentSettings(BaseModel):
         description="GPU memory held back from scheduling per GPU: the driver's reserve where it does not "
         "report it, and the MPS server's with --mps (gpufrac.node.inventory.reserve)",
     )
+    memory_limits: Literal["driver", "off"] = Field(
+        "driver",
+        description="driver: set and read back every fractional container's GPU memory limit through the "
+        "driver's per-cgroup API (NVML, r615+) before it starts, fail closed, keep it in force; off: the "
+        "toolkit's variables only, and the pod condition GpuMemoryEnforced says False (docs/node-agent.md)",
+    )
+    memory_limits_backend: Literal["nvml", "simulated"] | None = Field(
+        None, description="what sets the limits; default: the same kind as ``backend``"
+    )
+    cgroup_root: Path = Field(
+        Path("/sys/fs/cgroup"), description="where the agent sees the host's cgroup filesystem"
+    )
+    proc_root: Path = Field(Path("/proc"), description="the host's /proc (the agent runs with hostPID)")
+    sim_memory_limits: Path | None = Field(
+        None, description="the simulated driver's limits (JSON; default <state_dir>/sim-memory-limits.json)"
+    )
+    memory_limit_audit_s: float = Field(
+        10.0, gt=0, description="how often every running fraction's limits are read back from the driver"
+    )
     health_host: str = "0.0.0.0"
     health_port: int = Field(8082, ge=0, le=65535)
     publish_interval_s: float = Field(5.0, gt=0)

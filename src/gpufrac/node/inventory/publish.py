@@ -106,6 +106,7 @@ def desired_state(
     reserve: MemoryReserveSettings | None = None,
     mps_reserve: bool = False,
     driver_upgrade: str | None = None,
+    limits_canary: str | None = None,
 ) -> NodeState:
     """Pure: the Node's labels, inventory and readiness for what the backend and the agent report.
 
@@ -117,6 +118,8 @@ def desired_state(
     ``driver_upgrade`` is the GPU Operator's upgrade state while it upgrades the driver: the node is then
     not ready, whatever else holds, and ``inventory`` is the last one read before the agent let go of
     NVML (its GPUs stay published: the pods on them are still there).
+    ``limits_canary``: why the driver's per-cgroup memory limit has not passed the agent's canary (None:
+    it passed, or the agent does not set limits); the node is then not ready.
     """
     if driver_upgrade is not None:
         upgrading = NodeState(
@@ -200,6 +203,13 @@ def desired_state(
     if stack is not None and stack.blocks:
         assert stack.reason is not None
         return state(False, stack.reason, stack.message)
+    if limits_canary is not None:
+        return state(
+            False,
+            keys.NODE_REASON_MEMORY_LIMIT_CANARY_FAILED,
+            f"the driver's per-cgroup GPU memory limit could not be set and read back on a test cgroup "
+            f"({limits_canary}), so no fraction's limit could be verified; no GPU pods are placed here",
+        )
     modes = sorted(m.value for m in capability.enforceable) if capability is not None else []
     if capability is not None and not modes:
         return state(
@@ -233,6 +243,7 @@ class InventoryPublisher:
         backend: GpuInventoryBackend,
         capability: CapabilityFor | None = None,
         nri_connected: Callable[[], bool] | None = None,
+        limits_canary: Callable[[], str | None] | None = None,
         interval_s: float = 5.0,
         resync_s: float = 600.0,
         taint: bool = True,
@@ -257,6 +268,7 @@ class InventoryPublisher:
         self._backend = backend
         self._capability = capability
         self._nri_connected = nri_connected or (lambda: True)
+        self._limits_canary = limits_canary or (lambda: None)
         self._interval_s = interval_s
         self._resync_s = resync_s
         self._taint = taint
@@ -319,6 +331,7 @@ class InventoryPublisher:
             stack=stack,
             reserve=self._memory_reserve,
             mps_reserve=self._mps_reserve,
+            limits_canary=self._limits_canary(),
         )
 
     def _packable(self, inventory: NodeInventory) -> NodeInventory:

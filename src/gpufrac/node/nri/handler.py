@@ -86,6 +86,7 @@ from gpufrac.node.inject import (
 )
 from gpufrac.node.inventory.backend import GpuInfo
 from gpufrac.node.mapping import AllocationRecord, InvalidContainerId, MappingStore, check_container_id
+from gpufrac.node.memlimit.enforcer import LimitEnforcer
 from gpufrac.node.metrics import FOREIGN_GPU, EnforcementCounters
 from gpufrac.node.mps.containers import ContainerHooks, apply_adjustment, read_only_shared_pipe
 from gpufrac.node.mps.supervisor import MpsUnavailable
@@ -154,10 +155,12 @@ class GpuInjector:
         shared_pipe_dir: str | None = None,
         shared_pipe_writable: bool = False,
         cdi_kind: str = CDI_GPU_KIND,
+        limits: LimitEnforcer | None = None,
     ) -> None:
         """``node_gpus`` is what assigned devices are checked against (the agent always gives it; None
         skips the check, for tests of the plan alone). ``cdi_kind`` is the CDI kind requested for devices
-        given as UUIDs or indices (``gpufrac.node.inject.cdi_requests``; empty: none)."""
+        given as UUIDs or indices (``gpufrac.node.inject.cdi_requests``; empty: none). ``limits`` sets and
+        reads back the driver's per-cgroup memory limit at StartContainer (None: the variables only)."""
         self._store = store
         self._pipe_root = pipe_root
         self._container_pipe_dir = container_pipe_dir
@@ -171,6 +174,7 @@ class GpuInjector:
         self._foreign_exempt = foreign_gpus_exempt
         self._shared_pipe_dir = None if shared_pipe_writable else shared_pipe_dir
         self._cdi_kind = cdi_kind
+        self._limits = limits
         #: Running GPU containers Synchronize found without their injection: id -> what is wrong.
         self.unenforced: dict[str, str] = {}
         self.runtime: tuple[str, str] | None = None
@@ -178,7 +182,8 @@ class GpuInjector:
         self.failed_open = 0
 
     def events(self) -> Iterable[int]:
-        return (api.CREATE_CONTAINER, api.STOP_CONTAINER, api.REMOVE_CONTAINER)
+        start = (api.START_CONTAINER,) if self._limits is not None else ()
+        return (api.CREATE_CONTAINER, *start, api.STOP_CONTAINER, api.REMOVE_CONTAINER)
 
     async def configure(self, *, config: str, runtime_name: str, runtime_version: str) -> None:
         self.runtime = (runtime_name, runtime_version)
@@ -349,6 +354,34 @@ class GpuInjector:
 
     # -- the rest of the lifecycle ----------------------------------------------------------------------
 
+    async def start_container(self, *, pod: api.PodSandbox, container: api.Container) -> None:
+        """The driver's per-cgroup limit, set and read back before the workload runs (fail closed)."""
+        record = self._store.get(container.id)
+        if self._limits is None or record is None or record.exclusive:
+            return
+        started = time.perf_counter()
+        booked = self._limits.enforce(
+            record=record, pid=container.pid, cgroups_path=container.linux.cgroups_path
+        )
+        where = {"pod": f"{pod.namespace}/{pod.name}", "container": container.name, "id": container.id}
+        if booked.in_force:
+            log.info(
+                "nri: GPU memory limit in force: %s",
+                booked.describe(),
+                extra={**where, "elapsed_ms": round((time.perf_counter() - started) * 1000, 3)},
+            )
+            return
+        message = self._limits.refusal(booked)
+        if self._fail_open:
+            self.failed_open += 1
+            log.warning(
+                "nri: starting without the driver's GPU memory limit (fail-open): %s", message, extra=where
+            )
+            return
+        self.refused += 1
+        log.warning("nri: refusing to start: %s", message, extra=where)
+        raise ContainerRejected(message)
+
     async def stop_container(self, *, pod: api.PodSandbox, container: api.Container) -> None:
         if self._hooks is not None and self._store.get(container.id) is not None:
             await self._hooks.on_stop(container_id=container.id)
@@ -356,6 +389,8 @@ class GpuInjector:
     async def remove_container(self, *, pod: api.PodSandbox, container: api.Container) -> None:
         if self.unenforced.pop(container.id, None) is not None:
             self._count_unenforced()
+        if self._limits is not None:
+            self._limits.forget(container.id)
         record = self._store.remove(container.id)
         if record is None:
             return
@@ -372,6 +407,7 @@ class GpuInjector:
         records: list[AllocationRecord] = []
         live: list[tuple[str, InjectionPlan]] = []
         unenforced: dict[str, str] = {}
+        adopt: list[tuple[AllocationRecord, int, str]] = []
         for container in containers:
             pod = by_id.get(container.pod_sandbox_id)
             if pod is None:
@@ -416,11 +452,17 @@ class GpuInjector:
                             pod=pod, container=container, problems=unenforced[container.id]
                         )
                 continue
-            records.append(self._record(pod=pod, container=container, plan=plan))
+            record = self._record(pod=pod, container=container, plan=plan)
+            records.append(record)
             live.append((container.id, plan))
+            if self._limits is not None and not record.exclusive and container.state == api.CONTAINER_RUNNING:
+                adopt.append((record, container.pid, container.linux.cgroups_path))
         self.unenforced = unenforced
         self._count_unenforced()
         written, removed = self._store.replace_all(records)
+        if self._limits is not None:  # running fractions keep (or get back) the driver's limit
+            for record, pid, cgroups_path in adopt:
+                self._limits.adopt(record=record, pid=pid, cgroups_path=cgroups_path)
         if self._hooks is not None:  # MPS: namespaces of running containers survive an agent restart
             await self._hooks.on_synchronize(live)
         log.info(

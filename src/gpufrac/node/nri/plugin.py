@@ -74,6 +74,11 @@ class NriHandler(Protocol):
         self, *, pod: api.PodSandbox, container: api.Container
     ) -> api.ContainerAdjustment | None: ...
 
+    async def start_container(self, *, pod: api.PodSandbox, container: api.Container) -> None:
+        """Called after the container exists (its cgroup and paused init process) and before its workload
+        runs; raising ``ContainerRejected`` fails the start. Only called when subscribed."""
+        ...
+
     async def stop_container(self, *, pod: api.PodSandbox, container: api.Container) -> None: ...
 
     async def remove_container(self, *, pod: api.PodSandbox, container: api.Container) -> None: ...
@@ -232,13 +237,13 @@ class NriPlugin:
             "Synchronize": unary(api.SynchronizeRequest, self._synchronize),
             "Shutdown": unary(api.Empty, self._shutdown),
             "CreateContainer": unary(api.CreateContainerRequest, self._create_container),
+            "StartContainer": unary(api.StartContainerRequest, self._start_container),
             "StopContainer": unary(api.StopContainerRequest, self._stop_container),
             "RemoveContainer": unary(api.RemoveContainerRequest, self._remove_container),
             "StateChange": unary(api.StateChangeEvent, self._state_change),
             # Not subscribed to; answered anyway, as NRI's stub does, should a runtime call them.
             "UpdateContainer": ignore(api.UpdateContainerRequest, api.UpdateContainerResponse),
             "PostUpdateContainer": ignore(api.PostUpdateContainerRequest, api.PostUpdateContainerResponse),
-            "StartContainer": ignore(api.StartContainerRequest, api.StartContainerResponse),
             "PostStartContainer": ignore(api.PostStartContainerRequest, api.PostStartContainerResponse),
             "PostCreateContainer": ignore(api.PostCreateContainerRequest, api.PostCreateContainerResponse),
             "RunPodSandbox": ignore(api.RunPodSandboxRequest, api.RunPodSandboxResponse),
@@ -293,6 +298,13 @@ class NriPlugin:
             if adjust is not None
             else api.CreateContainerResponse()
         )
+
+    async def _start_container(self, request: api.StartContainerRequest) -> api.StartContainerResponse:
+        try:
+            await self._handler.start_container(pod=request.pod, container=request.container)
+        except ContainerRejected as exc:
+            raise TtrpcError(Code.UNKNOWN, str(exc)) from exc
+        return api.StartContainerResponse()
 
     async def _stop_container(self, request: api.StopContainerRequest) -> api.StopContainerResponse:
         await self._handler.stop_container(pod=request.pod, container=request.container)

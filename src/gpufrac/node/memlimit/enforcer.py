@@ -1,0 +1,310 @@
+"""Keeps every fractional container's GPU memory limit in force through the driver, and says so.
+
+The node agent's one owner of the per-cgroup limits (``gpufrac.node.memlimit.driver``):
+
+- ``enforce`` at StartContainer: the container's cgroup exists (runc made it at create) and its init
+  process waits for the start, so the workload has not run yet. Resolve the cgroup from the process
+  (``cgroups.container_cgroup``), set soft = request and hard = limit on each of its GPUs, read them
+  back. Anything but an exact read-back is a failure: the caller fails the container (fail closed).
+- ``adopt`` after Synchronize: containers that already run (an agent restart) are read, and what is not
+  in force is set again, since they cannot be failed any more.
+- ``audit`` every cycle: re-read every booked container; a cleared or changed limit is set again and
+  reported (Event ``GpuMemoryLimitReapplied``, ``reapplied`` count); ``currentUsed`` is kept per GPU
+  as the fraction's usage.
+- ``canary``: a throwaway cgroup gets a limit, read back, cleared, read back, removed; until that
+  passes, the node is not offered (its readiness says why).
+
+Whole-GPU and non-GPU containers are never touched (no record, or ``exclusive``). Each booked
+container's state feeds the pod condition (``gpufrac.node.memlimit.condition``) and the metrics.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import uuid as uuidlib
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from gpufrac.kube.events import WARNING, ObjectRef
+from gpufrac.node.enforcement_audit import EventSink
+from gpufrac.node.mapping import AllocationRecord
+from gpufrac.node.memlimit.cgroups import CgroupNotFound, container_cgroup
+from gpufrac.node.memlimit.driver import MIB, MemoryLimitDriver, MemoryLimitError, clear_limits
+from gpufrac.node.memlimit.enforce import GpuLimitOutcome, Verification, apply_limits, check_limits
+
+log = logging.getLogger(__name__)
+
+REASON_NOT_ENFORCED = "GpuMemoryLimitNotEnforced"
+REASON_REAPPLIED = "GpuMemoryLimitReapplied"
+
+#: Maps an assigned device (UUID, index or CDI name) to the GPU's UUID; None when it is not this node's.
+GpuUuid = Callable[[str], str | None]
+
+
+@dataclass(frozen=True, slots=True)
+class Booked:
+    """One fractional container's limits as last set or read on this node."""
+
+    record: AllocationRecord
+    cgroup: str | None
+    verification: Verification | None
+    problem: str | None = None  # why it is not in force (None when it is)
+    reapplied: int = 0
+
+    @property
+    def in_force(self) -> bool:
+        return self.problem is None and self.verification is not None and self.verification.in_force
+
+    def describe(self) -> str:
+        if self.in_force:
+            assert self.verification is not None
+            return f"{self.record.container_name}: {self.verification.describe()}"
+        return f"{self.record.container_name}: {self.problem}"
+
+
+@dataclass(frozen=True, slots=True)
+class CanaryResult:
+    passed: bool
+    message: str
+
+
+@dataclass(slots=True)
+class _Totals:
+    reapplied: int = 0
+    refused: int = 0
+    audits: int = 0
+    canary_runs: int = 0
+
+
+def pod_ref(record: AllocationRecord) -> ObjectRef:
+    return ObjectRef(kind="Pod", namespace=record.pod_namespace, name=record.pod_name, uid=record.pod_uid)
+
+
+class LimitEnforcer:
+    """Sets, verifies and keeps the driver's per-cgroup limits; thread-safe (the audit runs in a thread)."""
+
+    def __init__(
+        self,
+        *,
+        driver: MemoryLimitDriver,
+        gpu_uuid: GpuUuid,
+        cgroup_root: Path = Path("/sys/fs/cgroup"),
+        proc_root: Path = Path("/proc"),
+        events: EventSink | None = None,
+        on_change: Callable[[str], None] | None = None,
+    ) -> None:
+        self.driver = driver
+        self._gpu_uuid = gpu_uuid
+        self._cgroup_root = cgroup_root
+        self._proc_root = proc_root
+        self._events = events
+        self._on_change = on_change or (lambda _pod_uid: None)
+        self._lock = threading.Lock()
+        self._booked: dict[str, Booked] = {}
+        self.totals = _Totals()
+        self.canary_result: CanaryResult | None = None
+
+    # -- the lifecycle --------------------------------------------------------------------------------
+
+    def enforce(self, *, record: AllocationRecord, pid: int, cgroups_path: str) -> Booked:
+        """Set and read back ``record``'s limits for its container's cgroup; the result is booked.
+
+        A result that is not ``in_force`` is also a Warning Event on the pod; the caller decides whether
+        the container may start."""
+        booked = self._set(record=record, pid=pid, cgroups_path=cgroups_path, check_first=False)
+        if not booked.in_force:
+            with self._lock:
+                self.totals.refused += 1
+            self._emit(record, WARNING, REASON_NOT_ENFORCED, self.refusal(booked))
+        return booked
+
+    def adopt(self, *, record: AllocationRecord, pid: int, cgroups_path: str) -> Booked:
+        """A container that already runs: read its limits, set them where they are not in force."""
+        before = self._booked.get(record.container_id)
+        booked = self._set(record=record, pid=pid, cgroups_path=cgroups_path, check_first=True)
+        if before is None and booked.reapplied:
+            self._emit(
+                record, WARNING, REASON_REAPPLIED, f"set again after an agent restart: {booked.describe()}"
+            )
+        elif not booked.in_force:
+            self._emit(record, WARNING, REASON_NOT_ENFORCED, self.refusal(booked))
+        return booked
+
+    def forget(self, container_id: str) -> None:
+        with self._lock:
+            gone = self._booked.pop(container_id, None)
+        if gone is not None:
+            self._on_change(gone.record.pod_uid)
+
+    def audit(self) -> list[Booked]:
+        """Re-read every booked container; set again what is not in force. Returns what changed."""
+        with self._lock:
+            current = list(self._booked.values())
+            self.totals.audits += 1
+        changed = []
+        for booked in current:
+            if booked.cgroup is None:
+                continue
+            if not os.path.isdir(booked.cgroup):  # the container is gone; its remove event will follow
+                continue
+            checked = self._verify(booked.record, booked.cgroup)
+            if checked.in_force:
+                self._book(replace(booked, verification=checked, problem=None), announce=not booked.in_force)
+                continue
+            again = self._apply(booked.record, booked.cgroup)
+            after = replace(
+                booked,
+                verification=again,
+                problem=None if again.in_force else f"not in force: {again.describe()}",
+                reapplied=booked.reapplied + 1,
+            )
+            with self._lock:
+                self.totals.reapplied += 1
+            self._book(after)
+            self._emit(
+                booked.record,
+                WARNING,
+                REASON_REAPPLIED if again.in_force else REASON_NOT_ENFORCED,
+                f"the driver's limit changed behind gpufrac ({checked.describe()}); set again: "
+                + ("read back" if again.in_force else f"FAILED ({again.describe()})"),
+            )
+            changed.append(after)
+        return changed
+
+    def canary(self, *, gpus: Sequence[str]) -> CanaryResult:
+        """Set, read back, clear and read back a limit on a throwaway cgroup, on every GPU."""
+        path = self._cgroup_root / f"gpufrac-canary-{uuidlib.uuid4().hex[:12]}"
+        with self._lock:
+            self.totals.canary_runs += 1
+        try:
+            try:
+                path.mkdir()
+            except OSError as exc:
+                return self._canary(False, f"cannot make the canary cgroup {path}: {exc.strerror or exc}")
+            if not gpus:
+                return self._canary(False, "no usable GPU to try the driver's memory limit on")
+            for gpu in gpus:
+                done = apply_limits(self.driver, cgroup=str(path), gpus=[gpu], request_mib=1, limit_mib=2)
+                if not done.in_force:
+                    return self._canary(
+                        False, f"the driver's per-cgroup memory limit failed: {done.describe()}"
+                    )
+                try:
+                    clear_limits(self.driver, gpu=gpu, cgroup=str(path))
+                    cleared = self.driver.get_limits(gpu=gpu, cgroup=str(path))
+                except MemoryLimitError as exc:
+                    return self._canary(False, f"clearing the canary's limit on {gpu} failed: {exc}")
+                if not cleared.unlimited:
+                    return self._canary(False, f"the canary's limit on {gpu} did not clear (read {cleared})")
+            return self._canary(
+                True, f"set, read back and cleared on {len(gpus)} GPU(s) through {path.parent}"
+            )
+        finally:
+            with contextlib.suppress(OSError):  # never made, or the driver still holds it: nothing to do
+                path.rmdir()
+
+    # -- what the condition and the metrics read ---------------------------------------------------------
+
+    def booked(self) -> list[Booked]:
+        with self._lock:
+            return list(self._booked.values())
+
+    def get(self, container_id: str) -> Booked | None:
+        with self._lock:
+            return self._booked.get(container_id)
+
+    @staticmethod
+    def refusal(booked: Booked) -> str:
+        record = booked.record
+        return (
+            f"gpufrac: the GPU memory limit of container {record.container_name} of pod "
+            f"{record.pod_namespace}/{record.pod_name} (soft {record.request_mib} MiB, hard "
+            f"{max(record.limit_mib, record.request_mib)} MiB) is not in force: {booked.problem}; "
+            "the container does not start without it"
+        )
+
+    # -- internals --------------------------------------------------------------------------------------
+
+    def _set(self, *, record: AllocationRecord, pid: int, cgroups_path: str, check_first: bool) -> Booked:
+        try:
+            cgroup = container_cgroup(
+                pid=pid, cgroups_path=cgroups_path, cgroup_root=self._cgroup_root, proc_root=self._proc_root
+            )
+        except CgroupNotFound as exc:
+            return self._book(
+                Booked(record=record, cgroup=None, verification=None, problem=f"no cgroup: {exc}")
+            )
+        reapplied = 0
+        verification = self._verify(record, cgroup) if check_first else None
+        if verification is None or not verification.in_force:
+            reapplied = int(check_first)
+            verification = self._apply(record, cgroup)
+        problem = None if verification.in_force else verification.describe()
+        return self._book(
+            Booked(
+                record=record, cgroup=cgroup, verification=verification, problem=problem, reapplied=reapplied
+            )
+        )
+
+    def _gpus(self, record: AllocationRecord) -> tuple[list[str], list[str]]:
+        found, unknown = [], []
+        for device in record.devices:
+            uuid = self._gpu_uuid(device)
+            (found if uuid is not None else unknown).append(uuid or device)
+        return found, unknown
+
+    def _apply(self, record: AllocationRecord, cgroup: str) -> Verification:
+        gpus, unknown = self._gpus(record)
+        done = apply_limits(
+            self.driver, cgroup=cgroup, gpus=gpus, request_mib=record.request_mib, limit_mib=record.limit_mib
+        )
+        return _with_unknown(done, unknown)
+
+    def _verify(self, record: AllocationRecord, cgroup: str) -> Verification:
+        gpus, unknown = self._gpus(record)
+        seen = check_limits(
+            self.driver, cgroup=cgroup, gpus=gpus, request_mib=record.request_mib, limit_mib=record.limit_mib
+        )
+        return _with_unknown(seen, unknown)
+
+    def _book(self, booked: Booked, *, announce: bool = True) -> Booked:
+        with self._lock:
+            before = self._booked.get(booked.record.container_id)
+            self._booked[booked.record.container_id] = booked
+        if announce and (
+            before is None or before.in_force != booked.in_force or before.describe() != booked.describe()
+        ):
+            self._on_change(booked.record.pod_uid)
+        return booked
+
+    def _emit(self, record: AllocationRecord, type: str, reason: str, message: str) -> None:
+        level = logging.WARNING if type == WARNING else logging.INFO
+        log.log(level, "memlimit: %s/%s %s: %s", record.pod_namespace, record.pod_name, reason, message)
+        if self._events is not None:
+            self._events.emit(regarding=pod_ref(record), type=type, reason=reason, message=message[:1024])
+
+    def _canary(self, passed: bool, message: str) -> CanaryResult:
+        result = CanaryResult(passed=passed, message=message)
+        self.canary_result = result
+        (log.info if passed else log.warning)(
+            "memlimit: canary %s: %s", "passed" if passed else "FAILED", message
+        )
+        return result
+
+
+def _with_unknown(verification: Verification, unknown: Iterable[str]) -> Verification:
+    extra = tuple(
+        GpuLimitOutcome(gpu=d, soft=0, hard=0, error=f"{d} is not one of this node's GPUs") for d in unknown
+    )
+    return replace(verification, outcomes=verification.outcomes + extra) if extra else verification
+
+
+def booked_usage_mib(booked: Booked) -> dict[str, int]:
+    """``currentUsed`` per GPU, in whole MiB (rounded down)."""
+    if booked.verification is None:
+        return {}
+    return {gpu: used // MIB for gpu, used in booked.verification.used_bytes.items()}
