@@ -23,7 +23,7 @@ ALLOWED: dict[str, set[str]] = {
     # The scheduler reads DRA allocations with the node's own reader and names devices as the node's
     # ResourceSlice does (ONLY below), so both sides book the same share.
     "scheduler": {"contract", "placement", "kube", "process", "node"},
-    "admission": {"contract", "kube", "process"},
+    "admission": {"contract", "placement", "kube", "process"},
     "node": {"contract", "kube", "process", "_generated"},
     "sim": {"contract", "placement"},
     "operator": {"contract", "kube", "process"},
@@ -46,6 +46,8 @@ ONLY: dict[str, dict[str, tuple[str, ...]]] = {
     # kubectl's `top` reuses the node agent's view of its metrics, and it finds the agents' pods by the
     # names the operator renders them with.
     "kubectl": {"node": ("gpufrac.node.top",), "operator": ("gpufrac.operator.render",)},
+    # The webhook judges a pod's queue by the scheduler's own rule (which queues a namespace may use).
+    "admission": {"placement": ("gpufrac.placement.queue_access", "gpufrac.placement.model")},
     "scheduler": {
         "node": ("gpufrac.node.dra.prepare", "gpufrac.node.dra.slices", "gpufrac.node.inventory.backend")
     },

@@ -14,6 +14,14 @@ Validating (CREATE and UPDATE of pods):
   sees. So a Binding is an update of those keys: only the scheduler's may carry contract keys, and
   anyone else's is refused with the same messages.
 
+Queues (CREATE and UPDATE of pods of our scheduler, when the policy has a ``QueueBook``): a pod that names
+a queue its namespace may not use, or whose priority is above the queue's bound, is refused with the
+sentence of ``gpufrac.placement.queue_access`` (the rule the scheduler applies too); a pod naming none is
+judged in its namespace's default queue. An UPDATE is judged when it changes a queue label (relabelling
+a pod across queues is judged as creating it there); other updates leave a pod's queue alone and are
+not. Until the book has read the cluster, a pod that would be judged is refused (fail closed; the API
+server retries nothing, the user does).
+
 A review that is not an ``admission.k8s.io/v1`` AdmissionReview of the expected shape raises
 ``MalformedReview`` (the server answers 400 with its message): the API server never sends one, so
 anything else is a client to refuse clearly, never a crash.
@@ -36,15 +44,34 @@ import json
 import reprlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from gpufrac.contract import keys as k
 from gpufrac.contract.changes import changed_contract_keys, forbidden_changes
 from gpufrac.contract.errors import InvalidPodRequest, RuleViolation
 from gpufrac.contract.parse import ContainerSpec, container_specs, parse_pod
 from gpufrac.contract.translate import translate
+from gpufrac.placement.model import Queue
+from gpufrac.placement.queue_access import QUEUE_LABELS, access_refusal
 
 DEFAULT_SCHEDULER_USER = "system:serviceaccount:gpufrac-system:gpufrac-scheduler"
+
+
+class QueueBookNotReady(Exception):
+    """The book has not read the cluster yet."""
+
+
+class QueueBook(Protocol):
+    """What the webhook reads to judge a pod's queue (``gpufrac.admission.queue_book`` keeps it from the
+    API server). Both raise ``QueueBookNotReady`` until the first read of the cluster is done."""
+
+    def queues(self) -> Mapping[str, Queue]:
+        """The ``Queue`` objects by name."""
+        ...
+
+    def namespace_labels(self, namespace: str) -> Mapping[str, str] | None:
+        """The labels of a Namespace (None: not known)."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +85,11 @@ class AdmissionPolicy:
     #: Rewrite legacy ``gpu-memory`` into per-container keys; off where KAI Scheduler schedules, whose other
     #: sharing modes read ``gpu-memory`` as written (docs/deploy.md, "KAI schedules").
     translate_legacy: bool = True
+    #: Queues and namespaces, to judge which queue a pod may use (None: not judged here; the scheduler
+    #: still refuses to place such a pod).
+    queues: QueueBook | None = None
+    #: The scheduler's ``default_queue``: the queue of a pod that names none in a namespace without one.
+    default_queue: str = "default"
 
 
 @dataclass(frozen=True, slots=True)
@@ -222,6 +254,9 @@ def decide_validate(request: Mapping[str, Any], policy: AdmissionPolicy) -> Verd
     if request["operation"] == "CREATE" and request.get("subResource"):
         return Verdict(allowed=True)  # no pod is created through a subresource
     pod = request.get("object") or {}
+    refused = _queue_verdict(request, pod, policy)
+    if refused is not None:
+        return refused
     new = _annotations(pod)
     if request["operation"] == "UPDATE":
         old = _annotations(request.get("oldObject"))
@@ -234,6 +269,45 @@ def decide_validate(request: Mapping[str, Any], policy: AdmissionPolicy) -> Verd
     except InvalidPodRequest as error:
         return _invalid(error)
     return Verdict(allowed=True)
+
+
+def _labels(obj: Mapping[str, Any] | None) -> dict[str, str]:
+    labels = ((obj or {}).get("metadata") or {}).get("labels") or {}
+    return {k: v for k, v in labels.items() if isinstance(k, str) and isinstance(v, str)}
+
+
+def _queue_verdict(
+    request: Mapping[str, Any], pod: Mapping[str, Any], policy: AdmissionPolicy
+) -> Verdict | None:
+    """The refusal of a pod whose queue its namespace may not use (module docstring); None: not refused."""
+    book = policy.queues
+    spec = pod.get("spec") or {}
+    if book is None or spec.get("schedulerName") != policy.scheduler_name:
+        return None
+    labels = _labels(pod)
+    if request["operation"] == "UPDATE":
+        old = _labels(request.get("oldObject"))
+        if all(old.get(key) == labels.get(key) for key in QUEUE_LABELS):
+            return None
+    namespace = str(request.get("namespace") or (pod.get("metadata") or {}).get("namespace") or "")
+    priority = spec.get("priority")
+    try:
+        message = access_refusal(
+            pod_labels=labels,
+            namespace=namespace,
+            namespace_labels=book.namespace_labels(namespace) or {},
+            priority=priority if isinstance(priority, int) and not isinstance(priority, bool) else 0,
+            queues=book.queues(),
+            fallback=policy.default_queue,
+        )
+    except QueueBookNotReady:
+        return Verdict(
+            allowed=False,
+            code=503,
+            reason="ServiceUnavailable",
+            message="the webhook has not read the cluster's queues and namespaces yet; try again shortly",
+        )
+    return None if message is None else Verdict(allowed=False, code=403, reason="Forbidden", message=message)
 
 
 def _decide_binding(request: Mapping[str, Any], *, is_binder: bool) -> Verdict:
