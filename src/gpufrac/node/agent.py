@@ -59,8 +59,8 @@ from gpufrac.node.inventory.reserve import usable_mib
 from gpufrac.node.mapping import MappingStore
 from gpufrac.node.memlimit.condition import PodConditionWriter
 from gpufrac.node.memlimit.driver import MemoryLimitDriver
-from gpufrac.node.memlimit.enforcer import LimitEnforcer
-from gpufrac.node.metrics import CountingMpsEvents, EnforcementCounters
+from gpufrac.node.memlimit.enforcer import LimitEnforcer, limit_report
+from gpufrac.node.metrics import CountingMpsEvents, EnforcementCounters, LimitReport
 from gpufrac.node.mps.config import MpsSettings
 from gpufrac.node.mps.events import NodeEventSink
 from gpufrac.node.mps.mode import DriverVersion, NodeMpsCapability, capability_for
@@ -335,6 +335,10 @@ class NodeAgent:
         if self.conditions is not None:
             self.conditions.poke(pod_uid)
 
+    def _limit_report(self) -> LimitReport:
+        assert self.limits is not None
+        return limit_report(self.limits, self.store.allocations())
+
     def _canary_problem(self) -> str | None:
         if self.limits is None:
             return None
@@ -442,6 +446,7 @@ class NodeAgent:
                 events=self.recorder if self.recorder is not None else _LoggedEvents(),
                 counters=self.counters,
                 started=self.metrics_port if self.metrics_port and not self.metrics_port.done() else None,
+                limits=self._limit_report if self.limits is not None else None,
             )
         finally:
             close = getattr(backend, "close", None)

@@ -57,6 +57,39 @@ GPU_MEMORY_USED = "gpufrac_gpu_memory_used_bytes"
 GPU_MEMORY_UNATTRIBUTED = "gpufrac_gpu_memory_unattributed_bytes"
 GPU_BUSY_TENANTS = "gpufrac_gpu_busy_tenants"
 AGENT_INFO = "gpufrac_agent_info"
+# The driver's per-cgroup memory limits (gpufrac.node.memlimit): what is in force, not what was injected.
+FRACTION_LIMIT_VERIFIED = "gpufrac_fraction_memory_limit_verified"
+FRACTION_CGROUP_USED = "gpufrac_fraction_memory_cgroup_used_bytes"
+FRACTIONS_RUNNING = "gpufrac_fractions_running"
+FRACTIONS_VERIFIED = "gpufrac_fractions_memory_limit_verified"
+LIMITS_REAPPLIED = "gpufrac_memory_limit_reapplied"
+LIMITS_REFUSED = "gpufrac_memory_limit_refused_starts"
+LIMITS_CANARY = "gpufrac_memory_limit_canary_passed"
+LIMIT_LABELS = ("node", "namespace", "pod", "container", "gpu_uuid")
+
+
+@dataclass(frozen=True, slots=True)
+class FractionLimit:
+    """One fraction on one GPU: whether the driver's read-back equals its plan, and its ``currentUsed``."""
+
+    namespace: str
+    pod: str
+    container: str
+    gpu_uuid: str
+    verified: bool
+    used_bytes: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class LimitReport:
+    """The enforcer's state as the exporter renders it (``gpufrac.node.memlimit.enforcer.limit_report``)."""
+
+    fractions: tuple[FractionLimit, ...]
+    running: int
+    verified: int
+    reapplied: int
+    refused: int
+    canary_passed: bool | None
 
 
 class EnforcementCounters:
@@ -136,9 +169,16 @@ class CounterValues:
 class UsageExporter(Collector):
     """Renders the latest snapshot and the counters as Prometheus metrics."""
 
-    def __init__(self, *, node: str, counters: EnforcementCounters) -> None:
+    def __init__(
+        self,
+        *,
+        node: str,
+        counters: EnforcementCounters,
+        limits: Callable[[], LimitReport] | None = None,
+    ) -> None:
         self._node = node
         self._counters = counters
+        self._limits = limits
         self._latest: UsageSnapshot | None = None
         self._duration = 0.0
 
@@ -150,6 +190,59 @@ class UsageExporter(Collector):
         yield from self._fraction_metrics()
         yield from self._gpu_metrics()
         yield from self._counter_metrics()
+        if self._limits is not None:
+            yield from self._limit_metrics(self._limits())
+
+    def _limit_metrics(self, report: LimitReport) -> Iterator[Metric]:
+        verified = GaugeMetricFamily(
+            FRACTION_LIMIT_VERIFIED,
+            "1 when the driver's per-cgroup memory limit of the container on this GPU was read back equal to "
+            "its request (soft) and limit (hard); 0 otherwise.",
+            labels=LIMIT_LABELS,
+        )
+        used = GaugeMetricFamily(
+            FRACTION_CGROUP_USED,
+            "GPU memory the driver counts for the container's cgroup on this GPU (currentUsed).",
+            labels=LIMIT_LABELS,
+        )
+        for f in report.fractions:
+            labels = [self._node, f.namespace, f.pod, f.container, f.gpu_uuid]
+            verified.add_metric(labels, 1 if f.verified else 0)
+            if f.used_bytes is not None:
+                used.add_metric(labels, f.used_bytes)
+        yield from (verified, used)
+        for name, doc, value in (
+            (
+                FRACTIONS_RUNNING,
+                "Fractional containers created on this node (not whole GPUs).",
+                report.running,
+            ),
+            (
+                FRACTIONS_VERIFIED,
+                "Fractional containers whose memory limits the driver read back equal to their plan.",
+                report.verified,
+            ),
+            (
+                LIMITS_CANARY,
+                "1 when the driver's per-cgroup memory limit passed the agent's canary; 0 when it failed or "
+                "has not run (the node is then not ready).",
+                1 if report.canary_passed else 0,
+            ),
+        ):
+            gauge = GaugeMetricFamily(name, doc, labels=["node"])
+            gauge.add_metric([self._node], value)
+            yield gauge
+        for name, doc, value in (
+            (
+                LIMITS_REAPPLIED,
+                "Limits found cleared or changed by the audit and set again.",
+                report.reapplied,
+            ),
+            (LIMITS_REFUSED, "Container starts refused because the limit was not in force.", report.refused),
+        ):
+            counter = CounterMetricFamily(name, doc, labels=["node"])
+            counter.add_metric([self._node], value)
+            yield counter
 
     def _fraction_metrics(self) -> Iterator[Metric]:
         families = {

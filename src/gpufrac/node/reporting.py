@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from gpufrac.node.enforcement_audit import Auditor, EventSink, InjectionPlanner
 from gpufrac.node.metrics import (
     EnforcementCounters,
+    LimitReport,
     MetricsServer,
     UsageExporter,
     UsageReporter,
@@ -60,12 +61,14 @@ async def run_reporting(
     events: EventSink,
     counters: EnforcementCounters,
     started: asyncio.Future[int] | None = None,
+    limits: Callable[[], LimitReport] | None = None,
 ) -> None:
     """Serve /metrics and collect (and audit) every interval until cancelled.
 
-    ``started`` is resolved with the metrics port once the endpoint listens.
+    ``started`` is resolved with the metrics port once the endpoint listens; ``limits`` reports the
+    driver's per-cgroup memory limits (``gpufrac.node.memlimit``) at every scrape.
     """
-    exporter = UsageExporter(node=node_name, counters=counters)
+    exporter = UsageExporter(node=node_name, counters=counters, limits=limits)
     collector = UsageCollector(
         backend=backend, allocations=allocations, proc_root=settings.proc_root, managed_gpus=managed_gpus
     )

@@ -33,8 +33,9 @@ from gpufrac.kube.events import WARNING, ObjectRef
 from gpufrac.node.enforcement_audit import EventSink
 from gpufrac.node.mapping import AllocationRecord
 from gpufrac.node.memlimit.cgroups import CgroupNotFound, container_cgroup
-from gpufrac.node.memlimit.driver import MIB, MemoryLimitDriver, MemoryLimitError, clear_limits
+from gpufrac.node.memlimit.driver import MemoryLimitDriver, MemoryLimitError, clear_limits
 from gpufrac.node.memlimit.enforce import GpuLimitOutcome, Verification, apply_limits, check_limits
+from gpufrac.node.metrics import FractionLimit, LimitReport
 
 log = logging.getLogger(__name__)
 
@@ -303,8 +304,35 @@ def _with_unknown(verification: Verification, unknown: Iterable[str]) -> Verific
     return replace(verification, outcomes=verification.outcomes + extra) if extra else verification
 
 
-def booked_usage_mib(booked: Booked) -> dict[str, int]:
-    """``currentUsed`` per GPU, in whole MiB (rounded down)."""
-    if booked.verification is None:
-        return {}
-    return {gpu: used // MIB for gpu, used in booked.verification.used_bytes.items()}
+def limit_report(enforcer: LimitEnforcer, records: Iterable[AllocationRecord]) -> LimitReport:
+    """What the exporter renders: per fraction and GPU, verified or not, and the node's counts."""
+    booked = {b.record.container_id: b for b in enforcer.booked()}
+    fractions: list[FractionLimit] = []
+    running = verified = 0
+    for record in records:
+        if record.exclusive:
+            continue
+        running += 1
+        entry = booked.get(record.container_id)
+        verified += int(entry is not None and entry.in_force)
+        outcomes = entry.verification.outcomes if entry is not None and entry.verification is not None else ()
+        for outcome in outcomes:
+            fractions.append(
+                FractionLimit(
+                    namespace=record.pod_namespace,
+                    pod=record.pod_name,
+                    container=record.container_name,
+                    gpu_uuid=outcome.gpu,
+                    verified=outcome.in_force,
+                    used_bytes=outcome.held.current_used if outcome.held is not None else None,
+                )
+            )
+    canary = enforcer.canary_result
+    return LimitReport(
+        fractions=tuple(fractions),
+        running=running,
+        verified=verified,
+        reapplied=enforcer.totals.reapplied,
+        refused=enforcer.totals.refused,
+        canary_passed=None if canary is None else canary.passed,
+    )
