@@ -3,7 +3,8 @@
 In a cluster the certificate and key come from a Secret mounted into the Pod (``--tls-cert``,
 ``--tls-key``). Without them a local CA and a certificate for 127.0.0.1, localhost and ``--tls-host``
 names are generated (or reused) in ``--tls-dir``, and ``--write-configuration`` writes the two webhook
-configurations that point the API server at this process, CA bundle included.
+configurations that point the API server at this process, CA bundle included. The certificate files are
+re-read every few seconds: a rotated Secret is served to new connections without a restart.
 """
 
 from __future__ import annotations
@@ -19,10 +20,10 @@ from typing import Annotated
 import typer
 import yaml
 
-from gpufrac.admission.certs import LOCAL_HOSTS, ensure_tls
+from gpufrac.admission.certs import LOCAL_HOSTS, CertificateError, ensure_tls
 from gpufrac.admission.configuration import webhook_configurations
 from gpufrac.admission.review import DEFAULT_SCHEDULER_USER, AdmissionPolicy
-from gpufrac.admission.server import AdmissionServer
+from gpufrac.admission.server import DEFAULT_IDLE_TIMEOUT_S, DEFAULT_MAX_CONNECTIONS, AdmissionServer
 from gpufrac.contract.keys import DEFAULT_SCHEDULER_NAME
 
 log = logging.getLogger(__name__)
@@ -35,6 +36,16 @@ def admission(
         Path | None, typer.Option(help="Serving certificate (PEM), e.g. from a Secret.")
     ] = None,
     tls_key: Annotated[Path | None, typer.Option(help="Key of --tls-cert (PEM).")] = None,
+    max_connections: Annotated[
+        int,
+        typer.Option(min=1, help="Connections served at once; beyond it a new one is closed at once."),
+    ] = DEFAULT_MAX_CONNECTIONS,
+    idle_timeout: Annotated[
+        float,
+        typer.Option(
+            min=0.1, help="Seconds a connection may stay silent (handshake, between or within requests)."
+        ),
+    ] = DEFAULT_IDLE_TIMEOUT_S,
     tls_dir: Annotated[
         Path, typer.Option(help="Where a local CA and certificate are kept when --tls-cert is not given.")
     ] = Path(tempfile.gettempdir()) / "gpufrac-admission-tls",
@@ -84,7 +95,18 @@ def admission(
         binder_users=frozenset(scheduler_user or [DEFAULT_SCHEDULER_USER]),
         translate_legacy=translate_legacy,
     )
-    server = AdmissionServer(cert=tls_cert, key=tls_key, policy=policy, host=host, port=port)
+    try:
+        server = AdmissionServer(
+            cert=tls_cert,
+            key=tls_key,
+            policy=policy,
+            host=host,
+            port=port,
+            max_connections=max_connections,
+            idle_timeout_s=idle_timeout,
+        )
+    except CertificateError as error:
+        raise typer.BadParameter(str(error), param_hint="--tls-cert/--tls-key") from None
 
     if write_configuration is not None:
         if ca_bundle is None:

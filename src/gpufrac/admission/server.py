@@ -1,9 +1,21 @@
-"""The webhook's HTTPS server: ``/validate``, ``/mutate``, ``/healthz``, ``/readyz``.
+"""The webhook's HTTPS server: ``/validate``, ``/mutate``, ``/healthz``, ``/readyz``, ``/metrics``.
 
 The standard library's threading HTTP server is enough: an admission request is a small JSON document
-answered from memory in microseconds, and the API server keeps a handful of connections. Two details
-make it robust: the TLS handshake runs in the connection's own thread (a slow or broken client cannot
-stall the accept loop), and every connection has a read timeout. A request that is not a readable
+answered from memory in microseconds, and the API server keeps a handful of connections. What makes it
+robust against everything else that can reach the port:
+
+* the TLS handshake runs in the connection's own thread, so a slow or broken client cannot stall the
+  accept loop;
+* at most ``max_connections`` connections are served at once (one thread each); beyond that a new
+  connection is closed as soon as it is accepted, so idle connections cannot pile up threads and memory
+  (1,500 idle connections once took 1,504 threads and 110 MB);
+* every read (the handshake, an idle keep-alive waiting for its next request, a body) times out after
+  ``idle_timeout_s``; the API server opens a new connection when it needs one;
+* a connection that fails (handshake refused, timed out, reset) is one log line, never a traceback;
+* the certificate is re-read every ``cert_poll_interval_s`` and new connections get a rotated one
+  (``certs.ServingCertificate``), and ``/metrics`` says when the served one expires.
+
+A request that is not a readable
 AdmissionReview (bad length, bad JSON, nesting too deep, a field of the wrong type) answers 400 with what
 is wrong; property tests post arbitrary documents and check that nothing else comes back. Any other
 failure inside a handler answers 500 rather than dropping the connection, so the API server reports a
@@ -18,19 +30,48 @@ import json
 import logging
 import socket
 import ssl
+import sys
 import threading
 from collections.abc import Callable, Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from gpufrac.admission.certs import ServingCertificate
+from gpufrac.admission.metrics import AdmissionMetrics
 from gpufrac.admission.review import AdmissionPolicy, MalformedReview, mutate_review, validate_review
 
 log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 8 << 20  # an AdmissionReview holds the old and new object; etcd caps each near 1.5 MiB
-CONNECTION_TIMEOUT_S = 30.0
+#: Far above what the API servers need (a few connections each, Go keeps up to 25 idle per host), far
+#: below what memory allows (about 75 KB per connection and thread).
+DEFAULT_MAX_CONNECTIONS = 256
+#: Shorter than the API server's own idle timeout for kept-alive connections (90 s), so the server,
+#: not a half-open client, decides when an idle connection ends; long enough for any one read.
+DEFAULT_IDLE_TIMEOUT_S = 10.0
+DEFAULT_CERT_POLL_INTERVAL_S = 5.0
+CONNECTION_THREAD = "gpufrac-admission-connection"  # + "-<port>"
 _MAX_ERROR_CHARS = 500
+
+
+_IN_HANDSHAKE = "in the TLS handshake"
+
+
+def _drop_reason(error: BaseException | None) -> tuple[str, str]:
+    """The ``reason`` label and a few words for a connection that ended with ``error``."""
+    where = " " + _IN_HANDSHAKE if _IN_HANDSHAKE in getattr(error, "__notes__", ()) else ""
+    if isinstance(error, TimeoutError):
+        return "timeout", f"timed out{where}"
+    if isinstance(error, ssl.SSLError) and not isinstance(error, ssl.SSLEOFError):
+        what = "TLS handshake failed" if where else "TLS error"
+        return "tls_handshake", f"{what} ({error.reason or error})"
+    if isinstance(error, OSError):
+        return "reset", f"closed by the client{where} ({type(error).__name__})"
+    return "error", f"{type(error).__name__}: {error}"
+
 
 Handler = Callable[[Mapping[str, Any], AdmissionPolicy], dict[str, Any]]
 ROUTES: dict[str, Handler] = {"/validate": validate_review, "/mutate": mutate_review}
@@ -40,18 +81,62 @@ class _TlsHttpServer(ThreadingHTTPServer):
     daemon_threads = True
     block_on_close = False
 
-    def __init__(self, address: tuple[str, int], context: ssl.SSLContext, policy: AdmissionPolicy) -> None:
-        self.context = context
+    def __init__(
+        self,
+        address: tuple[str, int],
+        *,
+        certificate: ServingCertificate,
+        policy: AdmissionPolicy,
+        metrics: AdmissionMetrics,
+        max_connections: int,
+        idle_timeout_s: float,
+    ) -> None:
+        self.certificate = certificate
         self.policy = policy
+        self.metrics = metrics
+        self.max_connections = max_connections
+        self.idle_timeout_s = idle_timeout_s
         self.ready = threading.Event()
         self.stopping = False
-        self._connections: set[ssl.SSLSocket] = set()
+        self._connections: set[socket.socket] = set()
         self._lock = threading.Lock()
         super().__init__(address, _RequestHandler)
 
-    def track(self, connection: ssl.SSLSocket, *, open_: bool) -> None:
+    def open_connections(self) -> int:
         with self._lock:
-            (self._connections.add if open_ else self._connections.discard)(connection)
+            return len(self._connections)
+
+    def verify_request(self, request: Any, client_address: Any) -> bool:
+        """Admit a connection while fewer than ``max_connections`` are open; ``shutdown_request``, which
+        runs for every accepted connection however it ends, gives the place back."""
+        with self._lock:
+            admitted = len(self._connections) < self.max_connections
+            if admitted:
+                self._connections.add(request)
+        if not admitted:
+            self.metrics.connections_dropped.labels("over_capacity").inc()
+            log.warning(
+                "connection from %s closed: %d connections open, the most this server serves at once",
+                _peer(client_address),
+                self.max_connections,
+            )
+        return admitted
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        """One named daemon thread per admitted connection (the cap bounds how many)."""
+        threading.Thread(
+            target=self.process_request_thread,
+            args=(request, client_address),
+            name=f"{CONNECTION_THREAD}-{self.server_address[1]}",
+            daemon=True,
+        ).start()
+
+    def shutdown_request(self, request: Any) -> None:
+        try:
+            super().shutdown_request(request)
+        finally:
+            with self._lock:
+                self._connections.discard(request)
 
     def end_connections(self) -> None:
         """End every kept-alive connection: its reader sees end-of-file, a request in flight still
@@ -65,14 +150,32 @@ class _TlsHttpServer(ThreadingHTTPServer):
 
     def get_request(self) -> tuple[socket.socket, Any]:
         sock, address = self.socket.accept()
-        sock.settimeout(CONNECTION_TIMEOUT_S)
-        return self.context.wrap_socket(sock, server_side=True, do_handshake_on_connect=False), address
+        sock.settimeout(self.idle_timeout_s)
+        context = self.certificate.current.context  # read once: a rotation swaps it between accepts
+        return context.wrap_socket(sock, server_side=True, do_handshake_on_connect=False), address
 
     def handle_error(self, request: Any, client_address: Any) -> None:
+        """A connection that failed: one line with the reason, never a traceback (a scanner, a client
+        that gave up, a load balancer's TCP check are not bugs of this server)."""
+        error = sys.exc_info()[1]
         if self.stopping:
-            log.debug("connection from %s ended while stopping", client_address, exc_info=True)
+            log.debug("connection from %s ended while stopping: %r", _peer(client_address), error)
+            return
+        self.dropped(client_address, error)
+
+    def dropped(self, client_address: Any, error: BaseException | None, *, waiting: str = "") -> None:
+        label, words = _drop_reason(error)
+        if label == "error":  # not a network failure: a bug worth its traceback
+            log.error("connection from %s failed", _peer(client_address), exc_info=error)
         else:
-            log.warning("connection from %s failed", client_address, exc_info=True)
+            log.warning("connection from %s dropped: %s%s", _peer(client_address), words, waiting)
+        self.metrics.connections_dropped.labels(label).inc()
+
+
+def _peer(client_address: Any) -> str:
+    if isinstance(client_address, tuple) and len(client_address) >= 2:
+        return f"{client_address[0]}:{client_address[1]}"
+    return str(client_address)
 
 
 class _RequestHandler(BaseHTTPRequestHandler):
@@ -81,11 +184,30 @@ class _RequestHandler(BaseHTTPRequestHandler):
 
     def setup(self) -> None:
         assert isinstance(self.request, ssl.SSLSocket)
-        self.server.track(self.request, open_=True)
-        self.request.do_handshake()
+        self.answered = 0  # requests answered on this connection
+        self.in_request = False
+        try:
+            self.request.do_handshake()
+        except OSError as error:
+            error.add_note(_IN_HANDSHAKE)  # handle_error words it so
+            raise
         super().setup()
 
+    def log_error(self, format: str, *args: Any) -> None:
+        """``BaseHTTPRequestHandler`` reports a read that timed out here and closes the connection. An
+        idle keep-alive connection that ends between requests is routine; one that timed out before its
+        first request, or within one, is a dropped connection."""
+        if args and isinstance(args[-1], TimeoutError):
+            if self.answered and not self.in_request:
+                log.debug("idle connection from %s closed", _peer(self.client_address))
+            else:
+                waiting = " (in a request)" if self.in_request else " (before its first request)"
+                self.server.dropped(self.client_address, args[-1], waiting=waiting)
+            return
+        self.log_message(format, *args)
+
     def parse_request(self) -> bool:
+        self.in_request = True
         if not super().parse_request():
             return False
         if self.server.stopping:  # read after stop() began: refuse rather than answer from a stopped server
@@ -93,12 +215,6 @@ class _RequestHandler(BaseHTTPRequestHandler):
             self.send_error(503, "stopping")
             return False
         return True
-
-    def finish(self) -> None:
-        try:
-            super().finish()
-        finally:
-            self.server.track(self.request, open_=False)
 
     def log_message(self, format: str, *args: Any) -> None:
         log.debug("%s " + format, self.client_address[0], *args)
@@ -109,6 +225,8 @@ class _RequestHandler(BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)
+        self.answered += 1
+        self.in_request = False
 
     def do_GET(self) -> None:
         path = self.path.split("?", 1)[0]
@@ -117,6 +235,8 @@ class _RequestHandler(BaseHTTPRequestHandler):
         elif path == "/readyz":
             ready = self.server.ready.is_set()
             self._send(200 if ready else 503, b"ok" if ready else b"not ready", "text/plain")
+        elif path == "/metrics":
+            self._send(200, generate_latest(self.server.metrics.registry), CONTENT_TYPE_LATEST)
         else:
             self._send(404, b"not found", "text/plain")
 
@@ -162,15 +282,11 @@ class _RequestHandler(BaseHTTPRequestHandler):
         self._send(200, json.dumps(answer).encode())
 
 
-def tls_context(cert: Path, key: Path) -> ssl.SSLContext:
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    context.minimum_version = ssl.TLSVersion.TLSv1_2
-    context.load_cert_chain(certfile=str(cert), keyfile=str(key))
-    return context
-
-
 class AdmissionServer:
-    """The webhook server; ``start()`` serves in a background thread, ``serve_forever()`` in this one."""
+    """The webhook server; ``start()`` serves in a background thread, ``serve_forever()`` in this one.
+
+    While it serves, a second thread re-reads the certificate files every ``cert_poll_interval_s``
+    (``check_certificate``)."""
 
     def __init__(
         self,
@@ -180,8 +296,29 @@ class AdmissionServer:
         policy: AdmissionPolicy | None = None,
         host: str = "0.0.0.0",
         port: int = 8443,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
+        cert_poll_interval_s: float = DEFAULT_CERT_POLL_INTERVAL_S,
     ) -> None:
-        self._server = _TlsHttpServer((host, port), tls_context(cert, key), policy or AdmissionPolicy())
+        if max_connections < 1 or idle_timeout_s <= 0 or cert_poll_interval_s <= 0:
+            raise ValueError("max_connections, idle_timeout_s and cert_poll_interval_s must be positive")
+        self.certificate = ServingCertificate(cert=cert, key=key)
+        self.metrics = AdmissionMetrics()
+        self._server = _TlsHttpServer(
+            (host, port),
+            certificate=self.certificate,
+            policy=policy or AdmissionPolicy(),
+            metrics=self.metrics,
+            max_connections=max_connections,
+            idle_timeout_s=idle_timeout_s,
+        )
+        self.metrics.follow(
+            expiry=lambda: self.certificate.current.not_after.timestamp(),
+            open_connections=self._server.open_connections,
+        )
+        self._cert_poll_interval_s = cert_poll_interval_s
+        self._watching = threading.Event()  # set: stop watching the certificate
+        self._watcher: threading.Thread | None = None
         self._thread: threading.Thread | None = None
         self._stopped = False
         self._serving = False
@@ -197,14 +334,36 @@ class AdmissionServer:
     def url(self, path: str = "", *, host: str | None = None) -> str:
         return f"https://{host or self.host}:{self.port}{path}"
 
+    def check_certificate(self) -> bool:
+        """Serve the certificate files' new content to new connections if it changed and loads;
+        whether it did. A pair that does not load keeps the current one (logged once)."""
+        failures = self.certificate.failures
+        changed = self.certificate.check()
+        if changed:
+            self.metrics.certificate_reloads.inc()
+        self.metrics.certificate_reload_failures.inc(self.certificate.failures - failures)
+        return changed
+
+    def _watch_certificate(self) -> None:
+        while not self._watching.wait(self._cert_poll_interval_s):
+            try:
+                self.check_certificate()
+            except Exception:  # the watcher must outlive any surprise; the old certificate keeps serving
+                log.exception("checking the certificate files failed")
+
     def serve_forever(self) -> None:
         self._serving = True
+        self._watcher = threading.Thread(
+            target=self._watch_certificate, name="gpufrac-admission-certificate", daemon=True
+        )
+        self._watcher.start()
         self._server.ready.set()
         log.info("admission webhook serving", extra={"address": f"{self.host}:{self.port}"})
         try:
             self._server.serve_forever(poll_interval=0.2)
         finally:
             self._server.ready.clear()
+            self._watching.set()
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self.serve_forever, name="gpufrac-admission", daemon=True)
@@ -222,6 +381,10 @@ class AdmissionServer:
             self._server.shutdown()
         self._server.server_close()
         self._server.end_connections()  # kept-alive connections would otherwise keep being served
+        self._watching.set()
+        if self._watcher is not None:
+            self._watcher.join(timeout=5)
+            self._watcher = None
         if self._thread is not None:
             self._thread.join(timeout=5)
             self._thread = None
