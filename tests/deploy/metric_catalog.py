@@ -2,8 +2,9 @@
 
 Nothing here is typed by hand: each component's registry is built as the component builds it (the
 scheduler's ``SchedulerMetrics`` with its state collector, the operator's metrics, the node agent's
-``registry_for``), every labelled metric is given one child and one value, and the exposition text
-Prometheus would scrape is parsed back. The dashboard and alert tests check their queries against this.
+``registry_for``, the admission webhook's ``AdmissionMetrics`` following its served certificate), every
+labelled metric is given one child and one value, and the exposition text Prometheus would scrape is
+parsed back. The dashboard and alert tests check their queries against this.
 """
 
 from __future__ import annotations
@@ -15,7 +16,14 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.parser import text_string_to_metric_families
 
-from gpufrac.node.metrics import EnforcementCounters, UsageExporter, registry_for
+from gpufrac.admission.metrics import AdmissionMetrics
+from gpufrac.node.metrics import (
+    EnforcementCounters,
+    FractionLimit,
+    LimitReport,
+    UsageExporter,
+    registry_for,
+)
 from gpufrac.node.usage.collect import FractionUsage, GpuUsage, UsageSnapshot
 from gpufrac.operator.reconciler import _Metrics as OperatorMetrics
 from gpufrac.scheduler.metrics import GpuAllocation, SchedulerMetrics, StateReaders
@@ -63,7 +71,15 @@ def _operator() -> CollectorRegistry:
 
 
 def _node_agent() -> CollectorRegistry:
-    exporter = UsageExporter(node="n", counters=EnforcementCounters())
+    limits = LimitReport(
+        fractions=(FractionLimit("ns", "p", "app", "GPU-0", verified=True, used_bytes=1),),
+        running=1,
+        verified=1,
+        reapplied=0,
+        refused=0,
+        canary_passed=True,
+    )
+    exporter = UsageExporter(node="n", counters=EnforcementCounters(), limits=lambda: limits)
     allocation = SimpleNamespace(
         container_id="c",
         pod_namespace="ns",
@@ -96,7 +112,19 @@ def _node_agent() -> CollectorRegistry:
     return registry_for(exporter)
 
 
-REGISTRIES = {"scheduler": _scheduler, "operator": _operator, "node-agent": _node_agent}
+def _admission() -> CollectorRegistry:
+    metrics = AdmissionMetrics()
+    _touch(metrics)
+    metrics.follow(expiry=lambda: 2e9, open_connections=lambda: 1)
+    return metrics.registry
+
+
+REGISTRIES = {
+    "scheduler": _scheduler,
+    "operator": _operator,
+    "node-agent": _node_agent,
+    "admission": _admission,
+}
 
 
 def exposed() -> dict[str, set[str]]:
