@@ -25,11 +25,16 @@ def nriruntime_binary() -> Path:
 async def make_node(nriruntime_binary: Path) -> AsyncIterator[Callable[..., Awaitable[Node]]]:
     nodes: list[Node] = []
 
-    async def make(*, fail_open: bool = False, agent: bool = True, default_validator: bool = False) -> Node:
+    async def make(
+        *, fail_open: bool = False, agent: bool = True, default_validator: bool = False, cgroups: bool = False
+    ) -> Node:
         # Short path: a unix socket path must fit in 108 bytes.
         root = Path(tempfile.mkdtemp(prefix="nri", dir="/tmp"))
         runtime = NriRuntime(
-            socket_path=root / "nri.sock", binary=nriruntime_binary, default_validator=default_validator
+            socket_path=root / "nri.sock",
+            binary=nriruntime_binary,
+            default_validator=default_validator,
+            cgroup_root=root / "cgroupfs" if cgroups else None,
         )
         await runtime.start()
         node = Node(root=root, runtime=runtime)

@@ -37,6 +37,8 @@ from gpufrac.kube.events import ObjectRef  # noqa: E402
 from gpufrac.local.nriruntime import CreatedContainer, NriRuntime  # noqa: E402
 from gpufrac.node.inventory.backend import GpuInfo  # noqa: E402
 from gpufrac.node.mapping import MappingStore  # noqa: E402
+from gpufrac.node.memlimit.enforcer import LimitEnforcer  # noqa: E402
+from gpufrac.node.memlimit.simulated import SimulatedMemoryLimits  # noqa: E402
 from gpufrac.node.metrics import EnforcementCounters  # noqa: E402
 from gpufrac.node.mps.containers import ContainerHooks  # noqa: E402
 from gpufrac.node.nri.handler import ForeignGpuPolicy, GpuInjector  # noqa: E402
@@ -73,6 +75,7 @@ class Agent:
     task: asyncio.Task[None]
     events: Events
     counters: EnforcementCounters
+    limits: LimitEnforcer | None = None
 
     async def stop(self) -> None:
         self.task.cancel()
@@ -117,12 +120,26 @@ class Node:
         hooks: ContainerHooks | None = None,
         shared_pipe_dir: str | None = None,
         cdi_kind: str = CDI_GPU_KIND,
+        limits: bool = False,
+        driver_version: str = "615.20.01",
     ) -> Agent:
+        """``limits``: the driver's per-cgroup memory limits through the SIMULATED driver
+        (``driver``), keyed by the runtime's cgroup directories (``make_node(cgroups=True)``)."""
         # The runtime counts a plugin whose connection closed until it prunes it, so "connected" is one
         # more registration, not one more plugin.
         registered = int((await self.runtime.list())["registrations"]) + 1 if wait else 0
         store = MappingStore(directory=self.state_dir)
         events, counters = Events(), EnforcementCounters()
+        enforcer = None
+        if limits:
+            assert self.runtime.cgroup_root is not None, "make_node(cgroups=True) gives containers cgroups"
+            by_name = {g.uuid: g.uuid for g in gpus or ()} | {str(g.index): g.uuid for g in gpus or ()}
+            enforcer = LimitEnforcer(
+                driver=self.driver(gpus=gpus or (), driver_version=driver_version),
+                gpu_uuid=by_name.get,
+                cgroup_root=self.runtime.cgroup_root,
+                events=events,
+            )
         injector = GpuInjector(
             store=store,
             pipe_root=self.pipe_root,
@@ -135,6 +152,7 @@ class Node:
             hooks=hooks,
             shared_pipe_dir=shared_pipe_dir,
             cdi_kind=cdi_kind,
+            limits=enforcer,
         )
         plugin = NriPlugin(
             handler=injector, socket_path=str(self.socket), backoff_initial_s=0.02, backoff_max_s=0.2
@@ -146,11 +164,24 @@ class Node:
             task=asyncio.create_task(plugin.run()),
             events=events,
             counters=counters,
+            limits=enforcer,
         )
         self.agents.append(agent)
         if wait:
             await self.runtime.wait_registrations(registered, timeout_s=10)
         return agent
+
+    def driver(
+        self, *, gpus: Sequence[GpuInfo] = NODE_GPUS, driver_version: str = "615.20.01"
+    ) -> SimulatedMemoryLimits:
+        """The node's SIMULATED driver: one state file, whichever agent or test opens it."""
+        assert self.runtime.cgroup_root is not None
+        return SimulatedMemoryLimits(
+            path=self.root / "driver-limits.json",
+            gpus=lambda: gpus,
+            driver_version=lambda: driver_version,
+            cgroup_root=self.runtime.cgroup_root,
+        )
 
     async def pod(
         self, annotations: Mapping[str, str] | None = None, *, name: str | None = None, namespace: str = "ml"
@@ -174,6 +205,7 @@ class Node:
         env: Mapping[str, str] | None = None,
         mounts: Sequence[Mapping[str, Any]] = (),
         cdi_devices: Sequence[str] = (),
+        cgroups_path: str | None = None,
     ) -> CreatedContainer:
         container_id = f"{pod_id}-{name}-{next(_ids):04d}"
         return await self.runtime.create_container(
@@ -183,4 +215,5 @@ class Node:
             env=env or {"PATH": "/usr/bin"},
             mounts=mounts,
             cdi_devices=cdi_devices,
+            cgroups_path=cgroups_path,
         )
