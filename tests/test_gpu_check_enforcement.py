@@ -392,3 +392,14 @@ def test_a_failure_inside_the_step_leaves_a_row_and_no_cgroup():
     assert rows[-1].check == "enforcement: step completes" and not rows[-1].ok
     assert not gc.cgroup_dir(WRITABLE, gc.check_cgroup_name(os.getpid())).exists()
     assert gc.exit_status(rows) == 1
+
+
+def test_describe_cgroup_names_version_and_controllers(tmp_path):
+    v1 = gc.CgroupMount(1, Path("/sys/fs/cgroup/memory"), "/")
+    assert gc.describe_cgroup(Path("/sys/fs/cgroup/memory/x"), v1).endswith("(cgroup v1, memory hierarchy)")
+    v2 = gc.CgroupMount(2, tmp_path, "/")
+    (tmp_path / "cgroup.controllers").write_text("cpu io memory pids\n")
+    assert gc.describe_cgroup(tmp_path, v2).endswith("(cgroup v2, controllers: cpu io memory pids)")
+    (tmp_path / "cgroup.controllers").write_text("\n")
+    assert gc.describe_cgroup(tmp_path, v2).endswith("controllers: none)")
+    assert "unreadable" in gc.describe_cgroup(tmp_path / "gone", v2)
