@@ -480,6 +480,29 @@ def test_a_message_names_key_value_and_rule_in_one_sentence() -> None:
     )
 
 
+RULE = "a GPU fraction must be a number greater than 0 and less than 1"
+
+
+@pytest.mark.parametrize(
+    ("value", "why"),
+    [
+        ("1e-400", " (it reads as 0, too close to 0 to tell apart)"),  # a float underflows to 0
+        ("0.99999999999999999999", " (it reads as 1, too close to 1 to tell apart)"),  # rounds to 1
+        ("1", " (ask for whole GPUs with nvidia.com/gpu)"),
+        ("1.5", " (ask for whole GPUs with nvidia.com/gpu)"),
+        ("0", ""),
+        ("-1e-400", ""),
+        ("-2", ""),
+    ],
+)
+def test_a_fraction_outside_0_and_1_is_refused_and_only_one_of_1_or_more_gets_the_whole_gpu_hint(
+    value: str, why: str
+) -> None:
+    with pytest.raises(InvalidPodRequest) as raised:
+        parse_pod({"gpu-fraction": value}, specs("app"))
+    assert raised.value.messages == [f'gpu-fraction="{value}" is invalid: {RULE}{why}.']
+
+
 def test_container_specs_read_the_gpu_limit_or_request() -> None:
     spec = {
         "containers": [

@@ -37,6 +37,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from decimal import Decimal
 from typing import Any
 
 from gpufrac.contract import keys as k
@@ -109,6 +110,19 @@ def _decimal(text: str) -> float | None:
 def _strict_decimal(text: str) -> float | None:
     """A decimal as Go's ``strconv.ParseFloat`` reads a user's compute request: no surrounding blanks."""
     return _decimal(text) if text == text.strip() else None
+
+
+def _fraction_detail(raw: str, fraction: float | None) -> str:
+    """What to add to a refused ``gpu-fraction``, judged on the exact decimal the user wrote: a float
+    reads ``1e-400`` as 0 and ``0.99999999999999999999`` as 1, neither of which the user asked for."""
+    if fraction is None:
+        return ""
+    exact = Decimal(raw.strip())
+    if exact >= 1:
+        return "ask for whole GPUs with nvidia.com/gpu"
+    if exact > 0:
+        return f"it reads as {fraction:g}, too close to {fraction:g} to tell apart"
+    return ""
 
 
 def _whole(text: str) -> int | None:
@@ -269,13 +283,7 @@ def _parse_pod_level(
         raw = annotations[k.GPU_FRACTION]
         fraction = _decimal(raw)
         if fraction is None or not 0 < fraction < 1:
-            found.add(
-                InvalidFraction(
-                    key=k.GPU_FRACTION,
-                    value=raw,
-                    detail="ask for whole GPUs with nvidia.com/gpu" if fraction is not None else "",
-                )
-            )
+            found.add(InvalidFraction(key=k.GPU_FRACTION, value=raw, detail=_fraction_detail(raw, fraction)))
         else:
             pod.fraction = fraction
 
