@@ -288,6 +288,23 @@ def test_reclaim_never_pushes_a_victim_queue_below_its_share():
     assert len(taken) == 2
 
 
+def test_a_preemptor_evicts_only_pods_of_its_own_queue_whatever_its_priority():
+    """Issue 34: a system-cluster-critical pod in team a's queue preempts nothing of team b's; across
+    queues only reclaim acts, and a queue at or above its share (here: no share) reclaims nothing."""
+    e = Engine(policy="binpack", queues=[Queue("a"), Queue("b")])
+    e.add_node(node("n", gpus=2, mib=16000))
+    for i in range(2):
+        assert isinstance(e.place(pod(whole(1), name=f"b{i}", queue="b", priority=0)), Placement)
+    critical = pod(whole(1), name="critical", queue="a", priority=2_000_000_000)
+    before = books(e)
+    assert find_victims(e, critical, kind=Kind.PREEMPT) is None
+    assert find_victims(e, critical, kind=Kind.RECLAIM) is None
+    assert untouched(e, before)
+    # The same pod in b's own queue preempts one of b's pods.
+    found = find_victims(e, pod(whole(1), name="in-b", queue="b", priority=1), kind=Kind.PREEMPT)
+    assert found is not None and len(found.victims) == 1
+
+
 def test_search_falls_back_to_a_minimal_set_past_its_budget():
     e = Engine(policy="binpack")
     e.add_node(node("n", gpus=1, mib=16000))

@@ -1,9 +1,10 @@
 """Victim selection: which placed pods to remove so that a pending pod fits, and where it then goes.
 
 Three uses, one search. **Preemption** inside a queue: pods of the pending pod's queue with a lower
-PriorityClass value may be removed. **Reclaim** across queues: a queue below its deserved share takes
-back from queues above theirs, and never pushes a victim queue below its own share (the victims taken
-from one queue may add up to at most that queue's usage over its deserved MiB). **Consolidation**
+PriorityClass value may be removed, never a pod of another queue, whatever the priority. **Reclaim**
+across queues: a queue below its deserved share takes back from queues above theirs, and never pushes a
+victim queue below its own share (the victims taken from one queue may add up to at most that queue's
+usage over its deserved MiB). **Consolidation**
 (``gpufrac.placement.consolidation``): movable pods of no higher priority are moved rather than
 removed; its trial also finds each moved pod a new home, so a set is only chosen when all of them have one.
 

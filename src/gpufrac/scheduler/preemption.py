@@ -2,7 +2,10 @@
 
 When the engine cannot place a pod, ``Preemptions.consider`` asks ``gpufrac.placement.preemption`` for
 victims: first inside the pod's queue by PriorityClass value, then across queues (reclaim, for a queue
-below its deserved share). A plan is executed through the Eviction API, never a plain DELETE, so
+below its deserved share). Preemption never crosses queues, and a pod only gets here in a queue its
+namespace may use, with a priority its queue allows (``QueueDirectory.refusal`` runs before placement):
+labelling a pod with another team's queue and a critical priority buys no victims (docs/queues.md).
+A plan is executed through the Eviction API, never a plain DELETE, so
 PodDisruptionBudgets are honoured: every victim is first evicted as a dry run, and a refusal (429)
 puts that victim aside for this pod and the search runs again without it. Only when the whole set
 passes are the victims evicted for real, each exactly once (a pod being evicted is never chosen
