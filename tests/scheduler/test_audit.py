@@ -12,7 +12,13 @@ from lightkube.resources.core_v1 import Node, Pod
 
 from gpufrac.contract import keys
 from gpufrac.local.simnodes import GPU_MODELS, NodeShape, gpu_uuid, sim_node
+from gpufrac.placement.decision import Placement
+from gpufrac.placement.model import ModePolicy
+from gpufrac.scheduler.binder import binding_annotations
 from gpufrac.scheduler.booking_audit import AuditReport, audit
+from gpufrac.scheduler.config import SchedulerConfig
+from gpufrac.scheduler.objects import gpu_request, node_spec, pending_pod
+from gpufrac.scheduler.placement_engine import build_engine
 
 SHAPE = NodeShape(gpus=2, model="H100-80GB")
 CAPACITY = GPU_MODELS["H100-80GB"]
@@ -138,9 +144,55 @@ def test_a_device_that_is_not_on_the_pods_node_is_reported() -> None:
     ]
 
 
-def test_one_gpu_given_twice_within_a_pod_is_reported() -> None:
-    found = problems(pod("twice", containers={"app": shared(N1_GPU0), "side": shared(N1_GPU0)}))
-    assert found == [f"pod team-a/twice holds one GPU twice: ['{N1_GPU0}', '{N1_GPU0}']"]
+def test_two_containers_of_one_pod_may_share_a_gpu_as_separate_fractions() -> None:
+    report = audit(
+        nodes=nodes(),
+        pods=[pod("pair", containers={"app": shared(N1_GPU0, "40Gi"), "side": shared(N1_GPU0, "30Gi")})],
+    )
+    assert report.problems == []
+    assert report.gpus[N1_GPU0].request_mib == 70 * 1024
+
+
+def test_containers_of_one_pod_together_over_a_gpus_capacity_are_reported() -> None:
+    found = problems(
+        pod("pair", containers={"app": shared(N1_GPU0, "50Gi"), "side": shared(N1_GPU0, "40Gi")})
+    )
+    assert found == [f"GPU {N1_GPU0} on n1 is over-committed: {90 * 1024} MiB guaranteed of {CAPACITY}"]
+
+
+def test_one_container_given_one_gpu_twice_is_reported() -> None:
+    found = problems(pod("twice", containers={"app": shared(f"{N1_GPU0},{N1_GPU0}")}))
+    assert len(found) == 1
+    assert found[0].startswith("bound pod team-a/twice has an invalid GPU request: ")
+    assert "without blanks or repeats" in found[0]
+
+
+def test_the_scheduler_places_two_fractions_of_one_pod_on_one_gpu_and_the_audit_agrees() -> None:
+    """The engine's rule and the audit's are one: a pod whose two containers fit one GPU together gets
+    that GPU for both (the node below has only one), and the written binding passes the audit."""
+    one_gpu = sim_node(name="n1", shape=NodeShape(gpus=1, model="H100-80GB"))
+    asking = pod(
+        "pair",
+        node=None,
+        containers={"app": {"gpu-memory.request": "40Gi"}, "side": {"gpu-memory.request": "30Gi"}},
+    )
+    asking.metadata.uid = "uid-pair"
+    engine = build_engine(SchedulerConfig())
+    engine.add_node(node_spec(one_gpu))
+    request = gpu_request(asking)
+    pending = pending_pod(
+        asking, gpu=request, arrival=0, default_queue="default", mode_policy=ModePolicy.REQUIRED
+    )
+    placement = engine.place(pending)
+    assert isinstance(placement, Placement)
+    assert [c.uuids for c in placement.containers] == [(N1_GPU0,), (N1_GPU0,)]
+
+    bound = asking.to_dict()
+    bound["metadata"]["annotations"] |= binding_annotations(request, placement, device_style="uuid")
+    bound["spec"]["nodeName"] = placement.node
+    report = audit(nodes=[one_gpu], pods=[Pod.from_dict(bound)])
+    assert report.problems == []
+    assert report.gpus[N1_GPU0].request_mib == 70 * 1024
 
 
 def test_devices_on_a_pod_without_a_node_are_reported() -> None:

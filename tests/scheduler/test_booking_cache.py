@@ -370,11 +370,7 @@ class CacheMachine(RuleBasedStateMachine):
     @invariant()
     def the_api_objects_pass_the_audit(self) -> None:
         report = audit(nodes=[node(n) for n in NODES], pods=list(self.api_pods.values()))
-        # The engine may put two containers of one pod on one GPU, which the audit reports as "one GPU
-        # twice within a pod"; that is the engine's rule against the audit's, not a booking's, so it is
-        # left out here (every other promise is checked).
-        problems = [p for p in report.problems if "holds one GPU twice" not in p]
-        assert not problems, problems
+        assert not report.problems, report.problems
 
 
 TestBookingCache = CacheMachine.TestCase

@@ -4,10 +4,17 @@ Given the managed Nodes and the Pods, this recomputes every GPU's ledger from th
 (the contract's parse, the same as a restarted scheduler's) and reports each broken promise: a GPU
 whose guaranteed memory exceeds its capacity, a GPU holding both compute modes or an exclusive pod next
 to others, an sm-sharing GPU over 100% compute or shared by namespaces when tenancy is per namespace, a
-device that is not on the pod's node, a device assigned twice within a pod, and a pod carrying devices
-without a node. Allocated DRA claims of gpufrac's driver count on their GPUs too (once each, read as the
-node's prepare reads them), so a GPU shared by claims and annotation pods is judged as one ledger. The
-tests and the benchmark use it after bursts and crashes; an operator can too.
+device that is not on the pod's node, and a pod carrying devices without a node. Allocated DRA claims
+of gpufrac's driver count on their GPUs too (once each, read as the node's prepare reads them), so a GPU
+shared by claims and annotation pods is judged as one ledger. The tests and the benchmark use it after
+bursts and crashes; an operator can too.
+
+Containers of one pod may share a GPU: each is its own fraction with its own request and limit, as the
+engine places them (a later container of a pod sees the memory the earlier ones took) and the node
+agent enforces them (one cgroup and MPS namespace per container). So a GPU is judged by every fraction
+on it, whichever pod each belongs to: the containers of one pod together over its capacity is an
+over-committed GPU. One container that names a GPU twice never gets this far: the contract refuses a
+device list with a repeat, and a bound pod with one is reported as an invalid request.
 """
 
 from __future__ import annotations
@@ -103,8 +110,6 @@ def audit(
             problems.append(f"pod {key} carries devices {devices} but is not bound to a node")
             continue
         placed += 1
-        if len(set(devices)) != len(devices):
-            problems.append(f"pod {key} holds one GPU twice: {devices}")
         for container in request.containers:
             for name in container.devices:
                 booking = gpus.get(name.removeprefix("nvidia.com/gpu="))
