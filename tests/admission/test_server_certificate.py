@@ -165,3 +165,23 @@ def test_a_pair_that_does_not_load_keeps_the_old_certificate_and_says_so_once(
         publish(path, second, "v3")  # the rotation completes
         assert server.check_certificate() is True
         assert served_certificate(server.port) == der(second)
+
+
+def test_files_that_vanish_keep_the_old_certificate_until_they_are_back(
+    tmp_path: Path, volume: tuple[Path, TlsFiles], caplog: pytest.LogCaptureFixture
+) -> None:
+    path, first = volume
+    caplog.set_level(logging.INFO, logger="gpufrac.admission")
+    with AdmissionServer(
+        cert=path / "tls.crt", key=path / "tls.key", host="127.0.0.1", port=0, cert_poll_interval_s=3600
+    ) as server:
+        (path / "..data").unlink()  # the Secret's files are gone (the links dangle)
+        assert [server.check_certificate() for _ in range(3)] == [False, False, False]
+        assert served_certificate(server.port) == der(first)
+        warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+        assert len(warnings) == 1 and f"cannot read {path / 'tls.crt'}" in warnings[0]
+
+        second = generate_tls(tmp_path / "second")
+        publish(path, second, "v2")
+        assert server.check_certificate() is True
+        assert served_certificate(server.port) == der(second)

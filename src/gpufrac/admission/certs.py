@@ -241,8 +241,11 @@ class ServingCertificate:
         with self._lock:
             try:
                 pem = _read_pair(self.cert, self.key)
-            except CertificateError as error:
-                return self._reject(str(error).encode(), str(error))
+            except CertificateError:
+                try:  # a symlink swap removes the old files just after the switch: read once more
+                    pem = _read_pair(self.cert, self.key)
+                except CertificateError as error:
+                    return self._reject(str(error).encode(), str(error))
             digest = _digest(pem)
             if digest in (self._current.digest, self._rejected):
                 return False
