@@ -596,7 +596,14 @@ class RealNode:
         # reads them (``containerd_config``); settings without a flag go through the config file.
         config = self.root / "node-agent.yaml"
         config.write_text(
-            yaml.safe_dump({"kubelet_dir": str(self.root / "kubelet"), "cdi_dir": str(self.root / "cdi")})
+            yaml.safe_dump(
+                {
+                    "kubelet_dir": str(self.root / "kubelet"),
+                    "cdi_dir": str(self.root / "cdi"),
+                    # The SIMULATED driver keys limits by the node's REAL cgroups (runc's, under containerd).
+                    "cgroup_root": "/sys/fs/cgroup",
+                }
+            )
         )
         self._agent = spawn(
             name="node-agent",

@@ -81,11 +81,16 @@ def make_limits_driver(
     settings: NodeAgentSettings, *, inventory: Callable[[], NodeInventory | None]
 ) -> MemoryLimitDriver:
     """The driver's per-cgroup memory limits: NVML (REAL) or the simulated driver (SIMULATED)."""
-    if (settings.memory_limits_backend or settings.backend) == "nvml":
+    if settings.limits_backend == "nvml":
         from gpufrac.node.memlimit.driver import NvmlMemoryLimits
 
         return NvmlMemoryLimits()
     from gpufrac.node.memlimit.simulated import SimulatedMemoryLimits
+
+    root = settings.limits_cgroup_root
+    if settings.cgroup_root is None:  # the SIMULATED default: a cgroup v2 root of directories
+        root.mkdir(parents=True, exist_ok=True)
+        (root / "cgroup.controllers").touch()
 
     def gpus() -> Sequence[GpuInfo]:
         read = inventory()
@@ -99,7 +104,7 @@ def make_limits_driver(
         path=settings.sim_memory_limits or settings.state_dir / "sim-memory-limits.json",
         gpus=gpus,
         driver_version=driver_version,
-        cgroup_root=settings.cgroup_root,
+        cgroup_root=root,
     )
 
 
@@ -191,11 +196,12 @@ class NodeAgent:
             else None
         )
         self.conditions: PodConditionWriter | None = None
+        self._canary_driver: str | None = None  # the driver version the canary last ran on
         self.limits = (
             LimitEnforcer(
                 driver=make_limits_driver(settings, inventory=lambda: self._inventory),
                 gpu_uuid=self._gpu_uuid,
-                cgroup_root=settings.cgroup_root,
+                cgroup_root=settings.limits_cgroup_root,
                 proc_root=settings.proc_root,
                 events=self.recorder if self.recorder is not None else _LoggedEvents(),
                 on_change=self._limits_changed,
@@ -347,23 +353,28 @@ class NodeAgent:
             return "the canary has not run yet"
         return None if result.passed else result.message
 
-    async def _keep_limits(self) -> None:
-        """The canary at start and after a driver change, then every running fraction read back."""
+    async def _canary(self) -> None:
+        """Try the driver's limit on a throwaway cgroup when the driver changed or it has not passed yet."""
         assert self.limits is not None
-        canary_driver: str | None = None
+        inventory = self._inventory
+        if inventory is None or self.upgrading is not None:
+            return
+        result = self.limits.canary_result
+        if result is not None and result.passed and inventory.driver_version == self._canary_driver:
+            return
+        await asyncio.to_thread(self.limits.canary, gpus=[g.uuid for g in inventory.usable])
+        self._canary_driver = inventory.driver_version
+        if result != self.limits.canary_result and self.publisher is not None:
+            self.publisher.poke()
+
+    async def _keep_limits(self) -> None:
+        """The canary after a driver change, and every running fraction's limits read back, each cycle."""
+        assert self.limits is not None
         while True:
-            inventory = self._inventory
-            if inventory is not None and self.upgrading is None:
-                passed = self.limits.canary_result is not None and self.limits.canary_result.passed
-                if inventory.driver_version != canary_driver or not passed:
-                    gpus = [g.uuid for g in inventory.usable]
-                    before = self.limits.canary_result
-                    await asyncio.to_thread(self.limits.canary, gpus=gpus)
-                    canary_driver = inventory.driver_version
-                    if before != self.limits.canary_result and self.publisher is not None:
-                        self.publisher.poke()
-                await asyncio.to_thread(self.limits.audit)
             await asyncio.sleep(self.settings.memory_limit_audit_s)
+            await self._canary()
+            if self.upgrading is None:
+                await asyncio.to_thread(self.limits.audit)
 
     def _nri_state(self, synchronized: bool) -> None:
         log.info("nri: %s", "in the runtime's path" if synchronized else "not connected")
@@ -554,6 +565,8 @@ class NodeAgent:
         except asyncio.CancelledError:
             sizes.cancel()
             raise
+        if self.limits is not None:  # before the node is first published: it is offered only once it passed
+            await self._canary()
         if self.dra_plugin is not None:  # after the first inventory read: prepare maps devices through it
             await self.dra_plugin.start()
         tasks = [asyncio.create_task(self.plugin.run(), name="nri-plugin"), sizes]

@@ -130,8 +130,10 @@ class NodeAgentSettings(BaseModel):
     memory_limits_backend: Literal["nvml", "simulated"] | None = Field(
         None, description="what sets the limits; default: the same kind as ``backend``"
     )
-    cgroup_root: Path = Field(
-        Path("/sys/fs/cgroup"), description="where the agent sees the host's cgroup filesystem"
+    cgroup_root: Path | None = Field(
+        None,
+        description="where the agent sees the host's cgroup filesystem; default /sys/fs/cgroup, or with the "
+        "simulated limits backend <state_dir>/cgroupfs (SIMULATED cgroups, made by the simulated runtime)",
     )
     proc_root: Path = Field(Path("/proc"), description="the host's /proc (the agent runs with hostPID)")
     sim_memory_limits: Path | None = Field(
@@ -185,6 +187,16 @@ class NodeAgentSettings(BaseModel):
         if self.backend == "simulated" and (self.sim_gpus is None) == (self.sim_config is None):
             raise ValueError("the simulated backend needs exactly one of sim_gpus or sim_config")
         return self
+
+    @property
+    def limits_backend(self) -> Literal["nvml", "simulated"]:
+        return self.memory_limits_backend or self.backend
+
+    @property
+    def limits_cgroup_root(self) -> Path:
+        if self.cgroup_root is not None:
+            return self.cgroup_root
+        return self.state_dir / "cgroupfs" if self.limits_backend == "simulated" else Path("/sys/fs/cgroup")
 
     @property
     def pipe_root(self) -> Path:

@@ -32,7 +32,7 @@ from pathlib import Path
 from gpufrac.kube.events import WARNING, ObjectRef
 from gpufrac.node.enforcement_audit import EventSink
 from gpufrac.node.mapping import AllocationRecord
-from gpufrac.node.memlimit.cgroups import CgroupNotFound, container_cgroup
+from gpufrac.node.memlimit.cgroups import CgroupNotFound, container_cgroup, is_unified
 from gpufrac.node.memlimit.driver import MemoryLimitDriver, MemoryLimitError, clear_limits
 from gpufrac.node.memlimit.enforce import GpuLimitOutcome, Verification, apply_limits, check_limits
 from gpufrac.node.metrics import FractionLimit, LimitReport
@@ -178,7 +178,8 @@ class LimitEnforcer:
 
     def canary(self, *, gpus: Sequence[str]) -> CanaryResult:
         """Set, read back, clear and read back a limit on a throwaway cgroup, on every GPU."""
-        path = self._cgroup_root / f"gpufrac-canary-{uuidlib.uuid4().hex[:12]}"
+        hierarchy = self._cgroup_root if is_unified(self._cgroup_root) else self._cgroup_root / "memory"
+        path = hierarchy / f"gpufrac-canary-{uuidlib.uuid4().hex[:12]}"
         with self._lock:
             self.totals.canary_runs += 1
         try:
