@@ -8,11 +8,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import typer
 import yaml
 from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric import padding
 from helm_chart import CHART, CRD, helm, kinds, one, render
 
+from gpufrac.admission.command import admission
 from gpufrac.admission.configuration import ServiceRef, webhook_configurations
 from gpufrac.contract import keys
 from gpufrac.scheduler.config import SchedulerConfig
@@ -201,3 +203,16 @@ def test_the_node_leases_namespace_is_the_one_the_components_use(tmp_path: Path)
         {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["get", "create", "update"]}
     ]
     assert SchedulerConfig().node_lease_namespace == keys.NODE_LEASE_NAMESPACE
+
+
+def test_the_admission_webhook_gets_its_connection_cap_and_idle_timeout(tmp_path: Path) -> None:
+    cli = typer.Typer()
+    cli.command()(admission)
+    command = typer.main.get_command(cli)
+    for values, cap, idle in [({}, 256, 10.0), ({"maxConnections": 64, "idleTimeoutSeconds": 2.5}, 64, 2.5)]:
+        objects = render({"admission": values}, tmp_path=tmp_path)
+        pod = one(objects, "Deployment", "gpufrac-admission")["spec"]["template"]["spec"]
+        args = pod["containers"][0]["args"]
+        assert args[0] == "admission"
+        params = command.make_context("admission", args[1:]).params  # the CLI accepts what the chart passes
+        assert (params["max_connections"], params["idle_timeout"]) == (cap, idle)
