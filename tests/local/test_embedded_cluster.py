@@ -229,3 +229,59 @@ async def test_queue_objects_are_served_and_honoured(cluster: LocalCluster) -> N
             with contextlib.suppress(ApiError):
                 await cluster.client.delete(Pod, name, namespace="default", grace_period=0)
         await asyncio.to_thread(_kubectl, cluster, "delete", "queue", queue, "--ignore-not-found")
+
+
+async def test_fractions_say_their_limits_were_read_back_from_the_driver(
+    cluster: LocalCluster, outcomes: dict[str, PodOutcome]
+) -> None:
+    """Each running fraction has GpuMemoryEnforced=True with the values the (SIMULATED) driver holds for
+    its cgroup; a limit cleared behind the agent's back is set again and said with an Event."""
+    assert cluster.client is not None
+    notebook = outcomes["notebook"]
+    pod = await cluster.client.get(Pod, "notebook", namespace="default")
+    condition = await _wait_condition(cluster, "notebook")
+    assert condition.status == "True" and condition.reason == keys.POD_REASON_LIMITS_READ_BACK
+    soft, hard = notebook.request_mib, notebook.limit_mib or notebook.request_mib
+    assert f"soft {soft} MiB, hard {hard} MiB read back" in condition.message
+
+    driver_state = cluster.work_dir / "nodes" / notebook.node / "state" / "sim-memory-limits.json"
+    held = json.loads(driver_state.read_text())["limits"]
+    cgroups = {cg for per_gpu in held.values() for cg in per_gpu if pod.metadata.uid in cg}
+    assert len(cgroups) == 1, held  # one container, its cgroup on each of its GPUs
+    (cgroup,) = cgroups
+    gpu = next(g for g, per_gpu in held.items() if cgroup in per_gpu)
+    assert held[gpu][cgroup] == {"soft": soft * 2**20, "hard": hard * 2**20}
+
+    del held[gpu][cgroup]  # the driver "forgot" the limit (an operator reset it)
+    driver_state.write_text(json.dumps({"limits": held}))
+    deadline = asyncio.get_running_loop().time() + 40
+    while True:
+        events = [e for e in await _events(cluster, "notebook") if e.reason == "GpuMemoryLimitReapplied"]
+        if events:
+            break
+        assert asyncio.get_running_loop().time() < deadline, "the audit did not set the limit again"
+        await asyncio.sleep(1)
+    assert "the driver holds no limit" in events[0].message
+    again = json.loads(driver_state.read_text())["limits"][gpu][cgroup]
+    assert again == {"soft": soft * 2**20, "hard": hard * 2**20}
+
+
+async def _wait_condition(cluster: LocalCluster, name: str):  # type: ignore[no-untyped-def]
+    assert cluster.client is not None
+    deadline = asyncio.get_running_loop().time() + 30
+    while True:
+        pod = await cluster.client.get(Pod, name, namespace="default")
+        found = [c for c in pod.status.conditions or [] if c.type == keys.POD_MEMORY_ENFORCED_CONDITION]
+        if found:
+            return found[0]
+        assert asyncio.get_running_loop().time() < deadline, pod.status.conditions
+        await asyncio.sleep(0.5)
+
+
+async def _events(cluster: LocalCluster, name: str):  # type: ignore[no-untyped-def]
+    from lightkube.resources.core_v1 import Event
+
+    assert cluster.client is not None
+    return [
+        e async for e in cluster.client.list(Event, namespace="default", fields={"involvedObject.name": name})
+    ]

@@ -154,7 +154,15 @@ def demo(
 
 async def _demo(console: Console, *, keep: bool, runtime: str = "simulated") -> int:
     from gpufrac.local.cluster import LocalCluster
-    from gpufrac.local.demo import DEMO_PODS, gpu_names, outcome, real_outcome, render, submit_and_wait
+    from gpufrac.local.demo import (
+        DEMO_PODS,
+        gpu_names,
+        outcome,
+        real_outcome,
+        render,
+        submit_and_wait,
+        wait_enforced,
+    )
 
     # One real node gets the two simulated nodes' eight GPUs, so the demo tells the same story.
     real = runtime == "containerd"
@@ -172,6 +180,7 @@ async def _demo(console: Console, *, keep: bool, runtime: str = "simulated") -> 
         names = await gpu_names(client)
         node = cluster.real_node
         outcomes = [real_outcome(p, names, node) if node else outcome(p, names) for p in pods]
+        await wait_enforced(client, outcomes)
         render(console, outcomes, read_inside=node is not None)
         if keep:
             console.print(f"cluster kept: export KUBECONFIG={cluster.kubeconfig}; Ctrl-C stops")
@@ -180,6 +189,11 @@ async def _demo(console: Console, *, keep: bool, runtime: str = "simulated") -> 
     console.print("stopped cleanly")
     expected = {"inference": "Running", "notebook": "Running", "packed": "Running"}
     wrong = [o.name for o in outcomes if expected.get(o.name, "Unschedulable") != o.state]
+    wrong += [
+        f"{o.name} (GPU memory limit not read back)"
+        for o in outcomes
+        if o.enforced and not o.enforced.startswith("True")
+    ]
     if wrong:
         console.print(f"[red]unexpected outcome for {', '.join(wrong)}[/]")
         return 1

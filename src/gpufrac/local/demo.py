@@ -58,6 +58,8 @@ class PodOutcome:
     mode: str = ""
     portion: float | None = None
     injected: dict[str, dict[str, object]] = field(default_factory=dict)
+    #: The pod's GpuMemoryEnforced condition as "status (reason): message"; empty when it has none.
+    enforced: str = ""
 
 
 def settled(pod: Pod) -> bool:
@@ -137,6 +139,29 @@ def real_outcome(pod: Pod, gpu_index: dict[str, str], node: RealNode) -> PodOutc
     return result
 
 
+def enforced_condition(pod: Pod) -> str:
+    """The pod's ``GpuMemoryEnforced`` condition as one line; empty when the agent wrote none."""
+    for c in (pod.status.conditions or []) if pod.status else []:
+        if c.type == keys.POD_MEMORY_ENFORCED_CONDITION:
+            return f"{c.status} ({c.reason}): {c.message}"
+    return ""
+
+
+async def wait_enforced(
+    client: AsyncClient, outcomes: list[PodOutcome], *, namespace: str = "default", timeout_s: float = 15.0
+) -> None:
+    """Fill each running fraction's ``enforced`` once its node agent has written the condition."""
+    deadline = time.monotonic() + timeout_s
+    for o in outcomes:
+        if o.state != "Running" or o.request_mib is None:
+            continue
+        while True:
+            o.enforced = enforced_condition(await client.get(Pod, o.name, namespace=namespace))
+            if o.enforced or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.2)
+
+
 async def gpu_names(client: AsyncClient) -> dict[str, str]:
     """GPU UUID -> ``node/index`` from the inventory the node agents published."""
     names: dict[str, str] = {}
@@ -208,6 +233,18 @@ def render(console: Console, outcomes: list[PodOutcome], *, read_inside: bool = 
                 lines.append(f"mount {mount.get('source')} -> {mount.get('destination')}")
             env.add_row(f"{o.name}/{container}", "\n".join(lines) or "(nothing: no GPU request)")
     console.print(env)
+
+    limits = Table(
+        title="GPU memory limits in force: set and read back through the driver (GpuMemoryEnforced)"
+    )
+    limits.add_column("pod")
+    limits.add_column("condition", overflow="fold")
+    for o in outcomes:
+        if o.enforced:
+            colour = "green" if o.enforced.startswith("True") else "red"
+            limits.add_row(o.name, f"[{colour}]{o.enforced}[/]")
+    if limits.row_count:
+        console.print(limits)
 
     for o in outcomes:
         if o.state != "Running":

@@ -212,4 +212,5 @@ def test_pod_condition_true_only_when_every_fraction_reads_back(setup: Setup) ->
     booked = {b.record.container_id: b for b in setup.enforcer.booked()}
     done = pod_condition([first, second, whole], booked)
     assert done is not None and done.status == "True" and done.reason == keys.POD_REASON_LIMITS_READ_BACK
-    assert "app: cgroup" in done.message and "soft 4096 MiB, hard 6144 MiB read back" in done.message
+    assert "app: soft 4096 MiB, hard 6144 MiB read back on 1 GPU(s) (GPU-a) for cgroup" in done.message
+    assert "sidecar: soft 4096 MiB" in done.message

@@ -70,6 +70,13 @@ class Verification:
         return {o.gpu: o.held.current_used for o in self.outcomes if o.held is not None}
 
     def describe(self) -> str:
+        if self.in_force and len({(o.soft, o.hard) for o in self.outcomes}) == 1:
+            first = self.outcomes[0]
+            gpus = ", ".join(o.gpu for o in self.outcomes)
+            return (
+                f"soft {first.soft // MIB} MiB, hard {first.hard // MIB} MiB read back on "
+                f"{len(self.outcomes)} GPU(s) ({gpus}) for cgroup {self.cgroup}"
+            )
         return f"cgroup {self.cgroup}: " + "; ".join(o.describe() for o in self.outcomes)
 
 
