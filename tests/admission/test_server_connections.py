@@ -114,7 +114,7 @@ def test_a_kept_alive_connection_that_goes_idle_is_closed_quietly(
     tls: TlsFiles, trusted: ssl.SSLContext, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO, logger="gpufrac.admission")
-    with AdmissionServer(cert=tls.cert, key=tls.key, host="127.0.0.1", port=0, idle_timeout_s=0.2) as server:
+    with AdmissionServer(cert=tls.cert, key=tls.key, host="127.0.0.1", port=0, idle_timeout_s=1.0) as server:
         raw = socket.create_connection(("127.0.0.1", server.port), timeout=30)
         with trusted.wrap_socket(raw, server_hostname="127.0.0.1") as kept:
             kept.sendall(b"GET /healthz HTTP/1.1\r\nHost: webhook\r\n\r\n")
