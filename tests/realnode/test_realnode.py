@@ -29,6 +29,7 @@ from lightkube.resources.core_v1 import Event, Node, Pod
 
 from gpufrac.admission.review import DEFAULT_SCHEDULER_USER
 from gpufrac.contract import keys
+from gpufrac.contract.render import read_binding
 from gpufrac.kube.binding import bind_pod
 from gpufrac.local import ociimage
 from gpufrac.local.cluster import ClusterShape, LocalCluster
@@ -51,6 +52,8 @@ from gpufrac.node.inject import (
     NVIDIA_VISIBLE_DEVICES,
     plan_container,
 )
+from gpufrac.node.memlimit.driver import MIB, NVML_ERROR_NOT_SUPPORTED, MemoryLimits
+from gpufrac.node.memlimit.simulated import SimulatedMemoryLimits
 
 pytestmark = pytest.mark.kube
 
@@ -525,3 +528,95 @@ async def test_the_controllers_give_a_deployment_and_a_daemonset_pods_that_run_o
     while await _pods_of(cluster, "plain-deploy") or await _pods_of(cluster, "plain-ds"):
         assert time.monotonic() < deadline, "the garbage collector left the workloads' pods behind"
         await asyncio.sleep(0.5)
+
+
+def _messages(pod: Pod) -> str:
+    """Every waiting and terminated message of the pod's containers, now and last time."""
+    found = []
+    for status in (pod.status.containerStatuses or []) if pod.status else []:
+        for state in (status.state, status.lastState):
+            if state is None:
+                continue
+            for part in (state.waiting, state.terminated):
+                if part is not None and part.message:
+                    found.append(part.message)
+    return "\n".join(found)
+
+
+def _condition(pod: Pod) -> Any:
+    conditions = (pod.status.conditions or []) if pod.status else []
+    return next((c for c in conditions if c.type == keys.POD_MEMORY_ENFORCED_CONDITION), None)
+
+
+def _driver(cluster: LocalCluster) -> SimulatedMemoryLimits:
+    """The real node's SIMULATED driver (the agent's state file): it keys limits by REAL cgroups."""
+    assert cluster.real_node is not None
+    return SimulatedMemoryLimits(
+        path=cluster.real_node.root / "node-agent" / "sim-memory-limits.json",
+        gpus=tuple,
+        driver_version=lambda: "615.20.01",
+    )
+
+
+def _process_cgroup(pid: int) -> str:
+    """The cgroup directory the process lives in, read from the kernel (v2 unified, else v1 memory)."""
+    lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
+    unified = Path("/sys/fs/cgroup/cgroup.controllers").exists()
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if unified and not controllers:
+            return f"/sys/fs/cgroup{path}"
+        if not unified and "memory" in controllers.split(","):
+            return f"/sys/fs/cgroup/memory{path}"
+    raise AssertionError(f"no cgroup for pid {pid}: {lines}")
+
+
+async def test_the_limit_is_set_on_the_cgroup_the_container_process_lives_in(cluster: LocalCluster) -> None:
+    """runc made the container's cgroup; the agent set soft = request, hard = limit on exactly that one
+    (the one /proc/<pid>/cgroup names), on the GPU the scheduler assigned, and the pod says so."""
+    assert cluster.client is not None and cluster.real_node is not None
+    await cluster.client.create(_pod("enforced", annotations=FRACTION), namespace="default")
+    pod = await _wait_pod(cluster, "enforced", _running, what="run")
+    assert pod.metadata is not None
+    (plan,) = read_binding(pod.metadata.annotations or {})
+    cgroup = _process_cgroup(cluster.real_node.container_pid(_container_id(pod)))
+    held = _driver(cluster).held()
+    assert {gpu: per_gpu[cgroup] for gpu, per_gpu in held.items() if cgroup in per_gpu} == {
+        device: MemoryLimits(soft=plan.request_mib * MIB, hard=(plan.limit_mib or plan.request_mib) * MIB)
+        for device in plan.devices
+    }
+    enforced = await _wait_pod(cluster, "enforced", lambda p: _condition(p) is not None, what="say")
+    condition = _condition(enforced)
+    assert condition.status == "True" and condition.reason == keys.POD_REASON_LIMITS_READ_BACK
+    assert cgroup in condition.message
+    await _delete(cluster, "enforced")
+
+
+async def test_a_container_whose_limit_cannot_be_set_never_runs_and_the_pod_says_why(
+    cluster: LocalCluster,
+) -> None:
+    """The driver refuses the limit on every GPU: containerd fails the start (the NRI plugin refused
+    it before the workload ran), the kubelet reports why, and the condition is False -- never a pod that
+    looks enforced."""
+    assert cluster.client is not None
+    driver = _driver(cluster)
+    gpus = [gpu_uuid(NODE, index) for index in range(8)]
+    for gpu in gpus:
+        driver.refuse(gpu=gpu, code=NVML_ERROR_NOT_SUPPORTED)
+    try:
+        await cluster.client.create(_pod("unenforced", annotations=FRACTION), namespace="default")
+        refused = await _wait_pod(
+            cluster,
+            "unenforced",
+            lambda p: _running(p) or "is not in force" in _messages(p),
+            what="be refused or run",
+        )
+        assert not _running(refused), "a fraction whose limit was refused runs"
+        assert "NVML_ERROR_NOT_SUPPORTED" in _messages(refused)
+        said = await _wait_pod(cluster, "unenforced", lambda p: _condition(p) is not None, what="say")
+        condition = _condition(said)
+        assert condition.status == "False" and condition.reason == keys.POD_REASON_LIMITS_NOT_IN_FORCE
+    finally:
+        for gpu in gpus:
+            driver.refuse(gpu=gpu, code=None)
+        await _delete(cluster, "unenforced")
