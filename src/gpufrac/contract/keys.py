@@ -85,6 +85,10 @@ NAMESPACE_DEFAULT_QUEUE_LABEL = "gpufrac.io/default-queue"
 #: The API group of gpufrac's resources (GpuFractioningConfig, Queue) and of KAI Scheduler's Queue
 #: (scheduling.run.ai/v2), which the scheduler reads (docs/queues.md).
 API_GROUP = "gpufrac.io"
+#: The ``Queue`` resource (deploy/crds/gpufrac.io_queues.yaml): version and plural, read by the scheduler
+#: and the webhook.
+QUEUE_API_VERSION = "v1alpha1"
+QUEUE_PLURAL = "queues"
 KAI_SCHEDULING_API_GROUP = "scheduling.run.ai"
 #: A pod's gang: scheduler-plugins' coscheduling label, and KAI Scheduler's pod annotation; each names a
 #: PodGroup object of the pod's namespace whose ``spec.minMember`` pods must start together.

@@ -72,7 +72,7 @@ from gpufrac.contract.request import PodGpuRequest
 from gpufrac.placement.decision import ContainerPlacement, Decision, DeviceAssignment, Placement
 from gpufrac.placement.model import ModePolicy, NodeSpec, PendingPod
 from gpufrac.scheduler.claims import allocated_node, claim_placement, hold_key, ours_allocated
-from gpufrac.scheduler.objects import bound_placement, gpu_request, host_request, pending_pod
+from gpufrac.scheduler.objects import DefaultQueue, bound_placement, gpu_request, host_request, pending_pod
 from gpufrac.scheduler.placement_engine import PlacementEngine
 from gpufrac.scheduler.pod_fields import RefusedPod
 
@@ -150,7 +150,7 @@ class BookingCache:
         self,
         *,
         engine: PlacementEngine,
-        default_queue: str,
+        default_queue: DefaultQueue,
         mode_policy: ModePolicy = ModePolicy.REQUIRED,
         assumed_ttl: float = 30.0,
         clock: Callable[[], float] = time.monotonic,

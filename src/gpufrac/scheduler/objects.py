@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from datetime import UTC, datetime
 from decimal import Decimal
 from typing import Any, ClassVar
@@ -276,10 +276,16 @@ def queue_label(pod: Pod) -> tuple[str, str] | None:
     return None
 
 
-def pod_queue(pod: Pod, *, default: str) -> str:
-    """The queue the pod names, or ``default`` when it names none."""
+#: The queue of a pod that names none: one name, or one per namespace (its default queue).
+DefaultQueue = str | Callable[[str], str]
+
+
+def pod_queue(pod: Pod, *, default: DefaultQueue) -> str:
+    """The queue the pod names, or ``default`` (of its namespace) when it names none."""
     found = queue_label(pod)
-    return default if found is None else found[1]
+    if found is not None:
+        return found[1]
+    return default if isinstance(default, str) else default(pod.metadata.namespace or "")
 
 
 #: Managed nodes are tainted to keep OTHER schedulers off; pods of this scheduler tolerate the taint
@@ -320,7 +326,7 @@ def pending_pod(
     *,
     gpu: PodGpuRequest,
     arrival: int,
-    default_queue: str,
+    default_queue: DefaultQueue,
     mode_policy: ModePolicy,
     volume_terms: list[tuple[NodeSelectorTerm, ...]] | None = None,
 ) -> PendingPod:

@@ -28,7 +28,7 @@ from gpufrac.kube.errors import KubeError, NotFound
 from gpufrac.kube.patch import merge_patch
 from gpufrac.placement.fair_share import QueueBook, fair_shares_by_resource
 from gpufrac.placement.model import Queue, QueueResource
-from gpufrac.scheduler.objects import gpu_request, queue_label
+from gpufrac.scheduler.objects import gpu_request
 from gpufrac.scheduler.placement_engine import PlacementEngine
 from gpufrac.scheduler.queues import RESOURCE_FIELDS, GpufracQueue, QueueDirectory
 
@@ -132,7 +132,7 @@ class QueueStatusWriter:
         waiting: dict[QueueResource, dict[str, int]] = {r: {} for r in RESOURCES}
         demands: dict[str, tuple[tuple[str, int], dict[QueueResource, int]]] = {}
         for queue, pod in self._waiting():
-            if self._directory.refusal(queue_label(pod)) is not None:
+            if self._directory.refusal(pod) is not None:
                 continue  # a pod that cannot join its queue is no demand on it
             uid = pod.metadata.uid or ""
             version = (pod.metadata.resourceVersion or "", capacity.largest_gpu_mib)

@@ -20,9 +20,13 @@ Each CRD is probed at start (a list): one that is not installed is not watched,
 and probed again every ``probe_interval`` seconds, so installing it later needs no restart. Every change
 replaces the engine's set of queues and wakes parked pods (a raised limit may let them fit).
 
-A pod joins the queue its label names (``gpufrac.io/queue``, else ``kai.scheduler/queue``), else the
-default queue. ``refusal`` says why a pod cannot join as labelled: the queue is unknown (an unknown queue
-is never an unlimited one), or it has child queues (pods join leaf queues, as in KAI).
+A pod joins the queue its label names (``gpufrac.io/queue``, else ``kai.scheduler/queue``), else its
+namespace's default queue (the Namespace label ``gpufrac.io/default-queue``), else the configured default
+queue (``gpufrac.placement.queue_access``, the rule the webhook applies too). ``refusal`` says why a pod
+cannot join as it is: the queue is unknown (an unknown queue is never an unlimited one), it has child
+queues (pods join leaf queues, as in KAI), its namespace may not use the queue, or its priority is above
+the queue's ``maxPriority``. The scheduler asks it before every placement, so a webhook outage is no way
+into another team's queue.
 """
 
 from __future__ import annotations
@@ -30,26 +34,28 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import httpx2
 from lightkube import AsyncClient
 from lightkube.generic_resource import create_global_resource
+from lightkube.resources.core_v1 import Pod
 
 from gpufrac.contract import keys
 from gpufrac.kube.errors import KubeError, NotFound
 from gpufrac.kube.informer import Informer
 from gpufrac.kube.stream import Selection, list_objects
 from gpufrac.placement.model import Queue, QueueResource, Quota
+from gpufrac.placement.queue_access import access_refusal, chosen_queue, queue_from_spec
 from gpufrac.scheduler.config import SchedulerConfig
 
 log = logging.getLogger(__name__)
 
 GROUP = keys.API_GROUP
-VERSION = "v1alpha1"
+VERSION = keys.QUEUE_API_VERSION
 KIND = "Queue"
-PLURAL = "queues"
+PLURAL = keys.QUEUE_PLURAL
 CRD_NAME = f"{PLURAL}.{GROUP}"
 GpufracQueue = create_global_resource(GROUP, VERSION, KIND, PLURAL)
 
@@ -61,36 +67,10 @@ KaiQueue = create_global_resource(KAI_GROUP, KAI_VERSION, KIND, PLURAL)
 RESOURCE_FIELDS = {QueueResource.GPU_MEMORY: "gpuMemory", QueueResource.GPUS: "gpus"}
 
 
-def _int(value: Any, *, where: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
-        raise ValueError(f"{where}: {value!r} is not a non-negative integer")
-    return int(value)
-
-
 def queue_from_object(obj: Any) -> Queue:
-    """Our ``Queue`` object as the engine's queue. The CRD validates the spec; an object stored without
-    that validation raises ``ValueError`` naming the field."""
-    spec = obj.spec or {}
-    resources = spec.get("resources") or {}
-    quotas: dict[QueueResource, Quota] = {}
-    for resource, key in RESOURCE_FIELDS.items():
-        terms = resources.get(key) or {}
-        where = f"queue {obj.metadata.name}: spec.resources.{key}"
-        limit = terms.get("limit")
-        weight = terms.get("overQuotaWeight", 1.0)
-        if isinstance(weight, bool) or not isinstance(weight, int | float) or weight < 0:
-            raise ValueError(f"{where}.overQuotaWeight: {weight!r} is not a non-negative number")
-        quotas[resource] = Quota(
-            deserved=_int(terms.get("deserved", 0), where=f"{where}.deserved"),
-            over_quota_weight=float(weight),
-            limit=None if limit is None else _int(limit, where=f"{where}.limit"),
-        )
-    return Queue(
-        name=obj.metadata.name,
-        parent=spec.get("parentQueue") or None,
-        gpu_memory=quotas[QueueResource.GPU_MEMORY],
-        gpus=quotas[QueueResource.GPUS],
-    )
+    """Our ``Queue`` object as the engine's queue (``queue_access.queue_from_spec``: the webhook reads it
+    the same way); raises ``ValueError`` naming a field stored without the CRD's validation."""
+    return queue_from_spec(obj.metadata.name, obj.spec)
 
 
 def _kai_number(value: Any) -> float | None:
@@ -171,7 +151,8 @@ class _Source:
 
 class QueueDirectory:
     """See the module docstring. ``apply`` receives the full set on every change; ``changed`` is called
-    after it (the service wakes its parked pods)."""
+    after it (the service wakes its parked pods). ``namespace_labels`` gives a Namespace's labels (None:
+    not known yet, read as no labels); without it every namespace has none."""
 
     def __init__(
         self,
@@ -181,10 +162,12 @@ class QueueDirectory:
         apply: Callable[[list[Queue]], None],
         changed: Callable[[], None],
         probe_interval: float = 60.0,
+        namespace_labels: Callable[[str], Mapping[str, str] | None] = lambda _: None,
     ) -> None:
         self._client = client
         self._configured = config_queues(config)
         self.default_queue = config.default_queue
+        self._namespace_labels = namespace_labels
         self._apply = apply
         self._changed = changed
         self._probe_interval = probe_interval
@@ -231,20 +214,52 @@ class QueueDirectory:
         self._apply(self.queues())
         self._changed()
 
-    def refusal(self, named: tuple[str, str] | None) -> str | None:
-        """Why a pod labelled ``named`` (label key, queue) cannot join its queue; None when it can."""
-        if named is None:
-            return None
-        label, queue = named
+    def default_for(self, namespace: str) -> str:
+        """The queue of a pod of ``namespace`` that names none."""
+        labels = self._namespace_labels(namespace) or {}
+        return chosen_queue(
+            pod_labels={}, namespace=namespace, namespace_labels=labels, fallback=self.default_queue
+        ).queue
+
+    def queue_of(self, pod: Pod) -> str:
+        """The queue ``pod`` is in (its label, else its namespace's default queue)."""
+        meta = pod.metadata
+        labels = self._namespace_labels(meta.namespace or "") or {}
+        return chosen_queue(
+            pod_labels=meta.labels or {},
+            namespace=meta.namespace or "",
+            namespace_labels=labels,
+            fallback=self.default_queue,
+        ).queue
+
+    def refusal(self, pod: Pod) -> str | None:
+        """Why ``pod`` cannot join its queue (the module docstring); None when it can."""
+        meta = pod.metadata
+        namespace = meta.namespace or ""
+        labels = self._namespace_labels(namespace) or {}
+        choice = chosen_queue(
+            pod_labels=meta.labels or {},
+            namespace=namespace,
+            namespace_labels=labels,
+            fallback=self.default_queue,
+        )
+        queue = choice.queue
         if queue not in self._merged:
-            return f"queue {queue} (label {label}) is not configured"
+            return f"queue {queue} ({choice.via}) is not configured"
         children = self.children(queue)
         if children:
             return (
-                f"queue {queue} (label {label}) has child queues ({', '.join(children)}); "
+                f"queue {queue} ({choice.via}) has child queues ({', '.join(children)}); "
                 "pods join a queue without children"
             )
-        return None
+        return access_refusal(
+            pod_labels=meta.labels or {},
+            namespace=namespace,
+            namespace_labels=labels,
+            priority=(pod.spec.priority if pod.spec else None) or 0,
+            queues=self._merged,
+            fallback=self.default_queue,
+        )
 
     async def run(self) -> None:
         tasks = [

@@ -122,8 +122,6 @@ from gpufrac.scheduler.objects import (
     gpu_request,
     node_spec,
     pending_pod,
-    pod_queue,
-    queue_label,
     topology_node_spec,
 )
 from gpufrac.scheduler.placement_engine import PlacementEngine
@@ -231,7 +229,8 @@ class SchedulerService:
         # Before the metrics: their collector reads it at once.
         self.cache = BookingCache(
             engine=engine,
-            default_queue=config.default_queue,
+            # A pod without a queue label is in its namespace's default queue (the directory, below).
+            default_queue=lambda namespace: self.queue_directory.default_for(namespace),
             mode_policy=self._mode_policy,
             assumed_ttl=config.assumed_ttl_s,
         )
@@ -334,7 +333,11 @@ class SchedulerService:
         )
         # Queues: Queue objects, KAI's queues and the file's, merged into the engine (docs/queues.md).
         self.queue_directory = QueueDirectory(
-            client=client, config=config, apply=engine.set_queues, changed=self.queue.cluster_changed
+            client=client,
+            config=config,
+            apply=engine.set_queues,
+            changed=self.queue.cluster_changed,
+            namespace_labels=self._namespace_labels,
         )
         self.queue_status = QueueStatusWriter(
             client=client,
@@ -497,7 +500,7 @@ class SchedulerService:
             batch = await self.queue.next_batch(window=window, max_batch=self.config.max_batch)
             if not self.is_leader():
                 for key, pod in batch:
-                    self.queue.add(key, pod, queue=pod_queue(pod, default=self.config.default_queue))
+                    self.queue.add(key, pod, queue=self.queue_directory.queue_of(pod))
                 await asyncio.sleep(self.config.leader_election.retry_period_s)
                 continue
             self._schedule(batch)
@@ -609,9 +612,7 @@ class SchedulerService:
         spec = self.gangs.spec(key)
         if spec is None:
             for _, pod, _ in members:
-                self.queue.park(
-                    pod.metadata.uid, pod, queue=pod_queue(pod, default=self.config.default_queue)
-                )
+                self.queue.park(pod.metadata.uid, pod, queue=self.queue_directory.queue_of(pod))
             return
         if isinstance(spec, str):
             for _, pod, _ in members:
@@ -690,7 +691,7 @@ class SchedulerService:
 
     def _prepare(self, pod: Pod) -> tuple[PendingPod, PodGpuRequest] | str:
         """The engine's view of a pending pod, or the sentence that says why it cannot be placed as is."""
-        refused = self.queue_directory.refusal(queue_label(pod))
+        refused = self.queue_directory.refusal(pod)
         if refused is not None:
             return refused
         try:
@@ -726,7 +727,7 @@ class SchedulerService:
                 pod,
                 gpu=gpu,
                 arrival=self._arrivals,
-                default_queue=self.config.default_queue,
+                default_queue=self.queue_directory.default_for,
                 mode_policy=mode_policy,
                 volume_terms=volume_terms(
                     pod,
@@ -864,7 +865,7 @@ class SchedulerService:
         latest = self.pods.store.get(object_key(pod))
         if latest is None or latest.metadata.uid != uid or (latest.spec and latest.spec.nodeName):
             return
-        delay = self.queue.back_off(uid, latest, queue=pod_queue(latest, default=self.config.default_queue))
+        delay = self.queue.back_off(uid, latest, queue=self.queue_directory.queue_of(latest))
         log.info(
             "binding %s/%s to %s failed (%s: %s); retrying in %.1fs",
             meta.namespace,
@@ -892,14 +893,14 @@ class SchedulerService:
         if result.outcome is Outcome.GONE or latest is None or latest.metadata.uid != uid:
             return
         if result.outcome is Outcome.CLEANED:
-            self.queue.add(uid, latest, queue=pod_queue(latest, default=self.config.default_queue))
+            self.queue.add(uid, latest, queue=self.queue_directory.queue_of(latest))
         else:
-            self.queue.back_off(uid, latest, queue=pod_queue(latest, default=self.config.default_queue))
+            self.queue.back_off(uid, latest, queue=self.queue_directory.queue_of(latest))
 
     def _unschedulable(self, pod: Pod, message: str, *, reason: str = UNSCHEDULABLE) -> None:
         uid, meta = pod.metadata.uid, pod.metadata
         self.metrics.attempts.labels("unschedulable" if reason == UNSCHEDULABLE else "error").inc()
-        self.queue.park(uid, pod, queue=pod_queue(pod, default=self.config.default_queue))
+        self.queue.park(uid, pod, queue=self.queue_directory.queue_of(pod))
         status, current = _condition(pod, "PodScheduled")
         if self._reported.get(uid) == message and status == "False" and current == message:
             return
@@ -970,7 +971,7 @@ class SchedulerService:
         if uid in self._in_flight or uid in self.cache:
             return  # its own bind (or clean) is writing it
         self._nominated(pod)
-        queue = pod_queue(pod, default=self.config.default_queue)
+        queue = self.queue_directory.queue_of(pod)
         if old is None or uid not in self.queue or _meaningful_change(old, pod):
             self._first_seen.setdefault(uid, time.monotonic())
             self.queue.add(uid, pod, queue=queue)
@@ -991,7 +992,7 @@ class SchedulerService:
                 pod,
                 gpu=gpu_request(pod),
                 arrival=0,
-                default_queue=self.config.default_queue,
+                default_queue=self.queue_directory.default_for,
                 mode_policy=self._mode_policy,
             )
         except Exception as error:  # its own scheduling attempt reports the problem
@@ -999,9 +1000,14 @@ class SchedulerService:
             return
         engine.nominate(pending, node)
 
+    def _namespace_labels(self, name: str) -> dict[str, str] | None:
+        namespace = self.namespaces.store.get(name)
+        return None if namespace is None else dict(namespace.metadata.labels or {})
+
     def _namespace_changed(self, old: Namespace | None, namespace: Namespace) -> None:
         self.cache.engine.set_namespace(namespace.metadata.name, dict(namespace.metadata.labels or {}))
-        if old is not None and old.metadata.labels != namespace.metadata.labels:
+        # Labels choose a namespace's default queue and which queues it may use, as well as affinity.
+        if old is None or old.metadata.labels != namespace.metadata.labels:
             self.queue.cluster_changed()
 
     def _storage_changed(self, *objects: Any) -> None:
