@@ -22,11 +22,16 @@ import yaml
 
 from gpufrac.admission.certs import LOCAL_HOSTS, CertificateError, ensure_tls
 from gpufrac.admission.configuration import webhook_configurations
+from gpufrac.admission.queue_book import KubeQueueBook
 from gpufrac.admission.review import DEFAULT_SCHEDULER_USER, AdmissionPolicy
 from gpufrac.admission.server import DEFAULT_IDLE_TIMEOUT_S, DEFAULT_MAX_CONNECTIONS, AdmissionServer
 from gpufrac.contract.keys import DEFAULT_SCHEDULER_NAME
+from gpufrac.kube.client import connect
 
 log = logging.getLogger(__name__)
+
+#: How long the webhook waits, at start, for its first read of Queues and Namespaces.
+QUEUE_BOOK_WAIT_S = 30.0
 
 
 def admission(
@@ -68,6 +73,17 @@ def admission(
             help="Rewrite gpu-memory into per-container keys (off where KAI Scheduler schedules).",
         ),
     ] = True,
+    queue_bindings: Annotated[
+        bool,
+        typer.Option(
+            "--queue-bindings/--no-queue-bindings",
+            help="Read Queues and Namespaces from the API server (in-cluster or KUBECONFIG) and refuse a pod "
+            "in a queue its namespace may not use (docs/queues.md).",
+        ),
+    ] = False,
+    default_queue: Annotated[
+        str, typer.Option(help="The scheduler's default_queue: the queue of pods that name none.")
+    ] = "default",
     write_configuration: Annotated[
         Path | None, typer.Option(help="Write the two webhook configurations (YAML) for --webhook-url here.")
     ] = None,
@@ -94,6 +110,8 @@ def admission(
         scheduler_name=scheduler_name,
         binder_users=frozenset(scheduler_user or [DEFAULT_SCHEDULER_USER]),
         translate_legacy=translate_legacy,
+        queues=_queue_book() if queue_bindings else None,
+        default_queue=default_queue,
     )
     try:
         server = AdmissionServer(
@@ -126,3 +144,13 @@ def admission(
     signal.signal(signal.SIGINT, stop)
     server.serve_forever()
     log.info("stopped")
+
+
+def _queue_book() -> KubeQueueBook:
+    """The webhook's copy of Queues and Namespaces, read before the server starts (a judged pod would be
+    refused until then)."""
+    book = KubeQueueBook(client=connect)
+    book.start()
+    if not book.wait_ready(QUEUE_BOOK_WAIT_S):
+        log.warning("queues and namespaces not read yet; pods are judged once they are")
+    return book

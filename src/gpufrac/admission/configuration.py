@@ -4,11 +4,12 @@ failurePolicy is Fail: a GPU pod admitted without validation could forge a devic
 request the scheduler and node agent would disagree about. So the webhook must never be in the path of
 ordinary pods, or a webhook outage would stop a cluster: matchConditions (GA since Kubernetes 1.30)
 send only what can matter to it. A CREATE goes to the webhook when the pod mentions the contract (any
-contract annotation, or an ``nvidia.com/gpu`` resource); an UPDATE only when it changes a contract
-annotation (adds, removes or rewrites one, compared between ``object`` and ``oldObject``): the webhook
-allows every other update anyway, so sending it one would only let a webhook outage fail the kubelet's
-status writes and every label or finalizer edit of a GPU pod. A CEL expression that fails to evaluate
-counts as an error under failurePolicy Fail, so every field access is guarded with ``has()``.
+contract annotation, or an ``nvidia.com/gpu`` resource) or names a queue; an UPDATE only when it changes a
+contract annotation (adds, removes or rewrites one, compared between ``object`` and ``oldObject``) or a
+queue label: the webhook allows every other update anyway, so sending it one would only let a webhook
+outage fail the kubelet's status writes and every other label or finalizer edit of a GPU pod. A CEL
+expression that fails to evaluate counts as an error under failurePolicy Fail, so every field access is
+guarded with ``has()``.
 
 Every door to a pod's annotations is covered (docs/security.md lists them with their tests):
 
@@ -86,16 +87,37 @@ def _changes_contract_keys() -> str:
     return f"{added_or_changed} || {removed}"
 
 
+def _names_queue(var: str) -> str:
+    """CEL: the object in ``var`` carries a queue label (``gpufrac.io/queue`` or ``kai.scheduler/queue``)."""
+    labels = f"{var}.metadata.labels"
+    named = " || ".join(f"'{key}' in {labels}" for key in (k.QUEUE_LABEL, k.KAI_QUEUE_LABEL))
+    return f"(has({labels}) && ({named}))"
+
+
+def _changes_queue_labels() -> str:
+    """CEL: ``object`` and ``oldObject`` differ in a queue label (added, removed or rewritten)."""
+
+    def value(var: str, key: str) -> str:
+        labels = f"{var}.metadata.labels"
+        return f"((has({labels}) && '{key}' in {labels}) ? {labels}['{key}'] : '')"
+
+    return " || ".join(
+        f"{value('object', key)} != {value('oldObject', key)}" for key in (k.QUEUE_LABEL, k.KAI_QUEUE_LABEL)
+    )
+
+
 def match_expression(*, include_old: bool) -> str:
     """The matchConditions CEL: true for pods the webhook must see.
 
     Without ``include_old`` (the mutating webhook: CREATE only), the pods that mention a GPU. With it (the
-    validating webhook), a CREATE of such a pod, or an UPDATE that changes a contract annotation.
+    validating webhook), a CREATE of such a pod or of one that names a queue, or an UPDATE that changes a
+    contract annotation or a queue label (relabelling a pod across queues is judged: docs/queues.md).
     """
     if not include_old:
         return _mentions_gpu("object")
-    creating = f"oldObject == null && ({_mentions_gpu('object')})"
-    return f"({creating}) || (oldObject != null && ({_changes_contract_keys()}))"
+    creating = f"oldObject == null && ({_mentions_gpu('object')} || {_names_queue('object')})"
+    updating = f"oldObject != null && ({_changes_contract_keys()} || {_changes_queue_labels()})"
+    return f"({creating}) || ({updating})"
 
 
 def binding_match_expression() -> str:
