@@ -35,6 +35,7 @@ from sched_harness import (
 )
 
 from gpufrac.contract import keys
+from gpufrac.kube.patch import set_pod_condition
 from gpufrac.local.controlplane import ControlPlane
 from gpufrac.local.simnodes import NodeShape
 from gpufrac.node.metrics import EnforcementCounters, MetricsServer, UsageExporter, registry_for
@@ -109,6 +110,7 @@ async def test_nodes_shows_each_gpu_with_its_tenants_as_the_scheduler_placed_the
             "mode": "time-slicing",
             "request_mib": 20480,
             "limit_mib": 30720,
+            "enforced": "Unknown",  # no node agent has written GpuMemoryEnforced here
         }
     ]
     assert used["guaranteedMiB"] == 20480
@@ -132,6 +134,7 @@ async def test_nodes_shows_each_gpu_with_its_tenants_as_the_scheduler_placed_the
         "FREE(MiB)",
         "MODE",
         "TENANTS",
+        "ENFORCED",
         "HEALTH",
     ]
     assert [node, str(used["index"]), SHAPE.model, str(SHAPE.mib), "20480", str(SHAPE.mib - 20480)] == lines[
@@ -176,6 +179,94 @@ async def test_explain_says_where_a_pod_went_and_why_another_waits(
     [hint] = picky["fit"]
     assert hint.startswith("app: needs 1 GPU(s) on one node with 10240 MiB free each; node ")
     assert "GPU memory is not what blocks it" in hint
+
+
+async def test_nodes_and_explain_show_the_node_agents_gpu_memory_enforced_condition(
+    controlplane: ControlPlane, client: AsyncClient, pool: Pool, placed
+) -> None:
+    node, small = placed
+    uuid = small.metadata.annotations[keys.devices_key("app")].removeprefix("nvidia.com/gpu=")
+    cgroup = f"/sys/fs/cgroup/kubepods.slice/kubepods-pod{small.metadata.uid.replace('-', '_')}.slice/cri-1"
+
+    async def nodes() -> tuple[dict, dict]:
+        code, out, err = await plugin(controlplane.kubeconfig, "nodes", "-o", "json")
+        assert code == 0, err
+        listed = json.loads(out)
+        [used] = [r for r in listed["items"] if r["node"] == node and r["tenants"]]
+        [summary] = [n for n in listed["nodes"] if n["node"] == node]
+        return used, summary
+
+    used, summary = await nodes()  # the agent has not said anything yet
+    assert (used["enforced"], used["tenants"][0]["enforced"]) == ("0/1", "Unknown")
+    assert summary == {
+        "node": node,
+        "fractions": 1,
+        "verified": 0,
+        "unverified": [f"{pool.namespace}/small/app"],
+    }
+
+    # What the node agent writes once the driver read the limits back (gpufrac.node.memlimit.condition).
+    read_back = f"app: soft 20480 MiB, hard 30720 MiB read back on 1 GPU(s) ({uuid}) for cgroup {cgroup}"
+    await set_pod_condition(
+        client,
+        name="small",
+        namespace=pool.namespace,
+        type=keys.POD_MEMORY_ENFORCED_CONDITION,
+        status="True",
+        reason=keys.POD_REASON_LIMITS_READ_BACK,
+        message=read_back,
+    )
+    used, summary = await nodes()
+    assert (used["enforced"], used["tenants"][0]["enforced"]) == ("1/1", "True")
+    assert summary == {"node": node, "fractions": 1, "verified": 1, "unverified": []}
+    code, out, _ = await plugin(controlplane.kubeconfig, "nodes")
+    lines = [line.split() for line in out.splitlines()]
+    assert ["NODE", "FRACTIONS", "LIMIT-VERIFIED", "UNVERIFIED"] in lines
+    assert [node, "1", "1", "<none>"] in lines
+    code, out, err = await plugin(controlplane.kubeconfig, "explain", "small", "-n", pool.namespace)
+    assert code == 0, err
+    assert "GpuMemoryEnforced: True (LimitsReadBack) since 20" in out
+    [row] = [line for line in out.splitlines() if line.startswith("app ") and "LimitsReadBack" in line]
+    assert row.split(None, 3) == ["app", "True", "LimitsReadBack", read_back.removeprefix("app: ")]
+
+    # The audit found the limit cleared and could not set it again.
+    lost = (
+        f"app: not in force: cgroup {cgroup}: {uuid}: soft 20480 MiB, hard 30720 MiB wanted, "
+        "the driver holds no limit"
+    )
+    await set_pod_condition(
+        client,
+        name="small",
+        namespace=pool.namespace,
+        type=keys.POD_MEMORY_ENFORCED_CONDITION,
+        status="False",
+        reason=keys.POD_REASON_LIMITS_NOT_IN_FORCE,
+        message=lost,
+    )
+    used, summary = await nodes()
+    assert (used["enforced"], summary["verified"], summary["unverified"]) == (
+        "0/1",
+        0,
+        [f"{pool.namespace}/small/app"],
+    )
+    code, out, err = await plugin(
+        controlplane.kubeconfig, "explain", "small", "-n", pool.namespace, "-o", "yaml"
+    )
+    assert code == 0, err
+    enforced = yaml.safe_load(out)["enforced"]
+    assert (enforced["status"], enforced["reason"], enforced["message"]) == (
+        "False",
+        "LimitsNotInForce",
+        lost,
+    )
+    assert enforced["containers"] == [
+        {
+            "container": "app",
+            "status": "False",
+            "reason": "LimitsNotInForce",
+            "message": lost.removeprefix("app: "),
+        }
+    ]
 
 
 async def test_conventions_bad_output_missing_pod_and_kubectl_discovery(

@@ -27,8 +27,19 @@ from rich.console import Console
 from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
+from gpufrac.contract.keys import POD_MEMORY_ENFORCED_CONDITION
 from gpufrac.kubectl.snapshot import MILLI, ClusterTrace, cluster_trace
-from gpufrac.kubectl.view import Explanation, GpuRow, QueueRow, explain, gpu_rows, queue_rows
+from gpufrac.kubectl.view import (
+    UNKNOWN,
+    Explanation,
+    GpuRow,
+    NodeEnforcement,
+    QueueRow,
+    explain,
+    gpu_rows,
+    node_enforcement,
+    queue_rows,
+)
 from gpufrac.node.top import AgentView, parse_agent, render
 from gpufrac.node.top import top as top_by_address
 from gpufrac.operator.render import APP_NAME, METRICS_PORT_NAME
@@ -138,7 +149,8 @@ def nodes(
     context: str | None = CONTEXT,
     namespace: str | None = NAMESPACE,
 ) -> None:
-    """Per GPU: model, usable/guaranteed/free MiB, mode, tenants, health (all namespaces)."""
+    """Per GPU: model, usable/guaranteed/free MiB, mode, tenants, limits verified, health (all namespaces);
+    then per node: fractions whose GPU memory limit the node agent verified, of those running."""
     _set(kubeconfig, context, namespace)
     _check_output(output)
     client = _client()
@@ -147,13 +159,23 @@ def nodes(
     rows, warnings = gpu_rows(node_list, pods)
     for warning in warnings:
         typer.echo(f"warning: {warning}", err=True)
+    per_node = node_enforcement(rows)
     if output in ("json", "yaml"):
-        _dump({"kind": "GpuList", "items": [r.as_dict() for r in rows]}, output)
+        _dump(
+            {
+                "kind": "GpuList",
+                "items": [r.as_dict() for r in rows],
+                "nodes": [n.as_dict() for n in per_node],
+            },
+            output,
+        )
         return
     if not rows:
         typer.echo("No GPUs published (no node has a gpufrac.io/gpus annotation).", err=True)
         return
     _print_table(*_gpu_table(rows, wide=output == "wide"))
+    typer.echo("")
+    _print_table(*_node_table(per_node))
 
 
 def _gpu_table(rows: list[GpuRow], *, wide: bool) -> tuple[list[str], list[list[Any]]]:
@@ -166,6 +188,7 @@ def _gpu_table(rows: list[GpuRow], *, wide: bool) -> tuple[list[str], list[list[
         "FREE(MiB)",
         "MODE",
         "TENANTS",
+        "ENFORCED",
         "HEALTH",
     ]
     if wide:
@@ -180,10 +203,16 @@ def _gpu_table(rows: list[GpuRow], *, wide: bool) -> tuple[list[str], list[list[
         )
         row: list[Any] = [r.node, r.index, r.model or "-", r.usable_mib, r.guaranteed_mib, r.free_mib, r.mode]
         row += [r.limit_mib] if wide else []
-        row += [tenants or "<none>", r.health]
+        row += [tenants or "<none>", r.enforced, r.health]
         row += [r.uuid] if wide else []
         table.append(row)
     return headers, table
+
+
+def _node_table(nodes: list[NodeEnforcement]) -> tuple[list[str], list[list[Any]]]:
+    headers = ["NODE", "FRACTIONS", "LIMIT-VERIFIED", "UNVERIFIED"]
+    rows = [[n.node, len(n.fractions), n.verified, ",".join(n.unverified) or "<none>"] for n in nodes]
+    return headers, rows
 
 
 @app.command("explain")
@@ -194,7 +223,8 @@ def explain_pod(
     context: str | None = CONTEXT,
     namespace: str | None = NAMESPACE,
 ) -> None:
-    """Where the pod went and why, or why it is pending: PodScheduled and the scheduler's Events."""
+    """Where the pod went and why, or why it is pending: PodScheduled and the scheduler's Events; for a
+    placed fractional pod, whether each container's GPU memory limit is in force (GpuMemoryEnforced)."""
     _set(kubeconfig, context, namespace)
     _check_output(output)
     client = _client()
@@ -248,6 +278,14 @@ def _print_explanation(e: Explanation, *, wide: bool) -> None:
     if e.scheduled is not None:
         s = e.scheduled
         typer.echo(f"PodScheduled: {s['status']} ({s['reason'] or '-'}): {s['message'] or ''}".rstrip(": "))
+    if e.enforced is not None:
+        m = e.enforced
+        since = f" since {m.since}" if m.since else ""
+        typer.echo(f"{POD_MEMORY_ENFORCED_CONDITION}: {m.status or UNKNOWN} ({m.reason or '-'}){since}")
+        _print_table(
+            ["CONTAINER", "ENFORCED", "REASON", "MESSAGE"],
+            [[c.container, c.status, c.reason or "-", c.message] for c in m.containers],
+        )
     for hint in e.fit:
         typer.echo(f"Fit now:    {hint}")
     typer.echo("Events:" if e.events else "Events:     <none>")

@@ -4,17 +4,25 @@ Per GPU: the inventory the node agent published (``gpufrac.io/gpus``), and what 
 hold, rebuilt from their contract annotations exactly as the scheduler rebuilds them after a restart
 (``gpu_request`` + ``bound_placement``). Guaranteed MiB is the sum of the tenants' requests; free is
 usable minus guaranteed (what a new guaranteed request can still get).
+
+Whether each fraction's GPU memory limit is in force comes from the pod condition the node agent writes
+(``GpuMemoryEnforced``, ``gpufrac.node.memlimit.condition``): kubectl reads the API, not Prometheus, so
+a fraction counts as verified only where that condition is True. Its message holds one part per
+container, each starting with the container's name (``app: soft 4096 MiB, hard 6144 MiB read back on 1
+GPU(s) ...``), so ``explain`` can say it per container; a False condition names only the containers it
+is about, and the others are shown Unknown.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from lightkube.resources.core_v1 import Event, Node, Pod
 
+from gpufrac.contract import keys
 from gpufrac.contract.errors import ContractError
 from gpufrac.contract.request import ContainerGpuRequest, PodGpuRequest
 from gpufrac.scheduler.objects import (
@@ -27,6 +35,85 @@ from gpufrac.scheduler.objects import (
 
 #: Pods in these phases hold nothing (the scheduler's informer skips them too).
 TERMINAL_PHASES = ("Succeeded", "Failed")
+#: A container's enforcement when the pod condition says nothing about it (or is not written yet).
+UNKNOWN = "Unknown"
+#: A whole-GPU tenant: no memory limit to enforce.
+NOT_FRACTIONAL = "-"
+
+
+@dataclass(frozen=True, slots=True)
+class ContainerEnforcement:
+    """One fractional container's GPU memory limit, as the pod's ``GpuMemoryEnforced`` condition says."""
+
+    container: str
+    status: str  # "True", "False" or "Unknown"
+    reason: str | None
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryEnforcement:
+    """The pod's ``GpuMemoryEnforced`` condition (status None: not written) and what it says per container."""
+
+    status: str | None
+    reason: str | None
+    message: str | None
+    since: str | None
+    containers: list[ContainerEnforcement]
+
+    def of(self, container: str) -> str:
+        found = next((c for c in self.containers if c.container == container), None)
+        return found.status if found is not None else UNKNOWN
+
+
+def _parts(message: str, containers: Sequence[str]) -> dict[str, str]:
+    """The condition's message split per container: ``"; "`` joins containers and also a container's GPUs,
+    so a part starts a new container only where it begins with one of the pod's container names."""
+    parts: dict[str, list[str]] = {}
+    current = None
+    for piece in message.split("; ") if message else ():
+        name = next((c for c in containers if piece.startswith(f"{c}: ") and c not in parts), None)
+        if name is not None:
+            current = name
+            parts[name] = [piece[len(name) + 2 :]]
+        elif current is not None:
+            parts[current].append(piece)
+    return {name: "; ".join(pieces) for name, pieces in parts.items()}
+
+
+def memory_enforcement(pod: Pod, fractional: Sequence[str]) -> MemoryEnforcement:
+    """``fractional``: the pod's fractional containers (whole-GPU ones have no limit to enforce)."""
+    conditions = (pod.status.conditions if pod.status else None) or []
+    condition = next((c for c in conditions if c.type == keys.POD_MEMORY_ENFORCED_CONDITION), None)
+    if condition is None:
+        unwritten = (
+            f"the node agent has not written {keys.POD_MEMORY_ENFORCED_CONDITION} (the container has not "
+            "started, or the node's agent does not verify limits)"
+        )
+        return MemoryEnforcement(
+            None, None, None, None, [ContainerEnforcement(c, UNKNOWN, None, unwritten) for c in fractional]
+        )
+    parts = _parts(condition.message or "", fractional)
+    containers = []
+    for name in fractional:
+        if condition.status == "True" or name in parts:
+            containers.append(
+                ContainerEnforcement(name, condition.status, condition.reason, parts.get(name, ""))
+            )
+        else:
+            containers.append(
+                ContainerEnforcement(
+                    name, UNKNOWN, None, "not named in the pod's condition (read back, or not started yet)"
+                )
+            )
+    since = condition.lastTransitionTime
+    return MemoryEnforcement(
+        status=condition.status,
+        reason=condition.reason,
+        message=condition.message,
+        since=since.isoformat() if since is not None else None,
+        containers=containers,
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,10 +124,16 @@ class Tenant:
     mode: str
     request_mib: int
     limit_mib: int
+    #: Whether the container's GPU memory limit is in force: "True", "False", "Unknown"; "-" for whole GPUs.
+    enforced: str = NOT_FRACTIONAL
 
     @property
     def name(self) -> str:
         return f"{self.namespace}/{self.pod}/{self.container}"
+
+    @property
+    def fractional(self) -> bool:
+        return self.enforced != NOT_FRACTIONAL
 
 
 @dataclass(slots=True)
@@ -69,6 +162,14 @@ class GpuRow:
     def mode(self) -> str:
         return ",".join(sorted({t.mode for t in self.tenants})) or "-"
 
+    @property
+    def enforced(self) -> str:
+        """Fractional tenants whose limit is verified, of all fractional tenants ("-" when none)."""
+        fractions = [t for t in self.tenants if t.fractional]
+        if not fractions:
+            return NOT_FRACTIONAL
+        return f"{sum(t.enforced == 'True' for t in fractions)}/{len(fractions)}"
+
     def as_dict(self) -> dict[str, Any]:
         return {
             "node": self.node,
@@ -80,6 +181,7 @@ class GpuRow:
             "limitMiB": self.limit_mib,
             "freeMiB": self.free_mib,
             "mode": self.mode,
+            "enforced": self.enforced,
             "health": self.health,
             "tenants": [asdict(t) for t in self.tenants],
         }
@@ -120,8 +222,11 @@ def gpu_rows(nodes: Iterable[Node], pods: Iterable[Pod]) -> tuple[list[GpuRow], 
             continue
         if not request.wants_gpu:
             continue
-        for container in bound_placement(pod, gpu=request, gpus_by_uuid=devices[node]).containers:
+        placement = bound_placement(pod, gpu=request, gpus_by_uuid=devices[node])
+        enforcement = memory_enforcement(pod, [c.container for c in placement.containers if not c.exclusive])
+        for container in placement.containers:
             mode = "exclusive" if container.exclusive else container.mode.value
+            enforced = NOT_FRACTIONAL if container.exclusive else enforcement.of(container.container)
             for device in container.devices:
                 rows[node][device.uuid].tenants.append(
                     Tenant(
@@ -131,10 +236,51 @@ def gpu_rows(nodes: Iterable[Node], pods: Iterable[Pod]) -> tuple[list[GpuRow], 
                         mode=mode,
                         request_mib=device.request_mib,
                         limit_mib=device.limit_mib,
+                        enforced=enforced,
                     )
                 )
     ordered = [row for node in sorted(rows) for row in sorted(rows[node].values(), key=lambda r: r.index)]
     return ordered, warnings
+
+
+@dataclass(frozen=True, slots=True)
+class NodeEnforcement:
+    """A node's fractional containers (of bound, not finished pods) and those whose limit is verified."""
+
+    node: str
+    fractions: list[str]
+    unverified: list[str]
+
+    @property
+    def verified(self) -> int:
+        return len(self.fractions) - len(self.unverified)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "node": self.node,
+            "fractions": len(self.fractions),
+            "verified": self.verified,
+            "unverified": self.unverified,
+        }
+
+
+def node_enforcement(rows: Iterable[GpuRow]) -> list[NodeEnforcement]:
+    """Per node (every node with published GPUs): fractional containers counted once however many GPUs
+    they span, as the node agent's ``gpufrac_fractions_running`` counts them."""
+    status: dict[str, dict[str, str]] = {}
+    for row in rows:
+        mine = status.setdefault(row.node, {})
+        for tenant in row.tenants:
+            if tenant.fractional:
+                mine[tenant.name] = tenant.enforced
+    return [
+        NodeEnforcement(
+            node=node,
+            fractions=sorted(tenants),
+            unverified=sorted(name for name, enforced in tenants.items() if enforced != "True"),
+        )
+        for node, tenants in sorted(status.items())
+    ]
 
 
 @dataclass(slots=True)
@@ -151,6 +297,8 @@ class Explanation:
     events: list[dict[str, Any]]
     request: str | None
     fit: list[str] = field(default_factory=list)
+    #: The ``GpuMemoryEnforced`` condition per fractional container (None: the pod has none, or is unbound).
+    enforced: MemoryEnforcement | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -223,9 +371,14 @@ def explain(
             request_text = "no GPU"
     except ContractError as error:
         request, request_text = None, f"invalid: {error}"
+    enforced = None
     if request is not None and request.wants_gpu and node is not None and spec and spec.nodeName:
         by_uuid = {g.uuid: g for g in node_inventory(node)}
-        for container in bound_placement(pod, gpu=request, gpus_by_uuid=by_uuid).containers:
+        placement = bound_placement(pod, gpu=request, gpus_by_uuid=by_uuid)
+        fractional = [c.container for c in placement.containers if not c.exclusive]
+        if fractional:
+            enforced = memory_enforcement(pod, fractional)
+        for container in placement.containers:
             for device in container.devices:
                 gpus.append(
                     {
@@ -266,6 +419,7 @@ def explain(
         ],
         request=request_text,
         fit=fit_hints(request, rows) if request is not None and rows is not None and not gpus else [],
+        enforced=enforced,
     )
 
 
