@@ -19,12 +19,23 @@ from lightkube.models.meta_v1 import ObjectMeta
 from lightkube.models.rbac_v1 import PolicyRule, RoleRef, Subject
 from lightkube.resources.core_v1 import Event, Namespace, Pod
 from lightkube.resources.rbac_authorization_v1 import Role, RoleBinding
-from sched_harness import Pool, add_nodes, condition, gpu_pod, pods_of, running, wait_bound, wait_for
+from sched_harness import (
+    Pool,
+    add_nodes,
+    condition,
+    gpu_pod,
+    metric,
+    pods_of,
+    running,
+    scrape,
+    wait_bound,
+    wait_for,
+)
 from test_queues import SHAPE, _create, queue_crds  # noqa: F401 - a fixture
 
 from gpufrac.contract import keys
 from gpufrac.local.controlplane import ControlPlane
-from gpufrac.scheduler.queues import GpufracQueue
+from gpufrac.scheduler.queues import REFUSED_QUEUE, GpufracQueue
 
 pytestmark = pytest.mark.kube
 
@@ -114,7 +125,7 @@ async def test_a_tenant_naming_another_teams_queue_at_system_priority_preempts_n
     await _create(client, queues, GpufracQueue, q_a, {"namespaces": [team_a]})
     await _create(client, queues, GpufracQueue, q_b, {"namespaces": [team_b]})
     await add_nodes(client, pool, count=1, shape=SHAPE)
-    async with running(client, pool.config(preemption=True)):
+    async with running(client, pool.config(preemption=True)) as service:
         for name in ("b-1", "b-2"):
             await client.create(gpu_pod(pool, name, WHOLE, labels={keys.QUEUE_LABEL: q_b}))
         await wait_bound(client, team_b, 2, timeout=20)
@@ -140,6 +151,11 @@ async def test_a_tenant_naming_another_teams_queue_at_system_priority_preempts_n
         assert all(p.spec.nodeName and p.metadata.deletionTimestamp is None for p in team_b_pods)
         reasons = {e.reason async for e in client.list(Event, namespace=team_b)}
         assert not reasons & {"Preempted", "Reclaimed"}
+        # Nor do they count as team b's pending pods (the gauge its GpufracGpuPodsPending alert reads).
+        text = await scrape(service.probe_port)
+        assert metric(text, "gpufrac_scheduler_pending_pods", queue=REFUSED_QUEUE) == 2
+        with pytest.raises(AssertionError, match="not in the metrics"):
+            metric(text, "gpufrac_scheduler_pending_pods", queue=q_b)
 
 
 async def test_a_capped_tenant_cannot_leave_its_queue_by_any_label(

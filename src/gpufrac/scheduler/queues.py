@@ -63,6 +63,9 @@ KAI_GROUP = keys.KAI_SCHEDULING_API_GROUP
 KAI_VERSION = "v2"
 KaiQueue = create_global_resource(KAI_GROUP, KAI_VERSION, KIND, PLURAL)
 
+#: Where a pod refused its queue by the namespace rule waits (not a valid label value: never a queue).
+REFUSED_QUEUE = "(refused)"
+
 #: Where each resource's terms live in a Queue's spec.resources (and its amounts in status).
 RESOURCE_FIELDS = {QueueResource.GPU_MEMORY: "gpuMemory", QueueResource.GPUS: "gpus"}
 
@@ -222,14 +225,25 @@ class QueueDirectory:
         ).queue
 
     def queue_of(self, pod: Pod) -> str:
-        """The queue ``pod`` is in (its label, else its namespace's default queue)."""
+        """The queue ``pod`` is in (its label, else its namespace's default queue); ``REFUSED_QUEUE`` for
+        a pod its namespace may not put there, so that a tenant's refused pods never count as another
+        team's pending pods (the ``gpufrac_scheduler_pending_pods`` gauge and its alert)."""
         meta = pod.metadata
-        labels = self._namespace_labels(meta.namespace or "") or {}
-        return chosen_queue(
-            pod_labels=meta.labels or {},
-            namespace=meta.namespace or "",
+        namespace = meta.namespace or ""
+        labels = self._namespace_labels(namespace) or {}
+        pod_labels = meta.labels or {}
+        refused = access_refusal(
+            pod_labels=pod_labels,
+            namespace=namespace,
             namespace_labels=labels,
+            priority=(pod.spec.priority if pod.spec else None) or 0,
+            queues=self._merged,
             fallback=self.default_queue,
+        )
+        if refused is not None:
+            return REFUSED_QUEUE
+        return chosen_queue(
+            pod_labels=pod_labels, namespace=namespace, namespace_labels=labels, fallback=self.default_queue
         ).queue
 
     def refusal(self, pod: Pod) -> str | None:
@@ -319,6 +333,7 @@ class _Refresh:
 
 __all__ = [
     "CRD_NAME",
+    "REFUSED_QUEUE",
     "GpufracQueue",
     "KaiQueue",
     "QueueDirectory",
