@@ -31,7 +31,7 @@ from sched_harness import (
     wait_bound,
     wait_for,
 )
-from test_queues import SHAPE, _create, queue_crds  # noqa: F401 - a fixture
+from test_queues import SHAPE, _create, _refused, queue_crds  # noqa: F401 - a fixture
 
 from gpufrac.contract import keys
 from gpufrac.local.controlplane import ControlPlane
@@ -217,3 +217,24 @@ async def test_a_capped_tenant_cannot_leave_its_queue_by_any_label(
         await wait_bound(client, team_b, 1, timeout=20)
         bound = {p.metadata.name for p in await pods_of(client, team_a) if p.spec.nodeName}
         assert bound == {"first"}
+
+
+async def test_the_crd_refuses_a_binding_it_could_not_read_naming_the_field(
+    client: AsyncClient, pool: Pool, queues: list[tuple[type, str]]
+) -> None:
+    bad = f"{pool.id}-bad"
+    message = await _refused(client, bad, {"namespaces": ["Team_A"]})
+    assert "spec.namespaces[0]" in message
+    gt = {"namespaceSelector": {"matchExpressions": [{"key": "team", "operator": "Gt", "values": ["1"]}]}}
+    assert "spec.namespaceSelector.matchExpressions[0].operator" in await _refused(client, bad, gt)
+    bare_in = {"namespaceSelector": {"matchExpressions": [{"key": "team", "operator": "In"}]}}
+    assert "In and NotIn need values" in await _refused(client, bad, bare_in)
+    assert "spec.maxPriority" in await _refused(client, bad, {"maxPriority": "high"})
+    good = await _create(
+        client,
+        queues,
+        GpufracQueue,
+        f"{pool.id}-good",
+        {"namespaces": ["team-a"], "namespaceSelector": {"matchLabels": {"team": "a"}}, "maxPriority": 1000},
+    )
+    assert good.spec["namespaces"] == ["team-a"] and good.spec["maxPriority"] == 1000
