@@ -411,3 +411,57 @@ def test_the_chart_pattern_is_exactly_the_contracts_binder_owned_keys(tmp_path: 
     ]
     for key in candidates:
         assert bool(re.match(pattern, key)) == keys.is_binder_owned(key), key
+
+
+def test_a_node_agent_token_writes_only_the_memory_condition_of_pods_on_its_own_node(
+    controlplane: ControlPlane, installed: dict[str, Any]
+) -> None:
+    """The agent says GpuMemoryEnforced on the pods of its node; it cannot touch another node's pods, nor
+    any other part of a pod's status (a stolen agent token must not mark a pod Ready or Running)."""
+    ns = installed["namespace"]
+    suffix = uuid.uuid4().hex[:6]
+    own, other = f"gpu-a-{suffix}", f"gpu-b-{suffix}"
+    condition = keys.POD_MEMORY_ENFORCED_CONDITION
+
+    def status(conditions: list[dict[str, str]]) -> dict[str, Any]:
+        return {"status": {"conditions": conditions}}
+
+    with controlplane.http() as admin:
+        try:
+            for node, pod in ((own, "mine"), (other, "theirs")):
+                answer = admin.post(
+                    f"/api/v1/namespaces/{ns}/pods",
+                    json={
+                        "apiVersion": "v1",
+                        "kind": "Pod",
+                        "metadata": {"name": pod},
+                        "spec": {"nodeName": node, "containers": [{"name": CONTAINER, "image": "x"}]},
+                    },
+                )
+                assert answer.status_code == 201, answer.text
+            with _bearer(controlplane, _agent_token(admin, ns, own)) as agent:
+
+                def patch(pod: str, body: dict[str, Any], **params: str) -> httpx2.Response:
+                    return agent.patch(
+                        f"/api/v1/namespaces/{ns}/pods/{pod}/status",
+                        json=body,
+                        params=params,
+                        headers={"Content-Type": "application/strategic-merge-patch+json"},
+                    )
+
+                ours = [{"type": condition, "status": "True", "reason": keys.POD_REASON_LIMITS_READ_BACK}]
+                refused = _until_refused(lambda: patch("theirs", status(ours), dryRun="All"))
+                assert refused.status_code == 403, refused.text
+                assert f"only of pods on its own node: this token is bound to node {own}" in refused.text
+                assert patch("mine", status(ours)).status_code == 200
+                ready = [{"type": "Ready", "status": "True"}]
+                forged = patch("mine", status(ready))
+                assert forged.status_code == 403, forged.text
+                assert "may change only the GpuMemoryEnforced condition" in forged.text
+                assert patch("mine", {"status": {"phase": "Succeeded"}}).status_code == 403
+                mine = admin.get(f"/api/v1/namespaces/{ns}/pods/mine").json()
+                types = {c["type"]: c["status"] for c in mine["status"].get("conditions") or []}
+                assert types.get(condition) == "True" and types.get("Ready") != "True"
+        finally:
+            for pod in ("mine", "theirs", "node-agent"):
+                admin.delete(f"/api/v1/namespaces/{ns}/pods/{pod}")

@@ -202,7 +202,7 @@ class NodeAgent:
                 driver=make_limits_driver(settings, inventory=lambda: self._inventory),
                 gpu_uuid=self._gpu_uuid,
                 cgroup_root=settings.limits_cgroup_root,
-                proc_root=settings.proc_root,
+                proc_root=settings.usage.proc_root,
                 events=self.recorder if self.recorder is not None else _LoggedEvents(),
                 on_change=self._limits_changed,
             )

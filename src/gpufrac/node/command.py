@@ -120,6 +120,17 @@ def node_agent(
     proc_root: Path | None = typer.Option(
         None, "--proc-root", help="The host's /proc, for PID to container attribution (default: /proc)."
     ),
+    memory_limits: str | None = typer.Option(
+        None,
+        "--memory-limits",
+        help="driver: set and read back each fraction's GPU memory limit through the driver's per-cgroup "
+        "API before it starts (default); off: the toolkit's variables only.",
+    ),
+    cgroup_root: Path | None = typer.Option(
+        None,
+        "--cgroup-root",
+        help="The host's cgroup filesystem (default /sys/fs/cgroup; simulated: <state-dir>/cgroupfs).",
+    ),
     audit: bool | None = typer.Option(
         None,
         "--audit/--no-audit",
@@ -166,6 +177,8 @@ def node_agent(
             health_port=health_port,
             usage_backend=usage_backend,
             sim_usage=sim_usage,
+            memory_limits=memory_limits,
+            cgroup_root=cgroup_root,
             usage={
                 "metrics_port": metrics_port,
                 "proc_root": proc_root,

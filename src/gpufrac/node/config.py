@@ -135,7 +135,6 @@ class NodeAgentSettings(BaseModel):
         description="where the agent sees the host's cgroup filesystem; default /sys/fs/cgroup, or with the "
         "simulated limits backend <state_dir>/cgroupfs (SIMULATED cgroups, made by the simulated runtime)",
     )
-    proc_root: Path = Field(Path("/proc"), description="the host's /proc (the agent runs with hostPID)")
     sim_memory_limits: Path | None = Field(
         None, description="the simulated driver's limits (JSON; default <state_dir>/sim-memory-limits.json)"
     )

@@ -6,6 +6,8 @@ applies. The pod follows docs/node-agent.md:
 - privileged and hostPID: the agent reads every GPU process's cgroup through the host's /proc (mounted
   read-only at ``/host/proc``, the agent's ``--proc-root``) and supervises MPS for the whole node;
 - the NRI socket's directory, so the runtime calls the agent at CreateContainer;
+- the host's ``/sys/fs/cgroup`` at the same path, read-write: the driver keys each container's GPU memory
+  limit by the host path of its cgroup, and the canary makes (and removes) a throwaway cgroup there;
 - ``/run/nvidia/mps`` (the MPS pipe directory) and the state directory at the SAME paths as on the host:
   the agent answers the runtime with host paths to bind into containers, so its view must equal the host's;
 - only where the NVIDIA GPU Operator lets a GPU client run: its ``nvidia.com/gpu.deploy.client`` label is
@@ -59,6 +61,7 @@ STATE_DIR = "/run/gpufrac/node-agent"
 MPS_PIPE_DIR = "/run/nvidia/mps"
 MPS_LOG_DIR = "/var/log/nvidia-mps"
 PROC_ROOT = "/host/proc"
+CGROUP_ROOT = "/sys/fs/cgroup"
 #: The kubelet's root (plugin registration and plugin sockets) and the CDI spec directory the runtime
 #: reads: the DRA driver's sockets and specs must sit at these host paths (docs/dra.md).
 KUBELET_DIR = "/var/lib/kubelet"
@@ -123,6 +126,7 @@ def agent_args(config: ConfigSpec) -> list[str]:
         f"--cri-endpoint=unix://{agent.cri_socket}",
         f"--state-dir={STATE_DIR}",
         f"--proc-root={PROC_ROOT}",
+        f"--cgroup-root={CGROUP_ROOT}",
         f"--health-port={agent.health_port}",
         f"--metrics-port={agent.metrics_port}",
         "--fail-open" if agent.fail_open else "--fail-closed",
@@ -169,6 +173,9 @@ def _mounts(config: ConfigSpec) -> tuple[list[Volume], list[Mount]]:
         _host_dir("mps-pipes", MPS_PIPE_DIR),
         _host_dir("state", STATE_DIR),
         _host_dir("host-proc", "/proc", mount_at=PROC_ROOT, read_only=True),
+        # The host's cgroups at the same path: the driver's per-cgroup memory limit is keyed by the host
+        # path of each container's cgroup, and the canary makes a throwaway cgroup there.
+        _host_dir("cgroup", CGROUP_ROOT),
     ]
     # Both sockets in one directory (containerd's NRI socket under /run/containerd): one mount, as the
     # API server refuses two volumes at one mountPath.
