@@ -4,7 +4,8 @@ The name check (test_dashboards_alerts.py) proves every query names real metrics
 queries, as written, return data from the components as they run: the embedded cluster (real control
 plane, scheduler process, node-agent processes with simulated GPUs) places the demo's pods, Prometheus
 (Debian's package, installed with promtool by `make testenv`) scrapes every component each second, and
-every dashboard panel must have at least one query that answers with a series.
+every dashboard panel must have at least one query that answers with a series. The GPU memory limit
+panels must also show every demo fraction's limit read back from the (simulated) driver.
 """
 
 from __future__ import annotations
@@ -152,6 +153,22 @@ async def test_every_dashboard_panel_answers_with_data(prometheus: str) -> None:
         _query, prometheus, "count by (component, version) (gpufrac_build_info)"
     )
     assert {v["metric"]["component"] for v in versions} == {"scheduler", "node-agent"}
+    # The GPU memory limit panels say what the (simulated) driver holds: every demo fraction read back.
+    verified_panel, table = (
+        next(p for p in dashboard["panels"] if p["title"].startswith(title))
+        for title in ("Fractions with GPU memory limit verified", "Per fraction: GPU memory limit read back")
+    )
+
+    def per_node(expr: str) -> dict[str, float]:
+        return {r["metric"]["node"]: float(r["value"][1]) for r in _query(prometheus, _substitute(expr))}
+
+    def all_read_back() -> bool:
+        verified, running = (per_node(t["expr"]) for t in verified_panel["targets"])
+        return verified == running and sum(running.values()) > 0
+
+    await asyncio.to_thread(_wait, all_read_back, what="every running fraction's limit verified")
+    read_back = await asyncio.to_thread(_query, prometheus, _substitute(table["targets"][0]["expr"]))
+    assert read_back and {r["value"][1] for r in read_back} == {"1"}
     variable = dashboard["templating"]["list"][1]["query"]["query"]
     metric, label = re.fullmatch(r"label_values\((\w+), (\w+)\)", variable).groups()
     nodes = await asyncio.to_thread(_query, prometheus, f"count by ({label}) ({metric})")
