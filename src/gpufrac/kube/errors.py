@@ -10,22 +10,37 @@ layer above stays free of lightkube's exception type.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 from lightkube import ApiError
 
+#: The Status cause type of an eviction refused by a PodDisruptionBudget (policy/v1 DisruptionBudgetCause).
+DISRUPTION_BUDGET_CAUSE = "DisruptionBudget"
+
 
 class KubeError(Exception):
-    """An error answered by the API server: ``code`` is the HTTP status, ``reason`` the Status reason."""
+    """An error answered by the API server: ``code`` is the HTTP status, ``reason`` the Status reason,
+    ``causes`` the types of its ``details.causes`` and ``retry_after_s`` its ``details.retryAfterSeconds``."""
 
     code: int = 0
 
-    def __init__(self, message: str, *, code: int | None = None, reason: str = "") -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        code: int | None = None,
+        reason: str = "",
+        causes: tuple[str, ...] = (),
+        retry_after_s: float | None = None,
+    ) -> None:
         super().__init__(message)
         self.message = message
         if code is not None:
             self.code = code
         self.reason = reason
+        self.causes = causes
+        self.retry_after_s = retry_after_s
 
     def __str__(self) -> str:
         return f"{self.code} {self.reason}: {self.message}" if self.reason else f"{self.code}: {self.message}"
@@ -58,9 +73,15 @@ class Invalid(KubeError):
 
 
 class TooManyRequests(KubeError):
-    """429: on an eviction, a PodDisruptionBudget does not allow this disruption now."""
+    """429: on an eviction, a PodDisruptionBudget does not allow this disruption now (``disruption_budget``);
+    otherwise the API server is shedding load (priority and fairness) and asks to come back after
+    ``retry_after_s``."""
 
     code = 429
+
+    @property
+    def disruption_budget(self) -> bool:
+        return DISRUPTION_BUDGET_CAUSE in self.causes
 
 
 _BY_CODE: dict[int, type[KubeError]] = {
@@ -68,16 +89,29 @@ _BY_CODE: dict[int, type[KubeError]] = {
 }
 
 
-def from_status(*, code: int | None, reason: str | None, message: str | None) -> KubeError:
-    """The typed error for an API ``Status`` (from a response or a watch ERROR event)."""
+def from_status(
+    *, code: int | None, reason: str | None, message: str | None, details: Mapping[str, Any] | None = None
+) -> KubeError:
+    """The typed error for an API ``Status`` (from a response or a watch ERROR event); ``details`` is the
+    Status's ``details`` as decoded JSON."""
     cls = _BY_CODE.get(code or 0, KubeError)
-    return cls(message or "", code=code or 0, reason=reason or "")
+    details = details or {}
+    causes = tuple(str(c.get("reason") or c.get("type") or "") for c in details.get("causes") or ())
+    retry = details.get("retryAfterSeconds")
+    return cls(
+        message or "",
+        code=code or 0,
+        reason=reason or "",
+        causes=causes,
+        retry_after_s=float(retry) if isinstance(retry, int | float) and retry > 0 else None,
+    )
 
 
 def translate(error: ApiError) -> KubeError:
     status = error.status
     code = status.code if status.code else error.response.status_code if error.response else 0
-    return from_status(code=code, reason=status.reason, message=status.message)
+    details = status.details.to_dict() if status.details is not None else None
+    return from_status(code=code, reason=status.reason, message=status.message, details=details)
 
 
 @contextlib.contextmanager

@@ -199,10 +199,12 @@ async def watch_objects(
 def _answer_error(answer: lean_http.Answer) -> KubeError:
     """The typed error for an error answer of the lean path, from its ``Status`` when it has one."""
     status = answer.status_object()
+    details = status.get("details")
     return from_status(
         code=status.get("code") or answer.status,
         reason=status.get("reason"),
         message=status.get("message") or answer.body[:200].decode("utf-8", "replace"),
+        details=details if isinstance(details, dict) else None,
     )
 
 
