@@ -2,9 +2,10 @@
 
 Nothing here is typed by hand: each component's registry is built as the component builds it (the
 scheduler's ``SchedulerMetrics`` with its state collector, the operator's metrics, the node agent's
-``registry_for``, the admission webhook's ``AdmissionMetrics`` following its served certificate), every
-labelled metric is given one child and one value, and the exposition text Prometheus would scrape is
-parsed back. The dashboard and alert tests check their queries against this.
+``registry_for`` with one fraction's usage and one driver read-back of its GPU memory limit, the admission
+webhook's ``AdmissionMetrics`` following its served certificate), every labelled metric is given one
+child and one value, and the exposition text Prometheus would scrape is parsed back. The dashboard and
+alert tests check their queries against this.
 """
 
 from __future__ import annotations
