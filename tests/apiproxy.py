@@ -202,6 +202,8 @@ class FaultProxy:
     lifetime_s: float = 120.0
     requests: int = 0
     refused_over_budget: int = 0
+    #: Watches cut by ``cut_watch`` (a fault is recorded when chosen; this counts the cuts made).
+    watches_cut: int = 0
     injected: list[Injected] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -351,6 +353,7 @@ class FaultProxy:
                 await writer.drain()
                 lines += piece.count(b"\n")
                 if fault is not None and fault.kind == "cut_watch" and lines >= fault.after_lines:
+                    self.watches_cut += 1
                     _abort(writer)  # mid-body: no terminating chunk
                     return False
             writer.write(b"0\r\n\r\n")

@@ -161,6 +161,7 @@ async def test_an_informer_whose_watch_is_cut_or_refused_still_sees_every_change
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
     assert [str(i.fault) for i in proxy.injected] == ["cut after 2 events", "500", "429 Retry-After 1"]
+    assert proxy.watches_cut == 1
     assert informer.relists == 0  # resumed from its last version each time, never listed again
 
 
