@@ -20,6 +20,11 @@ Two ways, one contract (``bind_mode``):
   the pod: bound means the Binding did succeed (its answer was lost), otherwise it retries on the fresh
   version, touching only keys that still hold what this binder wrote.
 
+A Binding that fails without a clear refusal (a lost answer, a 5xx) may have landed: the pod is read back
+to know, and asked again while the API server fails to answer (``READ_BACK_S``), the pod's booking held
+meanwhile; releasing it on a guess would hand its GPUs to another pod while the API shows this one bound
+to them (tests/scheduler/test_scheduler_faults.py plays it).
+
 Nothing is written when the contract refuses to render the placement (``UNWRITABLE``: a key the API
 server would refuse, which a Binding would store unchecked and so make the pod impossible to update
 again); the scheduler reports the pod unschedulable with the contract's sentence.
@@ -30,6 +35,7 @@ or another binder misbehaved) is cleaned by ``clean_stale`` before it is placed 
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import logging
 from collections.abc import Callable, Mapping
@@ -51,6 +57,8 @@ from gpufrac.placement.decision import Placement
 log = logging.getLogger(__name__)
 
 _ROLLBACK_ATTEMPTS = 3
+#: How long a binder keeps asking for a pod whose Binding failed without a clear answer (see ``_read_back``).
+READ_BACK_S = 30.0
 
 
 class Outcome(enum.Enum):
@@ -192,8 +200,10 @@ class Binder:
         fence: Callable[[], bool],
         device_style: str = "uuid",
         mode: BindMode = BindMode.ATOMIC,
+        read_back_s: float = READ_BACK_S,
     ) -> None:
         self._client = client
+        self._read_back_s = read_back_s
         self._fence = fence
         self._device_style = device_style
         self._mode = mode
@@ -233,12 +243,9 @@ class Binder:
             except (KubeError, httpx2.HTTPError, OSError) as error:
                 # The write may have happened and only its answer been lost: read the pod to know.
                 try:
-                    with api_errors():
-                        current = await self._client.get(Pod, meta.name, namespace=meta.namespace)
+                    current = await self._read_back(meta.name, meta.namespace)
                 except NotFound:
                     return BindResult(Outcome.GONE, str(error), _error_reason(error))
-                except (KubeError, httpx2.HTTPError, OSError):
-                    current = None
                 if attempt == 0 and isinstance(error, Conflict) and _only_status_moved(pod, current):
                     # Our own status writes (the PodScheduled condition, a preemptor's nomination) move
                     # the version the informer has not shown yet: the placement still describes the pod.
@@ -319,12 +326,10 @@ class Binder:
             except (KubeError, httpx2.HTTPError, OSError) as error:
                 log.warning("rollback of %s/%s failed: %s", meta.namespace, meta.name, error)
             try:
-                with api_errors():
-                    current = await self._client.get(Pod, meta.name, namespace=meta.namespace)
+                current = await self._read_back(meta.name, meta.namespace)
             except NotFound:
                 return None
-            except (KubeError, httpx2.HTTPError, OSError) as error:
-                log.warning("rollback of %s/%s: cannot read the pod: %s", meta.namespace, meta.name, error)
+            if current is None:
                 continue
             if current.spec and current.spec.nodeName:
                 return current
@@ -339,6 +344,33 @@ class Binder:
             meta.name,
         )
         return None
+
+    async def _read_back(self, name: str, namespace: str) -> Pod | None:
+        """The pod as the API holds it now, asked again (with backoff, for ``read_back_s``) while the API
+        server fails to answer; None when it never did. Raises ``NotFound`` when the pod is gone.
+
+        Only this read tells whether a Binding whose answer was lost landed. Until it answers, the pod's
+        booking stays held (its bind is in flight), because releasing it on a guess would hand its GPUs
+        to the next pod while the API may already show this one bound to them.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._read_back_s
+        delay = 0.1
+        while True:
+            try:
+                with api_errors():
+                    return await self._client.get(Pod, name, namespace=namespace)
+            except NotFound:
+                raise
+            except (KubeError, httpx2.HTTPError, OSError) as error:
+                if loop.time() + delay > deadline:
+                    log.warning(
+                        "cannot read back %s/%s: %s; its bind's outcome is unknown", namespace, name, error
+                    )
+                    return None
+                log.info("cannot read back %s/%s (%s); asking again in %.1fs", namespace, name, error, delay)
+            await asyncio.sleep(delay)
+            delay = min(2.0, delay * 2)
 
     async def clean_stale(self, pod: Pod) -> BindResult:
         """Remove the keys a dead binder left on an unbound pod (at its current version)."""
