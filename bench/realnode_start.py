@@ -9,7 +9,11 @@ time in ``/proc/<pid>/stat``, 10 ms ticks, on the boot clock), which is the kube
 container creation through containerd, NRI and runc; ``running`` is the time until the API server shows
 the container running, which adds the kubelet's PLEG period (1 s relist) and status write.
 A third phase times fractional pods through our scheduler with the plugin injecting (scheduling
-included, so not comparable one to one). Pods are deleted between starts (not timed).
+included, so not comparable one to one), and a fourth the same pods with the agent restarted with
+``--memory-limits off``: the difference is what setting and reading back the driver's per-cgroup memory
+limit at StartContainer adds to a fractional pod's start on the real node (the limit is SIMULATED, keyed
+by the container's real cgroup; bench/memory_limit_start.py times the NRI call itself, to the
+microsecond). Pods are deleted between starts (not timed).
 
 Needs root and cgroups (see gpufrac.local.realnode). Usage:
     .venv/bin/python bench/realnode_start.py [--pods 10]
@@ -96,6 +100,31 @@ async def _start_ms(cluster: LocalCluster, pod: Pod) -> tuple[float, float]:
     return process_ms, running_ms
 
 
+def _limit_start_time(metrics_url: str) -> dict[str, object]:
+    """The agent's own histogram of what StartContainer spent on the limit: mean, and the bucket that holds
+    the median and the 99th percentile (an upper bound)."""
+    import httpx2
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx2.get(metrics_url, timeout=10).text
+    (family,) = [
+        f for f in text_string_to_metric_families(text) if f.name == "gpufrac_memory_limit_start_seconds"
+    ]
+    buckets = sorted((float(s.labels["le"]), s.value) for s in family.samples if s.name.endswith("_bucket"))
+    count = next(s.value for s in family.samples if s.name.endswith("_count"))
+    total = next(s.value for s in family.samples if s.name.endswith("_sum"))
+
+    def bound(q: float) -> float:
+        return next(le for le, cumulative in buckets if cumulative >= q * count) * 1000
+
+    return {
+        "n": int(count),
+        "mean_ms": round(total / count * 1000, 3) if count else None,
+        "median_at_most_ms": bound(0.5) if count else None,
+        "p99_at_most_ms": bound(0.99) if count else None,
+    }
+
+
 def _summary(samples: list[tuple[float, float]]) -> dict[str, object]:
     out: dict[str, object] = {"n": len(samples)}
     for index, figure in enumerate(("process", "running")):
@@ -117,6 +146,11 @@ async def main(pods: int) -> dict[str, object]:
         await _start_ms(cluster, _pod("warmup", node=node_name))  # first start loads the image's snapshot
         with_plugin = [await _start_ms(cluster, _pod(f"with-{i}", node=node_name)) for i in range(pods)]
         fractional = [await _start_ms(cluster, _pod(f"frac-{i}", node=None)) for i in range(pods)]
+        assert real.metrics_url is not None
+        in_agent = _limit_start_time(real.metrics_url)
+        await real.stop_agent()
+        await real.start_agent(extra_args=["--memory-limits", "off"])
+        unlimited = [await _start_ms(cluster, _pod(f"frac-off-{i}", node=None)) for i in range(pods)]
         await real.stop_agent()
         without_plugin = [await _start_ms(cluster, _pod(f"without-{i}", node=node_name)) for i in range(pods)]
     result: dict[str, object] = {
@@ -124,7 +158,12 @@ async def main(pods: int) -> dict[str, object]:
         "plain_pod_with_plugin": _summary(with_plugin),
         "plain_pod_without_plugin": _summary(without_plugin),
         "fractional_pod_scheduled_and_injected": _summary(fractional),
+        "fractional_pod_limits_off": _summary(unlimited),
+        "memory_limit_in_start_container": in_agent,
     }
+    result["memory_limit_overhead_process_median_ms"] = round(
+        statistics.median(s[0] for s in fractional) - statistics.median(s[0] for s in unlimited), 1
+    )
     result["plugin_overhead_process_median_ms"] = round(
         statistics.median(s[0] for s in with_plugin) - statistics.median(s[0] for s in without_plugin), 1
     )

@@ -14,7 +14,8 @@
 //	{"op":"run_pod","pod":{...PodSandbox}}
 //	{"op":"create_container","container":{...Container, "pod_sandbox_id" names the pod}}
 //	    -> {"ok":true,"adjust":{...ContainerAdjustment},"container":{...Container as adjusted},"elapsed_ns":N}
-//	{"op":"start_container"|"stop_container"|"remove_container","id":"<container id>"}
+//	{"op":"start_container","id":"<container id>"} -> {"ok":true,"elapsed_ns":N} (the adaptation's StartContainer)
+//	{"op":"stop_container"|"remove_container","id":"<container id>"}
 //	{"op":"stop_pod"|"remove_pod","id":"<pod id>"}
 //	{"op":"wait_plugins","count":N,"timeout_ms":M}   -> waits until N plugins are connected AND synchronized
 //	{"op":"wait_registrations","count":N,"timeout_ms":M} -> waits until N plugins have registered and
@@ -389,12 +390,14 @@ func (r *runtime) handle(ctx context.Context, cmd *command) (reply, error) {
 		if err != nil {
 			return nil, err
 		}
+		began := time.Now()
 		if err := r.nri.StartContainer(ctx, &api.StartContainerRequest{Pod: pod, Container: ctr}); err != nil {
 			return nil, err
 		}
+		elapsed := time.Since(began)
 		ctr.State = api.ContainerState_CONTAINER_RUNNING
 		ctr.StartedAt = time.Now().UnixNano()
-		return reply{}, nil
+		return reply{"elapsed_ns": elapsed.Nanoseconds()}, nil
 
 	case "stop_container":
 		ctr, pod, err := r.state.container(cmd.ID)

@@ -261,8 +261,11 @@ class NriRuntime:
             elapsed_ns=int(reply.get("elapsed_ns", 0)),
         )
 
-    async def start_container(self, id: str) -> None:
-        await self.command("start_container", id=id)
+    async def start_container(self, id: str) -> int:
+        """Start through every connected plugin; raises ``NriRuntimeError`` when one refuses. Returns the
+        nanoseconds the adaptation's StartContainer took (what the runtime waits for)."""
+        reply = await self.command("start_container", id=id)
+        return int(reply.get("elapsed_ns", 0))
 
     async def stop_container(self, id: str) -> None:
         await self.command("stop_container", id=id)

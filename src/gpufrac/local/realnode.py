@@ -44,7 +44,7 @@ import shutil
 import socket
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -586,8 +586,9 @@ class RealNode:
         taints = {t.key for t in (node.spec.taints or [])} if node.spec else set()
         return conditions.get("Ready") == "True" and NOT_READY_TAINT not in taints
 
-    async def start_agent(self) -> None:
-        """Start the node agent (simulated GPUs) on containerd's NRI and CRI sockets; wait until published."""
+    async def start_agent(self, *, extra_args: Sequence[str] = ()) -> None:
+        """Start the node agent (simulated GPUs) on containerd's NRI and CRI sockets; wait until published.
+        ``extra_args`` are added to its command line (benchmarks: ``--memory-limits off``)."""
         if self._agent is not None and self._agent.popen.poll() is None:
             return
         shape = self.shape
@@ -622,6 +623,7 @@ class RealNode:
                 "--log-format=text",
                 f"--config={config}",
                 *(["--dra"] if self.dra else []),
+                *extra_args,
             ],
             logs=self.logs,
         )

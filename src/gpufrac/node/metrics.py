@@ -24,7 +24,7 @@ from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from prometheus_client import start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from gpufrac.node.mps.events import REASON_RESTARTED, REASON_START_FAILED, REASON_WEDGED, EventSink
@@ -65,6 +65,7 @@ FRACTIONS_VERIFIED = "gpufrac_fractions_memory_limit_verified"
 LIMITS_REAPPLIED = "gpufrac_memory_limit_reapplied"
 LIMITS_REFUSED = "gpufrac_memory_limit_refused_starts"
 LIMITS_CANARY = "gpufrac_memory_limit_canary_passed"
+LIMITS_START_SECONDS = "gpufrac_memory_limit_start_seconds"
 LIMIT_LABELS = ("node", "namespace", "pod", "container", "gpu_uuid")
 
 
@@ -90,6 +91,10 @@ class LimitReport:
     reapplied: int
     refused: int
     canary_passed: bool | None
+    #: (upper bound in seconds, cumulative count) of the time StartContainer spent on the limit.
+    start_buckets: tuple[tuple[float, int], ...] = ()
+    start_count: int = 0
+    start_sum_s: float = 0.0
 
 
 class EnforcementCounters:
@@ -243,6 +248,18 @@ class UsageExporter(Collector):
             counter = CounterMetricFamily(name, doc, labels=["node"])
             counter.add_metric([self._node], value)
             yield counter
+        started = HistogramMetricFamily(
+            LIMITS_START_SECONDS,
+            "Time StartContainer spent setting and reading back a fraction's memory limit (the runtime "
+            "waits for it; NRI's budget per plugin is 2 s).",
+            labels=["node"],
+        )
+        started.add_metric(
+            [self._node],
+            [(str(bound), count) for bound, count in report.start_buckets] + [("+Inf", report.start_count)],
+            sum_value=report.start_sum_s,
+        )
+        yield started
 
     def _fraction_metrics(self) -> Iterator[Metric]:
         families = {

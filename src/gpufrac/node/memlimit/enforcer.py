@@ -20,13 +20,15 @@ container's state feeds the pod condition (``gpufrac.node.memlimit.condition``) 
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import logging
 import os
 import threading
+import time
 import uuid as uuidlib
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from gpufrac.kube.events import WARNING, ObjectRef
@@ -73,12 +75,19 @@ class CanaryResult:
     message: str
 
 
+#: Upper bounds (seconds) of the start-time histogram: the runtime's budget per plugin is 2 s.
+START_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0)
+
+
 @dataclass(slots=True)
 class _Totals:
     reapplied: int = 0
     refused: int = 0
     audits: int = 0
     canary_runs: int = 0
+    #: What ``enforce`` took (cgroup resolution, set, read-back): per bucket of START_BUCKETS, then +Inf.
+    start_buckets: list[int] = field(default_factory=lambda: [0] * (len(START_BUCKETS) + 1))
+    start_sum_s: float = 0.0
 
 
 def pod_ref(record: AllocationRecord) -> ObjectRef:
@@ -116,7 +125,12 @@ class LimitEnforcer:
 
         A result that is not ``in_force`` is also a Warning Event on the pod; the caller decides whether
         the container may start."""
+        began = time.perf_counter()
         booked = self._set(record=record, pid=pid, cgroups_path=cgroups_path, check_first=False)
+        took = time.perf_counter() - began
+        with self._lock:
+            self.totals.start_buckets[bisect.bisect_left(START_BUCKETS, took)] += 1
+            self.totals.start_sum_s += took
         if not booked.in_force:
             with self._lock:
                 self.totals.refused += 1
@@ -336,4 +350,15 @@ def limit_report(enforcer: LimitEnforcer, records: Iterable[AllocationRecord]) -
         reapplied=enforcer.totals.reapplied,
         refused=enforcer.totals.refused,
         canary_passed=None if canary is None else canary.passed,
+        start_buckets=tuple(zip(START_BUCKETS, _cumulative(enforcer.totals.start_buckets), strict=False)),
+        start_count=sum(enforcer.totals.start_buckets),
+        start_sum_s=enforcer.totals.start_sum_s,
     )
+
+
+def _cumulative(counts: list[int]) -> list[int]:
+    out, running = [], 0
+    for count in counts:
+        running += count
+        out.append(running)
+    return out
