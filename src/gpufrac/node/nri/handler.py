@@ -43,6 +43,12 @@ GPU outside gpufrac's books. By default it is created as it is and reported (a W
 ``foreign_gpus="refuse"`` fails it instead, with that reason. Namespaces in ``foreign_gpus_exempt``
 (system pods that set ``NVIDIA_VISIBLE_DEVICES`` in their manifests) are left alone.
 
+At StartContainer (subscribed when ``limits`` is given) the container's cgroup exists and its workload
+has not run: the driver's per-cgroup memory limit is set and read back there
+(``gpufrac.node.memlimit.enforcer``), and a start whose limit is not in force fails (fail-closed) with
+the GPU, the cgroup, the values and the driver's error. Synchronize reads the limits of running
+fractions and sets them again where they are missing.
+
 Failure policy. A pod that breaks the contract, or is not placed yet, fails the container with the
 contract's message, which names the key (fail-closed): the kubelet shows it as the container's error
 and retries. With ``fail_open`` the container is created instead, without GPU enforcement -- and
