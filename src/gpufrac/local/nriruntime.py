@@ -24,7 +24,7 @@ import asyncio
 import contextlib
 import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -93,13 +93,17 @@ class NriRuntime:
         default_validator: bool = False,
         required_plugins: Sequence[str] = (),
         cgroup_root: Path | None = None,
+        toolkit_hook: Callable[..., bool] | None = None,
     ) -> None:
-        """``cgroup_root``: where created containers get a (SIMULATED) cgroup directory; None: none.
+        """``toolkit_hook`` plays the NVIDIA toolkit's memory-limit hook on every created container's
+        cgroup (``gpufrac.node.memlimit.simulated.SimulatedToolkitHook``); None: no toolkit.
+        ``cgroup_root``: where created containers get a (SIMULATED) cgroup directory; None: none.
         ``default_validator`` turns on NRI's built-in default validator (containerd's
         ``default_validator`` section): a container whose pod requires a plugin that is not connected
         (``required-plugins.noderesource.dev``, or ``required_plugins`` for every container) is refused."""
         self.socket_path = socket_path
         self.cgroup_root = cgroup_root
+        self._toolkit_hook = toolkit_hook
         self._cgroups: dict[str, Path] = {}
         if cgroup_root is not None:  # a cgroup v2 root, as the agent recognises one
             cgroup_root.mkdir(parents=True, exist_ok=True)
@@ -251,6 +255,8 @@ class NriRuntime:
             cgroup = self.cgroup_root / cgroups_path.lstrip("/")
             cgroup.mkdir(parents=True, exist_ok=True)
             self._cgroups[id] = cgroup
+            if self._toolkit_hook is not None:  # the OCI hook runs inside runc's create
+                self._toolkit_hook(env=_env_map(reply["container"].get("env", [])), cgroup=str(cgroup))
         created = reply["container"]
         return CreatedContainer(
             id=id,

@@ -47,7 +47,7 @@ from gpufrac.node.driver_upgrade import DriverUpgradeWatch
 from gpufrac.node.gpu_faults import GpuFaultNotifier
 from gpufrac.node.gpustack import SIMULATED_STACK, GpuStackGate
 from gpufrac.node.heartbeat import NodeLease
-from gpufrac.node.inject import EnvPlanner, InjectionPlan
+from gpufrac.node.inject import EnvPlanner, InjectionPlan, pipe_leaf
 from gpufrac.node.inventory.backend import (
     GpuInfo,
     GpuInventoryBackend,
@@ -56,13 +56,14 @@ from gpufrac.node.inventory.backend import (
 )
 from gpufrac.node.inventory.publish import InventoryPublisher
 from gpufrac.node.inventory.reserve import usable_mib
-from gpufrac.node.mapping import MappingStore
+from gpufrac.node.mapping import AllocationRecord, MappingStore
 from gpufrac.node.memlimit.condition import PodConditionWriter
 from gpufrac.node.memlimit.driver import MemoryLimitDriver
 from gpufrac.node.memlimit.enforcer import LimitEnforcer, limit_report
 from gpufrac.node.metrics import CountingMpsEvents, EnforcementCounters, LimitReport
 from gpufrac.node.mps.config import MpsSettings
 from gpufrac.node.mps.events import NodeEventSink
+from gpufrac.node.mps.hostpid import OUTSIDE_HOST_PID, outside_host_pid_namespace
 from gpufrac.node.mps.mode import DriverVersion, NodeMpsCapability, capability_for
 from gpufrac.node.mps.service import MpsService
 from gpufrac.node.nri.handler import GpuInjector
@@ -197,6 +198,7 @@ class NodeAgent:
         )
         self.conditions: PodConditionWriter | None = None
         self._canary_driver: str | None = None  # the driver version the canary last ran on
+        self._outside_host_pid = outside_host_pid_namespace()
         self.limits = (
             LimitEnforcer(
                 driver=make_limits_driver(settings, inventory=lambda: self._inventory),
@@ -205,8 +207,10 @@ class NodeAgent:
                 proc_root=settings.usage.proc_root,
                 events=self.recorder if self.recorder is not None else _LoggedEvents(),
                 on_change=self._limits_changed,
+                set_limits=settings.memory_limits == "driver",
+                blind=self._mps_blind,
             )
-            if settings.memory_limits == "driver"
+            if settings.memory_limits != "off"
             else None
         )
         if client is not None and settings.publish:
@@ -336,6 +340,16 @@ class NodeAgent:
             if name in (gpu.uuid, str(gpu.index)):
                 return gpu.uuid
         return None
+
+    def _mps_blind(self, record: AllocationRecord) -> str | None:
+        """Why a fraction whose GPU work goes through this node's MPS daemon cannot have its memory
+        accounted to its cgroup (the daemon is outside the host PID namespace); None when it can."""
+        if self.mps is None or record.pipe_dir in (
+            None,
+            pipe_leaf(root=str(self.settings.pipe_root), container_id=record.container_id),
+        ):
+            return None  # not routed through our MPS daemon: its own process allocates
+        return OUTSIDE_HOST_PID if self._outside_host_pid else None
 
     def _limits_changed(self, pod_uid: str) -> None:
         if self.conditions is not None:

@@ -124,7 +124,8 @@ def node_agent(
         None,
         "--memory-limits",
         help="driver: set and read back each fraction's GPU memory limit through the driver's per-cgroup "
-        "API before it starts (default); off: the toolkit's variables only.",
+        "API before it starts (default); verify: only read back what the toolkit's hook set; off: the "
+        "toolkit's variables only.",
     ),
     cgroup_root: Path | None = typer.Option(
         None,

@@ -121,11 +121,12 @@ class NodeAgentSettings(BaseModel):
         description="GPU memory held back from scheduling per GPU: the driver's reserve where it does not "
         "report it, and the MPS server's with --mps (gpufrac.node.inventory.reserve)",
     )
-    memory_limits: Literal["driver", "off"] = Field(
+    memory_limits: Literal["driver", "verify", "off"] = Field(
         "driver",
         description="driver: set and read back every fractional container's GPU memory limit through the "
-        "driver's per-cgroup API (NVML, r615+) before it starts, fail closed, keep it in force; off: the "
-        "toolkit's variables only, and the pod condition GpuMemoryEnforced says False (docs/node-agent.md)",
+        "driver's per-cgroup API (NVML, r615+) before it starts, fail closed, keep it in force; verify: only "
+        "read back what the toolkit's hook set, fail closed and report, never set; off: the toolkit's "
+        "variables only, nothing verified and no GpuMemoryEnforced condition (docs/node-agent.md)",
     )
     memory_limits_backend: Literal["nvml", "simulated"] | None = Field(
         None, description="what sets the limits; default: the same kind as ``backend``"

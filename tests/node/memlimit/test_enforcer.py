@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import pytest
@@ -15,6 +15,7 @@ from gpufrac.node.memlimit.condition import pod_condition
 from gpufrac.node.memlimit.driver import MIB, NVML_ERROR_NOT_SUPPORTED
 from gpufrac.node.memlimit.enforcer import REASON_NOT_ENFORCED, REASON_REAPPLIED, LimitEnforcer
 from gpufrac.node.memlimit.simulated import SimulatedMemoryLimits
+from gpufrac.node.mps.hostpid import OUTSIDE_HOST_PID, outside_host_pid_namespace
 
 GPU_A, GPU_B = "GPU-a", "GPU-b"
 
@@ -214,3 +215,37 @@ def test_pod_condition_true_only_when_every_fraction_reads_back(setup: Setup) ->
     assert done is not None and done.status == "True" and done.reason == keys.POD_REASON_LIMITS_READ_BACK
     assert "app: soft 4096 MiB, hard 6144 MiB read back on 1 GPU(s) (GPU-a) for cgroup" in done.message
     assert "sidecar: soft 4096 MiB" in done.message
+
+
+def test_a_fraction_behind_a_blind_mps_daemon_is_never_in_force(setup: Setup) -> None:
+    """An MPS daemon outside the host PID namespace sees clients as pid 0: the limit reads back, but the
+    memory is not accounted to the container's cgroup. Such a fraction is refused, never said enforced."""
+    blind = LimitEnforcer(
+        driver=setup.driver,
+        gpu_uuid={GPU_A: GPU_A}.get,
+        cgroup_root=setup.root,
+        events=setup.events,
+        blind=lambda record: OUTSIDE_HOST_PID if record.mode == "sm-sharing" else None,
+    )
+    shared = replace(record("c2"), mode="sm-sharing")
+    booked = blind.enforce(record=shared, pid=0, cgroups_path=cgroup(setup, "c2"))
+    assert not booked.in_force and "pid 0" in (booked.problem or "")
+    assert setup.events.reasons() == [REASON_NOT_ENFORCED]
+    condition = pod_condition([shared], {"c2": booked})
+    assert condition is not None and condition.status == "False" and "hostPID" in condition.message
+    plain = blind.enforce(record=record(), pid=0, cgroups_path=cgroup(setup))
+    assert plain.in_force  # time-slicing, its own processes allocate: nothing blind about it
+
+
+@pytest.mark.parametrize(
+    ("status", "nested"),
+    [
+        ("Name:\tpython\nNSpid:\t4242\n", False),
+        ("Name:\tpython\nNSpid:\t4242\t7\n", True),
+        ("Name:\tpython\n", False),  # kernels without NSpid: nothing says it is nested
+    ],
+)
+def test_the_pid_namespace_check_reads_nspid(tmp_path: Path, status: str, nested: bool) -> None:
+    path = tmp_path / "status"
+    path.write_text(status)
+    assert outside_host_pid_namespace(path) is nested

@@ -12,6 +12,7 @@ import pytest
 from nri_harness import ROOT, Node
 
 from gpufrac.local.nriruntime import NriRuntime, binary_path
+from gpufrac.node.memlimit.simulated import SimulatedToolkitHook
 
 
 @pytest.fixture(scope="session")
@@ -26,7 +27,12 @@ async def make_node(nriruntime_binary: Path) -> AsyncIterator[Callable[..., Awai
     nodes: list[Node] = []
 
     async def make(
-        *, fail_open: bool = False, agent: bool = True, default_validator: bool = False, cgroups: bool = False
+        *,
+        fail_open: bool = False,
+        agent: bool = True,
+        default_validator: bool = False,
+        cgroups: bool = False,
+        toolkit_hook: bool = False,
     ) -> Node:
         # Short path: a unix socket path must fit in 108 bytes.
         root = Path(tempfile.mkdtemp(prefix="nri", dir="/tmp"))
@@ -35,6 +41,8 @@ async def make_node(nriruntime_binary: Path) -> AsyncIterator[Callable[..., Awai
             binary=nriruntime_binary,
             default_validator=default_validator,
             cgroup_root=root / "cgroupfs" if cgroups else None,
+            # SIMULATED: the toolkit's memory-limit hook, writing to the node's simulated driver.
+            toolkit_hook=SimulatedToolkitHook(path=root / "driver-limits.json") if toolkit_hook else None,
         )
         await runtime.start()
         node = Node(root=root, runtime=runtime)

@@ -121,6 +121,7 @@ class Node:
         shared_pipe_dir: str | None = None,
         cdi_kind: str = CDI_GPU_KIND,
         limits: bool = False,
+        verify_only: bool = False,
         driver_version: str = "615.20.01",
     ) -> Agent:
         """``limits``: the driver's per-cgroup memory limits through the SIMULATED driver
@@ -139,6 +140,7 @@ class Node:
                 gpu_uuid=by_name.get,
                 cgroup_root=self.runtime.cgroup_root,
                 events=events,
+                set_limits=not verify_only,
             )
         injector = GpuInjector(
             store=store,

@@ -123,3 +123,82 @@ async def test_removing_the_container_drops_its_cgroup_and_the_driver_forgets_it
     await node.runtime.remove_container(created.id)
     assert node.driver().held() == {}
     assert node.agent.limits is not None and node.agent.limits.get(created.id) is None
+
+
+# -- the misconfigurations that left peers' fractions silently unlimited -----------------------------------
+#
+# With ``memory_limits: verify`` the agent sets nothing: it reads back what the NVIDIA toolkit's hook set
+# (SIMULATED here: gpufrac.node.memlimit.simulated.SimulatedToolkitHook, run by the runtime as runc runs
+# the OCI hook), so what the toolkit did or did not do is exactly what the pod is told.
+
+
+async def test_without_the_toolkit_hook_a_verify_only_node_never_starts_a_fraction_that_looks_enforced(
+    make_node,  # type: ignore[no-untyped-def]
+) -> None:
+    node = await make_node(cgroups=True, agent=False)  # no toolkit hook on this node
+    agent = await node.start_agent(limits=True, verify_only=True)
+    pod = await node.pod(FRACTION)
+    created = await node.create(pod, "app")
+    with pytest.raises(NriRuntimeError, match="the driver holds no limit"):
+        await node.runtime.start_container(created.id)
+    assert agent.limits is not None
+    booked = agent.limits.get(created.id)
+    assert booked is not None and not booked.in_force
+    assert node.driver().held() == {}  # verify-only: the agent set nothing itself
+
+
+async def test_with_the_toolkit_hook_a_verify_only_node_reads_back_what_the_hook_set(make_node) -> None:  # type: ignore[no-untyped-def]
+    node = await make_node(cgroups=True, agent=False, toolkit_hook=True)
+    agent = await node.start_agent(limits=True, verify_only=True)
+    pod = await node.pod(FRACTION)
+    created = await node.create(pod, "app")
+    await node.runtime.start_container(created.id)
+    assert agent.limits is not None
+    booked = agent.limits.get(created.id)
+    assert booked is not None and booked.in_force, booked.describe()
+
+
+async def test_plural_or_user_set_variables_in_a_manifest_never_change_what_is_in_force(make_node) -> None:  # type: ignore[no-untyped-def]
+    """NVIDIA's operator once injected ``NVIDIA_GPU_MEMORY_LIMITS`` (plural), which the hook ignores. A
+    manifest that sets plural names, or the singular ones wider than its plan, gets the plan: the agent
+    replaces the singular ones, the hook reads only those, and the read-back checks the plan's values."""
+    node = await make_node(cgroups=True, agent=False, toolkit_hook=True)
+    agent = await node.start_agent(limits=True, verify_only=True)
+    pod = await node.pod(FRACTION)
+    wider = str(80 * 1024)
+    created = await node.create(
+        pod,
+        "app",
+        env={
+            "NVIDIA_GPU_MEMORY_LIMITS": wider,
+            "NVIDIA_GPU_MEMORY_REQUESTS": wider,
+            "NVIDIA_GPU_MEMORY_LIMIT": wider,
+        },
+    )
+    assert (
+        created.env["NVIDIA_GPU_MEMORY_LIMIT"] == "6144" and created.env["NVIDIA_GPU_MEMORY_LIMITS"] == wider
+    )
+    await node.runtime.start_container(created.id)
+    assert held(node, created.id, pod) == {GPU_A: (4096 * MIB, 6144 * MIB), GPU_B: (4096 * MIB, 6144 * MIB)}
+    assert agent.limits is not None
+    booked = agent.limits.get(created.id)
+    assert booked is not None and booked.in_force
+
+
+async def test_a_limit_the_hook_lost_is_reported_by_the_audit_and_never_set_in_verify_mode(make_node) -> None:  # type: ignore[no-untyped-def]
+    node = await make_node(cgroups=True, agent=False, toolkit_hook=True)
+    agent = await node.start_agent(limits=True, verify_only=True)
+    pod = await node.pod(FRACTION)
+    created = await node.create(pod, "app")
+    await node.runtime.start_container(created.id)
+    assert node.runtime.cgroup_root is not None
+    cgroup = str(node.runtime.cgroup_root / "kubepods" / f"pod{pod}" / created.id)
+    node.driver().tamper(gpu=GPU_A, cgroup=cgroup)
+    assert agent.limits is not None
+    (lost,) = agent.limits.audit()
+    assert lost.record.container_id == created.id
+    assert [e[2] for e in agent.events.emitted] == [REASON_NOT_ENFORCED]
+    assert agent.limits.audit() == []  # said once while it lasts
+    booked = agent.limits.get(created.id)
+    assert booked is not None and not booked.in_force
+    assert GPU_A not in held(node, created.id, pod)  # verify-only: not set again

@@ -106,8 +106,16 @@ class LimitEnforcer:
         proc_root: Path = Path("/proc"),
         events: EventSink | None = None,
         on_change: Callable[[str], None] | None = None,
+        set_limits: bool = True,
+        blind: Callable[[AllocationRecord], str | None] | None = None,
     ) -> None:
+        """``set_limits=False`` only reads what something else (the toolkit's hook) set: a limit that is
+        not there fails the start and is reported, never set. ``blind`` says why a container's limit
+        cannot hold even when the driver reads it back (its GPU work goes through an MPS daemon that
+        cannot see its processes); None when it can."""
         self.driver = driver
+        self.set_limits = set_limits
+        self._blind = blind or (lambda _record: None)
         self._gpu_uuid = gpu_uuid
         self._cgroup_root = cgroup_root
         self._proc_root = proc_root
@@ -167,14 +175,23 @@ class LimitEnforcer:
             if not os.path.isdir(booked.cgroup):  # the container is gone; its remove event will follow
                 continue
             checked = self._verify(booked.record, booked.cgroup)
-            if checked.in_force:
-                self._book(replace(booked, verification=checked, problem=None), announce=not booked.in_force)
+            if checked.in_force or not self.set_limits:
+                problem = self._problem(booked.record, checked)
+                self._book(replace(booked, verification=checked, problem=problem))
+                if problem is not None and booked.problem is None:  # newly lost: said once
+                    self._emit(
+                        booked.record,
+                        WARNING,
+                        REASON_NOT_ENFORCED,
+                        self.refusal(replace(booked, problem=problem)),
+                    )
+                    changed.append(booked)
                 continue
             again = self._apply(booked.record, booked.cgroup)
             after = replace(
                 booked,
                 verification=again,
-                problem=None if again.in_force else f"not in force: {again.describe()}",
+                problem=self._problem(booked.record, again),
                 reapplied=booked.reapplied + 1,
             )
             with self._lock:
@@ -255,16 +272,23 @@ class LimitEnforcer:
                 Booked(record=record, cgroup=None, verification=None, problem=f"no cgroup: {exc}")
             )
         reapplied = 0
-        verification = self._verify(record, cgroup) if check_first else None
-        if verification is None or not verification.in_force:
+        verification = self._verify(record, cgroup) if check_first or not self.set_limits else None
+        if self.set_limits and (verification is None or not verification.in_force):
             reapplied = int(check_first)
             verification = self._apply(record, cgroup)
-        problem = None if verification.in_force else verification.describe()
+        assert verification is not None
+        problem = self._problem(record, verification)
         return self._book(
             Booked(
                 record=record, cgroup=cgroup, verification=verification, problem=problem, reapplied=reapplied
             )
         )
+
+    def _problem(self, record: AllocationRecord, verification: Verification) -> str | None:
+        """Why ``record``'s limit is not in force after ``verification``; None when it is."""
+        if not verification.in_force:
+            return verification.describe()
+        return self._blind(record)
 
     def _gpus(self, record: AllocationRecord) -> tuple[list[str], list[str]]:
         found, unknown = [], []

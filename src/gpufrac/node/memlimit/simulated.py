@@ -201,3 +201,28 @@ class SimulatedMemoryLimits:
             for per_gpu in state.get(section, {}).values():
                 for cgroup in [cg for cg in per_gpu if not os.path.isdir(cg)]:
                     del per_gpu[cgroup]
+
+
+class SimulatedToolkitHook:
+    """SIMULATED: the NVIDIA container toolkit's memory-limit hook (``apply-cuda-memory-limits``).
+
+    The real hook runs when runc creates the container, reads the container's ``NVIDIA_GPU_MEMORY_REQUEST``
+    and ``NVIDIA_GPU_MEMORY_LIMIT`` (whole MiB; both, or it does nothing) and sets that limit on the
+    container's cgroup for each GPU of ``NVIDIA_VISIBLE_DEVICES``. Plural names, one variable alone or
+    devices that are not UUIDs set nothing, as with the real hook. Writes through the simulated driver's
+    state file, as the driver would hold what the hook set."""
+
+    def __init__(self, *, path: Path) -> None:
+        self._driver = SimulatedMemoryLimits(path=path, gpus=tuple, driver_version=lambda: "0")
+
+    def __call__(self, *, env: dict[str, str], cgroup: str) -> bool:
+        """Apply what ``env`` asks for to ``cgroup``; True when it set a limit."""
+        try:
+            request = int(env["NVIDIA_GPU_MEMORY_REQUEST"])
+            limit = int(env["NVIDIA_GPU_MEMORY_LIMIT"])
+        except (KeyError, ValueError):
+            return False
+        devices = [d for d in env.get("NVIDIA_VISIBLE_DEVICES", "").split(",") if d.startswith("GPU-")]
+        for gpu in devices:
+            self._driver.tamper(gpu=gpu, cgroup=cgroup, soft=request << 20, hard=limit << 20)
+        return bool(devices)
