@@ -27,7 +27,6 @@ import argparse
 import asyncio
 import json
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -36,22 +35,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 
+from nri_create_latency import summary  # noqa: E402  (bench/ is on the path when run as a script)
+
 NODE = "bench-node"
 NRI_TIMEOUT_MS = 2000.0
-
-
-def summary(samples_ns: list[int]) -> dict[str, float]:
-    ms = sorted(s / 1e6 for s in samples_ns)
-
-    def pct(p: float) -> float:
-        return round(ms[min(len(ms) - 1, int(p * len(ms)))], 3)
-
-    return {
-        "n": len(ms),
-        "median_ms": round(statistics.median(ms), 3),
-        "p99_ms": pct(0.99),
-        "max_ms": round(ms[-1], 3),
-    }
 
 
 def fraction(i: int, gpus: list[str]) -> dict[str, str]:
