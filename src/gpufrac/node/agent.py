@@ -197,7 +197,8 @@ class NodeAgent:
             else None
         )
         self.conditions: PodConditionWriter | None = None
-        self._canary_driver: str | None = None  # the driver version the canary last ran on
+        #: The driver and toolkit versions the canary last ran on: a change of either runs it again.
+        self._canary_stack: tuple[str, str | None] | None = None
         self._outside_host_pid = outside_host_pid_namespace()
         self.limits = (
             LimitEnforcer(
@@ -244,6 +245,12 @@ class NodeAgent:
             on_state=self._nri_state,
         )
         self.publisher: InventoryPublisher | None = None
+        self.stack_gate = GpuStackGate(
+            client=client,
+            node_name=settings.node_name,
+            settings=settings.gpu_stack,
+            fallback=SIMULATED_STACK if settings.backend == "simulated" else None,
+        )
         if settings.publish:
             if client is None:
                 raise ValueError("publishing the inventory needs an API client")
@@ -258,12 +265,7 @@ class NodeAgent:
                 resync_s=settings.node_resync_s,
                 taint=settings.taint,
                 events=self.recorder if self.recorder is not None else _LoggedEvents(),
-                stack_gate=GpuStackGate(
-                    client=client,
-                    node_name=settings.node_name,
-                    settings=settings.gpu_stack,
-                    fallback=SIMULATED_STACK if settings.backend == "simulated" else None,
-                ),
+                stack_gate=self.stack_gate,
                 memory_reserve=settings.memory_reserve,
                 mps_reserve=settings.mps,
                 on_inventory=GpuFaultNotifier(
@@ -368,21 +370,23 @@ class NodeAgent:
         return None if result.passed else result.message
 
     async def _canary(self) -> None:
-        """Try the driver's limit on a throwaway cgroup when the driver changed or it has not passed yet."""
+        """Try the driver's limit on a throwaway cgroup when the driver or the toolkit changed, or it has not
+        passed yet."""
         assert self.limits is not None
         inventory = self._inventory
         if inventory is None or self.upgrading is not None:
             return
         result = self.limits.canary_result
-        if result is not None and result.passed and inventory.driver_version == self._canary_driver:
+        stack = (inventory.driver_version, self.stack_gate.toolkit)
+        if result is not None and result.passed and stack == self._canary_stack:
             return
         await asyncio.to_thread(self.limits.canary, gpus=[g.uuid for g in inventory.usable])
-        self._canary_driver = inventory.driver_version
+        self._canary_stack = stack
         if result != self.limits.canary_result and self.publisher is not None:
             self.publisher.poke()
 
     async def _keep_limits(self) -> None:
-        """The canary after a driver change, and every running fraction's limits read back, each cycle."""
+        """The canary after a driver or toolkit change, and every running fraction's limits read back."""
         assert self.limits is not None
         while True:
             await asyncio.sleep(self.settings.memory_limit_audit_s)

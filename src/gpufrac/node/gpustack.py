@@ -260,6 +260,11 @@ class GpuStackGate:
         self._policy: GpuStack | None = None  # the ClusterPolicy's, as last read
         self._read_at: float | None = None
 
+    @property
+    def toolkit(self) -> str | None:
+        """The container toolkit's version as last read (None: unknown, or not read yet)."""
+        return self._stack.toolkit if self._stack is not None else None
+
     async def verdict(self, *, driver: DriverVersion | None) -> StackVerdict:
         loop = asyncio.get_running_loop()
         if self._read_at is None or loop.time() - self._read_at >= self._settings.refresh_s:
