@@ -406,6 +406,13 @@ class GpuInjector:
             with contextlib.suppress(OSError):  # already gone, or not empty: never remove more than ours
                 os.rmdir(record.pipe_dir)
 
+    async def validate_container_adjustment(
+        self, request: api.ValidateContainerAdjustmentRequest
+    ) -> str | None:
+        """Not subscribed: the agent adjusts; a plugin of its own judges the result
+        (``gpufrac.node.nri.validator``), so that a hung agent cannot also be the one that lets it pass."""
+        return None
+
     async def synchronize(
         self, *, pods: Sequence[api.PodSandbox], containers: Sequence[api.Container]
     ) -> None:

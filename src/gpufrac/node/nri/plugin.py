@@ -83,6 +83,14 @@ class NriHandler(Protocol):
 
     async def remove_container(self, *, pod: api.PodSandbox, container: api.Container) -> None: ...
 
+    async def validate_container_adjustment(
+        self, request: api.ValidateContainerAdjustmentRequest
+    ) -> str | None:
+        """Why the container must not be created with the adjustment every plugin made (the runtime's
+        final one, with the plugins it consulted), or None to let it be. Only called when subscribed
+        (``VALIDATE_CONTAINER_ADJUSTMENT``); the runtime asks validators after every plugin answered."""
+        ...
+
     async def shutdown(self) -> None: ...
 
 
@@ -251,9 +259,7 @@ class NriPlugin:
             "PostUpdatePodSandbox": ignore(api.PostUpdatePodSandboxRequest, api.PostUpdatePodSandboxResponse),
             "StopPodSandbox": ignore(api.StopPodSandboxRequest, api.StopPodSandboxResponse),
             "RemovePodSandbox": ignore(api.RemovePodSandboxRequest, api.RemovePodSandboxResponse),
-            "ValidateContainerAdjustment": ignore(
-                api.ValidateContainerAdjustmentRequest, api.ValidateContainerAdjustmentResponse
-            ),
+            "ValidateContainerAdjustment": unary(api.ValidateContainerAdjustmentRequest, self._validate),
         }
         return {(PLUGIN_SERVICE, name): method for name, method in table.items()}
 
@@ -313,6 +319,12 @@ class NriPlugin:
     async def _remove_container(self, request: api.RemoveContainerRequest) -> api.RemoveContainerResponse:
         await self._handler.remove_container(pod=request.pod, container=request.container)
         return api.RemoveContainerResponse()
+
+    async def _validate(
+        self, request: api.ValidateContainerAdjustmentRequest
+    ) -> api.ValidateContainerAdjustmentResponse:
+        reason = await self._handler.validate_container_adjustment(request)
+        return api.ValidateContainerAdjustmentResponse(reject=reason is not None, reason=reason or "")
 
     async def _state_change(self, event: api.StateChangeEvent) -> api.Empty:
         # Runtimes that predate the dedicated RPCs relay some events here (NRI's stub does the same).
