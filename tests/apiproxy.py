@@ -141,10 +141,13 @@ def evictions(request: Request) -> bool:
     return _subresource(request, "eviction") and b'"dryRun"' not in request.body
 
 
-def watches(resource: str) -> Callable[[Request], bool]:
-    """GET of a ``resource`` collection (``pods``, ``nodes``) with ``watch=true``."""
+def watches(resource: str, *, fields: str | None = None) -> Callable[[Request], bool]:
+    """GET of a ``resource`` collection (``pods``, ``nodes``) with ``watch=true`` (and, with ``fields``,
+    a field selector that contains it: one informer of several on a resource)."""
 
     def match(request: Request) -> bool:
+        if fields is not None and fields not in request.query.get("fieldSelector", [""])[0]:
+            return False
         return request.method == "GET" and request.watch and request.path.rstrip("/").endswith("/" + resource)
 
     return match
