@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 from lightkube import AsyncClient
-from lightkube.resources.core_v1 import Pod
+from lightkube.resources.core_v1 import Event, Pod
 from sched_harness import Pool, add_nodes, audit_pool, gpu_pod, pods_of, running, wait_bound, wait_for
 from test_preemption import exists, mark_running, whole_gpu_pod
 
@@ -78,6 +78,19 @@ async def test_binds_and_watches_answered_429_and_5xx_lose_no_pod_and_double_boo
             await client.create(gpu_pod(pool, f"p{i}", HALF))
         await wait_bound(client, pool.namespace, 8, timeout=60)
         await wait_for(lambda: all_played(proxy), timeout=30, what="every fault played")
+
+        async def failed_bindings() -> list[str]:
+            events = [e async for e in client.list(Event, namespace=pool.namespace)]
+            return [e.message for e in events if e.reason == "FailedBinding"]
+
+        async def all_reported() -> bool:
+            messages = " ".join(await failed_bindings())
+            return all(code in messages for code in ("503", "500", "504"))
+
+        # A 5xx may have landed: the bind fails (and is recognised or retried); a throttling 429 did not
+        # run at all and is sent again after its Retry-After, as client-go does: no FailedBinding for it.
+        await wait_for(all_reported, timeout=20, what="FailedBinding Events for the 5xx answers")
+        assert not [m for m in await failed_bindings() if "429" in m or "TooManyRequests" in m]
     report = await audit_pool(client, pool)
     assert report.ok, report.problems
     assert report.placed_pods == 8

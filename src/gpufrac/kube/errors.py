@@ -17,6 +17,8 @@ from lightkube import ApiError
 
 #: The Status cause type of an eviction refused by a PodDisruptionBudget (policy/v1 DisruptionBudgetCause).
 DISRUPTION_BUDGET_CAUSE = "DisruptionBudget"
+#: The longest a throttled request waits before it is asked again, whatever ``Retry-After`` says.
+MAX_RETRY_WAIT_S = 5.0
 
 
 class KubeError(Exception):
@@ -82,6 +84,12 @@ class TooManyRequests(KubeError):
     @property
     def disruption_budget(self) -> bool:
         return DISRUPTION_BUDGET_CAUSE in self.causes
+
+    @property
+    def wait_s(self) -> float:
+        """How long to wait before asking again: the server's ``Retry-After`` (1 s when it names none),
+        at most ``MAX_RETRY_WAIT_S``."""
+        return min(MAX_RETRY_WAIT_S, self.retry_after_s or 1.0)
 
 
 _BY_CODE: dict[int, type[KubeError]] = {

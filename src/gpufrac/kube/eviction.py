@@ -9,7 +9,7 @@ Not every 429 is a budget's answer: the API server's priority-and-fairness filte
 too ("please try again later", ``Retry-After``), and a budget's refusal is the one whose Status names the
 ``DisruptionBudget`` cause. Taking a throttled eviction for a budget's refusal made the scheduler put the
 victim aside for a minute and look for other (more) victims. So a throttled eviction is tried again after
-the server's ``Retry-After`` (at most ``MAX_WAIT_S``), as are a 5xx and a lost answer: an eviction is
+the server's ``Retry-After`` (``TooManyRequests.wait_s``), as are a 5xx and a lost answer: an eviction is
 idempotent for one pod uid (a repeat of one that landed finds the pod terminating, or answers 404 once it
 is gone), so repeating it cannot evict anything else. ``attempts`` bounds the repeats; the last error is
 raised.
@@ -30,9 +30,8 @@ from gpufrac.kube.stream import post_subresource
 
 log = logging.getLogger(__name__)
 
-#: The longest wait between two attempts, whatever ``Retry-After`` says.
-MAX_WAIT_S = 5.0
 ATTEMPTS = 5
+_MAX_BACKOFF_S = 5.0
 
 
 async def evict_pod(
@@ -60,16 +59,16 @@ async def evict_pod(
         except TooManyRequests as error:
             if error.disruption_budget or attempt == attempts:
                 raise
-            wait = min(MAX_WAIT_S, error.retry_after_s or 1.0)
+            wait = error.wait_s
         except KubeError as error:
             if error.code < 500 or attempt == attempts:
                 raise
-            wait = min(MAX_WAIT_S, 0.2 * 2**attempt)
+            wait = min(_MAX_BACKOFF_S, 0.2 * 2**attempt)
         except (httpx2.HTTPError, OSError):
             # The answer was lost (the eviction may have landed): asking again is safe, see above.
             if attempt == attempts:
                 raise
-            wait = min(MAX_WAIT_S, 0.2 * 2**attempt)
+            wait = min(_MAX_BACKOFF_S, 0.2 * 2**attempt)
         log.info(
             "eviction of %s/%s not answered (attempt %d), trying again in %.1fs",
             namespace,

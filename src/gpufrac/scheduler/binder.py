@@ -50,13 +50,15 @@ from gpufrac.contract.errors import ContractError
 from gpufrac.contract.render import DeviceChoice, render_binding
 from gpufrac.contract.request import PodGpuRequest
 from gpufrac.kube.binding import bind_pod
-from gpufrac.kube.errors import Conflict, KubeError, NotFound, api_errors
+from gpufrac.kube.errors import Conflict, KubeError, NotFound, TooManyRequests, api_errors
 from gpufrac.kube.patch import set_annotations
 from gpufrac.placement.decision import Placement
 
 log = logging.getLogger(__name__)
 
 _ROLLBACK_ATTEMPTS = 3
+#: How many times a Binding answered 429 (throttled) is sent again before the bind fails.
+_THROTTLED_RETRIES = 4
 #: How long a binder keeps asking for a pod whose Binding failed without a clear answer (see ``_read_back``).
 READ_BACK_S = 30.0
 
@@ -228,15 +230,10 @@ class Binder:
             if not self._fence():
                 return BindResult(Outcome.NOT_LEADER)
             try:
-                await bind_pod(
-                    self._client,
-                    name=meta.name,
-                    namespace=meta.namespace,
-                    node=placement.node,
-                    uid=meta.uid,
-                    resource_version=version,
-                    annotations=written,
-                )
+                if not await self._send_binding(
+                    pod, node=placement.node, version=version, annotations=written
+                ):
+                    return BindResult(Outcome.NOT_LEADER)
                 return BindResult(Outcome.BOUND)
             except NotFound as error:
                 return BindResult(Outcome.GONE, str(error), "not_found")
@@ -285,14 +282,9 @@ class Binder:
             await self._roll_back(pod, restore=restore, written=written, version=version)
             return BindResult(Outcome.NOT_LEADER)
         try:
-            await bind_pod(
-                self._client,
-                name=meta.name,
-                namespace=meta.namespace,
-                node=placement.node,
-                uid=meta.uid,
-                resource_version=version,
-            )
+            if not await self._send_binding(pod, node=placement.node, version=version, annotations=None):
+                await self._roll_back(pod, restore=restore, written=written, version=version)
+                return BindResult(Outcome.NOT_LEADER)
             return BindResult(Outcome.BOUND)
         except NotFound as error:
             return BindResult(Outcome.GONE, str(error), "not_found")
@@ -344,6 +336,42 @@ class Binder:
             meta.name,
         )
         return None
+
+    async def _send_binding(
+        self, pod: Pod, *, node: str, version: str | None, annotations: dict[str, str] | None
+    ) -> bool:
+        """POST the Binding. A 429 is the API server shedding load before it ran the request (priority
+        and fairness): it is sent again after the server's ``Retry-After``, as client-go does for
+        kube-scheduler, instead of failing the bind (a FailedBinding Warning, the GPUs released and the
+        pod placed again, sooner than the server asked). False: the lease was lost while waiting."""
+        meta = pod.metadata
+        throttled = 0
+        while True:
+            try:
+                await bind_pod(
+                    self._client,
+                    name=meta.name,
+                    namespace=meta.namespace,
+                    node=node,
+                    uid=meta.uid,
+                    resource_version=version,
+                    annotations=annotations,
+                )
+                return True
+            except TooManyRequests as error:
+                if throttled == _THROTTLED_RETRIES:
+                    raise
+                throttled += 1
+                log.info(
+                    "binding %s/%s throttled (%s); sent again in %.1fs",
+                    meta.namespace,
+                    meta.name,
+                    error,
+                    error.wait_s,
+                )
+                await asyncio.sleep(error.wait_s)
+            if not self._fence():
+                return False
 
     async def _read_back(self, name: str, namespace: str) -> Pod | None:
         """The pod as the API holds it now, asked again (with backoff, for ``read_back_s``) while the API
