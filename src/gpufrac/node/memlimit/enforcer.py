@@ -14,6 +14,11 @@ The node agent's one owner of the per-cgroup limits (``gpufrac.node.memlimit.dri
 - ``canary``: a throwaway cgroup gets a limit, read back, cleared, read back, removed; until that
   passes, the node is not offered (its readiness says why).
 
+In verify mode (``set_limits=False``, the agent's ``memory_limits: verify``) nothing is ever set: what the
+toolkit's hook set is read back, and a missing limit fails the start or is reported by the audit. A
+container whose GPU work goes through an MPS daemon that cannot see its processes (``blind``) is never
+in force, whatever the driver reads back.
+
 Whole-GPU and non-GPU containers are never touched (no record, or ``exclusive``). Each booked
 container's state feeds the pod condition (``gpufrac.node.memlimit.condition``) and the metrics.
 """
