@@ -25,7 +25,7 @@ from lightkube import codecs
 from lightkube.models.core_v1 import Container, EnvVar, PodSpec, Toleration
 from lightkube.models.meta_v1 import ObjectMeta
 from lightkube.resources.apps_v1 import DaemonSet, Deployment
-from lightkube.resources.core_v1 import Event, Node, Pod
+from lightkube.resources.core_v1 import Node, Pod
 
 from gpufrac.admission.review import DEFAULT_SCHEDULER_USER
 from gpufrac.contract import keys
@@ -38,12 +38,12 @@ from gpufrac.local.realnode import (
     POD_SUBNET,
     SIMULATED_CDI_ENV_PREFIX,
     SLEEP_COMMAND,
+    RealNodeError,
     missing_requirements,
     process_environ,
     process_mounts,
 )
 from gpufrac.local.simnodes import NodeShape, gpu_uuid
-from gpufrac.node.enforcement_audit import REASON_MISSING_INJECTION
 from gpufrac.node.inject import (
     CONTAINER_PIPE_DIR,
     CUDA_MPS_ACTIVE_THREAD_PERCENTAGE,
@@ -327,63 +327,163 @@ async def test_a_containerd_restart_leaves_running_containers_alone_and_the_plug
     await _delete(cluster, "before", "after")
 
 
-async def test_an_agent_that_hangs_in_create_never_leaves_a_container_running_bare(
+def _enforced_env(node: Any, pod: Pod) -> bool:
+    """Whether the running container's process has exactly its plan in its environment (the kernel's)."""
+    env = process_environ(node.container_pid(_container_id(pod)))
+    expected = _expected_env(pod)
+    return {k: env.get(k) for k in ENFORCEMENT_ENV} == {k: expected.get(k) for k in ENFORCEMENT_ENV}
+
+
+async def _never_bare(
+    cluster: LocalCluster,
+    names: list[str],
+    done: Callable[[dict[str, Pod]], bool],
+    *,
+    what: str,
+    timeout_s: float = 60.0,
+    refusals: dict[str, set[str]] | None = None,
+) -> dict[str, Pod]:
+    """Poll the pods every 0.1 s until ``done``; at every poll, each running container must have its
+    plan in its process's environment, read from /proc (a bare one fails the test on the spot). The
+    refusal messages seen on the way are collected in ``refusals`` (pod name -> messages)."""
+    assert cluster.client is not None and cluster.real_node is not None
+    deadline = time.monotonic() + timeout_s
+    while True:
+        pods = {n: await cluster.client.get(Pod, n, namespace="default") for n in names}
+        for name, pod in pods.items():
+            if _running(pod):
+                try:
+                    enforced = _enforced_env(cluster.real_node, pod)
+                except RealNodeError:
+                    continue  # its process went between the two reads; judged at the next poll
+                assert enforced, f"pod {name} runs WITHOUT its injection: {pod.status}"
+            reason, message = _waiting(pod)
+            if refusals is not None and reason == "CreateContainerError":
+                refusals.setdefault(name, set()).add(message)
+        if done(pods):
+            return pods
+        if time.monotonic() > deadline:
+            states = {n: (p.spec.nodeName if p.spec else None, _waiting(p)) for n, p in pods.items()}
+            raise AssertionError(f"pods {names} did not {what} within {timeout_s:.0f}s: {states}")
+        await asyncio.sleep(0.1)
+
+
+def _all(check: Callable[[Pod], bool]) -> Callable[[dict[str, Pod]], bool]:
+    return lambda pods: all(check(p) for p in pods.values())
+
+
+def _refused(pod: Pod) -> bool:
+    return _waiting(pod)[0] == "CreateContainerError"
+
+
+def _started_once(pods: dict[str, Pod]) -> None:
+    """No container of these pods ever ran before the one running now (a bare one the audit stopped
+    would show as a restart)."""
+    for name, pod in pods.items():
+        assert pod.status is not None and pod.status.containerStatuses is not None
+        assert [s.restartCount for s in pod.status.containerStatuses] == [0], name
+
+
+async def test_while_the_agent_is_stopped_no_gpu_container_starts_and_all_run_enforced_after(
     cluster: LocalCluster,
 ) -> None:
-    """The agent stops answering (SIGSTOP), a fractional pod arrives, then the agent is SIGKILLed and a new
-    one started. NRI's request timeout (2 s) closes the hung plugin; what happens to the container depends
-    on which NRI call meets the hang first:
-
-    * a call before CreateContainer (the pod sandbox's) prunes the plugin, and the validator refuses the
-      container (``required plugin "gpufrac" not present``) until the agent is back -- fail-closed;
-    * CreateContainer itself times out: NRI skips the plugin, its validator already counted it present, and
-      the container is created WITHOUT it. The new agent's audit reads the container's environment through
-      containerd's CRI, reports GpuInjectionMissing and stops it; the kubelet recreates it with its limits.
-
-    Either way the pod ends running with its limits, and a bare container never outlives the agent's
-    return."""
+    """SIGSTOP the agent (not its validator), create GPU pods: the first create meets the hung agent, NRI
+    gives up on it after its 2 s request timeout and goes on without its adjustment -- the default
+    validator still counts it present -- and the validator refuses the container; the next ones are
+    refused as the agent is gone from containerd's path. SIGCONT: the agent reconnects and the kubelet's
+    next try creates each container with its plan. No container ever ran bare."""
     assert cluster.client is not None and cluster.real_node is not None
     node = cluster.real_node
-    pid = node.agent_pid
-    assert pid is not None
-    os.kill(pid, signal.SIGSTOP)
-    bare: Pod | None = None
+    agent, validator = node.agent_pid, node.validator_pid
+    assert agent is not None and validator is not None
+    names = ["stopped-a", "stopped-b"]
+    refusals: dict[str, set[str]] = {}
+    os.kill(agent, signal.SIGSTOP)
     try:
-        await cluster.client.create(_pod("hung", annotations=FRACTION), namespace="default")
-        first = await _wait_pod(
-            cluster,
-            "hung",
-            lambda p: _running(p) or _waiting(p)[0] == "CreateContainerError",
-            what="be created past the hung plugin or refused by the validator",
+        for name in names:
+            await cluster.client.create(_pod(name, annotations=FRACTION), namespace="default")
+        await _never_bare(
+            cluster, names, _all(_refused), what="be refused while the agent hangs", refusals=refusals
         )
-        if _running(first):
-            bare = first
-            bare_env = process_environ(node.container_pid(_container_id(bare)))
-            assert bare_env[NVIDIA_GPU_MEMORY_LIMIT] == USER_LIMIT  # the user's value: nothing enforced
-        else:
-            assert f'required plugin "{keys.NRI_PLUGIN_NAME}" not present' in _waiting(first)[1]
     finally:
-        await node.kill_agent()
-    await node.start_agent()
-
-    def enforced(p: Pod) -> bool:
-        if not _running(p) or (bare is not None and _container_id(p) == _container_id(bare)):
-            return False
-        env = process_environ(node.container_pid(_container_id(p)))
-        expected = _expected_env(p)
-        return {k: env.get(k) for k in ENFORCEMENT_ENV} == {k: expected.get(k) for k in ENFORCEMENT_ENV}
-
-    await _wait_pod(
-        cluster, "hung", enforced, what="run with its limits once the agent is back", timeout_s=90
+        os.kill(agent, signal.SIGCONT)
+    pods = await _never_bare(
+        cluster, names, _all(_running), what="run once the agent answers", timeout_s=90, refusals=refusals
     )
-    if bare is not None:
-        events = [
-            e
-            async for e in cluster.client.list(Event, namespace="default")
-            if e.involvedObject.name == "hung" and e.reason == REASON_MISSING_INJECTION
-        ]
-        assert events and "runs without the GPU enforcement it needs" in (events[0].message or "")
-    await _delete(cluster, "hung")
+    assert all(_enforced_env(node, p) for p in pods.values())
+    _started_once(pods)
+    assert node.agent_pid == agent and node.validator_pid == validator  # the same processes throughout
+    said = " | ".join(m for ms in refusals.values() for m in ms)
+    assert 'the node agent ("gpufrac") was consulted but its adjustment is not there' in said, said
+    await _delete(cluster, *names)
+
+
+async def test_while_the_agent_is_dead_no_gpu_container_starts_and_all_run_enforced_after(
+    cluster: LocalCluster,
+) -> None:
+    """SIGKILL the agent (a crash, the OOM killer) and create GPU pods before it is back: the window a
+    DaemonSet's restart leaves. Refused until the new agent is in containerd's path, then run with it."""
+    assert cluster.client is not None and cluster.real_node is not None
+    node = cluster.real_node
+    names = ["killed-a", "killed-b"]
+    await node.kill_agent()
+    for name in names:
+        await cluster.client.create(_pod(name, annotations=FRACTION), namespace="default")
+    refusals: dict[str, set[str]] = {}
+    await _never_bare(
+        cluster, names, _all(_refused), what="be refused while the agent is dead", refusals=refusals
+    )
+    await node.start_agent()
+    pods = await _never_bare(
+        cluster, names, _all(_running), what="run once the agent is back", timeout_s=90, refusals=refusals
+    )
+    assert all(_enforced_env(node, p) for p in pods.values())
+    _started_once(pods)
+    said = " | ".join(m for ms in refusals.values() for m in ms)
+    assert f'required plugin "{keys.NRI_PLUGIN_NAME}" not present' in said, said
+    await _delete(cluster, *names)
+
+
+async def test_a_slow_agent_never_lets_a_gpu_container_start_bare(cluster: LocalCluster) -> None:
+    """The agent starved: stopped 2.5 s, running 0.5 s, over and over while GPU pods arrive, so some of
+    its answers come after containerd's 2 s and some in time (and it reconnects after each time NRI
+    drops it). Whatever each create meets, a container runs only with its plan; once the agent is
+    steady again every pod runs."""
+    assert cluster.client is not None and cluster.real_node is not None
+    node = cluster.real_node
+    agent = node.agent_pid
+    assert agent is not None
+    names = ["slow-a", "slow-b", "slow-c"]
+
+    async def starve() -> None:
+        try:
+            while True:
+                os.kill(agent, signal.SIGSTOP)
+                await asyncio.sleep(2.5)
+                os.kill(agent, signal.SIGCONT)
+                await asyncio.sleep(0.5)
+        finally:
+            os.kill(agent, signal.SIGCONT)
+
+    starving = asyncio.create_task(starve())
+    try:
+        for name in names:
+            await cluster.client.create(_pod(name, annotations=FRACTION), namespace="default")
+            await asyncio.sleep(0.7)
+        # Through 15 s of starvation nothing may run bare (whatever runs is checked at every poll).
+        until = time.monotonic() + 15
+        await _never_bare(
+            cluster, names, lambda _pods: time.monotonic() > until, what="be watched", timeout_s=30
+        )
+    finally:
+        starving.cancel()
+        await asyncio.gather(starving, return_exceptions=True)
+    pods = await _never_bare(
+        cluster, names, _all(_running), what="run once the agent is steady", timeout_s=90
+    )
+    assert all(_enforced_env(node, p) for p in pods.values())
+    _started_once(pods)
+    await _delete(cluster, *names)
 
 
 async def test_a_pod_bound_as_kais_newer_binder_binds_it_runs_with_its_gpu_and_the_plan_inside(

@@ -31,7 +31,11 @@ It needs root and a mounted cgroup hierarchy; ``missing_requirements`` says what
 
 containerd's built-in NRI validator is on: a pod that names our plugin in NRI's
 ``required-plugins.noderesource.dev`` annotation is refused by containerd itself while the node agent is
-not connected, which is what keeps a GPU container from starting without its limits.
+not connected. Beside the agent runs its validating plugin, ``gpufrac node-agent-validator``, as a
+process of its own (as it is a container of its own in the agent's DaemonSet pod): it refuses a GPU
+container whose final adjustment lacks the agent's injection, which is what keeps a GPU container from
+starting without its limits while the agent hangs, dies or answers late (``gpufrac.node.nri.validator``).
+``start_agent`` starts it when it is not running; ``stop_agent`` and ``kill_agent`` end the agent only.
 """
 
 from __future__ import annotations
@@ -412,6 +416,8 @@ class RealNode:
         self._containerd: Spawned | None = None
         self._kubelet: Spawned | None = None
         self._agent: Spawned | None = None
+        self._validator: Spawned | None = None
+        self._validator_port = 0
 
     @property
     def containerd_socket(self) -> Path:
@@ -589,6 +595,8 @@ class RealNode:
     async def start_agent(self, *, extra_args: Sequence[str] = ()) -> None:
         """Start the node agent (simulated GPUs) on containerd's NRI and CRI sockets; wait until published.
         ``extra_args`` are added to its command line (benchmarks: ``--memory-limits off``)."""
+        if self._validator is None or self._validator.popen.poll() is not None:
+            await self.start_validator()
         if self._agent is not None and self._agent.popen.poll() is None:
             return
         shape = self.shape
@@ -643,6 +651,47 @@ class RealNode:
     def agent_pid(self) -> int | None:
         return self._agent.popen.pid if self._agent is not None else None
 
+    async def start_validator(self) -> None:
+        """Start the agent's validating NRI plugin on containerd's NRI socket; wait until it is in
+        containerd's path (its /readyz: registered and synchronized)."""
+        self._validator_port = _free_port()
+        self._validator = spawn(
+            name="node-agent-validator",
+            argv=[
+                *self._agent_argv(),
+                "node-agent-validator",
+                f"--nri-socket={self.nri_socket}",
+                "--health-host=127.0.0.1",
+                f"--health-port={self._validator_port}",
+                "--log-format=text",
+            ],
+            logs=self.logs,
+        )
+        await self._wait(
+            self._validator, "register with containerd's NRI", self._validator_ready, timeout_s=60
+        )
+
+    async def _validator_ready(self) -> bool:
+        def get() -> bool:
+            try:
+                with socket.create_connection(("127.0.0.1", self._validator_port), timeout=1) as conn:
+                    conn.sendall(b"GET /readyz HTTP/1.1\r\nHost: x\r\n\r\n")
+                    return conn.recv(64).startswith(b"HTTP/1.1 200")
+            except OSError:
+                return False
+
+        return await asyncio.to_thread(get)
+
+    @property
+    def validator_pid(self) -> int | None:
+        return self._validator.popen.pid if self._validator is not None else None
+
+    async def stop_validator(self) -> None:
+        """SIGTERM the validator and wait until it has exited."""
+        validator, self._validator = self._validator, None
+        if validator is not None:
+            await asyncio.to_thread(terminate, validator.popen)
+
     async def kill_agent(self) -> None:
         """SIGKILL the node agent, as a crash or the OOM killer does: none of its shutdown runs."""
         agent, self._agent = self._agent, None
@@ -689,8 +738,10 @@ class RealNode:
     # -- stop -----------------------------------------------------------------------------------------
 
     async def stop(self) -> None:
-        """End the agent, the kubelet, every container, then containerd; safe to call twice."""
+        """End the agent and its validator, the kubelet, every container, then containerd; safe to call
+        twice."""
         await self.stop_agent()
+        await self.stop_validator()
         kubelet, self._kubelet = self._kubelet, None
         if kubelet is not None:
             await asyncio.to_thread(terminate, kubelet.popen)
