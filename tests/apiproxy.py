@@ -5,7 +5,7 @@ scheduler's paths for those answers would only ever run in a user's cluster. Thi
 listens on 127.0.0.1 (plain HTTP, no credentials: loopback only), forwards every request to the real API
 server as the admin (TLS with the admin's client certificate), and answers chosen requests itself.
 
-Choosing. A ``Rule`` matches requests (``binds``, ``evictions``, ``watches``, ``reads``: one predicate
+Choosing. A ``Rule`` matches requests (``binds``, ``evictions``, ``watches``: one predicate
 on the parsed request) and holds a list of ``Fault``; the rule's first matching request gets the first
 fault, the next one the second, and so on (``None`` in the list lets that request through); once the
 list is used up the rule lets everything through. So every test plays a known, finite script.
@@ -153,16 +153,6 @@ def watches(resource: str, *, fields: str | None = None) -> Callable[[Request], 
     return match
 
 
-def reads(resource: str) -> Callable[[Request], bool]:
-    """GET of one object of ``resource`` (``pods``: .../pods/<name>), the way a binder reads a pod back."""
-
-    def match(request: Request) -> bool:
-        parts = request.path.rstrip("/").split("/")
-        return request.method == "GET" and not request.watch and len(parts) >= 2 and parts[-2] == resource
-
-    return match
-
-
 @dataclass
 class Rule:
     """``faults[i]`` for the i-th request ``match`` accepts (None: let it through); then none."""
@@ -223,6 +213,7 @@ class FaultProxy:
         #: Open watch streams: the client's writer -> the path it watches and the upstream's writer.
         self._watching: dict[asyncio.StreamWriter, tuple[str, asyncio.StreamWriter]] = {}
         self._stopper: asyncio.TimerHandle | None = None
+        self._closing: asyncio.Future[None] | None = None
 
     @classmethod
     def for_controlplane(cls, controlplane: object, **options: object) -> FaultProxy:
@@ -248,10 +239,11 @@ class FaultProxy:
     async def start(self) -> FaultProxy:
         self._server = await asyncio.start_server(self._serve, host="127.0.0.1", port=0, limit=_MAX_HEAD)
         # Stops by itself: a test that forgets to close it does not leave a proxy behind.
-        self._stopper = asyncio.get_running_loop().call_later(
-            self.lifetime_s, lambda: asyncio.ensure_future(self.close())
-        )
+        self._stopper = asyncio.get_running_loop().call_later(self.lifetime_s, self._stop_by_itself)
         return self
+
+    def _stop_by_itself(self) -> None:
+        self._closing = asyncio.ensure_future(self.close())  # kept: a task nobody holds may vanish
 
     async def close(self) -> None:
         if self._stopper is not None:
