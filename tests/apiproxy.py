@@ -340,7 +340,11 @@ class FaultProxy:
             if request.watch:
                 self._watching[writer] = (request.path.rstrip("/"), up_writer)
             out = [status_line] + [f"{k}: {v}" for k, v in headers.items() if k not in _HOP_BY_HOP]
-            out.append("Transfer-Encoding: chunked")
+            if request.method == "HEAD" or status_line.split(" ")[1] in ("204", "304"):
+                writer.write(("\r\n".join(out) + "\r\n\r\n").encode("latin-1"))  # no body, by definition
+                await writer.drain()
+                return True
+            out.append("Transfer-Encoding: chunked")  # the answer is relayed as it arrives
             writer.write(("\r\n".join(out) + "\r\n\r\n").encode("latin-1"))
             lines = 0
             async for piece in _body(up_reader, headers):
