@@ -16,6 +16,7 @@ import pytest
 from lightkube import AsyncClient
 from lightkube.resources.core_v1 import Event, Pod
 from sched_harness import Pool, add_nodes, audit_pool, gpu_pod, pods_of, running, wait_bound, wait_for
+from test_binder_conflicts import placed_half
 from test_preemption import exists, mark_running, whole_gpu_pod
 
 from apiproxy import (
@@ -30,8 +31,10 @@ from apiproxy import (
     watches,
 )
 from gpufrac.contract import keys
+from gpufrac.contract.parse import ContainerSpec, parse_pod
 from gpufrac.local.controlplane import ControlPlane
 from gpufrac.local.simnodes import NodeShape
+from gpufrac.scheduler.binder import Binder, BindMode, Outcome
 from gpufrac.scheduler.booking_cache import BookingState
 
 pytestmark = pytest.mark.kube
@@ -191,3 +194,27 @@ async def test_evictions_answered_429_and_503_still_make_room_for_the_higher_pri
         "503",
         "answer lost (reset)",
     ]
+
+
+@pytest.mark.parametrize("mode", [BindMode.ATOMIC, BindMode.PATCH_THEN_BIND])
+async def test_a_lost_binding_the_binder_could_not_read_back_is_recognised_when_bound_again(
+    client: AsyncClient, pool: Pool, proxy: FaultProxy, through: AsyncClient, mode: BindMode
+) -> None:
+    """The API server stays unreadable past the binder's read-back: the bind reports failure (unknown),
+    and its retry is answered 409 (already bound); that answer, read back, is the first bind landing with
+    exactly these devices, so the retry is BOUND and nothing is written twice."""
+    pod, placement = await placed_half(client, pool, "lost")
+    request = parse_pod(pod.metadata.annotations, [ContainerSpec(name="app")])
+    proxy.rules.append(Rule("binds", binds, [lose_answer(reset=True, refuse_reads=1000)]))
+    binder = Binder(client=through, fence=lambda: True, mode=mode, read_back_s=0.3)
+    first = await binder.bind(pod, request=request, placement=placement)
+    assert first.outcome is Outcome.FAILED
+    landed = await client.get(Pod, "lost", namespace=pool.namespace)
+    assert landed.spec.nodeName == placement.node  # it did land
+    proxy.rules[:] = [rule for rule in proxy.rules if not rule.name.startswith("read-back")]  # readable again
+
+    again = await binder.bind(pod, request=request, placement=placement)
+    assert again.outcome is Outcome.BOUND, again
+    stored = await client.get(Pod, "lost", namespace=pool.namespace)
+    assert stored.metadata.resourceVersion == landed.metadata.resourceVersion  # the retry wrote nothing
+    assert stored.metadata.annotations[keys.devices_key("app")] == placement.containers[0].uuids[0]

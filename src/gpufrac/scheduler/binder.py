@@ -13,7 +13,8 @@ Two ways, one contract (``bind_mode``):
   what the placement was computed from is unchanged. Any other change is a 409 the scheduler looks at
   again.
 - ``patch-then-bind``: the two-step form (docs/scheduler.md). The annotations are merge-patched
-  with the pod's resourceVersion (a pod changed since is not annotated: 409, the scheduler looks again),
+  with the pod's resourceVersion (a pod changed since is not annotated: 409, the scheduler looks again;
+  a pod the read-back shows bound since, by an earlier Binding of ours whose answer was lost, is BOUND),
   then the Binding carries the version that patch returned, so exactly the annotated pod is bound. If
   the Binding fails, the annotations are rolled back with the same precondition, restoring what the pod
   had (a user's explicit request is restored, a resolved one removed); a rollback that meets a 409 reads
@@ -274,6 +275,14 @@ class Binder:
             except NotFound as error:
                 return BindResult(Outcome.GONE, str(error), "not_found")
             except Conflict as error:
+                # A pod bound since (a Binding of ours whose answer was lost, or another binder's) is
+                # told apart from one merely changed: read back, bound means BOUND or BOUND_ELSEWHERE.
+                try:
+                    current = await self._read_back(meta.name, meta.namespace)
+                except NotFound:
+                    return BindResult(Outcome.GONE, str(error), "not_found")
+                if current is not None and current.spec and current.spec.nodeName:
+                    return _failed_bind(error, current=current, pod=pod, placement=placement, written=written)
                 return BindResult(Outcome.CONFLICT, str(error), "conflict")
             except (KubeError, httpx2.HTTPError, OSError) as error:
                 return BindResult(Outcome.FAILED, f"annotating failed: {error}", _error_reason(error))
