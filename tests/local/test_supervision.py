@@ -64,7 +64,8 @@ def _listening(pid: int) -> list[tuple[str, int]]:
 async def test_every_component_listens_on_loopback_only(cluster: LocalCluster) -> None:
     names = sorted(cluster.components)
     agents = [f"node-agent-{node}" for node in cluster.shape.node_names]
-    assert names == sorted(["admission", "scheduler", *agents])
+    validators = [f"node-agent-validator-{node}" for node in cluster.shape.node_names]
+    assert names == sorted(["admission", "scheduler", *agents, *validators])
     for name in names:
         sockets = _listening(cluster.components[name].pid)
         assert sockets, f"{name} listens on nothing"
@@ -84,7 +85,12 @@ async def _until(condition, *, timeout_s: float = 60.0) -> None:  # type: ignore
 
 async def test_killed_components_come_back_and_a_pod_created_afterwards_runs(cluster: LocalCluster) -> None:
     assert cluster.client is not None
-    victims = ["scheduler", "admission", *(f"node-agent-{node}" for node in cluster.shape.node_names)]
+    victims = [
+        "scheduler",
+        "admission",
+        *(f"node-agent-{node}" for node in cluster.shape.node_names),
+        *(f"node-agent-validator-{node}" for node in cluster.shape.node_names),
+    ]
     old = {name: cluster.components[name].pid for name in victims}
     for name in victims:
         os.kill(old[name], signal.SIGKILL)
@@ -132,3 +138,86 @@ async def test_gpufrac_up_ends_with_the_code_of_a_control_plane_that_died(tmp_pa
         assert code == -signal.SIGKILL
     finally:
         await asyncio.to_thread(controlplane.stop)
+
+
+def _gpu_pod(name: str) -> Pod:
+    (pod,) = load_all_yaml((EXAMPLES / "demo" / "packed.yaml").read_text())
+    pod.metadata.name = name
+    return pod
+
+
+async def _never_bare(cluster: LocalCluster, names: list[str], done, *, timeout_s: float = 60.0) -> None:  # type: ignore[no-untyped-def]
+    """Poll until ``done(received)`` (pod name -> what its container ``app`` received, as the simulated
+    kubelet records it); at every poll, every container the nodes' NRI runtimes hold for these pods must
+    have its injection (the runtime's own list, not the kubelet's record), and so must every record."""
+    assert cluster.client is not None
+    async with asyncio.timeout(timeout_s):
+        while True:
+            received: dict[str, dict] = {}
+            uids = {}
+            for name in names:
+                pod = await cluster.client.get(Pod, name, namespace="default")
+                uids[pod.metadata.uid] = name
+                raw = (pod.metadata.annotations or {}).get(CONTAINERS_ANNOTATION)
+                if raw:
+                    received[name] = json.loads(raw)["app"]
+            for runtime in cluster.runtimes.values():
+                for container in (await runtime.list())["containers"]:
+                    if container.get("pod_sandbox_id") in uids:
+                        env = dict(e.partition("=")[::2] for e in container.get("env", []))
+                        assert env.get("NVIDIA_GPU_MEMORY_REQUEST") == str(16 * 1024), (
+                            f"{uids[container['pod_sandbox_id']]} was created WITHOUT its injection: {env}"
+                        )
+            for name, got in received.items():
+                assert "error" in got or got["env"].get("NVIDIA_GPU_MEMORY_REQUEST") == str(16 * 1024), (
+                    name,
+                    got,
+                )
+            if done(received):
+                return
+            await asyncio.sleep(0.1)
+
+
+def _all_refused(names: list[str]):  # type: ignore[no-untyped-def]
+    return lambda got: set(got) == set(names) and all("error" in g for g in got.values())
+
+
+def _all_injected(names: list[str]):  # type: ignore[no-untyped-def]
+    return lambda got: set(got) == set(names) and all("error" not in g for g in got.values())
+
+
+async def test_hung_agents_let_no_gpu_container_be_created_bare_and_the_pods_run_after(
+    cluster: LocalCluster,
+) -> None:
+    """Every node agent SIGSTOPped: NRI's default validator still counts each present until its request
+    timeout drops it, and before this release the containers were created with an empty environment.
+    The agents' validators refuse them; the simulated kubelet retries, and once the agents answer again
+    the pods run with their injection."""
+    assert cluster.client is not None
+    agents = [cluster.components[f"node-agent-{node}"].pid for node in cluster.shape.node_names]
+    names = ["hung-a", "hung-b"]
+    for pid in agents:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        for name in names:
+            await cluster.client.create(_gpu_pod(name), namespace="default")
+        await _never_bare(cluster, names, _all_refused(names))
+    finally:
+        for pid in agents:
+            os.kill(pid, signal.SIGCONT)
+    await _never_bare(cluster, names, _all_injected(names))
+    for name in names:
+        await cluster.client.delete(Pod, name, namespace="default", grace_period=0)
+
+
+async def test_pods_created_while_the_agents_restart_never_run_bare(cluster: LocalCluster) -> None:
+    """SIGKILL every agent and create GPU pods at once: the supervisor's restart window (as a DaemonSet's)."""
+    assert cluster.client is not None
+    names = ["restart-a", "restart-b"]
+    for node in cluster.shape.node_names:
+        os.kill(cluster.components[f"node-agent-{node}"].pid, signal.SIGKILL)
+    for name in names:
+        await cluster.client.create(_gpu_pod(name), namespace="default")
+    await _never_bare(cluster, names, _all_injected(names))
+    for name in names:
+        await cluster.client.delete(Pod, name, namespace="default", grace_period=0)

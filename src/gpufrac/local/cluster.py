@@ -11,9 +11,12 @@ What runs, and what is real:
   (``gpufrac-system/gpufrac-scheduler``, a token from the TokenRequest API), so the webhook's rule
   "only the scheduler writes binder-owned keys" holds here exactly as in a cluster;
 - per simulated node: a Node object (what a kubelet would register), NRI's REAL runtime-side library
-  (``gpufrac-nriruntime``, standing in for containerd) and ``gpufrac node-agent`` as a process with the
-  SIMULATED GPU backend, connected to that runtime as an NRI plugin and publishing the node's GPUs, with
-  its usage metrics on a local port (``metrics_urls``, what ``gpufrac top`` reads);
+  (``gpufrac-nriruntime``, standing in for containerd, with NRI's default validator on as the real node's
+  containerd has it) and ``gpufrac node-agent`` as a process with the SIMULATED GPU backend, connected to
+  that runtime as an NRI plugin and publishing the node's GPUs, with its usage metrics on a local port
+  (``metrics_urls``, what ``gpufrac top`` reads); beside it ``gpufrac node-agent-validator``, the agent's
+  validating plugin (``node-agent-validator-<node>``), so a GPU container is refused, not created bare,
+  while the agent is away, hung or restarting;
 - the simulated kubelet (in this process): creates the containers of bound pods through the node's
   runtime, so the node agent's injection is what the pod records.
 
@@ -255,13 +258,19 @@ class LocalCluster:
     def logs(self) -> Path:
         return self.work_dir / "logs"
 
+    @property
+    def runtimes(self) -> dict[str, NriRuntime]:
+        """Each simulated node's NRI runtime (what stands in for containerd), by node name."""
+        return dict(self._runtimes)
+
     def runtime_pids(self) -> dict[str, int]:
         """The NRI runtime process of each node (what stands in for containerd)."""
         return {node: pid for node, runtime in self._runtimes.items() if (pid := runtime.pid) is not None}
 
     @property
     def components(self) -> dict[str, Component]:
-        """The supervised processes by name: ``admission``, ``scheduler``, ``node-agent-<node>``."""
+        """The supervised processes by name: ``admission``, ``scheduler``, ``node-agent-<node>``,
+        ``node-agent-validator-<node>``."""
         return self.supervisor.components
 
     # -- start ----------------------------------------------------------------------------------------
@@ -464,9 +473,26 @@ class LocalCluster:
     async def _start_node(self, name: str) -> None:
         node_dir = self.work_dir / "nodes" / name
         node_dir.mkdir(parents=True, exist_ok=True)
-        runtime = NriRuntime(socket_path=node_dir / "nri.sock", cgroup_root=node_dir / "cgroupfs")
+        # NRI's default validator on, as containerd is configured on the real node (docs/deploy.md): a GPU
+        # container is refused while the agent is not connected, and the agent's validator beside it
+        # refuses one whose adjustment lacks the injection (a hung or killed agent).
+        runtime = NriRuntime(
+            socket_path=node_dir / "nri.sock", cgroup_root=node_dir / "cgroupfs", default_validator=True
+        )
         await runtime.start()
         self._runtimes[name] = runtime
+        validator_port = _free_port()
+        validator = self._spawn(
+            f"node-agent-validator-{name}",
+            [
+                *_gpufrac(),
+                "node-agent-validator",
+                f"--nri-socket={runtime.socket_path}",
+                f"--health-host={LOOPBACK}",
+                f"--health-port={validator_port}",
+                "--log-format=text",
+            ],
+        )
         shape = self.shape.node
         metrics_port, health_port = _free_port(), _free_port()
         # The simulated driver keys limits by the runtime's (simulated) cgroup directories.
@@ -493,6 +519,7 @@ class LocalCluster:
         )
         self.metrics_urls[name] = f"http://{LOOPBACK}:{metrics_port}/metrics"
         # Ready means registered and synchronized with the NRI runtime (gpufrac.node.agent).
+        await self._wait_http(validator, f"http://{LOOPBACK}:{validator_port}/readyz")
         await self._wait_http(process, f"http://{LOOPBACK}:{health_port}/readyz")
 
     async def _start_real_node(self) -> None:

@@ -12,7 +12,9 @@ failed with) is written on the Pod as the ``gpufrac.io/simulated-containers`` an
 ``gpufrac demo`` and tests can show it; then the pod's status becomes Running (or stays Pending with a
 ``CreateContainerError`` status, as a real kubelet reports a refused create, or ``RunContainerError``
 for a refused start: the node agent refuses to start a fraction whose GPU memory limit it could not set
-and read back). A deleted pod's containers
+and read back). A refused create is tried again, as a real kubelet's pod worker does, with a back-off
+(``retry_initial_s`` doubling to ``retry_max_s``): NRI's validators refuse a GPU container while the node
+agent is away, hung or restarting, and the pod runs once it is back. A deleted pod's containers
 are stopped and removed, which is what lets the node agent drop their mapping records.
 """
 
@@ -50,6 +52,10 @@ INJECTED_PREFIXES = ("NVIDIA_", "CUDA_MPS_")
 class _RunningPod:
     node: str
     container_ids: list[str] = field(default_factory=list)
+    sandbox: bool = False
+    #: Containers created so far: name -> (what it received, its status); a retry creates only the rest.
+    created: dict[str, tuple[dict[str, Any], dict[str, Any]]] = field(default_factory=dict)
+    refusals: int = 0
 
 
 def injected_view(env: Mapping[str, str], mounts: list[dict[str, Any]]) -> dict[str, Any]:
@@ -78,7 +84,11 @@ class SimulatedKubelet:
         client: AsyncClient,
         runtimes: Mapping[str, NriRuntime],
         informer_options: Mapping[str, Any] | None = None,
+        retry_initial_s: float = 0.5,
+        retry_max_s: float = 10.0,
     ) -> None:
+        self._retry_initial_s = retry_initial_s
+        self._retry_max_s = retry_max_s
         self._client = client
         self._runtimes = dict(runtimes)
         self._queue: asyncio.Queue[tuple[str, Pod]] = asyncio.Queue()
@@ -134,7 +144,7 @@ class SimulatedKubelet:
         while True:
             op, pod = await self._queue.get()
             try:
-                if op == "run":
+                if op in ("run", "retry"):
                     await self._run_pod(pod)
                 else:
                     await self._remove_pod(pod)
@@ -149,20 +159,30 @@ class SimulatedKubelet:
     async def _run_pod(self, pod: Pod) -> None:
         meta, spec = pod.metadata, pod.spec
         assert meta is not None and spec is not None and meta.uid is not None
+        running = self._running.get(meta.uid)
+        if running is None:  # deleted while a retry waited
+            return
         runtime = self._runtimes[spec.nodeName]  # type: ignore[index]
         annotations = dict(meta.annotations or {})
-        await runtime.run_pod(
-            id=meta.uid,
-            name=meta.name or "",
-            namespace=meta.namespace or "",
-            uid=meta.uid,
-            annotations=annotations,
-            labels=dict(meta.labels or {}),
-        )
+        if not running.sandbox:
+            await runtime.run_pod(
+                id=meta.uid,
+                name=meta.name or "",
+                namespace=meta.namespace or "",
+                uid=meta.uid,
+                annotations=annotations,
+                labels=dict(meta.labels or {}),
+            )
+            running.sandbox = True
         received: dict[str, Any] = {}
         statuses: list[dict[str, Any]] = []
-        failed = False
+        failed = refused = False
         for container in spec.containers:
+            if container.name in running.created:
+                received[container.name], status = running.created[container.name]
+                statuses.append(status)
+                failed = failed or "waiting" in status["state"]
+                continue
             container_id = f"{meta.uid}-{container.name}"
             env = {e.name: e.value or "" for e in (container.env or []) if e.valueFrom is None}
             try:
@@ -175,11 +195,11 @@ class SimulatedKubelet:
                     args=list(container.command or []) + list(container.args or []),
                 )
             except ContainerCreateFailed as error:
-                failed = True
+                failed = refused = True
                 received[container.name] = {"error": str(error)}
                 statuses.append(_waiting(container.name, container.image, str(error)))
                 continue
-            self._running[meta.uid].container_ids.append(container_id)
+            running.container_ids.append(container_id)
             try:
                 await runtime.start_container(container_id)
             except NriRuntimeError as error:  # a plugin refused the start (the GPU memory limit not in force)
@@ -188,9 +208,10 @@ class SimulatedKubelet:
                 statuses.append(
                     _waiting(container.name, container.image, str(error), reason="RunContainerError")
                 )
-                continue
-            received[container.name] = injected_view(created.env, created.mounts)
-            statuses.append(_running(container.name, container.image))
+            else:
+                received[container.name] = injected_view(created.env, created.mounts)
+                statuses.append(_running(container.name, container.image))
+            running.created[container.name] = (received[container.name], statuses[-1])
 
         await set_annotations(
             self._client,
@@ -200,6 +221,10 @@ class SimulatedKubelet:
             annotations={CONTAINERS_ANNOTATION: json.dumps(received, sort_keys=True)},
         )
         await self._patch_status(pod, statuses=statuses, running=not failed)
+        if refused:  # as a real kubelet's pod worker: the next sync creates what was refused
+            delay = min(self._retry_max_s, self._retry_initial_s * 2**running.refusals)
+            running.refusals += 1
+            asyncio.get_running_loop().call_later(delay, self._queue.put_nowait, ("retry", pod))
         log.info(
             "kubelet: %s/%s on %s %s",
             meta.namespace,
