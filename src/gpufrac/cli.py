@@ -53,7 +53,7 @@ def _register() -> None:
     from gpufrac.node.command import node_agent
 
     app.command(name="node-agent")(node_agent)
-    from gpufrac.node.validator_command import node_agent_validator
+    from gpufrac.node.nri.command import node_agent_validator
 
     app.command(name="node-agent-validator")(node_agent_validator)
     from gpufrac.admission.command import admission
