@@ -23,7 +23,7 @@ Events go through the ``EventSink`` seam whose REAL implementation is ``gpufrac.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -32,7 +32,7 @@ import grpc
 from gpufrac.contract.quantities import MIB
 from gpufrac.kube.events import WARNING, ObjectRef
 from gpufrac.node.cri.client import CriError, RunningContainer
-from gpufrac.node.inject import NVIDIA_VISIBLE_DEVICES
+from gpufrac.node.inject import injection_problems
 from gpufrac.node.metrics import MISSING_INJECTION, OVER_LIMIT, UNKNOWN_PROCESS, EnforcementCounters
 from gpufrac.node.usage.collect import UsageSnapshot
 
@@ -236,33 +236,6 @@ class Auditor:
                     log.warning("audit: stopping %s failed, retrying next cycle: %s", container_id, error)
                     continue
             self._pending_stops.discard(container_id)
-
-
-#: What NVIDIA's generated CDI specs set ``NVIDIA_VISIBLE_DEVICES`` to (``nvidia-ctk cdi generate``).
-CDI_SPEC_VISIBLE_DEVICES = "void"
-
-
-def injection_problems(
-    *, expected: Mapping[str, str], actual: Mapping[str, str], managed_keys: Sequence[str] | frozenset[str]
-) -> list[str]:
-    """Each way ``actual`` differs from the plan, in words (values compared, not just presence).
-
-    ``NVIDIA_VISIBLE_DEVICES=void`` where devices are planned is no problem: the NVIDIA toolkit's CDI spec,
-    requested for the container's devices (``gpufrac.node.inject``), sets it after the plan's variables are
-    applied, and ``void`` gives no GPU through the variable.
-    """
-    problems = []
-    for key, value in sorted(expected.items()):
-        if key == NVIDIA_VISIBLE_DEVICES and actual.get(key) == CDI_SPEC_VISIBLE_DEVICES:
-            continue
-        if key not in actual:
-            problems.append(f"{key} missing, want {value!r}")
-        elif actual[key] != value:
-            problems.append(f"{key}={actual[key]!r}, want {value!r}")
-    for key in sorted(set(managed_keys) - expected.keys()):
-        if key in actual:
-            problems.append(f"{key}={actual[key]!r} set, want it absent")
-    return problems
 
 
 def _pod(container: RunningContainer) -> ObjectRef:

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -218,3 +218,32 @@ class EnvPlanner:
         except ContractError:
             return None  # such a container was refused at creation; nothing to compare against
         return None if plan is None else plan.env_map
+
+
+#: What NVIDIA's generated CDI specs set ``NVIDIA_VISIBLE_DEVICES`` to (``nvidia-ctk cdi generate``).
+CDI_SPEC_VISIBLE_DEVICES = "void"
+
+
+def injection_problems(
+    *, expected: Mapping[str, str], actual: Mapping[str, str], managed_keys: Sequence[str] | frozenset[str]
+) -> list[str]:
+    """Each way ``actual`` differs from the plan, in words (values compared, not just presence). One rule
+    for every judge: the audit (running containers, through CRI), Synchronize (after a reconnection) and
+    the NRI validator (a container about to be created, ``gpufrac.node.nri.validator``).
+
+    ``NVIDIA_VISIBLE_DEVICES=void`` where devices are planned is no problem: the NVIDIA toolkit's CDI spec,
+    requested for the container's devices (``cdi_requests``), sets it after the plan's variables are
+    applied, and ``void`` gives no GPU through the variable.
+    """
+    problems = []
+    for key, value in sorted(expected.items()):
+        if key == NVIDIA_VISIBLE_DEVICES and actual.get(key) == CDI_SPEC_VISIBLE_DEVICES:
+            continue
+        if key not in actual:
+            problems.append(f"{key} missing, want {value!r}")
+        elif actual[key] != value:
+            problems.append(f"{key}={actual[key]!r}, want {value!r}")
+    for key in sorted(set(managed_keys) - expected.keys()):
+        if key in actual:
+            problems.append(f"{key}={actual[key]!r} set, want it absent")
+    return problems

@@ -80,12 +80,13 @@ from gpufrac.contract import keys
 from gpufrac.contract.errors import ContractError
 from gpufrac.contract.keys import CDI_GPU_KIND, DEVICE_PLUGIN_CDI_GPU_KIND
 from gpufrac.kube.events import WARNING, ObjectRef
-from gpufrac.node.enforcement_audit import REASON_MISSING_INJECTION, EventSink, injection_problems
+from gpufrac.node.enforcement_audit import REASON_MISSING_INJECTION, EventSink
 from gpufrac.node.inject import (
     CONTAINER_PIPE_DIR,
     ENFORCEMENT_ENV,
     NVIDIA_VISIBLE_DEVICES,
     InjectionPlan,
+    injection_problems,
     is_cdi_name,
     pipe_leaf,
     plan_container,

@@ -23,7 +23,7 @@ The judgment is the one Synchronize and the audit make for a running container, 
 will get: the plan comes from the pod's annotations through the contract's reader
 (``gpufrac.node.inject.plan_container`` -> ``read_binding``), the environment is the container's with the
 final adjustment applied as containerd applies it (``effective_env``), and the two are compared by
-``gpufrac.node.enforcement_audit.injection_problems``. A container without a GPU ask is never judged. A
+``gpufrac.node.inject.injection_problems``. A container without a GPU ask is never judged. A
 pod whose annotations break the contract is refused with the contract's message (the agent refuses it
 too; this matters when the agent was skipped). With ``fail_open`` (the agent's ``--fail-open``, which
 creates containers without enforcement by choice) the validator refuses nothing and logs what it would
@@ -42,8 +42,7 @@ from collections.abc import Iterable, Sequence
 from gpufrac._generated.nri import api_pb2 as api
 from gpufrac.contract import keys
 from gpufrac.contract.errors import ContractError
-from gpufrac.node.enforcement_audit import injection_problems
-from gpufrac.node.inject import CONTAINER_PIPE_DIR, ENFORCEMENT_ENV, plan_container
+from gpufrac.node.inject import CONTAINER_PIPE_DIR, ENFORCEMENT_ENV, injection_problems, plan_container
 from gpufrac.node.nri.plugin import PluginIdentity
 
 log = logging.getLogger(__name__)
