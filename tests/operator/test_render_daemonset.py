@@ -23,9 +23,13 @@ def render(**agent: Any) -> dict[str, Any]:
     return render_daemonset(read_config(config(**agent)))
 
 
-def container(ds: dict[str, Any]) -> dict[str, Any]:
-    (only,) = ds["spec"]["template"]["spec"]["containers"]
-    return only
+def container(ds: dict[str, Any], name: str = "node-agent") -> dict[str, Any]:
+    (found,) = [c for c in ds["spec"]["template"]["spec"]["containers"] if c["name"] == name]
+    return found
+
+
+def validator(ds: dict[str, Any]) -> dict[str, Any]:
+    return container(ds, "node-agent-validator")
 
 
 def mounts(ds: dict[str, Any]) -> dict[str, tuple[str, str, bool]]:
@@ -111,6 +115,35 @@ def test_probes_hit_the_agents_health_port() -> None:
     assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
     assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "health"}
     assert "--health-port=9100" in c["args"]
+
+
+def test_a_hung_agent_is_restarted_within_ten_seconds() -> None:
+    """A loop that cannot answer in 2 s cannot answer the runtime's 2 s budget either: two such misses,
+    5 s apart, restart it."""
+    probe = container(render())["livenessProbe"]
+    assert (probe["periodSeconds"], probe["timeoutSeconds"], probe["failureThreshold"]) == (5, 2, 2)
+    assert probe["periodSeconds"] * probe["failureThreshold"] <= 10
+
+
+def test_the_validator_runs_beside_the_agent_with_the_nri_socket_only() -> None:
+    ds = render(nriSocket="/run/containerd/nri/nri.sock", failOpen=True, logLevel="debug")
+    v, agent = validator(ds), container(ds)
+    assert v["image"] == agent["image"] and v["command"] == ["gpufrac"]
+    assert v["args"][0] == "node-agent-validator"
+    assert {"--nri-socket=/run/containerd/nri/nri.sock", "--fail-open", "--log-level=debug"} <= set(v["args"])
+    assert "--fail-closed" in validator(render())["args"]
+    # The runtime's socket directory and nothing else of the host; not privileged, no capability.
+    assert v["volumeMounts"] == [{"name": "nri", "mountPath": "/run/containerd/nri"}]
+    assert "privileged" not in v["securityContext"]
+    assert v["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    assert v["securityContext"]["allowPrivilegeEscalation"] is False
+    # Its own probes, on a port the agent's defaults do not use.
+    (port,) = v["ports"]
+    assert port["containerPort"] not in {p["containerPort"] for p in agent["ports"]}
+    assert v["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": port["name"]}
+    assert v["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": port["name"]}
+    assert f"--health-port={port['containerPort']}" in v["args"]
+    assert v["resources"]["limits"]["memory"] == v["resources"]["requests"]["memory"]
 
 
 def test_the_managed_taint_is_always_tolerated_and_the_spec_adds_to_it() -> None:

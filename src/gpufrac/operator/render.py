@@ -23,6 +23,18 @@ applies. The pod follows docs/node-agent.md:
   container toolkit mounts NVML and the MPS binaries into the privileged agent (``runtimeClassName``
   where the NVIDIA runtime is not the node's default).
 
+Beside the agent runs its validating NRI plugin (``gpufrac node-agent-validator``, a second container of
+the same pod, not privileged, with only the NRI socket's directory): it refuses a GPU container whose
+final NRI adjustment lacks the agent's injection, which is what keeps a container from starting bare
+while the agent hangs, dies or answers after the runtime's 2 s request timeout (docs/node-agent.md). It
+must be a process of its own: a hung agent would hang a validator in its own process too. It follows the
+agent's fail-open setting.
+
+The agent's liveness probe restarts a hung agent within about 10 s (every 5 s, 2 s to answer, 2
+failures): an event loop that cannot answer /healthz in 2 s cannot answer the runtime in its 2 s budget
+either, so it is out of the runtime's path already; the validator keeps its containers from starting
+bare meanwhile, and the probe ends the wait.
+
 Host memory is sized from the GPU count (``agent_resources``), unless the spec gives ``resources``: the
 MPS control daemon and its servers start in the agent's cgroup (they leave it for one of their own where
 the agent can move them, docs/mps.md "Handover"; the headroom stays for nodes where it cannot), and
@@ -67,6 +79,10 @@ CGROUP_ROOT = "/sys/fs/cgroup"
 KUBELET_DIR = "/var/lib/kubelet"
 CDI_DIR = "/var/run/cdi"
 MAX_NAME = 63
+#: The validator container's /healthz and /readyz (the agent's own ports are the spec's).
+VALIDATOR_HEALTH_PORT = 8083
+VALIDATOR_PORT_NAME = "validator"
+VALIDATOR_RESOURCES = {"requests": {"cpu": "10m", "memory": "128Mi"}, "limits": {"memory": "128Mi"}}
 
 #: Host memory of the agent container: the agent process itself (Python, the NRI connection, the usage
 #: series) and, per GPU, its NVML and metrics share plus, with MPS, the GPU's MPS server.
@@ -150,6 +166,19 @@ def agent_args(config: ConfigSpec) -> list[str]:
     return args
 
 
+def validator_args(config: ConfigSpec) -> list[str]:
+    """The ``gpufrac node-agent-validator`` arguments: the agent's NRI socket and failure policy."""
+    agent = config.agent
+    return [
+        "node-agent-validator",
+        f"--nri-socket={agent.nri_socket}",
+        f"--health-port={VALIDATOR_HEALTH_PORT}",
+        "--fail-open" if agent.fail_open else "--fail-closed",
+        f"--log-level={agent.log_level}",
+        "--log-format=json",
+    ]
+
+
 Volume = dict[str, Any]
 Mount = dict[str, Any]
 
@@ -192,9 +221,9 @@ def _mounts(config: ConfigSpec) -> tuple[list[Volume], list[Mount]]:
     return [v for v, _ in pairs], [m for _, m in pairs]
 
 
-def _probe(path: str, *, period: int, failures: int) -> dict[str, Any]:
+def _probe(path: str, *, period: int, failures: int, port: str = "health") -> dict[str, Any]:
     return {
-        "httpGet": {"path": path, "port": "health"},
+        "httpGet": {"path": path, "port": port},
         "periodSeconds": period,
         "timeoutSeconds": 2,
         "failureThreshold": failures,
@@ -256,12 +285,33 @@ def render_daemonset(config: ConfigSpec, *, gpus_per_node: int = GPU_COUNT_STEP)
             {"name": "health", "containerPort": agent.health_port, "protocol": "TCP"},
             {"name": METRICS_PORT_NAME, "containerPort": agent.metrics_port, "protocol": "TCP"},
         ],
-        "livenessProbe": _probe("/healthz", period=10, failures=3),
+        # A hung agent is restarted within ~10 s (module docstring).
+        "livenessProbe": _probe("/healthz", period=5, failures=2),
         # NRI synchronized and the Node published: the runtime's path has the plugin in it.
         "readinessProbe": _probe("/readyz", period=5, failures=1),
         "volumeMounts": mounts,
     }
     container["resources"] = agent.resources or agent_resources(gpus=gpus_per_node, mps=agent.mps_enabled)
+    nri_mount = next(m for m in mounts if m["name"] == "nri")
+    validator: dict[str, Any] = {
+        "name": "node-agent-validator",
+        "image": agent.image,
+        "imagePullPolicy": agent.image_pull_policy,
+        "command": ["gpufrac"],
+        "args": validator_args(config),
+        # Root for the runtime's root-owned NRI socket (the owner's bits, no capability needed); nothing else.
+        "securityContext": {
+            "runAsUser": 0,
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"]},
+        },
+        "ports": [{"name": VALIDATOR_PORT_NAME, "containerPort": VALIDATOR_HEALTH_PORT, "protocol": "TCP"}],
+        "livenessProbe": _probe("/healthz", period=5, failures=2, port=VALIDATOR_PORT_NAME),
+        "readinessProbe": _probe("/readyz", period=5, failures=1, port=VALIDATOR_PORT_NAME),
+        "volumeMounts": [nri_mount],
+        "resources": VALIDATOR_RESOURCES,
+    }
     template = {
         "metadata": {"labels": labels},
         "spec": {
@@ -272,7 +322,7 @@ def render_daemonset(config: ConfigSpec, *, gpus_per_node: int = GPU_COUNT_STEP)
             "tolerations": [managed_toleration(), *(dict(t) for t in agent.tolerations)],
             # SIGTERM sets the Node's condition False and leaves the runtime's path; give it the time.
             "terminationGracePeriodSeconds": 30,
-            "containers": [container],
+            "containers": [container, validator],
             "volumes": volumes,
         },
     }
