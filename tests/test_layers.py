@@ -20,9 +20,7 @@ ALLOWED: dict[str, set[str]] = {
     "kube": set(),
     # The controller runner (process/controller.py) runs informers and a lease for the components.
     "process": {"kube"},
-    # The scheduler reads DRA allocations with the node's own reader and names devices as the node's
-    # ResourceSlice does (ONLY below), so both sides book the same share.
-    "scheduler": {"contract", "placement", "kube", "process", "node"},
+    "scheduler": {"contract", "placement", "kube", "process"},
     "admission": {"contract", "placement", "kube", "process"},
     "node": {"contract", "kube", "process", "_generated"},
     "sim": {"contract", "placement"},
@@ -48,9 +46,6 @@ ONLY: dict[str, dict[str, tuple[str, ...]]] = {
     "kubectl": {"node": ("gpufrac.node.top",), "operator": ("gpufrac.operator.render",)},
     # The webhook judges a pod's queue by the scheduler's own rule (which queues a namespace may use).
     "admission": {"placement": ("gpufrac.placement.queue_access", "gpufrac.placement.model")},
-    "scheduler": {
-        "node": ("gpufrac.node.dra.prepare", "gpufrac.node.dra.slices", "gpufrac.node.inventory.backend")
-    },
 }
 
 #: The ``gpufrac`` command: a table of contents that registers each component's command.

@@ -31,9 +31,9 @@ Writing an allocation: ``allocation`` renders ``status.allocation`` as kube-sche
 finalizer, then writes the allocation with the pod in ``reservedFor``, each preconditioned on the
 version read.
 
-Booking: ``claim_placement`` reads an allocation back with the node's own reader
-(``gpufrac.node.dra.prepare.prepare_claim``), so the books hold exactly what the node will enforce.
-Device names are the node's (``gpufrac.node.dra.slices.device_name``).
+Booking: ``claim_placement`` reads an allocation back with the reader the node prepares it with
+(``gpufrac.contract.dra.read_allocation``), so the books hold exactly what the node will enforce.
+Device names are the ones the node's ResourceSlice publishes (``gpufrac.contract.dra.device_name``).
 """
 
 from __future__ import annotations
@@ -53,12 +53,16 @@ from lightkube.resources.resource_v1 import DeviceClass, ResourceClaim, Resource
 from lightkube.utils.quantity import parse_quantity
 
 from gpufrac.contract import keys
+from gpufrac.contract.dra import (
+    AllocationError,
+    device_name,
+    mib_quantity,
+    read_allocation,
+    read_share_parameters,
+)
 from gpufrac.contract.request import ComputeMode, ContainerGpuRequest, GpuMemory
 from gpufrac.kube.errors import Conflict, KubeError, NotFound
 from gpufrac.kube.patch import merge_patch
-from gpufrac.node.dra.prepare import AllocationError, prepare_claim, read_share_parameters
-from gpufrac.node.dra.slices import device_name, mib_quantity
-from gpufrac.node.inventory.backend import GpuInfo
 from gpufrac.placement.decision import ContainerPlacement, DeviceAssignment, Placement
 from gpufrac.placement.model import GpuDevice, NodeSpec
 
@@ -68,9 +72,6 @@ MIB = 1024 * 1024
 
 #: The engine's key for a claim's hold (``Engine.hold``): never a pod UID.
 HOLD_PREFIX = "resourceclaim/"
-
-#: The node's reader plans MPS mounts too; the scheduler reads only the shares, so any root does.
-_UNUSED_PIPE_ROOT = "/nonexistent"
 
 
 def hold_key(claim_uid: str) -> str:
@@ -477,10 +478,8 @@ def _plain(amount: Decimal) -> str:
 
 
 def gpu_device_name(gpu: GpuDevice) -> str:
-    """The device name the node's ResourceSlice gives ``gpu`` (the node's own function)."""
-    return device_name(
-        GpuInfo(uuid=gpu.uuid, index=gpu.index, minor=gpu.index, model=gpu.model, mib=gpu.memory_mib)
-    )
+    """The device name the node's ResourceSlice gives ``gpu`` (the wire format's rule)."""
+    return device_name(gpu.uuid, gpu.index)
 
 
 def allocation(
@@ -530,14 +529,12 @@ def allocation(
 
 
 def claim_placement(claim: Mapping[str, Any], node: NodeSpec) -> Placement | None:
-    """What an allocated claim holds on ``node``, read by the node's own reader; None when it holds
-    nothing of our driver there (or the node cannot read it: logged)."""
+    """What an allocated claim holds on ``node``, read by the reader the node prepares it with; None when
+    it holds nothing of our driver there (or the node cannot read it: logged)."""
     meta = claim.get("metadata") or {}
     by_device = {gpu_device_name(g): g for g in node.gpus}
     try:
-        shares = prepare_claim(
-            claim, uuids={name: g.uuid for name, g in by_device.items()}, pipe_root=_UNUSED_PIPE_ROOT
-        )
+        shares = read_allocation(claim, uuids={name: g.uuid for name, g in by_device.items()})
     except AllocationError as error:
         log.warning(
             "ResourceClaim %s/%s: its allocation on node %s is not booked: %s",
@@ -549,7 +546,7 @@ def claim_placement(claim: Mapping[str, Any], node: NodeSpec) -> Placement | Non
         return None
     containers = []
     for i, share in enumerate(shares):
-        bound = share.plan.bound
+        bound = share.bound
         gpu = by_device[share.device]
         request = gpu.memory_mib if bound.request_mib is None else bound.request_mib
         limit = gpu.memory_mib if bound.limit_mib is None else bound.limit_mib

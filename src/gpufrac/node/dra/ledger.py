@@ -33,9 +33,10 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from gpufrac.contract.dra import AllocationError
 from gpufrac.contract.errors import ContractError
 from gpufrac.contract.render import read_binding
-from gpufrac.node.dra.prepare import AllocationError, PreparedDevice, PreparedShare
+from gpufrac.node.dra.prepare import PreparedDevice, PreparedShare
 from gpufrac.node.inject import is_cdi_name
 
 #: Pod phases whose containers are gone: they hold no GPU memory.

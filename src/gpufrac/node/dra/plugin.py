@@ -44,6 +44,7 @@ from lightkube.resources.core_v1 import Pod
 from lightkube.resources.resource_v1 import ResourceClaim
 
 from gpufrac.contract import keys
+from gpufrac.contract.dra import AllocationError
 from gpufrac.kube.errors import KubeError, NotFound, api_errors
 from gpufrac.node.dra.ledger import (
     NodeGpu,
@@ -55,7 +56,6 @@ from gpufrac.node.dra.ledger import (
 )
 from gpufrac.node.dra.prepare import (
     DEFAULT_CDI_DIR,
-    AllocationError,
     PreparedShare,
     cdi_device_name,
     cdi_spec,

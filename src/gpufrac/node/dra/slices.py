@@ -8,7 +8,8 @@ claims, each consuming part of its ``capacity``, and the scheduler keeps the sum
 One slice per node, one pool named after the node, one device per usable GPU:
 
 - the device name is derived from the GPU's UUID, not its index: an allocation names a device, and an
-  index can point at another GPU after a reboot;
+  index can point at another GPU after a reboot (``gpufrac.contract.dra.device_name``, the wire format's
+  rule, which gpufrac-scheduler names devices with too);
 - capacity ``memory`` is the GPU's usable MiB as the inventory reports them (the same figure as the
   ``gpufrac.io/gpus`` annotation), with a request policy: a claim that names no amount consumes the
   whole GPU (what a request for "a GPU" means), and a claim's amount is rounded up to whole MiB, the
@@ -36,14 +37,14 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import re
 from typing import Any
 
 from lightkube import AsyncClient
 from lightkube.resources.core_v1 import Node
 from lightkube.resources.resource_v1 import ResourceSlice
 
-from gpufrac.contract import keys
+from gpufrac.contract import dra, keys
+from gpufrac.contract.dra import mib_quantity
 from gpufrac.contract.request import ComputeMode
 from gpufrac.kube.errors import NotFound, api_errors
 from gpufrac.kube.patch import merge_patch
@@ -66,8 +67,6 @@ COMPUTE_PERCENT = 100
 CONSUMABLE_CAPACITY_GATE = "DRAConsumableCapacity"
 
 _NAME_MAX = 253  # a ResourceSlice name is a DNS subdomain
-_LABEL_MAX = 63  # a device name is a DNS label
-_NOT_LABEL = re.compile(r"[^a-z0-9-]+")
 
 
 def slice_name(node_name: str) -> str:
@@ -80,18 +79,9 @@ def slice_name(node_name: str) -> str:
 
 
 def device_name(gpu: GpuInfo) -> str:
-    """A DNS label from the GPU's UUID (``GPU-8f1c…`` → ``gpu-8f1c…``), stable across index changes."""
-    text = _NOT_LABEL.sub("-", gpu.uuid.lower()).strip("-")[:_LABEL_MAX].rstrip("-")
-    return text or f"gpu-{gpu.index}"
-
-
-def mib_quantity(mib: int) -> str:
-    """``mib`` MiB in the API server's canonical form (``24576`` → ``24Gi``), so that what is read back
-    compares equal to what was written."""
-    for suffix, step in (("Ti", 1024 * 1024), ("Gi", 1024)):
-        if mib and mib % step == 0:
-            return f"{mib // step}{suffix}"
-    return f"{mib}Mi"
+    """The GPU's device name in the slice (``contract.dra.device_name``: from its UUID, stable across index
+    changes), the name allocations carry back to the node and to gpufrac-scheduler."""
+    return dra.device_name(gpu.uuid, gpu.index)
 
 
 def _device(
