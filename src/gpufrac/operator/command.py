@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -61,7 +60,5 @@ async def serve(*, settings: OperatorSettings, kubeconfig: Path | None, identity
         name="operator",
         kubeconfig=kubeconfig,
         field_manager=FIELD_MANAGER,
-        build=lambda client: Operator(
-            client=client, settings=settings, identity=identity or os.environ.get("POD_NAME")
-        ),
+        build=lambda client: Operator(client=client, settings=settings, identity=identity),
     )

@@ -29,9 +29,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
-import socket
-import uuid
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -62,7 +59,7 @@ from gpufrac.operator.resource import GpuFractioningConfig, read_config
 from gpufrac.operator.silent_agents import SilentAgents
 from gpufrac.operator.status import DaemonSetView, NodeView, compute_status, selects
 from gpufrac.process.build_info import register_build_info
-from gpufrac.process.controller import ControllerRunner, Election, Handler
+from gpufrac.process.controller import ControllerRunner, Election, Handler, default_identity
 
 log = logging.getLogger(__name__)
 
@@ -84,10 +81,6 @@ class OperatorSettings:
     retry_max_s: float = 30.0
     #: A managed node whose agent has not renewed its Lease for this long is marked Unknown.
     node_heartbeat_expiry_s: float = 180.0
-
-
-def default_identity() -> str:
-    return os.environ.get("POD_NAME") or f"{socket.gethostname()}_{os.getpid()}_{uuid.uuid4().hex[:6]}"
 
 
 class _Metrics:
@@ -405,4 +398,4 @@ def _owner(meta: dict[str, Any]) -> str:
     return str(meta["labels"].get(CONFIG_LABEL, ""))
 
 
-__all__ = ["COMPONENT", "FIELD_MANAGER", "Operator", "OperatorSettings", "default_identity"]
+__all__ = ["COMPONENT", "FIELD_MANAGER", "Operator", "OperatorSettings"]

@@ -22,6 +22,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import socket
+import uuid
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,6 +39,13 @@ from gpufrac.kube.lease import LeaderElector, LeadershipLost, LeaseTiming
 from gpufrac.process.probes import ProbeServer
 
 log = logging.getLogger(__name__)
+
+
+def default_identity() -> str:
+    """A replica's name in its Lease when none is given: the pod's name from the Downward API
+    (``POD_NAME``, which the chart sets), what a person reading the Lease finds with kubectl; outside a
+    pod, host, process and a random suffix, so two replicas never share a name."""
+    return os.environ.get("POD_NAME") or f"{socket.gethostname()}_{os.getpid()}_{uuid.uuid4().hex[:6]}"
 
 
 @dataclass(frozen=True, slots=True)

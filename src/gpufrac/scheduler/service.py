@@ -66,10 +66,7 @@ import asyncio
 import contextlib
 import logging
 import math
-import os
-import socket
 import time
-import uuid
 from collections.abc import Callable, Coroutine, Iterable, Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
@@ -100,7 +97,7 @@ from gpufrac.placement.model import (
     PendingPod,
     SelectorOperator,
 )
-from gpufrac.process.controller import ControllerRunner, Election, Handler, cancel
+from gpufrac.process.controller import ControllerRunner, Election, Handler, cancel, default_identity
 from gpufrac.scheduler.binder import Binder, BindMode, BindResult, Outcome, stale_binding_keys
 from gpufrac.scheduler.booking_cache import BookingCache
 from gpufrac.scheduler.claims import (
@@ -179,10 +176,6 @@ class PostFilter(Protocol):
     def post_filter(
         self, pending: PendingPod, pod: Pod, decision: Unschedulable, cache: BookingCache
     ) -> bool: ...
-
-
-def default_identity() -> str:
-    return f"{socket.gethostname()}_{os.getpid()}_{uuid.uuid4().hex[:6]}"
 
 
 def _meaningful_change(old: Pod, new: Pod) -> bool:
@@ -1176,5 +1169,4 @@ __all__ = [
     "PostFilter",
     "SchedulerService",
     "build_service",
-    "default_identity",
 ]
