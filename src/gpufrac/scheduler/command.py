@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING
 
 import typer
 
+from gpufrac.placement.policies import DEFAULT_POLICY, POLICIES
+
 if TYPE_CHECKING:
     from gpufrac.scheduler.config import SchedulerConfig
 
@@ -27,7 +29,11 @@ def scheduler(
         None, "--kubeconfig", help="Kubeconfig (default: in-cluster, then $KUBECONFIG, then ~/.kube/config)."
     ),
     scheduler_name: str | None = typer.Option(None, "--scheduler-name", help="spec.schedulerName to serve."),
-    policy: str | None = typer.Option(None, "--policy", help="Placement policy (binpack, spread, kai, fgd)."),
+    policy: str | None = typer.Option(
+        None,
+        "--policy",
+        help=f"Placement policy: {', '.join(POLICIES)} (default: the file's, else {DEFAULT_POLICY}).",
+    ),
     http_port: int | None = typer.Option(None, "--http-port", help="Port of /healthz, /readyz, /metrics."),
     leader_elect: bool | None = typer.Option(
         None, "--leader-elect/--no-leader-elect", help="Take part in leader election (default: on)."

@@ -67,8 +67,8 @@ class SchedulerConfig(_Strict):
     """Label selector of the nodes this scheduler places on (the managed nodes; narrow it to shard)."""
 
     policy: str = DEFAULT_POLICY
-    """Placement policy of the engine (binpack, spread, kai, fgd, fgd-align, fgd-plus, fgd-room); a pod
-    may override it. The default is the one within 0.1 point of the best of the others on every measured
+    """Placement policy of the engine (a name in ``gpufrac.placement.policies.POLICIES``); a pod may
+    override it. The default is the one within 0.1 point of the best of the others on every measured
     workload (docs/placement.md, "Which policy by default")."""
 
     mode_policy: Literal["Required", "Preferred"] = "Required"

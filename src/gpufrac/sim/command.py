@@ -36,8 +36,10 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from gpufrac.placement.policies import POLICIES
+
 from .churn import churn_replay
-from .experiment import parse_policies, parse_seeds, run_experiment
+from .experiment import DEFAULT_POLICIES, parse_policies, parse_seeds, run_experiment
 from .openb import TraceUnavailable
 from .replay import RunResult
 from .report import as_json, plot, plot_churn, table
@@ -64,7 +66,13 @@ def simulate(
             f"({', '.join(VARIANTS)}), or a pod CSV path."
         ),
     ] = "default",
-    policy: Annotated[str, typer.Option(help="Policy, comma list, or 'all'.")] = "fgd",
+    policy: Annotated[
+        str,
+        typer.Option(
+            help=f"Policy ({', '.join(POLICIES)}), a comma list of them, or 'all' "
+            f"({', '.join(DEFAULT_POLICIES)})."
+        ),
+    ] = "fgd",
     seeds: Annotated[str, typer.Option(help="Seeds: 42-51, 42,43 or 42.")] = "42-51",
     nodes: Annotated[str | None, typer.Option(help="Node CSV (default: the openb GPU nodes).")] = None,
     data_dir: Annotated[
