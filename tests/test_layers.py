@@ -113,3 +113,65 @@ def test_the_cli_imports_only_command_modules() -> None:
     ]
     assert not wrong, f"cli.py imports more than command modules: {wrong}"
     assert _imports(SRC / "__main__.py") == {"gpufrac.cli"}
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(SRC.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _top_level_imports(path: Path) -> set[str]:
+    """The gpufrac modules ``path`` imports when it is loaded or type-checked: imports at module level,
+    inside ``if`` (``TYPE_CHECKING`` too) and ``try``; an import inside a function is not counted."""
+    package = _module_name(path) if path.name == "__init__.py" else _module_name(path).rpartition(".")[0]
+    names: set[str] = set()
+
+    def visit(body: list[ast.stmt]) -> None:
+        for node in body:
+            if isinstance(node, ast.If):
+                visit(node.body)
+                visit(node.orelse)
+            elif isinstance(node, ast.Try):
+                visit(node.body)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join([*anchor, *([node.module] if node.module else [])])
+                for alias in node.names:
+                    submodule = f"{base}.{alias.name}"
+                    names.add(submodule if _is_module(submodule) else base)
+            elif isinstance(node, ast.Import):
+                names.update(alias.name for alias in node.names)
+
+    visit(ast.parse(path.read_text(), filename=str(path)).body)
+    return {n for n in names if n.startswith("gpufrac.")}
+
+
+def _circles(package: str) -> list[list[str]]:
+    graph = {
+        _module_name(path): {n for n in _top_level_imports(path) if n.startswith(f"gpufrac.{package}.")}
+        for path in sorted((SRC / package).rglob("*.py"))
+        if path.name != "__init__.py"  # a package's __init__ re-exports its modules; it is not a circle
+    }
+    found: set[tuple[str, ...]] = set()
+
+    def walk(module: str, path: list[str]) -> None:
+        for target in sorted(graph.get(module, ())):
+            if target in path:
+                circle = path[path.index(target) :]
+                start = circle.index(min(circle))
+                found.add(tuple(circle[start:] + circle[:start]))
+            else:
+                walk(target, [*path, target])
+
+    for module in graph:
+        walk(module, [module])
+    return [list(c) for c in sorted(found)]
+
+
+@pytest.mark.parametrize("package", ["contract", "placement"])
+def test_no_import_circle_closes_inside_a_pure_layer(package: str) -> None:
+    """Not even one a ``TYPE_CHECKING`` guard hides: such a pair is one module in two files, and the
+    next change to either breaks the other at import time."""
+    assert not _circles(package), f"import circles in gpufrac.{package}: {_circles(package)}"

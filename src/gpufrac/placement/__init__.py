@@ -27,7 +27,8 @@ filters compute with it), ``state`` (ledgers as arrays), ``filters``, ``scoring`
 (victims for a whole gang: ``find_gang_victims(engine, members, min_member=n, kind=...)``), ``consolidation``
 (moves of movable pods for a pod that fits nowhere because free memory is fragmented:
 ``plan_consolidation(engine, pod)``, and ``MoveBudget``, the per-minute bound);
-``pod_constraints`` and ``topology``: rules between pods and node-local resources besides GPUs.
+``pod_constraints`` and ``topology``: rules between pods and node-local resources besides GPUs;
+``selectors``: node label selection, which ``model`` and ``pod_constraints`` both build on.
 docs/placement.md explains the design; docs/scheduler.md how the scheduler preempts and reclaims.
 """
 

@@ -19,6 +19,12 @@ from gpufrac.contract.request import ComputeMode, PodGpuRequest
 
 from .pod_constraints import NO_CONSTRAINTS, NO_EXTRAS, NodeExtras, PodConstraints
 
+# The selector primitives live below both this module and ``pod_constraints`` (which uses them too);
+# they are part of what the engine is told, so the model's users import them from here.
+from .selectors import NodeSelectorRequirement as NodeSelectorRequirement
+from .selectors import NodeSelectorTerm as NodeSelectorTerm
+from .selectors import SelectorOperator as SelectorOperator
+
 BOTH_MODES: frozenset[ComputeMode] = frozenset(ComputeMode)
 
 
@@ -57,52 +63,6 @@ class Toleration:
         if self.key != taint.key:
             return False
         return self.operator is TolerationOperator.EXISTS or self.value == taint.value
-
-
-class SelectorOperator(StrEnum):
-    IN = "In"
-    NOT_IN = "NotIn"
-    EXISTS = "Exists"
-    DOES_NOT_EXIST = "DoesNotExist"
-    GT = "Gt"
-    LT = "Lt"
-
-
-@dataclass(frozen=True, slots=True)
-class NodeSelectorRequirement:
-    key: str
-    operator: SelectorOperator
-    values: tuple[str, ...] = ()
-
-    def matches(self, labels: Mapping[str, str]) -> bool:
-        value = labels.get(self.key)
-        op = self.operator
-        if op is SelectorOperator.IN:
-            return value is not None and value in self.values
-        if op is SelectorOperator.NOT_IN:
-            return value is None or value not in self.values
-        if op is SelectorOperator.EXISTS:
-            return value is not None
-        if op is SelectorOperator.DOES_NOT_EXIST:
-            return value is None
-        # Gt/Lt compare integers; a label or operand that is not an integer never matches (Kubernetes).
-        if value is None or len(self.values) != 1:
-            return False
-        try:
-            have, bound = int(value), int(self.values[0])
-        except ValueError:
-            return False
-        return have > bound if op is SelectorOperator.GT else have < bound
-
-
-@dataclass(frozen=True, slots=True)
-class NodeSelectorTerm:
-    """Expressions ANDed; an empty term matches nothing (Kubernetes)."""
-
-    match_expressions: tuple[NodeSelectorRequirement, ...] = ()
-
-    def matches(self, labels: Mapping[str, str]) -> bool:
-        return bool(self.match_expressions) and all(r.matches(labels) for r in self.match_expressions)
 
 
 @dataclass(frozen=True, slots=True)

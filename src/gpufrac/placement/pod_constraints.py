@@ -27,10 +27,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # model imports this module for PendingPod's fields
-    from .model import NodeSelectorRequirement, NodeSelectorTerm
+from .selectors import NodeSelectorRequirement, NodeSelectorTerm
 
 WILDCARD_IPS = frozenset({"", "0.0.0.0"})
 
