@@ -34,7 +34,9 @@ def validator(ds: dict[str, Any]) -> dict[str, Any]:
 
 def mounts(ds: dict[str, Any]) -> dict[str, tuple[str, str, bool]]:
     """mountPath -> (volume, host path, read-only)."""
-    volumes = {v["name"]: v["hostPath"]["path"] for v in ds["spec"]["template"]["spec"]["volumes"]}
+    volumes = {
+        v["name"]: v["hostPath"]["path"] for v in ds["spec"]["template"]["spec"]["volumes"] if "hostPath" in v
+    }
     return {
         m["mountPath"]: (m["name"], volumes[m["name"]], m.get("readOnly", False))
         for m in container(ds)["volumeMounts"]
@@ -123,6 +125,10 @@ def test_a_hung_agent_is_restarted_within_ten_seconds() -> None:
     probe = container(render())["livenessProbe"]
     assert (probe["periodSeconds"], probe["timeoutSeconds"], probe["failureThreshold"]) == (5, 2, 2)
     assert probe["periodSeconds"] * probe["failureThreshold"] <= 10
+    # ...once started: a slow start on a loaded node gets a minute, not a crash loop.
+    startup = container(render())["startupProbe"]
+    assert startup["httpGet"] == probe["httpGet"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] == 60
 
 
 def test_the_validator_runs_beside_the_agent_with_the_nri_socket_only() -> None:
@@ -132,8 +138,13 @@ def test_the_validator_runs_beside_the_agent_with_the_nri_socket_only() -> None:
     assert v["args"][0] == "node-agent-validator"
     assert {"--nri-socket=/run/containerd/nri/nri.sock", "--fail-open", "--log-level=debug"} <= set(v["args"])
     assert "--fail-closed" in validator(render())["args"]
-    # The runtime's socket directory and nothing else of the host; not privileged, no capability.
-    assert v["volumeMounts"] == [{"name": "nri", "mountPath": "/run/containerd/nri"}]
+    # The runtime's socket directory and nothing else of the host; not privileged, no capability; a
+    # read-only root with a small /tmp of its own (the command needs a temporary directory to load).
+    nri, tmp = v["volumeMounts"]
+    assert nri == {"name": "nri", "mountPath": "/run/containerd/nri"}
+    (tmp_volume,) = [x for x in ds["spec"]["template"]["spec"]["volumes"] if x["name"] == tmp["name"]]
+    assert tmp["mountPath"] == "/tmp" and "emptyDir" in tmp_volume
+    assert v["securityContext"]["readOnlyRootFilesystem"] is True
     assert "privileged" not in v["securityContext"]
     assert v["securityContext"]["capabilities"] == {"drop": ["ALL"]}
     assert v["securityContext"]["allowPrivilegeEscalation"] is False
@@ -142,6 +153,7 @@ def test_the_validator_runs_beside_the_agent_with_the_nri_socket_only() -> None:
     assert port["containerPort"] not in {p["containerPort"] for p in agent["ports"]}
     assert v["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": port["name"]}
     assert v["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": port["name"]}
+    assert v["startupProbe"]["httpGet"] == {"path": "/healthz", "port": port["name"]}
     assert f"--health-port={port['containerPort']}" in v["args"]
     assert v["resources"]["limits"]["memory"] == v["resources"]["requests"]["memory"]
 

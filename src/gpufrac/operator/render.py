@@ -31,9 +31,10 @@ must be a process of its own: a hung agent would hang a validator in its own pro
 agent's fail-open setting.
 
 The agent's liveness probe restarts a hung agent within about 10 s (every 5 s, 2 s to answer, 2
-failures): an event loop that cannot answer /healthz in 2 s cannot answer the runtime in its 2 s budget
-either, so it is out of the runtime's path already; the validator keeps its containers from starting
-bare meanwhile, and the probe ends the wait.
+failures; a startup probe gives the process up to 60 s to start first): an event loop that cannot
+answer /healthz in 2 s cannot answer the runtime in its 2 s budget either, so it is out of the runtime's
+path already; the validator keeps its containers from starting bare meanwhile, and the probe ends the
+wait.
 
 Host memory is sized from the GPU count (``agent_resources``), unless the spec gives ``resources``: the
 MPS control daemon and its servers start in the agent's cgroup (they leave it for one of their own where
@@ -82,6 +83,7 @@ MAX_NAME = 63
 #: The validator container's /healthz and /readyz (the agent's own ports are the spec's).
 VALIDATOR_HEALTH_PORT = 8083
 VALIDATOR_PORT_NAME = "validator"
+VALIDATOR_TMP = "validator-tmp"
 VALIDATOR_RESOURCES = {"requests": {"cpu": "10m", "memory": "128Mi"}, "limits": {"memory": "128Mi"}}
 
 #: Host memory of the agent container: the agent process itself (Python, the NRI connection, the usage
@@ -230,6 +232,12 @@ def _probe(path: str, *, period: int, failures: int, port: str = "health") -> di
     }
 
 
+def _startup_probe(port: str = "health") -> dict[str, Any]:
+    """/healthz while the process starts (imports, the first inventory read): up to 60 s before the
+    liveness probe's 10 s applies, so a slow start on a loaded node is not a crash loop."""
+    return _probe("/healthz", period=2, failures=30, port=port)
+
+
 def gpu_client_affinity() -> dict[str, Any]:
     """Required node affinity: the GPU Operator's client label is ``true``, or it is not there at all.
 
@@ -285,7 +293,8 @@ def render_daemonset(config: ConfigSpec, *, gpus_per_node: int = GPU_COUNT_STEP)
             {"name": "health", "containerPort": agent.health_port, "protocol": "TCP"},
             {"name": METRICS_PORT_NAME, "containerPort": agent.metrics_port, "protocol": "TCP"},
         ],
-        # A hung agent is restarted within ~10 s (module docstring).
+        # A hung agent is restarted within ~10 s (module docstring), once it has started.
+        "startupProbe": _startup_probe(),
         "livenessProbe": _probe("/healthz", period=5, failures=2),
         # NRI synchronized and the Node published: the runtime's path has the plugin in it.
         "readinessProbe": _probe("/readyz", period=5, failures=1),
@@ -307,11 +316,15 @@ def render_daemonset(config: ConfigSpec, *, gpus_per_node: int = GPU_COUNT_STEP)
             "capabilities": {"drop": ["ALL"]},
         },
         "ports": [{"name": VALIDATOR_PORT_NAME, "containerPort": VALIDATOR_HEALTH_PORT, "protocol": "TCP"}],
+        "startupProbe": _startup_probe(VALIDATOR_PORT_NAME),
         "livenessProbe": _probe("/healthz", period=5, failures=2, port=VALIDATOR_PORT_NAME),
         "readinessProbe": _probe("/readyz", period=5, failures=1, port=VALIDATOR_PORT_NAME),
-        "volumeMounts": [nri_mount],
+        # /tmp is the one writable place (the gpufrac command asks Python for a temporary directory when
+        # it loads its subcommands); the root filesystem stays read-only.
+        "volumeMounts": [nri_mount, {"name": VALIDATOR_TMP, "mountPath": "/tmp"}],
         "resources": VALIDATOR_RESOURCES,
     }
+    volumes.append({"name": VALIDATOR_TMP, "emptyDir": {"medium": "Memory", "sizeLimit": "1Mi"}})
     template = {
         "metadata": {"labels": labels},
         "spec": {
