@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 
 import typer
 
@@ -80,6 +79,7 @@ async def serve(
     from gpufrac.node.nri.plugin import NriPlugin
     from gpufrac.node.nri.validator import VALIDATOR_IDENTITY, InjectionValidator
     from gpufrac.process.probes import ProbeServer
+    from gpufrac.process.signals import run_until_signal
 
     handler = InjectionValidator(
         agent_plugin=agent_plugin, container_pipe_dir=container_pipe_dir, fail_open=fail_open
@@ -108,22 +108,7 @@ async def serve(
         agent_plugin,
         extra={"socket": nri_socket, "health_port": probes.port, "fail_open": fail_open},
     )
-    task = asyncio.create_task(plugin.run(), name="nri-validator")
-    loop = asyncio.get_running_loop()
-
-    def stop() -> None:
-        log.info("signal received, stopping")
-        task.cancel()
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop)
     try:
-        await task
-    except asyncio.CancelledError:
-        pass
-    except Exception:
-        log.exception("node agent validator failed")
-        return 1
+        return await run_until_signal(plugin.run(), name="node agent validator")
     finally:
         await probes.stop()
-    return 0
