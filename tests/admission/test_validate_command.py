@@ -215,3 +215,54 @@ def test_a_pod_of_the_wrong_shape_is_reported_not_crashed_on(tmp_path: Path) -> 
         "Pod odd: invalid\n  - the pod is malformed: spec.containers must be an array, got 'app'"
         in result.output
     )
+
+
+TYPO_POD = """
+apiVersion: v1
+kind: Pod
+metadata:
+  name: typo
+  annotations: {gpu-fractions: "0.5", gpu-fraction-num-device: "2"}
+spec:
+  containers: [{name: app, image: x}]
+"""
+
+
+def test_a_misspelled_key_is_a_warning_that_names_the_key_meant(tmp_path: Path) -> None:
+    """Before, a pod with ``gpu-fractions`` was "ok, no GPU request" and ran without a GPU, silently."""
+    manifest = tmp_path / "typo.yaml"
+    manifest.write_text(TYPO_POD)
+    code, output = run(str(manifest))
+    assert code == 0  # a warning, as the webhook's: someone else's annotation must not fail CI
+    assert "Pod typo: ok, no GPU request" in output
+    assert 'warning: annotation "gpu-fraction-num-device" is not a key gpufrac reads' in output
+    assert 'did you mean "gpu-fraction-num-devices"?' in output
+    assert 'did you mean "gpu-fraction"?' in output
+    code, output = run("-o", "json", str(manifest))
+    (entry,) = json.loads(output)
+    assert len(entry["warnings"]) == 2
+
+
+def test_standard_input_and_directories_are_read_as_kubectl_apply_reads_them(tmp_path: Path) -> None:
+    (tmp_path / "a.yaml").write_text(TYPO_POD)
+    (tmp_path / "notes.txt").write_text("not a manifest: {")
+    nested = tmp_path / "nested"
+    nested.mkdir()
+    (nested / "b.yml").write_text(TYPO_POD.replace("name: typo", "name: deeper"))
+
+    code, output = run(str(tmp_path))
+    assert code == 0
+    assert f"{tmp_path / 'a.yaml'}: Pod typo" in output and "deeper" not in output and "notes" not in output
+    code, output = run("--recursive", str(tmp_path))
+    assert "Pod typo" in output and f"{nested / 'b.yml'}: Pod deeper" in output
+
+    result = runner.invoke(app, ["-"], input=TYPO_POD.replace('gpu-fractions: "0.5"', 'gpu-fraction: "1.5"'))
+    assert result.exit_code == 1
+    assert "<stdin>: Pod typo: invalid" in result.output
+    result = runner.invoke(app, ["-"], input=EXAMPLES.joinpath("notebook-time-slicing.yaml").read_text())
+    assert result.exit_code == 0 and "<stdin>: Pod notebook: ok" in result.output
+
+
+def test_a_directory_without_manifests_is_an_error(tmp_path: Path) -> None:
+    code, output = run(str(tmp_path))
+    assert code == 1 and "no manifests" in output

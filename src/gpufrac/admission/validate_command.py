@@ -6,12 +6,17 @@ PodTemplates, and the items of List kinds), and prints each pod's normalized GPU
 violation. Exit status 1 when anything is invalid or unreadable, so it fits in CI. The rules are the
 contract's own (``parse_pod_manifest`` with ``user_written=True``), after the webhook's own shape check
 (``review.check_object``): what passes here passes the webhook, and a malformed pod is reported, not a
-traceback.
+traceback. A key one slip away from a contract key (``gpu-fractions``) is a warning, as the webhook's
+(``contract.near_miss``): it does not change the exit status.
+
+As ``kubectl apply -f``: ``-`` reads standard input, a directory means its ``.yaml``, ``.yml`` and
+``.json`` files (``--recursive`` / ``-R``: its subdirectories' too), in name order.
 """
 
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,9 +27,11 @@ import yaml
 
 from gpufrac.admission.review import MalformedReview, check_object
 from gpufrac.contract.errors import InvalidPodRequest
+from gpufrac.contract.near_miss import near_miss_warnings
 from gpufrac.contract.parse import parse_pod_manifest
 from gpufrac.contract.request import ContainerGpuRequest, GpuMemory, PodGpuRequest
 
+MANIFEST_SUFFIXES = (".yaml", ".yml", ".json")
 _TEMPLATE_KINDS = {"Deployment", "StatefulSet", "DaemonSet", "ReplicaSet", "ReplicationController", "Job"}
 
 
@@ -94,22 +101,49 @@ def _as_json(request: PodGpuRequest) -> list[dict[str, Any]]:
     ]
 
 
+def manifest_files(path: Path, *, recursive: bool) -> list[Path]:
+    """The files ``path`` names: itself, or a directory's manifests (``recursive``: and its subfolders')."""
+    if not path.is_dir():
+        return [path]
+    found = path.rglob("*") if recursive else path.iterdir()
+    return sorted(p for p in found if p.is_file() and p.suffix in MANIFEST_SUFFIXES)
+
+
+def _read(source: str) -> str:
+    return sys.stdin.read() if source == "-" else Path(source).read_text()
+
+
 def validate(
-    files: Annotated[list[Path], typer.Argument(help="YAML or JSON manifests to check.", exists=False)],
+    files: Annotated[
+        list[str],
+        typer.Argument(help="YAML or JSON manifests to check: files, directories, or - for standard input."),
+    ],
     output: Annotated[str, typer.Option("--output", "-o", help="text or json.")] = "text",
+    recursive: Annotated[
+        bool, typer.Option("--recursive", "-R", help="Also read the subdirectories of directories given.")
+    ] = False,
 ) -> None:
     """Check pod manifests against the GPU annotation contract; exit 1 on any error."""
     results: list[dict[str, Any]] = []
     failed = False
-    for path in files:
+    sources = [
+        str(p)
+        for source in files
+        for p in ([source] if source == "-" else manifest_files(Path(source), recursive=recursive))
+    ]
+    if not sources:
+        typer.echo(f"no manifests ({', '.join(MANIFEST_SUFFIXES)}) in {', '.join(files)}", err=True)
+        raise typer.Exit(code=1)
+    for source in sources:
+        shown = "<stdin>" if source == "-" else source
         try:
-            documents = list(yaml.safe_load_all(path.read_text()))
+            documents = list(yaml.safe_load_all(_read(source)))
         except (OSError, yaml.YAMLError) as error:
             failed = True
-            results.append({"file": str(path), "errors": [f"cannot read {path}: {error}"]})
+            results.append({"file": shown, "errors": [f"cannot read {shown}: {error}"]})
             continue
         for document in documents:
-            for found in find_pods(document, source=str(path)):
+            for found in find_pods(document, source=shown):
                 entry: dict[str, Any] = {"file": found.source, "kind": found.kind, "name": found.name}
                 try:
                     check_object(found.pod)
@@ -122,6 +156,10 @@ def validate(
                     entry["errors"] = invalid.messages
                 else:
                     entry["request"] = request
+                annotations = (found.pod.get("metadata") or {}).get("annotations") or {}
+                warnings = near_miss_warnings(annotations) if isinstance(annotations, Mapping) else []
+                if warnings:
+                    entry["warnings"] = warnings
                 results.append(entry)
 
     if output == "json":
@@ -142,5 +180,7 @@ def validate(
                 typer.echo(f"{where}: ok")
                 for container in entry["request"].containers:
                     typer.echo(f"  {describe_container(container)}")
+            for warning in entry.get("warnings", ()):
+                typer.echo(f"  warning: {warning}")
     if failed:
         raise typer.Exit(code=1)

@@ -64,6 +64,7 @@ from gpufrac.contract.errors import (
     UnknownContainer,
     UnknownKey,
 )
+from gpufrac.contract.near_miss import closest_suffix
 from gpufrac.contract.quantities import parse_bytes, parse_mib
 from gpufrac.contract.request import ComputeMode, ContainerGpuRequest, GpuMemory, PodGpuRequest
 from gpufrac.contract.writable import unwritable_keys
@@ -176,13 +177,11 @@ def parse_pod(
         known = k.NVIDIA_CONTAINER_SUFFIXES if split.prefix == k.NVIDIA_CONTAINER_PREFIX else ()
         known = k.GPUFRAC_CONTAINER_SUFFIXES if split.prefix == k.GPUFRAC_CONTAINER_PREFIX else known
         if split.prefix != k.KAI_CONTAINER_PREFIX and split.suffix not in known:
-            found.add(
-                UnknownKey(
-                    key=key,
-                    value=value,
-                    detail=f"after {split.prefix}<container>. the contract knows {', '.join(known)}",
-                )
-            )
+            detail = f"after {split.prefix}<container>. the contract knows {', '.join(known)}"
+            meant = closest_suffix(split.prefix, split.suffix)
+            if meant is not None:
+                detail += f'; did you mean "{split.prefix}{split.container}.{meant}"?'
+            found.add(UnknownKey(key=key, value=value, detail=detail))
             continue
         if split.container not in per_container:
             found.add(UnknownContainer(key=key, value=value, detail=_containers_detail(names)))
