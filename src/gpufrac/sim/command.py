@@ -36,7 +36,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from gpufrac.placement.policies import POLICIES
+from gpufrac.placement.policies import DEFAULT_POLICY, POLICIES
 
 from .churn import churn_replay
 from .experiment import DEFAULT_POLICIES, parse_policies, parse_seeds, run_experiment
@@ -70,9 +70,9 @@ def simulate(
         str,
         typer.Option(
             help=f"Policy ({', '.join(POLICIES)}), a comma list of them, or 'all' "
-            f"({', '.join(DEFAULT_POLICIES)})."
+            f"({', '.join(DEFAULT_POLICIES)}); default: the scheduler's default, {DEFAULT_POLICY}."
         ),
-    ] = "fgd",
+    ] = DEFAULT_POLICY,
     seeds: Annotated[str, typer.Option(help="Seeds: 42-51, 42,43 or 42.")] = "42-51",
     nodes: Annotated[str | None, typer.Option(help="Node CSV (default: the openb GPU nodes).")] = None,
     data_dir: Annotated[
