@@ -166,9 +166,10 @@ async def test_explain_says_where_a_pod_went_and_why_another_waits(
     assert "PodScheduled: False (Unschedulable): 0/1 nodes are available: 1 insufficient GPU memory." in out
     assert "FailedScheduling" in out
     assert (
-        "Fit now:    app: needs 1 GPU(s) on one node with 204800 MiB free each; "
-        "the most any node has now is 0; the largest free is"
+        "Fit now:    app: needs 1 GPU(s) on one node with 204800 MiB free each; it never fits here: the "
+        "largest GPU has"
     ) in out
+    assert "when tenants leave" not in out  # it never fits, whoever leaves
 
     code, out, err = await plugin(
         controlplane.kubeconfig, "explain", "picky", "-n", pool.namespace, "-o", "yaml"

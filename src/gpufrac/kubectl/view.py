@@ -15,6 +15,7 @@ is about, and the others are shown Unknown.
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -314,45 +315,93 @@ def _need(container: ContainerGpuRequest) -> str:
 
 def _room_for(container: ContainerGpuRequest, row: GpuRow) -> bool:
     """Whether ``row`` could take one device of ``container`` by memory and mode, as things stand."""
-    if row.health != "Ready":
-        return False
+    return row.health == "Ready" and _mode_allows(container, row) and _memory_allows(container, row)
+
+
+def _mode_allows(container: ContainerGpuRequest, row: GpuRow) -> bool:
     if container.exclusive:
         return not row.tenants
-    modes = {t.mode for t in row.tenants}
-    return modes <= {container.mode.value} and row.free_mib >= container.request_mib(row.usable_mib)
+    return {t.mode for t in row.tenants} <= {container.mode.value}
 
 
-def fit_hints(request: PodGpuRequest, rows: list[GpuRow]) -> list[str]:
+def _memory_allows(container: ContainerGpuRequest, row: GpuRow) -> bool:
+    return container.exclusive or row.free_mib >= container.request_mib(row.usable_mib)
+
+
+def _ever_holds(container: ContainerGpuRequest, row: GpuRow) -> bool:
+    """Whether ``row``, empty, could hold one device of ``container``."""
+    return row.health == "Ready" and container.request_mib(row.usable_mib) <= row.usable_mib
+
+
+#: The scheduler's words when a pod's queue, not the GPUs, holds it (``placement.engine._over_limit``).
+_QUEUE_HOLDS = re.compile(r"queue \S+ would (?:exceed its|take its ancestor queue)[^,.]*")
+
+
+def fit_hints(
+    request: PodGpuRequest, rows: list[GpuRow], *, scheduled_message: str | None = None
+) -> list[str]:
     """For a waiting pod, per GPU container: is GPU memory what blocks it now, and what would make it fit.
 
     Memory and compute mode only, GPU by GPU, from the same rows ``nodes`` shows; the scheduler's own
-    reasons (the PodScheduled message) cover everything else (selectors, taints, CPU, host memory).
+    reasons (the PodScheduled message) cover everything else (selectors, taints, CPU, host memory). Each
+    piece of advice follows from a reason: a request no GPU can ever hold is told so (not "when tenants
+    leave"), fewer GPUs is offered only to a pod that asks for several, and a pod its queue holds gets the
+    queue's reason instead of GPU advice.
     """
+    held = _QUEUE_HOLDS.search(scheduled_message or "")
+    if held:
+        return [
+            f"held by its queue, not by GPU memory: {held.group(0)}. It runs when the queue's own pods "
+            "leave or its limit is raised (kubectl gpufrac queues; docs/queues.md)"
+        ]
+    ready = [row for row in rows if row.health == "Ready"]
+    if not ready:
+        return ["no Ready GPU in the cluster: see kubectl gpufrac nodes"]
     hints = []
     for container in request.containers:
-        fitting = [row for row in rows if _room_for(container, row)]
-        per_node = Counter(row.node for row in fitting)
-        best = per_node.most_common(1)[0] if per_node else ("", 0)
-        wanted = f"{container.device_count} GPU(s) on one node with {_need(container)} free each"
-        if best[1] >= container.device_count:
-            hints.append(
-                f"{container.container}: needs {wanted}; node {best[0]} has {best[1]} such GPUs now, so GPU "
-                "memory is not what blocks it: see the scheduler's reasons (selector, taints, compute "
-                "mode support, CPU or host memory)"
-            )
-            continue
-        ready = [row for row in rows if row.health == "Ready"]
-        largest = max(ready, key=lambda r: r.free_mib, default=None)
-        where = (
-            f"; the largest free is {largest.free_mib} MiB ({largest.node} GPU {largest.index})"
-            if largest
-            else ""
-        )
-        hints.append(
-            f"{container.container}: needs {wanted}; the most any node has now is {best[1]}{where}. It fits "
-            "when tenants leave, with a smaller request or fewer GPUs, or on an added node"
-        )
+        hints.append(f"{container.container}: {_container_hint(container, ready)}")
     return hints
+
+
+def _container_hint(container: ContainerGpuRequest, ready: list[GpuRow]) -> str:
+    wanted = f"needs {container.device_count} GPU(s) on one node with {_need(container)} free each"
+    count = container.device_count
+    ever = Counter(row.node for row in ready if _ever_holds(container, row))
+    most_ever = ever.most_common(1)[0][1] if ever else 0
+    if most_ever < count:
+        largest = max(ready, key=lambda r: r.usable_mib)
+        if not ever:
+            return (
+                f"{wanted}; it never fits here: the largest GPU has {largest.usable_mib} MiB usable "
+                f"({largest.node} GPU {largest.index}, {largest.model}). Ask for at most that"
+            )
+        return (
+            f"{wanted}; it never fits here: no node has more than {most_ever} GPU(s) that could hold it. "
+            f"Ask for at most {most_ever} GPU(s) per pod, or add a node with {count}"
+        )
+    now = Counter(row.node for row in ready if _room_for(container, row))
+    node, fitting = now.most_common(1)[0] if now else ("", 0)
+    if fitting >= count:
+        return (
+            f"{wanted}; node {node} has {fitting} such GPUs now, so GPU memory is not what blocks it: see "
+            "the scheduler's reasons (selector, taints, compute mode support, CPU or host memory)"
+        )
+    advice = [f"the most any node has now is {fitting}"]
+    other_mode = [row for row in ready if _memory_allows(container, row) and not _mode_allows(container, row)]
+    if other_mode and not container.exclusive:
+        advice.append(
+            f"{len(other_mode)} GPU(s) have the memory free but serve the other compute mode "
+            "(a GPU never mixes modes)"
+        )
+    elif other_mode:
+        advice.append(f"{len(other_mode)} GPU(s) have tenants (a whole GPU needs an empty one)")
+    ways = ["when tenants leave"]
+    largest_free = max((row.free_mib for row in ready if _mode_allows(container, row)), default=0)
+    if not container.exclusive and largest_free > 0:
+        ways.append(f"with a request of at most {largest_free} MiB (the largest free now)")
+    if count > 1 and fitting > 0:
+        ways.append(f"with {fitting} GPU(s) instead of {count}")
+    return f"{wanted}; {'; '.join(advice)}. It fits {', or '.join(ways)}, or on an added node"
 
 
 def explain(
@@ -418,7 +467,11 @@ def explain(
             for e in ordered
         ],
         request=request_text,
-        fit=fit_hints(request, rows) if request is not None and rows is not None and not gpus else [],
+        fit=(
+            fit_hints(request, rows, scheduled_message=condition.message if condition else None)
+            if request is not None and rows is not None and not gpus
+            else []
+        ),
         enforced=enforced,
     )
 
