@@ -285,3 +285,45 @@ async def _events(cluster: LocalCluster, name: str):  # type: ignore[no-untyped-
     return [
         e async for e in cluster.client.list(Event, namespace="default", fields={"involvedObject.name": name})
     ]
+
+
+async def test_graceful_deletion_and_eviction_finish_as_on_a_node(cluster: LocalCluster) -> None:
+    """Before, the simulated kubelet ignored a deletionTimestamp: `kubectl delete pod` hung and evicted or
+    reclaimed victims stayed Terminating. Now it stops the containers and confirms the deletion."""
+    from gpufrac.kube.eviction import evict_pod
+
+    assert cluster.client is not None
+    packed = (DEMO_PODS[0].parent / "demo" / "packed.yaml").read_text()  # 16Gi, time-slicing
+    names = ("leaves-gracefully", "evicted")
+    for name in names:
+        (pod,) = load_all_yaml(packed)
+        pod.metadata.name = name
+        await cluster.client.create(pod, namespace="default")
+    try:
+        running = [
+            await _wait_pod(cluster, n, lambda p: (p.status.phase or "") == "Running", "running")
+            for n in names
+        ]
+        # kubectl's default: a 30 s grace period, and it waits until the pod is gone.
+        out = await asyncio.to_thread(_kubectl, cluster, "delete", "pod", names[0], "--timeout=45s")
+        assert f'pod "{names[0]}" deleted' in out
+        await evict_pod(cluster.client, name=names[1], namespace="default", uid=running[1].metadata.uid)
+        for pod in running:
+            deadline = asyncio.get_running_loop().time() + 30
+            while True:
+                try:
+                    await cluster.client.get(Pod, pod.metadata.name, namespace="default")
+                except ApiError as gone:
+                    assert gone.status.code == 404
+                    break
+                assert asyncio.get_running_loop().time() < deadline, f"{pod.metadata.name} stays Terminating"
+                await asyncio.sleep(0.2)
+            # its containers are gone from the node's runtime too (their cgroups removed)
+            cgroups = cluster.work_dir / "nodes" / pod.spec.nodeName / "cgroupfs"
+            assert cgroups.is_dir()
+            pod_cgroup = cgroups / "kubepods" / f"pod{pod.metadata.uid}"
+            assert not (pod_cgroup.is_dir() and list(pod_cgroup.iterdir())), pod_cgroup
+    finally:
+        for name in names:
+            with contextlib.suppress(ApiError):
+                await cluster.client.delete(Pod, name, namespace="default", grace_period=0)

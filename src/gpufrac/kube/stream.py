@@ -22,6 +22,7 @@ import msgspec
 from lightkube import ApiError, AsyncClient
 from lightkube.core import decoders
 from lightkube.core.generic_client import ALL_NS, GenericAsyncClient, json_encode
+from lightkube.models.meta_v1 import DeleteOptions
 
 from gpufrac.kube import lean_http
 from gpufrac.kube.errors import KubeError, from_status, translate
@@ -133,6 +134,22 @@ async def _post(client: AsyncClient, obj: object, *, name: str | None, namespace
         return
     try:
         generic.handle_response("post", await generic.send(generic.build_adapter_request(request)), request)
+    except ApiError as error:
+        raise translate(error) from error
+
+
+async def delete_object(
+    client: AsyncClient, resource: type, *, name: str, namespace: str | None, options: DeleteOptions
+) -> None:
+    """DELETE ``name`` with ``options`` in the body, which lightkube's ``delete`` cannot send: a kubelet
+    confirms a pod's deletion with a grace period of 0 and its ``uid`` as a precondition, so that a
+    namesake created since is never the pod removed."""
+    generic = _generic(client)
+    request = generic.prepare_request("delete", res=resource, name=name, namespace=namespace)
+    request.data = options
+    request.response_type = None
+    try:
+        generic.handle_response("delete", await generic.send(generic.build_adapter_request(request)), request)
     except ApiError as error:
         raise translate(error) from error
 

@@ -16,6 +16,12 @@ and read back). A refused create is tried again, as a real kubelet's pod worker 
 (``retry_initial_s`` doubling to ``retry_max_s``): NRI's validators refuse a GPU container while the node
 agent is away, hung or restarting, and the pod runs once it is back. A deleted pod's containers
 are stopped and removed, which is what lets the node agent drop their mapping records.
+
+Graceful deletion runs as a kubelet runs it: a pod whose ``deletionTimestamp`` is set (``kubectl delete``,
+an eviction, a preemption or reclaim) has its containers stopped and removed through the runtime, and
+then the kubelet confirms the deletion (DELETE with a grace period of 0 and the pod's ``uid`` as a
+precondition), which is what removes the pod from the API server. A simulated container has no process
+to signal, so it stops at once, where a real kubelet sends SIGTERM and waits up to the grace period.
 """
 
 from __future__ import annotations
@@ -30,13 +36,14 @@ from datetime import UTC, datetime
 from typing import Any
 
 from lightkube import AsyncClient
+from lightkube.models.meta_v1 import DeleteOptions, Preconditions
 from lightkube.resources.core_v1 import Pod
 from lightkube.types import PatchType
 
-from gpufrac.kube.errors import KubeError, api_errors
+from gpufrac.kube.errors import Conflict, KubeError, NotFound, api_errors
 from gpufrac.kube.informer import Informer
 from gpufrac.kube.patch import set_annotations
-from gpufrac.kube.stream import ALL_NAMESPACES, Selection
+from gpufrac.kube.stream import ALL_NAMESPACES, Selection, delete_object
 from gpufrac.local.nriruntime import ContainerCreateFailed, NriRuntime, NriRuntimeError
 
 log = logging.getLogger(__name__)
@@ -93,6 +100,8 @@ class SimulatedKubelet:
         self._runtimes = dict(runtimes)
         self._queue: asyncio.Queue[tuple[str, Pod]] = asyncio.Queue()
         self._running: dict[str, _RunningPod] = {}
+        #: Pods whose deletion this kubelet is carrying out (by uid), so that each is confirmed once.
+        self._terminating: set[str] = set()
         self.informer: Informer[Pod] = Informer(
             client=client,
             resource=Pod,
@@ -111,14 +120,22 @@ class SimulatedKubelet:
         self._offer(new)
 
     def on_delete(self, obj: Pod) -> None:
-        if obj.metadata and obj.metadata.uid in self._running:
+        if obj.metadata is None:
+            return
+        self._terminating.discard(obj.metadata.uid or "")
+        if obj.metadata.uid in self._running:
             self._queue.put_nowait(("delete", obj))
 
     def _offer(self, pod: Pod) -> None:
         assert pod.metadata is not None and pod.spec is not None
-        if pod.spec.nodeName not in self._runtimes or pod.metadata.uid in self._running:
+        if pod.spec.nodeName not in self._runtimes:
             return
         if pod.metadata.deletionTimestamp is not None:
+            if pod.metadata.uid not in self._terminating:
+                self._terminating.add(pod.metadata.uid or "")
+                self._queue.put_nowait(("terminate", pod))
+            return
+        if pod.metadata.uid in self._running:
             return
         if (pod.metadata.annotations or {}).get(CONTAINERS_ANNOTATION):
             return  # already run by an earlier kubelet of this cluster
@@ -146,6 +163,8 @@ class SimulatedKubelet:
             try:
                 if op in ("run", "retry"):
                     await self._run_pod(pod)
+                elif op == "terminate":
+                    await self._terminate(pod)
                 else:
                     await self._remove_pod(pod)
             except (KubeError, NriRuntimeError, OSError) as error:
@@ -256,6 +275,26 @@ class SimulatedKubelet:
                 namespace=meta.namespace,
                 patch_type=PatchType.STRATEGIC,
             )
+
+    async def _terminate(self, pod: Pod) -> None:
+        """Stop the pod's containers, then confirm its deletion to the API server, as a kubelet does."""
+        meta = pod.metadata
+        assert meta is not None and meta.uid is not None
+        await self._remove_pod(pod)
+        try:
+            await delete_object(
+                self._client,
+                Pod,
+                name=meta.name or "",
+                namespace=meta.namespace,
+                options=DeleteOptions(gracePeriodSeconds=0, preconditions=Preconditions(uid=meta.uid)),
+            )
+        except (NotFound, Conflict):
+            pass  # gone already, or the name is a namesake's now (the uid precondition failed)
+        except KubeError:
+            self._terminating.discard(meta.uid)  # the next update of the pod tries again
+            raise
+        log.info("kubelet: %s/%s terminated and its deletion confirmed", meta.namespace, meta.name)
 
     async def _remove_pod(self, pod: Pod) -> None:
         meta = pod.metadata
