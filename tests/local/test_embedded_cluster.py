@@ -327,3 +327,49 @@ async def test_graceful_deletion_and_eviction_finish_as_on_a_node(cluster: Local
         for name in names:
             with contextlib.suppress(ApiError):
                 await cluster.client.delete(Pod, name, namespace="default", grace_period=0)
+
+
+DEPLOYMENT = """
+apiVersion: apps/v1
+kind: Deployment
+metadata: {name: fractions, namespace: default}
+spec:
+  replicas: 2
+  selector: {matchLabels: {app: fractions}}
+  template:
+    metadata:
+      labels: {app: fractions}
+      annotations: {nvidia.com/container.app.gpu-memory.request: "8Gi"}
+    spec:
+      schedulerName: gpufrac-scheduler
+      containers: [{name: app, image: busybox, command: [sleep, infinity]}]
+"""
+
+
+async def test_a_deployment_gets_its_replicas_from_the_controller_manager(cluster: LocalCluster) -> None:
+    """Before, no kube-controller-manager ran on `gpufrac up`: a Deployment stayed 0/2 with no ReplicaSet."""
+    assert cluster.client is not None
+    try:
+        await asyncio.to_thread(_kubectl, cluster, "apply", "-f", "-", stdin=DEPLOYMENT)
+        deadline = asyncio.get_running_loop().time() + 60
+        while True:
+            ready = await asyncio.to_thread(
+                _kubectl, cluster, "get", "deployment", "fractions", "-o", "jsonpath={.status.readyReplicas}"
+            )
+            if ready == "2":
+                break
+            assert asyncio.get_running_loop().time() < deadline, f"readyReplicas {ready!r}"
+            await asyncio.sleep(0.5)
+        pods = [p async for p in cluster.client.list(Pod, namespace="default", labels={"app": "fractions"})]
+        assert len(pods) == 2 and all(p.spec.nodeName for p in pods)
+        assert all(p.metadata.ownerReferences[0].kind == "ReplicaSet" for p in pods)
+        # Deleting the Deployment removes its pods (the garbage collector, then graceful deletion).
+        await asyncio.to_thread(_kubectl, cluster, "delete", "deployment", "fractions", "--wait=true")
+        deadline = asyncio.get_running_loop().time() + 60
+        while [p async for p in cluster.client.list(Pod, namespace="default", labels={"app": "fractions"})]:
+            assert asyncio.get_running_loop().time() < deadline, "the Deployment's pods stayed"
+            await asyncio.sleep(0.5)
+    finally:
+        await asyncio.to_thread(
+            _kubectl, cluster, "delete", "deployment", "fractions", "--ignore-not-found", "--wait=false"
+        )

@@ -65,7 +65,7 @@ async def test_every_component_listens_on_loopback_only(cluster: LocalCluster) -
     names = sorted(cluster.components)
     agents = [f"node-agent-{node}" for node in cluster.shape.node_names]
     validators = [f"node-agent-validator-{node}" for node in cluster.shape.node_names]
-    assert names == sorted(["admission", "scheduler", *agents, *validators])
+    assert names == sorted(["admission", "kube-controller-manager", "scheduler", *agents, *validators])
     for name in names:
         sockets = _listening(cluster.components[name].pid)
         assert sockets, f"{name} listens on nothing"

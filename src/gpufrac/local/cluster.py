@@ -38,7 +38,9 @@ GPUs) is containerd's NRI plugin, and pods run as runc containers. It needs root
 processes are the real node's own (it stops and restarts its agent in tests); the supervisor restarts
 the control plane's other components as above. Its pods are Deployments' and DaemonSets' too, so
 kube-controller-manager and kube-scheduler (testenv/bin, the API server's module graph) run beside the
-API server, and the ServiceAccount admission plugin is on. ``with_gpufrac=False`` stops there: Kubernetes
+API server, and the ServiceAccount admission plugin is on. On simulated nodes kube-controller-manager runs
+too (Deployments, Jobs, ReplicaSets, claim templates, garbage collection), without its node lifecycle
+controller (``SIMULATED_NODE_CONTROLLERS``), and no kube-scheduler: gpufrac-scheduler places every pod. ``with_gpufrac=False`` stops there: Kubernetes
 and the real node, none of gpufrac's processes -- the cluster ``helm install`` deploys gpufrac into
 (tests/install/).
 """
@@ -76,8 +78,7 @@ from gpufrac.local.dra import install_device_classes
 from gpufrac.local.featuregates import feature_gates_flag
 from gpufrac.local.kubelet import SimulatedKubelet
 from gpufrac.local.nriruntime import NriRuntime
-from gpufrac.local.realnode import RealNode
-from gpufrac.local.realnode import binaries as realnode_binaries
+from gpufrac.local.realnode import TESTENV_BIN, RealNode
 from gpufrac.local.simnodes import NodeShape, node_names, sim_node
 from gpufrac.local.supervisor import Backoff, Component, Supervisor
 
@@ -100,6 +101,12 @@ SCHEDULER_USER = f"system:serviceaccount:{SYSTEM_NAMESPACE}:{SCHEDULER_ACCOUNT}"
 #: and it gives pods their token volume), and webhook and aggregated-API calls routed to the Service's
 #: endpoints, the pod IPs on the node's bridge, as no kube-proxy makes ClusterIPs reachable here.
 REAL_NODE_APISERVER_ARGS = ("--disable-admission-plugins=", "--enable-aggregator-routing=true")
+
+#: kube-controller-manager's controllers on simulated nodes: all of its defaults but the node lifecycle
+#: controller. No kubelet renews a simulated Node's Lease or Ready heartbeat, so that controller would
+#: mark every simulated node unreachable after its grace period and taint it, and its pods would be
+#: evicted: on the real node the kubelet keeps both fresh and every controller runs.
+SIMULATED_NODE_CONTROLLERS = ("*", "-node-lifecycle-controller")
 
 #: The node runtimes ``ClusterShape.runtime`` accepts.
 RUNTIMES = ("simulated", "containerd")
@@ -270,7 +277,8 @@ class LocalCluster:
     @property
     def components(self) -> dict[str, Component]:
         """The supervised processes by name: ``admission``, ``scheduler``, ``node-agent-<node>``,
-        ``node-agent-validator-<node>``."""
+        ``node-agent-validator-<node>``, ``kube-controller-manager`` (and ``kube-scheduler`` with the real
+        node)."""
         return self.supervisor.components
 
     # -- start ----------------------------------------------------------------------------------------
@@ -284,6 +292,11 @@ class LocalCluster:
             if self.shape.runtime == "containerd":
                 self._progress("starting kube-controller-manager and kube-scheduler")
                 await self._start_kube_components()
+            else:
+                self._progress("starting kube-controller-manager (Deployments, Jobs, ReplicaSets, claims)")
+                await self._start_kube_components(
+                    kube_scheduler=False, controllers=SIMULATED_NODE_CONTROLLERS
+                )
             if not self.with_gpufrac:
                 # Kubernetes only, with a real node whose GPUs nothing of ours manages yet.
                 await self._start_real_node()
@@ -543,10 +556,14 @@ class LocalCluster:
         if self.with_gpufrac:
             self.metrics_urls[name] = node.metrics_url
 
-    async def _start_kube_components(self) -> None:
+    async def _start_kube_components(
+        self, *, kube_scheduler: bool = True, controllers: tuple[str, ...] = ("*",)
+    ) -> None:
         """kube-controller-manager and kube-scheduler, as the admin, on loopback ports of their own, with
         the embedded cluster's feature gates (``local.featuregates``: the scheduler allocates and the
         controller manager expands ResourceClaimTemplates and deallocates claims with them).
+        ``controllers`` is the controller manager's ``--controllers``; without ``kube_scheduler`` only the
+        controller manager runs (simulated nodes: gpufrac-scheduler places every pod there).
 
         The controller manager signs legacy ServiceAccount token Secrets with the API server's own
         service-account key (``--service-account-private-key-file``; the API server verifies tokens
@@ -567,19 +584,26 @@ class LocalCluster:
             "--v=1",
             *filter(None, [feature_gates_flag()]),
         ]
-        bins = realnode_binaries()
+        controller_manager, scheduler = (
+            TESTENV_BIN / "kube-controller-manager",
+            TESTENV_BIN / "kube-scheduler",
+        )
+        for binary in (controller_manager, scheduler) if kube_scheduler else (controller_manager,):
+            if not binary.exists():
+                raise ClusterError(f"missing {binary}: build it with `make testenv`")
         started = []
         for name, binary, flags in (
             (
                 "kube-controller-manager",
-                bins.controller_manager,
+                controller_manager,
                 [
                     f"--service-account-private-key-file={pki / 'sa.key'}",
                     f"--root-ca-file={self.controlplane.ca_file}",
                     "--use-service-account-credentials=true",
+                    f"--controllers={','.join(controllers)}",
                 ],
             ),
-            ("kube-scheduler", bins.kube_scheduler, []),
+            *([("kube-scheduler", scheduler, [])] if kube_scheduler else []),
         ):
             port = _free_port()
             process = self._spawn(
