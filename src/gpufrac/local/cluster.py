@@ -40,7 +40,8 @@ the control plane's other components as above. Its pods are Deployments' and Dae
 kube-controller-manager and kube-scheduler (testenv/bin, the API server's module graph) run beside the
 API server, and the ServiceAccount admission plugin is on. On simulated nodes kube-controller-manager runs
 too (Deployments, Jobs, ReplicaSets, claim templates, garbage collection), without its node lifecycle
-controller (``SIMULATED_NODE_CONTROLLERS``), and no kube-scheduler: gpufrac-scheduler places every pod. ``with_gpufrac=False`` stops there: Kubernetes
+controller (``SIMULATED_NODE_CONTROLLERS``), and no kube-scheduler: gpufrac-scheduler places every pod.
+``with_gpufrac=False`` stops there: Kubernetes
 and the real node, none of gpufrac's processes -- the cluster ``helm install`` deploys gpufrac into
 (tests/install/).
 """
