@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import json
 import subprocess
+import sys
 from collections.abc import AsyncIterator, Callable
 
 import pytest
@@ -142,6 +143,17 @@ async def test_gpufrac_top_shows_the_inference_fractions_from_the_agents_metrics
     console = Console(record=True, width=200)
     console.print(render([view]))
     assert console.export_text().count("default/inference/app") == 4
+
+    # kubectl gpufrac top with no address: gpufrac up's agents are processes, not pods; it finds them.
+    done = await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-m", "gpufrac.kubectl", "--kubeconfig", str(cluster.kubeconfig), "top", "--once"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count("default/inference/app") == 4
 
 
 def _kubectl(cluster: LocalCluster, *args: str, stdin: str | None = None) -> str:

@@ -224,6 +224,11 @@ DRA_CONFIG_MEMORY_LIMIT = "memoryLimit"
 #: kube-controller-manager removes it when it deallocates. gpufrac-scheduler allocates the same way.
 DRA_CLAIM_FINALIZER = "resource.kubernetes.io/delete-protection"
 
+#: ``gpufrac up`` runs its node agents as local processes, not pods: it names their metrics URLs (data:
+#: node name -> URL) in this ConfigMap, where ``kubectl gpufrac top`` finds them when no agent pod runs.
+LOCAL_NODE_AGENTS_NAMESPACE = "gpufrac-system"
+LOCAL_NODE_AGENTS_CONFIGMAP = "gpufrac-local-node-agents"
+
 #: The name the node agent registers with the runtime's NRI (``PluginIdentity``), and the one GPU
 #: containers require.
 NRI_PLUGIN_NAME = "gpufrac"

@@ -22,12 +22,16 @@ from lightkube import ApiError, Client, KubeConfig
 from lightkube.config import client_adapter
 from lightkube.config.kubeconfig import SingleConfig
 from lightkube.core.exceptions import ConfigError
-from lightkube.resources.core_v1 import Event, Node, Pod
+from lightkube.resources.core_v1 import ConfigMap, Event, Node, Pod
 from rich.console import Console
 from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
-from gpufrac.contract.keys import POD_MEMORY_ENFORCED_CONDITION
+from gpufrac.contract.keys import (
+    LOCAL_NODE_AGENTS_CONFIGMAP,
+    LOCAL_NODE_AGENTS_NAMESPACE,
+    POD_MEMORY_ENFORCED_CONDITION,
+)
 from gpufrac.kubectl.snapshot import MILLI, ClusterTrace, cluster_trace
 from gpufrac.kubectl.view import (
     UNKNOWN,
@@ -399,7 +403,15 @@ def top(
     client = Client(config=config, field_manager="kubectl-gpufrac")
     agents = _agent_endpoints(client)
     if not agents:
-        _fail(f"no running node agent pods (label app.kubernetes.io/name={APP_NAME}) to read")
+        local = _local_agents(client)
+        if local:  # `gpufrac up`: the agents are local processes, named in a ConfigMap
+            top_by_address(urls=local, once=once, interval=interval)
+            return
+        _fail(
+            f"no running node agent pods (label app.kubernetes.io/name={APP_NAME}) and no `gpufrac up` "
+            f"agents (ConfigMap {LOCAL_NODE_AGENTS_NAMESPACE}/{LOCAL_NODE_AGENTS_CONFIGMAP}) to read; "
+            "give the agents' host:port as arguments"
+        )
     with client_adapter.Client(config, client_adapter.ConnectionParams()) as http:
 
         def snapshot() -> list[AgentView]:
@@ -538,6 +550,17 @@ def _agent_endpoints(client: Client) -> list[str]:
             ns, name = pod.metadata.namespace, pod.metadata.name
             paths.append(f"/api/v1/namespaces/{ns}/pods/{name}:{ports[0].containerPort}/proxy/metrics")
     return sorted(paths)
+
+
+def _local_agents(client: Client) -> list[str]:
+    """The metrics URLs of ``gpufrac up``'s node agents (local processes), or none outside it."""
+    try:
+        config_map = client.get(ConfigMap, LOCAL_NODE_AGENTS_CONFIGMAP, namespace=LOCAL_NODE_AGENTS_NAMESPACE)
+    except ApiError as error:
+        if error.status.code in (403, 404):
+            return []
+        _fail(f"the API server answered {error.status.code}: {error.status.message}")
+    return [url for _, url in sorted((config_map.data or {}).items())]
 
 
 def _scrape_through_proxy(http: httpx2.Client, path: str) -> AgentView:

@@ -69,7 +69,7 @@ from lightkube.models.authentication_v1 import TokenRequestSpec
 from lightkube.models.meta_v1 import ObjectMeta
 from lightkube.models.rbac_v1 import RoleRef, Subject
 from lightkube.resources.apiextensions_v1 import CustomResourceDefinition
-from lightkube.resources.core_v1 import Namespace, Node, ServiceAccount, ServiceAccountToken
+from lightkube.resources.core_v1 import ConfigMap, Namespace, Node, ServiceAccount, ServiceAccountToken
 from lightkube.resources.rbac_authorization_v1 import ClusterRoleBinding as ClusterRoleBindingResource
 
 from gpufrac.contract import keys
@@ -320,6 +320,7 @@ class LocalCluster:
             await self._wait_nodes_published()
             self._progress("starting the scheduler")
             await self._start_scheduler()
+            await self._name_local_agents()
             if self.shape.runtime == "simulated":
                 self.kubelet = SimulatedKubelet(
                     client=self.client,
@@ -681,6 +682,19 @@ class LocalCluster:
         )
         self.scheduler_url = f"http://{LOOPBACK}:{port}"
         await self._wait_http(process, f"{self.scheduler_url}/readyz")
+
+    async def _name_local_agents(self) -> None:
+        """The node agents' metrics URLs in a ConfigMap (``keys.LOCAL_NODE_AGENTS_CONFIGMAP``): they are
+        local processes here, not the DaemonSet's pods ``kubectl gpufrac top`` looks for first."""
+        assert self.client is not None
+        config_map = ConfigMap(
+            metadata=ObjectMeta(
+                name=keys.LOCAL_NODE_AGENTS_CONFIGMAP, namespace=keys.LOCAL_NODE_AGENTS_NAMESPACE
+            ),
+            data=dict(sorted(self.metrics_urls.items())),
+        )
+        with api_errors():
+            await self.client.apply(config_map, field_manager="gpufrac-local", force=True)
 
     async def _scheduler_kubeconfig(self) -> Path:
         """A kubeconfig for the scheduler's own service account, with a TokenRequest token."""

@@ -95,7 +95,8 @@ async def _up(console: Console, shape: ClusterShape, work_dir: Path | None) -> N
         metrics = sorted(cluster.metrics_urls.items())
         for node, url in metrics:
             console.print(f"  metrics of {node}: {url}")
-        console.print(f"  per-fraction usage: gpufrac top {' '.join(url for _, url in metrics)}")
+        urls = " ".join(url for _, url in metrics)
+        console.print(f"  per-fraction usage: kubectl gpufrac top (or gpufrac top {urls})")
         if cluster.real_node is not None:
             from gpufrac.local import ociimage
 
