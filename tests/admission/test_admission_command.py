@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import ssl
 import subprocess
@@ -57,3 +58,45 @@ def test_serves_until_sigterm_then_exits_cleanly(tmp_path: Path) -> None:
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+#: Run the CLI in a process whose Python finds no usable temporary directory: TMPDIR names a file (root
+#: may write anywhere, so "not writable" is emulated) and ``tempfile.gettempdir`` raises as it does when
+#: every candidate, /tmp included, is unwritable -- a read-only root filesystem without a /tmp volume.
+_NO_TEMPORARY_DIRECTORY = """
+import sys, tempfile
+
+def _none(*_args, **_kwargs):
+    raise FileNotFoundError("No usable temporary directory found")
+
+tempfile.gettempdir = tempfile.gettempdirb = tempfile.mkdtemp = tempfile.mkstemp = _none
+tempfile.tempdir = None
+from gpufrac.cli import app
+
+app(sys.argv[1:])
+"""
+
+
+def test_the_cli_loads_and_answers_help_without_a_writable_temporary_directory(tmp_path: Path) -> None:
+    """Only the subcommand that needs a temporary directory may ask for one, when it runs: the node
+    agent's validator runs on a read-only root filesystem and loads every subcommand at start."""
+    not_a_directory = tmp_path / "not-a-directory"
+    not_a_directory.write_text("")
+    for args in (["--help"], ["admission", "--help"], ["node-agent-validator", "--help"]):
+        done = subprocess.run(
+            [sys.executable, "-c", _NO_TEMPORARY_DIRECTORY, *args],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "TMPDIR": str(not_a_directory)},
+            timeout=60,
+        )
+        assert done.returncode == 0, (args, done.stderr[-2000:])
+        assert "Usage:" in done.stdout, (args, done.stdout)
+    admission_help = subprocess.run(
+        [sys.executable, "-c", _NO_TEMPORARY_DIRECTORY, "admission", "--help"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "TMPDIR": str(not_a_directory), "COLUMNS": "200"},
+        timeout=60,
+    ).stdout
+    assert "--tls-dir" in admission_help

@@ -32,6 +32,14 @@ log = logging.getLogger(__name__)
 
 #: How long the webhook waits, at start, for its first read of Queues and Namespaces.
 QUEUE_BOOK_WAIT_S = 30.0
+#: ``--tls-dir``'s default, under the temporary directory.
+TLS_DIR_NAME = "gpufrac-admission-tls"
+
+
+def _default_tls_dir() -> Path:
+    """Asked for only when a local certificate is generated: ``gpufrac`` loads this module with every
+    subcommand, and the validator's container has no writable temporary directory to give."""
+    return Path(tempfile.gettempdir()) / TLS_DIR_NAME
 
 
 def admission(
@@ -52,8 +60,12 @@ def admission(
         ),
     ] = DEFAULT_IDLE_TIMEOUT_S,
     tls_dir: Annotated[
-        Path, typer.Option(help="Where a local CA and certificate are kept when --tls-cert is not given.")
-    ] = Path(tempfile.gettempdir()) / "gpufrac-admission-tls",
+        Path | None,
+        typer.Option(
+            help="Where a local CA and certificate are kept when --tls-cert is not given "
+            f"(default: {TLS_DIR_NAME} in the temporary directory).",
+        ),
+    ] = None,
     tls_host: Annotated[
         list[str] | None, typer.Option(help="Extra DNS name or IP for a generated certificate (repeatable).")
     ] = None,
@@ -102,7 +114,7 @@ def admission(
         raise typer.BadParameter("give both --tls-cert and --tls-key, or neither")
     ca_bundle: bytes | None = None
     if tls_cert is None or tls_key is None:
-        files = ensure_tls(tls_dir, hosts=[*LOCAL_HOSTS, *(tls_host or [])])
+        files = ensure_tls(tls_dir or _default_tls_dir(), hosts=[*LOCAL_HOSTS, *(tls_host or [])])
         tls_cert, tls_key, ca_bundle = files.cert, files.key, files.ca_bundle()
         log.info("using a local CA", extra={"ca": str(files.ca_cert)})
 

@@ -83,7 +83,6 @@ MAX_NAME = 63
 #: The validator container's /healthz and /readyz (the agent's own ports are the spec's).
 VALIDATOR_HEALTH_PORT = 8083
 VALIDATOR_PORT_NAME = "validator"
-VALIDATOR_TMP = "validator-tmp"
 VALIDATOR_RESOURCES = {"requests": {"cpu": "10m", "memory": "128Mi"}, "limits": {"memory": "128Mi"}}
 
 #: Host memory of the agent container: the agent process itself (Python, the NRI connection, the usage
@@ -319,12 +318,11 @@ def render_daemonset(config: ConfigSpec, *, gpus_per_node: int = GPU_COUNT_STEP)
         "startupProbe": _startup_probe(VALIDATOR_PORT_NAME),
         "livenessProbe": _probe("/healthz", period=5, failures=2, port=VALIDATOR_PORT_NAME),
         "readinessProbe": _probe("/readyz", period=5, failures=1, port=VALIDATOR_PORT_NAME),
-        # /tmp is the one writable place (the gpufrac command asks Python for a temporary directory when
-        # it loads its subcommands); the root filesystem stays read-only.
-        "volumeMounts": [nri_mount, {"name": VALIDATOR_TMP, "mountPath": "/tmp"}],
+        # Nothing writable: the gpufrac command asks for a temporary directory only in the subcommand
+        # that needs one (the webhook's generated certificate), never to load.
+        "volumeMounts": [nri_mount],
         "resources": VALIDATOR_RESOURCES,
     }
-    volumes.append({"name": VALIDATOR_TMP, "emptyDir": {"medium": "Memory", "sizeLimit": "1Mi"}})
     template = {
         "metadata": {"labels": labels},
         "spec": {
