@@ -12,7 +12,7 @@ import contextlib
 import signal
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import typer
 from rich.console import Console
@@ -46,12 +46,20 @@ def _shape(
     )
 
 
+def banner_console(file: Any = None) -> Console:
+    """``gpufrac up``'s console: piped or redirected, rich would wrap at 80 columns and break the banner's
+    copy-paste commands (``export KUBECONFIG=…``, ``gpufrac top <urls>``), so lines are never wrapped."""
+    return Console(file=file, soft_wrap=True)
+
+
 def up(
     nodes: int | None = typer.Option(
         None, "--nodes", min=1, help="GPU nodes (default 2 simulated, 1 with --runtime containerd)."
     ),
     gpus: int = typer.Option(4, "--gpus", min=1, help="GPUs per node."),
-    gpu_model: str = typer.Option("H100-80GB", "--gpu-model", help="GPU model of every node."),
+    gpu_model: str = typer.Option(
+        "H100-80GB", "--gpu-model", help=f"GPU model of every node: {', '.join(GPU_MODELS)}."
+    ),
     policy: str | None = typer.Option(
         None, "--policy", help="Scheduler placement policy (default: the scheduler service's default)."
     ),
@@ -72,7 +80,7 @@ def up(
     ),
 ) -> None:
     """Start the embedded cluster (control plane, webhook, scheduler, node agents) until Ctrl-C."""
-    console = Console()
+    console = banner_console()
     count = nodes if nodes is not None else (1 if runtime == "containerd" else 2)
     asyncio.run(_up(console, _shape(count, gpus, gpu_model, policy, runtime, dra), work_dir))
 
