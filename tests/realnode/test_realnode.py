@@ -461,6 +461,31 @@ async def test_while_the_agent_is_dead_no_gpu_container_starts_and_all_run_enfor
     await _delete(cluster, *names)
 
 
+async def test_an_agent_that_dies_on_its_own_is_restarted_and_serves_with_no_container_started_bare(
+    cluster: LocalCluster,
+) -> None:
+    """`gpufrac up --runtime containerd` keeps the real node's agent running as the DaemonSet's kubelet
+    would: SIGKILLed from outside (no ``kill_agent``, nobody calls ``start_agent``), it is restarted with
+    back-off, the exit is counted and logged, and GPU pods created while it was dead run with their plan
+    once it is back -- none of them bare meanwhile."""
+    assert cluster.client is not None and cluster.real_node is not None
+    node = cluster.real_node
+    agent = node.agent_pid
+    assert agent is not None
+    names = ["crashed-a", "crashed-b"]
+    os.kill(agent, signal.SIGKILL)
+    for name in names:
+        await cluster.client.create(_pod(name, annotations=FRACTION), namespace="default")
+    pods = await _never_bare(cluster, names, _all(_running), what="run once the agent is back", timeout_s=90)
+    assert all(_enforced_env(node, p) for p in pods.values())
+    _started_once(pods)
+    restarted = cluster.components[f"node-agent-{NODE}"]
+    assert restarted.alive and node.agent_pid == restarted.pid != agent
+    assert [e.code for e in restarted.exits] == [-signal.SIGKILL]
+    assert f"node-agent-{NODE} killed by SIGKILL after" in restarted.log.read_text()
+    await _delete(cluster, *names)
+
+
 async def test_a_slow_agent_never_lets_a_gpu_container_start_bare(cluster: LocalCluster) -> None:
     """The agent starved: stopped 2.5 s, running 0.5 s, over and over while GPU pods arrive, so some of
     its answers come after containerd's 2 s and some in time (and it reconnects after each time NRI

@@ -34,9 +34,10 @@ the soak test sees many of each within minutes; the defaults are the components'
 
 With ``runtime="containerd"`` the one node is REAL instead (``gpufrac.local.realnode``): containerd with
 NRI, runc and a real kubelet, which registers the Node itself; the node agent (still with simulated
-GPUs) is containerd's NRI plugin, and pods run as runc containers. It needs root and cgroups. That node's
-processes are the real node's own (it stops and restarts its agent in tests); the supervisor restarts
-the control plane's other components as above. Its pods are Deployments' and DaemonSets' too, so
+GPUs) is containerd's NRI plugin, and pods run as runc containers. It needs root and cgroups. containerd
+and the kubelet are the real node's own processes; its node agent and validator are supervised as on
+simulated nodes (``node-agent-<node>``, ``node-agent-validator-<node>``: a crashed agent comes back), as
+are the control plane's other components. Its pods are Deployments' and DaemonSets' too, so
 kube-controller-manager and kube-scheduler (testenv/bin, the API server's module graph) run beside the
 API server, and the ServiceAccount admission plugin is on. On simulated nodes kube-controller-manager runs
 too (Deployments, Jobs, ReplicaSets, claim templates, garbage collection), without its node lifecycle
@@ -552,6 +553,7 @@ class LocalCluster:
             with_agent=self.with_gpufrac,
             progress=self._progress,
             dra=self.shape.dra,
+            supervisor=self.supervisor,
         )
         self.real_node = node
         await node.start()

@@ -36,6 +36,12 @@ process of its own (as it is a container of its own in the agent's DaemonSet pod
 container whose final adjustment lacks the agent's injection, which is what keeps a GPU container from
 starting without its limits while the agent hangs, dies or answers late (``gpufrac.node.nri.validator``).
 ``start_agent`` starts it when it is not running; ``stop_agent`` and ``kill_agent`` end the agent only.
+
+Given a ``supervisor`` (``gpufrac up`` passes the embedded cluster's), the agent and its validator are
+supervised as the DaemonSet's kubelet would keep them: one that exits is restarted with back-off, each
+exit logged and counted (components ``node-agent-<node>`` and ``node-agent-validator-<node>``, as on
+simulated nodes). ``stop_agent``, ``kill_agent`` and ``stop_validator`` take the process out of
+supervision first: a test that ends the agent on purpose keeps it down until ``start_agent``.
 """
 
 from __future__ import annotations
@@ -63,6 +69,7 @@ from gpufrac.local import ociimage
 from gpufrac.local.featuregates import FEATURE_GATES
 from gpufrac.local.processes import Spawned, spawn, terminate
 from gpufrac.local.simnodes import NodeShape, gpu_uuid
+from gpufrac.local.supervisor import Component, Supervisor
 
 TESTENV_BIN = Path(__file__).resolve().parents[3] / "testenv" / "bin"
 
@@ -157,6 +164,10 @@ def missing_requirements() -> list[str]:
     if not (CGROUP_MEMORY / "cgroup.procs").exists():
         missing.append(f"a cgroup v1 memory hierarchy at {CGROUP_MEMORY}")
     return missing
+
+
+def _tail(log: Path, lines: int = 20) -> str:
+    return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
 
 
 def _free_port() -> int:
@@ -398,6 +409,7 @@ class RealNode:
         with_agent: bool = True,
         progress: Callable[[str], None] = lambda _msg: None,
         dra: bool = False,
+        supervisor: Supervisor | None = None,
     ) -> None:
         self.name = name
         self.with_agent = with_agent
@@ -415,8 +427,9 @@ class RealNode:
         self.metrics_url = ""
         self._containerd: Spawned | None = None
         self._kubelet: Spawned | None = None
-        self._agent: Spawned | None = None
-        self._validator: Spawned | None = None
+        self._supervisor = supervisor
+        self._agent: Spawned | Component | None = None
+        self._validator: Spawned | Component | None = None
         self._validator_port = 0
 
     @property
@@ -599,6 +612,7 @@ class RealNode:
             await self.start_validator()
         if self._agent is not None and self._agent.popen.poll() is None:
             return
+        await self.stop_agent()  # a supervised one waiting for its restart: started here instead
         shape = self.shape
         metrics_port = _free_port()
         # The DRA driver's plugin sockets go under this kubelet's root and its CDI specs where containerd
@@ -614,9 +628,9 @@ class RealNode:
                 }
             )
         )
-        self._agent = spawn(
-            name="node-agent",
-            argv=[
+        self._agent = self._start(
+            "node-agent",
+            [
                 *self._agent_argv(),
                 "node-agent",
                 f"--node-name={self.name}",
@@ -633,7 +647,6 @@ class RealNode:
                 *(["--dra"] if self.dra else []),
                 *extra_args,
             ],
-            logs=self.logs,
         )
         self.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
         await self._wait(self._agent, "publish the node's GPUs", self._agent_ready, timeout_s=60)
@@ -654,10 +667,11 @@ class RealNode:
     async def start_validator(self) -> None:
         """Start the agent's validating NRI plugin on containerd's NRI socket; wait until it is in
         containerd's path (its /readyz: registered and synchronized)."""
+        await self.stop_validator()
         self._validator_port = _free_port()
-        self._validator = spawn(
-            name="node-agent-validator",
-            argv=[
+        self._validator = self._start(
+            "node-agent-validator",
+            [
                 *self._agent_argv(),
                 "node-agent-validator",
                 f"--nri-socket={self.nri_socket}",
@@ -665,7 +679,6 @@ class RealNode:
                 f"--health-port={self._validator_port}",
                 "--log-format=text",
             ],
-            logs=self.logs,
         )
         await self._wait(
             self._validator, "register with containerd's NRI", self._validator_ready, timeout_s=60
@@ -686,41 +699,57 @@ class RealNode:
     def validator_pid(self) -> int | None:
         return self._validator.popen.pid if self._validator is not None else None
 
+    def _start(self, name: str, argv: list[str]) -> Spawned | Component:
+        """Start ``name`` (``node-agent``, ``node-agent-validator``): supervised as ``<name>-<node>`` when
+        this node has a supervisor, else a plain child process."""
+        if self._supervisor is None:
+            return spawn(name=name, argv=argv, logs=self.logs)
+        supervised = f"{name}-{self.name}"
+        return self._supervisor.start(supervised, argv, log=self.logs / f"{supervised}.log")
+
+    async def _unsupervised(self, process: Spawned | Component) -> subprocess.Popen[bytes]:
+        """Its current process, no longer restarted by the supervisor (if it had one)."""
+        if self._supervisor is not None and isinstance(process, Component):
+            await self._supervisor.release(process.name)
+        return process.popen
+
     async def stop_validator(self) -> None:
         """SIGTERM the validator and wait until it has exited."""
         validator, self._validator = self._validator, None
         if validator is not None:
-            await asyncio.to_thread(terminate, validator.popen)
+            await asyncio.to_thread(terminate, await self._unsupervised(validator))
 
     async def kill_agent(self) -> None:
-        """SIGKILL the node agent, as a crash or the OOM killer does: none of its shutdown runs."""
+        """SIGKILL the node agent, as a crash or the OOM killer does: none of its shutdown runs. It stays
+        down (unsupervised) until ``start_agent``."""
         agent, self._agent = self._agent, None
         if agent is not None:
-            agent.popen.kill()
-            await asyncio.to_thread(agent.popen.wait)
+            popen = await self._unsupervised(agent)
+            popen.kill()
+            await asyncio.to_thread(popen.wait)
 
     async def stop_agent(self) -> None:
         """SIGTERM the node agent (it leaves containerd's NRI path) and wait until it has exited."""
         agent, self._agent = self._agent, None
         if agent is not None:
-            await asyncio.to_thread(terminate, agent.popen)
+            await asyncio.to_thread(terminate, await self._unsupervised(agent))
 
     async def _wait(
-        self, process: Spawned, what: str, ready: Callable[[], object], *, timeout_s: float = 60.0
+        self, process: Spawned | Component, what: str, ready: Callable[[], object], *, timeout_s: float = 60.0
     ) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if process.popen.poll() is not None:
                 raise RealNodeError(
                     f"{process.name} exited with {process.popen.returncode} before it could {what}; "
-                    f"last lines of {process.log}:\n{process.tail()}"
+                    f"last lines of {process.log}:\n{_tail(process.log)}"
                 )
             if await ready():  # type: ignore[misc]
                 return
             await asyncio.sleep(0.2)
         raise RealNodeError(
             f"{process.name} did not {what} within {timeout_s:.0f}s; last lines of {process.log}:\n"
-            f"{process.tail()}"
+            f"{_tail(process.log)}"
         )
 
     # -- inside the containers ------------------------------------------------------------------------

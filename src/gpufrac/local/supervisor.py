@@ -140,6 +140,16 @@ class Supervisor:
         self._watchers[name] = asyncio.create_task(self._watch(component), name=f"supervise-{name}")
         return component
 
+    async def release(self, name: str) -> Component | None:
+        """Stop restarting ``name`` and forget it (None: not supervised); its process, if it still runs,
+        is the caller's to end. A component taken out on purpose (a test stopping the node agent) must
+        not come back behind the caller's back."""
+        watcher = self._watchers.pop(name, None)
+        if watcher is not None:
+            watcher.cancel()
+            await asyncio.gather(watcher, return_exceptions=True)
+        return self.components.pop(name, None)
+
     def exits(self) -> dict[str, list[Exit]]:
         """Every component's exits so far (the empty list for one that never exited)."""
         return {name: list(c.exits) for name, c in self.components.items()}
