@@ -22,11 +22,13 @@ before its policy's score does. A pod with none of them stays on the cached path
 placed on but that are topology domains all the same (``add_topology_node``; the scheduler's unmanaged
 nodes) and the pods bound to them (``add_topology_pod``) are known to that book alone.
 
-Transactions: ``statement()`` returns a Statement; placements made through it are undone in reverse
-order by ``discard`` (or on an exception), because applying and releasing an allocation are exact
-inverses. ``schedule(..., gang=True)`` uses one to place a batch all-or-nothing (or, with
-``min_member``, at least that many of it or nothing: a PodGroup); a multi-device or
-multi-container pod is always all-or-nothing within itself.
+Transactions: ``statement()`` returns a Statement, the one "what if" of the placement core (preemption's
+simulation, consolidation's relocation, gang preemption's plan): placements, evictions and assumed pods
+made through it are recorded with their inverses and undone newest first by ``rollback`` to a
+``checkpoint`` or by ``discard`` (or on an exception), which restores every book exactly, because
+applying and releasing an allocation are exact inverses. ``schedule(..., gang=True)`` uses one to
+place a batch all-or-nothing (or, with ``min_member``, at least that many of it or nothing: a
+PodGroup); a multi-device or multi-container pod is always all-or-nothing within itself.
 
 Determinism: ties between equal scores go to the node with the smallest seeded hash of its name, a fixed
 random order per seed (as the paper's simulator does with random name prefixes); nothing else is random.
@@ -37,6 +39,7 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import numpy as np
@@ -58,7 +61,7 @@ from .filters import STATIC_FILTERS, Fit, GpuRules, container_fit, resource_fit,
 from .model import NodeSpec, PendingPod, Queue, QueueResource
 from .policies import Policy, Prior, make_policy
 from .state import EXCLUSIVE, MODE_CODE, Allocation, ClusterState, DeviceCharge, GpuLedger, PodTable
-from .topology import PodBook
+from .topology import Nomination, PodBook
 
 _RANK_BITS = 40
 _ABSENT = 255
@@ -418,6 +421,7 @@ class Engine:
         gang: bool = False,
         min_member: int | None = None,
         largest_first: bool | None = None,
+        statement: Statement | None = None,
     ) -> list[Decision]:
         """Place ``pods`` in queue order. One Decision per pod, in input order. ``largest_first``
         (default: the policy's look-ahead) places the pods of a queue and priority in the look-ahead's
@@ -426,10 +430,13 @@ class Engine:
         With ``gang`` the batch is one statement: if fewer than ``min_member`` pods (default: all of
         them) are placed, every placement of the batch is discarded and each pod is Unschedulable with
         the gang's count in its message. Members beyond ``min_member`` that do not fit stay
-        Unschedulable on their own while the others are kept (a PodGroup's ``minMember``)."""
+        Unschedulable on their own while the others are kept (a PodGroup's ``minMember``).
+
+        With ``statement`` the placements are made through it (a failed gang is rolled back to where the
+        batch began) and kept there, for its caller to commit or undo; without, they are committed."""
         decisions: list[Decision | None] = [None] * len(pods)
         if len(pods) == 1 and not gang:
-            return [self.place(pods[0])]
+            return [self.place(pods[0]) if statement is None else statement.place(pods[0])]
         need = len(pods) if min_member is None else min_member
         if gang and not 0 <= need <= len(pods):
             raise ValueError(f"min_member={min_member} must be between 0 and the gang's {len(pods)} pods")
@@ -440,7 +447,9 @@ class Engine:
         def size(i: int) -> tuple[int, ...]:
             return self.batch_key(pods[i])
 
-        with self.statement() as st:
+        st = self.statement() if statement is None else statement
+        with st if statement is None else nullcontext(st):
+            start = st.checkpoint()
 
             def place(i: int) -> None:
                 decisions[i] = st.place(pods[i])
@@ -449,7 +458,7 @@ class Engine:
             failed = [d for d in decisions if isinstance(d, Unschedulable)]
             placed = len(pods) - len(failed)
             if gang and placed < need:
-                st.discard()
+                st.rollback(start)
                 total = self.state.node_count
                 detail = f"gang of {len(pods)} needs {need} placed together, {placed} fit"
                 decisions = [
@@ -461,7 +470,7 @@ class Engine:
                     )
                     for p, d in zip(pods, decisions, strict=True)
                 ]
-            else:
+            if statement is None:
                 st.commit()
         return [d for d in decisions if d is not None]
 
@@ -741,32 +750,118 @@ def _first_choice(policy: Policy, st: ClusterState, c: ContainerDemand, fit: Fit
 
 
 class Statement:
-    """Placements that can be committed or discarded as one (KAI's statement). Use as a context
-    manager: leaving the block without ``commit`` (or by an exception) discards."""
+    """Changes to the engine that can be kept or taken back: KAI Scheduler's ``Statement``
+    (pkg/scheduler/framework/statement.go: ``Evict``, ``Pipeline`` and ``Allocate`` each append an
+    operation that carries its reverse, ``unevict``, ``unpipeline`` or ``unallocate``; ``Checkpoint`` is
+    the number of operations and ``Rollback(cp)`` undoes them newest first back to it).
+
+    Every "what if" of the placement core runs on one: the preemption search's ``simulate`` (victims
+    evicted, the pod placed), consolidation's ``relocate`` (moved pods evicted, the pod and each moved pod
+    placed), gang preemption and gang consolidation (members placed or given room, victims evicted, moved
+    pods assumed at their new homes, the gang statement tried per victim given back) and
+    ``Engine.schedule``'s all-or-nothing gangs.
+
+    Three operations, each recorded with its exact inverse:
+
+    - ``place(pod)``: the engine's own placement; undone by forgetting the pod.
+    - ``evict(uid)``: a placed pod leaves; undone by assuming it again where it was.
+    - ``assume(pod, placement)``: a pod is booked at a placement the caller chose (a moved pod at its new
+      home, a gang member at the room a search found); a pod that was placed already is evicted first,
+      so undoing puts it back where it was.
+
+    Undoing in reverse order restores every book exactly, not just the totals: ``ClusterState.apply``
+    and ``release`` are integer inverses, the queue charges and the pod book follow the pod, and the
+    pod table reuses the last freed slot first, so each pod gets its old slot back (the preemption
+    search keeps slot arrays across simulations and relies on it). Nodes' ``version`` counters move on
+    (they only say "recompute"), and what policies learn from a pod they saw stays learnt. Booking a
+    nominated pod drops the room held for it; undoing the booking holds that room again.
+
+    ``checkpoint()`` marks a point, ``rollback(to)`` undoes back to it and keeps the statement open (a
+    reprieve tries one victim back, then takes it back again), ``commit()`` keeps everything, and
+    ``discard()`` undoes everything. Use it as a context manager: leaving the block without ``commit``
+    (or by an exception) discards. Changes made to the engine outside the statement while it is open
+    must be undone before it rolls back over them (a nested statement, discarded, is): the inverses
+    assume the books they were recorded on.
+    """
 
     def __init__(self, engine: Engine) -> None:
         self._engine = engine
-        self._placed: list[str] = []
+        # The inverse of each operation, in the order done: a uid to forget, or a pod and placement to
+        # assume again.
+        self._undo: list[str | tuple[PendingPod, Placement] | _Renominate] = []
         self._open = True
 
+    @property
+    def engine(self) -> Engine:
+        return self._engine
+
     def place(self, pod: PendingPod) -> Decision:
-        if not self._open:
-            raise RuntimeError("statement already closed")
+        """``Engine.place`` through the statement."""
+        self._check()
+        held = self._engine.book.nomination(pod.uid)
         decision = self._engine.place(pod)
         if isinstance(decision, Placement):
-            self._placed.append(pod.uid)
+            self._placed(pod.uid, held)
         return decision
 
+    def evict(self, uid: str) -> tuple[PendingPod, Placement]:
+        """Book placed pod ``uid`` off; returns it as it was booked and where."""
+        self._check()
+        engine = self._engine
+        booked, placement = engine.bound_pod(uid), engine.placement_of(uid)
+        if booked is None or placement is None:
+            raise ValueError(f"pod {uid} is not placed")
+        engine.forget(uid)
+        self._undo.append((booked, placement))
+        return booked, placement
+
+    def assume(self, pod: PendingPod, placement: Placement) -> Placement:
+        """``Engine.assume`` through the statement (a pod placed already leaves its old place first)."""
+        self._check()
+        if self._engine.bound_pod(pod.uid) is not None:
+            self.evict(pod.uid)
+        held = self._engine.book.nomination(pod.uid)
+        self._engine.assume(pod, placement)
+        self._placed(pod.uid, held)
+        return placement
+
+    def _placed(self, uid: str, held: Nomination | None) -> None:
+        # Booking a pod drops the room held for its nomination: forgetting it again holds that room.
+        if held is not None:
+            self._undo.append(_Renominate(uid, held))
+        self._undo.append(uid)
+
+    def checkpoint(self) -> int:
+        """A mark to ``rollback`` to."""
+        return len(self._undo)
+
+    def rollback(self, to: int = 0) -> None:
+        """Undo, newest first, every operation since checkpoint ``to``; the statement stays open."""
+        engine, undo = self._engine, self._undo
+        if not 0 <= to <= len(undo):
+            raise ValueError(f"checkpoint {to} is not in this statement (it has {len(undo)} operations)")
+        while len(undo) > to:
+            step = undo.pop()
+            if isinstance(step, str):
+                engine.forget(step)
+            elif isinstance(step, _Renominate):
+                engine.book.renominate(step.uid, step.hold)
+            else:
+                engine.assume(*step)
+
     def commit(self) -> None:
+        """Keep every change; the statement closes."""
+        self._undo.clear()
         self._open = False
-        self._placed.clear()
 
     def discard(self) -> None:
-        # Undo in reverse order: each release is the exact inverse of its apply.
-        for uid in reversed(self._placed):
-            self._engine.forget(uid)
-        self._placed.clear()
+        """Undo every change; the statement closes."""
+        self.rollback(0)
         self._open = False
+
+    def _check(self) -> None:
+        if not self._open:
+            raise RuntimeError("statement already closed")
 
     def __enter__(self) -> Statement:
         return self
@@ -774,6 +869,12 @@ class Statement:
     def __exit__(self, *exc: object) -> None:
         if self._open:
             self.discard()
+
+
+@dataclass(frozen=True, slots=True)
+class _Renominate:
+    uid: str
+    hold: Nomination
 
 
 def _whole_gpus(allocation: Allocation) -> int:

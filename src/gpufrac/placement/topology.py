@@ -110,7 +110,9 @@ class _Entry:
 
 
 @dataclass(frozen=True, slots=True)
-class _Hold:
+class Nomination:
+    """Room held on node slot ``row`` for a pod a preemptor nominated there (``Engine.nominate``)."""
+
     row: int
     priority: int
     cpu_milli: int
@@ -209,7 +211,7 @@ class PodBook:
         self._ports: dict[tuple[str, int], dict[int, Counter[str]]] = {}
         self._ext_used: dict[str, np.ndarray] = {}
         self._eph_used = np.zeros(0, dtype=np.int64)
-        self._holds: dict[str, _Hold] = {}
+        self._holds: dict[str, Nomination] = {}
         # Topology-only nodes (see the module docstring): specs by slot, slots by name, pods by slot.
         self._out_specs: list[NodeSpec | None] = []
         self._out_index: dict[str, int] = {}
@@ -281,10 +283,17 @@ class PodBook:
         if row is None:
             self._holds.pop(pod.uid, None)
             return
-        self._holds[pod.uid] = _Hold(row, pod.priority, pod.cpu_milli, pod.memory_bytes, pod.extras)
+        self._holds[pod.uid] = Nomination(row, pod.priority, pod.cpu_milli, pod.memory_bytes, pod.extras)
 
     def drop_nomination(self, uid: str) -> bool:
         return self._holds.pop(uid, None) is not None
+
+    def nomination(self, uid: str) -> Nomination | None:
+        """The room held for ``uid`` (placing the pod drops it), for an undo to ``renominate``."""
+        return self._holds.get(uid)
+
+    def renominate(self, uid: str, hold: Nomination) -> None:
+        self._holds[uid] = hold
 
     def drop_row(self, row: int) -> None:
         """A node slot went away: holds on it go too (placed pods were released one by one)."""
@@ -528,7 +537,7 @@ class PodBook:
 
     # -- the overlay ------------------------------------------------------------------------------------
 
-    def _holds_against(self, pod: PendingPod) -> list[_Hold]:
+    def _holds_against(self, pod: PendingPod) -> list[Nomination]:
         return [h for uid, h in self._holds.items() if uid != pod.uid and h.priority >= pod.priority]
 
     def filter(self, pod: PendingPod, demand: Demand) -> np.ndarray | None:
@@ -565,7 +574,7 @@ class PodBook:
             self._check_spread(pod, demand, c.hard_spread, fail)
         return reason
 
-    def _check_holds(self, pod: PendingPod, holds: list[_Hold], fail) -> None:  # type: ignore[no-untyped-def]
+    def _check_holds(self, pod: PendingPod, holds: list[Nomination], fail) -> None:  # type: ignore[no-untyped-def]
         st = self.state
         cpu = np.zeros(st.rows, dtype=np.int64)
         mem = np.zeros(st.rows, dtype=np.int64)
@@ -578,7 +587,7 @@ class PodBook:
         fail(st.cpu_free[: st.rows] - cpu < pod.cpu_milli, Reason.INSUFFICIENT_CPU)
         fail(st.mem_free[: st.rows] - mem < pod.memory_bytes, Reason.INSUFFICIENT_MEMORY)
 
-    def _check_extras(self, extras: NodeExtras, holds: list[_Hold], fail) -> None:  # type: ignore[no-untyped-def]
+    def _check_extras(self, extras: NodeExtras, holds: list[Nomination], fail) -> None:  # type: ignore[no-untyped-def]
         st = self.state
         rows = st.rows
         if extras.host_ports:
