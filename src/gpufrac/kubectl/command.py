@@ -23,6 +23,7 @@ from lightkube.config import client_adapter
 from lightkube.config.kubeconfig import SingleConfig
 from lightkube.core.exceptions import ConfigError
 from lightkube.resources.core_v1 import ConfigMap, Event, Node, Pod
+from lightkube.resources.resource_v1 import ResourceClaim
 from rich.console import Console
 from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
@@ -160,7 +161,7 @@ def nodes(
     client = _client()
     node_list = _api(lambda: list(client.list(Node)))
     pods = _api(lambda: list(client.list(Pod, namespace="*")))
-    rows, warnings = gpu_rows(node_list, pods)
+    rows, warnings = gpu_rows(node_list, pods, _claims(client))
     for warning in warnings:
         typer.echo(f"warning: {warning}", err=True)
     per_node = node_enforcement(rows)
@@ -253,7 +254,14 @@ def explain_pod(
         rows, _ = gpu_rows(
             _api(lambda: list(client.list(Node))), _api(lambda: list(client.list(Pod, namespace="*")))
         )
-    result = explain(found, node=node, events=events, rows=rows)
+    claims = []
+    if found.spec and found.spec.resourceClaims:  # DRA: the claims reserved for this pod
+        claims = [
+            c
+            for c in _claims(client)
+            if any(r.uid == uid for r in (c.status.reservedFor if c.status else None) or [])
+        ]
+    result = explain(found, node=node, events=events, rows=rows, claims=claims)
     if output in ("json", "yaml"):
         _dump(result.as_dict(), output)
         return
@@ -550,6 +558,19 @@ def _agent_endpoints(client: Client) -> list[str]:
             ns, name = pod.metadata.namespace, pod.metadata.name
             paths.append(f"/api/v1/namespaces/{ns}/pods/{name}:{ports[0].containerPort}/proxy/metrics")
     return sorted(paths)
+
+
+def _claims(client: Client) -> list[ResourceClaim]:
+    """Every ResourceClaim (DRA shares of our driver are GPU tenants too); none where the API server does
+    not serve resource.k8s.io/v1 or the user may not list them."""
+    try:
+        return list(client.list(ResourceClaim, namespace="*"))
+    except ApiError as error:
+        if error.status.code in (403, 404):
+            return []
+        _fail(f"{error.status.reason}: {error.status.message}")
+    except httpx2.HTTPError as error:
+        _fail(f"cannot reach the API server: {type(error).__name__}: {error}")
 
 
 def _local_agents(client: Client) -> list[str]:

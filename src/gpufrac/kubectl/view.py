@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from lightkube.resources.core_v1 import Event, Node, Pod
 
 from gpufrac.contract import keys
+from gpufrac.contract.dra import AllocationError, device_name, read_allocation
 from gpufrac.contract.errors import ContractError
 from gpufrac.contract.request import ContainerGpuRequest, PodGpuRequest
 from gpufrac.scheduler.objects import (
@@ -192,8 +193,14 @@ def _health(node: Node) -> str:
     return "Ready" if node_spec(node).ready else "NotReady"
 
 
-def gpu_rows(nodes: Iterable[Node], pods: Iterable[Pod]) -> tuple[list[GpuRow], list[str]]:
-    """Every published GPU with its tenants, and warnings (unreadable inventories or requests)."""
+def gpu_rows(
+    nodes: Iterable[Node], pods: Iterable[Pod], claims: Iterable[Any] = ()
+) -> tuple[list[GpuRow], list[str]]:
+    """Every published GPU with its tenants, and warnings (unreadable inventories or requests).
+
+    ``claims`` (ResourceClaims) add the shares our DRA driver holds: each allocated result of the driver
+    is a tenant of the GPU it names (the pool is the node), ``<claim>/<request>`` of the pod the claim is
+    reserved for (``claim_tenants``)."""
     rows: dict[str, dict[str, GpuRow]] = {}
     devices = {}
     warnings: list[str] = []
@@ -240,8 +247,55 @@ def gpu_rows(nodes: Iterable[Node], pods: Iterable[Pod]) -> tuple[list[GpuRow], 
                         enforced=enforced,
                     )
                 )
+    for node, uuid, tenant in claim_tenants(claims, devices, warnings):
+        if node in rows and uuid in rows[node]:
+            rows[node][uuid].tenants.append(tenant)
     ordered = [row for node in sorted(rows) for row in sorted(rows[node].values(), key=lambda r: r.index)]
     return ordered, warnings
+
+
+def claim_tenants(
+    claims: Iterable[Any], devices: Mapping[str, Mapping[str, Any]], warnings: list[str]
+) -> Iterator[tuple[str, str, Tenant]]:
+    """(node, GPU UUID, tenant) for every share of our DRA driver in ``claims`` (lightkube objects or
+    dicts), read with the node's own reader (``contract.dra.read_allocation``). ``devices``: each node's
+    inventory by UUID. A claim's enforcement is ``Unknown``: the node agent reads back the limits of
+    annotation fractions only (docs/dra.md)."""
+    for claim in claims:
+        data = claim.to_dict() if hasattr(claim, "to_dict") else dict(claim)
+        meta = data.get("metadata") or {}
+        status = data.get("status") or {}
+        results = ((status.get("allocation") or {}).get("devices") or {}).get("results") or []
+        pools = {r.get("pool") for r in results if r.get("driver") == keys.DRA_DRIVER_NAME}
+        for node in sorted(p for p in pools if p in devices):
+            uuids = {device_name(uuid, gpu.index): uuid for uuid, gpu in devices[node].items()}
+            try:
+                shares = read_allocation(data, uuids=uuids)
+            except AllocationError as error:
+                warnings.append(f"claim {meta.get('namespace')}/{meta.get('name')}: {error}")
+                continue
+            consumers = [
+                r.get("name") for r in status.get("reservedFor") or [] if r.get("resource") == "pods"
+            ]
+            pod = consumers[0] if consumers else f"<claim {meta.get('name')}, not in use>"
+            for share in shares:
+                if share.pool != node:
+                    continue
+                bound = share.bound
+                usable = devices[node][bound.devices[0]].memory_mib
+                yield (
+                    node,
+                    bound.devices[0],
+                    Tenant(
+                        namespace=meta.get("namespace") or "",
+                        pod=pod,
+                        container=f"{meta.get('name')}/{share.request}",
+                        mode="exclusive" if bound.exclusive else bound.mode.value,
+                        request_mib=usable if bound.exclusive else bound.request_mib or 0,
+                        limit_mib=usable if bound.exclusive else bound.limit_mib or bound.request_mib or 0,
+                        enforced=NOT_FRACTIONAL if bound.exclusive else UNKNOWN,
+                    ),
+                )
 
 
 @dataclass(frozen=True, slots=True)
@@ -405,9 +459,15 @@ def _container_hint(container: ContainerGpuRequest, ready: list[GpuRow]) -> str:
 
 
 def explain(
-    pod: Pod, *, node: Node | None, events: Iterable[Event], rows: list[GpuRow] | None = None
+    pod: Pod,
+    *,
+    node: Node | None,
+    events: Iterable[Event],
+    rows: list[GpuRow] | None = None,
+    claims: Sequence[Any] = (),
 ) -> Explanation:
-    """``rows`` (the cluster's GPUs, as ``gpu_rows`` builds them) adds fit hints for a waiting pod."""
+    """``rows`` (the cluster's GPUs, as ``gpu_rows`` builds them) adds fit hints for a waiting pod;
+    ``claims`` (the ResourceClaims reserved for the pod) add the GPU shares our DRA driver holds for it."""
     meta, spec, status = pod.metadata, pod.spec, pod.status
     condition = next(
         (c for c in (status.conditions if status else None) or [] if c.type == "PodScheduled"), None
@@ -439,6 +499,24 @@ def explain(
                         "limitMiB": device.limit_mib,
                     }
                 )
+
+    if claims and node is not None:
+        by_uuid = {g.uuid: g for g in node_inventory(node)}
+        names = sorted(
+            {str(c.metadata.name if hasattr(c, "metadata") else c["metadata"]["name"]) for c in claims}
+        )
+        request_text = f"DRA claim(s) {', '.join(names)}"
+        for _, uuid, tenant in claim_tenants(claims, {node.metadata.name: by_uuid}, []):
+            gpus.append(
+                {
+                    "container": tenant.container,
+                    "gpu": by_uuid[uuid].index,
+                    "uuid": uuid,
+                    "mode": tenant.mode,
+                    "requestMiB": tenant.request_mib,
+                    "limitMiB": tenant.limit_mib,
+                }
+            )
 
     def when(e: Event) -> str:
         stamp = (
