@@ -8,9 +8,9 @@ their place. A pod allows it by opting in (``PendingPod.movable``: the scheduler
 an evicted pod); a pod of a higher priority than the pending one is never moved.
 
 How: the victim search of ``gpufrac.placement.preemption`` runs with ``Kind.CONSOLIDATE`` (which pods
-are candidates) and a trial of its own (``relocate``): on the engine itself the moved pods are
-forgotten, the pending pod is placed, then each moved pod, largest first, is placed again, and
-everything is put back. A set counts only when the pending pod lands on the node the set frees and
+are candidates) and a trial of its own (``relocate``): in one ``Engine.statement`` the moved pods are
+evicted, the pending pod is placed, then each moved pod, largest first, is placed again, and the
+statement is discarded. A set counts only when the pending pod lands on the node the set frees and
 every moved pod finds a new home that is not on a GPU the pending pod takes and not where it was. So
 the answer is the fewest moves (then the lowest priorities, the engine's seeded node order, the least
 MiB moved, as for preemption) after which the pending pod and every moved pod are placed without
@@ -96,41 +96,24 @@ def relocate(
     engine: Engine, pod: PendingPod, moved: Sequence[str]
 ) -> tuple[Placement, tuple[Move, ...]] | None:
     """The pending pod's placement and each moved pod's new home once ``moved`` leave (see the module
-    docstring), or None; the engine is restored either way."""
-    gone = []
-    for uid in moved:
-        booked, placement = engine.bound_pod(uid), engine.placement_of(uid)
-        if booked is None or placement is None:
-            raise ValueError(f"pod {uid} is not placed")
-        gone.append((booked, placement, engine.pods.slot_of[uid]))
-    for booked, _, _ in gone:
-        engine.forget(booked.uid)
-    placed: list[str] = []
-    try:
-        decision = engine.place(pod)
+    docstring), or None: one statement, discarded either way (so each moved pod gets its slot back and
+    the search's slot arrays stay valid)."""
+    with engine.statement() as st:
+        gone = [st.evict(uid) for uid in moved]
+        decision = st.place(pod)
         if not isinstance(decision, Placement):
             return None
-        placed.append(pod.uid)
         taken = _gpus(decision)
         moves = []
-        for booked, source, _ in sorted(gone, key=lambda g: (-_mib(g[1]), g[0].uid)):
-            target = engine.place(replace(booked, nominated_node=None))
+        for booked, source in sorted(gone, key=lambda g: (-_mib(g[1]), g[0].uid)):
+            target = st.place(replace(booked, nominated_node=None))
             if not isinstance(target, Placement):
                 return None
-            placed.append(booked.uid)
             if _gpus(target) & taken or (target.node == source.node and _gpus(target) == _gpus(source)):
                 return None
             moves.append(Move(booked.uid, booked.key, source, target))
         moves.sort(key=lambda m: moved.index(m.uid))
         return decision, tuple(moves)
-    finally:
-        # Undone in reverse, then the moved pods re-booked in reverse: each gets its slot back (the pod
-        # table reuses the last freed slot first), so the search's slot arrays stay valid.
-        for uid in reversed(placed):
-            engine.forget(uid)
-        for booked, placement, slot in reversed(gone):
-            engine.assume(booked, placement)
-            assert engine.pods.slot_of[booked.uid] == slot
 
 
 def plan_consolidation(

@@ -12,8 +12,9 @@ it fits already or given ``find_victims``' best set on the books as the members 
 A member for whom no set exists is skipped; once ``minMember`` members have a place the rest are not
 preempted for. Then the plan is checked with the gang statement itself, on the books without the
 victims (it may place members elsewhere than the search did), and each victim the statement can do
-without is given back, most important first (kube-scheduler's reprieve, one statement per victim).
-The engine is left exactly as it was.
+without is given back, most important first (kube-scheduler's reprieve: the victim assumed again, the
+gang statement tried, and rolled back to a checkpoint when the gang needs it gone). All of it is one
+``Engine.statement``, discarded at the end: the engine is left exactly as it was, every pod in its slot.
 
 The result is minimal (no victim can be spared) but, unlike the single-pod search, not guaranteed the
 fewest: an exact search over victim sets for several pods at once grows as the product of the
@@ -33,7 +34,7 @@ from dataclasses import dataclass, replace
 
 from .consolidation import Consolidation, Move, NoConsolidation, Why, plan_consolidation
 from .decision import Placement
-from .engine import Engine
+from .engine import Engine, Statement
 from .model import PendingPod
 from .preemption import DEFAULT_BUDGET, Kind, ShareBook, find_victims
 
@@ -57,19 +58,20 @@ class GangPreemption:
         return {p.pod_uid: p.node for p in self.placements}
 
 
-class _Scratch:
-    """Changes made to the engine while a gang is planned, each undone by ``undo`` in reverse."""
+class _Room:
+    """What a gang's plan has done so far, all of it through one statement (``Engine.statement``): the
+    members it booked, the pods it booked off (victims, moved pods) and the moves. Discarding the
+    statement undoes it all."""
 
-    def __init__(self, engine: Engine, exclude: Iterable[str], members: Sequence[PendingPod]) -> None:
-        self.engine = engine
+    def __init__(self, st: Statement, exclude: Iterable[str], members: Sequence[PendingPod]) -> None:
+        self.st = st
         self.barred = set(exclude) | {m.uid for m in members}
         self.members: list[str] = []  # members booked by the search
         self.removed: list[tuple[PendingPod, Placement]] = []  # pods booked off (victims, moved pods)
-        self.moved: list[str] = []  # moved pods booked at their new home
         self.moves: list[Move] = []
 
     def place(self, pod: PendingPod) -> bool:
-        if isinstance(self.engine.place(pod), Placement):
+        if isinstance(self.st.place(pod), Placement):
             self.members.append(pod.uid)
             return True
         return False
@@ -77,60 +79,42 @@ class _Scratch:
     def take(self, pod: PendingPod, placement: Placement, victims: Iterable[str]) -> None:
         """Book ``victims`` off and ``pod`` at ``placement``."""
         for uid in victims:
-            booked, where = self.engine.bound_pod(uid), self.engine.placement_of(uid)
-            if booked is None or where is None:
-                raise ValueError(f"pod {uid} is not placed")
-            self.engine.forget(uid)
-            self.removed.append((booked, where))
+            self.removed.append(self.st.evict(uid))
             self.barred.add(uid)
-        self.engine.assume(pod, placement)
+        self.st.assume(pod, placement)
         self.members.append(pod.uid)
 
     def move(self, pod: PendingPod, plan: Consolidation) -> None:
         """Apply a member's consolidation: its moved pods at their new homes, the member in its room."""
-        moved = {m.uid: self.engine.bound_pod(m.uid) for m in plan.moves}
-        self.take(pod, plan.placement, moved)
-        for m in plan.moves:
-            booked = moved[m.uid]
-            assert booked is not None
-            self.engine.assume(replace(booked, nominated_node=None), m.target)
-            self.moved.append(m.uid)
+        start = len(self.removed)
+        self.take(pod, plan.placement, [m.uid for m in plan.moves])
+        for (booked, _), m in zip(self.removed[start:], plan.moves, strict=True):
+            self.st.assume(replace(booked, nominated_node=None), m.target)
             self.moves.append(m)
-
-    def forget_members(self) -> None:
-        for uid in reversed(self.members):
-            self.engine.forget(uid)
-        self.members.clear()
-
-    def undo(self) -> None:
-        self.forget_members()
-        for uid in reversed(self.moved):
-            self.engine.forget(uid)
-        self.moved.clear()
-        for booked, placement in reversed(self.removed):
-            if self.engine.bound_pod(booked.uid) is None:
-                self.engine.assume(booked, placement)
 
 
 def _plan(
     engine: Engine,
     members: Sequence[PendingPod],
     min_member: int,
-    scratch: _Scratch,
+    room: _Room,
     make_room: Callable[[PendingPod], bool],
 ) -> tuple[Placement, ...] | None:
-    """Members largest first, each placed or given room by ``make_room`` (on the scratch books), until
-    ``min_member`` have a place; then the gang statement on the books without the members. None when
-    too few members got a place, no room had to be made, or the statement places too few."""
+    """Members largest first, each placed or given room by ``make_room`` (through the plan's
+    statement), until ``min_member`` have a place; then the gang statement on the books without the
+    members. None when too few members got a place, no room had to be made, or the statement places
+    too few."""
     for pod in sorted(members, key=lambda p: engine.demand(p).size, reverse=True):
-        if len(scratch.members) >= min_member:
+        if len(room.members) >= min_member:
             break
-        if not scratch.place(pod):
+        if not room.place(pod):
             make_room(pod)
-    if len(scratch.members) < min_member or not scratch.removed:
+    if len(room.members) < min_member or not room.removed:
         return None
-    scratch.forget_members()
-    return _gang_fits(engine, members, min_member)
+    for uid in reversed(room.members):
+        room.st.evict(uid)
+    room.members.clear()
+    return _gang_fits(room.st, members, min_member)
 
 
 def find_gang_victims(
@@ -148,32 +132,31 @@ def find_gang_victims(
     ``find_victims``. The engine is left exactly as it was."""
     if min_member < 1 or not any(m.gpu.containers for m in members):
         return None
-    scratch = _Scratch(engine, exclude, members)
+    with engine.statement() as st:
+        room = _Room(st, exclude, members)
 
-    def make_room(pod: PendingPod) -> bool:
-        plan = find_victims(engine, pod, kind=kind, shares=shares, exclude=scratch.barred, budget=budget)
-        if plan is not None:
-            scratch.take(pod, plan.placement, plan.victims)
-        return plan is not None
+        def make_room(pod: PendingPod) -> bool:
+            plan = find_victims(engine, pod, kind=kind, shares=shares, exclude=room.barred, budget=budget)
+            if plan is not None:
+                room.take(pod, plan.placement, plan.victims)
+            return plan is not None
 
-    try:
-        placements = _plan(engine, members, min_member, scratch, make_room)
+        placements = _plan(engine, members, min_member, room, make_room)
         if placements is None:
             return None
         # Reprieve: give back each victim the statement can do without, most important first.
         needed: list[tuple[PendingPod, Placement]] = []
-        for booked, placement in sorted(scratch.removed, key=lambda r: -r[0].priority):
-            engine.assume(booked, placement)
-            without = _gang_fits(engine, members, min_member)
+        for booked, placement in sorted(room.removed, key=lambda r: -r[0].priority):
+            back = st.checkpoint()
+            st.assume(booked, placement)
+            without = _gang_fits(st, members, min_member)
             if without is None:
-                engine.forget(booked.uid)
+                st.rollback(back)
                 needed.append((booked, placement))
             else:
                 placements = without
         nodes = tuple(dict.fromkeys(p.node for _, p in needed))
         return GangPreemption(kind, tuple(b.uid for b, _ in needed), nodes, placements)
-    finally:
-        scratch.undo()
 
 
 def plan_gang_consolidation(
@@ -189,39 +172,36 @@ def plan_gang_consolidation(
     The engine is left exactly as it was."""
     if min_member < 1 or not any(m.gpu.containers for m in members):
         return NoConsolidation(Why.NO_GPU, "the gang asks for no GPU")
-    scratch = _Scratch(engine, exclude, members)
     first: list[NoConsolidation] = []
+    with engine.statement() as st:
+        room = _Room(st, exclude, members)
 
-    def make_room(pod: PendingPod) -> bool:
-        plan = plan_consolidation(engine, pod, exclude=scratch.barred, budget=budget)
-        if isinstance(plan, NoConsolidation):
-            first.append(plan)
-            return False
-        scratch.move(pod, plan)
-        return True
+        def make_room(pod: PendingPod) -> bool:
+            plan = plan_consolidation(engine, pod, exclude=room.barred, budget=budget)
+            if isinstance(plan, NoConsolidation):
+                first.append(plan)
+                return False
+            room.move(pod, plan)
+            return True
 
-    try:
-        placements = _plan(engine, members, min_member, scratch, make_room)
+        placements = _plan(engine, members, min_member, room, make_room)
         if placements is not None:
-            moves = tuple(scratch.moves)
+            moves = tuple(room.moves)
             nodes = tuple(dict.fromkeys(m.source.node for m in moves))
             return GangPreemption(Kind.CONSOLIDATE, tuple(m.uid for m in moves), nodes, placements, moves)
-        if first and not scratch.removed:
+        if first and not room.removed:
             return first[0]
         return NoConsolidation(
             Why.NO_PLAN,
             f"no moves of movable pods make room for {min_member} of the gang's {len(members)} pods together",
         )
-    finally:
-        scratch.undo()
 
 
-def _gang_fits(
-    engine: Engine, members: Sequence[PendingPod], min_member: int
-) -> tuple[Placement, ...] | None:
-    """What the gang statement places now (at least ``min_member``), undone at once; None if too few."""
-    decisions = engine.schedule(members, gang=True, min_member=min_member)
+def _gang_fits(st: Statement, members: Sequence[PendingPod], min_member: int) -> tuple[Placement, ...] | None:
+    """What the gang statement places now (at least ``min_member``), rolled back at once; None if too
+    few."""
+    back = st.checkpoint()
+    decisions = st.engine.schedule(members, gang=True, min_member=min_member, statement=st)
+    st.rollback(back)
     placed = tuple(d for d in decisions if isinstance(d, Placement))
-    for p in placed:
-        engine.forget(p.pod_uid)
     return placed if len(placed) >= min_member else None

@@ -33,7 +33,8 @@ nodes with the fewest eligible victims: no victim of the result can be spared, b
 exist; docs/scheduler.md says so.
 
 Nothing is decided on the hypothetical ledgers alone: the best set is then simulated on the engine
-itself (victims forgotten, the pod placed, everything put back), and a set after which the engine
+itself (``simulate``: one ``Engine.statement`` that evicts the victims and places the pod, then is
+discarded), and a set after which the engine
 would not place the pod on that node (a multi-container pod whose devices cannot be assigned together,
 a queue limit) is skipped for the next. The caller gets the placement the engine produced, so it never
 evicts for a pod that would not fit after the victims leave.
@@ -496,24 +497,12 @@ def _verify(
 
 
 def simulate(engine: Engine, pod: PendingPod, victims: Iterable[str | None]) -> Placement | None:
-    """Where the engine would place ``pod`` with ``victims`` gone; the engine is restored either way."""
-    gone = []
-    for uid in victims:
-        assert uid is not None
-        booked, placement = engine.bound_pod(uid), engine.placement_of(uid)
-        if booked is None or placement is None:
-            raise ValueError(f"victim {uid} is not placed")
-        gone.append((booked, placement, engine.pods.slot_of[uid]))
-        engine.forget(uid)
-    try:
-        decision = engine.place(pod)
-        if isinstance(decision, Placement):
-            engine.forget(pod.uid)
-            return decision
-        return None
-    finally:
-        # Re-booked in reverse, each victim gets its slot back (the table reuses the last freed slot
-        # first): the search's slot arrays stay valid across simulations.
-        for booked, placement, slot in reversed(gone):
-            engine.assume(booked, placement)
-            assert engine.pods.slot_of[booked.uid] == slot
+    """Where the engine would place ``pod`` with ``victims`` gone: a statement that evicts them and
+    places the pod, then is discarded. Undone newest first, each victim gets its slot back, so the
+    search's slot arrays stay valid across simulations."""
+    with engine.statement() as st:
+        for uid in victims:
+            assert uid is not None
+            st.evict(uid)
+        decision = st.place(pod)
+        return decision if isinstance(decision, Placement) else None
