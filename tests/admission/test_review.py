@@ -105,8 +105,20 @@ def test_scoped_required_plugin_lists_of_the_user_cannot_hide_the_node_agent() -
 
 
 def test_a_renamed_node_agent_plugin_is_the_one_required() -> None:
-    stored = mutated(pod({"gpu-fraction": "0.5"}), AdmissionPolicy(nri_plugin="gpufrac-b"))
+    stored = mutated(pod({"gpu-fraction": "0.5"}), AdmissionPolicy(nri_plugins=("gpufrac-b",)))
     assert stored["metadata"]["annotations"][keys.nri_required_plugins_key("app")] == '["gpufrac-b"]'
+
+
+def test_the_configured_plugins_are_all_required_of_every_enforced_container() -> None:
+    """Where nodes run the agent's validator, GPU containers require it too (``--required-nri-plugin``):
+    containerd then refuses them while the validator is away, not only while the agent is. A container
+    the agent does not enforce requires nothing."""
+    both = AdmissionPolicy(nri_plugins=(keys.NRI_PLUGIN_NAME, keys.NRI_VALIDATOR_PLUGIN_NAME))
+    two = pod({"nvidia.com/container.app.gpu-memory.request": "1Gi"})
+    two["spec"]["containers"].append({"name": "sidecar", "image": "x"})
+    annotations = mutated(two, both)["metadata"]["annotations"]
+    assert json.loads(annotations[keys.nri_required_plugins_key("app")]) == ["gpufrac", "gpufrac-validator"]
+    assert keys.nri_required_plugins_key("sidecar") not in annotations
 
 
 @pytest.mark.parametrize(

@@ -216,3 +216,34 @@ def test_the_admission_webhook_gets_its_connection_cap_and_idle_timeout(tmp_path
         assert args[0] == "admission"
         params = command.make_context("admission", args[1:]).params  # the CLI accepts what the chart passes
         assert (params["max_connections"], params["idle_timeout"]) == (cap, idle)
+
+
+@pytest.mark.parametrize("validator", [True, False], ids=["validator", "no validator"])
+def test_the_webhook_requires_the_nri_plugins_the_operator_runs(tmp_path: Path, validator: bool) -> None:
+    """One switch, operator.config.spec.nodeAgent.validator.enabled, decides both what the operator puts
+    on each node and what the webhook requires of GPU containers (``--required-nri-plugin``); without the
+    chart's operator the chart cannot know that a validator runs and requires the agent alone."""
+    from gpufrac.operator.render import render_daemonset, required_nri_plugins
+    from gpufrac.operator.resource import GpuFractioningConfig, read_config
+
+    cli = typer.Typer()
+    cli.command()(admission)
+    command = typer.main.get_command(cli)
+
+    def required(objects: list[dict[str, Any]]) -> tuple[str, ...]:
+        args = one(objects, "Deployment", "gpufrac-admission")["spec"]["template"]["spec"]["containers"][0]
+        return tuple(command.make_context("admission", args["args"][1:]).params["required_nri_plugin"])
+
+    spec = {"nodeAgent": {"validator": {"enabled": validator}}}
+    objects = render({"operator": {"config": {"spec": spec}}}, tmp_path=tmp_path)
+    config = one(objects, "GpuFractioningConfig", "default")
+    config["metadata"]["uid"] = "uid"
+    rendered = read_config(GpuFractioningConfig.from_dict(config))
+    containers = [c["name"] for c in render_daemonset(rendered)["spec"]["template"]["spec"]["containers"]]
+    assert required(objects) == required_nri_plugins(rendered)
+    assert ("node-agent-validator" in containers) is validator
+    assert required(objects) == (
+        (keys.NRI_PLUGIN_NAME, keys.NRI_VALIDATOR_PLUGIN_NAME) if validator else (keys.NRI_PLUGIN_NAME,)
+    )
+    without_operator = render({"operator": {"enabled": False}}, tmp_path=tmp_path)
+    assert required(without_operator) == (keys.NRI_PLUGIN_NAME,)

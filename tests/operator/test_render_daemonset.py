@@ -9,7 +9,7 @@ from lightkube.models.meta_v1 import ObjectMeta
 
 from gpufrac.contract.gpu_operator import DEPLOY_CLIENT_LABEL
 from gpufrac.contract.keys import MANAGED_TAINT_KEY
-from gpufrac.operator.render import daemonset_name, render_daemonset, sized_gpu_count
+from gpufrac.operator.render import daemonset_name, render_daemonset, required_nri_plugins, sized_gpu_count
 from gpufrac.operator.resource import GpuFractioningConfig, read_config
 from gpufrac.placement.model import NodeSelectorRequirement, NodeSelectorTerm, SelectorOperator
 
@@ -129,6 +129,19 @@ def test_a_hung_agent_is_restarted_within_ten_seconds() -> None:
     startup = container(render())["startupProbe"]
     assert startup["httpGet"] == probe["httpGet"]
     assert startup["periodSeconds"] * startup["failureThreshold"] == 60
+
+
+def test_the_validator_is_left_out_when_disabled_and_the_required_plugins_follow() -> None:
+    """What the webhook must require is what the DaemonSet runs: naming the validator where none runs
+    would refuse every GPU container; leaving it out where it runs lets one start while it is away."""
+    assert [c["name"] for c in render()["spec"]["template"]["spec"]["containers"]] == [
+        "node-agent",
+        "node-agent-validator",
+    ]
+    assert required_nri_plugins(read_config(config())) == ("gpufrac", "gpufrac-validator")
+    off = render(validator={"enabled": False})
+    assert [c["name"] for c in off["spec"]["template"]["spec"]["containers"]] == ["node-agent"]
+    assert required_nri_plugins(read_config(config(validator={"enabled": False}))) == ("gpufrac",)
 
 
 def test_the_validator_runs_beside_the_agent_with_the_nri_socket_only() -> None:

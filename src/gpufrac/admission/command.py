@@ -25,7 +25,7 @@ from gpufrac.admission.configuration import webhook_configurations
 from gpufrac.admission.queue_book import KubeQueueBook
 from gpufrac.admission.review import DEFAULT_SCHEDULER_USER, AdmissionPolicy
 from gpufrac.admission.server import DEFAULT_IDLE_TIMEOUT_S, DEFAULT_MAX_CONNECTIONS, AdmissionServer
-from gpufrac.contract.keys import DEFAULT_SCHEDULER_NAME
+from gpufrac.contract.keys import DEFAULT_SCHEDULER_NAME, NRI_PLUGIN_NAME, NRI_VALIDATOR_PLUGIN_NAME
 from gpufrac.kube.client import connect
 
 log = logging.getLogger(__name__)
@@ -96,6 +96,13 @@ def admission(
     default_queue: Annotated[
         str, typer.Option(help="The scheduler's default_queue: the queue of pods that name none.")
     ] = "default",
+    required_nri_plugin: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="NRI plugin every GPU container requires (repeatable; default the node agent, "
+            f"{NRI_PLUGIN_NAME}); name the validator too ({NRI_VALIDATOR_PLUGIN_NAME}) where nodes run it.",
+        ),
+    ] = None,
     write_configuration: Annotated[
         Path | None, typer.Option(help="Write the two webhook configurations (YAML) for --webhook-url here.")
     ] = None,
@@ -124,6 +131,7 @@ def admission(
         translate_legacy=translate_legacy,
         queues=_queue_book() if queue_bindings else None,
         default_queue=default_queue,
+        nri_plugins=tuple(dict.fromkeys(required_nri_plugin or [NRI_PLUGIN_NAME])),
     )
     try:
         server = AdmissionServer(

@@ -30,7 +30,8 @@ Mutating (CREATE of pods that ask for a GPU): legacy pod-level forms become per-
 policy turns that off); on pods of
 our scheduler, ``nvidia.com/gpu: N`` becomes the exclusive ``gpufrac.io/container.<c>.gpus`` key with the
 resource removed, and the managed-node toleration is added. Every container the node agent will enforce
-is marked as requiring the agent's NRI plugin (NRI's ``required-plugins.noderesource.dev/container.<c>``,
+is marked as requiring the agent's NRI plugin, and its validator's where ``nri_plugins`` names it
+(NRI's ``required-plugins.noderesource.dev/container.<c>``,
 the form NRI reads first, always overwritten): a runtime whose default validator is on (docs/deploy.md)
 then refuses to create it while the agent is away, instead of starting it without limits. An
 invalid pod is passed through untouched: the validating webhook rejects it with the contract's message,
@@ -79,8 +80,9 @@ class AdmissionPolicy:
     """Who the scheduler is: the pods it schedules, and the users allowed to write binder-owned keys."""
 
     scheduler_name: str = k.DEFAULT_SCHEDULER_NAME
-    #: The NRI plugin every GPU pod requires (the node agent's ``plugin_name``).
-    nri_plugin: str = k.NRI_PLUGIN_NAME
+    #: The NRI plugins every GPU container requires: the node agent's ``plugin_name``, and its validator's
+    #: (``k.NRI_VALIDATOR_PLUGIN_NAME``) where the node runs it (the chart and ``gpufrac up`` name both).
+    nri_plugins: tuple[str, ...] = (k.NRI_PLUGIN_NAME,)
     binder_users: frozenset[str] = field(default_factory=lambda: frozenset({DEFAULT_SCHEDULER_USER}))
     #: Rewrite legacy ``gpu-memory`` into per-container keys; off where KAI Scheduler schedules, whose other
     #: sharing modes read ``gpu-memory`` as written (docs/deploy.md, "KAI schedules").
@@ -347,7 +349,7 @@ def decide_mutate(request: Mapping[str, Any], policy: AdmissionPolicy) -> Verdic
         return Verdict(allowed=True)
 
     changes: dict[str, str | None] = dict(translation.annotations)
-    changes.update(_required_plugins(annotations, changes, containers, plugin=policy.nri_plugin))
+    changes.update(_required_plugins(annotations, changes, containers, plugins=policy.nri_plugins))
 
     patch: list[dict[str, Any]] = []
     if changes:
@@ -382,12 +384,13 @@ def _required_plugins(
     changes: Mapping[str, str | None],
     containers: list[ContainerSpec],
     *,
-    plugin: str,
+    plugins: tuple[str, ...],
 ) -> dict[str, str]:
     """NRI's required-plugins annotation for every container the node agent will enforce limits on.
 
-    A runtime with NRI's validator on then refuses to create such a container while the node agent is
-    not connected (``k.NRI_REQUIRED_PLUGINS_PREFIX``), instead of starting it without its limits. The
+    A runtime with NRI's validator on then refuses to create such a container while one of ``plugins``
+    (the node agent; its validator too where named) is not connected (``k.NRI_REQUIRED_PLUGINS_PREFIX``),
+    instead of starting it without its limits or unchecked. The
     containers are those the node's own parse finds in the stored annotations (the node sees no
     resources), so a whole-GPU pod left to the device plugin requires nothing. Always written: a user's
     own value cannot drop the requirement (NRI reads the container's key before ``<key>/pod`` and
@@ -398,7 +401,8 @@ def _required_plugins(
         enforced = parse_pod(stored, [ContainerSpec(name=c.name) for c in containers]).containers
     except InvalidPodRequest:
         return {}
-    return {k.nri_required_plugins_key(c.container): json.dumps([plugin]) for c in enforced}
+    value = k.nri_required_plugins_value(plugins)
+    return {k.nri_required_plugins_key(c.container): value for c in enforced}
 
 
 def _escape(key: str) -> str:

@@ -12,7 +12,9 @@ names, spelled exactly as they do; everything gpufrac adds lives under ``gpufrac
 from __future__ import annotations
 
 import functools
+import json
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 # -- per-container NvFractions keys (nvidia.com/container.<c>.<suffix>) ---------------------------------
@@ -232,6 +234,9 @@ LOCAL_NODE_AGENTS_CONFIGMAP = "gpufrac-local-node-agents"
 #: The name the node agent registers with the runtime's NRI (``PluginIdentity``), and the one GPU
 #: containers require.
 NRI_PLUGIN_NAME = "gpufrac"
+#: The name the agent's validating plugin (``gpufrac node-agent-validator``) registers with; GPU containers
+#: require it too where the validator runs (the webhook's ``--required-nri-plugin``).
+NRI_VALIDATOR_PLUGIN_NAME = f"{NRI_PLUGIN_NAME}-validator"
 #: NRI's own annotation (github.com/containerd/nri, ``plugin.RequiredPluginsAnnotation``): a YAML list of
 #: NRI plugins that must process the container. With containerd's built-in NRI validator enabled
 #: (``[plugins."io.containerd.nri.v1.nri".default_validator] enable = true``) the runtime refuses to
@@ -246,9 +251,10 @@ def nri_required_plugins_key(container: str) -> str:
     return f"{NRI_REQUIRED_PLUGINS_PREFIX}{container}"
 
 
-def nri_required_plugins_value() -> str:
-    """The annotation's value: our plugin, as the YAML (JSON) list NRI's validator reads."""
-    return f'["{NRI_PLUGIN_NAME}"]'
+def nri_required_plugins_value(plugins: Sequence[str] = (NRI_PLUGIN_NAME,)) -> str:
+    """The annotation's value: ``plugins`` (the agent's alone by default), as the YAML (JSON) list NRI's
+    validator reads."""
+    return json.dumps(list(plugins))
 
 
 def container_key(container: str, suffix: str) -> str:

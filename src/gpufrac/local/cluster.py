@@ -16,7 +16,8 @@ What runs, and what is real:
   that runtime as an NRI plugin and publishing the node's GPUs, with its usage metrics on a local port
   (``metrics_urls``, what ``gpufrac top`` reads); beside it ``gpufrac node-agent-validator``, the agent's
   validating plugin (``node-agent-validator-<node>``), so a GPU container is refused, not created bare,
-  while the agent is away, hung or restarting;
+  while the agent is away, hung or restarting; the webhook names both plugins in every GPU container's
+  NRI required-plugins annotation, so one is refused while the validator is away too;
 - the simulated kubelet (in this process): creates the containers of bound pods through the node's
   runtime, so the node agent's injection is what the pod records.
 
@@ -386,6 +387,9 @@ class LocalCluster:
                 f"--tls-dir={tls_dir}",
                 f"--write-configuration={configuration}",
                 f"--scheduler-user={SCHEDULER_USER}",
+                # Every node here runs the agent's validator beside the agent: GPU containers require both.
+                f"--required-nri-plugin={keys.NRI_PLUGIN_NAME}",
+                f"--required-nri-plugin={keys.NRI_VALIDATOR_PLUGIN_NAME}",
                 "--log-format=text",
             ],
         )

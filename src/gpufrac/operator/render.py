@@ -28,7 +28,8 @@ the same pod, not privileged, with only the NRI socket's directory): it refuses 
 final NRI adjustment lacks the agent's injection, which is what keeps a container from starting bare
 while the agent hangs, dies or answers after the runtime's 2 s request timeout (docs/node-agent.md). It
 must be a process of its own: a hung agent would hang a validator in its own process too. It follows the
-agent's fail-open setting.
+agent's fail-open setting. ``nodeAgent.validator.enabled: false`` leaves it out; ``required_nri_plugins``
+says which plugins the webhook must then require of GPU containers (both, or the agent's alone).
 
 The agent's liveness probe restarts a hung agent within about 10 s (every 5 s, 2 s to answer, 2
 failures; a startup probe gives the process up to 60 s to start first): an event loop that cannot
@@ -165,6 +166,15 @@ def agent_args(config: ConfigSpec) -> list[str]:
         args += ["--dra", f"--kubelet-dir={KUBELET_DIR}", f"--cdi-dir={CDI_DIR}"]
     args += [f"--log-level={agent.log_level}", "--log-format=json"]
     return args
+
+
+def required_nri_plugins(config: ConfigSpec) -> tuple[str, ...]:
+    """The NRI plugins this DaemonSet puts on every node, which the webhook's ``--required-nri-plugin``
+    must name (the chart derives its flags from the same ``nodeAgent.validator.enabled``): the agent, and
+    its validator when it runs. Naming a plugin the node does not run refuses every GPU container there."""
+    if config.agent.validator_enabled:
+        return (keys.NRI_PLUGIN_NAME, keys.NRI_VALIDATOR_PLUGIN_NAME)
+    return (keys.NRI_PLUGIN_NAME,)
 
 
 def validator_args(config: ConfigSpec) -> list[str]:
@@ -333,7 +343,7 @@ def render_daemonset(config: ConfigSpec, *, gpus_per_node: int = GPU_COUNT_STEP)
             "tolerations": [managed_toleration(), *(dict(t) for t in agent.tolerations)],
             # SIGTERM sets the Node's condition False and leaves the runtime's path; give it the time.
             "terminationGracePeriodSeconds": 30,
-            "containers": [container, validator],
+            "containers": [container, validator] if agent.validator_enabled else [container],
             "volumes": volumes,
         },
     }

@@ -53,6 +53,8 @@ class AgentSpec:
     gpu_device_plugin_version: str | None = None
     allow_unsupported_gpu_stack: bool = False
     dra_enabled: bool = False
+    #: Run ``gpufrac node-agent-validator`` beside the agent (``spec.nodeAgent.validator.enabled``).
+    validator_enabled: bool = True
     metrics_port: int = DEFAULT_METRICS_PORT
     health_port: int = DEFAULT_HEALTH_PORT
     nri_socket: str = DEFAULT_NRI_SOCKET
@@ -110,6 +112,7 @@ def read_config(config: Any) -> ConfigSpec:
             gpu_device_plugin_version=stack.get("devicePluginVersion") or None,
             allow_unsupported_gpu_stack=bool(stack.get("allowUnsupported", False)),
             dra_enabled=bool((agent.get("dra") or {}).get("enabled", False)),
+            validator_enabled=bool((agent.get("validator") or {}).get("enabled", True)),
             metrics_port=int(agent.get("metricsPort", DEFAULT_METRICS_PORT)),
             health_port=int(agent.get("healthPort", DEFAULT_HEALTH_PORT)),
             nri_socket=agent.get("nriSocket") or DEFAULT_NRI_SOCKET,

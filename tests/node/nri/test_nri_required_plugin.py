@@ -8,7 +8,9 @@ stores, and the runtime is NRI's real adaptation with its real validator.
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import contextlib
 import json
 from collections.abc import Awaitable, Callable
 
@@ -16,12 +18,15 @@ import pytest
 from nri_harness import Node
 
 from gpufrac.admission.review import AdmissionPolicy, mutate_review
+from gpufrac.contract import keys
 from gpufrac.local.nriruntime import ContainerCreateFailed
+from gpufrac.node.nri.plugin import NriPlugin
+from gpufrac.node.nri.validator import VALIDATOR_IDENTITY, InjectionValidator
 
 GPU_A = "GPU-8f3c6a2e-0000-4000-8000-00000000000a"
 
 
-def stored_annotations(annotations: dict[str, str]) -> dict[str, str]:
+def stored_annotations(annotations: dict[str, str], policy: AdmissionPolicy | None = None) -> dict[str, str]:
     """The pod's annotations after the mutating webhook (what the kubelet hands the runtime)."""
     manifest = {
         "apiVersion": "v1",
@@ -41,7 +46,7 @@ def stored_annotations(annotations: dict[str, str]) -> dict[str, str]:
             "userInfo": {"username": "alice"},
         },
     }
-    response = mutate_review(review, AdmissionPolicy())["response"]
+    response = mutate_review(review, policy or AdmissionPolicy())["response"]
     stored = dict(annotations)
     for op in json.loads(base64.b64decode(response.get("patch", "W10="))):
         if op["path"] == "/metadata/annotations":
@@ -106,3 +111,47 @@ async def test_when_the_agent_leaves_gpu_containers_are_refused_again(guarded: N
     await guarded.create(plain, "web")
     with pytest.raises(ContainerCreateFailed, match='required plugin "gpufrac" not present'):
         await guarded.create(gpu, "train")
+
+
+async def test_with_the_validator_required_and_absent_a_gpu_container_is_refused_though_the_agent_is_there(
+    guarded: Node,
+) -> None:
+    """The webhook configured for a node that runs the agent's validator (``--required-nri-plugin`` twice,
+    as the chart and ``gpufrac up`` do): while the validator is away the runtime refuses a GPU container
+    even with the agent connected -- the double fault of a hung agent and a missing validator cannot let
+    one start bare. The validator's real NRI identity is the name the webhook writes: once it connects,
+    the same container is created with its injection."""
+    both = AdmissionPolicy(nri_plugins=(keys.NRI_PLUGIN_NAME, keys.NRI_VALIDATOR_PLUGIN_NAME))
+    await guarded.start_agent()
+    gpu = await guarded.pod(
+        stored_annotations(
+            {
+                "nvidia.com/container.train.gpu-memory.request": "20Gi",
+                "nvidia.com/container.train.gpus.devices": GPU_A,
+            },
+            both,
+        ),
+        name="trainer",
+    )
+    with pytest.raises(ContainerCreateFailed) as refused:
+        await guarded.create(gpu, "train")
+    assert f'required plugin "{keys.NRI_VALIDATOR_PLUGIN_NAME}" not present' in str(refused.value)
+
+    registered = int((await guarded.runtime.list())["registrations"]) + 1
+    validator = NriPlugin(
+        handler=InjectionValidator(),
+        socket_path=str(guarded.socket),
+        identity=VALIDATOR_IDENTITY,
+        backoff_initial_s=0.02,
+        backoff_max_s=0.2,
+    )
+    task = asyncio.create_task(validator.run())
+    try:
+        await guarded.runtime.wait_registrations(registered, timeout_s=10)
+        injected = await guarded.create(gpu, "train")
+        assert injected.env["NVIDIA_VISIBLE_DEVICES"] == GPU_A
+        assert injected.env["NVIDIA_GPU_MEMORY_REQUEST"] == "20480"
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task

@@ -49,7 +49,7 @@ log = logging.getLogger(__name__)
 
 #: The validator's NRI identity. Validators are asked after every plugin, whatever their index; 90 keeps
 #: it after the agent (10) in the runtime's plugin list, where people read it.
-VALIDATOR_IDENTITY = PluginIdentity(name=f"{keys.NRI_PLUGIN_NAME}-validator", index="90")
+VALIDATOR_IDENTITY = PluginIdentity(name=keys.NRI_VALIDATOR_PLUGIN_NAME, index="90")
 
 
 def effective_env(env: Iterable[str], adjust: Iterable[api.KeyValue]) -> dict[str, str]:
