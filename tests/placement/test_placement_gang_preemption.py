@@ -25,18 +25,11 @@ from gpufrac.placement.preemption import Kind
 
 def gang_fits_without(e: Engine, members: list[PendingPod], min_member: int, victims) -> bool:
     """The gang statement on the books with ``victims`` gone; the engine is restored."""
-    gone = [(e.bound_pod(uid), e.placement_of(uid)) for uid in victims]
-    for uid in victims:
-        e.forget(uid)
-    try:
-        decisions = e.schedule(members, gang=True, min_member=min_member)
-        placed = [d for d in decisions if isinstance(d, Placement)]
-        for d in placed:
-            e.forget(d.pod_uid)
-        return len(placed) >= min_member
-    finally:
-        for booked, placement in reversed(gone):
-            e.assume(booked, placement)
+    with e.statement() as what_if:
+        for uid in victims:
+            what_if.evict(uid)
+        decisions = e.schedule(members, gang=True, min_member=min_member, statement=what_if)
+        return sum(isinstance(d, Placement) for d in decisions) >= min_member
 
 
 def test_a_gang_takes_room_on_two_nodes_in_one_plan():
@@ -180,18 +173,12 @@ def gang_fits_after_moves(
     e: Engine, members: list[PendingPod], min_member: int, plan: GangPreemption
 ) -> bool:
     """The gang statement with each moved pod at its new home; the engine is restored."""
-    sources = [(e.bound_pod(m.uid), e.placement_of(m.uid)) for m in plan.moves]
-    for m in plan.moves:
-        e.forget(m.uid)
-    for (booked, _), m in zip(sources, plan.moves, strict=True):
-        e.assume(booked, m.target)
-    try:
-        return gang_fits_without(e, members, min_member, [])
-    finally:
-        for m in plan.moves:
-            e.forget(m.uid)
-        for booked, placement in reversed(sources):
-            e.assume(booked, placement)
+    with e.statement() as what_if:
+        moved = [what_if.evict(m.uid)[0] for m in plan.moves]
+        for booked, m in zip(moved, plan.moves, strict=True):
+            what_if.assume(booked, m.target)
+        decisions = e.schedule(members, gang=True, min_member=min_member, statement=what_if)
+        return sum(isinstance(d, Placement) for d in decisions) >= min_member
 
 
 def test_a_gang_gets_two_whole_gpus_by_one_move():

@@ -31,7 +31,9 @@ def books(e: Engine) -> tuple:
     # snapshot() copies the per-GPU tenant counts shallowly; the engine mutates those dicts in place.
     arrays = snapshot(e) | {"tenants": {k: dict(v) for k, v in e.state.tenants.items()}}
     usage = {q: mib for q, mib in e.queues.usage.items() if mib}  # a queue's first booking adds its key
-    return arrays, {uid: e.placement_of(uid) for uid in e.bound_uids}, usage
+    # Each pod's slot in the pod table too: the search's tie-breaks read slots, so a what-if that moves a
+    # pod to another slot changes later answers.
+    return arrays, {uid: e.placement_of(uid) for uid in e.bound_uids}, usage, dict(e.pods.slot_of)
 
 
 def untouched(e: Engine, before: tuple) -> bool:
