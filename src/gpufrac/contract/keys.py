@@ -184,6 +184,9 @@ DEFAULT_SCHEDULER_NAME = "gpufrac-scheduler"
 #: A pod's own placement policy (``binpack``, ``spread``, ``kai``, ``fgd``, ``fgd-align``), overriding
 #: the scheduler's configured one; an unknown name makes the pod unschedulable with the known names.
 PLACEMENT_POLICY_ANNOTATION = "gpufrac.io/placement-policy"
+#: A pod's opt-out (value ``"true"``) from the mutating webhook giving a pod that asks for a GPU fraction
+#: and names no scheduler gpufrac's scheduler name.
+KEEP_SCHEDULER_NAME_ANNOTATION = "gpufrac.io/keep-scheduler-name"
 #: A pod's consent to be moved by consolidation (value ``"true"``): the scheduler may evict it so that a
 #: pending pod fits, when a new home for it exists elsewhere. Honoured only for a pod a controller owns
 #: (an ownerReference with ``controller: true``), which recreates it; a bare pod is never moved.
@@ -212,6 +215,9 @@ DRA_ATTRIBUTE_DRIVER_MAJOR = "driverMajor"
 #: (the same capability as the ``COMPUTE_MODE_LABEL_PREFIX`` labels); ``node.dra.slices`` maps the modes.
 DRA_ATTRIBUTE_TIME_SLICING = "timeSlicing"
 DRA_ATTRIBUTE_SM_SHARING = "smSharing"
+#: The CDI kind of the specs our DRA driver writes at prepare: ``gpu.gpufrac.io/claim=<claim uid>-<device>``.
+#: A container with such a device holds a share gpufrac placed and prepared (never a foreign GPU).
+DRA_CDI_KIND = f"{DRA_DRIVER_NAME}/claim"
 #: The opaque configuration each of the chart's DeviceClasses hands our driver with an allocation
 #: (``spec.config[].opaque.parameters``): ``{"apiVersion", "kind", "computeMode": <mode>}``; a claim's
 #: own configuration may add ``"memoryLimit": <quantity>`` (a limit above the consumed share). The

@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Callable
 import pytest
 from nri_harness import GPU_A, GPU_B, Node
 
+from gpufrac.contract import keys
 from gpufrac.local.nriruntime import ContainerCreateFailed
 
 KAI_NEWER = {  # KAI's newer binder on a default-mode (time-slicing) pod, devices as NVML UUIDs
@@ -112,3 +113,23 @@ async def test_a_cdi_gpu_outside_gpufrac_is_refused_with_refuse(
         await node.create(pod, "train", cdi_devices=[f"nvidia.com/gpu={GPU_A}"])
     assert f"(the CDI device nvidia.com/gpu={GPU_A})" in str(refused.value)
     assert (await node.runtime.list())["containers"] == []
+
+
+async def test_a_gpu_share_prepared_by_gpufracs_dra_driver_is_not_foreign(
+    make_node: Callable[..., Awaitable[Node]],
+) -> None:
+    """A DRA claim's container carries our driver's CDI device (``gpu.gpufrac.io/claim=…``, whose spec
+    brings ``nvidia.com/gpu=<uuid>`` and the share's variables): gpufrac placed and prepared it. Before,
+    it was reported (and, with ``refuse``, refused) as a GPU outside gpufrac."""
+    node = await make_node(agent=False)
+    await node.start_agent(foreign_gpus="refuse")
+    pod = await node.pod(name="claimed")
+    created = await node.create(
+        pod,
+        "app",
+        env={"NVIDIA_VISIBLE_DEVICES": GPU_A},
+        cdi_devices=[f"{keys.DRA_CDI_KIND}=0f1e-gpu-0", f"nvidia.com/gpu={GPU_A}"],
+    )
+    assert _adds_nothing(created.adjust)
+    assert node.agent.events.emitted == []
+    assert node.agent.counters.read().violations["foreign_gpu"] == 0

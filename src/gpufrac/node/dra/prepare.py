@@ -47,7 +47,7 @@ from gpufrac.node.inject import (
 )
 
 #: The CDI kind of the specs this driver writes: ``gpu.gpufrac.io/claim=<claim uid>-<device>``.
-CDI_KIND = f"{keys.DRA_DRIVER_NAME}/claim"
+CDI_KIND = keys.DRA_CDI_KIND
 CDI_VERSION = "0.6.0"
 #: Device annotations of our specs (CDI 0.6.0): which GPU a share is on and in which compute mode, so
 #: that the node can tell, from the specs alone, what a GPU already holds.

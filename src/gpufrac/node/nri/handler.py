@@ -114,7 +114,10 @@ CDI_GPU_KINDS = (CDI_GPU_KIND, DEVICE_PLUGIN_CDI_GPU_KIND)
 
 
 def device_plugin_gpu(container: api.Container) -> str | None:
-    """How ``container`` was given a GPU without gpufrac (the device plugin's ways), or None."""
+    """How ``container`` was given a GPU without gpufrac (the device plugin's ways), or None. A share our
+    DRA driver prepared (its CDI device, ``keys.DRA_CDI_KIND``) is gpufrac's, whatever else it carries."""
+    if any(device.name.startswith(keys.DRA_CDI_KIND + "=") for device in container.CDI_devices):
+        return None
     for entry in container.env:
         key, _, value = entry.partition("=")
         if key == NVIDIA_VISIBLE_DEVICES and value.strip() not in ("", "void", "none"):
