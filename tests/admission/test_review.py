@@ -376,3 +376,38 @@ def test_a_pod_of_the_wrong_shape_is_refused_not_crashed_on(
         with pytest.raises(MalformedReview) as raised:
             answer(document, POLICY)
         assert complaint in str(raised.value)
+
+
+def _mutated(manifest: dict, policy: AdmissionPolicy | None = None) -> tuple[dict, dict]:
+    answer = mutate_review(review(manifest), policy or AdmissionPolicy())["response"]
+    patch = json.loads(base64.b64decode(answer["patch"])) if "patch" in answer else []
+    return apply_patch(manifest, patch), answer
+
+
+def test_a_fraction_that_names_no_scheduler_gets_ours_unless_it_opts_out_or_names_another() -> None:
+    stored, _ = _mutated(pod({"gpu-fraction": "0.5"}, scheduler="default-scheduler"))
+    assert stored["spec"]["schedulerName"] == "gpufrac-scheduler"
+    assert any(t["key"] == "gpufrac.io/managed" for t in stored["spec"]["tolerations"])
+    opted_out = {"gpu-fraction": "0.5", "gpufrac.io/keep-scheduler-name": "true"}
+    for manifest, policy in (
+        (pod(opted_out, scheduler="default-scheduler"), None),
+        (pod({"gpu-fraction": "0.5"}, scheduler="kai-scheduler"), None),
+        (
+            pod({"gpu-fraction": "0.5"}, scheduler="default-scheduler"),
+            AdmissionPolicy(set_scheduler_name=False),
+        ),
+        (pod(None, gpus=1, scheduler="default-scheduler"), None),  # whole GPUs: the device plugin's
+    ):
+        stored, _ = _mutated(manifest, policy)
+        assert stored["spec"]["schedulerName"] == manifest["spec"]["schedulerName"]
+
+
+def test_a_misspelled_key_gets_an_admission_warning_naming_the_key_meant() -> None:
+    _, answer = _mutated(pod({"gpu-fraction-num-device": "2", "gpu-fraction": "0.5"}))
+    assert answer["allowed"] is True
+    assert answer["warnings"] == [
+        'annotation "gpu-fraction-num-device" is not a key gpufrac reads (it is ignored): '
+        'did you mean "gpu-fraction-num-devices"?'
+    ]
+    _, answer = _mutated(pod({"gpu-fraction": "0.5"}))
+    assert "warnings" not in answer

@@ -574,3 +574,54 @@ def test_the_other_pod_subresources_cannot_change_annotations(
         )
     assert answer.status_code == 200, answer.text  # the write itself succeeds ...
     assert kube.get(Pod, "p", namespace=namespace).metadata.annotations == request  # ... without the key
+
+
+def _kubectl_create(controlplane: ControlPlane, namespace: str, manifest: dict[str, Any]) -> tuple[str, str]:
+    import subprocess
+
+    done = subprocess.run(
+        ["kubectl", f"--kubeconfig={controlplane.kubeconfig}", "-n", namespace, "create", "-f", "-"],
+        input=json.dumps(manifest),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout, done.stderr
+
+
+def test_a_fraction_without_a_scheduler_gets_ours_and_a_misspelled_key_a_warning(
+    kube: Client, webhook: Webhook, controlplane: ControlPlane
+) -> None:
+    """Before, a GPU pod without schedulerName waited forever in silence, and a pod whose only GPU key
+    was misspelled (gpu-fractions) was admitted without a word and ran with no GPU."""
+    plain = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "no-scheduler", "annotations": {"gpu-fraction": "0.5"}},
+        "spec": {"containers": [{"name": "app", "image": "busybox"}]},
+    }
+    _kubectl_create(controlplane, webhook.namespace, plain)
+    stored = kube.get(Pod, "no-scheduler", namespace=webhook.namespace)
+    assert stored.spec.schedulerName == "gpufrac-scheduler"
+    assert ("gpufrac.io/managed", "Exists", "NoSchedule") in [
+        (t.key, t.operator, t.effect) for t in stored.spec.tolerations or []
+    ]
+
+    kept = json.loads(json.dumps(plain))
+    kept["metadata"] = {
+        "name": "keeps-default",
+        "annotations": {"gpu-fraction": "0.5", keys.KEEP_SCHEDULER_NAME_ANNOTATION: "true"},
+    }
+    _kubectl_create(controlplane, webhook.namespace, kept)
+    assert (
+        kube.get(Pod, "keeps-default", namespace=webhook.namespace).spec.schedulerName == "default-scheduler"
+    )
+
+    typo = json.loads(json.dumps(plain))
+    typo["metadata"] = {"name": "typo", "annotations": {"gpu-fractions": "0.5"}}
+    _, stderr = _kubectl_create(controlplane, webhook.namespace, typo)
+    assert 'Warning: annotation "gpu-fractions" is not a key gpufrac reads' in stderr
+    assert 'did you mean "gpu-fraction"?' in stderr
+    # no GPU asked, so no scheduler name given
+    assert kube.get(Pod, "typo", namespace=webhook.namespace).spec.schedulerName == "default-scheduler"

@@ -85,6 +85,14 @@ def admission(
             help="Rewrite gpu-memory into per-container keys (off where KAI Scheduler schedules).",
         ),
     ] = True,
+    set_scheduler_name: Annotated[
+        bool,
+        typer.Option(
+            "--set-scheduler-name/--no-set-scheduler-name",
+            help="Give pods that ask for a GPU fraction and name no scheduler --scheduler-name (a pod opts "
+            'out with gpufrac.io/keep-scheduler-name: "true"; off where KAI Scheduler schedules).',
+        ),
+    ] = True,
     queue_bindings: Annotated[
         bool,
         typer.Option(
@@ -129,6 +137,7 @@ def admission(
         scheduler_name=scheduler_name,
         binder_users=frozenset(scheduler_user or [DEFAULT_SCHEDULER_USER]),
         translate_legacy=translate_legacy,
+        set_scheduler_name=set_scheduler_name,
         queues=_queue_book() if queue_bindings else None,
         default_queue=default_queue,
         nri_plugins=tuple(dict.fromkeys(required_nri_plugin or [NRI_PLUGIN_NAME])),

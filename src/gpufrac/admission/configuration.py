@@ -4,7 +4,8 @@ failurePolicy is Fail: a GPU pod admitted without validation could forge a devic
 request the scheduler and node agent would disagree about. So the webhook must never be in the path of
 ordinary pods, or a webhook outage would stop a cluster: matchConditions (GA since Kubernetes 1.30)
 send only what can matter to it. A CREATE goes to the webhook when the pod mentions the contract (any
-contract annotation, or an ``nvidia.com/gpu`` resource) or names a queue; an UPDATE only when it changes a
+contract annotation, or an ``nvidia.com/gpu`` resource) or names a queue (the mutating webhook also when
+an annotation may be a misspelled contract key, to warn about it); an UPDATE only when it changes a
 contract annotation (adds, removes or rewrites one, compared between ``object`` and ``oldObject``) or a
 queue label: the webhook allows every other update anyway, so sending it one would only let a webhook
 outage fail the kubelet's status writes and every other label or finalizer edit of a GPU pod. A CEL
@@ -32,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpufrac.contract import keys as k
+from gpufrac.contract.near_miss import OWN_NAMESPACES
 
 MUTATE_WEBHOOK = "mutate.gpufrac.io"
 VALIDATE_WEBHOOK = "validate.gpufrac.io"
@@ -70,6 +72,17 @@ def _mentions_gpu(var: str) -> str:
         f"(has(c.resources.requests) && {resource} in c.resources.requests))))"
     )
     return f"{annotations} || {containers}"
+
+
+def _may_misspell_contract_key(var: str) -> str:
+    """CEL: the object in ``var`` has an annotation that may be one slip away from a contract key
+    (``contract.near_miss``): without a prefix and starting with ``gpu`` in any case, or under one of the
+    contract's namespaces. The mutating webhook then returns ``near_miss_warnings`` (``kubectl`` prints
+    them); a pod whose only GPU key is misspelled would otherwise never reach it."""
+    annotations = f"{var}.metadata.annotations"
+    namespaces = " || ".join(f"key.startsWith('{n}/')" for n in OWN_NAMESPACES)
+    keys = f"(!key.contains('/') && key.lowerAscii().startsWith('gpu')) || {namespaces}"
+    return f"(has({annotations}) && {annotations}.exists(key, {keys}))"
 
 
 def _changes_contract_keys() -> str:
@@ -114,7 +127,7 @@ def match_expression(*, include_old: bool) -> str:
     contract annotation or a queue label (relabelling a pod across queues is judged: docs/queues.md).
     """
     if not include_old:
-        return _mentions_gpu("object")
+        return f"{_mentions_gpu('object')} || {_may_misspell_contract_key('object')}"
     creating = f"oldObject == null && ({_mentions_gpu('object')} || {_names_queue('object')})"
     updating = f"oldObject != null && ({_changes_contract_keys()} || {_changes_queue_labels()})"
     return f"({creating}) || ({updating})"

@@ -50,7 +50,9 @@ from typing import Any, Protocol
 from gpufrac.contract import keys as k
 from gpufrac.contract.changes import changed_contract_keys, forbidden_changes
 from gpufrac.contract.errors import InvalidPodRequest, RuleViolation
+from gpufrac.contract.near_miss import near_miss_warnings
 from gpufrac.contract.parse import ContainerSpec, container_specs, parse_pod
+from gpufrac.contract.request import PodGpuRequest
 from gpufrac.contract.translate import translate
 from gpufrac.placement.model import Queue
 from gpufrac.placement.queue_access import QUEUE_LABELS, access_refusal
@@ -92,6 +94,11 @@ class AdmissionPolicy:
     queues: QueueBook | None = None
     #: The scheduler's ``default_queue``: the queue of a pod that names none in a namespace without one.
     default_queue: str = "default"
+    #: Give a pod that asks for a GPU fraction and names no scheduler (``default-scheduler``, what the API
+    #: server fills in) ``scheduler_name``: no other scheduler can place a fraction, and such a pod would
+    #: otherwise wait in silence. A pod opts out with ``gpufrac.io/keep-scheduler-name: "true"``; off
+    #: where KAI Scheduler schedules.
+    set_scheduler_name: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +108,8 @@ class Verdict:
     reason: str = ""
     message: str = ""
     patch: list[dict[str, Any]] = field(default_factory=list)
+    #: Admission warnings (``kubectl`` prints them): keys one slip away from the contract's.
+    warnings: list[str] = field(default_factory=list)
 
 
 REVIEW_API_VERSION = "admission.k8s.io/v1"
@@ -120,6 +129,8 @@ def _response(review: Mapping[str, Any], verdict: Verdict) -> dict[str, Any]:
     response: dict[str, Any] = {"uid": request.get("uid", ""), "allowed": verdict.allowed}
     if not verdict.allowed:
         response["status"] = {"code": verdict.code, "reason": verdict.reason, "message": verdict.message}
+    if verdict.warnings:
+        response["warnings"] = verdict.warnings
     if verdict.patch:
         response["patchType"] = "JSONPatch"
         response["patch"] = base64.b64encode(json.dumps(verdict.patch).encode()).decode()
@@ -334,19 +345,22 @@ def decide_mutate(request: Mapping[str, Any], policy: AdmissionPolicy) -> Verdic
     pod = request.get("object") or {}
     spec = pod.get("spec") or {}
     annotations = _annotations(pod)
+    warnings = near_miss_warnings(annotations)
     try:
         containers = container_specs(spec)
-        wants_gpu = parse_pod(annotations, containers).wants_gpu
-        ours = spec.get("schedulerName") == policy.scheduler_name
+        wanted = parse_pod(annotations, containers)
+        named = _names_our_scheduler(spec, annotations, wanted, policy)
+        ours = named or spec.get("schedulerName") == policy.scheduler_name
         translation = (
             translate(annotations, containers, whole_gpus=ours, legacy=policy.translate_legacy)
-            if wants_gpu
+            if wanted.wants_gpu
             else None
         )
     except InvalidPodRequest:
-        return Verdict(allowed=True)  # the validating webhook rejects it, naming the user's own keys
+        # the validating webhook rejects it, naming the user's own keys
+        return Verdict(allowed=True, warnings=warnings)
     if translation is None:
-        return Verdict(allowed=True)
+        return Verdict(allowed=True, warnings=warnings)
 
     changes: dict[str, str | None] = dict(translation.annotations)
     changes.update(_required_plugins(annotations, changes, containers, plugins=policy.nri_plugins))
@@ -371,12 +385,31 @@ def decide_mutate(request: Mapping[str, Any], policy: AdmissionPolicy) -> Verdic
             if k.GPU_RESOURCE in (resources.get(section) or {}):
                 path = f"/spec/containers/{index}/resources/{section}/{_escape(k.GPU_RESOURCE)}"
                 patch.append({"op": "remove", "path": path})
+    if named:
+        patch.append({"op": "add", "path": "/spec/schedulerName", "value": policy.scheduler_name})
     if ours and not _tolerates_managed(spec.get("tolerations") or []):
         if spec.get("tolerations") is None:
             patch.append({"op": "add", "path": "/spec/tolerations", "value": [k.managed_toleration()]})
         else:
             patch.append({"op": "add", "path": "/spec/tolerations/-", "value": k.managed_toleration()})
-    return Verdict(allowed=True, patch=patch)
+    return Verdict(allowed=True, patch=patch, warnings=warnings)
+
+
+#: The scheduler name the API server gives a pod that names none.
+_DEFAULT_SCHEDULER = "default-scheduler"
+
+
+def _names_our_scheduler(
+    spec: Mapping[str, Any], annotations: Mapping[str, str], wanted: PodGpuRequest, policy: AdmissionPolicy
+) -> bool:
+    """Whether the pod gets ``policy.scheduler_name``: it asks for a GPU fraction (only gpufrac's
+    scheduler places fractions), names no scheduler of its own, and did not opt out."""
+    return (
+        policy.set_scheduler_name
+        and spec.get("schedulerName") in (None, "", _DEFAULT_SCHEDULER)
+        and annotations.get(k.KEEP_SCHEDULER_NAME_ANNOTATION) != "true"
+        and any(not c.exclusive for c in wanted.containers)
+    )
 
 
 def _required_plugins(

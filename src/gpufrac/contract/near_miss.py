@@ -29,7 +29,11 @@ BARE_KEYS = (*k.POD_LEVEL_KEYS, k.KAI_MPS)
 #: The namespaces whose keys are the contract's or gpufrac's own.
 OWN_NAMESPACES = ("nvidia.com", "kai.scheduler", "gpufrac.io")
 #: gpufrac's pod annotations outside the per-container keys.
-GPUFRAC_POD_ANNOTATIONS = (k.PLACEMENT_POLICY_ANNOTATION, k.MOVABLE_ANNOTATION)
+GPUFRAC_POD_ANNOTATIONS = (
+    k.PLACEMENT_POLICY_ANNOTATION,
+    k.MOVABLE_ANNOTATION,
+    k.KEEP_SCHEDULER_NAME_ANNOTATION,
+)
 #: Every per-container suffix with the prefix it belongs under.
 _SUFFIX_PREFIX = {
     **{suffix: k.NVIDIA_CONTAINER_PREFIX for suffix in k.NVIDIA_CONTAINER_SUFFIXES},

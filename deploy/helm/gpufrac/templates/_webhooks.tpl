@@ -11,7 +11,7 @@ rules:
     scope: "Namespaced"
 matchConditions:
   - name: "gpu-pods"
-    expression: "(has(object.metadata.annotations) && object.metadata.annotations.exists(key, key.startsWith('nvidia.com/container.') || key.startsWith('kai.scheduler/container.') || key.startsWith('gpufrac.io/container.') || key in ['gpu-fraction', 'gpu-fraction.limit', 'gpu-fraction-num-devices', 'gpu-fraction-container-name', 'gpu-memory', 'gpu-memory.limit'])) || (has(object.spec.containers) && object.spec.containers.exists(c, has(c.resources) && ((has(c.resources.limits) && 'nvidia.com/gpu' in c.resources.limits) || (has(c.resources.requests) && 'nvidia.com/gpu' in c.resources.requests))))"
+    expression: "(has(object.metadata.annotations) && object.metadata.annotations.exists(key, key.startsWith('nvidia.com/container.') || key.startsWith('kai.scheduler/container.') || key.startsWith('gpufrac.io/container.') || key in ['gpu-fraction', 'gpu-fraction.limit', 'gpu-fraction-num-devices', 'gpu-fraction-container-name', 'gpu-memory', 'gpu-memory.limit'])) || (has(object.spec.containers) && object.spec.containers.exists(c, has(c.resources) && ((has(c.resources.limits) && 'nvidia.com/gpu' in c.resources.limits) || (has(c.resources.requests) && 'nvidia.com/gpu' in c.resources.requests)))) || (has(object.metadata.annotations) && object.metadata.annotations.exists(key, (!key.contains('/') && key.lowerAscii().startsWith('gpu')) || key.startsWith('nvidia.com/') || key.startsWith('kai.scheduler/') || key.startsWith('gpufrac.io/')))"
 failurePolicy: "Fail"
 sideEffects: "None"
 admissionReviewVersions: ["v1"]
