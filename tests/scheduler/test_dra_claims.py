@@ -31,7 +31,8 @@ from gpufrac.node.inject import NVIDIA_GPU_MEMORY_LIMIT, NVIDIA_GPU_MEMORY_REQUE
 from gpufrac.node.inventory.backend import GpuInfo, NodeInventory
 from gpufrac.node.mps.mode import DriverVersion, capability_for
 from gpufrac.scheduler.booking_audit import audit
-from gpufrac.scheduler.claims import ClaimWriter, gpu_device_name
+from gpufrac.scheduler.claim_front import ClaimWriter
+from gpufrac.scheduler.claims import gpu_device_name
 from gpufrac.scheduler.objects import node_inventory
 
 pytestmark = pytest.mark.kube

@@ -54,6 +54,7 @@ from gpufrac.placement.model import NodeSelectorRequirement, NodeSelectorTerm, P
 from gpufrac.scheduler import service as service_module
 from gpufrac.scheduler.binder import binding_annotations
 from gpufrac.scheduler.booking_cache import BookingCache
+from gpufrac.scheduler.cycle import CycleItem, PostFilterResult
 from gpufrac.scheduler.objects import gpu_request, node_inventory
 from gpufrac.scheduler.placement_engine import PlacementEngine, build_engine
 from gpufrac.scheduler.service import SchedulerService
@@ -517,11 +518,11 @@ class _TakesBig:
         self.called = asyncio.Event()
 
     def post_filter(
-        self, pending: PendingPod, pod: Pod, decision: Unschedulable, cache: BookingCache
-    ) -> bool:
-        self.seen.append((pending.name, decision.message))
+        self, item: CycleItem, decision: Unschedulable, cache: BookingCache
+    ) -> PostFilterResult | None:
+        self.seen.append((item.pending.name, decision.message))
         self.called.set()
-        return pending.name == "big"
+        return PostFilterResult() if item.pending.name == "big" else None
 
 
 async def test_filters_narrow_where_a_pod_goes_and_the_post_filter_gets_the_pods_that_fit_nowhere(

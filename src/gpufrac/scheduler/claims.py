@@ -27,7 +27,7 @@ Writing an allocation: ``allocation`` renders ``status.allocation`` as kube-sche
 (``devices.results[]`` with ``request``, ``driver``, ``pool``, ``device``, every capacity in
 ``consumedCapacity`` and a fresh ``shareID`` per share of a device that allows multiple allocations;
 ``devices.config[]`` with the class's config per request (``FromClass``) then the claim's
-(``FromClaim``); a ``nodeSelector`` on the node's name). ``ClaimWriter`` adds kube-scheduler's
+(``FromClaim``); a ``nodeSelector`` on the node's name). ``claim_front.ClaimWriter`` adds kube-scheduler's
 finalizer, then writes the allocation with the pod in ``reservedFor``, each preconditioned on the
 version read.
 
@@ -41,13 +41,11 @@ from __future__ import annotations
 import logging
 import math
 import uuid
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any
 
-import httpx2
-from lightkube import AsyncClient
 from lightkube.resources.core_v1 import Pod
 from lightkube.resources.resource_v1 import DeviceClass, ResourceClaim, ResourceSlice
 from lightkube.utils.quantity import parse_quantity
@@ -61,8 +59,6 @@ from gpufrac.contract.dra import (
     read_share_parameters,
 )
 from gpufrac.contract.request import ComputeMode, ContainerGpuRequest, GpuMemory
-from gpufrac.kube.errors import Conflict, KubeError, NotFound
-from gpufrac.kube.patch import merge_patch
 from gpufrac.placement.decision import ContainerPlacement, DeviceAssignment, Placement
 from gpufrac.placement.model import GpuDevice, NodeSpec
 
@@ -562,81 +558,3 @@ def claim_placement(claim: Mapping[str, Any], node: NodeSpec) -> Placement | Non
     if not containers:
         return None
     return Placement(pod_uid=hold_key(str(meta.get("uid"))), node=node.name, containers=tuple(containers))
-
-
-def consumer(pod: Pod) -> dict[str, str]:
-    """The pod as a ``reservedFor`` entry (``ResourceClaimConsumerReference``)."""
-    return {"resource": "pods", "name": pod.metadata.name, "uid": pod.metadata.uid}
-
-
-def reserved(claim: ResourceClaim, pod: Pod) -> bool:
-    return any(r.uid == pod.metadata.uid for r in (claim.status.reservedFor if claim.status else None) or [])
-
-
-# -- writing ------------------------------------------------------------------------------------------------
-
-
-class ClaimWriter:
-    """Writes a claim pod's allocations and reservations before its Binding, as kube-scheduler's
-    PreBind does: the finalizer first (an allocated claim is not deleted under its pods), then
-    ``status.allocation`` with the pod in ``status.reservedFor`` (one write), each at the version read.
-    A claim already allocated only gets the pod added to ``reservedFor``."""
-
-    def __init__(self, *, client: AsyncClient, fence: Callable[[], bool]) -> None:
-        self._client = client
-        self._fence = fence
-
-    async def write(
-        self, pod: Pod, *, claims: Sequence[ResourceClaim], allocations: Mapping[str, dict[str, Any]]
-    ) -> tuple[set[str], str | None]:
-        """The uids of the claims whose allocation landed, and None when every claim holds its
-        allocation and the pod, else why not (nothing is undone: a claim allocated before the failure
-        keeps its allocation, and the pod's next try goes where it is)."""
-        landed: set[str] = set()
-        for claim in claims:
-            meta = claim.metadata
-            where = f"ResourceClaim {meta.namespace}/{meta.name}"
-            if not self._fence():
-                return landed, "this scheduler is no longer the leader"
-            try:
-                version = meta.resourceVersion
-                allocation_ = allocations.get(meta.uid)
-                if allocation_ is not None and keys.DRA_CLAIM_FINALIZER not in (meta.finalizers or []):
-                    patched = await merge_patch(
-                        self._client,
-                        ResourceClaim,
-                        name=meta.name,
-                        namespace=meta.namespace,
-                        patch={
-                            "metadata": {"finalizers": [*(meta.finalizers or []), keys.DRA_CLAIM_FINALIZER]}
-                        },
-                        resource_version=version,
-                    )
-                    version = patched.metadata.resourceVersion
-                if allocation_ is None and reserved(claim, pod):
-                    continue
-                status: dict[str, Any] = {
-                    "reservedFor": [
-                        *[r.to_dict() for r in (claim.status.reservedFor if claim.status else None) or []],
-                        consumer(pod),
-                    ]
-                }
-                if allocation_ is not None:
-                    status["allocation"] = allocation_
-                await merge_patch(
-                    self._client,
-                    ResourceClaim.Status,
-                    name=meta.name,
-                    namespace=meta.namespace,
-                    patch={"status": status},
-                    resource_version=version,
-                )
-                if allocation_ is not None:
-                    landed.add(meta.uid)
-            except NotFound:
-                return landed, f"{where} was deleted"
-            except Conflict:
-                return landed, f"{where} changed while it was being allocated; trying again"
-            except (KubeError, httpx2.HTTPError, OSError) as error:
-                return landed, f"writing the allocation of {where} failed: {error}"
-        return landed, None

@@ -16,6 +16,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from gpufrac.process.build_info import register_build_info
+from gpufrac.scheduler.placement_engine import PlacementEngine
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,6 +27,20 @@ class GpuAllocation:
     capacity_mib: int
     request_mib: int
     limit_mib: int
+
+
+def gpu_allocations(engine: PlacementEngine) -> Iterable[GpuAllocation]:
+    """Every GPU the engine knows, with what its tenants request and may grow into."""
+    for node in engine.node_names:
+        for ledger in engine.ledger(node):
+            yield GpuAllocation(
+                node=node,
+                gpu=ledger.uuid,
+                index=ledger.index,
+                capacity_mib=ledger.capacity_mib,
+                request_mib=ledger.capacity_mib - ledger.free_mib,
+                limit_mib=ledger.limit_sum_mib,
+            )
 
 
 @dataclass(frozen=True, slots=True)
