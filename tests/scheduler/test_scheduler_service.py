@@ -137,6 +137,45 @@ async def test_reference_examples_are_bound_with_the_contract_annotations(
     assert (await audit_pool(client, pool)).ok
 
 
+async def test_readyz_waits_for_the_queue_informers(
+    client: AsyncClient, pool: Pool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A replica is ready only once it has read the queues too: while the API server is slow to answer
+    the Queue probe, /readyz says not ready although every other informer has synced."""
+    config = pool.config()
+    service = SchedulerService(client=client, config=config, engine=build_engine(config))
+    directory = service.queue_directory
+    probing, answered = asyncio.Event(), asyncio.Event()
+    real_probe = directory._installed
+
+    async def slow_probe(resource: type) -> bool:
+        probing.set()
+        await answered.wait()
+        return await real_probe(resource)
+
+    monkeypatch.setattr(directory, "_installed", slow_probe)
+    task = asyncio.create_task(service.run())
+    try:
+        await asyncio.wait_for(probing.wait(), timeout=20)
+
+        async def informers_synced() -> bool:
+            return all(
+                i.synced.is_set() for i in (service.pods, service.namespaces, service.node_watch.nodes)
+            )
+
+        await wait_for(informers_synced, timeout=20, what="the pod and node informers synced")
+        async with httpx2.AsyncClient() as http:
+            answer = await http.get(f"http://127.0.0.1:{service.probe_port}/readyz")
+            assert answer.status_code == 503 and not service.synced
+            answered.set()
+            await service.wait_scheduling(timeout=30)
+            answer = await http.get(f"http://127.0.0.1:{service.probe_port}/readyz")
+            assert (answer.status_code, answer.text) == (200, "ok: leading\n")
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
 async def test_an_unschedulable_pod_says_why_and_is_placed_when_a_node_that_fits_arrives(
     client: AsyncClient, pool: Pool
 ) -> None:

@@ -7,6 +7,9 @@ holder write" controllers. What they share lives here once, so the two cannot dr
   a burst of the controller's own writes, or a busy leader loses its lease for being busy).
 - /healthz (started, and not failed), /readyz (informers synced; "leading" once the leader's work runs,
   else "standby (synced)") and /metrics.
+- Informers a controller can only start once it knows their resource exists (the scheduler's Queue
+  informers wait for their CRD) come as ``InformerSource`` s: the runner runs them with the others, and
+  /readyz and the leader's work wait for them the same way.
 - The leader's work starts once every informer has synced and the lease is held.
 - Shutdown order: stop the leader's work, let writes in flight finish (the controller's ``drain``),
   then release the lease, so a successor never writes while this replica still does; then the rest.
@@ -28,7 +31,7 @@ import uuid
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import httpx2
 from lightkube import AsyncClient
@@ -46,6 +49,19 @@ def default_identity() -> str:
     (``POD_NAME``, which the chart sets), what a person reading the Lease finds with kubectl; outside a
     pod, host, process and a random suffix, so two replicas never share a name."""
     return os.environ.get("POD_NAME") or f"{socket.gethostname()}_{os.getpid()}_{uuid.uuid4().hex[:6]}"
+
+
+class InformerSource(Protocol):
+    """Informers that a controller starts itself (for instance once their CRD is found installed)."""
+
+    @property
+    def synced(self) -> bool:
+        """Every informer it runs has listed (or it knows it has none to run)."""
+        ...
+
+    async def run(self) -> None: ...
+
+    async def wait_synced(self) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +105,7 @@ class ControllerRunner:
         identity: str,
         informers: Sequence[Informer[Any]],
         lead: Callable[[], Awaitable[None]],
+        sources: Sequence[InformerSource] = (),
         registry: CollectorRegistry,
         http_host: str,
         http_port: int,
@@ -100,6 +117,7 @@ class ControllerRunner:
         self.name = name
         self.identity = identity
         self.informers = tuple(informers)
+        self._sources = tuple(sources)
         self._lead_work = lead
         self._background = tuple(background)
         self._drain = drain
@@ -137,7 +155,7 @@ class ControllerRunner:
 
     @property
     def synced(self) -> bool:
-        return all(i.synced.is_set() for i in self.informers)
+        return all(i.synced.is_set() for i in self.informers) and all(s.synced for s in self._sources)
 
     @property
     def working(self) -> bool:
@@ -161,6 +179,7 @@ class ControllerRunner:
             "%s starting as %s; probes and metrics on port %d", self.name, self.identity, self.probe_port
         )
         background = [asyncio.create_task(i.run(), name=f"informer-{i.name}") for i in self.informers]
+        background += [asyncio.create_task(s.run(), name=f"{self.name}-source") for s in self._sources]
         background += [
             asyncio.create_task(make(), name=f"{self.name}-background") for make in self._background
         ]
@@ -196,6 +215,8 @@ class ControllerRunner:
     async def _lead(self) -> None:
         for informer in self.informers:
             await informer.synced.wait()
+        for source in self._sources:
+            await source.wait_synced()
         if self.elector is not None:
             await self.elector.leading.wait()
         self._working = True

@@ -294,6 +294,8 @@ class SchedulerService:
                 self.volumes,
                 *(self.claim_front.informers if self.claim_front is not None else ()),
             ),
+            # The Queue informers start once their CRDs are found: /readyz and the lead wait for them too.
+            sources=(self.queue_directory,),
             lead=self._lead,
             registry=self.metrics.registry,
             http_host=config.http_host,
@@ -314,7 +316,6 @@ class SchedulerService:
                 self.events.run,
                 self.node_watch.run,
                 self._expire_bookings,
-                self.queue_directory.run,
                 *((self.queue_status.run,) if config.queue_status_interval_s is not None else ()),
             ),
             drain=self._drain,
@@ -331,7 +332,7 @@ class SchedulerService:
 
     @property
     def synced(self) -> bool:
-        return self.runner.synced and self.queue_directory.synced
+        return self.runner.synced
 
     @property
     def bound_total(self) -> int:
@@ -351,7 +352,6 @@ class SchedulerService:
         await cancel(*self._chores.tasks)
 
     async def _lead(self) -> None:
-        await self.queue_directory.wait_synced()
         log.info(
             "informers synced: %d managed nodes (and %d other nodes as topology domains), %d pods booked, "
             "%d pending; placing pods as leader %s",
