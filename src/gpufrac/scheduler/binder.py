@@ -144,6 +144,10 @@ def stale_binding_keys(annotations: Mapping[str, str]) -> dict[str, None]:
     return removal
 
 
+#: What a write or read raises when the API server did not (or may not have) done it.
+_API_ERRORS = (KubeError, httpx2.HTTPError, OSError)
+
+
 def _failed_bind(
     error: Exception, *, current: Pod | None, pod: Pod, placement: Placement, written: dict[str, str]
 ) -> BindResult:
@@ -152,7 +156,6 @@ def _failed_bind(
     A Binding whose answer was lost may still have landed: the pod bound to our node with our
     annotations is BOUND; bound anywhere else (or another pod of that name) is BOUND_ELSEWHERE.
     """
-    reason = _error_reason(error)
     if current is not None and current.spec and current.spec.nodeName:
         annotations = current.metadata.annotations or {}
         if (
@@ -161,9 +164,18 @@ def _failed_bind(
             and all(annotations.get(k) == v for k, v in written.items())
         ):
             return BindResult(Outcome.BOUND)
-        return BindResult(Outcome.BOUND_ELSEWHERE, f"bound to {current.spec.nodeName}", reason)
+        return BindResult(Outcome.BOUND_ELSEWHERE, f"bound to {current.spec.nodeName}", _error_reason(error))
+    return _write_outcome(error, doing="binding failed: ")
+
+
+def _write_outcome(error: Exception, *, doing: str = "") -> BindResult:
+    """What a failed write means when nothing needs reading back: the pod is gone, changed since it was
+    read (a conflict), or the write failed (``doing`` names the write in the detail)."""
+    reason = _error_reason(error)
+    if isinstance(error, NotFound):
+        return BindResult(Outcome.GONE, str(error), reason)
     outcome = Outcome.CONFLICT if isinstance(error, Conflict) else Outcome.FAILED
-    return BindResult(outcome, f"binding failed: {error}", reason)
+    return BindResult(outcome, f"{doing}{error}", reason)
 
 
 def _only_status_moved(pod: Pod, current: Pod | None) -> bool:
@@ -237,8 +249,8 @@ class Binder:
                     return BindResult(Outcome.NOT_LEADER)
                 return BindResult(Outcome.BOUND)
             except NotFound as error:
-                return BindResult(Outcome.GONE, str(error), "not_found")
-            except (KubeError, httpx2.HTTPError, OSError) as error:
+                return _write_outcome(error)
+            except _API_ERRORS as error:
                 # The write may have happened and only its answer been lost: read the pod to know.
                 try:
                     current = await self._read_back(meta.name, meta.namespace)
@@ -272,8 +284,6 @@ class Binder:
                     annotations=dict(written),
                     resource_version=meta.resourceVersion,
                 )
-            except NotFound as error:
-                return BindResult(Outcome.GONE, str(error), "not_found")
             except Conflict as error:
                 # A pod bound since (a Binding of ours whose answer was lost, or another binder's) is
                 # told apart from one merely changed: read back, bound means BOUND or BOUND_ELSEWHERE.
@@ -284,8 +294,8 @@ class Binder:
                 if current is not None and current.spec and current.spec.nodeName:
                     return _failed_bind(error, current=current, pod=pod, placement=placement, written=written)
                 return BindResult(Outcome.CONFLICT, str(error), "conflict")
-            except (KubeError, httpx2.HTTPError, OSError) as error:
-                return BindResult(Outcome.FAILED, f"annotating failed: {error}", _error_reason(error))
+            except _API_ERRORS as error:
+                return _write_outcome(error, doing="annotating failed: ")
             version = patched.metadata.resourceVersion
         if not self._fence():
             await self._roll_back(pod, restore=restore, written=written, version=version)
@@ -296,8 +306,8 @@ class Binder:
                 return BindResult(Outcome.NOT_LEADER)
             return BindResult(Outcome.BOUND)
         except NotFound as error:
-            return BindResult(Outcome.GONE, str(error), "not_found")
-        except (KubeError, httpx2.HTTPError, OSError) as error:
+            return _write_outcome(error)
+        except _API_ERRORS as error:
             current = await self._roll_back(pod, restore=restore, written=written, version=version)
             return _failed_bind(error, current=current, pod=pod, placement=placement, written=written)
 
@@ -324,7 +334,7 @@ class Binder:
                 return None
             except Conflict:
                 pass
-            except (KubeError, httpx2.HTTPError, OSError) as error:
+            except _API_ERRORS as error:
                 log.warning("rollback of %s/%s failed: %s", meta.namespace, meta.name, error)
             try:
                 current = await self._read_back(meta.name, meta.namespace)
@@ -399,7 +409,7 @@ class Binder:
                     return await self._client.get(Pod, name, namespace=namespace)
             except NotFound:
                 raise
-            except (KubeError, httpx2.HTTPError, OSError) as error:
+            except _API_ERRORS as error:
                 if loop.time() + delay > deadline:
                     log.warning(
                         "cannot read back %s/%s: %s; its bind's outcome is unknown", namespace, name, error
@@ -426,11 +436,7 @@ class Binder:
                 annotations=dict(removal),
                 resource_version=meta.resourceVersion,
             )
-        except NotFound as error:
-            return BindResult(Outcome.GONE, str(error), "not_found")
-        except Conflict as error:
-            return BindResult(Outcome.CONFLICT, str(error), "conflict")
-        except (KubeError, httpx2.HTTPError, OSError) as error:
-            return BindResult(Outcome.FAILED, str(error), _error_reason(error))
+        except _API_ERRORS as error:
+            return _write_outcome(error)
         log.info("cleaned binder-owned annotations left on unbound pod %s/%s", meta.namespace, meta.name)
         return BindResult(Outcome.CLEANED)
