@@ -16,7 +16,10 @@ Public API (what the scheduler service calls)::
                                               #   placements are already assumed
     engine.place(pod)                         # one pod
     engine.explain(pod, node)                 # -> Status: the first failing filter on that node
-    engine.set_queue(Queue(...)); engine.ledger(node); engine.placement_of(uid); engine.statement()
+    engine.set_queue(Queue(...)); engine.ledger(node); engine.placement_of(uid)
+    with engine.statement() as st:            # a "what if": st.place(pod), st.evict(uid),
+        mark = st.checkpoint()                #   st.assume(pod, placement), each undone by
+        st.rollback(mark)                     #   rollback(mark) or discard(); st.commit() keeps
     engine.nominate(pod, node); engine.drop_nomination(uid)   # room held for a preemptor's nominee
     engine.set_namespace(name, labels)        # for affinity terms' namespaceSelector
 
