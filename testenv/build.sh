@@ -55,6 +55,9 @@ build_controlplane() {
     build_module controlplane kubelet "$stamp" k8s.io/kubernetes/cmd/kubelet
     build_module controlplane kube-controller-manager "$stamp" k8s.io/kubernetes/cmd/kube-controller-manager
     build_module controlplane kube-scheduler "$stamp" k8s.io/kubernetes/cmd/kube-scheduler
+    # kubectl of the control plane's own version, for `gpufrac up` users (a distribution's kubectl may be
+    # many minors behind the v1.37 server): `gpufrac up` prints how to use it.
+    build_module controlplane kubectl "$stamp" k8s.io/kubernetes/cmd/kubectl
 }
 
 bash "$here/packages.sh"  # runc and busybox-static from Debian for the real node (apt-get only when missing)

@@ -52,6 +52,17 @@ def banner_console(file: Any = None) -> Console:
     return Console(file=file, soft_wrap=True)
 
 
+def kubectl_hint(bin_dir: Path | None = None) -> str:
+    """How to get a kubectl of the server's version: ``make testenv`` builds one from the control plane's
+    module graph (a distribution's kubectl may be many minors behind the v1.37 server)."""
+    from gpufrac.local.realnode import TESTENV_BIN
+
+    kubectl = (bin_dir or TESTENV_BIN) / "kubectl"
+    if kubectl.exists():
+        return f"kubectl of the server's version: export PATH={kubectl.parent}:$PATH"
+    return "kubectl of the server's version: run `make testenv` (it builds testenv/bin/kubectl)"
+
+
 def up(
     nodes: int | None = typer.Option(
         None, "--nodes", min=1, help="GPU nodes (default 2 simulated, 1 with --runtime containerd)."
@@ -99,6 +110,7 @@ async def _up(console: Console, shape: ClusterShape, work_dir: Path | None) -> N
             f" ({shape.runtime} runtime)"
         )
         console.print(f"  export KUBECONFIG={cluster.kubeconfig}")
+        console.print(f"  {kubectl_hint()}")
         console.print(f"  logs: {cluster.logs}")
         metrics = sorted(cluster.metrics_urls.items())
         for node, url in metrics:
