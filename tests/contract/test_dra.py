@@ -82,3 +82,14 @@ def test_device_names_and_quantities_are_the_slices_own() -> None:
     assert slice_device_name(gpu) == device_name(GPU, 3) == GPU.lower()
     assert device_name("///", 2) == "gpu-2"
     assert mib_quantity(24576) == "24Gi"
+
+
+def test_the_class_config_renderer_is_what_the_reader_reads() -> None:
+    from gpufrac.contract.dra import class_config, read_share_parameters
+
+    entry = class_config("sm-sharing", memory_limit="30Gi")
+    assert entry["opaque"]["driver"] == keys.DRA_DRIVER_NAME
+    assert read_share_parameters(entry["opaque"]["parameters"], where="config") == (
+        ComputeMode.SM_SHARING,
+        "30Gi",
+    )

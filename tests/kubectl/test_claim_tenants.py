@@ -11,7 +11,7 @@ from lightkube import codecs
 from lightkube.resources.core_v1 import Node
 
 from gpufrac.contract import keys
-from gpufrac.contract.dra import device_name
+from gpufrac.contract.dra import class_config, device_name
 from gpufrac.kubectl.view import explain, gpu_rows
 
 GPUS = [
@@ -46,19 +46,7 @@ def claim(*, pool: str = "gpu-a", memory: str | None = "20Gi", pod: str = "infer
             "allocation": {
                 "devices": {
                     "results": [result, {**result, "driver": "other.example.com"}],
-                    "config": [
-                        {
-                            "source": "FromClass",
-                            "opaque": {
-                                "driver": keys.DRA_DRIVER_NAME,
-                                "parameters": {
-                                    "apiVersion": keys.DRA_CONFIG_API_VERSION,
-                                    "kind": keys.DRA_CONFIG_KIND,
-                                    "computeMode": "time-slicing",
-                                },
-                            },
-                        }
-                    ],
+                    "config": [class_config("time-slicing")],
                 }
             },
             "reservedFor": [{"resource": "pods", "name": pod, "uid": "pod-uid"}],

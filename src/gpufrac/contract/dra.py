@@ -74,6 +74,20 @@ class ShareConfig:
     limit: str | None = None  # a quantity (``memoryLimit``); None: the limit is the share
 
 
+def class_config(mode: ComputeMode | str, *, memory_limit: str | None = None) -> dict[str, Any]:
+    """One ``FromClass`` entry of an allocation's ``devices.config``: our opaque ``GpuShareConfig`` with
+    ``mode`` (and a ``memoryLimit``), what the chart's DeviceClass of that mode hands the driver; the
+    inverse of ``read_share_parameters``."""
+    parameters: dict[str, Any] = {
+        "apiVersion": keys.DRA_CONFIG_API_VERSION,
+        "kind": keys.DRA_CONFIG_KIND,
+        keys.DRA_CONFIG_COMPUTE_MODE: ComputeMode(mode).value,
+    }
+    if memory_limit is not None:
+        parameters[keys.DRA_CONFIG_MEMORY_LIMIT] = memory_limit
+    return {"source": "FromClass", "opaque": {"driver": keys.DRA_DRIVER_NAME, "parameters": parameters}}
+
+
 def read_share_parameters(
     parameters: Mapping[str, Any], *, where: str
 ) -> tuple[ComputeMode | None, str | None]:
