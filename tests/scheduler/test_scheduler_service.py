@@ -160,7 +160,8 @@ async def test_readyz_waits_for_the_queue_informers(
 
         async def informers_synced() -> bool:
             return all(
-                i.synced.is_set() for i in (service.pods, service.namespaces, service.node_watch.nodes)
+                i.synced.is_set()
+                for i in (service.pods, service.pod_watch.namespaces, service.node_watch.nodes)
             )
 
         await wait_for(informers_synced, timeout=20, what="the pod and node informers synced")

@@ -20,14 +20,13 @@ The cycle, as ``_schedule`` runs it on each batch the scheduling queue hands out
    and a FailedScheduling Event (``status_report``) and waits until the cluster changes. An unexpected
    error on one pod is reported on that pod (reason SchedulerError); the loop goes on.
 
-State. Informers feed the one booking cache: our pods (``spec.schedulerName`` = ours), other schedulers'
-pods already bound (host resources, affinity and spread terms, GPUs if they carry the contract), nodes
-and node agents' heartbeats (``node_watch``), DRA claims of our driver (``claim_front``), and what some
-pod fields refer to: namespaces (labels, for ``namespaceSelector``), PersistentVolumeClaims and volumes
-(a bound volume's node affinity). Queues come from Queue objects, KAI's Queue objects and the
-configuration file (``queues``; docs/queues.md). Every replica keeps the cache current, leader or not,
-so a standby takes over with warm books; at start every bound pod is booked from its annotations
-before anything is placed (the leader's work waits for every informer to sync). Nothing about
+State. Informers feed the one booking cache: our pods and other schedulers' pods already bound (host
+resources, affinity and spread terms, GPUs if they carry the contract), and what some pod fields refer
+to, namespaces, PersistentVolumeClaims and volumes (``pod_watch``); nodes and node agents' heartbeats
+(``node_watch``); DRA claims of our driver (``claim_front``). Queues come from Queue objects, KAI's Queue
+objects and the configuration file (``queues``; docs/queues.md). Every replica keeps the cache current,
+leader or not, so a standby takes over with warm books; at start every bound pod is booked from its
+annotations before anything is placed (the leader's work waits for every informer to sync). Nothing about
 placements is kept anywhere else, so a restart never double-books a GPU.
 
 Shutdown order matters: stop placing, let binds in flight finish (bounded, ``_drain``), then release the
@@ -40,18 +39,16 @@ import asyncio
 import logging
 import time
 from collections.abc import Sequence
-from typing import Any
 
 from lightkube import AsyncClient
-from lightkube.resources.core_v1 import Namespace, PersistentVolume, PersistentVolumeClaim, Pod
+from lightkube.resources.core_v1 import Pod
 
 from gpufrac.contract import keys
 from gpufrac.contract.errors import InvalidPodRequest
 from gpufrac.contract.request import PodGpuRequest
 from gpufrac.kube.events import EventRecorder
-from gpufrac.kube.informer import Informer, object_key
+from gpufrac.kube.informer import object_key
 from gpufrac.kube.lease import LeadershipLost, LeaseTiming
-from gpufrac.kube.stream import ALL_NAMESPACES, Selection
 from gpufrac.placement.consolidation import MoveBudget
 from gpufrac.placement.decision import Decision, Placement, Unschedulable
 from gpufrac.placement.engine import Engine
@@ -61,7 +58,7 @@ from gpufrac.placement.model import (
     NodeSelectorTerm,
     SelectorOperator,
 )
-from gpufrac.process.controller import ControllerRunner, Election, Handler, cancel, default_identity
+from gpufrac.process.controller import ControllerRunner, Election, cancel, default_identity
 from gpufrac.scheduler.bind_cycle import BackgroundTasks, BindCycle
 from gpufrac.scheduler.binder import Binder, BindMode, stale_binding_keys
 from gpufrac.scheduler.booking_cache import BookingCache
@@ -74,6 +71,7 @@ from gpufrac.scheduler.node_watch import NodeWatch
 from gpufrac.scheduler.objects import gpu_request, pending_pod
 from gpufrac.scheduler.placement_engine import PlacementEngine
 from gpufrac.scheduler.pod_fields import RefusedPod, refused_fields, scheduling_gates, volume_terms
+from gpufrac.scheduler.pod_watch import PodWatch
 from gpufrac.scheduler.preemption import Preemptions
 from gpufrac.scheduler.queue_status import QueueStatusWriter, engine_capacity
 from gpufrac.scheduler.queues import QueueDirectory
@@ -89,18 +87,6 @@ _EXPIRY_CHECK_S = 1.0
 
 #: Events a burst may leave waiting (one per pod bound); more are dropped and counted.
 EVENTS_QUEUE = 10_000
-
-
-def _meaningful_change(old: Pod, new: Pod) -> bool:
-    """A change a user made (spec, labels, annotations), not a status write; or the names of the claims
-    kube-controller-manager generated from the pod's ResourceClaimTemplates (a pod waits for them)."""
-    return (
-        old.spec != new.spec
-        or old.metadata.annotations != new.metadata.annotations
-        or old.metadata.labels != new.metadata.labels
-        or (old.status.resourceClaimStatuses if old.status else None)
-        != (new.status.resourceClaimStatuses if new.status else None)
-    )
 
 
 class SchedulerService:
@@ -124,7 +110,6 @@ class SchedulerService:
         self._filters = tuple(filters)
         self._mode_policy = ModePolicy(config.mode_policy)
         self._arrivals = 0
-        self._first_seen: dict[str, float] = {}
         self._chores = BackgroundTasks()
         self.queue: SchedulingQueue[Pod] = SchedulingQueue(
             backoff_initial=config.backoff_initial_s,
@@ -139,7 +124,20 @@ class SchedulerService:
             mode_policy=self._mode_policy,
             assumed_ttl=config.assumed_ttl_s,
         )
-        self._watch_pods(client, config)
+        self.pod_watch = PodWatch(
+            client=client,
+            scheduler_name=config.scheduler_name,
+            cache=self.cache,
+            queue=self.queue,
+            queue_of=lambda pod: self.queue_directory.queue_of(pod),
+            default_queue=lambda namespace: self.queue_directory.default_for(namespace),
+            mode_policy=self._mode_policy,
+            in_flight=lambda uid: uid in self.binds.in_flight,
+            leaving=lambda uid: self.preemptions.leaving(uid) if self.preemptions is not None else None,
+            victim_deleted=lambda uid: self.preemptions is not None and self.preemptions.deleted(uid),
+            forget=lambda uid: self.report.forget(uid),
+        )
+        self.pods = self.pod_watch.pods
         self.node_watch = NodeWatch(
             client=client,
             cache=self.cache,
@@ -160,7 +158,7 @@ class SchedulerService:
             config=config,
             apply=engine.set_queues,
             changed=changed,
-            namespace_labels=self._namespace_labels,
+            namespace_labels=self.pod_watch.namespace_labels,
         )
         self.queue_status = QueueStatusWriter(
             client=client,
@@ -201,8 +199,8 @@ class SchedulerService:
             queue_of=self.queue_directory.queue_of,
             report=self.report,
             metrics=self.metrics,
-            latest=self._latest,
-            arrived=lambda uid: self._first_seen.pop(uid, None),
+            latest=self.pod_watch.latest,
+            arrived=self.pod_watch.arrived,
             chores=self._chores,
             concurrency=config.bind_concurrency,
         )
@@ -243,40 +241,6 @@ class SchedulerService:
             )
         )
 
-    def _watch_pods(self, client: AsyncClient, config: SchedulerConfig) -> None:
-        """The pod informers, and those of what pod fields refer to (#19: namespace labels for affinity
-        terms' namespaceSelector; the claims and volumes whose node affinity a pod inherits)."""
-        name, live = config.scheduler_name, "status.phase!=Succeeded,status.phase!=Failed"
-        self.pods: Informer[Pod] = Informer(
-            client=client,
-            resource=Pod,
-            selection=Selection(namespace=ALL_NAMESPACES, fields=f"spec.schedulerName={name},{live}"),
-            name="pods",
-        )
-        self.foreign_pods: Informer[Pod] = Informer(
-            client=client,
-            resource=Pod,
-            selection=Selection(
-                namespace=ALL_NAMESPACES, fields=f"spec.schedulerName!={name},spec.nodeName!=,{live}"
-            ),
-            name="foreign-pods",
-        )
-        self.pods.add_handler(Handler(changed=self._pod_changed, deleted=self._pod_deleted))
-        self.foreign_pods.add_handler(Handler(changed=self._foreign_changed, deleted=self._pod_deleted))
-        self.namespaces: Informer[Namespace] = Informer(client=client, resource=Namespace, name="namespaces")
-        self.claims: Informer[PersistentVolumeClaim] = Informer(
-            client=client,
-            resource=PersistentVolumeClaim,
-            selection=Selection(namespace=ALL_NAMESPACES),
-            name="claims",
-        )
-        self.volumes: Informer[PersistentVolume] = Informer(
-            client=client, resource=PersistentVolume, name="volumes"
-        )
-        self.namespaces.add_handler(Handler(changed=self._namespace_changed, deleted=self._storage_changed))
-        self.claims.add_handler(Handler(changed=self._storage_changed, deleted=self._storage_changed))
-        self.volumes.add_handler(Handler(changed=self._storage_changed, deleted=self._storage_changed))
-
     def _runner(
         self, client: AsyncClient, config: SchedulerConfig, lease_client: AsyncClient | None
     ) -> ControllerRunner:
@@ -286,12 +250,9 @@ class SchedulerService:
             client=client,
             identity=self.identity,
             informers=(
-                self.pods,
-                self.foreign_pods,
+                *self.pod_watch.informers,
                 *self.node_watch.informers,
-                self.namespaces,
-                self.claims,
-                self.volumes,
+                *self.pod_watch.field_informers,
                 *(self.claim_front.informers if self.claim_front is not None else ()),
             ),
             # The Queue informers start once their CRDs are found: /readyz and the lead wait for them too.
@@ -455,8 +416,8 @@ class SchedulerService:
                 mode_policy=mode_policy,
                 volume_terms=volume_terms(
                     pod,
-                    claim=lambda ns, name: self.claims.store.get(f"{ns}/{name}"),
-                    volume=self.volumes.store.get,
+                    claim=lambda ns, name: self.pod_watch.claims.store.get(f"{ns}/{name}"),
+                    volume=self.pod_watch.volumes.store.get,
                 )
                 + node_terms,
             )
@@ -603,11 +564,6 @@ class SchedulerService:
         assert self.claim_front is not None
         return await self.claim_front.write(pod, claims)
 
-    def _latest(self, pod: Pod) -> Pod | None:
-        """The informer's newest copy of the pod; None when it is gone or replaced by a namesake."""
-        latest = self.pods.store.get(object_key(pod))
-        return latest if latest is not None and latest.metadata.uid == pod.metadata.uid else None
-
     def _own_bound_pod(self, uid: str) -> Pod | None:
         """The pod of a booked uid if this scheduler placed it (only such pods may be preempted)."""
         booking = self.cache.booking(uid)
@@ -615,90 +571,12 @@ class SchedulerService:
             return None
         return booking.pod if booking.pod.spec.schedulerName == self.config.scheduler_name else None
 
-    def _namespace_labels(self, name: str) -> dict[str, str] | None:
-        namespace = self.namespaces.store.get(name)
-        return None if namespace is None else dict(namespace.metadata.labels or {})
-
     async def _expire_bookings(self) -> None:
         """Release bound bookings whose confirmation never came (see the booking cache)."""
         while True:
             await asyncio.sleep(_EXPIRY_CHECK_S)
             if self.cache.expire():
                 self.queue.cluster_changed()
-
-    # -- pod informer handlers (synchronous: memory only) -------------------------------------------------
-
-    def _pod_changed(self, old: Pod | None, pod: Pod) -> None:
-        if pod.spec and pod.spec.nodeName:
-            self.queue.remove(pod.metadata.uid)
-            if self.cache.confirm(pod):
-                self.queue.cluster_changed()
-            if pod.metadata.deletionTimestamp is not None and self.preemptions is not None:
-                self.preemptions.leaving(pod.metadata.uid)
-            return
-        uid = pod.metadata.uid
-        if pod.metadata.deletionTimestamp is not None:
-            self.queue.remove(uid)
-            return
-        if uid in self.binds.in_flight or uid in self.cache:
-            return  # its own bind (or clean) is writing it
-        self._nominated(pod)
-        queue = self.queue_directory.queue_of(pod)
-        if old is None or uid not in self.queue or _meaningful_change(old, pod):
-            self._first_seen.setdefault(uid, time.monotonic())
-            self.queue.add(uid, pod, queue=queue)
-        else:
-            self.queue.update(uid, pod)
-
-    def _nominated(self, pod: Pod) -> None:
-        """Hold room on the node a preemptor nominated for this pending pod (status.nominatedNodeName)."""
-        node = (pod.status.nominatedNodeName if pod.status else None) or None
-        meta = pod.metadata
-        engine = self.cache.engine
-        if node is None:
-            if engine.drop_nomination(meta.uid):
-                self.queue.cluster_changed()  # the room it held is free
-            return
-        try:
-            pending = pending_pod(
-                pod,
-                gpu=gpu_request(pod),
-                arrival=0,
-                default_queue=self.queue_directory.default_for,
-                mode_policy=self._mode_policy,
-            )
-        except Exception as error:  # its own scheduling attempt reports the problem
-            log.debug("not holding room for %s/%s: %s", meta.namespace, meta.name, error)
-            return
-        engine.nominate(pending, node)
-
-    def _foreign_changed(self, old: Pod | None, pod: Pod) -> None:
-        # A pod counted on an unmanaged node that a waiting pod's affinity or spread counts wakes the
-        # parked pods (kube-scheduler's queueing hints do as much).
-        if pod.spec and pod.spec.nodeName and self.cache.confirm(pod):
-            self.queue.cluster_changed()
-
-    def _pod_deleted(self, pod: Pod) -> None:
-        uid = pod.metadata.uid
-        if self.cache.engine.drop_nomination(uid):
-            self.queue.cluster_changed()
-        self.queue.remove(uid)
-        self._first_seen.pop(uid, None)
-        self.report.forget(uid)
-        if self.preemptions is not None and self.preemptions.deleted(uid):
-            return  # a victim: its room stays booked until its preemptor takes it
-        if self.cache.remove(pod):
-            self.queue.cluster_changed()
-
-    def _namespace_changed(self, old: Namespace | None, namespace: Namespace) -> None:
-        self.cache.engine.set_namespace(namespace.metadata.name, dict(namespace.metadata.labels or {}))
-        # Labels choose a namespace's default queue and which queues it may use, as well as affinity.
-        if old is None or old.metadata.labels != namespace.metadata.labels:
-            self.queue.cluster_changed()
-
-    def _storage_changed(self, *objects: Any) -> None:
-        """A claim, volume or namespace changed: pods waiting on one may fit now."""
-        self.queue.cluster_changed()
 
 
 def build_service(
