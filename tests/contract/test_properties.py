@@ -180,10 +180,10 @@ def test_parse_render_parse_is_stable(
         devices = tuple(
             f"GPU-{container.container}-{i}" for i in range(start, start + container.device_count)
         )
-        placements.append(DeviceChoice(container=container.container, devices=devices, gpu_mib=gpu_mib))
+        placements.append(DeviceChoice.on_gpu(container, devices, gpu_mib))
 
     rendered = render_binding(first, placements)
-    assert all(key.startswith(k.NVIDIA_CONTAINER_PREFIX) for key in rendered)
+    assert all(key.startswith((k.NVIDIA_CONTAINER_PREFIX, k.GPUFRAC_CONTAINER_PREFIX)) for key in rendered)
     assert all(k.annotation_key_problem(key) is None for key in rendered)
     assert set(rendered) == {key for container in first.containers for key in binder_keys(container)}
     bound = {**annotations, **rendered}
@@ -221,7 +221,7 @@ def test_read_binding_is_the_inverse_of_render_binding(
         chosen = None
         if c.mode is ComputeMode.SM_SHARING:
             chosen = data.draw(st.one_of(st.none(), st.floats(1e-6, 1.0)))
-        choices.append(DeviceChoice(c.container, devices, gpu_mib=gpu_mib, compute_portion=chosen))
+        choices.append(DeviceChoice.on_gpu(c, devices, gpu_mib, compute_portion=chosen))
         portion = None
         if c.mode is ComputeMode.SM_SHARING:
             portion = chosen if chosen is not None else c.compute_portion_on(gpu_mib)

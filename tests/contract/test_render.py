@@ -17,7 +17,7 @@ NV = "nvidia.com/container."
 
 def test_a_portion_is_floored_on_the_chosen_gpu() -> None:
     request = parse_pod({"gpu-fraction": "0.3", "gpu-fraction.limit": "0.7"}, [ContainerSpec("app")])
-    rendered = render_binding(request, [DeviceChoice("app", ("GPU-1",), gpu_mib=81559)])
+    rendered = render_binding(request, [DeviceChoice.on_gpu(request.containers[0], ("GPU-1",), 81559)])
     assert rendered == {
         f"{NV}app.gpus.devices": "GPU-1",
         f"{NV}app.gpu-memory.request": "24467Mi",  # floor(0.3 x 81559) = 24467.7 -> 24467
@@ -28,26 +28,32 @@ def test_a_portion_is_floored_on_the_chosen_gpu() -> None:
 def test_sm_sharing_gets_a_compute_portion_from_its_memory_share() -> None:
     annotations = {f"{NV}app.gpu-memory.request": "20Gi", f"{NV}app.gpu-compute.mode": "sm-sharing"}
     request = parse_pod(annotations, [ContainerSpec("app")])
-    rendered = render_binding(request, [DeviceChoice("app", ("GPU-1",), gpu_mib=81920)])
+    rendered = render_binding(request, [DeviceChoice.on_gpu(request.containers[0], ("GPU-1",), 81920)])
     assert rendered[f"{NV}app.gpu-compute.portion"] == "0.25"
-    chosen = render_binding(request, [DeviceChoice("app", ("GPU-1",), gpu_mib=81920, compute_portion=0.4)])
+    chosen = render_binding(
+        request, [DeviceChoice.on_gpu(request.containers[0], ("GPU-1",), 81920, compute_portion=0.4)]
+    )
     assert chosen[f"{NV}app.gpu-compute.portion"] == "0.4"
 
 
-def test_whole_gpus_get_devices_only() -> None:
+def test_whole_gpus_get_devices_and_the_whole_gpu_marker_the_node_reads_them_by() -> None:
+    """A pod that asked through ``nvidia.com/gpu`` alone (no webhook marked it): the node sees no
+    resources, so the binding says "whole GPUs" itself, or the node would refuse the pod."""
     request = parse_pod({}, [ContainerSpec("app", gpus=2)])
-    assert render_binding(request, [DeviceChoice("app", ("GPU-1", "GPU-2"), gpu_mib=81920)]) == {
-        f"{NV}app.gpus.devices": "GPU-1,GPU-2"
-    }
+    rendered = render_binding(request, [DeviceChoice("app", ("GPU-1", "GPU-2"))])
+    assert rendered == {f"{NV}app.gpus.devices": "GPU-1,GPU-2", "gpufrac.io/container.app.gpus": "2"}
+    (bound,) = read_binding(rendered)
+    assert (bound.exclusive, bound.devices, bound.request_mib) == (True, ("GPU-1", "GPU-2"), None)
 
 
 @pytest.mark.parametrize(
     "placements",
     [
-        [DeviceChoice("app", ("GPU-1",), gpu_mib=81920)],  # 2 requested
-        [DeviceChoice("app", ("GPU-1", "GPU-1"), gpu_mib=81920)],  # repeated
+        [DeviceChoice("app", ("GPU-1",), 40960, 40960)],  # 2 requested
+        [DeviceChoice("app", ("GPU-1", "GPU-1"), 40960, 40960)],  # repeated
         [],  # container missing
-        [DeviceChoice("app", ("GPU-1", "GPU-2"), gpu_mib=0)],
+        [DeviceChoice("app", ("GPU-1", "GPU-2"), 0, 0)],
+        [DeviceChoice("app", ("GPU-1", "GPU-2"))],  # no MiB booked
     ],
 )
 def test_rendering_a_placement_that_does_not_fit_the_request_is_a_caller_bug(
@@ -64,7 +70,10 @@ def test_read_binding_gives_back_what_the_binder_placed() -> None:
         f"{NV}app.gpu-compute.mode": "sm-sharing",
     }
     request = parse_pod(annotations, [ContainerSpec("app")])
-    bound = {**annotations, **render_binding(request, [DeviceChoice("app", ("GPU-9",), gpu_mib=40960)])}
+    bound = {
+        **annotations,
+        **render_binding(request, [DeviceChoice.on_gpu(request.containers[0], ("GPU-9",), 40960)]),
+    }
     assert read_binding(bound) == (
         BoundContainer(
             container="app",
@@ -231,7 +240,7 @@ def test_rendering_a_key_the_api_server_would_refuse_is_a_contract_error() -> No
     half = GpuMemory(portion=0.5)
     request = PodGpuRequest(containers=(ContainerGpuRequest(container=name, request=half, limit=half),))
     with pytest.raises(InvalidPodRequest) as raised:
-        render_binding(request, [DeviceChoice(name, ("GPU-1",), gpu_mib=81920)])
+        render_binding(request, [DeviceChoice(name, ("GPU-1",), 40960, 40960)])
     assert isinstance(raised.value, ContractError)
     (violation,) = raised.value.errors
     assert isinstance(violation, e.UnwritableKey)

@@ -1,10 +1,12 @@
 """From a placed request to what others read: the binder's annotations, and reading them back on the node.
 
-The binder writes, per container: the devices, the request and limit in whole MiB (a portion resolved on
-the chosen GPU as floor(portion x GPU MiB)), and for sm-sharing the compute portion. Writing the MiB for
-every fractional container, not only for portions, makes a bound pod self-describing: the node agent
-never needs the GPU size nor resolves a KAI pod-level form, and a restarted scheduler books exactly what
-was booked before.
+The binder writes, per container: the devices, the request and limit in whole MiB exactly as the engine
+booked them (a portion resolved on the chosen GPU as floor(portion x GPU MiB), by
+``ContainerGpuRequest.request_mib``; ``render_binding`` resolves nothing itself), for sm-sharing the
+compute portion, and for whole GPUs the whole-GPU marker. Writing the MiB for every fractional container,
+not only for portions, makes a bound pod self-describing: the node agent never needs the GPU size, the
+pod's resources nor resolves a KAI pod-level form, and a restarted scheduler, which reads a bound pod
+with ``read_binding`` too, books exactly what the node enforces.
 
 ``read_binding`` is the exact inverse of ``render_binding`` and the node's only reader of a bound pod. It
 reads the keys the binder wrote plus the few the user's request fixes (the compute mode, the whole-GPU
@@ -50,21 +52,38 @@ from gpufrac.contract.writable import unwritable_key
 
 @dataclass(frozen=True, slots=True)
 class DeviceChoice:
-    """The GPUs chosen for one container (``device_count`` of them) and their size, as the binder passes
-    them to ``render_binding``. (The engine's own answer is ``gpufrac.placement.ContainerPlacement``.)
+    """The GPUs chosen for one container (``device_count`` of them) and the amounts booked for it, as the
+    binder passes them to ``render_binding``, which writes them as they are: it resolves nothing, so what a
+    pod's binding says is what the scheduler booked. (The engine's own answer is
+    ``gpufrac.placement.ContainerPlacement``.)
 
-    ``gpu_mib`` is the memory of the chosen GPUs (the smallest one, if they differ): a portion resolves
-    against it. ``compute_portion`` overrides the share derived from the request (sm-sharing only).
-    ``request_mib``/``limit_mib`` are amounts the scheduler already resolved and booked (its
-    ``Placement``): when given they are written as they are and ``gpu_mib`` may be None.
+    ``request_mib``/``limit_mib`` are the MiB per device (None for a whole-GPU container);
+    ``compute_portion`` the sm-sharing share (None elsewhere, or to keep the one a bound pod holds).
     """
 
     container: str
     devices: tuple[str, ...]
-    gpu_mib: int | None
-    compute_portion: float | None = None
     request_mib: int | None = None
     limit_mib: int | None = None
+    compute_portion: float | None = None
+
+    @classmethod
+    def on_gpu(
+        cls,
+        container: ContainerGpuRequest,
+        devices: tuple[str, ...],
+        gpu_mib: int,
+        *,
+        compute_portion: float | None = None,
+    ) -> DeviceChoice:
+        """``container``'s request resolved on GPUs of ``gpu_mib`` by the contract's own rule
+        (``ContainerGpuRequest.request_mib``), for a caller that places without the engine: the KAI
+        compatibility suite and the contract's tests. ``compute_portion`` overrides the derived share."""
+        portion = compute_portion if compute_portion is not None else container.compute_portion_on(gpu_mib)
+        if container.exclusive:
+            return cls(container.container, devices, compute_portion=portion)
+        request = container.request_mib(gpu_mib)
+        return cls(container.container, devices, request, max(request, container.limit_mib(gpu_mib)), portion)
 
 
 def format_portion(portion: float) -> str:
@@ -110,31 +129,25 @@ def _render_container(container: ContainerGpuRequest, placement: DeviceChoice) -
         raise ValueError(
             f"container {name} needs {container.device_count} distinct devices, got {placement.devices}"
         )
-    resolved = placement.request_mib is not None and placement.limit_mib is not None
-    if placement.gpu_mib is None:
-        if not resolved and not container.exclusive:
-            raise ValueError(f"container {name}: gpu_mib is needed when the amounts are not resolved")
-    elif placement.gpu_mib < 1:
-        raise ValueError(f"container {name}: gpu_mib must be positive, got {placement.gpu_mib}")
     out = {k.devices_key(name): ",".join(placement.devices)}
-    if not container.exclusive:
-        if resolved:
-            assert placement.request_mib is not None and placement.limit_mib is not None
-            request_mib, limit_mib = placement.request_mib, max(placement.request_mib, placement.limit_mib)
-        else:
-            assert placement.gpu_mib is not None
-            request_mib = container.request_mib(placement.gpu_mib)
-            limit_mib = max(request_mib, container.limit_mib(placement.gpu_mib))
+    if container.exclusive:
+        # The webhook's marker, written again: a pod that asked through ``nvidia.com/gpu`` alone (no webhook
+        # on its way in) is still read as whole GPUs by the node, which sees no resources.
+        out[k.whole_gpus_key(name)] = str(container.device_count)
+    else:
+        request_mib, limit_mib = placement.request_mib, placement.limit_mib
+        if request_mib is None or limit_mib is None:
+            raise ValueError(f"container {name}: the MiB booked for it are needed (request_mib, limit_mib)")
+        if request_mib < 1:
+            raise ValueError(f"container {name}: request_mib must be positive, got {request_mib}")
         out[k.memory_request_key(name)] = format_mib(request_mib)
-        out[k.memory_limit_key(name)] = format_mib(limit_mib)
+        out[k.memory_limit_key(name)] = format_mib(max(request_mib, limit_mib))
     if container.mode is ComputeMode.SM_SHARING:
         portion = placement.compute_portion
         if portion is None:
             portion = container.compute_portion
-        if portion is None and placement.gpu_mib is not None:
-            portion = container.compute_portion_on(placement.gpu_mib)
         if portion is None:
-            raise ValueError(f"container {name}: sm-sharing needs a compute portion or gpu_mib")
+            raise ValueError(f"container {name}: sm-sharing needs a compute portion")
         out[k.compute_portion_key(name)] = format_portion(portion)
     return out
 
@@ -166,8 +179,8 @@ def read_binding(annotations: Mapping[str, str]) -> tuple[BoundContainer, ...]:
 
     * A container is placed when ``nvidia.com/container.<c>.gpus.devices`` names its devices: distinct
       device names (GPU UUIDs or CDI names), comma-separated.
-    * Whole GPUs: the webhook's ``gpufrac.io/container.<c>.gpus: N`` marks the container exclusive; it
-      needs exactly N devices and no memory keys.
+    * Whole GPUs: ``gpufrac.io/container.<c>.gpus: N`` (the webhook's marker, which our binder writes
+      again) marks the container exclusive; it needs exactly N devices and no memory keys.
     * Otherwise the container is fractional: ``gpu-memory.request`` and ``gpu-memory.limit`` hold its MiB
       per device (any quantity, rounded up to whole MiB; one alone stands for both; the limit may not be
       below the request), and it needs exactly ``gpu-fraction-num-devices`` devices (default 1). A

@@ -15,11 +15,13 @@ from gpufrac.contract.request import ComputeMode, ContainerGpuRequest, PodGpuReq
 
 
 def binder_keys(container: ContainerGpuRequest) -> tuple[str, ...]:
-    """The keys ``render_binding`` writes for ``container``: devices; request and limit unless
-    exclusive; the compute portion for sm-sharing."""
+    """The keys ``render_binding`` writes for ``container``: devices; the whole-GPU marker when exclusive,
+    else request and limit; the compute portion for sm-sharing."""
     name = container.container
     written = [k.devices_key(name)]
-    if not container.exclusive:
+    if container.exclusive:
+        written.append(k.whole_gpus_key(name))
+    else:
         written += [k.memory_request_key(name), k.memory_limit_key(name)]
     if container.mode is ComputeMode.SM_SHARING:
         written.append(k.compute_portion_key(name))

@@ -105,7 +105,6 @@ def binding_annotations(request: PodGpuRequest, placement: Placement, *, device_
             DeviceChoice(
                 container=container.container,
                 devices=tuple(device_name(u, style=device_style) for u in container.uuids),
-                gpu_mib=None,
                 compute_portion=first.compute_portion,
                 request_mib=first.request_mib,
                 limit_mib=first.limit_mib,

@@ -74,7 +74,7 @@ def test_kais_compute_request_is_what_the_scheduler_charges_on_sm_sharing() -> N
     assert app.compute_request == 0.5 and app.compute_portion_on(81920) == 0.5
     rendered = render_binding(
         PodGpuRequest(containers=(app,)),
-        [DeviceChoice(container="app", devices=("GPU-a",), gpu_mib=81920)],
+        [DeviceChoice.on_gpu(app, ("GPU-a",), 81920)],
     )
     assert rendered[k.compute_portion_key("app")] == "0.5"  # not the memory share, 0.25
 
