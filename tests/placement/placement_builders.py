@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from gpufrac.contract.keys import GPU_MODEL_LABEL
 from gpufrac.contract.request import ComputeMode, ContainerGpuRequest, GpuMemory, PodGpuRequest
+from gpufrac.placement.decision import Placement
 from gpufrac.placement.model import BOTH_MODES, GpuDevice, NodeSpec, PendingPod
 
 GIB = 1 << 30
@@ -82,3 +83,8 @@ def pod(
     _seq[0] += 1
     n = name or f"p{_seq[0]}"
     return PendingPod(namespace=namespace, name=n, uid=f"uid-{n}-{_seq[0]}", gpu=gpu or PodGpuRequest(), **kw)  # type: ignore[arg-type]
+
+
+def host_only(held: PendingPod, node_name: str) -> Placement:
+    """Where a pod that holds no GPU is bound: its CPU and memory on ``node_name``, nothing else."""
+    return Placement(held.uid, node_name, ())

@@ -255,16 +255,22 @@ def test_unschedulable_message_counts_reasons_over_nodes():
 
 
 def _bind_on(e: Engine, name: str, portion: float, mode: ComputeMode) -> None:
-    """A pod already bound to ``name``'s GPU, rebuilt from its binder-owned devices."""
-    req = ContainerGpuRequest("main", GpuMemory(portion=portion), None, mode, devices=(f"{name}-g0",))
-    e.assume(pod(PodGpuRequest((req,)), name=f"bound-{name}"), node=name)
+    """A pod already bound to ``name``'s one 16 GiB GPU, holding ``portion`` of it in ``mode``."""
+    held_mib = round(16384 * portion)
+    share = portion if mode is SM else None
+    placed = ContainerPlacement(
+        "main", mode, False, (DeviceAssignment(f"{name}-g0", 0, held_mib, held_mib, share),)
+    )
+    bound = pod(fraction(portion, mode=mode), name=f"bound-{name}")
+    e.assume(bound, Placement(bound.uid, name, (placed,)))
 
 
-def test_assume_from_binder_owned_devices():
+def test_assume_books_the_placement_given_and_refuses_a_gpu_of_another_node():
     e = engine(node("a", gpus=2))
-    req = ContainerGpuRequest("main", GpuMemory(portion=0.25), GpuMemory(portion=0.5), SM, devices=("a-g1",))
+    req = ContainerGpuRequest("main", GpuMemory(portion=0.25), GpuMemory(portion=0.5), SM)
     bound = pod(PodGpuRequest((req,)), namespace="t")
-    got = e.assume(bound, node="a")
+    placed = ContainerPlacement("main", SM, False, (DeviceAssignment("a-g1", 1, 4096, 8192, 0.25),))
+    got = e.assume(bound, Placement(bound.uid, "a", (placed,)))
     assert got.containers[0].devices[0].uuid == "a-g1"
     ledger = e.ledger("a")[1]
     assert (ledger.free_mib, ledger.limit_sum_mib, ledger.compute_ppm, ledger.tenants) == (

@@ -6,7 +6,7 @@ from collections import Counter
 
 import numpy as np
 import pytest
-from placement_builders import fraction, node, pod, whole
+from placement_builders import fraction, host_only, node, pod, whole
 
 from gpufrac.contract.request import ComputeMode, GpuMemory
 from gpufrac.placement.decision import ContainerPlacement, DeviceAssignment, Placement
@@ -190,7 +190,8 @@ def test_fgd_plus_scores_gpu_pods_jointly_only_when_cpu_is_about_as_scarce_as_gp
 
     # 79 cores for 6 GPUs: 13.2 cores per GPU. 16 cores are taken from "tight" (2 GPUs, 29 cores).
     e = build("binpack", node("tight", gpus=2, cpu=29_000), node("roomy", gpus=4, cpu=50_000))
-    e.assume(pod(cpu_milli=16_000), node="tight")
+    busy = pod(cpu_milli=16_000)
+    e.assume(busy, host_only(busy, "tight"))
     demand = demand_of(pod(whole(1), cpu_milli=6_000), policy="fgd-plus")
     fit = resource_fit(e.state, demand, e.state.live(), GpuRules()).feasible()
 

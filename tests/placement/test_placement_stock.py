@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections import Counter
 
 import numpy as np
-from placement_builders import GIB, fraction, node, pod, whole
+from placement_builders import GIB, fraction, host_only, node, pod, whole
 
 from gpufrac.contract.request import ComputeMode, GpuMemory
 from gpufrac.placement.decision import ContainerPlacement, DeviceAssignment, Placement, Unschedulable
@@ -46,7 +46,8 @@ def test_scores_are_kube_schedulers_worked_by_hand():
     |0.625-0.375|/2 -> 87, 50 + (50+87-81)/2 = 78; b: before 100, after |0.125-0.25|/2 -> 93,
     50 + (50+93-100)/2 = 71."""
     e = build("kube-dra", node("a", gpus=0), node("b", gpus=0))
-    e.assume(pod(cpu_milli=32_000, memory_bytes=32 * GIB), node="a")
+    busy = pod(cpu_milli=32_000, memory_bytes=32 * GIB)
+    e.assume(busy, host_only(busy, "a"))
     incoming = pod(cpu_milli=8_000, memory_bytes=64 * GIB)
     nodes = np.array([e.state.index["a"], e.state.index["b"]])
     fit = resource_fit(e.state, e.demand(incoming), nodes, GpuRules())
@@ -58,7 +59,8 @@ def test_scores_are_kube_schedulers_worked_by_hand():
 
 def test_a_pod_asking_for_no_cpu_or_memory_gets_no_balance_score():
     e = build("kube-dra", node("a", gpus=0))
-    e.assume(pod(cpu_milli=32_000), node="a")
+    busy = pod(cpu_milli=32_000)
+    e.assume(busy, host_only(busy, "a"))
     best_effort = pod()
     fit = resource_fit(e.state, e.demand(best_effort), np.array([e.state.index["a"]]), GpuRules())
     assert KubeBalancedAllocation().score(e.state, e.demand(best_effort), fit)[0].tolist() == [0]
@@ -70,7 +72,8 @@ def test_gpu_pods_spread_by_cpu_whatever_the_gpus_hold():
     busy_cpu, full_gpus = node("busy-cpu", gpus=2), node("full-gpus", gpus=2)
     for policy, expected in (("kube-dra", "full-gpus"), ("binpack", "busy-cpu")):
         e = build(policy, busy_cpu, full_gpus)
-        e.assume(pod(cpu_milli=48_000, memory_bytes=64 * GIB), node="busy-cpu")
+        busy = pod(cpu_milli=48_000, memory_bytes=64 * GIB)
+        e.assume(busy, host_only(busy, "busy-cpu"))
         hold(e, "full-gpus", 0, 0.75)
         hold(e, "full-gpus", 1, 0.75)
         placed = e.place(pod(fraction(0.25), cpu_milli=2_000, memory_bytes=4 * GIB))

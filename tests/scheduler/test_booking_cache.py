@@ -414,3 +414,20 @@ def test_a_restart_books_what_the_engine_placed_for_two_gpus_of_two_sizes() -> N
     booking = fresh.booking(uid)
     assert booking is not None and booking.placement == placed
     assert fresh.engine.ledger("n1") == machine.cache.engine.ledger("n1")
+
+
+def test_a_restart_books_only_the_host_resources_of_a_binding_the_node_refuses() -> None:
+    """A pod some binder bound with devices and an unresolved ``gpu-fraction``: the node will not start
+    it, so its GPU stays free for the next pod (and its CPU and memory stay counted)."""
+    machine = CacheMachine()
+    machine.start(preferred=False)
+    refused = new_pod(0, shape=0)
+    body = refused.to_dict()
+    body["metadata"]["annotations"] = {"gpu-fraction": "0.5", keys.devices_key("app"): gpu_uuid("n2", 0)}
+    body["spec"]["nodeName"] = "n2"
+    machine.cache.confirm(Pod.from_dict(body))
+    booking = machine.cache.booking(refused.metadata.uid)
+    assert booking is not None and booking.placement.containers == ()
+    (gpu,) = machine.cache.engine.ledger("n2")
+    assert gpu.free_mib == gpu.capacity_mib and gpu.tenants == ()
+    assert machine.cache.engine.bound_pod(refused.metadata.uid).cpu_milli == 1000

@@ -233,7 +233,7 @@ def test_a_bound_pod_is_booked_with_what_it_was_placed_with(annotations: dict[st
     written = binding_annotations(request, placed, device_style="uuid")
     bound = pod(annotations={**annotations, **written}, node="n1")
     inventory = {g.uuid: g for g in node_spec(sim_node(name="n1")).gpus}
-    assert bound_placement(bound, gpu=gpu_request(bound), gpus_by_uuid=inventory) == placed
+    assert bound_placement(bound, gpus_by_uuid=inventory) == placed
 
 
 def test_cleaning_a_pod_a_dead_binder_annotated_restores_its_request() -> None:
@@ -287,7 +287,7 @@ def test_cdi_device_names_are_booked_by_uuid() -> None:
     assert written[keys.devices_key("app")] == f"nvidia.com/gpu={u}"
     bound = pod(annotations={**annotations, **written}, node="n1")
     inventory = {g.uuid: g for g in node_spec(sim_node(name="n1")).gpus}
-    assert bound_placement(bound, gpu=gpu_request(bound), gpus_by_uuid=inventory) == placed
+    assert bound_placement(bound, gpus_by_uuid=inventory) == placed
 
 
 def test_a_node_offers_only_the_compute_modes_its_agent_can_enforce() -> None:
@@ -360,4 +360,37 @@ def test_a_pod_placed_in_the_other_mode_is_written_and_read_back_in_that_mode() 
     assert written[keys.compute_mode_key("app")] == "sm-sharing"
     bound = pod(annotations={**annotations, **written}, node="n1")
     inventory = {g.uuid: g for g in node_spec(sim_node(name="n1")).gpus}
-    assert bound_placement(bound, gpu=gpu_request(bound), gpus_by_uuid=inventory) == placed
+    assert bound_placement(bound, gpus_by_uuid=inventory) == placed
+
+
+def test_a_binding_the_node_refuses_books_no_gpu_and_says_why() -> None:
+    """Devices next to a ``gpu-fraction`` no binder resolved to MiB: the node never guesses a GPU's size
+    and refuses to start the pod, so a restarted scheduler books nothing on that GPU either (it used to
+    resolve the fraction again on the GPU it found)."""
+    bound = pod(annotations={"gpu-fraction": "0.5", keys.devices_key("app"): gpu_uuid("n1", 0)}, node="n1")
+    inventory = {g.uuid: g for g in node_spec(sim_node(name="n1")).gpus}
+    with pytest.raises(
+        InvalidPodRequest, match=r"nvidia\.com/container\.app\.gpu-memory\.request.*not resolved"
+    ):
+        bound_placement(bound, gpus_by_uuid=inventory)
+
+
+def test_a_bound_pod_is_booked_from_its_binding_even_when_its_own_request_cannot_be_read() -> None:
+    """What the node runs is the binding: a pod whose user-side keys no longer parse (a typo in the
+    compute request, kept by a binder that did not check it) still holds the MiB its binding names."""
+    u = gpu_uuid("n1", 2)
+    written = {
+        keys.devices_key("app"): u,
+        keys.memory_request_key("app"): "8192Mi",
+        keys.memory_limit_key("app"): "12288Mi",
+        keys.compute_mode_key("app"): "sm-sharing",
+        keys.compute_portion_key("app"): "0.1",
+    }
+    bound = pod(annotations={**written, keys.compute_request_key("app"): "lots"}, node="n1")
+    with pytest.raises(InvalidPodRequest):
+        gpu_request(bound)
+    inventory = {g.uuid: g for g in node_spec(sim_node(name="n1")).gpus}
+    held = DeviceAssignment(u, 2, 8192, 12288, 0.1)
+    assert bound_placement(bound, gpus_by_uuid=inventory) == Placement(
+        "uid-1", "n1", (ContainerPlacement("app", ComputeMode.SM_SHARING, False, (held,)),)
+    )

@@ -2,8 +2,8 @@
 
 Per GPU: the inventory the node agent published (``gpufrac.io/gpus``), and what the bound pods on it
 hold, rebuilt from their contract annotations exactly as the scheduler rebuilds them after a restart
-(``gpu_request`` + ``bound_placement``). Guaranteed MiB is the sum of the tenants' requests; free is
-usable minus guaranteed (what a new guaranteed request can still get).
+(``bound_placement``: the binding read as the node reads it). Guaranteed MiB is the sum of the tenants'
+requests; free is usable minus guaranteed (what a new guaranteed request can still get).
 
 Whether each fraction's GPU memory limit is in force comes from the pod condition the node agent writes
 (``GpuMemoryEnforced``, ``gpufrac.node.memlimit.condition``): kubectl reads the API, not Prometheus, so
@@ -27,6 +27,7 @@ from gpufrac.contract import keys
 from gpufrac.contract.dra import AllocationError, device_name, read_allocation
 from gpufrac.contract.errors import ContractError
 from gpufrac.contract.request import ContainerGpuRequest, PodGpuRequest
+from gpufrac.placement.decision import Placement
 from gpufrac.scheduler.objects import (
     InvalidInventory,
     bound_placement,
@@ -224,13 +225,12 @@ def gpu_rows(
         if not node or node not in rows or (pod.status and pod.status.phase in TERMINAL_PHASES):
             continue
         try:
-            request = gpu_request(pod)
+            placement = bound_placement(pod, gpus_by_uuid=devices[node])
         except ContractError as error:
-            warnings.append(f"pod {pod.metadata.namespace}/{pod.metadata.name}: {error}")
+            warnings.append(
+                f"pod {pod.metadata.namespace}/{pod.metadata.name}: the node refuses its binding: {error}"
+            )
             continue
-        if not request.wants_gpu:
-            continue
-        placement = bound_placement(pod, gpu=request, gpus_by_uuid=devices[node])
         enforcement = memory_enforcement(pod, [c.container for c in placement.containers if not c.exclusive])
         for container in placement.containers:
             mode = "exclusive" if container.exclusive else container.mode.value
@@ -483,7 +483,11 @@ def explain(
     enforced = None
     if request is not None and request.wants_gpu and node is not None and spec and spec.nodeName:
         by_uuid = {g.uuid: g for g in node_inventory(node)}
-        placement = bound_placement(pod, gpu=request, gpus_by_uuid=by_uuid)
+        try:
+            placement = bound_placement(pod, gpus_by_uuid=by_uuid)
+        except ContractError as error:
+            request_text = f"bound, but the node refuses its binding: {error}"
+            placement = Placement(pod_uid=meta.uid, node=spec.nodeName, containers=())
         fractional = [c.container for c in placement.containers if not c.exclusive]
         if fractional:
             enforced = memory_enforcement(pod, fractional)

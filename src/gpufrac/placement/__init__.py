@@ -9,8 +9,8 @@ Public API (what the scheduler service calls)::
     engine.add_node(NodeSpec(...))            # node with its GpuDevices (uuid, index, MiB)
     engine.update_node(NodeSpec(...))         # -> uids dropped because their GPUs vanished
     engine.remove_node(name)                  # -> uids that were held on it
-    engine.assume(pod, placement)             # book a bound pod (or assume(pod, node=...) from its
-                                              #   binder-owned devices); rebuilds ledgers at start
+    engine.assume(pod, placement)             # book a bound pod (its binding read by the scheduler's
+                                              #   objects.bound_placement); rebuilds ledgers at start
     engine.forget(uid)                        # release a pod (deleted, finished, bind failed)
     engine.schedule(pods, gang=False)         # -> [Placement | Unschedulable], in input order;
                                               #   placements are already assumed

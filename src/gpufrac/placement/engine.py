@@ -264,15 +264,9 @@ class Engine:
 
     # -- bound pods -----------------------------------------------------------------------------------
 
-    def assume(
-        self, pod: PendingPod, placement: Placement | None = None, *, node: str | None = None
-    ) -> Placement:
-        """Record a pod that holds (or is being bound to) GPUs. Without ``placement`` the devices come
-        from the pod's binder-owned contract fields (``ContainerGpuRequest.devices``) on ``node``."""
-        if placement is None:
-            if node is None:
-                raise ValueError("assume needs a placement or a node name")
-            placement = self._placement_from_request(pod, node)
+    def assume(self, pod: PendingPod, placement: Placement) -> Placement:
+        """Record a pod that holds (or is being bound to) GPUs: ``placement`` as the engine placed it or,
+        for a pod bound before, as its binding reads (``gpufrac.scheduler.objects.bound_placement``)."""
         if pod.uid in self._bound:
             self.forget(pod.uid)
         n = self.state.index[placement.node]
@@ -360,31 +354,6 @@ class Engine:
         self._bound[pod.uid] = _Bound(pod, allocation, placement, mib, gpus)
         self._on_node[allocation.node].add(pod.uid)
         self.queues.charge(pod.queue, mib, gpus)
-
-    def _placement_from_request(self, pod: PendingPod, node: str) -> Placement:
-        n = self.state.index[node]
-        spec = self.state.nodes[n]
-        assert spec is not None
-        by_uuid = {g.uuid: g for g in spec.gpus}
-        containers = []
-        for c in pod.gpu.containers:
-            devices = []
-            for uuid in c.devices:
-                gpu = by_uuid.get(uuid)
-                if gpu is None:
-                    raise ValueError(f"GPU {uuid} of pod {pod.key} is not on node {node}")
-                portion = (
-                    c.compute_portion
-                    if c.compute_portion is not None
-                    else c.compute_portion_on(gpu.memory_mib)
-                )
-                devices.append(
-                    DeviceAssignment(
-                        uuid, gpu.index, c.request_mib(gpu.memory_mib), c.limit_mib(gpu.memory_mib), portion
-                    )
-                )
-            containers.append(ContainerPlacement(c.container, c.mode, c.exclusive, tuple(devices)))
-        return Placement(pod.uid, node, tuple(containers))
 
     # -- pods that are not placed here --------------------------------------------------------------
 

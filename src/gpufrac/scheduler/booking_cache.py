@@ -68,6 +68,7 @@ from typing import Any
 from lightkube.resources.core_v1 import Pod
 from lightkube.resources.resource_v1 import ResourceClaim
 
+from gpufrac.contract.errors import ContractError
 from gpufrac.contract.request import PodGpuRequest
 from gpufrac.placement.decision import ContainerPlacement, Decision, DeviceAssignment, Placement
 from gpufrac.placement.model import ModePolicy, NodeSpec, PendingPod
@@ -499,7 +500,16 @@ class BookingCache:
             )
             gpu = PodGpuRequest()
         spec = self._nodes[node]
-        placement = bound_placement(pod, gpu=gpu, gpus_by_uuid={g.uuid: g for g in spec.gpus})
+        try:
+            placement = bound_placement(pod, gpus_by_uuid={g.uuid: g for g in spec.gpus})
+        except ContractError as error:  # the node refuses this binding: its containers cannot start
+            log.warning(
+                "bound pod %s/%s has a binding the node refuses; booking its host resources only: %s",
+                meta.namespace,
+                meta.name,
+                error,
+            )
+            placement = Placement(pod_uid=meta.uid, node=node, containers=())
         pending = self._bound_pending(pod, gpu)
         try:
             self.engine.assume(pending, placement)

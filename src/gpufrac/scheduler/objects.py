@@ -7,9 +7,10 @@ Ready only when both the kubelet's condition and the node agent's are True (a no
 running cannot enforce a fraction, so it must not get one), and the agent's condition must also keep
 being re-written (its heartbeat; the service decides its expiry).
 
-The GPU request itself is parsed by the contract and nowhere else. A bound pod's placement is rebuilt
-from the same parse: the devices the binder wrote, and the request it resolved (or the portion
-resolved again on that GPU, for pods bound by a binder that did not write the resolved amounts).
+The GPU request itself is parsed by the contract and nowhere else. A bound pod's placement is read with
+``contract.render.read_binding``, the reader the node agent enforces with: the devices and MiB the binder
+wrote, never resolved again from a GPU's size, so the scheduler books after a restart exactly what the
+node enforces, and a binding the node refuses books no GPU (its containers cannot start).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from lightkube.utils.quantity import parse_quantity
 from gpufrac.contract import keys
 from gpufrac.contract.gpu_operator import driver_upgrade_state
 from gpufrac.contract.parse import container_specs, parse_pod
+from gpufrac.contract.render import BoundContainer, read_binding
 from gpufrac.contract.request import ComputeMode, PodGpuRequest
 from gpufrac.placement.decision import ContainerPlacement, DeviceAssignment, Placement
 from gpufrac.placement.model import (
@@ -374,14 +376,20 @@ def movable(pod: Pod) -> bool:
 # -- bound pods -------------------------------------------------------------------------------------------
 
 
-def bound_placement(pod: Pod, *, gpu: PodGpuRequest, gpus_by_uuid: Mapping[str, GpuDevice]) -> Placement:
-    """What a bound pod holds, from its parsed annotations; devices unknown to the node are skipped."""
-    node = pod.spec.nodeName if pod.spec else ""
+def bound_placement(pod: Pod, *, gpus_by_uuid: Mapping[str, GpuDevice]) -> Placement:
+    """What a bound pod holds: its binding as the node reads it (``read_binding``), on the node's GPUs.
+
+    Raises ``InvalidPodRequest`` where the node would refuse the binding. Devices the node does not
+    publish are skipped. A whole-GPU container holds each GPU's memory; an sm-sharing container the
+    binder wrote no compute portion for (another binder) runs with no SM cap on the node, and is
+    charged its memory share of the GPU, as the engine charges a pod that asks no compute share.
+    """
+    node = (pod.spec.nodeName if pod.spec else None) or ""
     containers = []
-    for request in gpu.containers:
+    for bound in read_binding(pod.metadata.annotations or {}):
         devices = []
-        for name in request.devices:
-            device = gpus_by_uuid.get(name.removeprefix("nvidia.com/gpu="))
+        for name in bound.devices:
+            device = gpus_by_uuid.get(name.removeprefix(f"{keys.GPU_RESOURCE}="))
             if device is None:
                 log.warning(
                     "pod %s/%s holds GPU %s which node %s does not publish; not counted",
@@ -391,26 +399,19 @@ def bound_placement(pod: Pod, *, gpu: PodGpuRequest, gpus_by_uuid: Mapping[str, 
                     node,
                 )
                 continue
-            mib = device.memory_mib
-            portion = request.compute_portion
-            if portion is None:
-                portion = request.compute_portion_on(mib)
-            devices.append(
-                DeviceAssignment(
-                    uuid=device.uuid,
-                    index=device.index,
-                    request_mib=request.request_mib(mib),
-                    limit_mib=request.limit_mib(mib),
-                    compute_portion=portion,
-                )
-            )
+            devices.append(_held(bound, device))
         if devices:
-            containers.append(
-                ContainerPlacement(
-                    container=request.container,
-                    mode=request.mode,
-                    exclusive=request.exclusive,
-                    devices=tuple(devices),
-                )
-            )
-    return Placement(pod_uid=pod.metadata.uid, node=node or "", containers=tuple(containers))
+            placed = ContainerPlacement(bound.container, bound.mode, bound.exclusive, tuple(devices))
+            containers.append(placed)
+    return Placement(pod_uid=pod.metadata.uid, node=node, containers=tuple(containers))
+
+
+def _held(bound: BoundContainer, device: GpuDevice) -> DeviceAssignment:
+    sm_sharing = bound.mode is ComputeMode.SM_SHARING
+    if bound.exclusive or bound.request_mib is None or bound.limit_mib is None:
+        mib = device.memory_mib
+        return DeviceAssignment(device.uuid, device.index, mib, mib, 1.0 if sm_sharing else None)
+    portion = bound.compute_portion
+    if sm_sharing and portion is None:
+        portion = min(1.0, bound.request_mib / device.memory_mib)
+    return DeviceAssignment(device.uuid, device.index, bound.request_mib, bound.limit_mib, portion)
