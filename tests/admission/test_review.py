@@ -8,11 +8,14 @@ import json
 
 import pytest
 from admission_reviews import apply_patch, binding_review, pod, review
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 
 from gpufrac.admission.configuration import binding_match_expression, webhook_configurations
 from gpufrac.admission.review import AdmissionPolicy, MalformedReview, mutate_review, validate_review
 from gpufrac.contract import keys
-from gpufrac.contract.parse import parse_pod_manifest
+from gpufrac.contract.errors import InvalidPodRequest
+from gpufrac.contract.parse import ContainerSpec, parse_pod, parse_pod_manifest
 
 SCHEDULER = "system:serviceaccount:gpufrac-system:gpufrac-scheduler"
 POLICY = AdmissionPolicy()
@@ -411,3 +414,45 @@ def test_a_misspelled_key_gets_an_admission_warning_naming_the_key_meant() -> No
     ]
     _, answer = _mutated(pod({"gpu-fraction": "0.5"}))
     assert "warnings" not in answer
+
+
+@st.composite
+def gpu_pods(draw: st.DrawFn) -> dict:
+    """Pods of two containers in the request forms the mutating webhook rewrites: per-container MiB and
+    the whole-GPU marker, pod-level fractions and legacy MiB, ``nvidia.com/gpu`` resources."""
+    annotations: dict[str, str] = {}
+    manifest = pod(
+        annotations,
+        gpus=draw(st.sampled_from([0, 0, 1, 2])),
+        scheduler=draw(st.sampled_from(["gpufrac-scheduler", "default-scheduler", "other"])),
+    )
+    pod_level = draw(st.sampled_from(["none", "gpu-fraction", "gpu-memory"]))
+    if pod_level == "gpu-fraction":
+        annotations["gpu-fraction"] = "0.5"
+    elif pod_level == "gpu-memory":
+        annotations["gpu-memory"] = "4096"
+    if pod_level != "none" and draw(st.booleans()):
+        annotations["gpu-fraction-container-name"] = draw(st.sampled_from(["app", "side"]))
+    for name in ("app", "side"):
+        form = draw(st.sampled_from(["none", "none", "mib", "marker"]))
+        if form == "mib":
+            annotations[keys.memory_request_key(name)] = "2Gi"
+        elif form == "marker":
+            annotations[keys.whole_gpus_key(name)] = "1"
+    return manifest
+
+
+@settings(max_examples=300, deadline=None)
+@given(original=gpu_pods())
+def test_the_plugins_are_required_of_exactly_the_containers_the_node_will_enforce(original: dict) -> None:
+    """The mutating webhook parses a pod once and derives the NRI requirement from that parse; the node
+    parses the stored annotations alone (it sees no resources). Both must name the same containers."""
+    try:
+        parse_pod_manifest(original)
+    except InvalidPodRequest:
+        assume(False)  # the validating webhook refuses it; the mutating one leaves it alone
+    stored = mutated(original)
+    annotations = stored["metadata"].get("annotations") or {}
+    required = {name for name in ("app", "side") if keys.nri_required_plugins_key(name) in annotations}
+    on_node = parse_pod(annotations, [ContainerSpec("app"), ContainerSpec("side")])
+    assert required == {c.container for c in on_node.containers}

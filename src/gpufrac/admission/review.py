@@ -51,7 +51,7 @@ from gpufrac.contract import keys as k
 from gpufrac.contract.changes import changed_contract_keys, forbidden_changes
 from gpufrac.contract.errors import InvalidPodRequest, RuleViolation
 from gpufrac.contract.near_miss import near_miss_warnings
-from gpufrac.contract.parse import ContainerSpec, container_specs, parse_pod
+from gpufrac.contract.parse import container_specs, parse_pod
 from gpufrac.contract.request import PodGpuRequest
 from gpufrac.contract.translate import translate
 from gpufrac.placement.model import Queue
@@ -352,7 +352,7 @@ def decide_mutate(request: Mapping[str, Any], policy: AdmissionPolicy) -> Verdic
         named = _names_our_scheduler(spec, annotations, wanted, policy)
         ours = named or spec.get("schedulerName") == policy.scheduler_name
         translation = (
-            translate(annotations, containers, whole_gpus=ours, legacy=policy.translate_legacy)
+            translate(annotations, containers, whole_gpus=ours, legacy=policy.translate_legacy, parsed=wanted)
             if wanted.wants_gpu
             else None
         )
@@ -363,7 +363,7 @@ def decide_mutate(request: Mapping[str, Any], policy: AdmissionPolicy) -> Verdic
         return Verdict(allowed=True, warnings=warnings)
 
     changes: dict[str, str | None] = dict(translation.annotations)
-    changes.update(_required_plugins(annotations, changes, containers, plugins=policy.nri_plugins))
+    changes.update(_required_plugins(annotations, changes, wanted, plugins=policy.nri_plugins))
 
     patch: list[dict[str, Any]] = []
     if changes:
@@ -415,7 +415,7 @@ def _names_our_scheduler(
 def _required_plugins(
     annotations: Mapping[str, str],
     changes: Mapping[str, str | None],
-    containers: list[ContainerSpec],
+    wanted: PodGpuRequest,
     *,
     plugins: tuple[str, ...],
 ) -> dict[str, str]:
@@ -423,19 +423,20 @@ def _required_plugins(
 
     A runtime with NRI's validator on then refuses to create such a container while one of ``plugins``
     (the node agent; its validator too where named) is not connected (``k.NRI_REQUIRED_PLUGINS_PREFIX``),
-    instead of starting it without its limits or unchecked. The
-    containers are those the node's own parse finds in the stored annotations (the node sees no
-    resources), so a whole-GPU pod left to the device plugin requires nothing. Always written: a user's
-    own value cannot drop the requirement (NRI reads the container's key before ``<key>/pod`` and
-    ``<key>``, so those cannot either).
+    instead of starting it without its limits or unchecked. The containers are those the node finds in
+    the stored annotations (it sees no resources): every fractional container of ``wanted`` (the pod's
+    one parse; translation moves a legacy request between keys, never between containers), and a
+    whole-GPU one only where the stored annotations mark it, so a whole-GPU pod left to the device plugin
+    requires nothing. Always written: a user's own value cannot drop the requirement (NRI reads the
+    container's key before ``<key>/pod`` and ``<key>``, so those cannot either).
     """
-    stored = {key: value for key, value in {**annotations, **changes}.items() if value is not None}
-    try:
-        enforced = parse_pod(stored, [ContainerSpec(name=c.name) for c in containers]).containers
-    except InvalidPodRequest:
-        return {}
+    stored = {key for key, value in {**annotations, **changes}.items() if value is not None}
     value = k.nri_required_plugins_value(plugins)
-    return {k.nri_required_plugins_key(c.container): value for c in enforced}
+    return {
+        k.nri_required_plugins_key(c.container): value
+        for c in wanted.containers
+        if not c.exclusive or k.whole_gpus_key(c.container) in stored
+    }
 
 
 def _escape(key: str) -> str:

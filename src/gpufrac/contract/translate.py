@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from gpufrac.contract import keys as k
 from gpufrac.contract.parse import ContainerSpec, parse_pod, pod_level_target
 from gpufrac.contract.quantities import format_mib
+from gpufrac.contract.request import PodGpuRequest
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,13 +43,15 @@ def translate(
     *,
     whole_gpus: bool,
     legacy: bool = True,
+    parsed: PodGpuRequest | None = None,
 ) -> Translation:
     """The rewrite of a pod; raises ``InvalidPodRequest`` for an invalid one (nothing to translate).
 
     ``whole_gpus`` turns ``nvidia.com/gpu`` into the exclusive per-container key (pods of our scheduler);
-    ``legacy`` turns ``gpu-memory`` into per-container keys.
+    ``legacy`` turns ``gpu-memory`` into per-container keys. ``parsed`` is ``parse_pod(annotations,
+    containers)`` where the caller has it already (the webhook parses a pod once).
     """
-    request = parse_pod(annotations, containers)
+    request = parsed if parsed is not None else parse_pod(annotations, containers)
     changes: dict[str, str | None] = {}
     strip: list[str] = []
 
