@@ -348,15 +348,18 @@ def test_the_free_part_of_a_preemptors_room_is_held_while_its_victim_leaves() ->
     message = preemptions.consider(high, _nominated("high", None), NOWHERE)
     assert message is not None and "Preempting 1 pod(s) on node n: ns/low." in message
     assert spawned == ["_execute"]
-    hold = engine.placement_of(f"{HOLD_PREFIX}high")
+    hold = engine.held(f"{HOLD_PREFIX}high")
     assert hold is not None and hold.node == "n"
     assert [d.request_mib for c in hold.containers for d in c.devices] == [8000]
+    # The room is no pod: not booked as one, so no preemption search can take it for a victim.
+    assert engine.bound_pod(f"{HOLD_PREFIX}high") is None
+    assert sorted(engine.bound_uids) == ["keep", "low"]
     # binpack would put a 4,000 MiB pod on the fuller GPU, n's; the hold sends it to the spare node.
     small = engine.place(PendingPod(namespace="ns", name="small", uid="small", gpu=_mib(4000)))
     assert isinstance(small, Placement) and small.node == "spare"
     assert preemptions.deleted("low")
     assert placed_now == [placed_now[0]] and placed_now[0].metadata.name == "high"
-    assert engine.placement_of(f"{HOLD_PREFIX}high") is None
+    assert engine.held(f"{HOLD_PREFIX}high") is None
     placed = engine.place(high)
     assert isinstance(placed, Placement) and placed.node == "n"
 

@@ -12,6 +12,8 @@ Public API (what the scheduler service calls)::
     engine.assume(pod, placement)             # book a bound pod (its binding read by the scheduler's
                                               #   objects.bound_placement); rebuilds ledgers at start
     engine.forget(uid)                        # release a pod (deleted, finished, bind failed)
+    engine.hold(key, placement, namespace=ns)  # shares no pod holds (a DRA claim, a preemptor's room):
+    engine.release_hold(key); engine.held(key)  #   GPU charges only: no pod slot, never a victim
     engine.schedule(pods, gang=False)         # -> [Placement | Unschedulable], in input order;
                                               #   placements are already assumed
     engine.place(pod)                         # one pod

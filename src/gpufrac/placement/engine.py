@@ -320,6 +320,11 @@ class Engine:
         self._held_on_node.get(allocation.node, set()).discard(key)
         return True
 
+    def held(self, key: str) -> Placement | None:
+        """What ``hold`` booked for ``key``, or None."""
+        found = self._holds.get(key)
+        return None if found is None else found[1]
+
     def forget(self, uid: str) -> bool:
         """Release everything a pod holds (deleted, finished, or its binding failed)."""
         b = self._bound.pop(uid, None)

@@ -543,10 +543,12 @@ class Preemptions:
         return None, f"{head}; deferred by {bound}."
 
     def _hold(self, nomination: _Nomination, rooms: list[tuple[PendingPod, Placement]]) -> None:
-        """Book, in the engine only, the part of each pending pod's room that is free already (its GPUs'
+        """Hold, in the engine only, the part of each pending pod's room that is free already (its GPUs'
         free memory up to what it asks on each), so nothing else lands there while the victims or
-        moved pods leave. On a GPU they still use, the GPU keeps their mode until the last booking on
-        it goes (``ClusterState.apply``). The bookings are the nomination's ``holds``, given back when
+        moved pods leave: ``Engine.hold``, the engine's one booking of shares no pod holds (a DRA
+        claim's allocation is another), so the room is no pod, never a victim and takes no pod slot.
+        On a GPU they still use, the GPU keeps their mode until the last booking on it goes
+        (``ClusterState.apply``). The bookings are the nomination's ``holds``, given back when
         it closes, before the victims' own bookings."""
         for pending, placement in rooms:
             free = {ledger.uuid: ledger.free_mib for ledger in self._engine.ledger(placement.node)}
@@ -561,16 +563,11 @@ class Preemptions:
                     containers.append(ContainerPlacement(c.container, c.mode, c.exclusive, devices))
             if not containers:
                 continue
-            uid = f"{HOLD_PREFIX}{pending.uid}"
-            holder = PendingPod(
-                namespace=pending.namespace,
-                name=f"room-for-{pending.name}",
-                uid=uid,
-                priority=pending.priority,
-                queue=pending.queue,
+            key = f"{HOLD_PREFIX}{pending.uid}"
+            self._engine.hold(
+                key, Placement(key, placement.node, tuple(containers)), namespace=pending.namespace
             )
-            self._engine.assume(holder, Placement(uid, placement.node, tuple(containers)))
-            nomination.holds.append(uid)
+            nomination.holds.append(key)
 
     def _retry_after(self, seconds: float) -> None:
         """Try parked pods again once the move budget has refilled (one timer at a time)."""
@@ -625,7 +622,7 @@ class Preemptions:
             if self._open.get(key) is nomination:
                 del self._open[key]
         for hold in nomination.holds:
-            self._engine.forget(hold)
+            self._engine.release_hold(hold)
         nomination.holds.clear()
         for victim in nomination.plan.victims:
             if self._victim_of.get(victim) == uid:
