@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from lightkube.resources.core_v1 import Node, Pod
 
 from gpufrac.contract.errors import ContractError
-from gpufrac.contract.request import ContainerGpuRequest
+from gpufrac.contract.request import ComputeMode, ContainerGpuRequest
 from gpufrac.kubectl.view import TERMINAL_PHASES
 from gpufrac.scheduler.objects import InvalidInventory, gpu_request, host_request, node_inventory, node_spec
 from gpufrac.sim.trace import TraceNode, TracePod
@@ -87,6 +87,7 @@ def cluster_trace(nodes: Iterable[Node], pods: Iterable[Pod]) -> ClusterTrace:
             trace.left_out.append(
                 f"pod {meta.namespace}/{meta.name}: only container {first.container} kept ({names} left out)"
             )
+        trace.left_out.extend(f"pod {meta.namespace}/{meta.name}: {note}" for note in _unsaid(pod, first))
         node = pod.spec.nodeName if pod.spec else None
         bound = bool(node) and node in gpu_mib
         milli = _milli(first, gpu_mib[node] if bound else largest)
@@ -109,3 +110,17 @@ def cluster_trace(nodes: Iterable[Node], pods: Iterable[Pod]) -> ClusterTrace:
         if bound:
             trace.allocated_milli += milli * first.device_count
     return trace
+
+
+def _unsaid(pod: Pod, kept: ContainerGpuRequest) -> list[str]:
+    """What the replay ignores of a pod it keeps: its compute mode and where it may run."""
+    notes = []
+    if kept.mode is ComputeMode.SM_SHARING and not kept.exclusive:
+        notes.append(
+            "compute mode sm-sharing left out (replayed as time-slicing; "
+            "gpufrac simulate --scenario varies the mode)"
+        )
+    spec = pod.spec
+    if spec is not None and (spec.nodeSelector or (spec.affinity and spec.affinity.nodeAffinity)):
+        notes.append("node selector and node affinity left out (replayed on any GPU node)")
+    return notes

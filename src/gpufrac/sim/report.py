@@ -28,6 +28,12 @@ BOUND_NOTE = (
     f"bound: offline = not a policy: the same workload known in advance, placed largest first with "
     f"{BOUND_POLICY} (@130% only)"
 )
+#: A share of capacity no arrival landed on exactly (a cluster of a few GPUs), and the caption that says so.
+UNREACHED = "-"
+UNREACHED_NOTE = (
+    "-: no arrival brought the offered load to exactly that share of GPU capacity (each pod is a large "
+    "step on a cluster of few GPUs)."
+)
 
 
 def summary_rows(trace: str, results: Sequence[RunResult], scenario: str = "plain") -> list[dict[str, Any]]:
@@ -58,9 +64,14 @@ def summary_rows(trace: str, results: Sequence[RunResult], scenario: str = "plai
 def table(trace: str, results: Sequence[RunResult], scenario: str = "plain") -> Table:
     suffix = "" if scenario == "plain" else f", scenario {scenario}"
     bounded = any(r.bound for r in results)
+    rows = summary_rows(trace, results, scenario)
+    unreached = any(
+        math.isnan(row[key]) for row in rows if not row["bound"] for key in ("alloc_100", "alloc_130")
+    )
+    notes = [note for note, shown in ((BOUND_NOTE, bounded), (UNREACHED_NOTE, unreached)) if shown]
     t = Table(
         title=f"GPU allocation on trace {trace}{suffix} (mean over seeds)",
-        caption=BOUND_NOTE if bounded else None,
+        caption="\n".join(notes) or None,
     )
     headers = ("policy", "seeds", "@100%", "@130%", "paper @130%", "unalloc. GPUs", "frag % @90%", "placed/s")
     for header in headers:
@@ -69,15 +80,15 @@ def table(trace: str, results: Sequence[RunResult], scenario: str = "plain") -> 
             t.add_column(header, no_wrap=True, min_width=widest)
         else:
             t.add_column(header, justify="right")
-    for row in summary_rows(trace, results, scenario):
+    for row in rows:
         paper = row["paper_130"]
         t.add_row(
             BOUND_LABEL if row["bound"] else row["policy"],
             str(row["seeds"]),
             _cell(row["alloc_100"]),
-            f"{row['alloc_130']:.2f}",
+            _cell(row["alloc_130"]),
             "" if paper is None else f"{paper:.2f}",
-            f"{row['unallocated_gpus_130']:.0f}",
+            _cell(row["unallocated_gpus_130"], 0),
             _cell(row["frag_rate_90"], 1),
             f"{row['placements_per_s']:.0f}",
         )
@@ -85,7 +96,7 @@ def table(trace: str, results: Sequence[RunResult], scenario: str = "plain") -> 
 
 
 def _cell(value: float, digits: int = 2) -> str:
-    return "" if math.isnan(value) else f"{value:.{digits}f}"
+    return UNREACHED if math.isnan(value) else f"{value:.{digits}f}"
 
 
 def as_json(trace: str, scenario: str, results: Sequence[RunResult]) -> dict[str, Any]:
