@@ -24,8 +24,8 @@ preempted again at once.
 A restart (or a new leader) loses these books, not the plan: the victims are still terminating and
 the pod still carries ``status.nominatedNodeName``. When the pods leaving that node free enough room
 for it, the new scheduler files the plan again (``_resume``: no eviction is repeated, the room is held,
-the pod is placed first when they are gone) instead of choosing new victims; a gang's likewise
-(``_resume_gang``, from the nodes its members are nominated to).
+the pod is placed first when they are gone) instead of choosing new victims; a gang's likewise, from
+the nodes its members are nominated to. ``gpufrac.scheduler.preemption_resume`` finds that plan.
 
 Only pods this scheduler placed (or booked as its own) are candidates: a pod bound by another
 scheduler is not ours to evict.
@@ -37,7 +37,9 @@ recreate them and the replacements are placed like any pod. The same no-thrash r
 the room the moved pods leave, and the hold keeps a replacement arriving while the moved pods
 terminate off the rest of the room. A
 ``MoveBudget`` bounds the moves per minute: a plan it cannot pay for now is not started, the pod's
-message says so, and the pod is tried again when the bucket has refilled.
+message says so, and the pod is tried again when the bucket has refilled. When a search may run at all
+(a cycle's search budget, a pod's backoff after a search without a plan, the move budget) and the
+victims a budget refused are ``gpufrac.scheduler.preemption_pacing``'s to say.
 
 A gang that does not fit (``consider_gang``) is planned for as a whole
 (``gpufrac.placement.gang_preemption``): victims, or moves, after which the gang statement places
@@ -50,7 +52,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
@@ -64,18 +65,22 @@ from gpufrac.kube.errors import KubeError, NotFound, TooManyRequests
 from gpufrac.kube.events import NORMAL, WARNING, EventRecorder, ObjectRef
 from gpufrac.kube.eviction import evict_pod
 from gpufrac.kube.patch import set_nominated_node
-from gpufrac.placement.consolidation import (
-    Consolidation,
-    MoveBudget,
-    NoConsolidation,
-    Why,
-    plan_consolidation,
-)
+from gpufrac.placement.consolidation import Consolidation, MoveBudget, plan_consolidation
 from gpufrac.placement.decision import ContainerPlacement, DeviceAssignment, Placement, Unschedulable
 from gpufrac.placement.engine import Engine
 from gpufrac.placement.gang_preemption import GangPreemption, find_gang_victims, plan_gang_consolidation
 from gpufrac.placement.model import PendingPod
 from gpufrac.placement.preemption import Kind, Preemption, ShareBook, eligible_victims, find_victims
+from gpufrac.scheduler.preemption_pacing import (
+    # Declared here once, and still imported from here.
+    NO_PLAN_BACKOFF_MAX_S,  # noqa: F401
+    NO_PLAN_BACKOFF_S,  # noqa: F401
+    REFUSAL_MEMORY_S,  # noqa: F401
+    SEARCH_BUDGET_S,
+    CycleBudget,
+    SearchMemory,
+)
+from gpufrac.scheduler.preemption_resume import plan_from_leaving
 
 log = logging.getLogger(__name__)
 
@@ -89,23 +94,8 @@ _VERB = {Kind.PREEMPT: "Preempting", Kind.RECLAIM: "Reclaiming", Kind.CONSOLIDAT
 #: The engine booking that holds, for a pod a plan makes room for, what of its room is free already.
 HOLD_PREFIX = "room-hold/"
 
-#: How long a victim a disruption budget refused stays aside for the pod that wanted it.
-REFUSAL_MEMORY_S = 60.0
-#: Most seconds one scheduling cycle spends searching for victims or moves. The cycle's other pods that
-#: fit nowhere are tried again in a later cycle, after the event loop has run: lease renewals, binds and
-#: watch events wait while a cycle runs, and a burst of 2,000 preemptors on a full 8,000-GPU cluster
-#: searched for seconds at a stretch until the scheduler lost its lease (bench/preemption_e2e.py).
-SEARCH_BUDGET_S = 0.1
-#: After a consolidation search found no plan for a pod, it is not searched again for this long, doubled
-#: at each further miss up to the maximum. The search costs tens to hundreds of milliseconds in a full
-#: 8,000-GPU cluster (bench/preemption_speed.py) and a full cluster retries its parked pods on every
-#: change; the pod's own placement is still tried on every change.
-NO_PLAN_BACKOFF_S = 10.0
-NO_PLAN_BACKOFF_MAX_S = 160.0
-
 
 Plan = Preemption | Consolidation | GangPreemption
-_Moves = Consolidation | GangPreemption  # a consolidation plan: a pod's, or a gang's (kind CONSOLIDATE)
 
 
 @dataclass(slots=True)
@@ -164,71 +154,36 @@ class Preemptions:
         self._retry = retry
         self._spawn = spawn
         self._shares = shares
-        self._clock = clock
         self._preempt = preempt
         self._moves = moves
-        self._retry_armed = False
+        self._budget = CycleBudget(search_budget_s)
+        self._memory = SearchMemory(clock=clock, retry=retry, spawn=spawn)
         # By the preempting pod's uid; a gang's plan by the gang's key and each member's uid.
         self._open: dict[str, _Nomination] = {}
         self._victim_of: dict[str, str] = {}  # victim uid -> the owner key of its nomination
-        self._refused: dict[str, dict[str, float]] = {}  # pod uid or gang key -> victim uid -> when
-        # Pod uid or gang key -> (search again at, delay, why).
-        self._no_plan: dict[str, tuple[float, float, str]] = {}
-        self._pruned_at = clock()
         self.evictions = 0
         self.moved = 0
-        self.deferred = 0
-        self._search_budget_s = search_budget_s
         self._ours: set[str] = set()  # booked pods this scheduler placed (candidates it may evict)
         self._leaving: set[str] = set()  # booked pods with a deletionTimestamp, until they are gone
-        self._searched_s = 0.0
-        self._searched = False
-        self._search_cost_s: float | None = None  # a moving average of one search
-        self._deferred_in_cycle = 0
 
     def new_cycle(self) -> None:
         """A scheduling cycle starts: its search budget is full again."""
-        self._searched_s = 0.0
-        self._searched = False
-        self._deferred_in_cycle = 0
+        self._budget.new_cycle()
 
     def deferral_s(self) -> float:
-        """How long the next pod deferred in this cycle waits. Deferred pods come back spread by the
-        measured cost of a search, so each later cycle meets about as many of them as its budget can
-        search (placing all of them again every cycle cost more than the searches)."""
-        self._deferred_in_cycle += 1
-        return self._deferred_in_cycle * max(self._search_cost_s or 0.0, 0.001)
+        """How long the next pod deferred in this cycle waits (``CycleBudget.deferral_s``)."""
+        return self._budget.deferral_s()
+
+    @property
+    def deferred(self) -> int:
+        """Searches put off to a later cycle, the cycle's budget spent."""
+        return self._budget.deferred
 
     def consider(self, pending: PendingPod, pod: Pod, decision: Unschedulable) -> str | None:
         """The message to report for an unplaceable pod, after starting a preemption if one helps; None
         when this cycle's search budget is spent (try the pod again in the next cycle, unreported)."""
         answered = pending.uid in self._open or not pending.gpu.containers
-        return self._within_budget(answered, lambda: self._consider(pending, pod, decision))
-
-    def _within_budget(self, answered: bool, search: Callable[[], str]) -> str | None:
-        """``search()``, timed against this cycle's budget; None when the budget is spent. ``answered``:
-        no search is needed (an open plan answers), so neither the budget nor the clock applies."""
-        if answered:
-            return search()
-        if self._spent():
-            return None
-        started = time.perf_counter()
-        try:
-            return search()
-        finally:
-            seconds = time.perf_counter() - started
-            self._searched_s += seconds
-            cost = self._search_cost_s
-            self._search_cost_s = seconds if cost is None else 0.8 * cost + 0.2 * seconds
-
-    def _spent(self) -> bool:
-        """Whether this cycle's budget is spent (one search per cycle always runs, so every pod gets
-        its turn however slow a search is)."""
-        if not self._searched or self._searched_s < self._search_budget_s:
-            self._searched = True
-            return False
-        self.deferred += 1
-        return True
+        return self._budget.run(answered, lambda: self._consider(pending, pod, decision))
 
     def leaving(self, uid: str) -> None:
         """A booked pod got a deletionTimestamp: it is on its way out (until ``deleted``)."""
@@ -236,14 +191,20 @@ class Preemptions:
 
     def _consider(self, pending: PendingPod, pod: Pod, decision: Unschedulable) -> str:
         uid = pending.uid
-        self._prune()
+        self._memory.prune()
         nomination = self._open.get(uid)
         if nomination is not None:
             nomination.pod = pod
             return f"{decision.message} {self._waiting(nomination)}"
         if not pending.gpu.containers:
             return decision.message
-        nomination = self._resume(pending, pod)
+        nomination = self._resume(
+            uid,
+            [(pending, pod)],
+            lambda kind, exclude: find_victims(
+                self._engine, pending, kind=kind, shares=self._shares, exclude=exclude
+            ),
+        )
         if nomination is not None:
             return f"{decision.message} {self._waiting(nomination)}"
         plan: Preemption | Consolidation | None = None
@@ -259,11 +220,11 @@ class Preemptions:
         note = ""
         if plan is None and self._moves is not None:
             candidates, _ = eligible_victims(self._engine, pending, kind=Kind.CONSOLIDATE)
-            plan, note = self._consolidation(
+            plan, note = self._memory.consolidation(
                 uid,
-                lambda exclude: plan_consolidation(self._engine, pending, exclude=exclude),
-                candidates,
-                self._moves,
+                lambda: plan_consolidation(self._engine, pending, exclude=self._excluded(uid, candidates)),
+                budget=self._moves,
+                where=_where,
             )
         if plan is None:
             return f"{decision.message}{note}"
@@ -277,10 +238,10 @@ class Preemptions:
         message ("" when nothing was started; None when this cycle's search budget is spent, as for
         ``consider``). ``key`` names the gang (it owns the victims)."""
         answered = any(k in self._open for k in (key, *(p.uid for p, _ in members)))
-        return self._within_budget(answered, lambda: self._consider_gang(key, members, min_member))
+        return self._budget.run(answered, lambda: self._consider_gang(key, members, min_member))
 
     def _consider_gang(self, key: str, members: list[tuple[PendingPod, Pod]], min_member: int) -> str:
-        self._prune()
+        self._memory.prune()
         nomination = next(
             (n for n in (self._open.get(k) for k in (key, *(p.uid for p, _ in members))) if n is not None),
             None,
@@ -291,7 +252,13 @@ class Preemptions:
         pendings = [pending for pending, _ in members]
         if not any(p.gpu.containers for p in pendings):
             return ""
-        nomination = self._resume_gang(key, members, min_member)
+        nomination = self._resume(
+            key,
+            members,
+            lambda kind, exclude: find_gang_victims(
+                self._engine, pendings, min_member=min_member, kind=kind, shares=self._shares, exclude=exclude
+            ),
+        )
         if nomination is not None:
             return f" {self._waiting(nomination)}"
         plan: GangPreemption | None = None
@@ -315,13 +282,14 @@ class Preemptions:
         note = ""
         if plan is None and self._moves is not None:
             eligible = [eligible_victims(self._engine, p, kind=Kind.CONSOLIDATE)[0] for p in pendings]
-            moves, note = self._consolidation(
+            candidates = np.unique(np.concatenate(eligible))
+            moves, note = self._memory.consolidation(
                 key,
-                lambda exclude: plan_gang_consolidation(
-                    self._engine, pendings, min_member=min_member, exclude=exclude
+                lambda: plan_gang_consolidation(
+                    self._engine, pendings, min_member=min_member, exclude=self._excluded(key, candidates)
                 ),
-                np.unique(np.concatenate(eligible)),
-                self._moves,
+                budget=self._moves,
+                where=_where,
             )
             if moves is not None:
                 assert isinstance(moves, GangPreemption)
@@ -334,99 +302,47 @@ class Preemptions:
         self._hold(nomination, [(by_uid[pl.pod_uid], pl) for pl in plan.placements])
         return f" {self._waiting(nomination)}"
 
-    def _resume(self, pending: PendingPod, pod: Pod) -> _Nomination | None:
+    def _resume(
+        self,
+        key: str,
+        members: list[tuple[PendingPod, Pod]],
+        search: Callable[[Kind, set[str]], Preemption | GangPreemption | None],
+    ) -> _Nomination | None:
         """Take up the plan of the scheduler before this one (a restart, a new leader) for a pod it
-        nominated: when the pods already leaving the pod's nominated node free enough room for it, wait
-        for them instead of choosing victims again (kube-scheduler likewise lets no pod preempt while
+        nominated, or for a gang (``key``) whose members it nominated: when the pods already leaving
+        their nominated nodes free enough room (``plan_from_leaving``, with ``search``), wait for them
+        instead of choosing victims again (kube-scheduler likewise lets no pod preempt while
         lower-priority pods terminate on its nominated node). The plan is filed as if made here: the
         free part of the room is held, and the pod is placed first when the last of them is gone."""
-        leaving = self._leaving_on([pod])
-        plan = self._from_leaving(
-            [pending],
-            leaving,
-            lambda kind, exclude: find_victims(
-                self._engine, pending, kind=kind, shares=self._shares, exclude=exclude
-            ),
-        )
-        if plan is None:
-            return None
-        assert isinstance(plan, Preemption)
-        nomination = self._file(plan, pod, [pod], (pending.uid,))
-        self._hold(nomination, [(pending, plan.placement)])
-        self._resumed(nomination)
-        return nomination
-
-    def _resume_gang(
-        self, key: str, members: list[tuple[PendingPod, Pod]], min_member: int
-    ) -> _Nomination | None:
-        """``_resume`` for a gang: the pods leaving the nodes its members are nominated to, when they
-        make room for ``min_member`` of them together."""
         pendings = [pending for pending, _ in members]
         pods = [pod for _, pod in members]
-        plan = self._from_leaving(
+        plan = plan_from_leaving(
+            self._engine,
             pendings,
-            self._leaving_on(pods),
-            lambda kind, exclude: find_gang_victims(
-                self._engine, pendings, min_member=min_member, kind=kind, shares=self._shares, exclude=exclude
-            ),
+            pods,
+            search,
+            leaving=self._leaving,
+            taken=self._victim_of.keys(),
+            shares=self._shares,
+            preempt=self._preempt,
+            consolidate=self._moves is not None,
         )
         if plan is None:
             return None
-        assert isinstance(plan, GangPreemption)
-        nomination = self._file(plan, pods[0], pods, (key, *(p.uid for p in pendings)))
-        by_uid = {p.uid: p for p in pendings}
-        self._hold(nomination, [(by_uid[pl.pod_uid], pl) for pl in plan.placements])
-        self._resumed(nomination)
-        return nomination
-
-    def _leaving_on(self, pods: list[Pod]) -> set[str]:
-        """The booked pods leaving the nodes ``pods`` are nominated to, but another open plan's victims."""
-        index = self._engine.state.index
-        rows = {
-            index[node]
-            for pod in pods
-            if (node := (pod.status.nominatedNodeName if pod.status else None)) and node in index
-        }
-        if not rows or not self._leaving:
-            return set()
-        table = self._engine.pods
-        return {
-            uid
-            for uid in self._leaving - self._victim_of.keys()
-            if (slot := table.slot_of.get(uid)) is not None and int(table.node[slot]) in rows
-        }
-
-    def _from_leaving(
-        self,
-        pendings: list[PendingPod],
-        leaving: set[str],
-        search: Callable[[Kind, set[str]], Preemption | GangPreemption | None],
-    ) -> Preemption | GangPreemption | None:
-        """The first plan ``search`` finds, kind by kind, among the ``leaving`` pods alone (every other
-        pod the kind allows is excluded), or None."""
-        if not leaving:
-            return None
-        table = self._engine.pods
-        kinds = ((Kind.PREEMPT, Kind.RECLAIM) if self._preempt else ()) + (
-            (Kind.CONSOLIDATE,) if self._moves is not None else ()
-        )
-        for kind in kinds:
-            slots = [eligible_victims(self._engine, p, kind=kind, shares=self._shares)[0] for p in pendings]
-            eligible = {table.uid[slot] for slot in np.unique(np.concatenate(slots)).tolist()}
-            if not eligible & leaving:
-                continue  # none of the leaving pods may make room for these pods
-            plan = search(kind, (eligible - leaving) | self._victim_of.keys())
-            if plan is not None:
-                return plan
-        return None
-
-    def _resumed(self, nomination: _Nomination) -> None:
+        if isinstance(plan, GangPreemption):
+            nomination = self._file(plan, pods[0], pods, (key, *(p.uid for p in pendings)))
+            by_uid = {p.uid: p for p in pendings}
+            self._hold(nomination, [(by_uid[pl.pod_uid], pl) for pl in plan.placements])
+        else:
+            nomination = self._file(plan, pods[0], pods, (key,))
+            self._hold(nomination, [(pendings[0], plan.placement)])
         log.info(
             "%s: waiting again for %d pod(s) leaving %s (a plan made before this scheduler started)",
             self._for(nomination),
-            len(nomination.plan.victims),
-            _where(nomination.plan),
+            len(plan.victims),
+            _where(plan),
         )
+        return nomination
 
     def _file(self, plan: Plan, pod: Pod, members: list[Pod], keys: tuple[str, ...]) -> _Nomination:
         nomination = _Nomination(pod=pod, plan=plan, waiting=set(plan.victims), keys=keys, members=members)
@@ -452,8 +368,7 @@ class Preemptions:
     def deleted(self, uid: str) -> bool:
         """A pod is gone. True when it is a victim whose booking is kept until its plan completes (the
         service must not release it); a preempting pod that is gone gives its plan up."""
-        self._no_plan.pop(uid, None)
-        self._refused.pop(uid, None)
+        self._memory.forget(uid)
         self._ours.discard(uid)
         self._leaving.discard(uid)
         nomination = self._open.get(uid)
@@ -481,66 +396,10 @@ class Preemptions:
 
     @property
     def remembered(self) -> int:
-        """Pods and gangs with a refusal or a consolidation backoff remembered (bounded by ``_prune``)."""
-        return len(self._refused.keys() | self._no_plan.keys())
+        """Pods and gangs with a refusal or a consolidation backoff remembered (``SearchMemory``)."""
+        return self._memory.remembered
 
     # -- internals ----------------------------------------------------------------------------------------
-
-    def _prune(self) -> None:
-        """Forget refusals older than ``REFUSAL_MEMORY_S`` and backoffs that ended long ago, at most once
-        a ``REFUSAL_MEMORY_S``: a gang's key, and a pod that was placed rather than deleted, are never
-        forgotten otherwise, and a scheduler runs for months. A backoff forgotten early only restarts
-        at ``NO_PLAN_BACKOFF_S``."""
-        now = self._clock()
-        if now - self._pruned_at < REFUSAL_MEMORY_S:
-            return
-        self._pruned_at = now
-        for key, victims in list(self._refused.items()):
-            for victim, when in list(victims.items()):
-                if now - when > REFUSAL_MEMORY_S:
-                    del victims[victim]
-            if not victims:
-                del self._refused[key]
-        for key, (again_at, _, _) in list(self._no_plan.items()):
-            if now - again_at > NO_PLAN_BACKOFF_MAX_S:
-                del self._no_plan[key]
-
-    def _consolidation(
-        self,
-        key: str,
-        search: Callable[[set[str]], _Moves | NoConsolidation],
-        candidates: np.ndarray,
-        budget: MoveBudget,
-    ) -> tuple[_Moves | None, str]:
-        """A consolidation plan (``search``'s, for the pod or gang filed under ``key``) the bound allows
-        now, or None and the sentence that says why not."""
-        bound = f"consolidation.max_moves_per_minute={budget.per_minute}"
-        wait = budget.wait_s(1, now=self._clock())
-        if wait > 0:
-            # Not one move left: no plan could be carried out, so none is searched for (a full cluster
-            # retries its parked pods on every change).
-            self._retry_after(wait)
-            return None, f" Consolidation: deferred by {bound}."
-        now = self._clock()
-        missed = self._no_plan.get(key)
-        if missed is not None and now < missed[0]:
-            return None, f" Consolidation: {missed[2]}."
-        outcome = search(self._excluded(key, candidates))
-        if isinstance(outcome, NoConsolidation):
-            if outcome.why is Why.NO_PLAN:
-                delay = NO_PLAN_BACKOFF_S if missed is None else min(NO_PLAN_BACKOFF_MAX_S, 2 * missed[1])
-                self._no_plan[key] = (now + delay, delay, outcome.detail)
-            return None, f" Consolidation: {outcome.detail}."
-        self._no_plan.pop(key, None)
-        count = len(outcome.moves)
-        if budget.take(count, now=now):
-            return outcome, ""
-        wait = budget.wait_s(count, now=now)
-        head = f" Consolidation would move {count} pod(s) off {_where(outcome)}"
-        if math.isinf(wait):
-            return None, f"{head}, more than {bound} allows."
-        self._retry_after(wait)
-        return None, f"{head}; deferred by {bound}."
 
     def _hold(self, nomination: _Nomination, rooms: list[tuple[PendingPod, Placement]]) -> None:
         """Hold, in the engine only, the part of each pending pod's room that is free already (its GPUs'
@@ -569,21 +428,6 @@ class Preemptions:
             )
             nomination.holds.append(key)
 
-    def _retry_after(self, seconds: float) -> None:
-        """Try parked pods again once the move budget has refilled (one timer at a time)."""
-        if self._retry_armed:
-            return
-        self._retry_armed = True
-
-        async def later() -> None:
-            try:
-                await asyncio.sleep(seconds)
-            finally:
-                self._retry_armed = False
-            self._retry()
-
-        self._spawn(later())
-
     def _waiting(self, nomination: _Nomination) -> str:
         names = ", ".join(self._name(v) for v in nomination.plan.victims)
         verb = _VERB[nomination.plan.kind]
@@ -601,11 +445,7 @@ class Preemptions:
         return uid if booked is None else booked.key
 
     def _excluded(self, uid: str, candidates: np.ndarray) -> set[str]:
-        now = self._clock()
-        refused = self._refused.get(uid, {})
-        for victim, when in list(refused.items()):
-            if now - when > REFUSAL_MEMORY_S:
-                del refused[victim]
+        refused = self._memory.refusals(uid)
         table = self._engine.pods
         not_ours = set()
         for victim in (table.uid[s] for s in candidates.tolist()):
@@ -631,7 +471,7 @@ class Preemptions:
             self._release(victim)
 
     def _give_up(self, uid: str, nomination: _Nomination, refused: str, detail: str) -> None:
-        self._refused.setdefault(uid, {})[refused] = self._clock()
+        self._memory.refused(uid, refused)
         if self._open.get(uid) is nomination:
             self._close(uid, nomination)
         for pod in nomination.members:
