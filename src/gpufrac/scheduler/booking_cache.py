@@ -42,16 +42,11 @@ and terms. A topology-only node that becomes managed is dropped as such before i
 pods are booked as bound pods; a managed node that goes may come back as a topology-only node (the
 service tells), and the bookings kept aside for it count there meanwhile.
 
-DRA claims. An allocated claim of our driver holds GPU memory whoever allocated it (this scheduler or
-kube-scheduler) and however many pods use it, so it is booked once, as a hold of its own in the engine
-(``Engine.hold``: its GPUs' memory, limits, compute and mode, no pod slot), from its allocation as the
-node reads it (``claims.claim_placement``). ``claim_changed`` follows the informer: an allocation seen
-is held, a deallocated or deleted claim is released. A claim this scheduler has just allocated is held
-at once (``hold_claim(assumed=True)``), before its write lands, and a view of the claim without an
-allocation does not release it until the informer has shown the allocation, or the write failed
-(``claim_written``). Claims of a node
-the cache does not know wait for it, like pods; a node that comes (back) or changes GPUs re-holds them.
-The pods that use claims are booked with their host resources only: their GPUs are the claims'.
+DRA claims. An allocated claim of our driver is held once in the engine, whatever pods use it, and
+follows the informer (``claim_changed``) and this scheduler's own writes (``hold_claim``,
+``claim_written``); ``claim_holds.ClaimHolds`` keeps them (``claims``) and says how. Claims of a node the
+cache does not know wait for it, like pods; a node that comes (back) or changes GPUs re-holds them. The
+pods that use claims are booked with their host resources only (``rebook``): their GPUs are the claims'.
 
 Everything here is synchronous and in memory: informer handlers and the scheduling loop call it.
 """
@@ -72,7 +67,7 @@ from gpufrac.contract.errors import ContractError
 from gpufrac.contract.request import PodGpuRequest
 from gpufrac.placement.decision import ContainerPlacement, Decision, DeviceAssignment, Placement
 from gpufrac.placement.model import ModePolicy, NodeSpec, PendingPod
-from gpufrac.scheduler.claims import allocated_node, claim_placement, hold_key, ours_allocated
+from gpufrac.scheduler.claim_holds import ClaimHolds
 from gpufrac.scheduler.objects import DefaultQueue, bound_placement, gpu_request, host_request, pending_pod
 from gpufrac.scheduler.placement_engine import PlacementEngine
 from gpufrac.scheduler.pod_fields import RefusedPod
@@ -100,17 +95,6 @@ class Booking:
     @property
     def node(self) -> str:
         return self.placement.node
-
-
-@dataclass(slots=True)
-class ClaimHold:
-    """An allocated claim of our driver: ``claim`` (as a dict) carries the allocation on ``node``.
-    ``assumed``: this scheduler wrote (or is writing) it and the informer has not shown it yet."""
-
-    namespace: str
-    node: str
-    claim: dict[str, Any]
-    assumed: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,8 +156,8 @@ class BookingCache:
         self._deadlines: dict[str, float] = {}
         #: Nodes the scheduler does not manage, known as topology domains: name -> spec.
         self._topology: dict[str, NodeSpec] = {}
-        #: Allocated claims of our driver by claim uid (held in the engine when their node is known).
-        self._claims: dict[str, ClaimHold] = {}
+        #: Allocated claims of our driver, held in the engine when their node is known.
+        self.claims = ClaimHolds(engine=engine, node=self._nodes.get)
 
     # -- reading ------------------------------------------------------------------------------------------
 
@@ -328,7 +312,7 @@ class BookingCache:
                     self._book_bound(booking.pod)
             for pod in self._waiting.pop(spec.name, {}).values():
                 self._book_bound(pod)
-            self._hold_node_claims(spec.name)
+            self.claims.hold_on(spec.name)
             return NodeChange(added=True, changed=True)
         self._nodes[spec.name] = spec
         if previous.gpus == spec.gpus:
@@ -343,7 +327,7 @@ class BookingCache:
                 self._book_bound(booking.pod)
             else:
                 released.append(uid)
-        self._hold_node_claims(spec.name)
+        self.claims.hold_on(spec.name)
         return NodeChange(added=False, changed=True, gpus_changed=True, released=tuple(released))
 
     def remove_node(self, name: str) -> None:
@@ -382,72 +366,26 @@ class BookingCache:
     # -- DRA claims ---------------------------------------------------------------------------------------
 
     def claim_changed(self, claim: ResourceClaim) -> bool:
-        """The informer's view of a claim: held when allocated to our driver, released when not (unless
-        this scheduler's own write of it is still out). True when the books changed."""
-        uid = claim.metadata.uid
-        body = claim.to_dict()
-        node = allocated_node(claim) if ours_allocated(claim) else None
-        current = self._claims.get(uid)
-        if node is None:
-            if current is not None and current.assumed:
-                return False  # an older view than our write; its outcome decides
-            return self.release_claim(uid)
-        if current is not None and not current.assumed and current.claim.get("status") == body.get("status"):
-            return False
-        return self.hold_claim(body, node=node, assumed=False)
+        """The informer's view of a claim (``ClaimHolds.changed``). True when the books changed."""
+        return self.claims.changed(claim)
 
     def hold_claim(self, claim: dict[str, Any], *, node: str, assumed: bool) -> bool:
         """Hold an allocated claim (``claim`` with its ``status.allocation``) on ``node``."""
-        meta = claim.get("metadata") or {}
-        uid = str(meta.get("uid"))
-        self._claims[uid] = ClaimHold(str(meta.get("namespace")), node, claim, assumed)
-        return self._hold_claim(uid)
+        return self.claims.hold(claim, node=node, assumed=assumed)
 
     def claim_written(self, uid: str, *, landed: bool) -> bool:
-        """This scheduler's write of a claim's allocation answered. Landed: the hold stays assumed until
-        the informer shows the allocation (an older view, such as the finalizer's write just before it,
-        must not release it meanwhile). Failed: the assumed hold is released. True when the books
-        changed."""
-        current = self._claims.get(uid)
-        if landed or current is None or not current.assumed:
-            return False
-        return self.release_claim(uid)
+        """This scheduler's write of a claim's allocation answered (``ClaimHolds.written``)."""
+        return self.claims.written(uid, landed=landed)
 
     def release_claim(self, uid: str) -> bool:
         """A claim deallocated or deleted: its GPUs are free again. True when it held something."""
-        if self._claims.pop(uid, None) is None:
-            return False
-        self.engine.release_hold(hold_key(uid))
-        return True
-
-    def claim_hold(self, uid: str) -> ClaimHold | None:
-        return self._claims.get(uid)
+        return self.claims.release(uid)
 
     def rebook(self, uid: str, pending: PendingPod, placement: Placement) -> None:
         """Replace what an assumed booking holds (a claim pod: its shares became the claims' holds)."""
         booking = self._bookings[uid]
         self.engine.assume(pending, placement)
         booking.pending, booking.placement = pending, placement
-
-    def _hold_node_claims(self, node: str) -> None:
-        for uid in sorted(u for u, h in self._claims.items() if h.node == node):
-            self._hold_claim(uid)
-
-    def _hold_claim(self, uid: str) -> bool:
-        hold = self._claims[uid]
-        spec = self._nodes.get(hold.node)
-        key = hold_key(uid)
-        if spec is None:
-            return self.engine.release_hold(key)  # booked when its node comes
-        placement = claim_placement(hold.claim, spec)
-        if placement is None:
-            return self.engine.release_hold(key)
-        try:
-            self.engine.hold(key, placement, namespace=hold.namespace)
-        except ValueError as error:
-            log.error("cannot book ResourceClaim %s on %s: %s", uid, hold.node, error)
-            return self.engine.release_hold(key)
-        return True
 
     # -- internals ----------------------------------------------------------------------------------------
 
