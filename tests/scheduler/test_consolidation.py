@@ -310,7 +310,7 @@ def test_the_pending_pods_room_is_held_while_the_moved_pod_leaves() -> None:
     waiting = api_pod()
     nowhere = Unschedulable("first", 4, (("insufficient GPU memory", 4),))
     assert "Moving 1 pod(s)" in preemptions.consider(pending, waiting, nowhere)
-    hold = engine.placement_of(f"{HOLD_PREFIX}first")
+    hold = engine.held(f"{HOLD_PREFIX}first")
     assert hold is not None, "the free part of the room is booked for the pending pod"
     node = hold.node
     # A 3000 MiB pod would fit best in the 4000 MiB already free there; it goes elsewhere.
@@ -319,7 +319,7 @@ def test_the_pending_pods_room_is_held_while_the_moved_pod_leaves() -> None:
     # The moved pod is gone: the hold is released and the pending pod placed at once.
     assert preemptions.deleted(f"mover-{node}")
     assert placed_now == [waiting]
-    assert engine.placement_of(f"{HOLD_PREFIX}first") is None
+    assert engine.held(f"{HOLD_PREFIX}first") is None
     assert engine.placement_of(f"mover-{node}") is None
     assert isinstance(engine.place(pending), Placement)
 
