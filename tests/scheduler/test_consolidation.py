@@ -36,13 +36,8 @@ from gpufrac.placement.engine import Engine
 from gpufrac.placement.model import GpuDevice, ModePolicy, NodeSpec, PendingPod
 from gpufrac.scheduler.config import SchedulerConfig
 from gpufrac.scheduler.objects import movable, pending_pod
-from gpufrac.scheduler.preemption import (
-    HOLD_PREFIX,
-    NO_PLAN_BACKOFF_MAX_S,
-    NO_PLAN_BACKOFF_S,
-    REFUSAL_MEMORY_S,
-    Preemptions,
-)
+from gpufrac.scheduler.preemption import HOLD_PREFIX, Preemptions
+from gpufrac.scheduler.preemption_pacing import NO_PLAN_BACKOFF_MAX_S, NO_PLAN_BACKOFF_S, REFUSAL_MEMORY_S
 
 TS = ComputeMode.TIME_SLICING
 

@@ -90,7 +90,7 @@ async def test_a_higher_priority_pod_evicts_a_lower_one_and_takes_its_gpu(
         assert nominated == {high.spec.nodeName}
         preempted = await events(client, ns, "Preempted")
         assert [(e.involvedObject.name, e.type) for e in preempted] == [("low", "Normal")]
-        assert f"by {ns}/high on node {high.spec.nodeName}" in preempted[0].message
+        assert f"by {ns}/high (queue default) on node {high.spec.nodeName}" in preempted[0].message
         preempting = await events(client, ns, "Preempting")
         assert [e.involvedObject.name for e in preempting] == ["high"]
         assert service.preemptions is not None and service.preemptions.evictions == 1
@@ -152,6 +152,12 @@ async def test_a_queue_below_its_share_reclaims_and_the_victims_replacement_is_n
         reclaimed = await events(client, ns, "Reclaimed")
         assert len(reclaimed) == 1
         victim = reclaimed[0].involvedObject.name
+        # The tenant evicted learns whose quota took its GPU; the pod that took it, from which queue.
+        assert f"by {ns}/a-0 (queue a, below its fair share, reclaiming from queue b) on node" in (
+            reclaimed[0].message
+        )
+        (taking,) = await events(client, ns, "Preempting")
+        assert taking.message.endswith(f"to make room: {ns}/{victim} (queue b)")
         assert not await exists(client, ns, victim)
 
         # Its controller recreates it: queue b is at its share now, so nothing is evicted for it.

@@ -62,7 +62,7 @@ from lightkube import AsyncClient
 from lightkube.resources.core_v1 import Pod
 
 from gpufrac.kube.errors import KubeError, NotFound, TooManyRequests
-from gpufrac.kube.events import NORMAL, WARNING, EventRecorder, ObjectRef
+from gpufrac.kube.events import NORMAL, WARNING, EventRecorder
 from gpufrac.kube.eviction import evict_pod
 from gpufrac.kube.patch import set_nominated_node
 from gpufrac.placement.consolidation import Consolidation, MoveBudget, plan_consolidation
@@ -71,31 +71,25 @@ from gpufrac.placement.engine import Engine
 from gpufrac.placement.gang_preemption import GangPreemption, find_gang_victims, plan_gang_consolidation
 from gpufrac.placement.model import PendingPod
 from gpufrac.placement.preemption import Kind, Preemption, ShareBook, eligible_victims, find_victims
-from gpufrac.scheduler.preemption_pacing import (
-    # Declared here once, and still imported from here.
-    NO_PLAN_BACKOFF_MAX_S,  # noqa: F401
-    NO_PLAN_BACKOFF_S,  # noqa: F401
-    REFUSAL_MEMORY_S,  # noqa: F401
-    SEARCH_BUDGET_S,
-    CycleBudget,
-    SearchMemory,
+from gpufrac.scheduler.preemption_events import (
+    CONSOLIDATING,
+    PREEMPTING,
+    PREEMPTION_BLOCKED,
+    VERB,
+    VICTIM_REASON,
+    Plan,
+    pod_key,
+    pod_ref,
+    queues,
+    where,
 )
+from gpufrac.scheduler.preemption_pacing import SEARCH_BUDGET_S, CycleBudget, SearchMemory
 from gpufrac.scheduler.preemption_resume import plan_from_leaving
 
 log = logging.getLogger(__name__)
 
-#: Event reasons: on the pending pod, and on a victim by the kind of removal.
-PREEMPTING = "Preempting"
-CONSOLIDATING = "Consolidating"
-PREEMPTION_BLOCKED = "PreemptionBlocked"
-VICTIM_REASON = {Kind.PREEMPT: "Preempted", Kind.RECLAIM: "Reclaimed", Kind.CONSOLIDATE: "Moved"}
-_VERB = {Kind.PREEMPT: "Preempting", Kind.RECLAIM: "Reclaiming", Kind.CONSOLIDATE: "Moving"}
-
 #: The engine booking that holds, for a pod a plan makes room for, what of its room is free already.
 HOLD_PREFIX = "room-hold/"
-
-
-Plan = Preemption | Consolidation | GangPreemption
 
 
 @dataclass(slots=True)
@@ -112,6 +106,8 @@ class _Nomination:
     gone: set[str] = field(default_factory=set)
     evicting: bool = False
     holds: list[str] = field(default_factory=list)
+    #: the queue of the pods it makes room for (a gang's members share one), named in its Events
+    queue: str = ""
 
     @property
     def owner(self) -> str:
@@ -224,11 +220,11 @@ class Preemptions:
                 uid,
                 lambda: plan_consolidation(self._engine, pending, exclude=self._excluded(uid, candidates)),
                 budget=self._moves,
-                where=_where,
+                where=where,
             )
         if plan is None:
             return f"{decision.message}{note}"
-        nomination = self._start(plan, pod, [pod], (uid,))
+        nomination = self._start(plan, pod, [pod], (uid,), queue=pending.queue)
         self._hold(nomination, [(pending, plan.placement)])
         return f"{decision.message} {self._waiting(nomination)}"
 
@@ -289,7 +285,7 @@ class Preemptions:
                     self._engine, pendings, min_member=min_member, exclude=self._excluded(key, candidates)
                 ),
                 budget=self._moves,
-                where=_where,
+                where=where,
             )
             if moves is not None:
                 assert isinstance(moves, GangPreemption)
@@ -297,7 +293,9 @@ class Preemptions:
         if plan is None:
             return note
         pods = [pod for _, pod in members]
-        nomination = self._start(plan, pods[0], pods, (key, *(p.uid for p in pendings)))
+        nomination = self._start(
+            plan, pods[0], pods, (key, *(p.uid for p in pendings)), queue=pendings[0].queue
+        )
         by_uid = {p.uid: p for p in pendings}
         self._hold(nomination, [(by_uid[pl.pod_uid], pl) for pl in plan.placements])
         return f" {self._waiting(nomination)}"
@@ -330,37 +328,45 @@ class Preemptions:
         if plan is None:
             return None
         if isinstance(plan, GangPreemption):
-            nomination = self._file(plan, pods[0], pods, (key, *(p.uid for p in pendings)))
+            nomination = self._file(
+                plan, pods[0], pods, (key, *(p.uid for p in pendings)), queue=pendings[0].queue
+            )
             by_uid = {p.uid: p for p in pendings}
             self._hold(nomination, [(by_uid[pl.pod_uid], pl) for pl in plan.placements])
         else:
-            nomination = self._file(plan, pods[0], pods, (key,))
+            nomination = self._file(plan, pods[0], pods, (key,), queue=pendings[0].queue)
             self._hold(nomination, [(pendings[0], plan.placement)])
         log.info(
             "%s: waiting again for %d pod(s) leaving %s (a plan made before this scheduler started)",
             self._for(nomination),
             len(plan.victims),
-            _where(plan),
+            where(plan),
         )
         return nomination
 
-    def _file(self, plan: Plan, pod: Pod, members: list[Pod], keys: tuple[str, ...]) -> _Nomination:
-        nomination = _Nomination(pod=pod, plan=plan, waiting=set(plan.victims), keys=keys, members=members)
+    def _file(
+        self, plan: Plan, pod: Pod, members: list[Pod], keys: tuple[str, ...], *, queue: str
+    ) -> _Nomination:
+        nomination = _Nomination(
+            pod=pod, plan=plan, waiting=set(plan.victims), keys=keys, members=members, queue=queue
+        )
         for k in keys:
             self._open[k] = nomination
         for victim in plan.victims:
             self._victim_of[victim] = nomination.owner
         return nomination
 
-    def _start(self, plan: Plan, pod: Pod, members: list[Pod], keys: tuple[str, ...]) -> _Nomination:
+    def _start(
+        self, plan: Plan, pod: Pod, members: list[Pod], keys: tuple[str, ...], *, queue: str
+    ) -> _Nomination:
         """File a plan and start its evictions."""
-        nomination = self._file(plan, pod, members, keys)
+        nomination = self._file(plan, pod, members, keys, queue=queue)
         log.info(
             "%s: %s %d pod(s) on %s",
             self._for(nomination),
-            _VERB[plan.kind].lower(),
+            VERB[plan.kind].lower(),
             len(plan.victims),
-            _where(plan),
+            where(plan),
         )
         self._spawn(self._execute(nomination.owner, nomination))
         return nomination
@@ -430,15 +436,20 @@ class Preemptions:
 
     def _waiting(self, nomination: _Nomination) -> str:
         names = ", ".join(self._name(v) for v in nomination.plan.victims)
-        verb = _VERB[nomination.plan.kind]
-        return f"{verb} {len(nomination.plan.victims)} pod(s) on {_where(nomination.plan)}: {names}."
+        verb = VERB[nomination.plan.kind]
+        return f"{verb} {len(nomination.plan.victims)} pod(s) on {where(nomination.plan)}: {names}."
 
     def _for(self, nomination: _Nomination) -> str:
         """Whom a plan makes room for: the pod, or the gang and its members."""
         if isinstance(nomination.plan, GangPreemption):
-            names = ", ".join(self._pod_key(p) for p in nomination.members)
+            names = ", ".join(pod_key(p) for p in nomination.members)
             return f"gang {nomination.owner} ({names})"
-        return self._pod_key(nomination.pod)
+        return pod_key(nomination.pod)
+
+    def _queue_of(self, uid: str) -> str:
+        """The queue a booked pod is charged to ("?" once its booking is gone)."""
+        booked = self._engine.bound_pod(uid)
+        return "?" if booked is None else booked.queue
 
     def _name(self, uid: str) -> str:
         booked = self._engine.bound_pod(uid)
@@ -476,7 +487,7 @@ class Preemptions:
             self._close(uid, nomination)
         for pod in nomination.members:
             self._events.emit(
-                regarding=_ref(pod),
+                regarding=pod_ref(pod),
                 type=WARNING,
                 reason=PREEMPTION_BLOCKED,
                 message=f"evicting {self._name(refused)} was refused ({detail}); looking for other victims",
@@ -520,15 +531,16 @@ class Preemptions:
                     return
                 self.evictions += 1
                 reason = VICTIM_REASON[plan.kind]
-                message = f"{reason} by {self._for(nomination)} on {_where(plan)}"
+                who = f"{self._for(nomination)} {queues(plan.kind, nomination.queue, self._queue_of(victim))}"
+                message = f"{reason} by {who} on {where(plan)}"
                 if plan.kind is Kind.CONSOLIDATE:
                     self.moved += 1
                     target = next(m.target.node for m in plan.moves if m.uid == victim)  # type: ignore[union-attr]
                     message = (
-                        f"Moved by consolidation to make room for {self._for(nomination)} on {_where(plan)}; "
+                        f"Moved by consolidation to make room for {self._for(nomination)} on {where(plan)}; "
                         f"its controller recreates it (room for it was found on node {target})"
                     )
-                self._events.emit(regarding=_ref(pod), type=NORMAL, reason=reason, message=message)
+                self._events.emit(regarding=pod_ref(pod), type=NORMAL, reason=reason, message=message)
             verb = "moved" if plan.kind is Kind.CONSOLIDATE else "evicted"
             room = (
                 "to make room"
@@ -537,11 +549,11 @@ class Preemptions:
             )
             for member in nomination.members:
                 self._events.emit(
-                    regarding=_ref(member),
+                    regarding=pod_ref(member),
                     type=NORMAL,
                     reason=CONSOLIDATING if plan.kind is Kind.CONSOLIDATE else PREEMPTING,
-                    message=f"{verb} {len(victims)} pod(s) on {_where(plan)} {room}: "
-                    + ", ".join(self._pod_key(p) if p else v for v, p in victims),
+                    message=f"{verb} {len(victims)} pod(s) on {where(plan)} {room}: "
+                    + ", ".join(f"{pod_key(p) if p else v} (queue {self._queue_of(v)})" for v, p in victims),
                 )
             for member in nomination.members:
                 node = (
@@ -559,7 +571,7 @@ class Preemptions:
                         node=node,
                     )
                 except KubeError as error:  # best effort: the plan goes on without the status field
-                    log.warning("could not set nominatedNodeName on %s: %s", self._pod_key(member), error)
+                    log.warning("could not set nominatedNodeName on %s: %s", pod_key(member), error)
         except asyncio.CancelledError:
             raise
         except Exception:
@@ -574,20 +586,3 @@ class Preemptions:
             # Every victim was gone before the evictions finished.
             self._close(uid, nomination)
             self._place_now(nomination.pod)
-
-    @staticmethod
-    def _pod_key(pod: Pod) -> str:
-        return f"{pod.metadata.namespace}/{pod.metadata.name}"
-
-
-def _where(plan: Plan) -> str:
-    """ "node a" or, for a gang's plan over several, "nodes a, b"."""
-    if isinstance(plan, GangPreemption):
-        nodes = plan.nodes
-        return f"node {nodes[0]}" if len(nodes) == 1 else f"nodes {', '.join(nodes)}"
-    return f"node {plan.node}"
-
-
-def _ref(pod: Pod) -> ObjectRef:
-    meta = pod.metadata
-    return ObjectRef(kind="Pod", namespace=meta.namespace, name=meta.name, uid=meta.uid or "")
