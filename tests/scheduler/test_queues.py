@@ -318,15 +318,17 @@ async def test_kubectl_gpufrac_queues_shows_the_tree_with_the_status_the_schedul
         assert columns == [
             "Name",
             "Parent",
-            "GPU-Mem-Deserved",
-            "GPU-Mem-Allocated",
-            "GPU-Mem-FairShare",
-            "GPU-Mem-Limit",
-            "GPUs-Allocated",
-            "GPUs-FairShare",
+            "Deserved(MiB)",
+            "Limit(MiB)",
+            "Allocated(MiB)",
+            "Fair-Share(MiB)",
+            "Deserved(GPUs)",
+            "Limit(GPUs)",
+            "Allocated(GPUs)",
+            "Fair-Share(GPUs)",
             "Age",
         ]
-        assert table["rows"][0]["cells"][:8] == [child, parent, 40_000, 25_000, 25_000, 90_000, 0, 0]
+        assert table["rows"][0]["cells"][:10] == [child, parent, 40_000, 90_000, 25_000, 25_000, 0, 1, 0, 0]
 
         code, out, err = await _plugin(controlplane.kubeconfig, "queues", "-o", "json")
         assert code == 0, err
