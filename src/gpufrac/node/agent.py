@@ -237,6 +237,7 @@ class NodeAgent:
             shared_pipe_dir=str(settings.mps_pipe_dir) if self.mps is not None else None,
             shared_pipe_writable=settings.mps_classic_pipe_writable,
             limits=self.limits,
+            cdi_dir=settings.cdi_dir if settings.dra else None,
         )
         self.plugin = NriPlugin(
             handler=self.injector,

@@ -21,7 +21,11 @@ a record whose write a crash cut short is rebuilt by the Synchronize that follow
 Schema (``schema: 1``): container_id, pod_namespace, pod_name, pod_uid, container_name, devices (list),
 request_mib, limit_mib, mode (``time-slicing``/``sm-sharing``), portion (null unless sm-sharing with a
 portion), exclusive (whole GPUs), pipe_dir (host directory mounted as the container's MPS directory,
-null for whole GPUs), created_at (unix seconds). Unknown schema versions are left on disk and skipped.
+null for whole GPUs), created_at (unix seconds), claims (list, empty unless the container's GPU is a share
+of our DRA driver: the ``<namespace>/<name>`` of each ResourceClaim it runs in; its devices, memory, mode
+and portion are then the claim's allocation as prepared, read back from the claim's CDI spec). A record
+without ``claims`` (written before it existed) reads as an annotation fraction. Unknown schema versions
+are left on disk and skipped.
 """
 
 from __future__ import annotations
@@ -84,10 +88,15 @@ class AllocationRecord:
     exclusive: bool = False
     pipe_dir: str | None = None
     created_at: float = field(default_factory=time.time)
+    #: ``<namespace>/<name>`` of the DRA claims whose prepared shares the container runs in (empty: an
+    #: annotation fraction). Usage and faults count such a container like any fraction; the limit
+    #: enforcer, the ``GpuMemoryEnforced`` condition and the MPS hooks leave it to the claim's CDI spec.
+    claims: tuple[str, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
         data["devices"] = list(self.devices)
+        data["claims"] = list(self.claims)
         return {"schema": SCHEMA_VERSION, **data}
 
     @classmethod
@@ -111,6 +120,7 @@ class AllocationRecord:
             exclusive=bool(data.get("exclusive", False)),
             pipe_dir=data.get("pipe_dir"),
             created_at=float(data.get("created_at", 0.0)),
+            claims=tuple(str(c) for c in data.get("claims") or ()),
         )
 
 

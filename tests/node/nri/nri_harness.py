@@ -123,8 +123,10 @@ class Node:
         limits: bool = False,
         verify_only: bool = False,
         driver_version: str = "615.20.01",
+        cdi_dir: Path | None = None,
     ) -> Agent:
-        """``limits``: the driver's per-cgroup memory limits through the SIMULATED driver
+        """``cdi_dir``: where the DRA plugin's claim specs are (the agent's with ``--dra``).
+        ``limits``: the driver's per-cgroup memory limits through the SIMULATED driver
         (``driver``), keyed by the runtime's cgroup directories (``make_node(cgroups=True)``)."""
         # The runtime counts a plugin whose connection closed until it prunes it, so "connected" is one
         # more registration, not one more plugin.
@@ -155,6 +157,7 @@ class Node:
             shared_pipe_dir=shared_pipe_dir,
             cdi_kind=cdi_kind,
             limits=enforcer,
+            cdi_dir=cdi_dir,
         )
         plugin = NriPlugin(
             handler=injector, socket_path=str(self.socket), backoff_initial_s=0.02, backoff_max_s=0.2
@@ -208,8 +211,9 @@ class Node:
         mounts: Sequence[Mapping[str, Any]] = (),
         cdi_devices: Sequence[str] = (),
         cgroups_path: str | None = None,
+        container_id: str | None = None,
     ) -> CreatedContainer:
-        container_id = f"{pod_id}-{name}-{next(_ids):04d}"
+        container_id = container_id or f"{pod_id}-{name}-{next(_ids):04d}"
         return await self.runtime.create_container(
             id=container_id,
             pod_id=pod_id,

@@ -38,8 +38,11 @@ class PodCondition:
 
 
 def pod_condition(records: Sequence[AllocationRecord], booked: Mapping[str, Booked]) -> PodCondition | None:
-    """The condition for one pod's fractional containers (None when it has none on this node)."""
-    fractional = sorted((r for r in records if not r.exclusive), key=lambda r: r.container_name)
+    """The condition for one pod's fractional containers (None when it has none on this node). A DRA
+    claim's container is left out: the agent does not set or read back its limit (its CDI spec does)."""
+    fractional = sorted(
+        (r for r in records if not r.exclusive and not r.claims), key=lambda r: r.container_name
+    )
     if not fractional:
         return None
     failed = [

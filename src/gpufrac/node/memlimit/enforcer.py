@@ -354,7 +354,7 @@ def limit_report(enforcer: LimitEnforcer, records: Iterable[AllocationRecord]) -
     fractions: list[FractionLimit] = []
     running = verified = 0
     for record in records:
-        if record.exclusive:
+        if record.exclusive or record.claims:  # whole GPUs and DRA claims: never set by the enforcer
             continue
         running += 1
         entry = booked.get(record.container_id)

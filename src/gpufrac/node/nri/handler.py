@@ -43,6 +43,16 @@ GPU outside gpufrac's books. By default it is created as it is and reported (a W
 ``foreign_gpus="refuse"`` fails it instead, with that reason. Namespaces in ``foreign_gpus_exempt``
 (system pods that set ``NVIDIA_VISIBLE_DEVICES`` in their manifests) are left alone.
 
+A container whose GPU is a share our DRA driver prepared (its CDI device ``gpu.gpufrac.io/claim=<claim
+uid>-<device>``, ``keys.DRA_CDI_KIND``) gets nothing from NRI -- the claim's CDI spec carries its
+injection -- but it is recorded like an annotation fraction, so usage, ``gpufrac top`` and the audit
+attribute its GPU processes to it: the record's GPUs, request and limit MiB, mode and portion are the
+claim's allocation as the kubelet plugin prepared it, read back from the spec in ``cdi_dir``
+(``gpufrac.node.dra.prepare.read_prepared``), and ``claims`` names the claims. A container whose shares
+are not all of one size and mode, or whose spec cannot be read, is logged and not recorded. The limit
+enforcer, the MPS hooks and the ``GpuMemoryEnforced`` condition leave claim records alone: the spec's
+variables and the claim's own MPS namespace are what enforces them (docs/dra.md).
+
 At StartContainer (subscribed when ``limits`` is given) the container's cgroup exists and its workload
 has not run: the driver's per-cgroup memory limit is set and read back there
 (``gpufrac.node.memlimit.enforcer``), and a start whose limit is not in force fails (fail-closed) with
@@ -80,6 +90,7 @@ from gpufrac.contract import keys
 from gpufrac.contract.errors import ContractError
 from gpufrac.contract.keys import CDI_GPU_KIND, DEVICE_PLUGIN_CDI_GPU_KIND
 from gpufrac.kube.events import WARNING, ObjectRef
+from gpufrac.node.dra.prepare import PreparedDevice, read_prepared
 from gpufrac.node.enforcement_audit import REASON_MISSING_INJECTION, EventSink
 from gpufrac.node.inject import (
     CONTAINER_PIPE_DIR,
@@ -111,6 +122,12 @@ REASON_FOREIGN_GPU = "GpuOutsideGpufrac"
 #: What the agent does with such a container: create it and report it, or refuse it.
 ForeignGpuPolicy = Literal["report", "refuse"]
 CDI_GPU_KINDS = (CDI_GPU_KIND, DEVICE_PLUGIN_CDI_GPU_KIND)
+
+
+def claim_devices(container: api.Container) -> tuple[str, ...]:
+    """The names (``<claim uid>-<device>``) of the shares our DRA driver prepared for ``container``."""
+    prefix = keys.DRA_CDI_KIND + "="
+    return tuple(d.name[len(prefix) :] for d in container.CDI_devices if d.name.startswith(prefix))
 
 
 def device_plugin_gpu(container: api.Container) -> str | None:
@@ -166,11 +183,14 @@ class GpuInjector:
         shared_pipe_writable: bool = False,
         cdi_kind: str = CDI_GPU_KIND,
         limits: LimitEnforcer | None = None,
+        cdi_dir: Path | None = None,
     ) -> None:
         """``node_gpus`` is what assigned devices are checked against (the agent always gives it; None
         skips the check, for tests of the plan alone). ``cdi_kind`` is the CDI kind requested for devices
         given as UUIDs or indices (``gpufrac.node.inject.cdi_requests``; empty: none). ``limits`` sets and
-        reads back the driver's per-cgroup memory limit at StartContainer (None: the variables only)."""
+        reads back the driver's per-cgroup memory limit at StartContainer (None: the variables only).
+        ``cdi_dir`` is where the DRA plugin writes claims' CDI specs, read to record a claim's container
+        (None: such a container is not recorded)."""
         self._store = store
         self._pipe_root = pipe_root
         self._container_pipe_dir = container_pipe_dir
@@ -185,6 +205,7 @@ class GpuInjector:
         self._shared_pipe_dir = None if shared_pipe_writable else shared_pipe_dir
         self._cdi_kind = cdi_kind
         self._limits = limits
+        self._cdi_dir = cdi_dir
         #: Running GPU containers Synchronize found without their injection: id -> what is wrong.
         self.unenforced: dict[str, str] = {}
         self.runtime: tuple[str, str] | None = None
@@ -222,6 +243,9 @@ class GpuInjector:
             return self._refuse(f"gpufrac: {exc}", container=container, where=where)
         if plan is None:
             self._check_foreign_gpu(pod=pod, container=container, where=where)
+            record = self._claim_record(pod=pod, container=container)
+            if record is not None:
+                self._store.put(record)
             return None
         try:  # before any path is made from it: the leaf directory, the mapping record, MPS's state
             check_container_id(container.id)
@@ -362,12 +386,78 @@ class GpuInjector:
             pipe_dir=next((m.source for m in plan.mounts), None),
         )
 
+    def _claim_record(
+        self,
+        *,
+        pod: api.PodSandbox,
+        container: api.Container,
+        prepared: Callable[[], Mapping[str, PreparedDevice]] | None = None,
+    ) -> AllocationRecord | None:
+        """The record of a container running in shares our DRA driver prepared (module docstring); None
+        for any other container, and for one whose shares cannot be read or differ (logged).
+        ``prepared`` gives the node's prepared shares by name (default: read the specs now)."""
+        names = claim_devices(container)
+        if not names or self._cdi_dir is None:
+            return None
+        where = {"pod": f"{pod.namespace}/{pod.name}", "container": container.name, "id": container.id}
+        try:
+            check_container_id(container.id)
+        except InvalidContainerId as exc:
+            log.warning("nri: not recording a claim container: %s", exc, extra=where)
+            return None
+        by_name = prepared() if prepared is not None else self._prepared_shares()
+        shares: list[PreparedDevice] = [by_name[n] for n in names if n in by_name]
+        missing = [n for n in names if n not in by_name]
+        if missing or not shares:
+            log.warning(
+                "nri: claim container not recorded (its usage is not reported): no prepared share %s in %s",
+                ", ".join(missing),
+                self._cdi_dir,
+                extra=where,
+            )
+            return None
+        first = shares[0].bound
+        sizes = {
+            (s.bound.mode, s.bound.request_mib, s.bound.limit_mib, s.bound.compute_portion) for s in shares
+        }
+        if len(sizes) > 1:
+            log.warning(
+                "nri: claim container not recorded (its usage is not reported): its shares %s differ in "
+                "memory or mode, and a record holds one request and limit per container",
+                ", ".join(names),
+                extra=where,
+            )
+            return None
+        devices = tuple(s.bound.devices[0] for s in shares)
+        request_mib, limit_mib = first.request_mib, first.limit_mib
+        if first.exclusive:  # a share without consumed memory: the whole GPU, as for annotations
+            sizes_mib = [self._device_mib(d) for d in devices]
+            request_mib = limit_mib = min((m for m in sizes_mib if m is not None), default=0)
+        return AllocationRecord(
+            container_id=container.id,
+            pod_namespace=pod.namespace,
+            pod_name=pod.name,
+            pod_uid=pod.uid,
+            container_name=container.name,
+            devices=devices,
+            request_mib=request_mib or 0,
+            limit_mib=limit_mib or 0,
+            mode=first.mode.value,
+            portion=first.compute_portion,
+            exclusive=first.exclusive,
+            pipe_dir=shares[0].pipe_source,
+            claims=tuple(dict.fromkeys(s.claim for s in shares)),
+        )
+
+    def _prepared_shares(self) -> dict[str, PreparedDevice]:
+        return {d.key: d for d in read_prepared(self._cdi_dir)} if self._cdi_dir is not None else {}
+
     # -- the rest of the lifecycle ----------------------------------------------------------------------
 
     async def start_container(self, *, pod: api.PodSandbox, container: api.Container) -> None:
         """The driver's per-cgroup limit, set and read back before the workload runs (fail closed)."""
         record = self._store.get(container.id)
-        if self._limits is None or record is None or record.exclusive:
+        if self._limits is None or record is None or record.exclusive or record.claims:
             return
         started = time.perf_counter()
         booked = self._limits.enforce(
@@ -393,7 +483,8 @@ class GpuInjector:
         raise ContainerRejected(message)
 
     async def stop_container(self, *, pod: api.PodSandbox, container: api.Container) -> None:
-        if self._hooks is not None and self._store.get(container.id) is not None:
+        record = self._store.get(container.id)
+        if self._hooks is not None and record is not None and not record.claims:
             await self._hooks.on_stop(container_id=container.id)
 
     async def remove_container(self, *, pod: api.PodSandbox, container: api.Container) -> None:
@@ -402,7 +493,7 @@ class GpuInjector:
         if self._limits is not None:
             self._limits.forget(container.id)
         record = self._store.remove(container.id)
-        if record is None:
+        if record is None or record.claims:  # a claim's MPS namespace lives with its claim, not here
             return
         if self._hooks is not None:
             await self._hooks.on_remove(container_id=container.id)
@@ -425,6 +516,14 @@ class GpuInjector:
         live: list[tuple[str, InjectionPlan]] = []
         unenforced: dict[str, str] = {}
         adopt: list[tuple[AllocationRecord, int, str]] = []
+        shares: dict[str, PreparedDevice] | None = None
+
+        def prepared() -> dict[str, PreparedDevice]:  # read once, and only if a claim container runs
+            nonlocal shares
+            if shares is None:
+                shares = self._prepared_shares()
+            return shares
+
         for container in containers:
             pod = by_id.get(container.pod_sandbox_id)
             if pod is None:
@@ -455,6 +554,9 @@ class GpuInjector:
                 )
                 continue
             if plan is None:
+                claimed = self._claim_record(pod=pod, container=container, prepared=prepared)
+                if claimed is not None:
+                    records.append(claimed)
                 continue
             problems = injection_problems(
                 expected=plan.env_map,
