@@ -22,7 +22,7 @@ from lightkube import ApiError, Client, KubeConfig
 from lightkube.config import client_adapter
 from lightkube.config.kubeconfig import SingleConfig
 from lightkube.core.exceptions import ConfigError
-from lightkube.resources.core_v1 import ConfigMap, Event, Node, Pod
+from lightkube.resources.core_v1 import ConfigMap, Event, Namespace, Node, Pod
 from lightkube.resources.resource_v1 import ResourceClaim
 from rich.console import Console
 from rich.live import Live
@@ -44,6 +44,7 @@ from gpufrac.kubectl.view import (
     gpu_rows,
     node_enforcement,
     queue_rows,
+    queue_share,
 )
 from gpufrac.node.top import AgentView, parse_agent, render
 from gpufrac.node.top import top as top_by_address
@@ -227,9 +228,15 @@ def explain_pod(
     kubeconfig: Path | None = KUBECONFIG,
     context: str | None = CONTEXT,
     namespace: str | None = NAMESPACE,
+    default_queue: str = typer.Option(
+        "default",
+        "--default-queue",
+        help="The scheduler's default_queue: the queue of a pod that names none, in a namespace without one.",
+    ),
 ) -> None:
     """Where the pod went and why, or why it is pending: PodScheduled and the scheduler's Events; for a
-    placed fractional pod, whether each container's GPU memory limit is in force (GpuMemoryEnforced)."""
+    placed fractional pod, whether each container's GPU memory limit is in force (GpuMemoryEnforced); the
+    pod's queue, how it got there and that queue's share (deserved, fair share, allocated)."""
     _set(kubeconfig, context, namespace)
     _check_output(output)
     client = _client()
@@ -261,11 +268,55 @@ def explain_pod(
             for c in _claims(client)
             if any(r.uid == uid for r in (c.status.reservedFor if c.status else None) or [])
         ]
-    result = explain(found, node=node, events=events, rows=rows, claims=claims)
+    notes: list[str] = []
+    namespace_labels = _namespace_labels(client, namespace)
+    share = queue_share(
+        found,
+        queues=_queue_objects(client, notes),
+        namespace_labels=namespace_labels,
+        default_queue=default_queue,
+        notes=notes,
+    )
+    result = explain(found, node=node, events=events, rows=rows, claims=claims, queue=share)
     if output in ("json", "yaml"):
         _dump(result.as_dict(), output)
         return
     _print_explanation(result, wide=output == "wide")
+
+
+def _namespace_labels(client: Client, namespace: str) -> dict[str, str] | None:
+    """The Namespace's labels (its default queue); None where they cannot be read (a tenant may not get
+    Namespaces): ``queue_share`` says so when it matters."""
+    try:
+        got = client.get(Namespace, namespace)
+    except ApiError as error:
+        if error.status.code in (403, 404):
+            return None
+        _fail(f"{error.status.reason}: {error.status.message}")
+    except httpx2.HTTPError as error:
+        _fail(f"cannot reach the API server: {type(error).__name__}: {error}")
+    return dict(got.metadata.labels or {})
+
+
+def _queue_objects(client: Client, notes: list[str]) -> list[Any]:
+    """Every ``Queue`` object; none, with a note, where the CRD is not installed or they may not be read."""
+    try:
+        return list(client.list(GpufracQueue))
+    except ApiError as error:
+        if error.status.code == 404:
+            notes.append(f"the Queue resource is not installed (CRD {QUEUE_CRD_NAME})")
+            return []
+        if error.status.code == 403:
+            notes.append(f"Queues could not be read: {error.status.message}")
+            return []
+        _fail(f"{error.status.reason}: {error.status.message}")
+    except httpx2.HTTPStatusError as error:  # lightkube's list may raise the HTTP error itself
+        if error.response.status_code in (403, 404):
+            notes.append(f"Queues could not be read: the API server answered {error.response.status_code}")
+            return []
+        _fail(f"the API server answered {error.response.status_code}: {error}")
+    except httpx2.HTTPError as error:
+        _fail(f"cannot reach the API server: {type(error).__name__}: {error}")
 
 
 def _print_explanation(e: Explanation, *, wide: bool) -> None:
@@ -274,6 +325,8 @@ def _print_explanation(e: Explanation, *, wide: bool) -> None:
     typer.echo(f"Phase:      {e.phase}")
     if e.request:
         typer.echo(f"GPU:        {e.request}")
+    for label, text in e.queue.lines() if e.queue is not None else ():
+        typer.echo(f"{label:<12}{text}")
     if e.node:
         typer.echo(f"Node:       {e.node}")
         if e.gpus:

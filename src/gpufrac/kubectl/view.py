@@ -28,6 +28,7 @@ from gpufrac.contract.dra import AllocationError, device_name, read_allocation
 from gpufrac.contract.errors import ContractError
 from gpufrac.contract.request import ContainerGpuRequest, PodGpuRequest
 from gpufrac.placement.decision import Placement
+from gpufrac.placement.queue_access import chosen_queue, named_queues
 from gpufrac.scheduler.objects import (
     InvalidInventory,
     bound_placement,
@@ -354,9 +355,148 @@ class Explanation:
     fit: list[str] = field(default_factory=list)
     #: The ``GpuMemoryEnforced`` condition per fractional container (None: the pod has none, or is unbound).
     enforced: MemoryEnforcement | None = None
+    #: The queue the pod is in and that queue's share (None: the queues were not read).
+    queue: QueueShare | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+#: How a pod got into its queue (``QueueShare.how``).
+BY_LABEL, BY_NAMESPACE, BY_DEFAULT = "label", "namespace-default", "default-queue"
+#: Said of a status field the scheduler has not written (yet).
+NOT_WRITTEN = "not written yet"
+_NO_OBJECT = (
+    "the scheduler also reads queues from its configuration file and KAI Scheduler's Queues, which have no "
+    "status here; a pod whose queue is defined nowhere stays Pending"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class QueueShare:
+    """The queue a pod is in, how it got there, and that queue's GPU-memory share in MiB as its ``Queue``
+    object says: deserved (and limit) from the spec, fair share and allocated from the status the
+    scheduler writes (None: not written yet). ``found`` is False where no ``Queue`` object has the name
+    (a queue of the scheduler's configuration file or a KAI Scheduler queue, or none at all)."""
+
+    queue: str
+    #: ``label`` (the pod's gpufrac.io/queue or kai.scheduler/queue), ``namespace-default`` (its
+    #: Namespace's gpufrac.io/default-queue label) or ``default-queue`` (the scheduler's default_queue).
+    how: str
+    #: How, in words (``label gpufrac.io/queue``).
+    via: str
+    found: bool
+    parent: str | None = None
+    deserved_mib: int | None = None
+    limit_mib: int | None = None
+    fair_share_mib: int | None = None
+    allocated_mib: int | None = None
+    #: What else a reader needs: unreadable objects, a queue with child queues, where to look.
+    notes: list[str] = field(default_factory=list)
+
+    def lines(self) -> list[tuple[str, str]]:
+        """``explain``'s lines for the queue, as (label, text)."""
+        where = f"{self.queue} ({self.via})"
+        if self.parent:
+            where += f", a child of queue {self.parent}"
+        if not self.found:
+            share = (
+                f"no Queue object named {self.queue} (kubectl get queues.gpufrac.io): no spec or status "
+                "to show"
+            )
+        else:
+            parts = [f"deserved {self.deserved_mib} MiB"]
+            if self.limit_mib is not None:
+                parts.append(f"limit {self.limit_mib} MiB")
+            written = [
+                f"{what} {value} MiB"
+                for what, value in (("fair share", self.fair_share_mib), ("allocated", self.allocated_mib))
+                if value is not None
+            ]
+            missing = [
+                what
+                for what, value in (("fair share", self.fair_share_mib), ("allocated", self.allocated_mib))
+                if value is None
+            ]
+            share = ", ".join(parts + written)
+            if missing:
+                share += f"; {' and '.join(missing)} {NOT_WRITTEN} (the scheduler writes the Queue's status)"
+        return [("Queue:", where), ("Share:", f"GPU memory {share}"), *(("", note) for note in self.notes)]
+
+
+def queue_share(
+    pod: Pod,
+    *,
+    queues: Iterable[Any],
+    namespace_labels: Mapping[str, str] | None,
+    default_queue: str,
+    notes: Sequence[str] = (),
+) -> QueueShare:
+    """The queue ``pod`` is in, by the scheduler's rule (``placement.queue_access.chosen_queue``), and its
+    share from the ``Queue`` objects ``queues`` (lightkube objects). ``namespace_labels``: the labels of
+    the pod's Namespace, None where they could not be read (then a pod without a queue label is shown in
+    ``default_queue``, with a note). ``notes``: what the caller could not read, said with the queue."""
+    meta = pod.metadata
+    namespace = meta.namespace or ""
+    pod_labels = meta.labels or {}
+    choice = chosen_queue(
+        pod_labels=pod_labels,
+        namespace=namespace,
+        namespace_labels=namespace_labels or {},
+        fallback=default_queue,
+    )
+    if named_queues(pod_labels):
+        how = BY_LABEL
+    elif (namespace_labels or {}).get(keys.NAMESPACE_DEFAULT_QUEUE_LABEL):
+        how = BY_NAMESPACE
+    else:
+        how = BY_DEFAULT
+    said = list(notes)
+    if how == BY_DEFAULT:
+        labels = f"{keys.QUEUE_LABEL} or {keys.KAI_QUEUE_LABEL}"
+        if namespace_labels is None:
+            said.append(
+                f"the pod has no {labels} label, and namespace {namespace}'s labels could not be read: if "
+                f"it names a default queue ({keys.NAMESPACE_DEFAULT_QUEUE_LABEL}), the pod is in that one"
+            )
+        else:
+            said.append(
+                f"the pod has no {labels} label and namespace {namespace} has no "
+                f"{keys.NAMESPACE_DEFAULT_QUEUE_LABEL} label"
+            )
+        said.append(f"{default_queue} is the scheduler's default_queue as --default-queue gives it")
+    by_name = {q.metadata.name: q for q in queues}
+    found = by_name.get(choice.queue)
+    if found is None:
+        return QueueShare(
+            queue=choice.queue,
+            how=how,
+            via=choice.via,
+            found=False,
+            notes=[*said, _NO_OBJECT],
+        )
+    spec, status = dict(found.spec or {}), dict(found.status or {})
+    memory = (spec.get("resources") or {}).get("gpuMemory") or {}
+    children = sorted(
+        name for name, q in by_name.items() if ((q.spec or {}).get("parentQueue") or None) == choice.queue
+    )
+    if children:
+        said.append(
+            f"queue {choice.queue} has child queues ({', '.join(children)}): pods join a queue without "
+            "children, so the scheduler holds this pod"
+        )
+    return QueueShare(
+        queue=choice.queue,
+        how=how,
+        via=choice.via,
+        found=True,
+        parent=spec.get("parentQueue") or None,
+        deserved_mib=memory.get("deserved", 0),
+        limit_mib=memory.get("limit"),
+        fair_share_mib=(status.get("fairShare") or {}).get("gpuMemory"),
+        allocated_mib=(status.get("allocated") or {}).get("gpuMemory"),
+        notes=said,
+    )
 
 
 def _need(container: ContainerGpuRequest) -> str:
@@ -465,9 +605,11 @@ def explain(
     events: Iterable[Event],
     rows: list[GpuRow] | None = None,
     claims: Sequence[Any] = (),
+    queue: QueueShare | None = None,
 ) -> Explanation:
     """``rows`` (the cluster's GPUs, as ``gpu_rows`` builds them) adds fit hints for a waiting pod;
-    ``claims`` (the ResourceClaims reserved for the pod) add the GPU shares our DRA driver holds for it."""
+    ``claims`` (the ResourceClaims reserved for the pod) add the GPU shares our DRA driver holds for it;
+    ``queue`` (``queue_share``) the pod's queue and its share."""
     meta, spec, status = pod.metadata, pod.spec, pod.status
     condition = next(
         (c for c in (status.conditions if status else None) or [] if c.type == "PodScheduled"), None
@@ -555,6 +697,7 @@ def explain(
             else []
         ),
         enforced=enforced,
+        queue=queue,
     )
 
 
