@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
+import re
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Callable
@@ -22,6 +24,7 @@ from rich.console import Console
 
 from gpufrac.contract import keys
 from gpufrac.local.cluster import ClusterShape, LocalCluster
+from gpufrac.local.controlplane import REPO_ROOT
 from gpufrac.local.demo import DEMO_PODS, PodOutcome, gpu_names, outcome, submit_and_wait
 from gpufrac.local.kubelet import CONTAINERS_ANNOTATION
 from gpufrac.local.simnodes import NodeShape
@@ -53,6 +56,72 @@ async def test_node_agents_published_every_gpu(cluster: LocalCluster) -> None:
         assert {g["mib"] for g in gpus} == {81559}
         ready = {c.type: c.status for c in node.status.conditions}
         assert ready[keys.NODE_READY_CONDITION] == "True"
+
+
+README_SECTION = "## Try it: a fraction on `gpufrac up`"
+
+
+def readme_walkthrough() -> list[tuple[str, list[str]]]:
+    """The README's walkthrough: each ``$ `` command of its ``console`` block with the output lines shown."""
+    text = (REPO_ROOT / "README.md").read_text()
+    section = text[text.index(README_SECTION) :]
+    block = section[section.index("```console\n") + len("```console\n") :]
+    block = block[: block.index("\n```")]
+    steps: list[tuple[str, list[str]]] = []
+    for line in block.splitlines():
+        if line.startswith("$ "):
+            steps.append((line[2:], []))
+        else:
+            steps[-1][1].append(line)
+    return steps
+
+
+def _shown(line: str) -> re.Pattern[str]:
+    """A line the README shows, as a pattern: ``…`` stands for anything, runs of spaces for any run."""
+    parts = (re.escape(" ".join(part.split())) for part in line.split("…"))
+    return re.compile(".*".join(parts))
+
+
+def _missing(shown: list[str], output: str) -> list[str]:
+    """The README's lines that ``output`` lacks, matched in order (lines it leaves out are skipped)."""
+    lines = iter(" ".join(line.split()) for line in output.splitlines())
+    return [line for line in shown if not any(_shown(line).fullmatch(actual) for actual in lines)]
+
+
+async def test_the_readme_walkthrough_runs_as_written(cluster: LocalCluster) -> None:
+    """The README's "Try it" block, command by command, in a shell from the clone's root, on the embedded
+    cluster with `gpufrac up`'s nodes (this module's cluster, which differs from `gpufrac up` only in
+    the demo's binpack policy: the walkthrough's outputs leave the node and GPUs it got as ``…``). Every
+    output line the README shows must appear, in order. It runs before the demo's pods exist and removes
+    its pod (the walkthrough's last step). ``kubectl gpufrac`` reads are run again for up to 20 s, as the
+    README tells a user to (the node agents collect every 5 s)."""
+    assert (cluster.shape.nodes, cluster.shape.node) == (2, NodeShape(gpus=4, model="H100-80GB"))
+    exports: list[str] = []
+    for command, shown in readme_walkthrough():
+        if command.startswith("export KUBECONFIG="):
+            printed = command.split()[1].removeprefix("KUBECONFIG=")
+            assert _shown(printed).fullmatch(str(cluster.kubeconfig)), (printed, cluster.kubeconfig)
+            command = f"export KUBECONFIG={cluster.kubeconfig}"
+        script = "\n".join([*exports, command])
+        deadline = asyncio.get_running_loop().time() + (20 if command.startswith("kubectl gpufrac") else 0)
+        while True:
+            done = await asyncio.to_thread(
+                subprocess.run,
+                ["bash", "-euc", script],
+                cwd=REPO_ROOT,
+                env={k: v for k, v in os.environ.items() if k != "KUBECONFIG"},
+                capture_output=True,
+                text=True,
+                timeout=90,
+            )
+            missing = _missing(shown, done.stdout)
+            if (done.returncode == 0 and not missing) or asyncio.get_running_loop().time() > deadline:
+                break
+            await asyncio.sleep(1)
+        assert done.returncode == 0, f"$ {command}\n{done.stdout}{done.stderr}"
+        assert not missing, f"$ {command}: the README shows lines the output lacks: {missing}\n{done.stdout}"
+        if command.startswith("export "):
+            exports.append(command)
 
 
 async def test_reference_pods_run_with_their_limits_injected(outcomes: dict[str, PodOutcome]) -> None:
