@@ -9,6 +9,8 @@ by ``up``; the container's process has the share's limits from our CDI spec. gpu
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -109,6 +111,30 @@ async def test_up_with_dra_runs_a_pod_whose_claim_comes_from_a_template(cluster:
     assert node is not None
     env = process_environ(node.container_pid(pod.status.containerStatuses[0].containerID or ""))
     assert (env[NVIDIA_VISIBLE_DEVICES], env[NVIDIA_GPU_MEMORY_LIMIT]) == (gpu_uuid(NODE, 0), "20480")
+
+    # kubectl gpufrac top shows the claim's container as a fraction: the claim's 20Gi as request and limit.
+    async def in_top() -> bool:
+        done = await asyncio.to_thread(
+            subprocess.run,
+            [
+                sys.executable,
+                "-m",
+                "gpufrac.kubectl",
+                "--kubeconfig",
+                str(cluster.kubeconfig),
+                "top",
+                "--once",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        rows = [line.split("│") for line in done.stdout.splitlines() if "default/infer/app" in line]
+        return [[c.strip() for c in row[4:8]] for row in rows] == [
+            ["time-slicing", "20.0Gi", "20.0Gi", "0Mi"]
+        ]
+
+    await eventually(in_top, what="kubectl gpufrac top to show default/infer/app", timeout=30)
     await client.delete(Pod, "infer", namespace="default")
 
 
