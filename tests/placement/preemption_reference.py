@@ -21,15 +21,16 @@ from gpufrac.placement.preemption import (
     _FIRST_CHUNK,
     DEFAULT_BUDGET,
     REPRIEVE_NODES,
-    EngineShares,
     Kind,
     Preemption,
     ShareBook,
     _Candidates,
     _Fits,
     _in_cost_order,
+    _RoomCheck,
     _sets_of_size,
     _verify,
+    default_shares,
     eligible_victims,
     simulate,
 )
@@ -49,12 +50,22 @@ def find_victims(
 
     Call it for a pod the engine could not place. ``exclude`` names pods that must not be chosen (an
     eviction a PodDisruptionBudget refused, a pod already being evicted). The engine is left exactly
-    as it was.
+    as it was. Reclaim tries the fair share, then the deserved quota (issue #36).
     """
     if not pod.gpu.containers:
         return None
-    book = shares or EngineShares(engine)
-    slots, slack = eligible_victims(engine, pod, kind=kind, shares=book, exclude=exclude)
+    book = shares or default_shares(engine, pod)
+    for bar in (book,) if kind is not Kind.RECLAIM else (book, book.by_deserved()):
+        found = _search_one(engine, pod, kind, bar, exclude, budget)
+        if found is not None:
+            return found
+    return None
+
+
+def _search_one(
+    engine: Engine, pod: PendingPod, kind: Kind, book: ShareBook, exclude: Iterable[str], budget: int
+) -> Preemption | None:
+    slots, rooms = eligible_victims(engine, pod, kind=kind, shares=book, exclude=exclude)
     if slots.size == 0:
         return None
     table = engine.pods
@@ -69,12 +80,11 @@ def find_victims(
         hyp = table.hypothetical(engine.state, nodes, released, tenant=tenant, tenant_charges=charges)
         return resource_fit(hyp, demand, np.arange(nodes.size), engine.rules).reasons == 0
 
+    within = _RoomCheck(engine, slots, rooms)
+
     def fits(c: _Candidates, *, within_slack: bool = True) -> np.ndarray:
         ok = fits_after(c.nodes, table.of_sets(c.victims, tenant=tenant))
-        for q, room in slack.items() if within_slack else ():
-            taken = (table.mib[c.victims] * (table.queue[c.victims] == q)).sum(axis=1)
-            ok &= taken <= room
-        return ok
+        return ok & within(c.victims) if within_slack else ok
 
     # Per candidate node its eligible victims, least important first (rows padded with NOTHING).
     static_ok = np.zeros(engine.state.rows, dtype=bool)

@@ -20,7 +20,8 @@ from test_placement_engine import same, snapshot
 from gpufrac.contract.request import ComputeMode, ContainerGpuRequest, GpuMemory, PodGpuRequest
 from gpufrac.placement.decision import Placement
 from gpufrac.placement.engine import Engine
-from gpufrac.placement.model import PendingPod, Queue
+from gpufrac.placement.fair_share import fair_shares
+from gpufrac.placement.model import PendingPod, Queue, Quota
 from gpufrac.placement.preemption import Kind, _Candidates, _CostOrder, _in_cost_order, find_victims, simulate
 
 SM = ComputeMode.SM_SHARING
@@ -161,38 +162,58 @@ def test_preemption_matches_the_brute_force_oracle(case):
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
-@given(cases(), st.integers(0, 10), st.integers(0, 10), st.integers(0, 10))
-def test_reclaim_matches_the_brute_force_oracle(case, share_a, share_b, share_c):
+@given(cases(), st.integers(0, 10), st.integers(0, 10), st.integers(0, 10), st.integers(0, 3))
+def test_reclaim_matches_the_brute_force_oracle(case, share_a, share_b, share_c, weight_b):
+    """Reclaim against the fair share (issue #36): the reclaiming queue stays within its fair share with
+    the pod placed, and no victim queue ends below its own; the fewest victims that allow both."""
     e, placed, pending = case
     shares = {"a": share_a / 10, "b": share_b / 10, "c": share_c / 10}
     for name, share in shares.items():
-        e.set_queue(Queue(name, deserved_share=share))
+        weight = float(weight_b) if name == "b" else 1.0
+        e.set_queue(Queue(name, deserved_share=share, gpu_memory=Quota(over_quota_weight=weight)))
     if isinstance(e.place(pending), Placement):
         return
-    cluster = int(sum(g.capacity_mib for n in e.node_names for g in e.ledger(n)))
-    deserved = {q: int(s * cluster) for q, s in shares.items()}
+    sizes = [g.capacity_mib for n in e.node_names for g in e.ledger(n)]
     usage = {q: sum(held_mib(e, p.uid) for p in placed if p.queue == q) for q in shares}
-    allowed = [p.uid for p in placed if p.queue != "a" and usage[p.queue] > deserved[p.queue]]
+    demand = dict(usage)
+    demand["a"] += sum(c.request_mib(max(sizes)) * c.device_count for c in pending.gpu.containers)
+    fair = {q: int(v) for q, v in fair_shares(e.queues.queues, demand, sum(sizes)).items()}
+    deserved = {q: int(share * sum(sizes)) for q, share in shares.items()}
     queue_of = {p.uid: p.queue for p in placed}
 
-    def ok(victims):
-        for q in ("b", "c"):
-            gone = sum(held_mib(e, uid) for uid in victims if queue_of[uid] == q)
-            if gone and usage[q] - gone < deserved[q]:
-                return False  # a victim queue is never pushed below its own share
-        placement = simulate(e, pending, victims)
-        mine = 0 if placement is None else sum(d.request_mib for c in placement.containers for d in c.devices)
-        return usage["a"] + mine <= deserved["a"]  # the reclaiming queue stays within its share
+    def ok(bar):
+        def within(victims):
+            for q in ("b", "c"):
+                gone = sum(held_mib(e, uid) for uid in victims if queue_of[uid] == q)
+                if gone and usage[q] - gone < bar[q]:
+                    return False  # a victim queue is never pushed below its bar
+            placement = simulate(e, pending, victims)
+            mine = (
+                0
+                if placement is None
+                else sum(d.request_mib for c in placement.containers for d in c.devices)
+            )
+            return usage["a"] + mine <= bar["a"]  # the reclaiming queue stays within its bar
+
+        return within
+
+    def expect(bar):
+        allowed = [p.uid for p in placed if p.queue != "a" and usage[p.queue] > bar[p.queue]]
+        return None if usage["a"] >= bar["a"] else oracle(e, pending, allowed, ok(bar)), allowed
 
     before = books(e)
-    expected = None if usage["a"] >= deserved["a"] else oracle(e, pending, allowed, ok)
+    # KAI's strategies in order: the fair share first, then the deserved quota.
+    expected, allowed = expect(fair)
+    bar = fair
+    if expected is None:
+        (expected, allowed), bar = expect(deserved), deserved
     found = find_victims(e, pending, kind=Kind.RECLAIM)
     assert untouched(e, before)
     if expected is None:
         assert found is None
         return
     assert found is not None
-    assert set(found.victims) <= set(allowed) and ok(found.victims)
+    assert set(found.victims) <= set(allowed) and ok(bar)(found.victims)
     matches(e, found, expected)
 
 
@@ -292,8 +313,9 @@ def test_reclaim_never_pushes_a_victim_queue_below_its_share():
 
 def test_a_preemptor_evicts_only_pods_of_its_own_queue_whatever_its_priority():
     """Issue 34: a system-cluster-critical pod in team a's queue preempts nothing of team b's; across
-    queues only reclaim acts, and a queue at or above its share (here: no share) reclaims nothing."""
-    e = Engine(policy="binpack", queues=[Queue("a"), Queue("b")])
+    queues only reclaim acts, and a queue whose fair share is taken (b deserves the whole node) reclaims
+    nothing."""
+    e = Engine(policy="binpack", queues=[Queue("a"), Queue("b", gpu_memory=Quota(deserved=32000))])
     e.add_node(node("n", gpus=2, mib=16000))
     for i in range(2):
         assert isinstance(e.place(pod(whole(1), name=f"b{i}", queue="b", priority=0)), Placement)

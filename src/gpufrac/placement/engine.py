@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -60,6 +60,7 @@ from .fair_share import QueueBook, scheduling_order
 from .filters import STATIC_FILTERS, Fit, GpuRules, container_fit, resource_fit, static_reason
 from .model import NodeSpec, PendingPod, Queue, QueueResource
 from .policies import Policy, Prior, make_policy
+from .queue_shares import Amount, QueueAmount, QueueShares, request_amount
 from .state import EXCLUSIVE, MODE_CODE, Allocation, ClusterState, DeviceCharge, GpuLedger, PodTable
 from .topology import Nomination, PodBook
 
@@ -158,6 +159,7 @@ class Engine:
         self._held_on_node: dict[int, set[str]] = {}
         self._observed: set[str] = set()
         self.book = PodBook(self.state)
+        self._nominees: dict[str, PendingPod] = {}
 
     # -- policies -------------------------------------------------------------------------------------
 
@@ -364,14 +366,85 @@ class Engine:
 
     def nominate(self, pod: PendingPod, node: str) -> None:
         """Hold room on ``node`` for a pending pod a preemptor nominated there: pods of lower or equal
-        priority do not get that room; the pod itself tries that node first. A node the engine does
-        not know holds nothing."""
-        self.book.nominate(pod, self.state.index.get(node))
+        priority do not get that room; the pod itself tries that node first; its queue counts it as
+        held (``queue_shares``). A node the engine does not know holds nothing."""
+        row = self.state.index.get(node)
+        self.book.nominate(pod, row)
+        if row is None:
+            self._nominees.pop(pod.uid, None)
+        else:
+            self._nominees[pod.uid] = pod
 
     def drop_nomination(self, uid: str) -> bool:
         """Stop holding room for ``uid`` (its nomination was cleared, or it was deleted); False when
         none was held."""
+        self._nominees.pop(uid, None)
         return self.book.drop_nomination(uid)
+
+    def nominated(self, uid: str) -> bool:
+        """Whether pending pod ``uid`` holds a nomination (its queue counts it as held)."""
+        return self.book.nomination(uid) is not None
+
+    # -- queues as the books will be --------------------------------------------------------------------
+
+    def booked_amount(self, uid: str) -> QueueAmount | None:
+        """The queue a placed pod is charged to and what it holds there; None when it is not placed."""
+        b = self._bound.get(uid)
+        return None if b is None else QueueAmount(b.pod.queue, Amount(b.gpu_mib, b.whole_gpus))
+
+    def nominee_amounts(
+        self, *, besides: str | None = None, extra: Mapping[str, QueueAmount] | None = None
+    ) -> list[QueueAmount]:
+        """What each pod nominated to a node asks for there (resolved against that node's largest GPU),
+        charged to its queue, ``extra`` by uid in place of (or besides) the engine's; ``besides`` is
+        left out (the pod deciding now)."""
+        extra = dict(extra or {})
+        extra.pop(besides or "", None)
+        out = list(extra.values())
+        for uid, pod in list(self._nominees.items()):
+            held = self.book.nomination(uid)
+            if held is None:  # placed since (placing drops the nomination) or its node went away
+                self._nominees.pop(uid, None)
+                continue
+            if uid == besides or uid in extra:
+                continue
+            out.append(QueueAmount(pod.queue, request_amount(pod.gpu, int(self.state.cap[held.row].max()))))
+        return out
+
+    def _nominees_held(self, *, besides: str) -> dict[str, tuple[int, int]]:
+        """Per queue (subtree) what its nominees will book (MiB, whole GPUs): a queue's limit counts
+        them, so a pod does not take the place of a nominee its queue's limit has room for only once."""
+        held: dict[str, tuple[int, int]] = {}
+        for entry in self.nominee_amounts(besides=besides):
+            for q in self.queues.lineage(entry.queue):
+                mib, gpus = held.get(q, (0, 0))
+                held[q] = (mib + entry.amount.mib, gpus + entry.amount.gpus)
+        return held
+
+    def queue_shares(
+        self,
+        *,
+        leaving: Iterable[str] = (),
+        waiting: Iterable[QueueAmount] = (),
+        besides: str | None = None,
+        nominees: Mapping[str, QueueAmount] | None = None,
+    ) -> QueueShares:
+        """The queues as the books will be (``gpufrac.placement.queue_shares``): the placed pods
+        ``leaving`` gone, the nominees held (the engine's, and ``nominees`` by uid: what a caller's
+        open plans will book, known before the engine hears of the nomination), ``waiting`` the
+        demand of the pods still pending."""
+        gone = [a for a in (self.booked_amount(uid) for uid in leaving) if a is not None]
+        capacity = {
+            QueueResource.GPU_MEMORY: int(self.state.cap_total.sum()),
+            QueueResource.GPUS: int(self.state.gpu_count.sum()),
+        }
+        return QueueShares(
+            self.queues,
+            capacity,
+            leaving=gone,
+            nominated=self.nominee_amounts(besides=besides, extra=nominees),
+            waiting=waiting,
+        )
 
     def set_namespace(self, name: str, labels: dict[str, str]) -> None:
         """A namespace's labels, for affinity terms that select namespaces by label."""
@@ -627,9 +700,10 @@ class Engine:
                 nominated = None
                 continue
             mib = sum(c.request_mib for c in allocation.charges)
-            exceeded = self.queues.exceeded(pod.queue, mib, _whole_gpus(allocation))
+            held = self._nominees_held(besides=pod.uid) if self._nominees else None
+            exceeded = self.queues.exceeded(pod.queue, mib, _whole_gpus(allocation), held=held)
             if exceeded is not None:
-                return Unschedulable(pod.uid, st.node_count, detail=_over_limit(pod.queue, *exceeded))
+                return Unschedulable(pod.uid, st.node_count, detail=over_limit(pod.queue, *exceeded))
             placement = self._placement(pod, demand, allocation)
             self._commit(pod, allocation, placement)
             return placement
@@ -856,7 +930,7 @@ def _whole_gpus(allocation: Allocation) -> int:
     return sum(1 for c in allocation.charges if c.mode == EXCLUSIVE)
 
 
-def _over_limit(queue: str, at: str, resource: QueueResource, limit: int) -> str:
+def over_limit(queue: str, at: str, resource: QueueResource, limit: int) -> str:
     what = (
         f"GPU-memory limit of {limit} MiB"
         if resource is QueueResource.GPU_MEMORY

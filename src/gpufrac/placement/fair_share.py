@@ -112,14 +112,20 @@ class QueueBook:
         totals = self.usage if resource is QueueResource.GPU_MEMORY else self.whole_gpus
         return totals.get(name, 0)
 
-    def exceeded(self, name: str, mib: int, gpus: int = 0) -> tuple[str, QueueResource, int] | None:
+    def exceeded(
+        self, name: str, mib: int, gpus: int = 0, *, held: Mapping[str, tuple[int, int]] | None = None
+    ) -> tuple[str, QueueResource, int] | None:
         """(queue, resource, limit) of the first queue on ``name``'s lineage that taking ``mib`` and
-        ``gpus`` more would take past a limit; None when none would."""
+        ``gpus`` more would take past a limit; None when none would. ``held``: per queue, (MiB, GPUs)
+        promised to pods not booked yet (nominees), counted as allocated."""
         for q in self.lineage(name):
             queue = self.get(q)
-            for resource, more in ((QueueResource.GPU_MEMORY, mib), (QueueResource.GPUS, gpus)):
+            promised = (held or {}).get(q, (0, 0))
+            for i, (resource, more) in enumerate(
+                ((QueueResource.GPU_MEMORY, mib), (QueueResource.GPUS, gpus))
+            ):
                 limit = queue.quota(resource).limit
-                if more and limit is not None and self.allocated(q, resource) + more > limit:
+                if more and limit is not None and self.allocated(q, resource) + promised[i] + more > limit:
                     return q, resource, limit
         return None
 

@@ -54,11 +54,12 @@ import numpy as np
 
 from gpufrac.contract.request import ComputeMode
 
-from .decision import Placement
+from .decision import ContainerPlacement, DeviceAssignment, Placement
 from .demand import Demand
 from .engine import Engine
 from .filters import resource_fit
 from .model import PendingPod, QueueResource
+from .queue_shares import Amount, QueueAmount, QueueShares, placed_amount, request_amount
 from .state import PodTable, Released
 
 DEFAULT_BUDGET = 20_000
@@ -85,36 +86,20 @@ class Trial(Protocol):
     def __call__(self, engine: Engine, pod: PendingPod, victims: list[str]) -> Placement | None: ...
 
 
-class ShareBook(Protocol):
-    """What reclaim needs to know about queues: the narrow seam to whatever computes fair share.
-
-    Today ``EngineShares`` answers from the engine's static queues (``placement.fair_share``); a
-    hierarchical fair share only has to answer the same two questions.
-    """
-
-    def usage_mib(self, queue: str) -> int:
-        """Guaranteed GPU MiB the queue's placed pods hold."""
-        ...
-
-    def deserved_mib(self, queue: str) -> int:
-        """GPU MiB the queue deserves now (0 when it has no deserved share)."""
-        ...
+ShareBook = QueueShares
+"""What reclaim and the limit checks read about queues: ``gpufrac.placement.queue_shares.QueueShares``
+(the books as they will be, one fair share). Without one, ``find_victims`` builds it from the engine
+(``Engine.queue_shares``: its nominees counted, nothing leaving, the pod itself the only waiting one)."""
 
 
-class EngineShares:
-    """``ShareBook`` over the engine's own queue book: each queue's deserved GPU memory (a Queue object's
-    ``deserved``, or the configuration file's ``deserved_share`` of the cluster), against what the queue
-    and its descendants hold."""
+@dataclass(frozen=True, slots=True)
+class _Room:
+    """What reclaim may take from the queues below one over-share queue: victims of the queues whose
+    ids are in ``ids`` may take at most ``room`` of ``resource`` in all (see ``QueueShares.reclaimable``)."""
 
-    def __init__(self, engine: Engine) -> None:
-        self._engine = engine
-
-    def usage_mib(self, queue: str) -> int:
-        return self._engine.queues.usage.get(queue, 0)
-
-    def deserved_mib(self, queue: str) -> int:
-        cluster_mib = int(self._engine.state.cap_total.sum())
-        return self._engine.queues.get(queue).deserved(QueueResource.GPU_MEMORY, cluster_mib)
+    ids: np.ndarray
+    resource: QueueResource
+    room: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,12 +133,14 @@ def eligible_victims(
     kind: Kind,
     shares: ShareBook | None = None,
     exclude: Iterable[str] = (),
-) -> tuple[np.ndarray, dict[int, int]]:
-    """PodTable slots that may be removed for ``pod``, and per victim queue id the MiB that may go.
+) -> tuple[np.ndarray, list[_Room]]:
+    """PodTable slots that may be removed for ``pod``, and the rooms the victims taken from over-share
+    queues must stay within (reclaim only).
 
-    Preemption: same queue, lower priority. Reclaim: only when the pod's queue is below its deserved
-    share; victims from other queues above theirs, each no bigger than its queue's excess.
-    Consolidation: movable pods (``PendingPod.movable``) of any queue whose priority is not higher.
+    Preemption: same queue, lower priority. Reclaim: only when the pod's queue (and its ancestors) would
+    stay within its fair share with the pod placed; victims from other queues above their fair share,
+    each no bigger than what its queue holds over it (``QueueShares.reclaimable``). Consolidation:
+    movable pods (``PendingPod.movable``) of any queue whose priority is not higher.
     """
     table = engine.pods
     mask = table.live.copy()
@@ -161,28 +148,63 @@ def eligible_victims(
         slot = table.slot_of.get(uid)
         if slot is not None:
             mask[slot] = False
-    slack: dict[int, int] = {}
+    rooms: list[_Room] = []
     if kind is Kind.PREEMPT:
         q = table.known_queue(pod.queue)
         if q is None:
-            return np.empty(0, dtype=np.int64), slack
+            return np.empty(0, dtype=np.int64), rooms
         mask &= (table.queue == q) & (table.priority < pod.priority)
     elif kind is Kind.CONSOLIDATE:
         mask &= table.movable & (table.priority <= pod.priority)
     else:
-        book = shares or EngineShares(engine)
-        if book.usage_mib(pod.queue) >= book.deserved_mib(pod.queue):
-            return np.empty(0, dtype=np.int64), slack
+        book = shares or default_shares(engine, pod)
+        if not book.may_reclaim(pod.queue, least_ask(engine, pod)):
+            return np.empty(0, dtype=np.int64), rooms
         allowed = np.zeros(table.rows, dtype=bool)
+        under: dict[str, list[int]] = {}  # over-share queue -> ids of the victim queues below it
+        bounds: dict[str, dict[QueueResource, int]] = {}
         for q, name in enumerate(table.queue_names):
-            if name == pod.queue:
+            path = book.reclaimable(pod.queue, name)
+            if not path:
                 continue
-            excess = book.usage_mib(name) - book.deserved_mib(name)
-            if excess > 0:
-                slack[q] = excess
-                allowed |= (table.queue == q) & (table.mib <= excess)
+            for over, room in path.items():
+                under.setdefault(over, []).append(q)
+                bounds[over] = room
+            least = {r: min(room[r] for room in path.values()) for r in book.counted}
+            ok = (table.queue == q) & (table.mib <= least[QueueResource.GPU_MEMORY])
+            allowed |= ok
         mask &= allowed
-    return np.flatnonzero(mask), slack
+        for over, ids in under.items():
+            for resource, room in bounds[over].items():
+                rooms.append(_Room(np.array(ids, dtype=np.int64), resource, room))
+    return np.flatnonzero(mask), rooms
+
+
+def any_victims(
+    engine: Engine, pod: PendingPod, *, kind: Kind, shares: ShareBook | None = None
+) -> np.ndarray:
+    """The slots ``kind`` may take for ``pod`` under any of its strategies (reclaim: the fair share, then
+    the deserved quota, as ``find_victims`` tries them): the cheap check before a search."""
+    book = shares or default_shares(engine, pod)
+    books = (book, book.by_deserved()) if kind is Kind.RECLAIM else (book,)
+    return np.unique(np.concatenate([eligible_victims(engine, pod, kind=kind, shares=b)[0] for b in books]))
+
+
+def default_shares(engine: Engine, pod: PendingPod) -> ShareBook:
+    """The queues as the engine alone knows them: its nominees counted, nothing leaving, ``pod`` the
+    only waiting pod (its request resolved against the cluster's largest GPU)."""
+    largest = int(engine.state.cap.max()) if engine.state.cap.size else 0
+    return engine.queue_shares(
+        waiting=[QueueAmount(pod.queue, request_amount(pod.gpu, largest))], besides=pod.uid
+    )
+
+
+def least_ask(engine: Engine, pod: PendingPod) -> Amount:
+    """The least the pod can book anywhere (its portions resolved against the smallest GPU): the exact
+    amount is only known where it is placed, and ``_verify`` checks that one."""
+    caps = engine.state.cap[engine.state.cap > 0]
+    smallest = int(caps.min()) if caps.size else 0
+    return request_amount(pod.gpu, smallest)
 
 
 def find_victims(
@@ -205,8 +227,29 @@ def find_victims(
     """
     if not pod.gpu.containers:
         return None
-    book = shares or EngineShares(engine)
-    slots, slack = eligible_victims(engine, pod, kind=kind, shares=book, exclude=exclude)
+    book = shares or default_shares(engine, pod)
+    if kind is not Kind.RECLAIM:
+        return _search(engine, pod, kind, book, exclude, budget, trial, verify_per_chunk)
+    # KAI's strategies in its order: fair share first, then the deserved quota (``QueueShares.by_deserved``).
+    for bar in (book, book.by_deserved()):
+        found = _search(engine, pod, kind, bar, exclude, budget, trial, verify_per_chunk)
+        if found is not None:
+            return found
+    return None
+
+
+def _search(
+    engine: Engine,
+    pod: PendingPod,
+    kind: Kind,
+    book: ShareBook,
+    exclude: Iterable[str],
+    budget: int,
+    trial: Trial | None,
+    verify_per_chunk: int,
+) -> Preemption | None:
+    """``find_victims`` for one share book (for reclaim: one strategy)."""
+    slots, rooms = eligible_victims(engine, pod, kind=kind, shares=book, exclude=exclude)
     if slots.size == 0:
         return None
     table = engine.pods
@@ -221,12 +264,11 @@ def find_victims(
         hyp = table.hypothetical(engine.state, nodes, released, tenant=tenant, tenant_charges=charges)
         return resource_fit(hyp, demand, np.arange(nodes.size), engine.rules).reasons == 0
 
+    within = _RoomCheck(engine, slots, rooms)
+
     def fits(c: _Candidates, *, within_slack: bool = True) -> np.ndarray:
         ok = fits_after(c.nodes, table.of_sets(c.victims, tenant=tenant))
-        for q, room in slack.items() if within_slack else ():
-            taken = (table.mib[c.victims] * (table.queue[c.victims] == q)).sum(axis=1)
-            ok &= taken <= room
-        return ok
+        return ok & within(c.victims) if within_slack else ok
 
     # Per candidate node its eligible victims, least important first (rows padded with NOTHING).
     static_ok = np.zeros(engine.state.rows, dtype=bool)
@@ -330,6 +372,33 @@ def find_victims(
             return found
         size += 1
     return None
+
+
+class _RoomCheck:
+    """Per victim set (rows of PodTable slots, padded with NOTHING): whether what it takes from the
+    queues below each over-share queue stays within that queue's room (``eligible_victims``' rooms)."""
+
+    def __init__(self, engine: Engine, slots: np.ndarray, rooms: list[_Room]) -> None:
+        self._table = engine.pods
+        self._rooms = rooms
+        self._whole: np.ndarray | None = None
+        if any(r.resource is QueueResource.GPUS for r in rooms):
+            # The GPUs each eligible pod holds exclusively (the table counts MiB only).
+            self._whole = np.zeros(self._table.rows, dtype=np.int64)
+            for s in slots.tolist():
+                held = engine.booked_amount(self._table.uid[s] or "")
+                self._whole[s] = 0 if held is None else held.amount.gpus
+
+    def __call__(self, victims: np.ndarray) -> np.ndarray:
+        table = self._table
+        ok = np.ones(victims.shape[0], dtype=bool)
+        present = victims != PodTable.NOTHING
+        for room in self._rooms:
+            amount = table.mib if room.resource is QueueResource.GPU_MEMORY else self._whole
+            assert amount is not None
+            mine = np.isin(table.queue[victims], room.ids) & present
+            ok &= (amount[victims] * mine).sum(axis=1) <= room.room
+        return ok
 
 
 def _may_free_alone(engine: Engine, demand: Demand, slots: np.ndarray) -> np.ndarray:
@@ -481,19 +550,41 @@ def _verify(
         )
         for i in range(min(cand.nodes.size, limit))
     ]
+    engine_amounts = {uid: engine.booked_amount(uid) for _, victims in tries for uid in victims}
     attempt = trial or simulate
     for node, victims in tries:
         assert node is not None
         placement = attempt(engine, pod, victims)
         if placement is None or placement.node != node.name:
             continue
-        if kind is Kind.RECLAIM:
-            mib_now = sum(d.request_mib for c in placement.containers for d in c.devices)
-            if shares.usage_mib(pod.queue) + mib_now > shares.deserved_mib(pod.queue):
-                continue
+        # The books as they will be: what the victims free, what the pod then books, the nominees of
+        # its queue. A pod its queue's limit (or, reclaiming, its fair share) would refuse evicts nobody.
+        asked = placed_amount(placement)
+        freed = [a for a in (engine_amounts.get(uid) for uid in victims) if a is not None]
+        if shares.exceeded(pod.queue, asked, freed=freed) is not None:
+            continue
+        if kind is Kind.RECLAIM and not shares.may_reclaim(pod.queue, asked, freed=freed):
+            continue
         ordered = sorted(victims, key=lambda uid: -table.priority[table.slot_of[uid]])
         return Preemption(kind, node.name, tuple(uid for uid in ordered if uid is not None), placement)
     return None
+
+
+def free_part(engine: Engine, key: str, placement: Placement) -> Placement | None:
+    """The part of ``placement`` that is free already (per device, its GPU's free memory up to what the
+    device asks), as a placement ``key`` can ``Engine.hold`` while the victims leave; None when nothing
+    of it is free."""
+    free = {ledger.uuid: ledger.free_mib for ledger in engine.ledger(placement.node)}
+    containers = []
+    for c in placement.containers:
+        devices = tuple(
+            DeviceAssignment(d.uuid, d.index, mib, mib, None)
+            for d in c.devices
+            if (mib := min(d.request_mib, free.get(d.uuid, 0))) > 0
+        )
+        if devices:
+            containers.append(ContainerPlacement(c.container, c.mode, c.exclusive, devices))
+    return Placement(key, placement.node, tuple(containers)) if containers else None
 
 
 def simulate(engine: Engine, pod: PendingPod, victims: Iterable[str | None]) -> Placement | None:
