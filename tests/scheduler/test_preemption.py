@@ -152,12 +152,17 @@ async def test_a_queue_below_its_share_reclaims_and_the_victims_replacement_is_n
         reclaimed = await events(client, ns, "Reclaimed")
         assert len(reclaimed) == 1
         victim = reclaimed[0].involvedObject.name
-        # The tenant evicted learns whose quota took its GPU; the pod that took it, from which queue.
-        assert f"by {ns}/a-0 (queue a, below its fair share, reclaiming from queue b) on node" in (
-            reclaimed[0].message
+        # The tenant evicted learns whose quota took its GPU and the numbers (one GPU of 81559 MiB each
+        # is a's fair share, and b's, of the two); the pod that took it, from which queue and why.
+        story = (
+            "queue a is 81559 MiB below its fair share 81559; "
+            "reclaiming from queue b, 81559 MiB over its fair share 81559"
         )
+        assert f"by {ns}/a-0 ({story}) on node" in reclaimed[0].message
         (taking,) = await events(client, ns, "Preempting")
-        assert taking.message.endswith(f"to make room: {ns}/{victim} (queue b)")
+        assert taking.message.endswith(
+            f"to make room: {ns}/{victim} (queue b). {story[0].upper()}{story[1:]}"
+        )
         assert not await exists(client, ns, victim)
 
         # Its controller recreates it: queue b is at its share now, so nothing is evicted for it.

@@ -9,7 +9,8 @@ from lightkube.resources.core_v1 import Pod
 
 from gpufrac.placement.fair_share import QueueBook
 from gpufrac.placement.model import Queue, QueueResource, Quota
-from gpufrac.scheduler.queue_status import Capacity, pod_demand, queue_statuses
+from gpufrac.placement.queue_shares import Amount, QueueAmount, QueueShares
+from gpufrac.scheduler.queue_status import pod_demand, queue_statuses
 from gpufrac.scheduler.queues import GpufracQueue, KaiQueue, queue_from_kai, queue_from_object
 
 
@@ -55,15 +56,9 @@ def _pod(annotations: dict[str, str], *, whole: int = 0) -> Pod:
 
 
 def test_a_waiting_pods_demand_resolves_portions_against_the_largest_gpu() -> None:
-    assert pod_demand(_pod({"gpu-fraction": "0.25"}), largest_gpu_mib=80_000) == {
-        QueueResource.GPU_MEMORY: 20_000,
-        QueueResource.GPUS: 0,
-    }
-    assert pod_demand(_pod({}, whole=2), largest_gpu_mib=80_000) == {
-        QueueResource.GPU_MEMORY: 160_000,
-        QueueResource.GPUS: 2,
-    }
-    assert pod_demand(_pod({"gpu-fraction": "1.5"}), largest_gpu_mib=80_000) == {}  # invalid: no demand
+    assert pod_demand(_pod({"gpu-fraction": "0.25"}), largest_gpu_mib=80_000) == Amount(20_000, 0)
+    assert pod_demand(_pod({}, whole=2), largest_gpu_mib=80_000) == Amount(160_000, 2)
+    assert pod_demand(_pod({"gpu-fraction": "1.5"}), largest_gpu_mib=80_000) is None  # invalid: no demand
 
 
 def test_status_counts_subtrees_and_divides_by_demand() -> None:
@@ -77,13 +72,9 @@ def test_status_counts_subtrees_and_divides_by_demand() -> None:
     book.replace(queues)
     book.charge("a", 40_000)
     book.charge("b", 10_000, 1)
-    waiting = {QueueResource.GPU_MEMORY: {"a": 50_000, "b": 50_000, "solo": 10_000}}
-    got = queue_statuses(
-        queues=queues,
-        book=book,
-        waiting=waiting,
-        capacity=Capacity(gpu_memory_mib=160_000, gpus=2, largest_gpu_mib=80_000),
-    )
+    waiting = [QueueAmount(q, Amount(mib)) for q, mib in {"a": 50_000, "b": 50_000, "solo": 10_000}.items()]
+    capacity = {QueueResource.GPU_MEMORY: 160_000, QueueResource.GPUS: 2}
+    got = queue_statuses(queues=queues, shares=QueueShares(book, capacity, waiting=waiting))
     assert got["org"]["allocated"] == {"gpuMemory": 50_000, "gpus": 1}
     assert got["org"]["requested"] == {"gpuMemory": 150_000, "gpus": 1}
     # org wants 150000 but its limit caps it at 100000; solo wants 10000 of the rest.

@@ -527,7 +527,7 @@ def _ever_holds(container: ContainerGpuRequest, row: GpuRow) -> bool:
     return row.health == "Ready" and container.request_mib(row.usable_mib) <= row.usable_mib
 
 
-#: The scheduler's words when a pod's queue, not the GPUs, holds it (``placement.engine._over_limit``).
+#: The scheduler's words when a pod's queue, not the GPUs, holds it (``placement.engine.over_limit``).
 _QUEUE_HOLDS = re.compile(r"queue \S+ would (?:exceed its|take its ancestor queue)[^,.]*")
 
 

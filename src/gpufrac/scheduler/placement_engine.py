@@ -12,7 +12,7 @@ scheduler's configuration onto the engine's knobs.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Protocol
 
 from gpufrac.placement.decision import Decision, Placement
@@ -20,6 +20,7 @@ from gpufrac.placement.engine import Engine
 from gpufrac.placement.fair_share import QueueBook
 from gpufrac.placement.filters import GpuRules
 from gpufrac.placement.model import NodeSpec, PendingPod, Queue
+from gpufrac.placement.queue_shares import QueueAmount, QueueShares
 from gpufrac.placement.state import GpuLedger
 from gpufrac.scheduler.config import SchedulerConfig
 from gpufrac.scheduler.queues import config_queues
@@ -75,8 +76,22 @@ class PlacementEngine(Protocol):
     def queues(self) -> QueueBook:
         """What each queue holds (read for Queue status and fair share)."""
 
+    def queue_shares(
+        self,
+        *,
+        leaving: Iterable[str] = (),
+        waiting: Iterable[QueueAmount] = (),
+        besides: str | None = None,
+        nominees: Mapping[str, QueueAmount] | None = None,
+    ) -> QueueShares:
+        """The queues as the books will be: one tree, one capacity, one fair share for queue status,
+        reclaim and its limit checks (``gpufrac.placement.queue_shares``)."""
+
     def nominate(self, pod: PendingPod, node: str) -> None:
         """Hold room on ``node`` for a pending pod a preemptor nominated there."""
+
+    def nominated(self, uid: str) -> bool:
+        """Whether a pending pod holds a nomination."""
 
     def drop_nomination(self, uid: str) -> bool:
         """Stop holding room for ``uid``; False when none was held."""

@@ -2,10 +2,11 @@
 
 When the engine cannot place a pod, ``Preemptions.consider`` asks ``gpufrac.placement.preemption`` for
 victims: first inside the pod's queue by PriorityClass value, then across queues (reclaim, for a queue
-below its deserved share). Preemption never crosses queues, and a pod only gets here in a queue its
-namespace may use, with a priority its queue allows (``QueueDirectory.refusal`` runs before placement):
-labelling a pod with another team's queue and a critical priority buys no victims (docs/queues.md).
-A plan is executed through the Eviction API, never a plain DELETE, so
+below its fair share, judged on the books as they will be: ``leaving_pods`` gone, nominees held, the
+waiting pods' demand; ``gpufrac.placement.queue_shares``). Preemption never crosses queues, and a pod
+only gets here in a queue its namespace may use, with a priority its queue allows
+(``QueueDirectory.refusal`` runs first): another team's queue label and a critical priority buy no
+victims (docs/queues.md). A plan is executed through the Eviction API, never a plain DELETE, so
 PodDisruptionBudgets are honoured: every victim is first evicted as a dry run, and a refusal (429)
 puts that victim aside for this pod and the search runs again without it. Only when the whole set
 passes are the victims evicted for real, each exactly once (a pod being evicted is never chosen
@@ -53,7 +54,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,11 +67,20 @@ from gpufrac.kube.events import NORMAL, WARNING, EventRecorder
 from gpufrac.kube.eviction import evict_pod
 from gpufrac.kube.patch import set_nominated_node
 from gpufrac.placement.consolidation import Consolidation, MoveBudget, plan_consolidation
-from gpufrac.placement.decision import ContainerPlacement, DeviceAssignment, Placement, Unschedulable
+from gpufrac.placement.decision import Placement, Unschedulable
 from gpufrac.placement.engine import Engine
 from gpufrac.placement.gang_preemption import GangPreemption, find_gang_victims, plan_gang_consolidation
 from gpufrac.placement.model import PendingPod
-from gpufrac.placement.preemption import Kind, Preemption, ShareBook, eligible_victims, find_victims
+from gpufrac.placement.preemption import (
+    Kind,
+    Preemption,
+    ShareBook,
+    any_victims,
+    eligible_victims,
+    find_victims,
+    free_part,
+)
+from gpufrac.placement.queue_shares import QueueAmount
 from gpufrac.scheduler.preemption_events import (
     CONSOLIDATING,
     PREEMPTING,
@@ -78,10 +88,17 @@ from gpufrac.scheduler.preemption_events import (
     VERB,
     VICTIM_REASON,
     Plan,
+    booked_name,
+    booked_queue,
+    limit_note,
+    plan_amounts,
     pod_key,
     pod_ref,
     queues,
+    taking_message,
+    waiting_for,
     where,
+    whom,
 )
 from gpufrac.scheduler.preemption_pacing import SEARCH_BUDGET_S, CycleBudget, SearchMemory
 from gpufrac.scheduler.preemption_resume import plan_from_leaving
@@ -108,6 +125,7 @@ class _Nomination:
     holds: list[str] = field(default_factory=list)
     #: the queue of the pods it makes room for (a gang's members share one), named in its Events
     queue: str = ""
+    book: ShareBook | None = None  # the queues' numbers it was decided with, told in its Events
 
     @property
     def owner(self) -> str:
@@ -135,7 +153,7 @@ class Preemptions:
         place_now: Callable[[Pod], None],
         retry: Callable[[], None],
         spawn: Callable[[Coroutine[Any, Any, None]], None],
-        shares: ShareBook | None = None,
+        waiting: Callable[[set[str], list[Pod]], Iterable[QueueAmount]] = lambda skip, also: (),
         clock: Callable[[], float] = time.monotonic,
         preempt: bool = True,
         moves: MoveBudget | None = None,
@@ -149,7 +167,9 @@ class Preemptions:
         self._place_now = place_now
         self._retry = retry
         self._spawn = spawn
-        self._shares = shares
+        self._demand = waiting
+        self._shares: ShareBook | None = None  # built once a cycle, and after a plan changes the books
+        self._cycle: list[Pod] = []
         self._preempt = preempt
         self._moves = moves
         self._budget = CycleBudget(search_budget_s)
@@ -157,14 +177,33 @@ class Preemptions:
         # By the preempting pod's uid; a gang's plan by the gang's key and each member's uid.
         self._open: dict[str, _Nomination] = {}
         self._victim_of: dict[str, str] = {}  # victim uid -> the owner key of its nomination
-        self.evictions = 0
-        self.moved = 0
+        self.evictions = self.moved = 0
         self._ours: set[str] = set()  # booked pods this scheduler placed (candidates it may evict)
         self._leaving: set[str] = set()  # booked pods with a deletionTimestamp, until they are gone
 
-    def new_cycle(self) -> None:
-        """A scheduling cycle starts: its search budget is full again."""
+    def new_cycle(self, pods: Iterable[Pod] = ()) -> None:
+        """A cycle starts for ``pods`` (still demand on their queues): budget full, queue books anew."""
         self._budget.new_cycle()
+        self._shares, self._cycle = None, list(pods)
+
+    def planned(self) -> dict[str, QueueAmount]:
+        """The pods open plans make room for, by uid, and what each will book: counted as held."""
+        return plan_amounts((n.plan, n.queue) for n in self._open.values())
+
+    @property
+    def leaving_pods(self) -> set[str]:
+        """Booked pods on their way out (a plan's victims, pods being deleted): no queue counts them."""
+        return self._leaving | set(self._victim_of)
+
+    def _book(self) -> ShareBook:
+        """The queues as the books will be: what reclaim and its limit checks read."""
+        if self._shares is None:
+            planned = self.planned()
+            waiting = self._demand(set(planned), self._cycle)
+            self._shares = self._engine.queue_shares(
+                leaving=self.leaving_pods, waiting=waiting, nominees=planned
+            )
+        return self._shares
 
     def deferral_s(self) -> float:
         """How long the next pod deferred in this cycle waits (``CycleBudget.deferral_s``)."""
@@ -191,26 +230,26 @@ class Preemptions:
         nomination = self._open.get(uid)
         if nomination is not None:
             nomination.pod = pod
-            return f"{decision.message} {self._waiting(nomination)}"
+            return f"{decision.message} {waiting_for(self._engine, nomination.plan)}"
         if not pending.gpu.containers:
             return decision.message
         nomination = self._resume(
             uid,
             [(pending, pod)],
             lambda kind, exclude: find_victims(
-                self._engine, pending, kind=kind, shares=self._shares, exclude=exclude
+                self._engine, pending, kind=kind, shares=self._book(), exclude=exclude
             ),
         )
         if nomination is not None:
-            return f"{decision.message} {self._waiting(nomination)}"
+            return f"{decision.message} {waiting_for(self._engine, nomination.plan)}"
         plan: Preemption | Consolidation | None = None
         for kind in (Kind.PREEMPT, Kind.RECLAIM) if self._preempt else ():
             # The common case, nobody to take from, costs one vectorised mask.
-            candidates, _ = eligible_victims(self._engine, pending, kind=kind, shares=self._shares)
+            candidates = any_victims(self._engine, pending, kind=kind, shares=self._book())
             if candidates.size == 0:
                 continue
             exclude = self._excluded(uid, candidates)
-            plan = find_victims(self._engine, pending, kind=kind, shares=self._shares, exclude=exclude)
+            plan = find_victims(self._engine, pending, kind=kind, shares=self._book(), exclude=exclude)
             if plan is not None:
                 break
         note = ""
@@ -223,10 +262,11 @@ class Preemptions:
                 where=where,
             )
         if plan is None:
-            return f"{decision.message}{note}"
+            said = decision.message
+            return f"{said}{note or limit_note(self._engine, self._book(), pending, said)}"
         nomination = self._start(plan, pod, [pod], (uid,), queue=pending.queue)
         self._hold(nomination, [(pending, plan.placement)])
-        return f"{decision.message} {self._waiting(nomination)}"
+        return f"{decision.message} {waiting_for(self._engine, nomination.plan)}"
 
     def consider_gang(self, key: str, members: list[tuple[PendingPod, Pod]], min_member: int) -> str | None:
         """For a gang the engine could not place: start a preemption (or reclaim) that makes room for
@@ -244,7 +284,7 @@ class Preemptions:
         )
         if nomination is not None:
             nomination.members = [pod for _, pod in members]
-            return f" {self._waiting(nomination)}"
+            return f" {waiting_for(self._engine, nomination.plan)}"
         pendings = [pending for pending, _ in members]
         if not any(p.gpu.containers for p in pendings):
             return ""
@@ -252,17 +292,17 @@ class Preemptions:
             key,
             members,
             lambda kind, exclude: find_gang_victims(
-                self._engine, pendings, min_member=min_member, kind=kind, shares=self._shares, exclude=exclude
+                self._engine, pendings, min_member=min_member, kind=kind, shares=self._book(), exclude=exclude
             ),
         )
         if nomination is not None:
-            return f" {self._waiting(nomination)}"
+            return f" {waiting_for(self._engine, nomination.plan)}"
         plan: GangPreemption | None = None
         for kind in (Kind.PREEMPT, Kind.RECLAIM) if self._preempt else ():
-            eligible = [
-                eligible_victims(self._engine, p, kind=kind, shares=self._shares)[0] for p in pendings
-            ]
-            candidates = np.unique(np.concatenate(eligible))
+            book = self._book()
+            candidates = np.unique(
+                np.concatenate([any_victims(self._engine, p, kind=kind, shares=book) for p in pendings])
+            )
             if candidates.size == 0:
                 continue
             plan = find_gang_victims(
@@ -270,7 +310,7 @@ class Preemptions:
                 pendings,
                 min_member=min_member,
                 kind=kind,
-                shares=self._shares,
+                shares=self._book(),
                 exclude=self._excluded(key, candidates),
             )
             if plan is not None:
@@ -298,7 +338,7 @@ class Preemptions:
         )
         by_uid = {p.uid: p for p in pendings}
         self._hold(nomination, [(by_uid[pl.pod_uid], pl) for pl in plan.placements])
-        return f" {self._waiting(nomination)}"
+        return f" {waiting_for(self._engine, nomination.plan)}"
 
     def _resume(
         self,
@@ -321,7 +361,7 @@ class Preemptions:
             search,
             leaving=self._leaving,
             taken=self._victim_of.keys(),
-            shares=self._shares,
+            shares=None,  # as the books were when the plan was made: its victims still counted
             preempt=self._preempt,
             consolidate=self._moves is not None,
         )
@@ -338,7 +378,7 @@ class Preemptions:
             self._hold(nomination, [(pendings[0], plan.placement)])
         log.info(
             "%s: waiting again for %d pod(s) leaving %s (a plan made before this scheduler started)",
-            self._for(nomination),
+            whom(nomination),
             len(plan.victims),
             where(plan),
         )
@@ -354,6 +394,7 @@ class Preemptions:
             self._open[k] = nomination
         for victim in plan.victims:
             self._victim_of[victim] = nomination.owner
+        nomination.book, self._shares = self._shares, None  # its victims are leaving now
         return nomination
 
     def _start(
@@ -363,7 +404,7 @@ class Preemptions:
         nomination = self._file(plan, pod, members, keys, queue=queue)
         log.info(
             "%s: %s %d pod(s) on %s",
-            self._for(nomination),
+            whom(nomination),
             VERB[plan.kind].lower(),
             len(plan.victims),
             where(plan),
@@ -408,52 +449,15 @@ class Preemptions:
     # -- internals ----------------------------------------------------------------------------------------
 
     def _hold(self, nomination: _Nomination, rooms: list[tuple[PendingPod, Placement]]) -> None:
-        """Hold, in the engine only, the part of each pending pod's room that is free already (its GPUs'
-        free memory up to what it asks on each), so nothing else lands there while the victims or
-        moved pods leave: ``Engine.hold``, the engine's one booking of shares no pod holds (a DRA
-        claim's allocation is another), so the room is no pod, never a victim and takes no pod slot.
-        On a GPU they still use, the GPU keeps their mode until the last booking on it goes
-        (``ClusterState.apply``). The bookings are the nomination's ``holds``, given back when
-        it closes, before the victims' own bookings."""
+        """Hold in the engine what of each pod's room is free already (``free_part``) while the victims
+        leave: an ``Engine.hold``, no pod, no victim, no slot; given back before the victims' bookings."""
         for pending, placement in rooms:
-            free = {ledger.uuid: ledger.free_mib for ledger in self._engine.ledger(placement.node)}
-            containers = []
-            for c in placement.containers:
-                devices = tuple(
-                    DeviceAssignment(d.uuid, d.index, mib, mib, None)
-                    for d in c.devices
-                    if (mib := min(d.request_mib, free.get(d.uuid, 0))) > 0
-                )
-                if devices:
-                    containers.append(ContainerPlacement(c.container, c.mode, c.exclusive, devices))
-            if not containers:
-                continue
             key = f"{HOLD_PREFIX}{pending.uid}"
-            self._engine.hold(
-                key, Placement(key, placement.node, tuple(containers)), namespace=pending.namespace
-            )
+            room = free_part(self._engine, key, placement)
+            if room is None:
+                continue
+            self._engine.hold(key, room, namespace=pending.namespace)
             nomination.holds.append(key)
-
-    def _waiting(self, nomination: _Nomination) -> str:
-        names = ", ".join(self._name(v) for v in nomination.plan.victims)
-        verb = VERB[nomination.plan.kind]
-        return f"{verb} {len(nomination.plan.victims)} pod(s) on {where(nomination.plan)}: {names}."
-
-    def _for(self, nomination: _Nomination) -> str:
-        """Whom a plan makes room for: the pod, or the gang and its members."""
-        if isinstance(nomination.plan, GangPreemption):
-            names = ", ".join(pod_key(p) for p in nomination.members)
-            return f"gang {nomination.owner} ({names})"
-        return pod_key(nomination.pod)
-
-    def _queue_of(self, uid: str) -> str:
-        """The queue a booked pod is charged to ("?" once its booking is gone)."""
-        booked = self._engine.bound_pod(uid)
-        return "?" if booked is None else booked.queue
-
-    def _name(self, uid: str) -> str:
-        booked = self._engine.bound_pod(uid)
-        return uid if booked is None else booked.key
 
     def _excluded(self, uid: str, candidates: np.ndarray) -> set[str]:
         refused = self._memory.refusals(uid)
@@ -490,7 +494,8 @@ class Preemptions:
                 regarding=pod_ref(pod),
                 type=WARNING,
                 reason=PREEMPTION_BLOCKED,
-                message=f"evicting {self._name(refused)} was refused ({detail}); looking for other victims",
+                message=f"evicting {booked_name(self._engine, refused)} was refused ({detail}); "
+                "looking for other victims",
             )
         self._retry()
 
@@ -531,29 +536,32 @@ class Preemptions:
                     return
                 self.evictions += 1
                 reason = VICTIM_REASON[plan.kind]
-                who = f"{self._for(nomination)} {queues(plan.kind, nomination.queue, self._queue_of(victim))}"
-                message = f"{reason} by {who} on {where(plan)}"
+                story = queues(
+                    plan.kind, nomination.queue, booked_queue(self._engine, victim), nomination.book
+                )
+                message = f"{reason} by {whom(nomination)} {story} on {where(plan)}"
                 if plan.kind is Kind.CONSOLIDATE:
                     self.moved += 1
                     target = next(m.target.node for m in plan.moves if m.uid == victim)  # type: ignore[union-attr]
                     message = (
-                        f"Moved by consolidation to make room for {self._for(nomination)} on {where(plan)}; "
+                        f"Moved by consolidation to make room for {whom(nomination)} on {where(plan)}; "
                         f"its controller recreates it (room for it was found on node {target})"
                     )
                 self._events.emit(regarding=pod_ref(pod), type=NORMAL, reason=reason, message=message)
             verb = "moved" if plan.kind is Kind.CONSOLIDATE else "evicted"
-            room = (
-                "to make room"
-                if len(nomination.members) == 1
-                else f"to make room for {self._for(nomination)}"
-            )
+            room = "to make room" if len(nomination.members) == 1 else f"to make room for {whom(nomination)}"
             for member in nomination.members:
                 self._events.emit(
                     regarding=pod_ref(member),
                     type=NORMAL,
                     reason=CONSOLIDATING if plan.kind is Kind.CONSOLIDATE else PREEMPTING,
-                    message=f"{verb} {len(victims)} pod(s) on {where(plan)} {room}: "
-                    + ", ".join(f"{pod_key(p) if p else v} (queue {self._queue_of(v)})" for v, p in victims),
+                    message=taking_message(
+                        plan.kind,
+                        f"{verb} {len(victims)} pod(s) on {where(plan)} {room}",
+                        [(pod_key(p) if p else v, booked_queue(self._engine, v)) for v, p in victims],
+                        nomination.queue,
+                        nomination.book,
+                    ),
                 )
             for member in nomination.members:
                 node = (
@@ -575,7 +583,10 @@ class Preemptions:
         except asyncio.CancelledError:
             raise
         except Exception:
-            log.exception("preemption for %s failed", self._for(nomination))
+            log.exception(
+                "preemption for %s failed",
+                whom(nomination),
+            )
             if self._open.get(uid) is nomination:
                 self._close(uid, nomination)
             self._retry()

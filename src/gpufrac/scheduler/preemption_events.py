@@ -2,17 +2,25 @@
 queues are named in its Events and messages (``gpufrac.scheduler.preemption`` emits them).
 
 A victim's Event names the queue that took its room and, when that is another queue, its own: a tenant
-reading ``kubectl describe pod`` sees whose quota evicted it, not only which pod.
+reading ``kubectl describe pod`` sees whose quota evicted it, not only which pod. A reclaim's Events
+give the numbers it was decided on (``reclaim_story``): how far the taking queue is below its fair share
+and how far each victim queue is above its own.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Protocol
 
 from lightkube.resources.core_v1 import Pod
 
 from gpufrac.kube.events import ObjectRef
 from gpufrac.placement.consolidation import Consolidation
+from gpufrac.placement.engine import Engine, over_limit
 from gpufrac.placement.gang_preemption import GangPreemption
-from gpufrac.placement.preemption import Kind, Preemption
+from gpufrac.placement.model import PendingPod
+from gpufrac.placement.preemption import Kind, Preemption, least_ask
+from gpufrac.placement.queue_shares import FAIR_SHARE, QueueAmount, QueueShares, placed_amount
 
 #: Event reasons: on the pending pod, and on a victim by the kind of removal.
 PREEMPTING = "Preempting"
@@ -32,11 +40,95 @@ def where(plan: Plan) -> str:
     return f"node {plan.node}"
 
 
-def queues(kind: Kind, taker: str, victim: str) -> str:
-    """Which queue took from which, as a victim's Event says it."""
+def queues(kind: Kind, taker: str, victim: str, book: QueueShares | None = None) -> str:
+    """Which queue took from which, as a victim's Event says it; for reclaim, with the numbers it was
+    decided on (``book``: what each queue will hold against its fair share or deserved quota)."""
     if kind is Kind.RECLAIM:
-        return f"(queue {taker}, below its fair share, reclaiming from queue {victim})"
+        if book is None:
+            return f"(queue {taker}, below its {FAIR_SHARE}, reclaiming from queue {victim})"
+        return f"({reclaim_story(taker, [victim], book)})"
     return f"(queue {taker})" if taker == victim else f"(queue {taker}; this pod's queue {victim})"
+
+
+def reclaim_story(taker: str, victims: Iterable[str], book: QueueShares) -> str:
+    """ "queue prod is 163840 MiB below its fair share 327680; reclaiming from queue batch, 163840 MiB
+    over its fair share 81920": the numbers a reclaim was decided on."""
+    bar = book.bar
+
+    def over(q: str) -> str:
+        return f"queue {q}, {book.allocated(q) - book.share_bar(q)} MiB over its {bar} {book.share_bar(q)}"
+
+    below = book.share_bar(taker) - book.allocated(taker)
+    head = f"queue {taker} is {below} MiB below its {bar} {book.share_bar(taker)}"
+    return f"{head}; reclaiming from " + "; ".join(over(q) for q in sorted(set(victims)))
+
+
+def taking_message(
+    kind: Kind, head: str, victims: list[tuple[str, str]], taker: str, book: QueueShares | None
+) -> str:
+    """The preemptor's Event: ``head`` ("evicted 2 pod(s) on node n to make room"), each victim with its
+    queue, and for reclaim the queues' numbers."""
+    text = f"{head}: " + ", ".join(f"{name} (queue {queue})" for name, queue in victims)
+    if kind is Kind.RECLAIM and book is not None and victims:
+        story = reclaim_story(taker, [q for _, q in victims], book)
+        text += f". {story[:1].upper()}{story[1:]}"
+    return text
+
+
+def limit_note(engine: Engine, book: QueueShares, pending: PendingPod, said: str) -> str:
+    """Why nobody is evicted for a pod its queue's limit refuses once the pods already promised to the
+    queue (nominees) are placed: " No pod is evicted for it: queue prod would exceed ..."; "" otherwise,
+    or when the message ``said`` names the limit already."""
+    exceeded = book.exceeded(pending.queue, least_ask(engine, pending))
+    if exceeded is None or over_limit(pending.queue, *exceeded) in said:
+        return ""
+    return f" No pod is evicted for it: {over_limit(pending.queue, *exceeded)}, counting its nominated pods."
+
+
+def plan_amounts(plans: Iterable[tuple[Plan, str]]) -> dict[str, QueueAmount]:
+    """Per pod a plan (with its queue) makes room for: what the plan's placement books, in that queue."""
+    out = {}
+    for plan, queue in plans:
+        placements = plan.placements if isinstance(plan, GangPreemption) else (plan.placement,)
+        for placement in placements:
+            out[placement.pod_uid] = QueueAmount(queue, placed_amount(placement))
+    return out
+
+
+def waiting_for(engine: Engine, plan: Plan) -> str:
+    """What an open plan waits for, as the pod's message ends: "Evicting 2 pod(s) on node n: ns/a, ns/b."."""
+    names = ", ".join(booked_name(engine, v) for v in plan.victims)
+    return f"{VERB[plan.kind]} {len(plan.victims)} pod(s) on {where(plan)}: {names}."
+
+
+class Filed(Protocol):
+    """An open plan as the scheduler files it (``gpufrac.scheduler.preemption``'s nomination)."""
+
+    plan: Plan
+    pod: Pod
+    members: list[Pod]
+
+    @property
+    def owner(self) -> str: ...
+
+
+def whom(filed: Filed) -> str:
+    """Whom a plan makes room for: the pod, or the gang (its owner key) and its members."""
+    if isinstance(filed.plan, GangPreemption):
+        return f"gang {filed.owner} ({', '.join(pod_key(p) for p in filed.members)})"
+    return pod_key(filed.pod)
+
+
+def booked_queue(engine: Engine, uid: str) -> str:
+    """The queue a booked pod is charged to ("?" once its booking is gone)."""
+    booked = engine.bound_pod(uid)
+    return "?" if booked is None else booked.queue
+
+
+def booked_name(engine: Engine, uid: str) -> str:
+    """namespace/name of a booked pod (its uid once its booking is gone)."""
+    booked = engine.bound_pod(uid)
+    return uid if booked is None else booked.key
 
 
 def pod_key(pod: Pod) -> str:

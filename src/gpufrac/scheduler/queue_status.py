@@ -1,10 +1,10 @@
 """``Queue`` status: what each queue holds, asks for, deserves and should hold, written by the leader.
 
-The numbers come from the engine's books (``QueueBook``: what placed pods hold, per queue and subtree)
-and the scheduling queue (what waiting pods ask for); fair share is ``placement.fair_share.fair_shares``
-over that demand. A waiting pod's request in MiB is resolved against the largest GPU of the cluster
-when it asks for a portion (where it will run is not known yet); an exclusive request asks for whole
-GPUs (and their memory). A waiting pod that cannot join the queue it names (unknown, or a parent) is
+The numbers are the ones reclaim decides with (``Engine.queue_shares``, one tree, one capacity, one
+fair share): the engine's books as they will be (pods leaving gone, nominees held) and the scheduling
+queue's waiting pods as demand. A waiting pod's request in MiB is resolved against the largest GPU of
+the cluster when it asks for a portion (where it will run is not known yet); an exclusive request asks
+for whole GPUs (and their memory). A waiting pod that cannot join the queue it names (unknown, or a parent) is
 no demand on any queue.
 
 Writes are rate-limited: one pass every ``interval`` seconds, and a pass patches only the queues whose
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Container, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,8 +26,8 @@ from lightkube.resources.core_v1 import Pod
 from gpufrac.contract.errors import ContractError
 from gpufrac.kube.errors import KubeError, NotFound
 from gpufrac.kube.patch import merge_patch
-from gpufrac.placement.fair_share import QueueBook, fair_shares_by_resource
 from gpufrac.placement.model import Queue, QueueResource
+from gpufrac.placement.queue_shares import Amount, QueueAmount, QueueShares, request_amount
 from gpufrac.scheduler.objects import gpu_request
 from gpufrac.scheduler.placement_engine import PlacementEngine
 from gpufrac.scheduler.queues import RESOURCE_FIELDS, GpufracQueue, QueueDirectory
@@ -55,49 +55,28 @@ def engine_capacity(engine: PlacementEngine) -> Capacity:
     return Capacity(gpu_memory_mib=sum(sizes), gpus=len(sizes), largest_gpu_mib=max(sizes, default=0))
 
 
-def pod_demand(pod: Pod, *, largest_gpu_mib: int) -> dict[QueueResource, int]:
-    """What a waiting pod asks for, per resource; nothing for a pod whose request is invalid."""
+def pod_demand(pod: Pod, *, largest_gpu_mib: int) -> Amount | None:
+    """What a waiting pod asks for; None for a pod whose request is invalid."""
     try:
         request = gpu_request(pod)
     except ContractError:
-        return {}
-    mib = sum(c.request_mib(largest_gpu_mib) * c.device_count for c in request.containers)
-    gpus = sum(c.device_count for c in request.containers if c.exclusive)
-    return {QueueResource.GPU_MEMORY: mib, QueueResource.GPUS: gpus}
+        return None
+    return request_amount(request, largest_gpu_mib)
 
 
-def queue_statuses(
-    *,
-    queues: Iterable[Queue],
-    book: QueueBook,
-    waiting: Mapping[QueueResource, Mapping[str, int]],
-    capacity: Capacity,
-) -> dict[str, dict[str, dict[str, int]]]:
+def queue_statuses(*, queues: Iterable[Queue], shares: QueueShares) -> dict[str, dict[str, dict[str, int]]]:
     """The status of every queue: ``allocated`` and ``requested`` (its subtree's), ``deserved`` and
-    ``fairShare``, each per resource field (``gpuMemory``, ``gpus``); fair share rounded down."""
-    queues = list(queues)
-    names = {q.name for q in queues}
-    own_demand: dict[QueueResource, dict[str, int]] = {}
-    for resource in RESOURCES:
-        demand = {name: book.own(name, resource) for name in names}
-        for name, amount in waiting.get(resource, {}).items():
-            demand[name] = demand.get(name, 0) + amount
-        own_demand[resource] = demand
-    shares = fair_shares_by_resource(queues, own_demand, {r: capacity.of(r) for r in RESOURCES})
-    requested: dict[QueueResource, dict[str, int]] = {r: {} for r in RESOURCES}
-    for resource in RESOURCES:
-        for name, amount in own_demand[resource].items():
-            for q in book.lineage(name):
-                requested[resource][q] = requested[resource].get(q, 0) + amount
-    statuses: dict[str, dict[str, dict[str, int]]] = {}
-    for q in queues:
-        statuses[q.name] = {
-            "allocated": {RESOURCE_FIELDS[r]: book.allocated(q.name, r) for r in RESOURCES},
-            "requested": {RESOURCE_FIELDS[r]: requested[r].get(q.name, 0) for r in RESOURCES},
-            "deserved": {RESOURCE_FIELDS[r]: q.deserved(r, capacity.of(r)) for r in RESOURCES},
-            "fairShare": {RESOURCE_FIELDS[r]: int(shares[r].get(q.name, 0.0)) for r in RESOURCES},
+    ``fairShare``, each per resource field (``gpuMemory``, ``gpus``); fair share rounded down. The
+    numbers are the ones reclaim decides with: pods leaving are gone, nominees held."""
+    return {
+        q.name: {
+            "allocated": {RESOURCE_FIELDS[r]: shares.allocated(q.name, r) for r in RESOURCES},
+            "requested": {RESOURCE_FIELDS[r]: shares.requested(q.name, r) for r in RESOURCES},
+            "deserved": {RESOURCE_FIELDS[r]: shares.deserved(q.name, r) for r in RESOURCES},
+            "fairShare": {RESOURCE_FIELDS[r]: shares.fair_share(q.name, r) for r in RESOURCES},
         }
-    return statuses
+        for q in queues
+    }
 
 
 class QueueStatusWriter:
@@ -108,16 +87,18 @@ class QueueStatusWriter:
         *,
         client: AsyncClient,
         directory: QueueDirectory,
-        book: Callable[[], QueueBook],
-        capacity: Callable[[], Capacity],
+        engine: Callable[[], PlacementEngine],
+        leaving: Callable[[], Iterable[str]],
+        planned: Callable[[], dict[str, QueueAmount]],
         waiting: Callable[[], Iterable[tuple[str, Pod]]],
         is_leader: Callable[[], bool],
         interval: float,
     ) -> None:
         self._client = client
         self._directory = directory
-        self._book = book
-        self._capacity = capacity
+        self._engine = engine
+        self._leaving = leaving
+        self._planned = planned
         self._waiting = waiting
         self._is_leader = is_leader
         self._interval = interval
@@ -125,28 +106,45 @@ class QueueStatusWriter:
         self.writes = 0
         # A waiting pod's demand by uid, for its resourceVersion and the largest GPU it was resolved
         # against: a pass re-reads only pods that changed (tens of thousands may wait).
-        self._demands: dict[str, tuple[tuple[str, int], dict[QueueResource, int]]] = {}
+        self._demands: dict[str, tuple[tuple[str, int], Amount | None]] = {}
 
-    def statuses(self) -> dict[str, dict[str, dict[str, int]]]:
-        capacity = self._capacity()
-        waiting: dict[QueueResource, dict[str, int]] = {r: {} for r in RESOURCES}
-        demands: dict[str, tuple[tuple[str, int], dict[QueueResource, int]]] = {}
-        for queue, pod in self._waiting():
-            if self._directory.refusal(pod) is not None:
-                continue  # a pod that cannot join its queue is no demand on it
+    def waiting_demand(
+        self, skip: Container[str] = frozenset(), also: Iterable[Pod] = ()
+    ) -> list[QueueAmount]:
+        """What the pods still waiting ask for, per queue: not a pod its queue refuses (no demand on
+        it), nor a nominee or a pod of ``skip`` (its queue counts it as held already). ``also``: pods
+        out of the scheduling queue for the cycle that is placing them, waiting all the same."""
+        engine = self._engine()
+        capacity = engine_capacity(engine)
+        out: list[QueueAmount] = []
+        demands: dict[str, tuple[tuple[str, int], Amount | None]] = {}
+        cycle = [(self._directory.queue_of(pod), pod) for pod in also]
+        for queue, pod in [*self._waiting(), *cycle]:
             uid = pod.metadata.uid or ""
+            if uid in demands:
+                continue
+            if uid in skip or engine.nominated(uid) or self._directory.refusal(pod) is not None:
+                continue
             version = (pod.metadata.resourceVersion or "", capacity.largest_gpu_mib)
             known = self._demands.get(uid)
             demand = known[1] if known is not None and known[0] == version else None
-            if demand is None:
+            if known is None or known[0] != version:
                 demand = pod_demand(pod, largest_gpu_mib=capacity.largest_gpu_mib)
             demands[uid] = (version, demand)
-            for resource, amount in demand.items():
-                waiting[resource][queue] = waiting[resource].get(queue, 0) + amount
+            if demand is not None:
+                out.append(QueueAmount(queue, demand))
         self._demands = demands
-        return queue_statuses(
-            queues=self._directory.queues(), book=self._book(), waiting=waiting, capacity=capacity
+        return out
+
+    def shares(self) -> QueueShares:
+        """The queues as the books will be, with the waiting pods' demand."""
+        planned = self._planned()
+        return self._engine().queue_shares(
+            leaving=self._leaving(), waiting=self.waiting_demand(set(planned)), nominees=planned
         )
+
+    def statuses(self) -> dict[str, dict[str, dict[str, int]]]:
+        return queue_statuses(queues=self._directory.queues(), shares=self.shares())
 
     async def run(self) -> None:
         while True:

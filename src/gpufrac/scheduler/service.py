@@ -73,7 +73,7 @@ from gpufrac.scheduler.placement_engine import PlacementEngine
 from gpufrac.scheduler.pod_fields import RefusedPod, refused_fields, scheduling_gates, volume_terms
 from gpufrac.scheduler.pod_watch import PodWatch
 from gpufrac.scheduler.preemption import Preemptions
-from gpufrac.scheduler.queue_status import QueueStatusWriter, engine_capacity
+from gpufrac.scheduler.queue_status import QueueStatusWriter
 from gpufrac.scheduler.queues import QueueDirectory
 from gpufrac.scheduler.scheduling_queue import SchedulingQueue
 from gpufrac.scheduler.status_report import StatusReporter
@@ -163,8 +163,9 @@ class SchedulerService:
         self.queue_status = QueueStatusWriter(
             client=client,
             directory=self.queue_directory,
-            book=lambda: self.cache.engine.queues,
-            capacity=lambda: engine_capacity(self.cache.engine),
+            engine=lambda: self.cache.engine,
+            leaving=lambda: self.preemptions.leaving_pods if self.preemptions is not None else (),
+            planned=lambda: self.preemptions.planned() if self.preemptions is not None else {},
             waiting=self.queue.waiting,
             is_leader=self.is_leader,
             interval=config.queue_status_interval_s or 0.0,
@@ -218,6 +219,7 @@ class SchedulerService:
                 place_now=lambda pod: self._schedule([(pod.metadata.uid, pod)]),
                 retry=changed,
                 spawn=self._chores.spawn,
+                waiting=self.queue_status.waiting_demand,
                 preempt=config.preemption,
                 moves=MoveBudget(consolidation.max_moves_per_minute, now=time.monotonic())
                 if consolidation.enabled
@@ -338,7 +340,7 @@ class SchedulerService:
     def _schedule(self, batch: list[tuple[str, Pod]]) -> None:
         """One scheduling cycle: read and filter each pod, place the batch, bind or report each pod."""
         if self.preemptions is not None:
-            self.preemptions.new_cycle()
+            self.preemptions.new_cycle(pod for _, pod in batch)
         items: list[CycleItem] = []
         for uid, queued in batch:
             pod = self.pods.store.get(object_key(queued))
