@@ -299,9 +299,9 @@ async def test_queue_objects_are_served_and_honoured(cluster: LocalCluster) -> N
         deadline = asyncio.get_running_loop().time() + 30
         while True:
             header, *rows = (await asyncio.to_thread(_kubectl, cluster, "get", "queues")).splitlines()
-            # NAME PARENT GPU-MEM-DESERVED GPU-MEM-ALLOCATED ...; a top-level queue's parent is blank.
-            assert header.split()[:4] == ["NAME", "PARENT", "GPU-MEM-DESERVED", "GPU-MEM-ALLOCATED"]
-            if [row.split()[:3] for row in rows] == [[queue, "0", "16384"]]:
+            # NAME PARENT DESERVED(MIB) LIMIT(MIB) ALLOCATED(MIB) ...; a top-level queue's parent is blank.
+            assert header.split()[:5] == ["NAME", "PARENT", "DESERVED(MIB)", "LIMIT(MIB)", "ALLOCATED(MIB)"]
+            if [row.split()[:4] for row in rows] == [[queue, "0", "20000", "16384"]]:
                 break
             assert asyncio.get_running_loop().time() < deadline, rows
             await asyncio.sleep(0.5)
