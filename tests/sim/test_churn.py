@@ -65,7 +65,7 @@ def test_the_openb_pod_lists_carry_creation_and_deletion_times(tmp_path) -> None
     assert (pod.created, pod.deleted, pod.qos) == (427061, 12902960, "LS")
 
 
-def test_simulate_churn_reports_both_runs_per_queue(tmp_path) -> None:
+def test_simulate_churn_reports_each_reclaim_rule_per_queue(tmp_path) -> None:
     pods = tmp_path / "pods.csv"
     pods.write_text(
         "name,cpu_milli,memory_mib,num_gpu,gpu_milli,gpu_spec,qos,pod_phase,creation_time,deletion_time\n"
@@ -83,13 +83,26 @@ def test_simulate_churn_reports_both_runs_per_queue(tmp_path) -> None:
     out = json.loads(result.output)
     assert out["plot"] == str(png) and png.stat().st_size > 0
     runs = out["runs"]
+    # Three runs: reclaim off, against deserved quotas (before #36), against fair shares.
     # Allocation against fair share over time: with reclaim, LS holds a quarter of the GPU memory
     # (half a GPU of two) from t=10, where without it holds nothing until t=100.
     at_50 = [next(shares for t, shares in r["timeline"] if t >= 50) for r in runs]
-    assert [s["LS"] for s in at_50] == [0.0, pytest.approx(0.25, abs=1e-3)]
-    assert [(r["reclaim"], r["preemptions"]) for r in runs] == [(False, 0), (True, 1)]
+    assert [s["LS"] for s in at_50] == [0.0, pytest.approx(0.25, abs=1e-3), pytest.approx(0.25, abs=1e-3)]
+    assert [(r["reclaim_rule"], r["preemptions"]) for r in runs] == [
+        ("", 0),
+        ("deserved", 1),
+        ("fair-share", 1),
+    ]
     ls = [next(q for q in r["queues"] if q["queue"] == "LS") for r in runs]
-    assert [q["pending_p50_s"] for q in ls] == [90.0, 0.0]
+    assert [q["pending_p50_s"] for q in ls] == [90.0, 0.0, 0.0]
+    # LS's fair share from t=10 is its demand, a quarter of the memory: without reclaim it holds none of
+    # it for 90 s, and its half GPU would have fitted within it all that time.
+    assert [q["starved_s"] for q in ls] == [90.0, 0.0, 0.0]
+    table = CliRunner().invoke(app, [*args, "--churn", "--no-plot", "--churn-reclaim", "deserved,fair-share"])
+    assert table.exit_code == 0, table.output
+    assert "reclaim per run" in table.output and "Jain" in table.output
+    bad = CliRunner().invoke(app, [*args, "--churn", "--churn-reclaim", "old"])
+    assert bad.exit_code == 2 and "a comma list of off, fair-share, deserved" in bad.output
     bad = CliRunner().invoke(app, [*args, "--churn", "--churn-cluster", "0"])
     assert bad.exit_code == 2 and "cluster=0.0 must be a fraction in (0, 1]" in bad.output
 

@@ -38,12 +38,22 @@ from gpufrac.placement.decision import Placement
 from gpufrac.placement.engine import Engine
 from gpufrac.placement.model import Queue
 from gpufrac.placement.preemption import Kind, find_victims
+from gpufrac.placement.queue_shares import Amount, QueueAmount, QueueShares, request_amount
 
+from .fairness import FairnessMeter
 from .trace import TraceNode, TracePod
 from .workload import PodFactory, node_spec, shape_counts
 
 NO_QOS = "none"
 TIMELINE_POINTS = 400
+#: Reclaim rules: judged against each queue's fair share, then its deserved quota (KAI's two strategies,
+#: since #36), or against the static deserved quota alone (the rule before #36).
+FAIR_SHARE_RULE = "fair-share"
+DESERVED_RULE = "deserved"
+RECLAIM_RULES = (FAIR_SHARE_RULE, DESERVED_RULE)
+#: A reclaim's victims count as wasted when the pod they were evicted for did not start, or was itself
+#: evicted before it had run this long (seconds of trace time): their room served it less than this.
+WASTE_WINDOW_S = 600
 
 
 @dataclass
@@ -57,6 +67,13 @@ class QueueResult:
     pending_p99_s: float
     preempted: int
     moved: int = 0
+    fair_ratio_mean: float = float("nan")
+    """Allocated / fair share, time-weighted over the time its fair share was above zero
+    (``gpufrac.sim.fairness``); p10 and p90 likewise."""
+    fair_ratio_p10: float = float("nan")
+    fair_ratio_p90: float = float("nan")
+    starved_s: float = 0.0
+    """Seconds it had a pending pod that would have fitted within its fair share."""
 
 
 @dataclass
@@ -78,6 +95,20 @@ class ChurnResult:
     timeline: list[tuple[int, dict[str, float]]] = field(default_factory=list)
     """(seconds, queue -> share of the cluster's GPU memory its running pods hold), thinned to about
     ``TIMELINE_POINTS`` samples: allocation against fair share over time."""
+    fair_timeline: list[tuple[int, dict[str, float]]] = field(default_factory=list)
+    """(seconds, queue -> its fair share, as a share of the cluster's GPU memory), at the same samples."""
+    reclaim_rule: str = ""
+    """``FAIR_SHARE_RULE`` or ``DESERVED_RULE`` with reclaim on; empty without."""
+    hours: float = 0.0
+    """Trace time from the first arrival to the last event, in hours."""
+    evictions_per_hour: float = 0.0
+    wasted_evictions: int = 0
+    """Victims whose room did not serve the pod they were evicted for: it did not start, or was itself
+    evicted within ``WASTE_WINDOW_S`` of starting."""
+    below_share_evictions: int = 0
+    """Victims whose queue held less than its fair share once the plan was carried out."""
+    jain_index: float = float("nan")
+    """Jain's index over queues of allocated / fair share, time-weighted (``gpufrac.sim.fairness``)."""
 
 
 def queue_of(pod: TracePod) -> str:
@@ -112,11 +143,19 @@ def churn_replay(
     consolidation: bool = False,
     movable_share: float = 0.5,
     max_moves_per_minute: int = 4,
+    reclaim_rule: str = FAIR_SHARE_RULE,
 ) -> ChurnResult:
     """Replay ``pods`` with their arrival and departure times (see the module docstring). ``load``
     divides the arrival times (2.0: pods arrive twice as fast, each running as long as in the trace),
     the knob that makes a trace recorded on a roomier cluster contend; ``cluster`` keeps that fraction
-    of the nodes (a seeded sample), the other such knob."""
+    of the nodes (a seeded sample), the other such knob.
+
+    ``reclaim_rule`` (with ``reclaim``): ``FAIR_SHARE_RULE`` reclaims against the queues' fair shares
+    (the pending pods' demand counted), then their deserved quotas; ``DESERVED_RULE`` against deserved
+    quotas alone, the rule before #36. The replay carries a plan out at once, so the other half of that
+    change (victims still leaving and nominated pods counted) has nothing to act on here."""
+    if reclaim_rule not in RECLAIM_RULES:
+        raise ValueError(f"reclaim_rule={reclaim_rule!r}: one of {', '.join(RECLAIM_RULES)}")
     if load <= 0:
         raise ValueError(f"load={load} must be positive")
     if not 0 <= movable_share <= 1:
@@ -159,11 +198,54 @@ def churn_replay(
     preempted: dict[str, int] = defaultdict(int)
     moved: dict[str, int] = defaultdict(int)
     budget = MoveBudget(max_moves_per_minute, now=0.0) if consolidation else None
+    largest = int(engine.state.cap.max()) if engine.state.cap.size else 0
+    asks = [request_amount(p.gpu, largest) for p in pending_pods]
+    pending_amount: dict[str, Amount] = {}
+    pending_asks: dict[str, dict[int, int]] = defaultdict(lambda: defaultdict(int))  # queue -> MiB -> pods
+    taker: dict[int, tuple[int, int]] = {}  # pod started by a reclaim -> (start, its victims)
+    wasted = below_share = 0
+
+    placeable: dict[int, bool] = {}
+
+    def starvable(i: int) -> bool:
+        """Whether pod ``i`` waiting can starve its queue: it asks GPU memory, and some node's spec
+        admits it (a pod asking for a GPU model no node has waits whatever reclaim does)."""
+        if i not in placeable:
+            placeable[i] = asks[i].mib > 0 and engine.static_fits(pending_pods[i]).size > 0
+        return placeable[i]
+
+    def wait(i: int) -> None:
+        if i in waiting:
+            return
+        waiting[i] = None
+        q = pending_pods[i].queue
+        pending_amount[q] = pending_amount.get(q, Amount()) + asks[i]
+        if starvable(i):
+            pending_asks[q][asks[i].mib] += 1
+
+    def unwait(i: int) -> None:
+        if i not in waiting:
+            return
+        del waiting[i]
+        q = pending_pods[i].queue
+        pending_amount[q] = Amount(pending_amount[q].mib - asks[i].mib, pending_amount[q].gpus - asks[i].gpus)
+        if starvable(i):
+            count = pending_asks[q]
+            count[asks[i].mib] -= 1
+            if not count[asks[i].mib]:
+                del count[asks[i].mib]
+
+    def books(also: int | None = None) -> QueueShares:
+        """The queues as they are, every pending pod's request (and ``also``'s) their demand."""
+        demand = [QueueAmount(q, a) for q, a in pending_amount.items()]
+        if also is not None and also not in waiting:
+            demand.append(QueueAmount(pending_pods[also].queue, asks[also]))
+        return engine.queue_shares(waiting=demand)
 
     def start(i: int, now: int) -> None:
         started_at[i] = now
         waits.setdefault(i, now - arrive[i])
-        waiting.pop(i, None)
+        unwait(i)
         heapq.heappush(events, (now + left[i], 0, i, version[i]))
 
     def consolidate(i: int, now: int) -> bool:
@@ -190,7 +272,14 @@ def churn_replay(
             return True
         if not reclaim:
             return consolidation and consolidate(i, now)
-        plan = find_victims(engine, pending_pods[i], kind=Kind.RECLAIM)
+        nonlocal wasted, below_share
+        book = books(also=i)
+        plan = find_victims(
+            engine,
+            pending_pods[i],
+            kind=Kind.RECLAIM,
+            shares=book if reclaim_rule == FAIR_SHARE_RULE else book.by_deserved(),
+        )
         if plan is None:
             return consolidation and consolidate(i, now)
         for uid in plan.victims:
@@ -199,35 +288,57 @@ def churn_replay(
             version[v] += 1
             left[v] -= now - started_at.pop(v)
             preempted[queue_of(timed[v])] += 1
-            waiting[v] = None
+            wait(v)
+            took = taker.pop(v, None)
+            if took is not None and now - took[0] < WASTE_WINDOW_S:
+                wasted += took[1]
         decision = engine.place(pending_pods[i])
-        if isinstance(decision, Placement):
-            start(i, now)
-            return True
-        return False
+        if not isinstance(decision, Placement):
+            wasted += len(plan.victims)
+            return False
+        start(i, now)
+        taker[i] = (now, len(plan.victims))
+        after = books()
+        below_share += sum(
+            after.allocated(pending_pods[int(uid)].queue) < after.fair_share(pending_pods[int(uid)].queue)
+            for uid in plan.victims
+        )
+        return True
 
     cluster_mib = max(1, int(engine.state.cap_total.sum()))
     span = max(1, max(arrive) + max(left.values()))
     step = max(1, span // TIMELINE_POINTS)
     timeline: list[tuple[int, dict[str, float]]] = []
+    fair_timeline: list[tuple[int, dict[str, float]]] = []
+    meter = FairnessMeter(list(shares))
+    first = min(arrive)
+    last = first
 
     def sample(now: int) -> None:
+        """The books since the last event held until ``now``: weighed, and sampled for the timeline."""
+        nonlocal last
+        if now <= last:
+            return
+        book = books()
+        meter.hold(book, {q: min(c) for q, c in pending_asks.items() if c}, now - last)
+        last = now
         if timeline and now - timeline[-1][0] < step:
             return
-        usage = engine.queues.usage
-        timeline.append((now, {q: round(usage.get(q, 0) / cluster_mib, 5) for q in shares}))
+        timeline.append((now, {q: round(book.allocated(q) / cluster_mib, 5) for q in shares}))
+        fair_timeline.append((now, {q: round(book.fair_share(q) / cluster_mib, 5) for q in shares}))
 
     while events:
         now, kind, i, ver = heapq.heappop(events)
         sample(now)
         if kind == 1:
             if not attempt(i, now):
-                waiting[i] = None
+                wait(i)
             continue
         if ver != version[i] or i not in started_at:
             continue  # the run that would have ended here was preempted
         engine.forget(pending_pods[i].uid)
         del started_at[i]
+        taker.pop(i, None)
         for j in list(waiting)[:retry_limit]:
             attempt(j, now)
 
@@ -235,6 +346,7 @@ def churn_replay(
     for q, share in shares.items():
         members = [i for i in range(len(timed)) if queue_of(timed[i]) == q]
         done = [waits[i] for i in members if i in waits]
+        fair = meter.queue(q)
         queues.append(
             QueueResult(
                 queue=q,
@@ -246,9 +358,14 @@ def churn_replay(
                 pending_p99_s=round(_percentile(done, 99), 1),
                 preempted=preempted[q],
                 moved=moved[q],
+                fair_ratio_mean=round(fair.ratio_mean, 3),
+                fair_ratio_p10=round(fair.ratio_p10, 3),
+                fair_ratio_p90=round(fair.ratio_p90, 3),
+                starved_s=round(fair.starved_s, 1),
             )
         )
     everything = list(waits.values())
+    hours = max(1, last - first) / 3600
     return ChurnResult(
         policy=policy,
         reclaim=reclaim,
@@ -264,4 +381,11 @@ def churn_replay(
         movable_share=movable_share if consolidation else 0.0,
         queues=queues,
         timeline=timeline,
+        fair_timeline=fair_timeline,
+        reclaim_rule=reclaim_rule if reclaim else "",
+        hours=round(hours, 3),
+        evictions_per_hour=round(sum(preempted.values()) / hours, 3),
+        wasted_evictions=wasted,
+        below_share_evictions=below_share,
+        jain_index=round(meter.jain_index, 4),
     )

@@ -9,6 +9,7 @@ Examples::
     gpufrac simulate --trace default --policy fgd-plus,kube-dra --scenario claims  # as DRA claims, vs stock
     gpufrac simulate --trace default --policy fgd --seeds 42 --churn   # departures, queues, reclaim
     gpufrac simulate --trace default --churn --consolidation --churn-cluster 0.01  # and moves
+    gpufrac simulate --trace default --churn --churn-reclaim deserved,fair-share  # reclaim before/after #36
     gpufrac simulate --trace cpu2x --policy fgd,fgd-align --offline-bound   # a CPU-heavier variant
     gpufrac simulate --trace default --policy fgd-align --window 16    # bursts of 16 received pods
     gpufrac simulate --from-cluster --policy all --export snap/        # your own cluster (kubeconfig)
@@ -38,7 +39,7 @@ from rich.table import Table
 
 from gpufrac.placement.policies import DEFAULT_POLICY, POLICIES
 
-from .churn import churn_replay
+from .churn import DESERVED_RULE, FAIR_SHARE_RULE, RECLAIM_RULES, ChurnResult, churn_replay
 from .experiment import DEFAULT_POLICIES, parse_policies, parse_seeds, run_experiment
 from .openb import TraceUnavailable
 from .replay import RunResult
@@ -123,6 +124,13 @@ def simulate(
     churn_cluster: Annotated[
         float, typer.Option(help="With --churn: keep this fraction of the nodes (a seeded sample).")
     ] = 1.0,
+    churn_reclaim: Annotated[
+        str,
+        typer.Option(
+            help="With --churn: the runs, a comma list of off (no reclaim), deserved (reclaim against "
+            "deserved quotas alone, before #36) and fair-share (against fair shares, then deserved quotas).",
+        ),
+    ] = f"off,{DESERVED_RULE},{FAIR_SHARE_RULE}",
     consolidation: Annotated[
         bool,
         typer.Option(
@@ -164,6 +172,16 @@ def simulate(
     if scenario not in SCENARIOS:
         err.print(f"gpufrac simulate: unknown scenario {scenario!r}; known: {', '.join(SCENARIOS)}")
         raise typer.Exit(code=2)
+    rules = [r.strip() for r in churn_reclaim.split(",") if r.strip()]
+    unknown = [r for r in rules if r not in ("off", *RECLAIM_RULES)]
+    if unknown or not rules:
+        err.print(
+            f"gpufrac simulate: --churn-reclaim {churn_reclaim!r}: "
+            f"a comma list of off, {', '.join(RECLAIM_RULES)}",
+            soft_wrap=True,
+            markup=False,
+        )
+        raise typer.Exit(code=2)
     if consolidation and not churn:
         err.print("gpufrac simulate: --consolidation goes with --churn")
         raise typer.Exit(code=2)
@@ -193,6 +211,7 @@ def simulate(
             load=churn_load,
             cluster=churn_cluster,
             consolidation=consolidation,
+            rules=rules,
             movable_share=churn_movable,
             max_moves_per_minute=max_moves_per_minute,
             plot_path=None if no_plot else plot_path or Path("out") / f"churn-{name}.png",
@@ -270,6 +289,7 @@ def _churn(
     load: float,
     cluster: float,
     consolidation: bool,
+    rules: list[str],
     movable_share: float,
     max_moves_per_minute: int,
     plot_path: Path | None,
@@ -281,7 +301,8 @@ def _churn(
                 pods=pods,
                 policy=policy,
                 seed=seed,
-                reclaim=reclaim,
+                reclaim=rule != "off",
+                reclaim_rule=FAIR_SHARE_RULE if rule == "off" else rule,
                 load=load,
                 cluster=cluster,
                 consolidation=consolidate,
@@ -289,7 +310,7 @@ def _churn(
                 max_moves_per_minute=max_moves_per_minute,
             )
             for consolidate in ((False, True) if consolidation else (False,))
-            for reclaim in (False, True)
+            for rule in rules
         ]
     except ValueError as error:
         err.print(f"gpufrac simulate: {error}")
@@ -303,7 +324,18 @@ def _churn(
     if consolidation:
         title += f", {movable_share:.0%} of pods movable, at most {max_moves_per_minute} moves/min"
     out = Table(title=title)
-    columns = ["queue", "share", "pods", "reclaim", "started", "pending p50", "pending p99", "preempted"]
+    columns = [
+        "queue",
+        "share",
+        "pods",
+        "reclaim",
+        "started",
+        "pending p50",
+        "pending p99",
+        "preempted",
+        "held/fair p10 mean p90",
+        "starved h",
+    ]
     if consolidation:
         columns[4:4] = ["consolidation"]
         columns.append("moved")
@@ -320,6 +352,8 @@ def _churn(
                 q.pending_p99_s,
                 q.preempted,
                 q.moved,
+                f"{q.fair_ratio_p10:.2f} {q.fair_ratio_mean:.2f} {q.fair_ratio_p90:.2f}",
+                f"{q.starved_s / 3600:.1f}",
             )
             for q in run.queues
         ]
@@ -333,23 +367,57 @@ def _churn(
                 run.pending_p99_s,
                 run.preemptions,
                 run.moves,
+                f"Jain {run.jain_index:.3f}",
+                "",
             )
         )
-        for queue, share, count, started, p50, p99, preempted, moved in rows:
+        for queue, share, count, started, p50, p99, preempted, moved, fair, starved in rows:
             cells = [
                 queue,
                 share,
                 count,
-                "on" if run.reclaim else "off",
+                run.reclaim_rule or "off",
                 str(started),
                 f"{p50:.0f}",
                 f"{p99:.0f}",
                 str(preempted),
+                fair,
+                starved,
             ]
             if consolidation:
                 cells[4:4] = ["on" if run.consolidation else "off"]
-                cells.append(str(moved))
+                cells.insert(9, str(moved))
             out.add_row(*cells)
     Console().print(out)
+    Console().print(_reclaim_table(runs, consolidation))
     if written:
         Console().print(f"allocation over time: {written}")
+
+
+def _reclaim_table(runs: list[ChurnResult], consolidation: bool) -> Table:
+    """Per run: evictions per hour of trace time, the wasted ones, those below their queue's fair share,
+    and Jain's index of held / fair share over queues (docs/benchmarks.md, "Reclaim before and after #36")."""
+    out = Table(
+        title="reclaim per run",
+        caption="wasted: the pod they were evicted for did not start, or was evicted itself within 10 min; "
+        "below share: their queue then held less than its fair share",
+    )
+    columns = ["reclaim", "hours", "evictions", "per hour", "wasted", "below share", "Jain"]
+    if consolidation:
+        columns[1:1] = ["consolidation"]
+    for column in columns:
+        out.add_column(column)
+    for run in runs:
+        cells = [
+            run.reclaim_rule or "off",
+            f"{run.hours:.1f}",
+            str(run.preemptions),
+            f"{run.evictions_per_hour:.3f}",
+            str(run.wasted_evictions),
+            str(run.below_share_evictions),
+            f"{run.jain_index:.3f}",
+        ]
+        if consolidation:
+            cells[1:1] = ["on" if run.consolidation else "off"]
+        out.add_row(*cells)
+    return out

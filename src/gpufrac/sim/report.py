@@ -177,8 +177,9 @@ def plot(trace: str, results: Sequence[RunResult], path: Path) -> Path:
 
 
 def plot_churn(trace: str, runs: Sequence[ChurnResult], path: Path) -> Path:
-    """Per queue, its share of the cluster's GPU memory over time against its deserved share (dashed),
-    one panel per run (reclaim off, on; then with consolidation)."""
+    """Per queue, its share of the cluster's GPU memory over time against its fair share over time
+    (dashed) and its deserved share (dotted), one panel per run (each reclaim rule; then with
+    consolidation)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -189,9 +190,16 @@ def plot_churn(trace: str, runs: Sequence[ChurnResult], path: Path) -> Path:
         hours = [t / 3600 for t, _ in run.timeline]
         for q in run.queues:
             line = ax.plot(hours, [shares.get(q.queue, 0.0) for _, shares in run.timeline], label=q.queue)
-            ax.axhline(q.deserved_share, color=line[0].get_color(), linestyle="--", linewidth=0.8)
-        ax.set(xlabel="hours", ylabel="share of cluster GPU memory (dashed: deserved)")
-        title = f"{trace}: reclaim {'on' if run.reclaim else 'off'} ({run.preemptions} preemptions)"
+            color = line[0].get_color()
+            fair = [shares.get(q.queue, 0.0) for _, shares in run.fair_timeline]
+            if fair:
+                ax.plot(
+                    [t / 3600 for t, _ in run.fair_timeline], fair, color=color, linestyle="--", linewidth=0.8
+                )
+            ax.axhline(q.deserved_share, color=color, linestyle=":", linewidth=0.8)
+        ax.set(xlabel="hours", ylabel="share of cluster GPU memory (dashed: fair share; dotted: deserved)")
+        rule = run.reclaim_rule or ("on" if run.reclaim else "off")
+        title = f"{trace}: reclaim {rule} ({run.preemptions} preemptions, Jain {run.jain_index:.3f})"
         if run.consolidation:
             title += f", consolidation ({run.moves} moves)"
         ax.set_title(title)
