@@ -208,6 +208,10 @@ class Queue:
     (labels of the Namespace); a namespace either admits is admitted. With neither (both None) the queue
     is open to every namespace: not a tenant boundary. ``max_priority`` bounds the priority of its pods
     (None: no bound).
+
+    ``preempt_min_runtime_s`` and ``reclaim_min_runtime_s`` (KAI Scheduler's ``preemptMinRuntime`` and
+    ``reclaimMinRuntime``): how long a pod of the queue runs before preemption, or reclaim, may evict it;
+    None: not set here, the nearest ancestor's value applies (none at all: 0, no minimum).
     """
 
     name: str
@@ -218,6 +222,8 @@ class Queue:
     namespaces: frozenset[str] | None = None
     namespace_selector: LabelSelector | None = None
     max_priority: int | None = None
+    preempt_min_runtime_s: float | None = None
+    reclaim_min_runtime_s: float | None = None
 
     @property
     def bound(self) -> bool:

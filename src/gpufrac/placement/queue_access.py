@@ -22,6 +22,7 @@ pod may name a queue that is created later), and an unknown queue is never an un
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -79,6 +80,35 @@ def _int(value: Any, *, where: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
         raise ValueError(f"{where}: {value!r} is not a non-negative integer")
     return int(value)
+
+
+#: Seconds per unit of a Go duration (``time.ParseDuration``, what KAI's ``metav1.Duration`` fields hold).
+_DURATION_UNITS = {"ns": 1e-9, "us": 1e-6, "\u00b5s": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+_DURATION_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|\u00b5s|ms|s|m|h)")
+
+
+def parse_duration(value: Any, *, where: str, negative: bool = False) -> float:
+    """Seconds of a Go duration string ("5m", "1h30m", "90s", "0"), as Kubernetes writes a
+    ``metav1.Duration``. A negative one ("-1s") is refused, or read as 0 when ``negative`` (KAI's own
+    queues: a negative minimum protects nobody there)."""
+    text = value if isinstance(value, str) else None
+    sign = 1.0
+    if text and text[0] in "+-":
+        sign, text = (-1.0 if text[0] == "-" else 1.0), text[1:]
+    if text == "0":
+        return 0.0
+    parts = _DURATION_PART.findall(text or "")
+    if not text or not parts or "".join(n + u for n, u in parts) != text:
+        raise ValueError(f'{where}: {value!r} is not a duration such as "5m", "1h30m" or "90s"')
+    seconds = sign * sum(float(n) * _DURATION_UNITS[u] for n, u in parts)
+    if seconds < 0 and not negative:
+        raise ValueError(f"{where}: {value!r} is negative")
+    return max(seconds, 0.0)
+
+
+def _min_runtime(spec: Mapping[str, Any], key: str, *, name: str) -> float | None:
+    value = spec.get(key)
+    return None if value is None else parse_duration(value, where=f"queue {name}: spec.{key}")
 
 
 _SELECTOR_OPERATORS = {
@@ -147,6 +177,8 @@ def queue_from_spec(name: str, spec: Mapping[str, Any] | None) -> Queue:
         if selector is None
         else _selector(selector, where=f"queue {name}: spec.namespaceSelector"),
         max_priority=max_priority,
+        preempt_min_runtime_s=_min_runtime(spec, "preemptMinRuntime", name=name),
+        reclaim_min_runtime_s=_min_runtime(spec, "reclaimMinRuntime", name=name),
     )
 
 
@@ -233,6 +265,7 @@ __all__ = [
     "access_refusal",
     "chosen_queue",
     "named_queues",
+    "parse_duration",
     "queue_from_spec",
     "queue_refusal",
 ]

@@ -14,7 +14,9 @@ is: KAI's ``gpu`` becomes our whole-GPU quota (deserved rounded down, limit roun
 is never promised more, nor capped harder, than KAI said); KAI's GPU over-quota weight also weights the
 queue's GPU memory (KAI divides fractional GPUs by the same weight); KAI's ``cpu`` and ``memory`` (host
 resources) have no counterpart and are ignored; a negative quota is 0 and a negative or absent limit is
-none. The mapping is documented in docs/queues.md.
+none. KAI's ``spec.preemptMinRuntime`` and ``spec.reclaimMinRuntime`` (``metav1.Duration`` strings) are
+ours unchanged (a negative one, which protects nobody in KAI, is 0; one that does not parse is unset,
+logged). The mapping is documented in docs/queues.md.
 
 Each CRD is probed at start (a list): one that is not installed is not watched,
 and probed again every ``probe_interval`` seconds, so installing it later needs no restart. Every change
@@ -47,7 +49,7 @@ from gpufrac.kube.errors import KubeError, NotFound
 from gpufrac.kube.informer import Informer
 from gpufrac.kube.stream import Selection, list_objects
 from gpufrac.placement.model import Queue, QueueResource, Quota
-from gpufrac.placement.queue_access import access_refusal, chosen_queue, queue_from_spec
+from gpufrac.placement.queue_access import access_refusal, chosen_queue, parse_duration, queue_from_spec
 from gpufrac.scheduler.config import SchedulerConfig
 
 log = logging.getLogger(__name__)
@@ -80,6 +82,17 @@ def _kai_number(value: Any) -> float | None:
     return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
 
 
+def _kai_duration(spec: dict[str, Any], key: str, *, name: str) -> float | None:
+    value = spec.get(key)
+    if value is None:
+        return None
+    try:
+        return parse_duration(value, where=f"KAI queue {name}: spec.{key}", negative=True)
+    except ValueError as error:
+        log.warning("%s; read as not set", error)
+        return None
+
+
 def queue_from_kai(obj: Any) -> Queue:
     """KAI Scheduler's Queue as ours (the mapping in the module docstring)."""
     spec = obj.spec or {}
@@ -97,6 +110,8 @@ def queue_from_kai(obj: Any) -> Queue:
             over_quota_weight=weight,
             limit=None if limit is None or limit < 0 else math.ceil(limit),
         ),
+        preempt_min_runtime_s=_kai_duration(spec, "preemptMinRuntime", name=obj.metadata.name),
+        reclaim_min_runtime_s=_kai_duration(spec, "reclaimMinRuntime", name=obj.metadata.name),
     )
 
 
