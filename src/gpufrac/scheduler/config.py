@@ -79,6 +79,10 @@ class SchedulerConfig(_Strict):
     """When a pod fits nowhere, evict lower-priority pods of its queue, or reclaim from queues above
     their deserved share for a queue below its own (through the Eviction API; docs/scheduler.md)."""
 
+    preemption_delay_s: float = Field(default=0.0, ge=0.0)
+    """A pending pod evicts nobody (preemption, reclaim or consolidation) until this long after its
+    creation, so a node autoscaler can add room first; its message says until when. 0: at once."""
+
     consolidation: ConsolidationConfig = ConsolidationConfig()
     """When a pod still fits nowhere (no preemption or reclaim helps) and only because free GPU memory is
     fragmented, evict movable pods (``gpufrac.io/movable: "true"`` and a controller owner) that have a

@@ -29,7 +29,9 @@ the pod is placed first when they are gone) instead of choosing new victims; a g
 the nodes its members are nominated to. ``gpufrac.scheduler.preemption_resume`` finds that plan.
 
 Only pods this scheduler placed (or booked as its own) are candidates: a pod bound by another
-scheduler is not ours to evict.
+scheduler is not ours to evict; nor, by ``preemption_gates``, one younger than its queue's min-runtime,
+nor anybody for a pod still within ``preemption_delay_s``. Each victim's ``DisruptionTarget`` condition
+says why it goes (``disruption_target``).
 
 Consolidation (``gpufrac.placement.consolidation``) is tried when neither preemption nor reclaim has
 a plan (or preemption is off): movable pods are evicted the same way (dry run, budgets, Events:
@@ -81,12 +83,10 @@ from gpufrac.placement.preemption import (
     free_part,
 )
 from gpufrac.placement.queue_shares import QueueAmount
+from gpufrac.scheduler.disruption_target import mark_disruption_target
 from gpufrac.scheduler.preemption_events import (
-    CONSOLIDATING,
-    PREEMPTING,
     PREEMPTION_BLOCKED,
     VERB,
-    VICTIM_REASON,
     Plan,
     booked_name,
     booked_queue,
@@ -94,12 +94,13 @@ from gpufrac.scheduler.preemption_events import (
     plan_amounts,
     pod_key,
     pod_ref,
-    queues,
-    taking_message,
+    taking_story,
+    victim_story,
     waiting_for,
     where,
     whom,
 )
+from gpufrac.scheduler.preemption_gates import MinRuntime, PreemptionDelay, Wakeups
 from gpufrac.scheduler.preemption_pacing import SEARCH_BUDGET_S, CycleBudget, SearchMemory
 from gpufrac.scheduler.preemption_resume import plan_from_leaving
 
@@ -158,6 +159,8 @@ class Preemptions:
         preempt: bool = True,
         moves: MoveBudget | None = None,
         search_budget_s: float = SEARCH_BUDGET_S,
+        delay_s: float = 0.0,
+        wall: Callable[[], float] = time.time,
     ) -> None:
         self._client = client
         self._engine = engine
@@ -174,6 +177,9 @@ class Preemptions:
         self._moves = moves
         self._budget = CycleBudget(search_budget_s)
         self._memory = SearchMemory(clock=clock, retry=retry, spawn=spawn)
+        wake = Wakeups(wall=wall, retry=retry, spawn=spawn)
+        self._young = MinRuntime(queues=lambda: engine.queues.queues, wall=wall, wake=wake)
+        self._delay = PreemptionDelay(delay_s, wall=wall, wake=wake)
         # By the preempting pod's uid; a gang's plan by the gang's key and each member's uid.
         self._open: dict[str, _Nomination] = {}
         self._victim_of: dict[str, str] = {}  # victim uid -> the owner key of its nomination
@@ -242,13 +248,16 @@ class Preemptions:
         )
         if nomination is not None:
             return f"{decision.message} {waiting_for(self._engine, nomination.plan)}"
+        if wait := self._delay.note([pod]):
+            return f"{decision.message}{wait}"
         plan: Preemption | Consolidation | None = None
+        self._young.begin(uid)
         for kind in (Kind.PREEMPT, Kind.RECLAIM) if self._preempt else ():
             # The common case, nobody to take from, costs one vectorised mask.
             candidates = any_victims(self._engine, pending, kind=kind, shares=self._book())
             if candidates.size == 0:
                 continue
-            exclude = self._excluded(uid, candidates)
+            exclude = self._excluded(uid, candidates, kind, pending.queue)
             plan = find_victims(self._engine, pending, kind=kind, shares=self._book(), exclude=exclude)
             if plan is not None:
                 break
@@ -262,8 +271,8 @@ class Preemptions:
                 where=where,
             )
         if plan is None:
-            said = decision.message
-            return f"{said}{note or limit_note(self._engine, self._book(), pending, said)}"
+            said, young = decision.message, self._young.note(uid)
+            return f"{said}{note or young or limit_note(self._engine, self._book(), pending, said)}"
         nomination = self._start(plan, pod, [pod], (uid,), queue=pending.queue)
         self._hold(nomination, [(pending, plan.placement)])
         return f"{decision.message} {waiting_for(self._engine, nomination.plan)}"
@@ -297,7 +306,10 @@ class Preemptions:
         )
         if nomination is not None:
             return f" {waiting_for(self._engine, nomination.plan)}"
+        if wait := self._delay.note([pod for _, pod in members]):
+            return wait
         plan: GangPreemption | None = None
+        self._young.begin(key)
         for kind in (Kind.PREEMPT, Kind.RECLAIM) if self._preempt else ():
             book = self._book()
             candidates = np.unique(
@@ -311,7 +323,7 @@ class Preemptions:
                 min_member=min_member,
                 kind=kind,
                 shares=self._book(),
-                exclude=self._excluded(key, candidates),
+                exclude=self._excluded(key, candidates, kind, pendings[0].queue),
             )
             if plan is not None:
                 break
@@ -331,7 +343,7 @@ class Preemptions:
                 assert isinstance(moves, GangPreemption)
                 plan = moves
         if plan is None:
-            return note
+            return note or self._young.note(key)
         pods = [pod for _, pod in members]
         nomination = self._start(
             plan, pods[0], pods, (key, *(p.uid for p in pendings)), queue=pendings[0].queue
@@ -459,7 +471,11 @@ class Preemptions:
             self._engine.hold(key, room, namespace=pending.namespace)
             nomination.holds.append(key)
 
-    def _excluded(self, uid: str, candidates: np.ndarray) -> set[str]:
+    def _excluded(
+        self, uid: str, candidates: np.ndarray, kind: Kind | None = None, queue: str = ""
+    ) -> set[str]:
+        """Who the search for ``uid`` may not take: victims of open plans, refused ones, pods not ours,
+        and for ``kind`` preempt or reclaim by a pod of ``queue``, those younger than their min-runtime."""
         refused = self._memory.refusals(uid)
         table = self._engine.pods
         not_ours = set()
@@ -470,7 +486,12 @@ class Preemptions:
                 not_ours.add(victim)
             else:
                 self._ours.add(victim)  # a pod's scheduler never changes: asked once per pod
-        return set(self._victim_of) | set(refused) | not_ours
+        out = set(self._victim_of) | set(refused) | not_ours
+        if kind is not None:  # min-runtime: asked of the pods left, which are ours
+            rest = (v for s in candidates.tolist() if (v := table.uid[s]) is not None and v not in out)
+            young = ((v, booked_queue(self._engine, v), self._victim_pod(v)) for v in rest)
+            out |= self._young.protected(uid, kind, queue, young)
+        return out
 
     def _close(self, uid: str, nomination: _Nomination) -> None:
         for key in nomination.keys:
@@ -535,34 +556,13 @@ class Preemptions:
                     self._give_up(uid, nomination, victim, error.message or "disruption budget")
                     return
                 self.evictions += 1
-                reason = VICTIM_REASON[plan.kind]
-                story = queues(
-                    plan.kind, nomination.queue, booked_queue(self._engine, victim), nomination.book
-                )
-                message = f"{reason} by {whom(nomination)} {story} on {where(plan)}"
-                if plan.kind is Kind.CONSOLIDATE:
-                    self.moved += 1
-                    target = next(m.target.node for m in plan.moves if m.uid == victim)  # type: ignore[union-attr]
-                    message = (
-                        f"Moved by consolidation to make room for {whom(nomination)} on {where(plan)}; "
-                        f"its controller recreates it (room for it was found on node {target})"
-                    )
+                self.moved += plan.kind is Kind.CONSOLIDATE
+                reason, message = victim_story(self._engine, nomination, victim)
                 self._events.emit(regarding=pod_ref(pod), type=NORMAL, reason=reason, message=message)
-            verb = "moved" if plan.kind is Kind.CONSOLIDATE else "evicted"
-            room = "to make room" if len(nomination.members) == 1 else f"to make room for {whom(nomination)}"
+                self._spawn(mark_disruption_target(self._client, pod, plan.kind, message))
+            reason, message = taking_story(self._engine, nomination, victims)
             for member in nomination.members:
-                self._events.emit(
-                    regarding=pod_ref(member),
-                    type=NORMAL,
-                    reason=CONSOLIDATING if plan.kind is Kind.CONSOLIDATE else PREEMPTING,
-                    message=taking_message(
-                        plan.kind,
-                        f"{verb} {len(victims)} pod(s) on {where(plan)} {room}",
-                        [(pod_key(p) if p else v, booked_queue(self._engine, v)) for v, p in victims],
-                        nomination.queue,
-                        nomination.book,
-                    ),
-                )
+                self._events.emit(regarding=pod_ref(member), type=NORMAL, reason=reason, message=message)
             for member in nomination.members:
                 node = (
                     plan.node_of.get(member.metadata.uid or "")

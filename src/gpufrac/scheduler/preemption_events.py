@@ -107,6 +107,8 @@ class Filed(Protocol):
     plan: Plan
     pod: Pod
     members: list[Pod]
+    queue: str
+    book: QueueShares | None
 
     @property
     def owner(self) -> str: ...
@@ -117,6 +119,35 @@ def whom(filed: Filed) -> str:
     if isinstance(filed.plan, GangPreemption):
         return f"gang {filed.owner} ({', '.join(pod_key(p) for p in filed.members)})"
     return pod_key(filed.pod)
+
+
+def victim_story(engine: Engine, filed: Filed, victim: str) -> tuple[str, str]:
+    """A victim's Event: its reason, and the message naming whom it made room for, the queues and the
+    node (for a moved pod, where it goes)."""
+    plan = filed.plan
+    reason = VICTIM_REASON[plan.kind]
+    if plan.kind is Kind.CONSOLIDATE:
+        target = next(m.target.node for m in plan.moves if m.uid == victim)  # type: ignore[union-attr]
+        return reason, (
+            f"Moved by consolidation to make room for {whom(filed)} on {where(plan)}; "
+            f"its controller recreates it (room for it was found on node {target})"
+        )
+    story = queues(plan.kind, filed.queue, booked_queue(engine, victim), filed.book)
+    return reason, f"{reason} by {whom(filed)} {story} on {where(plan)}"
+
+
+def taking_story(engine: Engine, filed: Filed, victims: list[tuple[str, Pod | None]]) -> tuple[str, str]:
+    """The Event on each pod a plan makes room for: its reason, and the victims with their queues."""
+    plan = filed.plan
+    moved = plan.kind is Kind.CONSOLIDATE
+    room = "to make room" if len(filed.members) == 1 else f"to make room for {whom(filed)}"
+    return CONSOLIDATING if moved else PREEMPTING, taking_message(
+        plan.kind,
+        f"{'moved' if moved else 'evicted'} {len(victims)} pod(s) on {where(plan)} {room}",
+        [(pod_key(p) if p else v, booked_queue(engine, v)) for v, p in victims],
+        filed.queue,
+        filed.book,
+    )
 
 
 def booked_queue(engine: Engine, uid: str) -> str:

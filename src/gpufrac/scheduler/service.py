@@ -209,7 +209,7 @@ class SchedulerService:
         # Preemption, reclaim and consolidation search the engine's own books, so they need the engine.
         self.preemptions: Preemptions | None = None
         consolidation = config.consolidation
-        if (config.preemption or consolidation.enabled) and isinstance(engine, Engine):
+        if ((on := consolidation.enabled) or config.preemption) and isinstance(engine, Engine):
             self.preemptions = Preemptions(
                 client=client,
                 engine=engine,
@@ -221,9 +221,8 @@ class SchedulerService:
                 spawn=self._chores.spawn,
                 waiting=self.queue_status.waiting_demand,
                 preempt=config.preemption,
-                moves=MoveBudget(consolidation.max_moves_per_minute, now=time.monotonic())
-                if consolidation.enabled
-                else None,
+                moves=MoveBudget(consolidation.max_moves_per_minute, now=time.monotonic()) if on else None,
+                delay_s=config.preemption_delay_s,
             )
         self._post_filters: tuple[PostFilter, ...] = (
             *((post_filter,) if post_filter is not None else ()),
