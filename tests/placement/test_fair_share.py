@@ -264,3 +264,32 @@ def test_queue_order_compares_parents_before_children():
     )
     # Flat, rich-kid (0% of its share) would go first and poor-kid (no share) last.
     assert order == ["from-poor-kid", "from-rich-kid"]
+
+
+def test_queue_order_follows_the_fair_share_not_only_the_deserved_quota():
+    """Issue #36: one share drives order, reclaim and status. Two queues with no deserved quota used to
+    tie (both "no share", arrival decides); by fair share (weights 1:3, the batch as demand) b holds
+    nothing of its 4000 MiB share and a holds 8000 of 12000, so b's pod goes first."""
+    e = build(
+        node("a", gpus=2),
+        queues=[
+            Queue("a", gpu_memory=Quota(over_quota_weight=1)),
+            Queue("b", gpu_memory=Quota(over_quota_weight=3)),
+        ],
+    )
+    assert isinstance(e.place(pod(mib(8000), queue="a")), Placement)
+    order: list[str] = []
+    original = e.place
+
+    def spy(p):
+        order.append(p.name)
+        return original(p)
+
+    e.place = spy  # type: ignore[method-assign]
+    e.schedule(
+        [
+            pod(mib(4000), name="from-a", queue="a", arrival=1),
+            pod(mib(4000), name="from-b", queue="b", arrival=2),
+        ]
+    )
+    assert order == ["from-b", "from-a"]

@@ -36,6 +36,7 @@ random order per seed (as the paper's simulator does with random name prefixes);
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
@@ -487,7 +488,11 @@ class Engine:
         need = len(pods) if min_member is None else min_member
         if gang and not 0 <= need <= len(pods):
             raise ValueError(f"min_member={min_member} must be between 0 and the gang's {len(pods)} pods")
-        cluster_mib = int(self.state.cap_total.sum())
+        largest = int(self.state.cap.max()) if self.state.cap.size else 0
+        shares = self.queue_shares(
+            waiting=[QueueAmount(p.queue, request_amount(p.gpu, largest)) for p in pods]
+        )
+        fair = functools.cache(lambda queue: float(shares.fair_share(queue)))
         if largest_first is None:
             largest_first = self.policy(self.default_policy).largest_first
 
@@ -501,7 +506,7 @@ class Engine:
             def place(i: int) -> None:
                 decisions[i] = st.place(pods[i])
 
-            scheduling_order(pods, self.queues, cluster_mib, place, size=size if largest_first else None)
+            scheduling_order(pods, self.queues, fair, place, size=size if largest_first else None)
             failed = [d for d in decisions if isinstance(d, Unschedulable)]
             placed = len(pods) - len(failed)
             if gang and placed < need:

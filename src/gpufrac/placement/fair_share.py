@@ -1,10 +1,14 @@
 """Fair share between queues: which pending pod goes next, whether a queue may take more, and how much of
 the cluster each queue should hold (its fair share).
 
-Order (the issue's rule): higher priority first; among equal priority, the queue furthest below its
-deserved GPU memory (guaranteed GPU MiB in use / deserved MiB, lowest first; a queue with no deserved
-share comes last), compared level by level down the queue tree (first the top-level ancestors' standing,
-then the next level's); then earlier arrival. The standing of a queue changes as its pods are placed, so the
+Order: higher priority first; among equal priority, the queue furthest below its fair share of GPU
+memory (guaranteed GPU MiB in use / fair share, lowest first; a queue whose fair share is 0 comes last),
+compared level by level down the queue tree (first the top-level ancestors' standing, then the next
+level's); then earlier arrival. The fair share is the one reclaim and Queue status use
+(``gpufrac.placement.queue_shares``), with the batch's pods as demand: KAI Scheduler orders queues by
+allocation against fair share likewise (NVIDIA/KAI-Scheduler,
+``pkg/scheduler/plugins/proportion/queue_order/queue_order.go``, ``prioritizeUnderUtilized`` first).
+The standing of a queue changes as its pods are placed, so the
 order is decided one pod at a time: each queue keeps its pods sorted, and the next pod is the best queue
 head.
 
@@ -132,30 +136,32 @@ class QueueBook:
     def over_limit(self, name: str, mib: int) -> bool:
         return self.exceeded(name, mib) is not None
 
-    def standing(self, name: str, cluster_mib: int) -> float:
-        """Usage over deserved MiB: lower is further below its share."""
-        deserved = self.get(name).deserved(QueueResource.GPU_MEMORY, cluster_mib)
-        if deserved <= 0:
-            return math.inf
-        return self.usage.get(name, 0) / deserved
-
-    def standing_path(self, name: str, cluster_mib: int) -> tuple[float, ...]:
-        """The standings from the top-level ancestor down to ``name``: queues compare level by level,
-        so the children of a parent below its share go before those of a parent above it."""
-        return tuple(self.standing(q, cluster_mib) for q in reversed(self.lineage(name)))
+    def standing_path(self, name: str, fair: Callable[[str], float]) -> tuple[float, ...]:
+        """What the queue and each ancestor hold over their fair share (``fair``, per queue), from the
+        top-level ancestor down: lower is further below its share, a queue of no share comes last, and
+        queues compare level by level, so the children of a parent below its share go before those of
+        a parent above it."""
+        out = []
+        for q in reversed(self.lineage(name)):
+            share = fair(q)
+            out.append(math.inf if share <= 0 else self.usage.get(q, 0) / share)
+        return tuple(out)
 
 
 def scheduling_order(
     pods: Sequence[PendingPod],
     book: QueueBook,
-    cluster_mib: int,
+    fair: Callable[[str], float],
     place: Callable[[int], None],
     *,
     size: Callable[[int], tuple[int, ...]] | None = None,
 ) -> None:
     """Call ``place(i)`` for every pod index in queue order, re-reading queue standing after each.
 
-    ``size(i)``, when given, orders pods of one queue and priority largest first (see module docstring).
+    ``fair(queue)`` is the queue's fair share of GPU memory for this batch (its demand includes the
+    batch: placing a pod moves it from waiting to held, so the shares stay put while the standing
+    moves). ``size(i)``, when given, orders pods of one queue and priority largest first (see module
+    docstring).
     """
     heads: dict[str, list[int]] = {}
     for i, pod in enumerate(pods):
@@ -172,7 +178,7 @@ def scheduling_order(
             heads,
             key=lambda q: (
                 -pods[heads[q][-1]].priority,
-                book.standing_path(q, cluster_mib),
+                book.standing_path(q, fair),
                 pods[heads[q][-1]].arrival,
                 heads[q][-1],
             ),
