@@ -234,6 +234,20 @@ def test_reparenting_moves_a_queues_usage_to_its_new_ancestors():
     assert e.queues.allocated("q", QueueResource.GPU_MEMORY) == 5000
 
 
+def placing_order(e, pods) -> list[str]:
+    """The names of ``pods`` in the order ``Engine.schedule`` places them."""
+    order: list[str] = []
+    original = e.place
+
+    def spy(p):
+        order.append(p.name)
+        return original(p)
+
+    e.place = spy
+    e.schedule(pods)
+    return order
+
+
 def test_queue_order_compares_parents_before_children():
     """The child of a parent below its share goes before the child of a parent above it, whatever the
     children's own standing."""
@@ -248,19 +262,12 @@ def test_queue_order_compares_parents_before_children():
         ],
     )
     assert isinstance(e.place(pod(mib(8000), queue="rich-other")), Placement)  # rich: 80% of its share
-    order: list[str] = []
-    original = e.place
-
-    def spy(p):
-        order.append(p.name)
-        return original(p)
-
-    e.place = spy  # type: ignore[method-assign]
-    e.schedule(
+    order = placing_order(
+        e,
         [
             pod(mib(1000), name="from-rich-kid", queue="rich-kid", arrival=1),
             pod(mib(1000), name="from-poor-kid", queue="poor-kid", arrival=2),
-        ]
+        ],
     )
     # Flat, rich-kid (0% of its share) would go first and poor-kid (no share) last.
     assert order == ["from-poor-kid", "from-rich-kid"]
@@ -278,18 +285,11 @@ def test_queue_order_follows_the_fair_share_not_only_the_deserved_quota():
         ],
     )
     assert isinstance(e.place(pod(mib(8000), queue="a")), Placement)
-    order: list[str] = []
-    original = e.place
-
-    def spy(p):
-        order.append(p.name)
-        return original(p)
-
-    e.place = spy  # type: ignore[method-assign]
-    e.schedule(
+    order = placing_order(
+        e,
         [
             pod(mib(4000), name="from-a", queue="a", arrival=1),
             pod(mib(4000), name="from-b", queue="b", arrival=2),
-        ]
+        ],
     )
     assert order == ["from-b", "from-a"]
