@@ -366,24 +366,51 @@ class GpuInjector:
         self, *, pod: api.PodSandbox, container: api.Container, plan: InjectionPlan
     ) -> AllocationRecord:
         bound = plan.bound
-        request_mib, limit_mib = bound.request_mib, bound.limit_mib
-        if bound.exclusive:  # a whole GPU: everything on it is the container's
-            sizes = [self._device_mib(d) for d in bound.devices]
-            whole = min((s for s in sizes if s is not None), default=0)
-            request_mib = limit_mib = whole
+        return self._new_record(
+            pod=pod,
+            container=container,
+            devices=bound.devices,
+            request_mib=bound.request_mib,
+            limit_mib=bound.limit_mib,
+            mode=bound.mode.value,
+            portion=bound.compute_portion,
+            exclusive=bound.exclusive,
+            pipe_dir=next((m.source for m in plan.mounts), None),
+        )
+
+    def _new_record(
+        self,
+        *,
+        pod: api.PodSandbox,
+        container: api.Container,
+        devices: tuple[str, ...],
+        request_mib: int | None,
+        limit_mib: int | None,
+        mode: str,
+        portion: float | None,
+        exclusive: bool,
+        pipe_dir: str | None,
+        claims: tuple[str, ...] = (),
+    ) -> AllocationRecord:
+        """A container's usage record; an exclusive device is the whole GPU (everything on it is the
+        container's), the smallest of its devices when there are several."""
+        if exclusive:
+            sizes = [self._device_mib(d) for d in devices]
+            request_mib = limit_mib = min((m for m in sizes if m is not None), default=0)
         return AllocationRecord(
             container_id=container.id,
             pod_namespace=pod.namespace,
             pod_name=pod.name,
             pod_uid=pod.uid,
             container_name=container.name,
-            devices=bound.devices,
+            devices=devices,
             request_mib=request_mib or 0,
             limit_mib=limit_mib or 0,
-            mode=bound.mode.value,
-            portion=bound.compute_portion,
-            exclusive=bound.exclusive,
-            pipe_dir=next((m.source for m in plan.mounts), None),
+            mode=mode,
+            portion=portion,
+            exclusive=exclusive,
+            pipe_dir=pipe_dir,
+            claims=claims,
         )
 
     def _claim_record(
@@ -428,23 +455,15 @@ class GpuInjector:
                 extra=where,
             )
             return None
-        devices = tuple(s.bound.devices[0] for s in shares)
-        request_mib, limit_mib = first.request_mib, first.limit_mib
-        if first.exclusive:  # a share without consumed memory: the whole GPU, as for annotations
-            sizes_mib = [self._device_mib(d) for d in devices]
-            request_mib = limit_mib = min((m for m in sizes_mib if m is not None), default=0)
-        return AllocationRecord(
-            container_id=container.id,
-            pod_namespace=pod.namespace,
-            pod_name=pod.name,
-            pod_uid=pod.uid,
-            container_name=container.name,
-            devices=devices,
-            request_mib=request_mib or 0,
-            limit_mib=limit_mib or 0,
+        return self._new_record(
+            pod=pod,
+            container=container,
+            devices=tuple(s.bound.devices[0] for s in shares),
+            request_mib=first.request_mib,
+            limit_mib=first.limit_mib,
             mode=first.mode.value,
             portion=first.compute_portion,
-            exclusive=first.exclusive,
+            exclusive=first.exclusive,  # a share without consumed memory: the whole GPU
             pipe_dir=shares[0].pipe_source,
             claims=tuple(dict.fromkeys(s.claim for s in shares)),
         )
