@@ -625,3 +625,53 @@ def test_a_fraction_without_a_scheduler_gets_ours_and_a_misspelled_key_a_warning
     assert 'did you mean "gpu-fraction"?' in stderr
     # no GPU asked, so no scheduler name given
     assert kube.get(Pod, "typo", namespace=webhook.namespace).spec.schedulerName == "default-scheduler"
+
+
+def test_a_tenant_may_resize_a_placed_pod_through_patch_and_update_and_nothing_else(
+    controlplane: ControlPlane, webhook: Webhook, users: None
+) -> None:
+    """A namespaced user (pods rights in its namespace only) writes resize requests on its placed pod, by
+    merge patch and by a full update; every other contract key stays the scheduler's or fixed."""
+    ns = webhook.namespace
+    bound = {f"{NV}app.gpu-memory.request": "4096Mi", f"{NV}app.gpu-memory.limit": "4096Mi"}
+    devices = {f"{NV}app.gpus.devices": "GPU-0a1b"}
+    resize = keys.resize_key("app", keys.RESIZE_MEMORY_REQUEST)
+    with (
+        controlplane.client(impersonate=USER, groups=["system:authenticated"], namespace=ns) as alice,
+        controlplane.client(
+            impersonate=DEFAULT_SCHEDULER_USER, groups=["system:serviceaccounts"], namespace=ns
+        ) as scheduler,
+    ):
+        running = pod("running", {**bound, **devices})
+        running.spec.nodeName = "node-1"
+        scheduler.create(running)
+        patched = alice.patch(Pod, "running", {"metadata": {"annotations": {resize: "8Gi"}}})
+        assert patched.metadata.annotations[resize] == "8Gi"
+        current = alice.get(Pod, "running")
+        current.metadata.annotations[resize] = "6Gi"
+        assert alice.replace(current).metadata.annotations[resize] == "6Gi"
+
+        code, shown = rejection(
+            lambda: alice.patch(
+                Pod, "running", {"metadata": {"annotations": {f"{NV}app.gpu-memory.request": "8Gi"}}}
+            )
+        )
+        assert code == 403 and f"to resize, set {resize}" in shown
+        code, shown = rejection(
+            lambda: alice.patch(Pod, "running", {"metadata": {"annotations": {resize: "lots"}}})
+        )
+        assert code == 422 and "must be a Kubernetes quantity" in shown
+        alice.create(pod("pending", bound))
+        code, shown = rejection(
+            lambda: alice.patch(Pod, "pending", {"metadata": {"annotations": {resize: "8Gi"}}})
+        )
+        assert code == 403 and "the pod is not placed yet" in shown
+        # The scheduler's decision: the new amounts and the request removed, in one patch.
+        decided = {
+            f"{NV}app.gpu-memory.request": "6144Mi",
+            f"{NV}app.gpu-memory.limit": "6144Mi",
+            resize: None,
+        }
+        done = scheduler.patch(Pod, "running", {"metadata": {"annotations": decided}})
+        assert resize not in done.metadata.annotations
+        assert done.metadata.annotations[f"{NV}app.gpu-memory.request"] == "6144Mi"

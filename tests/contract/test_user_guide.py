@@ -78,6 +78,7 @@ EXAMPLES: dict[str, Callable[[], str]] = {
         {"gpu-fraction": "0.5"}, [ContainerSpec("tokenizer-and-embedding-server-east")]
     ),
     "BinderOwnedKey": lambda: rejected({REQ: "1Gi", DEV: "GPU-1"}),
+    "ResizeNotAllowed": lambda: rejected({REQ: "1Gi", k.resize_key("app", k.RESIZE_MEMORY_REQUEST): "2Gi"}),
     "ImmutableRequest": lambda: forbidden_changes({REQ: "1Gi"}, {REQ: "2Gi"}, creating=False)[0].message,
     "NotPlaced": not_placed,
 }

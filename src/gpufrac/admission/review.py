@@ -5,7 +5,10 @@ Validating (CREATE and UPDATE of pods):
   keys (devices, compute portion) are violations.
 * UPDATE: an update that leaves the contract keys alone is always allowed, even for a pod whose
   annotations are invalid (it may predate the webhook; blocking it would also block removing its
-  finalizers). Otherwise only the scheduler may change contract keys, and the result must parse.
+  finalizers). Otherwise only the scheduler may change contract keys, and the result must parse; the one
+  exception is a resize request (``gpufrac.contract.resize``): on a pod already placed
+  (``spec.nodeName`` set), anyone who may update the pod may add, change or remove the
+  ``gpufrac.io/container.<c>.resize.*`` keys of a fractional container, with values valid as at creation.
 * UPDATE of ``pods/status``: the status strategy takes the new metadata, so a status write can change
   annotations. It is judged exactly as an UPDATE of the pod: only the scheduler may change contract keys
   there (it never needs to; the kubelet and every other status writer never may).
@@ -53,6 +56,7 @@ from gpufrac.contract.errors import InvalidPodRequest, RuleViolation
 from gpufrac.contract.near_miss import near_miss_warnings
 from gpufrac.contract.parse import container_specs, parse_pod
 from gpufrac.contract.request import PodGpuRequest
+from gpufrac.contract.resize import parse_resizes, resize_refusals
 from gpufrac.contract.translate import translate
 from gpufrac.placement.model import Queue
 from gpufrac.placement.queue_access import QUEUE_LABELS, access_refusal
@@ -276,9 +280,26 @@ def decide_validate(request: Mapping[str, Any], policy: AdmissionPolicy) -> Verd
         if not changed_contract_keys(old, new):
             return Verdict(allowed=True)
         if not is_binder:
-            return _forbidden(forbidden_changes(old, new, creating=False))
+            bound = bool(((request.get("oldObject") or {}).get("spec") or {}).get("nodeName"))
+            violations = forbidden_changes(old, new, creating=False, bound=bound)
+            return _forbidden(violations) if violations else _resize_verdict(pod, new)
     try:
         parse_pod(new, container_specs(pod.get("spec") or {}), user_written=not is_binder)
+    except InvalidPodRequest as error:
+        return _invalid(error)
+    return Verdict(allowed=True)
+
+
+def _resize_verdict(pod: Mapping[str, Any], annotations: Mapping[str, str]) -> Verdict:
+    """A user changed only the resize keys of a placed pod: they must name fractional containers and
+    hold values valid as at creation (the scheduler decides whether they fit)."""
+    try:
+        specs = container_specs(pod.get("spec") or {})
+        wanted = parse_pod(annotations, specs)
+        refusals = resize_refusals(annotations, wanted, [s.name for s in specs], bound=True)
+        if refusals:
+            raise InvalidPodRequest(refusals)
+        parse_resizes(annotations)
     except InvalidPodRequest as error:
         return _invalid(error)
     return Verdict(allowed=True)

@@ -202,6 +202,10 @@ class ImmutableRequest(RuleViolation):
     summary = "the GPU request of an existing pod cannot be changed; create a new pod instead"
 
 
+class ResizeNotAllowed(RuleViolation):
+    summary = "a resize applies only to a fractional GPU container of a pod that is already placed"
+
+
 # -- node side -------------------------------------------------------------------------------------------
 
 

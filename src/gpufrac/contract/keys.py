@@ -51,7 +51,17 @@ GPUFRAC_CONTAINER_PREFIX = "gpufrac.io/container."
 #: pod for our scheduler, so the kubelet's device plugin never hands out a GPU on a managed node.
 WHOLE_GPUS = "gpus"
 
-GPUFRAC_CONTAINER_SUFFIXES = (WHOLE_GPUS,)
+#: A resize request of a running fractional container (docs/user-guide.md, "Resizing a running fraction"):
+#: the user writes the new amounts here, never into the binder-resolved ``nvidia.com/`` memory keys, which
+#: are the node's only source; the scheduler decides, writes the new resolved MiB and removes these keys
+#: in one patch (``gpufrac.contract.resize``, ``gpufrac.scheduler.resize``).
+RESIZE_MEMORY_REQUEST = "resize.gpu-memory.request"
+RESIZE_MEMORY_LIMIT = "resize.gpu-memory.limit"
+RESIZE_FRACTION = "resize.gpu-fraction"
+RESIZE_FRACTION_LIMIT = "resize.gpu-fraction.limit"
+RESIZE_SUFFIXES = (RESIZE_MEMORY_REQUEST, RESIZE_MEMORY_LIMIT, RESIZE_FRACTION, RESIZE_FRACTION_LIMIT)
+
+GPUFRAC_CONTAINER_SUFFIXES = (WHOLE_GPUS, *RESIZE_SUFFIXES)
 
 # -- pod-level KAI Scheduler forms ----------------------------------------------------------------------
 
@@ -300,6 +310,17 @@ def portion_limit_key(container: str) -> str:
 def whole_gpus_key(container: str) -> str:
     """``gpufrac.io/container.<container>.gpus``."""
     return f"{GPUFRAC_CONTAINER_PREFIX}{container}.{WHOLE_GPUS}"
+
+
+def resize_key(container: str, suffix: str) -> str:
+    """``gpufrac.io/container.<container>.<suffix>`` for one of ``RESIZE_SUFFIXES``."""
+    return f"{GPUFRAC_CONTAINER_PREFIX}{container}.{suffix}"
+
+
+def is_resize_key(key: str) -> bool:
+    """Whether ``key`` is a resize request key (``gpufrac.io/container.<c>.resize.*``)."""
+    split = split_container_key(key)
+    return split is not None and split.prefix == GPUFRAC_CONTAINER_PREFIX and split.suffix in RESIZE_SUFFIXES
 
 
 BINDER_OWNED_SUFFIXES = (DEVICES, COMPUTE_PORTION)
