@@ -33,6 +33,8 @@ from gpufrac.contract.keys import (
     LOCAL_NODE_AGENTS_NAMESPACE,
     POD_MEMORY_ENFORCED_CONDITION,
 )
+from gpufrac.kubectl import report as report_figures
+from gpufrac.kubectl import report_plot, report_sources, report_text
 from gpufrac.kubectl.snapshot import MILLI, ClusterTrace, cluster_trace
 from gpufrac.kubectl.view import (
     UNKNOWN,
@@ -47,8 +49,10 @@ from gpufrac.kubectl.view import (
     queue_share,
 )
 from gpufrac.node.top import AgentView, parse_agent, render
+from gpufrac.node.top import scrape as top_scrape
 from gpufrac.node.top import top as top_by_address
 from gpufrac.operator.render import APP_NAME, METRICS_PORT_NAME
+from gpufrac.placement.queue_access import parse_duration
 from gpufrac.scheduler.queues import CRD_NAME as QUEUE_CRD_NAME
 from gpufrac.scheduler.queues import GpufracQueue
 from gpufrac.sim.experiment import by_policy, mean, parse_policies, parse_seeds, run_experiment
@@ -646,6 +650,103 @@ def _scrape_through_proxy(http: httpx2.Client, path: str) -> AgentView:
         return AgentView(
             url=path, node=path.split("/")[6].split(":")[0], error=f"{type(error).__name__}: {error}"
         )
+
+
+@app.command("report")
+def report(
+    since: str = typer.Option("24h", "--since", help="The window, a Go duration (24h, 90m, 168h)."),
+    prometheus: str | None = typer.Option(
+        None, "--prometheus", help="Prometheus URL; without it, one live snapshot of the node agents."
+    ),
+    step: str | None = typer.Option(None, "--step", help="Range-query step (default: the window / 1440)."),
+    gpu_hour_price: float | None = typer.Option(
+        None, "--gpu-hour-price", min=0, help="Price of one GPU-hour: the cost section shows money."
+    ),
+    plot: Path | None = typer.Option(None, "--plot", help="Also draw the report as a PNG here."),
+    default_queue: str = typer.Option("default", "--default-queue", help="The scheduler's default_queue."),
+    output: str = OUTPUT,
+    kubeconfig: Path | None = KUBECONFIG,
+    context: str | None = CONTEXT,
+) -> None:
+    """Density, memory, interference and cost of the GPU fractions over a window (docs/kubectl.md)."""
+    _set(kubeconfig, context, None)
+    _check_output(output)
+    try:
+        window_s = parse_duration(since, where="--since")
+        step_s = parse_duration(step, where="--step") if step else report_sources.step_for(window_s)
+    except ValueError as error:
+        _fail(str(error), code=2)
+    notes: list[str] = []
+    config = None if prometheus else _config()
+    client = Client(config=config, field_manager="kubectl-gpufrac") if config else _optional_client(notes)
+    if prometheus:
+        end = time.time()
+        try:
+            found = report_sources.query_range(prometheus, start=end - window_s, end=end, step_s=step_s)
+        except report_sources.PrometheusError as error:
+            _fail(f"prometheus: {error}")
+        history, said = report_sources.history_from_matrices(found, step_s=step_s)
+        source = f"prometheus {prometheus}, last {since} every {step_s:g}s"
+    else:
+        views = _agent_snapshot(client, config)
+        history, said = report_sources.history_from_agents(views, at=time.time())
+        source = "snapshot: the node agents now (no --prometheus); GPU-hours are per hour at today's bookings"
+    queues = _report_queues(client, default_queue, notes) if client is not None else {}
+    result = report_figures.build(
+        history, source=source, queues=queues, gpu_hour_price=gpu_hour_price, notes=[*said, *notes]
+    )
+    if plot is not None:
+        report_plot.write(result, plot)
+        typer.echo(f"plot: {plot}", err=True)
+    if output in ("json", "yaml"):
+        _dump(result.as_dict(), output)
+        return
+    for line in report_text.header(result):
+        typer.echo(line)
+    for section in report_text.sections(result):
+        typer.echo(f"\n{section.title}:")
+        if section.rows:
+            _print_table(section.headers, section.rows)
+        else:
+            typer.echo("  <none>")
+    for note in result.notes:
+        typer.echo(f"\nnote: {note}")
+
+
+def _optional_client(notes: list[str]) -> Client | None:
+    """The API server's client, or None with a note (the report then names no queues)."""
+    try:
+        base = KubeConfig.from_file(_globals.kubeconfig) if _globals.kubeconfig else KubeConfig.from_env()
+        return Client(config=base.get(context_name=_globals.context), field_manager="kubectl-gpufrac")
+    except (ConfigError, OSError, KeyError, ValueError) as error:
+        notes.append(f"queues unknown: no API server to ask ({error})")
+        return None
+
+
+def _agent_snapshot(client: Client, config: SingleConfig) -> list[AgentView]:
+    """What `top --once` reads: every node agent's metrics, through the API server or `gpufrac up`'s list."""
+    agents = _agent_endpoints(client)
+    if not agents:
+        local = _local_agents(client)
+        if not local:
+            _fail("no node agents to read (as for `kubectl gpufrac top`); give --prometheus URL")
+        return top_scrape(local)
+    with client_adapter.Client(config, client_adapter.ConnectionParams()) as http:
+        return [_scrape_through_proxy(http, path) for path in agents]
+
+
+def _report_queues(client: Client, default_queue: str, notes: list[str]) -> dict[tuple[str, str], str]:
+    try:
+        pods = list(client.list(Pod, namespace="*"))
+    except (ApiError, httpx2.HTTPError) as error:
+        notes.append(f"queues unknown: pods could not be listed ({error})")
+        return {}
+    labels: dict[str, dict[str, str]] = {}
+    try:
+        labels = {n.metadata.name: dict(n.metadata.labels or {}) for n in client.list(Namespace)}
+    except (ApiError, httpx2.HTTPError):
+        notes.append("namespaces could not be read: their default queues are not applied")
+    return report_sources.pod_queues(pods, namespace_labels=labels, fallback=default_queue)
 
 
 def main() -> None:
