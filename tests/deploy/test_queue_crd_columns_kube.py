@@ -30,7 +30,7 @@ TABLE = {"Accept": "application/json;as=Table;v=v1;g=meta.k8s.io"}
 
 #: The columns kubectl shows (priority 0) and those ``-o wide`` adds (priority 1), in order.
 COLUMNS = ["Name", "Parent", "Deserved(MiB)", "Limit(MiB)", "Allocated(MiB)", "Fair-Share(MiB)"]
-WIDE = ["Deserved(GPUs)", "Limit(GPUs)", "Allocated(GPUs)", "Fair-Share(GPUs)"]
+WIDE = ["Deserved(GPUs)", "Limit(GPUs)", "Allocated(GPUs)", "Fair-Share(GPUs)", "Used-Share"]
 
 
 @pytest.fixture(scope="module")
@@ -122,6 +122,7 @@ def test_the_status_columns_show_what_the_scheduler_wrote(controlplane: ControlP
         "requested": {"gpuMemory": 300000, "gpus": 1},
         "deserved": {"gpuMemory": 163840, "gpus": 1},
         "fairShare": {"gpuMemory": 300000, "gpus": 2},
+        "historicalUsage": {"gpuMemory": 0.417, "gpus": 0.25},
     }
     with controlplane.http() as http:
         answer = http.patch(
@@ -134,7 +135,7 @@ def test_the_status_columns_show_what_the_scheduler_wrote(controlplane: ControlP
     names = [c["name"] for c in table["columnDefinitions"]]
     (row,) = table["rows"]
     cells = dict(zip(names, row["cells"], strict=True))
-    assert [cells[c] for c in COLUMNS[2:] + WIDE] == [163840, 409600, 250000, 300000, 1, 4, 1, 2]
+    assert [cells[c] for c in COLUMNS[2:] + WIDE] == [163840, 409600, 250000, 300000, 1, 4, 1, 2, 0.417]
 
 
 def test_a_queue_without_resources_shows_empty_cells(controlplane: ControlPlane, queue_crd: None) -> None:
@@ -192,7 +193,14 @@ def test_kubectl_get_queues_prints_the_deserved_before_any_status(
     )
     assert done.returncode == 0, done.stderr
     cells = _columns(done.stdout)
-    assert list(cells)[6:] == ["DESERVED(GPUS)", "LIMIT(GPUS)", "ALLOCATED(GPUS)", "FAIR-SHARE(GPUS)", "AGE"]
+    assert list(cells)[6:] == [
+        "DESERVED(GPUS)",
+        "LIMIT(GPUS)",
+        "ALLOCATED(GPUS)",
+        "FAIR-SHARE(GPUS)",
+        "USED-SHARE",
+        "AGE",
+    ]
     assert cells["DESERVED(GPUS)"] == "1" and cells["LIMIT(GPUS)"] == "4"
 
 

@@ -326,6 +326,7 @@ async def test_kubectl_gpufrac_queues_shows_the_tree_with_the_status_the_schedul
             "Limit(GPUs)",
             "Allocated(GPUs)",
             "Fair-Share(GPUs)",
+            "Used-Share",
             "Age",
         ]
         assert table["rows"][0]["cells"][:10] == [child, parent, 40_000, 90_000, 25_000, 25_000, 0, 1, 0, 0]

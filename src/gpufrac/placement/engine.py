@@ -161,6 +161,9 @@ class Engine:
         self._observed: set[str] = set()
         self.book = PodBook(self.state)
         self._nominees: dict[str, PendingPod] = {}
+        #: Time-based fair share (``set_usage_history``): historical usage per resource and queue, and k.
+        self._usage: Mapping[QueueResource, Mapping[str, float]] = {}
+        self._usage_k = 0.0
 
     # -- policies -------------------------------------------------------------------------------------
 
@@ -445,7 +448,15 @@ class Engine:
             leaving=gone,
             nominated=self.nominee_amounts(besides=besides, extra=nominees),
             waiting=waiting,
+            usage=self._usage,
+            k=self._usage_k,
         )
+
+    def set_usage_history(self, usage: Mapping[QueueResource, Mapping[str, float]], k: float) -> None:
+        """Make every fair share from now on time-based: ``usage`` is each queue's historical usage
+        normalized to the cluster's capacity (``UsageHistory.scores``), ``k`` its weight (0: off)."""
+        self._usage = {r: dict(v) for r, v in usage.items()}
+        self._usage_k = max(0.0, float(k))
 
     def set_namespace(self, name: str, labels: dict[str, str]) -> None:
         """A namespace's labels, for affinity terms that select namespaces by label."""

@@ -198,8 +198,14 @@ def fair_shares(
     capacity: int,
     *,
     resource: QueueResource = QueueResource.GPU_MEMORY,
+    usage: Mapping[str, float] | None = None,
+    k: float = 0.0,
 ) -> dict[str, float]:
     """Each queue's fair share of ``capacity`` units of ``resource`` (see the module docstring).
+
+    ``usage`` (per queue, its subtree's historical usage normalized to the cluster's capacity,
+    ``gpufrac.placement.usage_history``) and ``k`` > 0 make the share time-based: the over-quota part
+    is divided by weights corrected for past use (``_time_weights``); deserved quotas are not touched.
 
     ``demand`` is per queue, for its OWN pods (held plus pending, in the resource's unit); a parent's
     demand adds its children's. A queue named in ``demand`` but not in ``queues`` is a top-level queue
@@ -241,7 +247,12 @@ def fair_shares(
             # The parent's own pods compete with its children as a queue of no quota and weight 1.
             own = float(demand[parent])
             terms[_OWN] = (0.0, 1.0, own)
-        given = _water_fill(terms, available)
+        past: dict[str, float] | None = None
+        if usage and k > 0:
+            past = {name: float(usage.get(name, 0.0)) for name in members}
+            if _OWN in terms and parent is not None:
+                past[_OWN] = max(0.0, float(usage.get(parent, 0.0)) - sum(past.values()))
+        given = _water_fill(terms, available, past=past, k=k)
         for name in members:
             shares[name] = given[name]
             divide(name, given[name])
@@ -275,9 +286,16 @@ def _parent(name: str, known: Mapping[str, Queue]) -> str | None:
     return parent
 
 
-def _water_fill(terms: Mapping[str, tuple[float, float, float]], available: float) -> dict[str, float]:
+def _water_fill(
+    terms: Mapping[str, tuple[float, float, float]],
+    available: float,
+    *,
+    past: Mapping[str, float] | None = None,
+    k: float = 0.0,
+) -> dict[str, float]:
     """Divide ``available`` among siblings given (deserved, weight, want) each: deserved first, then the
-    rest by weight among those that want more, then what is still left equally among weight-0 ones."""
+    rest by weight among those that want more, then what is still left equally among weight-0 ones.
+    With ``past`` (historical usage per sibling) the weights of each round are ``_time_weights``."""
     given = {name: min(deserved, want) for name, (deserved, _, want) in terms.items()}
     promised = sum(given.values())
     if promised >= available:
@@ -293,6 +311,8 @@ def _water_fill(terms: Mapping[str, tuple[float, float, float]], available: floa
         }
         while left > 0 and active:
             weights = {n: terms[n][1] if weighted else 1.0 for n in active}
+            if past is not None:
+                weights = _time_weights(weights, past, k)
             total = sum(weights.values())
             full = [n for n in active if (terms[n][2] - given[n]) * total <= left * weights[n]]
             if not full:
@@ -305,3 +325,22 @@ def _water_fill(terms: Mapping[str, tuple[float, float, float]], available: floa
                 given[n] = terms[n][2]
                 active.discard(n)
     return given
+
+
+def _time_weights(weights: Mapping[str, float], past: Mapping[str, float], k: float) -> dict[str, float]:
+    """KAI Scheduler's time-aware over-quota weights (``time-aware-fairness.md``, "Penalizing queues with
+    historical usage"): with ``w`` a queue's weight normalized over the queues still asking in this
+    round and ``u`` its historical usage normalized to the cluster's capacity, its portion is
+    ``max(w + k * (w - u), 0)``. A queue that used less than its weight gets more, one that used more
+    gets less, ``k`` says how much. When every portion is 0 (all used far more than their weight) the
+    plain weights divide the round, so nothing wanted is left idle."""
+    total = sum(weights.values())
+    if total <= 0:
+        return dict(weights)
+    portions = {}
+    for name, weight in weights.items():
+        share = weight / total
+        portions[name] = max(0.0, share + k * (share - past.get(name, 0.0)))
+    if sum(portions.values()) <= 0:
+        return dict(weights)
+    return portions

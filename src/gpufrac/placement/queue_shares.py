@@ -93,7 +93,8 @@ class QueueShares:
     resource or both; built once per decision from the engine's book (see the module docstring).
 
     ``capacity`` is per resource; ``leaving`` and ``nominated`` correct the book; ``waiting`` is the
-    demand of pending pods that are neither placed nor nominated.
+    demand of pending pods that are neither placed nor nominated; ``usage`` and ``k``, when given, make
+    the fair share time-based (``gpufrac.placement.usage_history``).
     """
 
     def __init__(
@@ -104,6 +105,8 @@ class QueueShares:
         leaving: Iterable[QueueAmount] = (),
         nominated: Iterable[QueueAmount] = (),
         waiting: Iterable[QueueAmount] = (),
+        usage: Mapping[QueueResource, Mapping[str, float]] | None = None,
+        k: float = 0.0,
     ) -> None:
         self._book = book
         self.capacity = {r: int(capacity.get(r, 0)) for r in RESOURCES}
@@ -126,7 +129,10 @@ class QueueShares:
             for r in RESOURCES:
                 demand[r][entry.queue] = demand[r].get(entry.queue, 0) + entry.amount.of(r)
         self._demand = demand
-        self._shares = {r: fair_shares(queues, demand[r], self.capacity[r], resource=r) for r in RESOURCES}
+        self._shares = {
+            r: fair_shares(queues, demand[r], self.capacity[r], resource=r, usage=(usage or {}).get(r), k=k)
+            for r in RESOURCES
+        }
         #: What reclaim protects and may fill up to: the fair share, or (``by_deserved``) the deserved quota.
         self.bar = FAIR_SHARE
         self.counted = tuple(r for r in RESOURCES if r is QueueResource.GPU_MEMORY or _has_terms(queues, r))

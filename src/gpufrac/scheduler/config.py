@@ -59,6 +59,18 @@ class ConsolidationConfig(_Strict):
     once; a plan that needs more waits (the pod says so)."""
 
 
+class TimeFairnessConfig(_Strict):
+    """Time-based fair share (docs/queues.md, "Time-based fair share"): a queue's past use, decayed with
+    this half-life, lowers its part of the over-quota GPUs and raises the part of queues that used less.
+    Off while ``k`` is 0 (the default): the fair share is then the plain weighted one."""
+
+    k: float = Field(default=0.0, ge=0.0)
+    """How much past use counts (KAI Scheduler's ``kValue``): 0 off, 1 a queue that used twice its
+    weight's part gets none of the over-quota part while others ask."""
+    half_life_s: float = Field(default=3600.0, gt=0)
+    """Usage this long ago counts half as much as usage now."""
+
+
 class SchedulerConfig(_Strict):
     scheduler_name: str = keys.DEFAULT_SCHEDULER_NAME
     """Pods whose ``spec.schedulerName`` equals this are ours."""
@@ -99,6 +111,7 @@ class SchedulerConfig(_Strict):
     """Queues for clusters without the Queue CRD, and back-compatibility: a Queue object (or KAI queue) of
     the same name takes precedence (docs/queues.md)."""
     default_queue: str = "default"
+    time_fairness: TimeFairnessConfig = TimeFairnessConfig()
     queue_status_interval_s: float | None = Field(default=5.0, gt=0)
     """How often the leader refreshes Queue objects' status (only queues whose status changed are written).
     None: this scheduler writes no Queue status (run several schedulers, e.g. shards of the nodes, and

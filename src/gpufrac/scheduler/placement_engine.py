@@ -19,7 +19,7 @@ from gpufrac.placement.decision import Decision, Placement
 from gpufrac.placement.engine import Engine
 from gpufrac.placement.fair_share import QueueBook
 from gpufrac.placement.filters import GpuRules
-from gpufrac.placement.model import NodeSpec, PendingPod, Queue
+from gpufrac.placement.model import NodeSpec, PendingPod, Queue, QueueResource
 from gpufrac.placement.queue_shares import QueueAmount, QueueShares
 from gpufrac.placement.state import GpuLedger
 from gpufrac.scheduler.config import SchedulerConfig
@@ -71,6 +71,9 @@ class PlacementEngine(Protocol):
 
     def set_queues(self, queues: Iterable[Queue]) -> None:
         """Replace the known queues (``gpufrac.scheduler.queues`` merges their sources)."""
+
+    def set_usage_history(self, usage: Mapping[QueueResource, Mapping[str, float]], k: float) -> None:
+        """Make fair shares time-based (``gpufrac.scheduler.queue_usage``); k = 0 turns it off."""
 
     @property
     def queues(self) -> QueueBook:

@@ -7,6 +7,11 @@ the cluster when it asks for a portion (where it will run is not known yet); an 
 for whole GPUs (and their memory). A waiting pod that cannot join the queue it names (unknown, or a parent) is
 no demand on any queue.
 
+With time-based fair share on (``time_fairness.k`` > 0) each pass first ticks the usage history
+(``gpufrac.scheduler.queue_usage``) on every replica, leader or not, and the status gains
+``historicalUsage``; a scheduler that writes no status (``interval`` 0) still ticks it every
+``TICK_S`` seconds.
+
 Writes are rate-limited: one pass every ``interval`` seconds, and a pass patches only the queues whose
 status differs from what the API server has (the informer's copy), so a quiet cluster costs no writes.
 Only the leader writes, and only our own ``Queue`` objects: a KAI queue's status is KAI's.
@@ -28,13 +33,18 @@ from gpufrac.kube.errors import KubeError, NotFound
 from gpufrac.kube.patch import merge_patch
 from gpufrac.placement.model import Queue, QueueResource
 from gpufrac.placement.queue_shares import Amount, QueueAmount, QueueShares, request_amount
+from gpufrac.scheduler.config import TimeFairnessConfig
 from gpufrac.scheduler.objects import gpu_request
 from gpufrac.scheduler.placement_engine import PlacementEngine
+from gpufrac.scheduler.queue_usage import STATUS_FIELD, QueueUsageClock
 from gpufrac.scheduler.queues import RESOURCE_FIELDS, GpufracQueue, QueueDirectory
 
 log = logging.getLogger(__name__)
 
 RESOURCES = tuple(QueueResource)
+#: How often the usage history is sampled when no status is written.
+TICK_S = 5.0
+STATUS_KEYS = ("allocated", "requested", "deserved", "fairShare")
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +103,7 @@ class QueueStatusWriter:
         waiting: Callable[[], Iterable[tuple[str, Pod]]],
         is_leader: Callable[[], bool],
         interval: float,
+        time_fairness: TimeFairnessConfig | None = None,
     ) -> None:
         self._client = client
         self._directory = directory
@@ -102,6 +113,7 @@ class QueueStatusWriter:
         self._waiting = waiting
         self._is_leader = is_leader
         self._interval = interval
+        self.usage = QueueUsageClock(time_fairness or TimeFairnessConfig())
         self.passes = 0
         self.writes = 0
         # A waiting pod's demand by uid, for its resourceVersion and the largest GPU it was resolved
@@ -143,13 +155,42 @@ class QueueStatusWriter:
             leaving=self._leaving(), waiting=self.waiting_demand(set(planned)), nominees=planned
         )
 
-    def statuses(self) -> dict[str, dict[str, dict[str, int]]]:
-        return queue_statuses(queues=self._directory.queues(), shares=self.shares())
+    def statuses(self) -> dict[str, dict[str, dict[str, Any]]]:
+        out: dict[str, dict[str, dict[str, Any]]] = dict(
+            queue_statuses(queues=self._directory.queues(), shares=self.shares())
+        )
+        if self.usage.enabled:
+            for name, status in out.items():
+                status[STATUS_FIELD] = self.usage.status(name)
+        return out
+
+    @property
+    def needed(self) -> bool:
+        """Whether ``run`` has work: writing status, or ticking the usage history."""
+        return self._interval > 0 or self.usage.enabled
+
+    def tick_usage(self) -> None:
+        """Sample the books into the usage history, seeded first from our Queue objects' status once
+        they are listed (a pass before that waits: a sample would make the seed too late)."""
+        if not self.usage.enabled:
+            return
+        ours = self._directory.ours
+        if not ours.synced:
+            return
+        engine = self._engine()
+        known = engine_capacity(engine)
+        capacity = {r: known.of(r) for r in RESOURCES}
+        self.usage.seed(list(ours.informer.store) if ours.installed else [], capacity)
+        self.usage.tick(engine, capacity)
 
     async def run(self) -> None:
         while True:
-            await asyncio.sleep(self._interval)
-            if self._is_leader() and self._directory.ours.installed:
+            await asyncio.sleep(self._interval or TICK_S)
+            try:
+                self.tick_usage()
+            except Exception:  # the history is best effort; the next pass samples again
+                log.exception("sampling queue usage failed")
+            if self._interval > 0 and self._is_leader() and self._directory.ours.installed:
                 try:
                     await self.write_once()
                 except Exception:  # one failed pass must not stop the next
@@ -165,7 +206,7 @@ class QueueStatusWriter:
         for obj in list(self._directory.ours.informer.store):
             name = obj.metadata.name
             desired = statuses.get(name)
-            if desired is None or _current(obj) == desired:
+            if desired is None or _current(obj, desired) == desired:
                 continue
             try:
                 await merge_patch(self._client, GpufracQueue.Status, name=name, patch={"status": desired})
@@ -179,6 +220,6 @@ class QueueStatusWriter:
         return written
 
 
-def _current(obj: Any) -> dict[str, Any]:
+def _current(obj: Any, desired: dict[str, Any]) -> dict[str, Any]:
     status = obj.status or {}
-    return {key: status.get(key) for key in ("allocated", "requested", "deserved", "fairShare")}
+    return {key: status.get(key) for key in (*STATUS_KEYS, *(k for k in desired if k not in STATUS_KEYS))}

@@ -169,6 +169,7 @@ class SchedulerService:
             waiting=self.queue.waiting,
             is_leader=self.is_leader,
             interval=config.queue_status_interval_s or 0.0,
+            time_fairness=config.time_fairness,
         )
         # Scheduled Events wait while a burst is being bound: the API server's CPU goes to binds first.
         self.events = EventRecorder(
@@ -278,7 +279,7 @@ class SchedulerService:
                 self.events.run,
                 self.node_watch.run,
                 self._expire_bookings,
-                *((self.queue_status.run,) if config.queue_status_interval_s is not None else ()),
+                *((self.queue_status.run,) if self.queue_status.needed else ()),
             ),
             drain=self._drain,
         )
