@@ -5,6 +5,11 @@ whole MiB) for the container's own cgroup. ``apply_limits`` sets them and reads 
 ``check_limits`` only reads (the audit); both answer a ``Verification`` that says, per GPU, what was
 wanted, what the driver holds and what went wrong, in sentences that name the GPU, the cgroup, the
 values and NVML's error. Nothing here decides policy (fail closed, re-apply): callers do.
+
+``apply_guarded`` is ``apply_limits`` under the shrink rule of a live resize (docs/node-agent.md): a hard
+limit is never lowered below what the cgroup uses now (``currentUsed``, read first). Where the new hard
+limit is below that use, the new soft limit is set with the hard limit the driver holds, and the
+``Verification`` says which GPU waits (``held_back``); the caller sets it again until the use falls.
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from gpufrac.node.memlimit.driver import MIB, MemoryLimitDriver, MemoryLimitError, MemoryLimits
+from gpufrac.node.memlimit.driver import LIMIT_MAX, MIB, MemoryLimitDriver, MemoryLimitError, MemoryLimits
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,11 +59,29 @@ class GpuLimitOutcome:
 
 
 @dataclass(frozen=True, slots=True)
+class HeldBack:
+    """A new hard limit not set yet on one GPU: the cgroup uses more than it (the shrink rule)."""
+
+    gpu: str
+    used: int  # bytes in use (currentUsed) when last read
+    kept: int  # the hard limit kept meanwhile (bytes)
+    wanted: int  # the new hard limit (bytes)
+
+    def describe(self) -> str:
+        return (
+            f"{self.gpu}: {self.used // MIB} MiB in use, above the new limit {self.wanted // MIB} MiB; "
+            f"the hard limit stays {self.kept // MIB} MiB until the use falls below it"
+        )
+
+
+@dataclass(frozen=True, slots=True)
 class Verification:
-    """A container's limits as last set or read, on every GPU it was given."""
+    """A container's limits as last set or read, on every GPU it was given. ``held_back``: GPUs whose
+    new hard limit waits for the use to fall (their outcome's ``hard`` is the limit kept)."""
 
     cgroup: str
     outcomes: tuple[GpuLimitOutcome, ...]
+    held_back: tuple[HeldBack, ...] = ()
 
     @property
     def in_force(self) -> bool:
@@ -99,6 +122,46 @@ def apply_limits(
             continue
         outcomes.append(_read(driver, gpu=gpu, cgroup=cgroup, soft=soft, hard=hard))
     return Verification(cgroup=cgroup, outcomes=tuple(outcomes))
+
+
+def hard_to_keep(held: MemoryLimits, *, hard: int) -> int | None:
+    """The hard limit to keep instead of ``hard`` (bytes) because the cgroup uses more than ``hard`` now;
+    None when ``hard`` may be set. What the driver holds is kept when it is larger; a cgroup the driver
+    holds no limit for keeps its use, rounded up to whole MiB (never no limit, never below the use)."""
+    used = held.current_used
+    if used <= hard:
+        return None
+    if held.hard == LIMIT_MAX:
+        return -(-used // MIB) * MIB
+    return held.hard if held.hard > hard else None
+
+
+def apply_guarded(
+    driver: MemoryLimitDriver, *, cgroup: str, gpus: Sequence[str], request_mib: int, limit_mib: int
+) -> Verification:
+    """``apply_limits`` that never lowers a hard limit below the cgroup's use (``hard_to_keep``): the
+    use is read first, the soft limit is always the new one."""
+    soft, hard = wanted_bytes(request_mib=request_mib, limit_mib=limit_mib)
+    outcomes: list[GpuLimitOutcome] = []
+    held_back: list[HeldBack] = []
+    for gpu in gpus:
+        try:
+            held = driver.get_limits(gpu=gpu, cgroup=cgroup)
+        except MemoryLimitError as exc:
+            outcomes.append(GpuLimitOutcome(gpu=gpu, soft=soft, hard=hard, error=f"read failed: {exc}"))
+            continue
+        keep = hard_to_keep(held, hard=hard)
+        setting = hard if keep is None else keep
+        if keep is not None:
+            held_back.append(HeldBack(gpu=gpu, used=held.current_used, kept=keep, wanted=hard))
+        if (held.soft, held.hard) != (soft, setting):
+            try:
+                driver.set_limits(gpu=gpu, cgroup=cgroup, soft=soft, hard=setting)
+            except MemoryLimitError as exc:
+                outcomes.append(GpuLimitOutcome(gpu=gpu, soft=soft, hard=setting, error=str(exc)))
+                continue
+        outcomes.append(_read(driver, gpu=gpu, cgroup=cgroup, soft=soft, hard=setting))
+    return Verification(cgroup=cgroup, outcomes=tuple(outcomes), held_back=tuple(held_back))
 
 
 def check_limits(

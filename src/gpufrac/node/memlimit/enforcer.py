@@ -11,6 +11,11 @@ The node agent's one owner of the per-cgroup limits (``gpufrac.node.memlimit.dri
 - ``audit`` every cycle: re-read every booked container; a cleared or changed limit is set again and
   reported (Event ``GpuMemoryLimitReapplied``, ``reapplied`` count); ``currentUsed`` is kept per GPU
   as the fraction's usage.
+- ``resize`` when the pod's binding changed under a running container (``gpufrac.node.resize``): the
+  container's new amounts are set on its cgroup and read back, under the shrink rule (a hard limit is
+  never lowered below the cgroup's use: ``enforce.apply_guarded``); a limit held back is set again by
+  every audit until the use falls below it. ``adopt`` follows the same rule (an agent restarted in the
+  middle of a resize).
 - ``canary``: a throwaway cgroup gets a limit, read back, cleared, read back, removed; until that
   passes, the node is not offered (its readiness says why).
 
@@ -40,8 +45,15 @@ from gpufrac.kube.events import WARNING, ObjectRef
 from gpufrac.node.enforcement_audit import EventSink
 from gpufrac.node.mapping import AllocationRecord
 from gpufrac.node.memlimit.cgroups import CgroupNotFound, container_cgroup, is_unified
-from gpufrac.node.memlimit.driver import MemoryLimitDriver, MemoryLimitError, clear_limits
-from gpufrac.node.memlimit.enforce import GpuLimitOutcome, Verification, apply_limits, check_limits
+from gpufrac.node.memlimit.driver import MIB, MemoryLimitDriver, MemoryLimitError, clear_limits
+from gpufrac.node.memlimit.enforce import (
+    GpuLimitOutcome,
+    HeldBack,
+    Verification,
+    apply_guarded,
+    apply_limits,
+    check_limits,
+)
 from gpufrac.node.metrics import FractionLimit, LimitReport
 
 log = logging.getLogger(__name__)
@@ -65,12 +77,24 @@ class Booked:
 
     @property
     def in_force(self) -> bool:
+        """What the driver holds is what the node set (a hard limit held back by the shrink rule is
+        in force: it is the limit the node keeps until the use falls)."""
         return self.problem is None and self.verification is not None and self.verification.in_force
+
+    @property
+    def held_back(self) -> tuple[HeldBack, ...]:
+        """The GPUs whose new hard limit waits for the container's use to fall (a live shrink)."""
+        return self.verification.held_back if self.verification is not None else ()
 
     def describe(self) -> str:
         if self.in_force:
             assert self.verification is not None
-            return f"{self.record.container_name}: {self.verification.describe()}"
+            waits = "".join(
+                f"; the new hard limit {h.wanted // MIB} MiB on {h.gpu} waits for the use to fall below it "
+                f"(kept {h.kept // MIB} MiB)"
+                for h in self.held_back
+            )
+            return f"{self.record.container_name}: {self.verification.describe()}{waits}"
         return f"{self.record.container_name}: {self.problem}"
 
 
@@ -127,6 +151,9 @@ class LimitEnforcer:
         self._events = events
         self._on_change = on_change or (lambda _pod_uid: None)
         self._lock = threading.Lock()
+        #: Held around each container's driver calls by the audit (a thread), ``resize`` and ``adopt``, so
+        #: that an audit that read a record before a resize never sets the old amounts again after it.
+        self._work = threading.RLock()
         self._booked: dict[str, Booked] = {}
         self.totals = _Totals()
         self.canary_result: CanaryResult | None = None
@@ -153,13 +180,32 @@ class LimitEnforcer:
     def adopt(self, *, record: AllocationRecord, pid: int, cgroups_path: str) -> Booked:
         """A container that already runs: read its limits, set them where they are not in force."""
         before = self._booked.get(record.container_id)
-        booked = self._set(record=record, pid=pid, cgroups_path=cgroups_path, check_first=True)
+        with self._work:
+            booked = self._set(record=record, pid=pid, cgroups_path=cgroups_path, check_first=True)
         if before is None and booked.reapplied:
             self._emit(
                 record, WARNING, REASON_REAPPLIED, f"set again after an agent restart: {booked.describe()}"
             )
         elif not booked.in_force:
             self._emit(record, WARNING, REASON_NOT_ENFORCED, self.refusal(booked))
+        return booked
+
+    def resize(self, record: AllocationRecord) -> Booked | None:
+        """Set a running container's new amounts (``record``) on its cgroup and read them back, under the
+        shrink rule; None when the container has not started here (its start sets ``record``'s amounts).
+        A read-back that differs is not in force, as at start (a Warning Event; the audit sets it again)."""
+        with self._work:
+            current = self.get(record.container_id)
+            if current is None or current.cgroup is None:
+                return None
+            done = self._guarded(record, current.cgroup)
+            booked = self._book(
+                replace(current, record=record, verification=done, problem=self._problem(record, done))
+            )
+        if not booked.in_force:
+            self._emit(
+                record, WARNING, REASON_NOT_ENFORCED, f"the resized limit is not in force: {booked.problem}"
+            )
         return booked
 
     def forget(self, container_id: str) -> None:
@@ -174,43 +220,63 @@ class LimitEnforcer:
             current = list(self._booked.values())
             self.totals.audits += 1
         changed = []
-        for booked in current:
-            if booked.cgroup is None:
-                continue
-            if not os.path.isdir(booked.cgroup):  # the container is gone; its remove event will follow
-                continue
-            checked = self._verify(booked.record, booked.cgroup)
-            if checked.in_force or not self.set_limits:
-                problem = self._problem(booked.record, checked)
-                self._book(replace(booked, verification=checked, problem=problem))
-                if problem is not None and booked.problem is None:  # newly lost: said once
-                    self._emit(
-                        booked.record,
-                        WARNING,
-                        REASON_NOT_ENFORCED,
-                        self.refusal(replace(booked, problem=problem)),
-                    )
-                    changed.append(booked)
-                continue
-            again = self._apply(booked.record, booked.cgroup)
-            after = replace(
-                booked,
-                verification=again,
-                problem=self._problem(booked.record, again),
-                reapplied=booked.reapplied + 1,
-            )
-            with self._lock:
-                self.totals.reapplied += 1
-            self._book(after)
-            self._emit(
-                booked.record,
-                WARNING,
-                REASON_REAPPLIED if again.in_force else REASON_NOT_ENFORCED,
-                f"the driver's limit changed behind gpufrac ({checked.describe()}); set again: "
-                + ("read back" if again.in_force else f"FAILED ({again.describe()})"),
-            )
-            changed.append(after)
+        for seen in current:
+            with self._work:
+                found = self._audit_one(seen.record.container_id)
+            if found is not None:
+                changed.append(found)
         return changed
+
+    def _audit_one(self, container_id: str) -> Booked | None:
+        booked = self.get(container_id)  # as it is now: a resize may have changed it since the list
+        if booked is None or booked.cgroup is None:
+            return None
+        if not os.path.isdir(booked.cgroup):  # the container is gone; its remove event will follow
+            return None
+        if booked.held_back and self.set_limits:  # a shrink waiting for the use to fall: set it again
+            again = self._guarded(booked.record, booked.cgroup)
+            after = self._book(
+                replace(booked, verification=again, problem=self._problem(booked.record, again))
+            )
+            if not after.in_force and booked.in_force:
+                self._emit(
+                    booked.record,
+                    WARNING,
+                    REASON_NOT_ENFORCED,
+                    f"the resized limit is not in force: {after.problem}",
+                )
+            return after if after.held_back != booked.held_back or not after.in_force else None
+        checked = self._verify(booked.record, booked.cgroup)
+        if checked.in_force or not self.set_limits:
+            problem = self._problem(booked.record, checked)
+            self._book(replace(booked, verification=checked, problem=problem))
+            if problem is not None and booked.problem is None:  # newly lost: said once
+                self._emit(
+                    booked.record,
+                    WARNING,
+                    REASON_NOT_ENFORCED,
+                    self.refusal(replace(booked, problem=problem)),
+                )
+                return booked
+            return None
+        again = self._apply(booked.record, booked.cgroup)
+        after = replace(
+            booked,
+            verification=again,
+            problem=self._problem(booked.record, again),
+            reapplied=booked.reapplied + 1,
+        )
+        with self._lock:
+            self.totals.reapplied += 1
+        self._book(after)
+        self._emit(
+            booked.record,
+            WARNING,
+            REASON_REAPPLIED if again.in_force else REASON_NOT_ENFORCED,
+            f"the driver's limit changed behind gpufrac ({checked.describe()}); set again: "
+            + ("read back" if again.in_force else f"FAILED ({again.describe()})"),
+        )
+        return after
 
     def canary(self, *, gpus: Sequence[str]) -> CanaryResult:
         """Set, read back, clear and read back a limit on a throwaway cgroup, on every GPU."""
@@ -279,8 +345,10 @@ class LimitEnforcer:
         reapplied = 0
         verification = self._verify(record, cgroup) if check_first or not self.set_limits else None
         if self.set_limits and (verification is None or not verification.in_force):
-            reapplied = int(check_first)
-            verification = self._apply(record, cgroup)
+            # A running container (check_first: adopt) may use more than a new hard limit that the agent
+            # did not set before it restarted: the shrink rule holds there too.
+            verification = self._guarded(record, cgroup) if check_first else self._apply(record, cgroup)
+            reapplied = int(check_first and not verification.held_back)
         assert verification is not None
         problem = self._problem(record, verification)
         return self._book(
@@ -305,6 +373,13 @@ class LimitEnforcer:
     def _apply(self, record: AllocationRecord, cgroup: str) -> Verification:
         gpus, unknown = self._gpus(record)
         done = apply_limits(
+            self.driver, cgroup=cgroup, gpus=gpus, request_mib=record.request_mib, limit_mib=record.limit_mib
+        )
+        return _with_unknown(done, unknown)
+
+    def _guarded(self, record: AllocationRecord, cgroup: str) -> Verification:
+        gpus, unknown = self._gpus(record)
+        done = apply_guarded(
             self.driver, cgroup=cgroup, gpus=gpus, request_mib=record.request_mib, limit_mib=record.limit_mib
         )
         return _with_unknown(done, unknown)
