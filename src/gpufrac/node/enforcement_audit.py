@@ -69,6 +69,10 @@ class InjectionPlanner(Protocol):
         """The enforcement environment ``container`` must have; None when it is not fractional."""
         ...
 
+    def amounts_may_differ(self, *, container: RunningContainer) -> bool:
+        """Whether the container's amount variables may differ from its plan (it was resized live)."""
+        ...
+
 
 @dataclass(frozen=True, slots=True)
 class Finding:
@@ -155,7 +159,10 @@ class Auditor:
             log.warning("audit: runtime does not report the spec of %s; injection not checked", container.id)
             return None
         problems = injection_problems(
-            expected=expected, actual=actual, managed_keys=self._planner.managed_keys
+            expected=expected,
+            actual=actual,
+            managed_keys=self._planner.managed_keys,
+            amounts_may_differ=self._planner.amounts_may_differ(container=container),
         )
         if not problems:
             return None

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -61,6 +61,16 @@ ENFORCEMENT_ENV = (
     NVIDIA_GPU_MEMORY_REQUEST,
     NVIDIA_GPU_MEMORY_LIMIT,
     CUDA_MPS_PIPE_DIRECTORY,
+    CUDA_MPS_PINNED_DEVICE_MEM_LIMIT,
+    CUDA_MPS_ACTIVE_THREAD_PERCENTAGE,
+)
+
+#: The variables that carry a container's amounts. They are fixed when the container is created; a live
+#: resize (``gpufrac.node.resize``) changes the pod's binding and the cgroup's limits, not a running
+#: container's environment, so a resized container's values differ from its current plan.
+AMOUNT_ENV = (
+    NVIDIA_GPU_MEMORY_REQUEST,
+    NVIDIA_GPU_MEMORY_LIMIT,
     CUDA_MPS_PINNED_DEVICE_MEM_LIMIT,
     CUDA_MPS_ACTIVE_THREAD_PERCENTAGE,
 )
@@ -194,6 +204,8 @@ class RunningContainer(Protocol):
     """The part of a running container the planner reads (``gpufrac.node.cri.client.RunningContainer``)."""
 
     @property
+    def id(self) -> str: ...
+    @property
     def name(self) -> str: ...
     @property
     def pod_annotations(self) -> Mapping[str, str]: ...
@@ -204,8 +216,16 @@ class EnvPlanner:
 
     managed_keys: frozenset[str] = frozenset(ENFORCEMENT_ENV)
 
-    def __init__(self, *, container_pipe_dir: str = CONTAINER_PIPE_DIR) -> None:
+    def __init__(
+        self, *, container_pipe_dir: str = CONTAINER_PIPE_DIR, recorded: Callable[[str], bool] | None = None
+    ) -> None:
+        """``recorded(container_id)``: the agent injected the container and keeps its record, so its
+        amount variables may be those it was created with, before a resize (``AMOUNT_ENV``)."""
         self._container_pipe_dir = container_pipe_dir
+        self._recorded = recorded or (lambda _container_id: False)
+
+    def amounts_may_differ(self, *, container: RunningContainer) -> bool:
+        return self._recorded(container.id)
 
     def expected_env(self, *, container: RunningContainer) -> Mapping[str, str] | None:
         try:
@@ -225,7 +245,11 @@ CDI_SPEC_VISIBLE_DEVICES = "void"
 
 
 def injection_problems(
-    *, expected: Mapping[str, str], actual: Mapping[str, str], managed_keys: Sequence[str] | frozenset[str]
+    *,
+    expected: Mapping[str, str],
+    actual: Mapping[str, str],
+    managed_keys: Sequence[str] | frozenset[str],
+    amounts_may_differ: bool = False,
 ) -> list[str]:
     """Each way ``actual`` differs from the plan, in words (values compared, not just presence). One rule
     for every judge: the audit (running containers, through CRI), Synchronize (after a reconnection) and
@@ -234,6 +258,10 @@ def injection_problems(
     ``NVIDIA_VISIBLE_DEVICES=void`` where devices are planned is no problem: the NVIDIA toolkit's CDI spec,
     requested for the container's devices (``cdi_requests``), sets it after the plan's variables are
     applied, and ``void`` gives no GPU through the variable.
+
+    ``amounts_may_differ`` (a running container the agent injected and recorded): the amount variables
+    (``AMOUNT_ENV``) must be there but may hold the amounts it was created with, since a live resize
+    changed the binding after (the cgroup's limits, not these variables, follow it).
     """
     problems = []
     for key, value in sorted(expected.items()):
@@ -241,7 +269,7 @@ def injection_problems(
             continue
         if key not in actual:
             problems.append(f"{key} missing, want {value!r}")
-        elif actual[key] != value:
+        elif actual[key] != value and not (amounts_may_differ and key in AMOUNT_ENV):
             problems.append(f"{key}={actual[key]!r}, want {value!r}")
     for key in sorted(set(managed_keys) - expected.keys()):
         if key in actual:

@@ -581,6 +581,8 @@ class GpuInjector:
                 expected=plan.env_map,
                 actual=dict(entry.partition("=")[::2] for entry in container.env),
                 managed_keys=ENFORCEMENT_ENV,
+                # Injected and recorded by this agent: a live resize since may have changed its amounts.
+                amounts_may_differ=self._store.get(container.id) is not None,
             )
             if problems:  # never recorded as enforced; reported while it can still run
                 if container.state != api.CONTAINER_STOPPED:
