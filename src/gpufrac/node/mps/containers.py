@@ -55,6 +55,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+from gpufrac.contract.render import BoundContainer
 from gpufrac.contract.request import ComputeMode
 from gpufrac.node.inject import CUDA_MPS_PIPE_DIRECTORY, InjectionPlan, active_thread_percentage
 from gpufrac.node.mps.control import MpsClient
@@ -247,6 +248,25 @@ class MpsContainerHooks:
         self._sm.add(container_id)
         # Classic MPS has one pipe directory; the limits travel as the client env the plan already holds.
         return MpsAdjustment(pipe_source=str(supervisor.settings.pipe_dir))
+
+    async def on_resize(self, bound: BoundContainer, *, container_id: str) -> str | None:
+        """A running sm-sharing container's new portion and limit (a live resize, ``gpufrac.node.resize``):
+        its namespace takes them where MPS lets it (``MpsSupervisor.resize_namespace``); None when they
+        hold, else why not. Nothing for other containers."""
+        if bound.mode is not ComputeMode.SM_SHARING or bound.exclusive or container_id not in self._sm:
+            return None
+        if self._supervisor.mode is not MpsMode.V3:
+            return (
+                "classic MPS: the container's processes keep CUDA_MPS_ACTIVE_THREAD_PERCENTAGE and "
+                "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT as they started with them"
+            )
+        spec = NamespaceSpec(
+            name=namespace_name(container_id),
+            active_thread_percentage=thread_ceiling(bound.compute_portion),
+            pinned_memory_limit_mib=bound.limit_mib,
+            container_id=container_id,
+        )
+        return await self._supervisor.resize_namespace(spec)
 
     async def on_stop(self, *, container_id: str) -> None:
         """Starts (or joins) the container's drain and waits for it ``drain_timeout_s`` at most."""

@@ -23,6 +23,8 @@ from collections.abc import Callable, Iterable
 
 from lightkube import AsyncClient
 
+from gpufrac.contract.render import BoundContainer
+from gpufrac.contract.request import ComputeMode
 from gpufrac.kube.events import EventRecorder
 from gpufrac.node.inject import InjectionPlan
 from gpufrac.node.inventory.backend import InventoryUnavailable
@@ -177,6 +179,13 @@ class _ServiceHooks:
     async def on_remove(self, *, container_id: str) -> None:
         if self._service._started is not None:
             await self._service._started.on_remove(container_id=container_id)
+
+    async def on_resize(self, bound: BoundContainer, *, container_id: str) -> str | None:
+        if self._service._started is None:
+            return (
+                None if bound.mode is not ComputeMode.SM_SHARING else "the MPS supervisor has not started yet"
+            )
+        return await self._service._started.on_resize(bound, container_id=container_id)
 
     async def on_synchronize(self, containers: Iterable[tuple[str, InjectionPlan]]) -> None:
         if self._service._started is None:

@@ -427,6 +427,47 @@ class MpsSupervisor:
         with contextlib.suppress(OSError):
             directory.rmdir()
 
+    async def resize_namespace(self, spec: NamespaceSpec) -> str | None:
+        """New settings for a live namespace (a running container resized): None once the daemon holds
+        them, else why it does not.
+
+        The live set takes ``spec`` at once, so every later (re)creation of the namespace -- a daemon
+        restart, a recycle -- has the new ceiling and pinned-memory limit. ``namespace set`` is tried
+        now; MPS refuses it while a client is attached (NVIDIA: a client's active-thread percentage and
+        pinned device memory limit are fixed when it connects; none can be changed for a running
+        process), which is the usual case for a running container: its clients keep the settings they
+        connected with, and the container's GPU memory stays bounded by the cgroup's hard limit, which
+        the driver changes live."""
+        if self.mode is not MpsMode.V3:
+            return (
+                "classic MPS has no namespaces: its clients keep the limits of the environment they began "
+                "with"
+            )
+        if spec.name not in self._namespaces:
+            return f"MPS namespace {spec.name} is not live on this node"
+        self._namespaces[spec.name] = spec
+        if self.state is not SupervisorState.READY:
+            return (
+                f"the MPS daemon is {self.state}: the namespace is made with the new settings when it serves"
+            )
+        async with self._ns_lock:
+            if self._applied.get(spec.name) == spec:
+                return None
+            try:
+                await self.control.set_namespace(
+                    server=self.settings.server_name,
+                    name=spec.name,
+                    active_thread_percentage=spec.active_thread_percentage,
+                    pinned_memory_limit=spec.pinned_memory_limit,
+                )
+            except MpsCommandError as error:
+                return (
+                    f"MPS kept the namespace's settings for the clients attached now ({error}); processes "
+                    "connecting after they all detach get the new ones"
+                )
+            self._applied[spec.name] = spec
+        return None
+
     def live_namespaces(self) -> Iterable[NamespaceSpec]:
         return tuple(self._namespaces.values())
 
