@@ -104,6 +104,19 @@ async def set_pod_condition(
         )
 
 
+async def remove_pod_condition(client: AsyncClient, *, name: str, namespace: str, type: str) -> Pod:
+    """Remove one condition from a pod's status (strategic merge: ``$patch: delete`` on the conditions
+    list, whose merge key is ``type``); removing one that is not there changes nothing."""
+    with api_errors():
+        return await client.patch(  # type: ignore[no-any-return]
+            Pod.Status,
+            name,
+            {"status": {"conditions": [{"type": type, "$patch": "delete"}]}},
+            namespace=namespace,
+            patch_type=PatchType.STRATEGIC,
+        )
+
+
 async def set_nominated_node(client: AsyncClient, *, name: str, namespace: str, node: str | None) -> Pod:
     """Set (or, with None, clear) ``status.nominatedNodeName``: where a preempting pod is headed."""
     with api_errors():

@@ -69,6 +69,7 @@ from gpufrac.node.mps.service import MpsService
 from gpufrac.node.nri.handler import GpuInjector
 from gpufrac.node.nri.plugin import NriPlugin, PluginIdentity
 from gpufrac.node.reporting import UsageSettings, run_reporting
+from gpufrac.node.resize import AllocationsInForce, PodResizeWatch, ResizeTracker
 from gpufrac.node.usage.backend import GpuProcesses, ProcessUsageBackend
 from gpufrac.process.probes import ProbeServer
 
@@ -221,6 +222,25 @@ class NodeAgent:
                 booked=self.limits.booked if self.limits is not None else list,
                 events=self.recorder,
             )
+        #: Live resizes of running fractions (gpufrac.node.resize): the pods of this node, watched.
+        self.resizes = (
+            PodResizeWatch(
+                client=client,
+                node_name=settings.node_name,
+                tracker=ResizeTracker(
+                    store=self.store,
+                    limits=self.limits,
+                    events=self.recorder,
+                    mps=self.mps.hooks if self.mps is not None else None,
+                    shrink_timeout_s=settings.resize_shrink_timeout,
+                ),
+            )
+            if client is not None
+            and settings.publish
+            and self.limits is not None
+            and settings.memory_limits == "driver"
+            else None
+        )
         self.injector = GpuInjector(
             store=self.store,
             pipe_root=settings.pipe_root,
@@ -394,6 +414,8 @@ class NodeAgent:
             await self._canary()
             if self.upgrading is None:
                 await asyncio.to_thread(self.limits.audit)
+                if self.resizes is not None:  # a held-back shrink applied, timed out, or found at adoption
+                    await self.resizes.after_audit()
 
     def _nri_state(self, synchronized: bool) -> None:
         log.info("nri: %s", "in the runtime's path" if synchronized else "not connected")
@@ -470,9 +492,14 @@ class NodeAgent:
                 settings=self._usage_settings(),
                 node_name=self.settings.node_name,
                 backend=backend,
-                allocations=self.store,
+                allocations=AllocationsInForce(store=self.store, limits=self.limits)
+                if self.limits is not None
+                else self.store,
                 managed_gpus=self._managed_gpus,
-                planner=EnvPlanner(container_pipe_dir=self.settings.container_pipe_dir),
+                planner=EnvPlanner(
+                    container_pipe_dir=self.settings.container_pipe_dir,
+                    recorded=lambda container_id: self.store.get(container_id) is not None,
+                ),
                 events=self.recorder if self.recorder is not None else _LoggedEvents(),
                 counters=self.counters,
                 started=self.metrics_port if self.metrics_port and not self.metrics_port.done() else None,
@@ -599,6 +626,8 @@ class NodeAgent:
             tasks.append(asyncio.create_task(self._keep_limits(), name="memory-limits"))
         if self.conditions is not None:
             tasks.append(asyncio.create_task(self.conditions.run(), name="pod-conditions"))
+        if self.resizes is not None:
+            tasks.append(asyncio.create_task(self.resizes.run(), name="pod-resizes"))
         # MPS and usage reporting, paused around driver upgrades; cancelled with the publisher (MPS stops
         # the daemon in a finally; reporting closes CRI, then the metrics endpoint).
         tasks.append(asyncio.create_task(self._gpu_users(), name="gpu-users"))

@@ -142,6 +142,13 @@ class NodeAgentSettings(BaseModel):
     memory_limit_audit_s: float = Field(
         10.0, gt=0, description="how often every running fraction's limits are read back from the driver"
     )
+    resize_shrink_timeout: float = Field(
+        600.0,
+        gt=0,
+        description="seconds a live resize that lowers a container's hard GPU memory limit below its use "
+        "waits for the use to fall before the pod says LimitBelowUsage (the old hard limit stays until the "
+        "use falls or the pod is resized again; docs/node-agent.md, 'Resizing a running fraction')",
+    )
     health_host: str = "0.0.0.0"
     health_port: int = Field(8082, ge=0, le=65535)
     publish_interval_s: float = Field(5.0, gt=0)
