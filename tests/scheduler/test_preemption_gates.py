@@ -16,13 +16,14 @@ from gpufrac.placement.preemption import Kind
 from gpufrac.placement.queue_access import parse_duration, queue_from_spec
 from gpufrac.scheduler.config import SchedulerConfig
 from gpufrac.scheduler.preemption_gates import (
+    GateSettings,
     MinRuntime,
     PreemptionDelay,
     Wakeups,
     format_duration,
     min_runtime,
 )
-from gpufrac.scheduler.queues import KaiQueue, queue_from_kai
+from gpufrac.scheduler.queues import KaiQueue, config_queues, queue_from_kai
 
 
 def _tree(**settings: tuple[str | None, float | None, float | None]) -> dict[str, Queue]:
@@ -121,6 +122,40 @@ def test_the_preemption_delay_counts_from_creation_and_says_until_when() -> None
     assert SchedulerConfig().preemption_delay_s == 0
     with pytest.raises(ValidationError):
         SchedulerConfig(preemption_delay_s=-1)
+
+
+def test_the_schedulers_default_min_runtime_holds_where_no_queue_on_the_path_sets_one() -> None:
+    tree = _tree(A=(None, None, None), B=(None, 60, 600), leaf=("A", None, None))
+    config = SchedulerConfig(min_runtime={"preempt_s": 120, "reclaim_s": 30})
+    defaults = GateSettings.of(config)
+    assert min_runtime(Kind.PREEMPT, "leaf", "leaf", tree, defaults) == (
+        120,
+        "the scheduler's min_runtime.preempt_s",
+    )
+    assert min_runtime(Kind.RECLAIM, "B", "leaf", tree, defaults) == (
+        30,
+        "the scheduler's min_runtime.reclaim_s",
+    )
+    # A queue's own setting wins over the default, and moves are never bound.
+    assert min_runtime(Kind.PREEMPT, "B", "B", tree, defaults) == (60, "queue B's preemptMinRuntime")
+    assert min_runtime(Kind.RECLAIM, "leaf", "B", tree, defaults) == (600, "queue B's reclaimMinRuntime")
+    assert min_runtime(Kind.CONSOLIDATE, "leaf", "leaf", tree, defaults) == (0, "")
+    assert GateSettings.of(SchedulerConfig()) == GateSettings()  # nothing unless configured
+    with pytest.raises(ValidationError):
+        SchedulerConfig(min_runtime={"reclaim_s": -1})
+
+
+def test_the_configuration_files_queues_take_min_runtimes_too() -> None:
+    config = SchedulerConfig(
+        queues=[
+            {"name": "default"},
+            {"name": "batch", "reclaim_min_runtime_s": 600, "preempt_min_runtime_s": 60},
+        ]
+    )
+    queues = {q.name: q for q in config_queues(config)}
+    assert (queues["batch"].preempt_min_runtime_s, queues["batch"].reclaim_min_runtime_s) == (60, 600)
+    assert queues["default"].reclaim_min_runtime_s is None
+    assert min_runtime(Kind.RECLAIM, "default", "batch", queues) == (600, "queue batch's reclaimMinRuntime")
 
 
 def test_min_runtimes_are_go_durations_in_our_queue_and_in_kais() -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
+import pytest
 from lightkube import AsyncClient
 from lightkube.resources.core_v1 import Pod
 from lightkube.types import PatchType
@@ -56,17 +57,23 @@ def disruption(pod: Pod) -> tuple[str | None, str | None]:
     return (found[0].reason, found[0].message) if found else (None, None)
 
 
+@pytest.mark.parametrize("where", ["queue", "scheduler default"])
 async def test_reclaim_waits_until_the_victims_have_run_their_queues_minimum_and_says_so(
     client: AsyncClient,
     pool: Pool,
     queues: list[tuple[type, str]],  # noqa: F811
+    where: str,
 ) -> None:
+    """The minimum set on the victim's Queue, or (none set on its path) the scheduler's default."""
     await add_nodes(client, pool, count=1, shape=NodeShape(gpus=2))
     ns, p = pool.namespace, pool.id
     half = {"gpuMemory": {"deserved": 81559}, "gpus": {"deserved": 1}}
     await _create(client, queues, GpufracQueue, f"{p}-a", {"resources": half})
-    await _create(client, queues, GpufracQueue, f"{p}-b", {"resources": half, "reclaimMinRuntime": "4s"})
-    async with running(client, pool.config(node_heartbeat_expiry_s=None)) as service:
+    on_queue = {"reclaimMinRuntime": "4s"} if where == "queue" else {}
+    await _create(client, queues, GpufracQueue, f"{p}-b", {"resources": half, **on_queue})
+    config = pool.config(node_heartbeat_expiry_s=None, min_runtime={"reclaim_s": 0 if on_queue else 4})
+    setting = f"queue {p}-b's reclaimMinRuntime" if on_queue else "the scheduler's min_runtime.reclaim_s"
+    async with running(client, config) as service:
         for i in range(2):
             await client.create(victim_pod(pool, f"b-{i}", queue=f"{p}-b"))
         await wait_bound(client, ns, 2, timeout=20)
@@ -87,8 +94,8 @@ async def test_reclaim_waits_until_the_victims_have_run_their_queues_minimum_and
         await wait_for(told, timeout=20, what="a-0 told the victims are too young")
         message = condition(await client.get(Pod, "a-0", namespace=ns))[2]
         assert (
-            f"No pod is evicted for it: no victim has run its queue's minimum of 4s (queue {p}-b's "
-            "reclaimMinRuntime) yet; tried again at "
+            f"No pod is evicted for it: no victim has run its queue's minimum of 4s ({setting}) yet; "
+            "tried again at "
         ) in message, message
         assert await events(client, ns, "Reclaimed") == []
 

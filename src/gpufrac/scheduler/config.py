@@ -30,6 +30,10 @@ class QueueConfig(_Strict):
     """Cap on the guaranteed GPU memory of the queue's placed pods; none by default."""
     deserved_share: float = Field(default=0.0, ge=0.0, le=1.0)
     """Fraction of the cluster's GPU memory the queue deserves; queues furthest below it go first."""
+    preempt_min_runtime_s: float | None = Field(default=None, ge=0.0)
+    """A pod of the queue runs this long before preemption may evict it (a Queue's preemptMinRuntime)."""
+    reclaim_min_runtime_s: float | None = Field(default=None, ge=0.0)
+    """A pod of the queue runs this long before reclaim may evict it (a Queue's reclaimMinRuntime)."""
 
 
 class LeaderElectionConfig(_Strict):
@@ -57,6 +61,13 @@ class ConsolidationConfig(_Strict):
     max_moves_per_minute: int = Field(default=4, ge=1)
     """The bound on disruption: moves average at most this many a minute and come at most this many at
     once; a plan that needs more waits (the pod says so)."""
+
+
+class MinRuntimeConfig(_Strict):
+    """Min-runtimes for queues that set none on their path (docs/queues.md, "Min-runtime")."""
+
+    preempt_s: float = Field(default=0.0, ge=0.0)
+    reclaim_s: float = Field(default=0.0, ge=0.0)
 
 
 class TimeFairnessConfig(_Strict):
@@ -94,6 +105,10 @@ class SchedulerConfig(_Strict):
     preemption_delay_s: float = Field(default=0.0, ge=0.0)
     """A pending pod evicts nobody (preemption, reclaim or consolidation) until this long after its
     creation, so a node autoscaler can add room first; its message says until when. 0: at once."""
+
+    min_runtime: MinRuntimeConfig = MinRuntimeConfig()
+    """How long a pod runs before preemption (``preempt_s``) or reclaim (``reclaim_s``) may evict it, where
+    neither its queue nor an ancestor sets a minimum; 0: none."""
 
     consolidation: ConsolidationConfig = ConsolidationConfig()
     """When a pod still fits nowhere (no preemption or reclaim helps) and only because free GPU memory is

@@ -100,7 +100,7 @@ from gpufrac.scheduler.preemption_events import (
     where,
     whom,
 )
-from gpufrac.scheduler.preemption_gates import MinRuntime, PreemptionDelay, Wakeups
+from gpufrac.scheduler.preemption_gates import GateSettings, MinRuntime, PreemptionDelay, Wakeups
 from gpufrac.scheduler.preemption_pacing import SEARCH_BUDGET_S, CycleBudget, SearchMemory
 from gpufrac.scheduler.preemption_resume import plan_from_leaving
 
@@ -159,7 +159,7 @@ class Preemptions:
         preempt: bool = True,
         moves: MoveBudget | None = None,
         search_budget_s: float = SEARCH_BUDGET_S,
-        delay_s: float = 0.0,
+        gates: GateSettings = GateSettings(),
         wall: Callable[[], float] = time.time,
     ) -> None:
         self._client = client
@@ -178,8 +178,8 @@ class Preemptions:
         self._budget = CycleBudget(search_budget_s)
         self._memory = SearchMemory(clock=clock, retry=retry, spawn=spawn)
         wake = Wakeups(wall=wall, retry=retry, spawn=spawn)
-        self._young = MinRuntime(queues=lambda: engine.queues.queues, wall=wall, wake=wake)
-        self._delay = PreemptionDelay(delay_s, wall=wall, wake=wake)
+        self._young = MinRuntime(queues=lambda: engine.queues.queues, wall=wall, wake=wake, defaults=gates)
+        self._delay = PreemptionDelay(gates.delay_s, wall=wall, wake=wake)
         # By the preempting pod's uid; a gang's plan by the gang's key and each member's uid.
         self._open: dict[str, _Nomination] = {}
         self._victim_of: dict[str, str] = {}  # victim uid -> the owner key of its nomination

@@ -14,7 +14,9 @@ started and is not protected, as KAI protects no job without a start time. Resol
   top-level queue's value. So a minimum set on a subtree protects it from its siblings' reclaim, and
   what a subtree sets inside itself does not bind queues outside it.
 
-Nothing set anywhere: no minimum (KAI's plugin default, ``0s``). Consolidation's moves are not bound by
+Nothing set on the path: the scheduler's defaults (``min_runtime.preempt_s`` / ``min_runtime.reclaim_s``
+of its configuration, KAI's plugin arguments ``defaultPreemptMinRuntime``/``defaultReclaimMinRuntime``),
+0 unless configured (KAI's plugin default, ``0s``). Consolidation's moves are not bound by
 it (KAI registers the plugin for preempt and reclaim only). ``Preemptions`` excludes the protected pods
 from the search (as KAI's victim filters do); when nobody is evicted and some pods were protected, the
 pod's message says so and it is tried again when the first of them reaches its minimum.
@@ -39,6 +41,7 @@ from lightkube.resources.core_v1 import Pod
 
 from gpufrac.placement.model import Queue
 from gpufrac.placement.preemption import Kind
+from gpufrac.scheduler.config import SchedulerConfig
 
 #: A wake-up this close after one already armed is left to that one.
 _SLACK_S = 0.5
@@ -66,29 +69,54 @@ def _path(name: str, queues: Mapping[str, Queue]) -> list[Queue]:
     return path[::-1]
 
 
-def min_runtime(kind: Kind, taker: str, victim: str, queues: Mapping[str, Queue]) -> tuple[float, str]:
+@dataclass(frozen=True, slots=True)
+class GateSettings:
+    """The scheduler's settings for both gates: the preemption delay, and the min-runtimes of queues
+    that set none on their path."""
+
+    delay_s: float = 0.0
+    preempt_min_runtime_s: float = 0.0
+    reclaim_min_runtime_s: float = 0.0
+
+    @classmethod
+    def of(cls, config: SchedulerConfig) -> GateSettings:
+        minimum = config.min_runtime
+        return cls(config.preemption_delay_s, minimum.preempt_s, minimum.reclaim_s)
+
+    def default(self, kind: Kind) -> tuple[float, str]:
+        if kind is Kind.PREEMPT and self.preempt_min_runtime_s > 0:
+            return self.preempt_min_runtime_s, "the scheduler's min_runtime.preempt_s"
+        if kind is Kind.RECLAIM and self.reclaim_min_runtime_s > 0:
+            return self.reclaim_min_runtime_s, "the scheduler's min_runtime.reclaim_s"
+        return 0.0, ""
+
+
+def min_runtime(
+    kind: Kind, taker: str, victim: str, queues: Mapping[str, Queue], defaults: GateSettings = GateSettings()
+) -> tuple[float, str]:
     """How long a pod of queue ``victim`` runs before a pod of queue ``taker`` may evict it by ``kind``,
-    and the setting that says so ("queue batch's reclaimMinRuntime"); (0, "") for none."""
+    and the setting that says so ("queue batch's reclaimMinRuntime"); ``defaults`` when no queue sets
+    one, (0, "") for none."""
     path = _path(victim, queues)
     if kind is Kind.PREEMPT:
         for q in reversed(path):
             if q.preempt_min_runtime_s is not None:
                 return q.preempt_min_runtime_s, f"queue {q.name}'s preemptMinRuntime"
-        return 0.0, ""
+        return defaults.default(kind)
     if kind is not Kind.RECLAIM:
         return 0.0, ""
     takers = [q.name for q in _path(taker, queues)]
     if takers[0] != path[0].name:
         top = path[0]
         value = top.reclaim_min_runtime_s
-        return (0.0, "") if value is None else (value, f"queue {top.name}'s reclaimMinRuntime")
+        return defaults.default(kind) if value is None else (value, f"queue {top.name}'s reclaimMinRuntime")
     common = 0
     while common + 1 < min(len(takers), len(path)) and takers[common + 1] == path[common + 1].name:
         common += 1
     for q in reversed(path[: min(common + 1, len(path) - 1) + 1]):
         if q.reclaim_min_runtime_s is not None:
             return q.reclaim_min_runtime_s, f"queue {q.name}'s reclaimMinRuntime"
-    return 0.0, ""
+    return defaults.default(kind)
 
 
 class Wakeups:
@@ -138,8 +166,15 @@ class _Young:
 class MinRuntime:
     """The victims too young to evict, per pod (or gang key) being searched for."""
 
-    def __init__(self, *, queues: Callable[[], Iterable[Queue]], wall: Callable[[], float], wake: Wakeups):
-        self._queues, self._wall, self._wake = queues, wall, wake
+    def __init__(
+        self,
+        *,
+        queues: Callable[[], Iterable[Queue]],
+        wall: Callable[[], float],
+        wake: Wakeups,
+        defaults: GateSettings = GateSettings(),
+    ):
+        self._queues, self._wall, self._wake, self._defaults = queues, wall, wake, defaults
         self._young: dict[str, _Young] = {}
 
     def begin(self, key: str) -> None:
@@ -152,7 +187,10 @@ class MinRuntime:
         """Of ``victims`` (uid, queue, pod), those that have not run their minimum for ``kind`` by a pod
         of queue ``taker``."""
         queues = {q.name: q for q in self._queues()}
-        if not any(q.preempt_min_runtime_s or q.reclaim_min_runtime_s for q in queues.values()):
+        configured = self._defaults.preempt_min_runtime_s or self._defaults.reclaim_min_runtime_s
+        if not configured and not any(
+            q.preempt_min_runtime_s or q.reclaim_min_runtime_s for q in queues.values()
+        ):
             return set()
         now, out = self._wall(), set()
         young = self._young.setdefault(key, _Young())
@@ -161,7 +199,7 @@ class MinRuntime:
             started = pod.status.startTime if pod is not None and pod.status is not None else None
             if started is None:
                 continue
-            seconds, setting = min_runtime(kind, taker, queue, queues)
+            seconds, setting = min_runtime(kind, taker, queue, queues, self._defaults)
             until = started.timestamp() + seconds
             if seconds <= 0 or until <= now:
                 continue

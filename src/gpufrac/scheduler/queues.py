@@ -116,12 +116,14 @@ def queue_from_kai(obj: Any) -> Queue:
 
 
 def config_queues(config: SchedulerConfig) -> list[Queue]:
-    """The configuration file's queues (top-level; a GPU-memory limit and a deserved share)."""
+    """The configuration file's queues (top-level; a GPU-memory limit, a deserved share, min-runtimes)."""
     return [
         Queue(
             name=q.name,
             gpu_memory=Quota(limit=q.gpu_memory_limit_mib),
             deserved_share=q.deserved_share,
+            preempt_min_runtime_s=q.preempt_min_runtime_s,
+            reclaim_min_runtime_s=q.reclaim_min_runtime_s,
         )
         for q in config.queues
     ]

@@ -52,12 +52,7 @@ from gpufrac.kube.lease import LeadershipLost, LeaseTiming
 from gpufrac.placement.consolidation import MoveBudget
 from gpufrac.placement.decision import Decision, Placement, Unschedulable
 from gpufrac.placement.engine import Engine
-from gpufrac.placement.model import (
-    ModePolicy,
-    NodeSelectorRequirement,
-    NodeSelectorTerm,
-    SelectorOperator,
-)
+from gpufrac.placement.model import ModePolicy, NodeSelectorRequirement, NodeSelectorTerm, SelectorOperator
 from gpufrac.process.controller import ControllerRunner, Election, cancel, default_identity
 from gpufrac.scheduler.bind_cycle import BackgroundTasks, BindCycle
 from gpufrac.scheduler.binder import Binder, BindMode, stale_binding_keys
@@ -73,8 +68,10 @@ from gpufrac.scheduler.placement_engine import PlacementEngine
 from gpufrac.scheduler.pod_fields import RefusedPod, refused_fields, scheduling_gates, volume_terms
 from gpufrac.scheduler.pod_watch import PodWatch
 from gpufrac.scheduler.preemption import Preemptions
+from gpufrac.scheduler.preemption_gates import GateSettings
 from gpufrac.scheduler.queue_status import QueueStatusWriter
 from gpufrac.scheduler.queues import QueueDirectory
+from gpufrac.scheduler.resize import Resizes
 from gpufrac.scheduler.scheduling_queue import SchedulingQueue
 from gpufrac.scheduler.status_report import StatusReporter
 
@@ -136,6 +133,7 @@ class SchedulerService:
             leaving=lambda uid: self.preemptions.leaving(uid) if self.preemptions is not None else None,
             victim_deleted=lambda uid: self.preemptions is not None and self.preemptions.deleted(uid),
             forget=lambda uid: self.report.forget(uid),
+            resize=lambda pod, gone: self.resizes.observe(pod, gone=gone),
         )
         self.pods = self.pod_watch.pods
         self.node_watch = NodeWatch(
@@ -178,6 +176,9 @@ class SchedulerService:
             instance=self.identity,
             queue_size=EVENTS_QUEUE,
             yield_to=lambda: self.binds.busy(),
+        )
+        self.resizes = Resizes(
+            client=client, cache=self.cache, events=self.events, fence=self.is_leader, changed=changed
         )
         self.metrics = SchedulerMetrics()
         self.report = StatusReporter(
@@ -223,7 +224,7 @@ class SchedulerService:
                 waiting=self.queue_status.waiting_demand,
                 preempt=config.preemption,
                 moves=MoveBudget(consolidation.max_moves_per_minute, now=time.monotonic()) if on else None,
-                delay_s=config.preemption_delay_s,
+                gates=GateSettings.of(config),
             )
         self._post_filters: tuple[PostFilter, ...] = (
             *((post_filter,) if post_filter is not None else ()),
@@ -279,6 +280,7 @@ class SchedulerService:
                 self.events.run,
                 self.node_watch.run,
                 self._expire_bookings,
+                self.resizes.run,
                 *((self.queue_status.run,) if self.queue_status.needed else ()),
             ),
             drain=self._drain,
@@ -590,11 +592,4 @@ def build_service(
     return SchedulerService(client=client, config=config, engine=build_engine(config), identity=identity)
 
 
-__all__ = [
-    "COMPONENT",
-    "LeadershipLost",
-    "PodFilter",
-    "PostFilter",
-    "SchedulerService",
-    "build_service",
-]
+__all__ = ["COMPONENT", "LeadershipLost", "PodFilter", "PostFilter", "SchedulerService", "build_service"]
