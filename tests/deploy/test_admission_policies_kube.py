@@ -26,6 +26,7 @@ from test_chart_kube import collection, create
 
 from gpufrac.contract import keys
 from gpufrac.local.controlplane import ControlPlane
+from gpufrac.node.resize import REASON_WAITING_FOR_USAGE, RESIZE_CONDITION
 
 pytestmark = pytest.mark.kube
 
@@ -160,9 +161,11 @@ def test_a_node_agent_token_writes_only_its_own_node(
                 assert "x" not in {t["key"] for t in after["spec"].get("taints") or []}
                 conditions = (after.get("status") or {}).get("conditions") or []
                 assert keys.NODE_READY_CONDITION not in {c["type"] for c in conditions}
-                # RBAC: it reads no pods any more.
-                assert agent.get(f"/api/v1/namespaces/{ns}/pods").status_code == 403
-                assert agent.get("/api/v1/pods").status_code == 403
+                # RBAC: it reads the pods (its watch of its node's pods: live resizes), never Secrets; RBAC
+                # cannot narrow the read to its own node's pods (docs/security.md).
+                mine = agent.get("/api/v1/pods", params={"fieldSelector": f"spec.nodeName={own}"})
+                assert mine.status_code == 200
+                assert agent.get(f"/api/v1/namespaces/{ns}/secrets").status_code == 403
         finally:
             for name in (own, other):
                 admin.delete(f"/api/v1/nodes/{name}")
@@ -416,8 +419,9 @@ def test_the_chart_pattern_is_exactly_the_contracts_binder_owned_keys(tmp_path: 
 def test_a_node_agent_token_writes_only_the_memory_condition_of_pods_on_its_own_node(
     controlplane: ControlPlane, installed: dict[str, Any]
 ) -> None:
-    """The agent says GpuMemoryEnforced on the pods of its node; it cannot touch another node's pods, nor
-    any other part of a pod's status (a stolen agent token must not mark a pod Ready or Running)."""
+    """The agent says GpuMemoryEnforced (and GpuResizeInProgress) on the pods of its node; it cannot touch
+    another node's pods, nor any other part of a pod's status (a stolen agent token must not mark a pod
+    Ready or Running)."""
     ns = installed["namespace"]
     suffix = uuid.uuid4().hex[:6]
     own, other = f"gpu-a-{suffix}", f"gpu-b-{suffix}"
@@ -457,7 +461,13 @@ def test_a_node_agent_token_writes_only_the_memory_condition_of_pods_on_its_own_
                 ready = [{"type": "Ready", "status": "True"}]
                 forged = patch("mine", status(ready))
                 assert forged.status_code == 403, forged.text
-                assert "may change only the GpuMemoryEnforced condition" in forged.text
+                assert (
+                    "may change only the GpuMemoryEnforced and gpufrac.io/GpuResizeInProgress" in forged.text
+                )
+                resizing = [{"type": RESIZE_CONDITION, "status": "True", "reason": REASON_WAITING_FOR_USAGE}]
+                assert patch("mine", status(resizing)).status_code == 200  # a live resize, said
+                done = [{"type": RESIZE_CONDITION, "$patch": "delete"}]
+                assert patch("mine", status(done)).status_code == 200  # and removed once in force
                 assert patch("mine", {"status": {"phase": "Succeeded"}}).status_code == 403
                 mine = admin.get(f"/api/v1/namespaces/{ns}/pods/mine").json()
                 types = {c["type"]: c["status"] for c in mine["status"].get("conditions") or []}

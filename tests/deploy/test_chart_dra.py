@@ -68,20 +68,20 @@ def test_the_node_agent_may_write_resourceslices_and_read_claims(tmp_path: Path)
     ]
 
 
-def test_the_node_agent_lists_pods_only_where_dra_is_on(tmp_path: Path) -> None:
-    """With DRA the agent lists the pods bound to its node at prepare (the over-commit check); without it
-    the agent reads no pods at all."""
-    pods = {"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]}
+def test_the_node_agent_reads_pods_with_or_without_dra_and_writes_none(tmp_path: Path) -> None:
+    """The agent watches the pods bound to its node (live resizes; with DRA also the over-commit check at
+    prepare) whether DRA is on or not; it never gets a pod write (its conditions go through pods/status)."""
+    pods = {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}
 
     def rules(objects: list[dict[str, Any]]) -> list[dict[str, Any]]:
         return list(one(objects, "ClusterRole", "gpufrac-gpufrac-node-agent")["rules"])
 
-    assert pods in rules(render(tmp_path=tmp_path, extra=SERVES_DRA))
-    for off in (
+    for rendered in (
+        render(tmp_path=tmp_path, extra=SERVES_DRA),
         render(tmp_path=tmp_path),  # a cluster that does not serve resource.k8s.io/v1
         render({"dra": {"enabled": False}}, tmp_path=tmp_path, extra=SERVES_DRA),
     ):
-        assert not [r for r in rules(off) if "pods" in r["resources"]]
+        assert [r for r in rules(rendered) if "pods" in r["resources"]] == [pods]
 
 
 async def test_the_api_server_accepts_the_classes(tmp_path: Path, akube: AsyncClient) -> None:
