@@ -162,6 +162,16 @@ POD_MEMORY_ENFORCED_CONDITION = "GpuMemoryEnforced"
 POD_REASON_LIMITS_READ_BACK = "LimitsReadBack"
 POD_REASON_LIMITS_NOT_IN_FORCE = "LimitsNotInForce"
 POD_REASON_LIMITS_NOT_VERIFIED = "LimitsNotVerified"
+#: Pod condition written by the scheduler while a resize request (``RESIZE_SUFFIXES``) waits: status True,
+#: reason ``Deferred`` (no room on the pod's GPUs now; retried as room frees) or ``Infeasible`` (larger
+#: than the GPU, or against the queue's limit). Removed when the resize is done or withdrawn. Not
+#: Kubernetes' ``PodResizePending``: the kubelet owns that one for CPU and memory.
+POD_RESIZE_PENDING_CONDITION = "gpufrac.io/GpuResizePending"
+POD_REASON_RESIZE_DEFERRED = "Deferred"
+POD_REASON_RESIZE_INFEASIBLE = "Infeasible"
+#: The scheduler's Events about resizes: done (Normal) and refused (Warning).
+EVENT_REASON_RESIZED = "Resized"
+EVENT_REASON_RESIZE_INFEASIBLE = "ResizeInfeasible"
 #: The namespace of the node agents' heartbeat Leases, one per node named after it (the kubelet's are in
 #: ``kube-node-lease``). The agent renews its own; the scheduler and the operator watch them.
 NODE_LEASE_NAMESPACE = "gpufrac-node-lease"

@@ -4,10 +4,12 @@ Given the managed Nodes and the Pods, this recomputes every GPU's ledger from th
 (the contract's parse, the same as a restarted scheduler's) and reports each broken promise: a GPU
 whose guaranteed memory exceeds its capacity, a GPU holding both compute modes or an exclusive pod next
 to others, an sm-sharing GPU over 100% compute or shared by namespaces when tenancy is per namespace, a
-device that is not on the pod's node, and a pod carrying devices without a node. Allocated DRA claims
-of gpufrac's driver count on their GPUs too (once each, read as the node's prepare reads them), so a GPU
-shared by claims and annotation pods is judged as one ledger. The tests and the benchmark use it after
-bursts and crashes; an operator can too.
+device that is not on the pod's node, and a pod carrying devices without a node. ``books_disagree``
+compares a scheduler's books (its engine's ledgers) with the same recomputation: after a bind, a resize
+(``gpufrac.scheduler.resize``) or a restart, what the scheduler holds is what the pods say. Allocated
+DRA claims of gpufrac's driver count on their GPUs too (once each, read as the node's prepare reads them),
+so a GPU shared by claims and annotation pods is judged as one ledger. The tests and the benchmark use it
+after bursts and crashes; an operator can too.
 
 Containers of one pod may share a GPU: each is its own fraction with its own request and limit, as the
 engine places them (a later container of a pod sees the memory the earlier ones took) and the node
@@ -30,6 +32,7 @@ from gpufrac.contract.errors import InvalidPodRequest
 from gpufrac.contract.request import ComputeMode
 from gpufrac.placement.demand import PPM, portion_ppm
 from gpufrac.placement.model import NodeSpec
+from gpufrac.placement.state import GpuLedger
 from gpufrac.scheduler.claims import allocated_node, claim_placement
 from gpufrac.scheduler.objects import gpu_request, node_inventory
 
@@ -139,6 +142,24 @@ def audit(
         if sm_sharing_single_tenant and len(b.namespaces) > 1:
             problems.append(f"{where} is sm-shared by namespaces {sorted(b.namespaces)}")
     return AuditReport(gpus=gpus, problems=problems, placed_pods=placed)
+
+
+def books_disagree(report: AuditReport, ledgers: Iterable[GpuLedger]) -> list[str]:
+    """Each audited GPU whose guaranteed or limit MiB in a scheduler's ``ledgers`` differ from what the
+    pods' annotations book there (a GPU the ledgers do not show is not compared)."""
+    out = []
+    for ledger in ledgers:
+        booked = report.gpus.get(ledger.uuid)
+        if booked is None:
+            continue
+        books = (ledger.capacity_mib - ledger.free_mib, ledger.limit_sum_mib)
+        if books != (booked.request_mib, booked.limit_mib):
+            out.append(
+                f"GPU {ledger.uuid} on {booked.node}: the books hold {books[0]} MiB guaranteed"
+                f" ({books[1]} limit), the pods' annotations {booked.request_mib} MiB"
+                f" ({booked.limit_mib} limit): {booked.pods}"
+            )
+    return out
 
 
 def by_node(report: AuditReport) -> dict[str, list[GpuBooking]]:

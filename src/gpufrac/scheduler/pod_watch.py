@@ -11,7 +11,9 @@ bound volume's node affinity, ``pod_fields.volume_terms``): a change to one wake
 
 A pod whose own bind (or clean) is in flight, or that is booked, is left alone: its own writes come
 back through the watch. ``PodWatch`` receives its collaborators as callables: where a pod's queue is,
-whether a bind is in flight, and what preemption and status reporting must hear about a pod leaving.
+whether a bind is in flight, what preemption and status reporting must hear about a pod leaving, and
+what resizes (``gpufrac.scheduler.resize``) must hear: each change of a bound pod of ours (it may carry a
+resize request) and each pod that leaves (room may have freed for a deferred one).
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ class PodWatch:
         leaving: Callable[[str], None],
         victim_deleted: Callable[[str], bool],
         forget: Callable[[str], None],
+        resize: Callable[[Pod, bool], None] | None = None,
     ) -> None:
         self._cache = cache
         self._queue = queue
@@ -76,6 +79,7 @@ class PodWatch:
         self._leaving = leaving
         self._victim_deleted = victim_deleted
         self._forget = forget
+        self._resize = resize or (lambda pod, gone: None)
         self._first_seen: dict[str, float] = {}
         name, live = scheduler_name, "status.phase!=Succeeded,status.phase!=Failed"
         self.pods: Informer[Pod] = Informer(
@@ -141,6 +145,8 @@ class PodWatch:
                 self._queue.cluster_changed()
             if pod.metadata.deletionTimestamp is not None:
                 self._leaving(uid)
+            else:
+                self._resize(pod, False)
             return
         if pod.metadata.deletionTimestamp is not None:
             self._queue.remove(uid)
@@ -190,6 +196,7 @@ class PodWatch:
         self._queue.remove(uid)
         self._first_seen.pop(uid, None)
         self._forget(uid)
+        self._resize(pod, True)
         if self._victim_deleted(uid):
             return  # a victim: its room stays booked until its preemptor takes it
         if self._cache.remove(pod):

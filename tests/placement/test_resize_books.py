@@ -1,0 +1,122 @@
+"""Resizes against the engine's books: a random sequence of resize requests never takes a GPU past its
+capacity, what is booked is exactly what the binding says, and a refused resize changes nothing."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from placement_builders import mib, node, pod
+
+from gpufrac.contract.render import DeviceChoice, read_binding, render_binding
+from gpufrac.contract.request import GpuMemory
+from gpufrac.contract.resize import ResizeAsk
+from gpufrac.placement.decision import Placement
+from gpufrac.placement.engine import Engine
+from gpufrac.placement.model import Queue, Quota
+from gpufrac.placement.resize import ResizeOutcome, decide_resize
+
+GPU_MIB = 16384
+
+
+def _ask(request: int | float, limit: int | float | None = None) -> dict[str, ResizeAsk]:
+    def memory(amount: int | float) -> GpuMemory:
+        return GpuMemory(portion=amount) if isinstance(amount, float) else GpuMemory(mib=amount)
+
+    low = memory(request)
+    return {"main": ResizeAsk("main", low, memory(limit) if limit is not None else low, ("k", "v"))}
+
+
+def _engine(*pods_mib: int, queues: tuple[Queue, ...] = ()) -> tuple[Engine, list[str]]:
+    engine = Engine(policy="binpack", queues=queues)
+    engine.add_node(node("n", gpus=2, mib=GPU_MIB))
+    uids = []
+    for amount in pods_mib:
+        placed = engine.schedule([pod(mib(amount))])[0]
+        assert isinstance(placed, Placement)
+        uids.append(placed.pod_uid)
+    return engine, uids
+
+
+def _booked_as_written(engine: Engine, uid: str) -> None:
+    """Render the booked placement as the binder would and read it back as the node (and a restarted
+    scheduler) would: the same MiB."""
+    placement = engine.placement_of(uid)
+    held = engine.bound_pod(uid)
+    assert placement is not None and held is not None
+    choices = [
+        DeviceChoice(c.container, c.uuids, c.devices[0].request_mib, c.devices[0].limit_mib)
+        for c in placement.containers
+    ]
+    (bound,) = read_binding(render_binding(held.gpu, choices))
+    (c,) = placement.containers
+    assert (bound.request_mib, bound.limit_mib) == (c.devices[0].request_mib, c.devices[0].limit_mib)
+
+
+def test_a_grow_that_fits_is_booked_on_the_same_gpu() -> None:
+    engine, (small, _) = _engine(4096, 8192)
+    gpu = engine.placement_of(small).containers[0].uuids  # type: ignore[union-attr]
+    decision = decide_resize(engine, small, _ask(8192))
+    assert decision.outcome is ResizeOutcome.FITS
+    assert decision.placement.containers[0].uuids == gpu
+    engine.assume(engine.bound_pod(small), decision.placement)  # type: ignore[arg-type]
+    assert sum(g.capacity_mib - g.free_mib for g in engine.ledger("n")) == 16384
+    _booked_as_written(engine, small)
+
+
+def test_a_grow_beside_a_full_gpu_is_deferred_and_names_who_holds_the_room() -> None:
+    engine, (a, b) = _engine(8192, 8192)  # binpack: both on the first GPU
+    decision = decide_resize(engine, a, _ask(12288))
+    assert decision.outcome is ResizeOutcome.DEFERRED
+    assert "has 8192 MiB beside its other bookings; the pod would need 12288 MiB" in decision.message
+    assert f"{engine.bound_pod(b).key} 8192 MiB" in decision.message  # type: ignore[union-attr]
+
+
+def test_larger_than_the_gpu_or_past_the_queue_limit_is_infeasible() -> None:
+    engine, (a,) = _engine(4096)
+    assert decide_resize(engine, a, _ask(GPU_MIB + 1)).outcome is ResizeOutcome.INFEASIBLE
+    limited = Queue("default", gpu_memory=Quota(limit=6144))
+    engine, (a,) = _engine(4096, queues=(limited,))
+    decision = decide_resize(engine, a, _ask(8192))
+    assert decision.outcome is ResizeOutcome.INFEASIBLE and "limit of 6144 MiB" in decision.message
+    assert decide_resize(engine, a, _ask(2048)).outcome is ResizeOutcome.FITS  # shrinking is never limited
+
+
+resize = st.tuples(
+    st.integers(0, 3),
+    st.one_of(st.integers(1, 20000), st.floats(0.01, 0.99)),
+    st.one_of(st.none(), st.integers(0, 8192)),
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(512, 8192), min_size=1, max_size=4), st.lists(resize, max_size=12))
+def test_random_resize_sequences_keep_the_books_whole(sizes: list[int], steps: list[tuple]) -> None:
+    engine, uids = _engine()
+    for amount in sizes:
+        placed = engine.schedule([pod(mib(amount))])[0]
+        if isinstance(placed, Placement):
+            uids.append(placed.pod_uid)
+    for index, request, extra in steps:
+        if not uids:
+            break
+        uid = uids[index % len(uids)]
+        limit = None if extra is None or isinstance(request, float) else request + extra
+        before = [engine.ledger("n"), engine.placement_of(uid)]
+        decision = decide_resize(engine, uid, _ask(request, limit))
+        if decision.outcome is ResizeOutcome.FITS:
+            engine.assume(engine.bound_pod(uid), decision.placement)  # type: ignore[arg-type]
+            (c,) = engine.placement_of(uid).containers  # type: ignore[union-attr]
+            assert c.uuids == before[1].containers[0].uuids  # type: ignore[union-attr]  # never a move
+        else:
+            assert [engine.ledger("n"), engine.placement_of(uid)] == before
+        for ledger in engine.ledger("n"):
+            assert 0 <= ledger.free_mib <= ledger.capacity_mib
+        booked = sum(
+            d.request_mib
+            for u in uids
+            for c in engine.placement_of(u).containers
+            for d in c.devices  # type: ignore[union-attr]
+        )
+        assert booked == sum(g.capacity_mib - g.free_mib for g in engine.ledger("n"))
+        for u in uids:
+            _booked_as_written(engine, u)
