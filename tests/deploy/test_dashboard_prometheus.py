@@ -5,7 +5,9 @@ queries, as written, return data from the components as they run: the embedded c
 plane, scheduler process, node-agent processes with simulated GPUs) places the demo's pods, Prometheus
 (Debian's package, installed with promtool by `make testenv`) scrapes every component each second, and
 every dashboard panel must have at least one query that answers with a series. The GPU memory limit
-panels must also show every demo fraction's limit read back from the (simulated) driver.
+panels must also show every demo fraction's limit read back from the (simulated) driver. Prometheus also
+evaluates the report's recording rules (the dashboard's "Report" row reads them), and ``kubectl gpufrac
+report --prometheus`` run against it agrees with them.
 """
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ import httpx
 import pytest
 import yaml
 from helm_chart import CHART
+from typer.testing import CliRunner
 
+from gpufrac.kubectl.command import app as kubectl_app
 from gpufrac.local.cluster import ClusterShape, LocalCluster
 from gpufrac.local.demo import DEMO_PODS, submit_and_wait
 from gpufrac.local.simnodes import NodeShape
@@ -33,6 +37,7 @@ from gpufrac.local.simnodes import NodeShape
 pytestmark = pytest.mark.kube
 
 DASHBOARD = CHART / "dashboards" / "gpufrac.json"
+REPORT_RULES = CHART / "rules" / "report.yaml"
 #: Grafana's variables, as a user with "All" nodes selected would have them.
 VARIABLES = {"$node": ".*", "$__rate_interval": "30s"}
 
@@ -65,8 +70,10 @@ def prometheus(cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory) 
         pytest.fail("prometheus is missing: `make testenv` installs it (testenv/promtool.sh)", pytrace=False)
     work = tmp_path_factory.mktemp("prometheus")
     agents = [urlparse(url).netloc for url in cluster.metrics_urls.values()]
+    shutil.copy(REPORT_RULES, work / "report.yaml")
     config = {
         "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+        "rule_files": ["report.yaml"],
         "scrape_configs": [
             {
                 "job_name": "gpufrac-scheduler",
@@ -136,7 +143,7 @@ def _substitute(expr: str) -> str:
 async def test_every_dashboard_panel_answers_with_data(prometheus: str) -> None:
     dashboard = json.loads(DASHBOARD.read_text())
     empty = []
-    for panel in dashboard["panels"]:
+    for panel in (p for p in dashboard["panels"] if p["type"] != "row"):
         answers = [
             await asyncio.to_thread(_query, prometheus, _substitute(t["expr"])) for t in panel["targets"]
         ]
@@ -173,3 +180,33 @@ async def test_every_dashboard_panel_answers_with_data(prometheus: str) -> None:
     metric, label = re.fullmatch(r"label_values\((\w+), (\w+)\)", variable).groups()
     nodes = await asyncio.to_thread(_query, prometheus, f"count by ({label}) ({metric})")
     assert len(nodes) == 2
+
+
+async def test_the_report_from_prometheus_agrees_with_the_recorded_rules(
+    prometheus: str, cluster: LocalCluster
+) -> None:
+    needed = "cluster:gpufrac_fraction_memory_request_bytes:whole_gpus_needed"
+    holding = "cluster:gpufrac_fraction_memory_request_bytes:gpus_holding_fractions"
+    # A window in which every agent was scraped throughout: the fractions counted did not change in it.
+    window = f"{needed}[20s]"
+    steady = f"count_over_time({window}) >= 18 and min_over_time({window}) == max_over_time({window})"
+    await asyncio.to_thread(_wait, lambda: _value(prometheus, steady), what="the report's rules recorded")
+    fractions = await asyncio.to_thread(
+        _value,
+        prometheus,
+        "count(gpufrac_fraction_memory_request_bytes < on(node, gpu_uuid) group_left() "
+        "gpufrac_gpu_memory_total_bytes)",
+    )
+    assert fractions and await asyncio.to_thread(_value, prometheus, needed) == fractions
+    args = ["report", "--prometheus", prometheus, "--since", "8s", "--step", "1s", "-o", "json"]
+    done = await asyncio.to_thread(
+        CliRunner().invoke, kubectl_app, args, env={"KUBECONFIG": str(cluster.kubeconfig)}
+    )
+    assert done.exit_code == 0, done.output
+    report = json.loads(done.stdout)
+    # The demo's pods do not change: every instant of the window holds the same fractions on the same GPUs.
+    assert report["density"]["fractions"] == fractions
+    assert report["density"]["gpusHoldingFractions"] == await asyncio.to_thread(_value, prometheus, holding)
+    assert report["windowSeconds"] >= 7
+    # Queues come from the cluster's pods (the API server answers): no fraction is left unnamed.
+    assert "<unknown>" not in {q["group"] for q in report["memory"]["byQueue"]}

@@ -45,8 +45,13 @@ def query_problems(expr: str, catalog: dict[str, set[str]]) -> list[str]:
     return problems
 
 
+def panels(dashboard: dict[str, Any]) -> list[dict[str, Any]]:
+    """The dashboard's panels that show something (a "row" only groups the panels below it)."""
+    return [panel for panel in dashboard["panels"] if panel["type"] != "row"]
+
+
 def dashboard_queries(dashboard: dict[str, Any]) -> list[str]:
-    queries = [t["expr"] for panel in dashboard["panels"] for t in panel.get("targets", [])]
+    queries = [t["expr"] for panel in panels(dashboard) for t in panel.get("targets", [])]
     for variable in dashboard["templating"]["list"]:
         if variable["type"] == "query":
             query = variable["query"]
@@ -54,9 +59,9 @@ def dashboard_queries(dashboard: dict[str, Any]) -> list[str]:
     return queries
 
 
-def rendered_rules(tmp_path: Path, **values: Any) -> dict[str, Any]:
+def rendered_rules(tmp_path: Path, name: str = "gpufrac", **values: Any) -> dict[str, Any]:
     objects = render({"prometheusRule": {"enabled": True, **values}}, tmp_path=tmp_path)
-    return one(objects, "PrometheusRule", "gpufrac")["spec"]
+    return one(objects, "PrometheusRule", name)["spec"]
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +98,7 @@ def test_the_dashboard_ships_as_a_sidecar_configmap(tmp_path: Path) -> None:
 
 def test_every_dashboard_query_names_only_exported_metrics_and_labels(catalog: dict[str, set[str]]) -> None:
     dashboard = json.loads(DASHBOARD.read_text())
-    assert all(panel.get("targets") for panel in dashboard["panels"]), "a panel without a query"
+    assert all(panel.get("targets") for panel in panels(dashboard)), "a panel without a query"
     problems = [p for query in dashboard_queries(dashboard) for p in query_problems(query, catalog)]
     assert not problems, "\n".join(problems)
 
@@ -153,3 +158,29 @@ def test_the_unit_tests_notice_a_changed_threshold(tmp_path: Path, promtool: str
     tested = _promtool(promtool, "test", "rules", "alerts_test.yaml", cwd=work)
     assert tested.returncode != 0
     assert "GpufracGpuPodsPending" in tested.stdout + tested.stderr
+
+
+REPORT_RULES = CHART / "rules" / "report.yaml"
+
+
+def test_the_report_rules_ship_as_written_and_name_only_exported_metrics_and_labels(
+    tmp_path: Path, catalog: dict[str, set[str]]
+) -> None:
+    spec = rendered_rules(tmp_path, "gpufrac-report")
+    assert spec == yaml.safe_load(REPORT_RULES.read_text())  # a plain rule file, no templating
+    rules = [r for group in spec["groups"] for r in group["rules"]]
+    assert rules and all("record" in r for r in rules)
+    problems = [p for r in rules for p in query_problems(r["expr"], catalog)]
+    assert not problems, "\n".join(problems)
+
+
+def test_the_report_rules_record_the_hand_worked_figures_in_promtool(tmp_path: Path, promtool: str) -> None:
+    """report_rules_test.yaml feeds tests/kubectl/test_report_figures.py's history: same numbers."""
+    work = tmp_path / "report"
+    work.mkdir()
+    (work / "report_rules.yaml").write_text(yaml.safe_dump(rendered_rules(tmp_path, "gpufrac-report")))
+    shutil.copy(HERE / "report_rules_test.yaml", work / "report_rules_test.yaml")
+    checked = _promtool(promtool, "check", "rules", "report_rules.yaml", cwd=work)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    tested = _promtool(promtool, "test", "rules", "report_rules_test.yaml", cwd=work)
+    assert tested.returncode == 0, tested.stdout + tested.stderr
