@@ -21,6 +21,7 @@ from gpufrac.placement.engine import Engine
 from gpufrac.placement.gang_preemption import GangPreemption, find_gang_victims, plan_gang_consolidation
 from gpufrac.placement.model import PendingPod, Queue
 from gpufrac.placement.preemption import Kind
+from gpufrac.placement.queue_shares import QueueAmount, request_amount
 
 
 def gang_fits_without(e: Engine, members: list[PendingPod], min_member: int, victims) -> bool:
@@ -92,6 +93,17 @@ def test_a_gang_reclaims_only_up_to_its_queue_share():
     # Three GPUs would put queue a past its deserved half of the cluster.
     three = [pod(whole(1), name=f"a3-{i}", queue="a") for i in range(3)]
     assert find_gang_victims(e, three, min_member=3, kind=Kind.RECLAIM) is None
+    # The same with the scheduler's books, taken once before the search (the gang as waiting demand):
+    # each member is judged with the members before it placed, not against the books as they began.
+    waiting = [QueueAmount("a", request_amount(m.gpu, 16000)) for m in three]
+    assert (
+        find_gang_victims(e, three, min_member=3, kind=Kind.RECLAIM, shares=e.queue_shares(waiting=waiting))
+        is None
+    )
+    plan = find_gang_victims(
+        e, two, min_member=2, kind=Kind.RECLAIM, shares=e.queue_shares(waiting=waiting[:2])
+    )
+    assert plan is not None and len(plan.victims) == 2
 
 
 def test_excluded_pods_are_not_victims():

@@ -8,7 +8,8 @@ all. Evicting for one member of a gang that still cannot start would cost pods a
 The search builds on the single-pod one (``gpufrac.placement.preemption.find_victims``), member after
 member on the engine itself: the largest member first (the hardest to fit), each either placed where
 it fits already or given ``find_victims``' best set on the books as the members before it left them
-(their victims gone, their placements booked), so two members never count on the same freed room.
+(their victims gone, their placements booked, and the queue shares a caller passed moved the same way),
+so two members never count on the same freed room, nor on the same part of their queue's share.
 A member for whom no set exists is skipped; once ``minMember`` members have a place the rest are not
 preempted for. Then the plan is checked with the gang statement itself, on the books without the
 victims (it may place members elsewhere than the search did), and each victim the statement can do
@@ -37,6 +38,7 @@ from .decision import Placement
 from .engine import Engine, Statement
 from .model import PendingPod
 from .preemption import DEFAULT_BUDGET, Kind, ShareBook, find_victims
+from .queue_shares import QueueAmount, placed_amount
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,7 +138,8 @@ def find_gang_victims(
         room = _Room(st, exclude, members)
 
         def make_room(pod: PendingPod) -> bool:
-            plan = find_victims(engine, pod, kind=kind, shares=shares, exclude=room.barred, budget=budget)
+            book = None if shares is None else _as_left(engine, shares, room)
+            plan = find_victims(engine, pod, kind=kind, shares=book, exclude=room.barred, budget=budget)
             if plan is not None:
                 room.take(pod, plan.placement, plan.victims)
             return plan is not None
@@ -195,6 +198,15 @@ def plan_gang_consolidation(
             Why.NO_PLAN,
             f"no moves of movable pods make room for {min_member} of the gang's {len(members)} pods together",
         )
+
+
+def _as_left(engine: Engine, shares: ShareBook, room: _Room) -> ShareBook:
+    """``shares`` (taken before the search) as the members before this one left the books: the members
+    placed count as held by their queue, their victims as gone. Without it every member was judged on
+    the same books, and a gang could take its queue past its share one member at a time."""
+    taken = [a for a in (engine.booked_amount(uid) for uid in room.members) if a is not None]
+    freed = [QueueAmount(booked.queue, placed_amount(placement)) for booked, placement in room.removed]
+    return shares.after(taken=taken, freed=freed)
 
 
 def _gang_fits(st: Statement, members: Sequence[PendingPod], min_member: int) -> tuple[Placement, ...] | None:

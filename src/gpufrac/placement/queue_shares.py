@@ -115,27 +115,56 @@ class QueueShares:
         self._own: dict[QueueResource, dict[str, int]] = {
             r: {n: book.own(n, r) for n in names} for r in RESOURCES
         }
-        for entry, sign in [(e, -1) for e in leaving] + [(e, 1) for e in nominated]:
+        self._queues = queues
+        self._usage, self._k = usage, k
+        #: What reclaim protects and may fill up to: the fair share, or (``by_deserved``) the deserved quota.
+        self.bar = FAIR_SHARE
+        self.counted = tuple(r for r in RESOURCES if r is QueueResource.GPU_MEMORY or _has_terms(queues, r))
+        self._apply(moved=nominated, gone=leaving, asked=waiting)
+
+    def _apply(
+        self, *, moved: Iterable[QueueAmount], gone: Iterable[QueueAmount], asked: Iterable[QueueAmount]
+    ) -> None:
+        """Count ``moved`` as held, ``gone`` as no longer held nor asked for, ``asked`` as demand; then
+        the subtree totals and the fair shares again."""
+        for entry, sign in [(e, -1) for e in gone] + [(e, 1) for e in moved]:
             for r in RESOURCES:
                 own = self._own[r]
                 own[entry.queue] = own.get(entry.queue, 0) + sign * entry.amount.of(r)
         self._allocated: dict[QueueResource, dict[str, int]] = {r: {} for r in RESOURCES}
         for r in RESOURCES:
             for name, amount in self._own[r].items():
-                for q in book.lineage(name):
+                for q in self._book.lineage(name):
                     self._allocated[r][q] = self._allocated[r].get(q, 0) + amount
+        self._asked = [*getattr(self, "_asked", ()), *asked]
         demand = {r: dict(self._own[r]) for r in RESOURCES}
-        for entry in waiting:
+        for entry in self._asked:
             for r in RESOURCES:
                 demand[r][entry.queue] = demand[r].get(entry.queue, 0) + entry.amount.of(r)
         self._demand = demand
         self._shares = {
-            r: fair_shares(queues, demand[r], self.capacity[r], resource=r, usage=(usage or {}).get(r), k=k)
+            r: fair_shares(
+                self._queues,
+                demand[r],
+                self.capacity[r],
+                resource=r,
+                usage=(self._usage or {}).get(r),
+                k=self._k,
+            )
             for r in RESOURCES
         }
-        #: What reclaim protects and may fill up to: the fair share, or (``by_deserved``) the deserved quota.
-        self.bar = FAIR_SHARE
-        self.counted = tuple(r for r in RESOURCES if r is QueueResource.GPU_MEMORY or _has_terms(queues, r))
+
+    def after(self, *, taken: Iterable[QueueAmount] = (), freed: Iterable[QueueAmount] = ()) -> QueueShares:
+        """The same books once the pods ``taken`` are placed (moved from waiting to held: demand
+        unchanged) and the pods ``freed`` are gone, as a plan for several pods (a gang's members, one
+        after the other) must see them: each later member is judged with the earlier ones placed and
+        their victims gone. ``self`` is left as it is."""
+        view = copy.copy(self)
+        view._own = {r: dict(v) for r, v in self._own.items()}
+        taken = list(taken)
+        negative = [QueueAmount(e.queue, Amount(-e.amount.mib, -e.amount.gpus)) for e in taken]
+        view._apply(moved=taken, gone=freed, asked=negative)
+        return view
 
     # -- reading ----------------------------------------------------------------------------------------
 
