@@ -332,6 +332,21 @@ def test_the_scheduler_writes_only_binder_owned_annotations_of_pods(
         cleared = _annotations({k: None for k in owned})
         assert _merge(scheduler, gpu_pod, cleared).status_code == 200
 
+        # Deciding a resize request: the new memory keys and the request's removal, in one patch; the
+        # memory keys of a pod without a request stay refused (above), and so does writing a request.
+        resize = keys.resize_key(CONTAINER, keys.RESIZE_MEMORY_REQUEST)
+        with controlplane.http() as admin:
+            assert _merge(admin, gpu_pod, _annotations({resize: "20Gi"})).status_code == 200
+        forged = _merge(scheduler, gpu_pod, _annotations({resize: "40Gi"}))
+        assert forged.status_code == 403 and resize in forged.text, forged.text
+        decided = {keys.memory_request_key(CONTAINER): "20480Mi", keys.memory_limit_key(CONTAINER): "20480Mi"}
+        answer = _merge(scheduler, gpu_pod, _annotations({**decided, resize: None}))
+        assert answer.status_code == 200, answer.text
+        assert _merge(scheduler, gpu_pod, stolen).status_code == 403  # the request is gone again
+        with controlplane.http() as admin:  # back to the pod as created, for the Binding below
+            restored = {keys.memory_request_key(CONTAINER): "10Gi", keys.memory_limit_key(CONTAINER): None}
+            assert _merge(admin, gpu_pod, _annotations(restored)).status_code == 200
+
         # Everything else: refused, each with what it tried.
         for body, says in (
             (_annotations({"example.com/owner": "mallory"}), "example.com/owner"),
