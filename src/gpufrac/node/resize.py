@@ -60,7 +60,7 @@ from gpufrac.kube.errors import KubeError, NotFound
 from gpufrac.kube.events import NORMAL, WARNING
 from gpufrac.kube.informer import Informer, object_key
 from gpufrac.kube.patch import remove_pod_condition, set_pod_condition
-from gpufrac.kube.stream import Selection
+from gpufrac.kube.stream import ALL_NAMESPACES, Selection
 from gpufrac.node.enforcement_audit import EventSink
 from gpufrac.node.mapping import AllocationRecord, MappingStore
 from gpufrac.node.memlimit.condition import PodCondition
@@ -336,7 +336,7 @@ class PodResizeWatch:
         self.informer: Informer[Pod] = Informer(
             client=client,
             resource=Pod,
-            selection=Selection(fields=f"spec.nodeName={node_name}"),
+            selection=Selection(namespace=ALL_NAMESPACES, fields=f"spec.nodeName={node_name}"),
             name="node-pods",
         )
         self.informer.add_handler(self)
