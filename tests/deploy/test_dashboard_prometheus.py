@@ -199,6 +199,7 @@ async def test_the_report_from_prometheus_agrees_with_the_recorded_rules(
     )
     assert fractions and await asyncio.to_thread(_value, prometheus, needed) == fractions
     args = ["report", "--prometheus", prometheus, "--since", "8s", "--step", "1s", "-o", "json"]
+    args += ["--what-if-whole-gpu", "--policy", "binpack"]
     done = await asyncio.to_thread(
         CliRunner().invoke, kubectl_app, args, env={"KUBECONFIG": str(cluster.kubeconfig)}
     )
@@ -210,3 +211,7 @@ async def test_the_report_from_prometheus_agrees_with_the_recorded_rules(
     assert report["windowSeconds"] >= 7
     # Queues come from the cluster's pods (the API server answers): no fraction is left unnamed.
     assert "<unknown>" not in {q["group"] for q in report["memory"]["byQueue"]}
+    # The demo's pods placed again on the cluster's 8 GPUs: as booked, all fit; whole GPUs take more.
+    booked, whole = report["whatIfWholeGpu"]
+    assert (booked["allocation"], booked["leftOut"], booked["gpus"]) == ("fractions", 0, 8)
+    assert whole["allocation"] == "whole-gpus" and whole["gpusUsed"] > booked["gpusUsed"]

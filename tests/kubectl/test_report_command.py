@@ -152,6 +152,19 @@ def test_the_command_reads_prometheus_over_the_window_and_prints_tables_json_and
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and plot.stat().st_size > 20_000
 
 
+def test_the_what_if_without_an_api_server_says_it_needs_the_clusters_nodes(
+    prometheus: tuple[str, list[dict]], tmp_path: Path
+) -> None:
+    url, _ = prometheus
+    args = ["report", "--prometheus", url, "--since", "2m", "--what-if-whole-gpu"]
+    done = CliRunner().invoke(app, args, env={"KUBECONFIG": str(tmp_path / "none")})
+    assert done.exit_code == 2
+    assert (
+        "--what-if-whole-gpu places the pods on the cluster's GPU nodes: it needs the API server"
+        in done.output
+    )
+
+
 def test_a_prometheus_that_does_not_answer_is_an_error_that_names_it(tmp_path: Path) -> None:
     done = CliRunner().invoke(
         app,

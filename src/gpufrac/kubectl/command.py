@@ -2,8 +2,9 @@
 
 Flags as kubectl spells them: ``--kubeconfig``, ``--context``, ``-n/--namespace`` (default: the
 context's namespace), ``-o/--output`` ``wide|json|yaml`` (default: a plain column table, upper-case
-headers, as kubectl prints). Read-only: it lists and gets, never writes. Exit codes: 0 shown, 1 the API
-server said no (the message names what), 2 bad usage.
+headers, as kubectl prints). Read-only: it lists and gets, never writes, except ``resize``, which writes
+a resize request (``gpufrac.kubectl.resize``). Exit codes: 0 shown, 1 the API server said no (the message
+names what), 2 bad usage.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from lightkube.config.kubeconfig import SingleConfig
 from lightkube.core.exceptions import ConfigError
 from lightkube.resources.core_v1 import ConfigMap, Event, Namespace, Node, Pod
 from lightkube.resources.resource_v1 import ResourceClaim
+from lightkube.types import PatchType
 from rich.console import Console
 from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
@@ -34,7 +36,8 @@ from gpufrac.contract.keys import (
     POD_MEMORY_ENFORCED_CONDITION,
 )
 from gpufrac.kubectl import report as report_figures
-from gpufrac.kubectl import report_plot, report_sources, report_text
+from gpufrac.kubectl import report_plot, report_sources, report_text, report_whatif
+from gpufrac.kubectl import resize as resizing
 from gpufrac.kubectl.snapshot import MILLI, ClusterTrace, cluster_trace
 from gpufrac.kubectl.view import (
     UNKNOWN,
@@ -664,6 +667,10 @@ def report(
     ),
     plot: Path | None = typer.Option(None, "--plot", help="Also draw the report as a PNG here."),
     default_queue: str = typer.Option("default", "--default-queue", help="The scheduler's default_queue."),
+    what_if_whole_gpu: bool = typer.Option(
+        False, "--what-if-whole-gpu", help="Also place the window's pods again with whole GPUs, per policy."
+    ),
+    policy: str = typer.Option("binpack,spread,kai,fgd", "--policy", help="Policies of --what-if-whole-gpu."),
     output: str = OUTPUT,
     kubeconfig: Path | None = KUBECONFIG,
     context: str | None = CONTEXT,
@@ -674,6 +681,7 @@ def report(
     try:
         window_s = parse_duration(since, where="--since")
         step_s = parse_duration(step, where="--step") if step else report_sources.step_for(window_s)
+        policies = parse_policies(policy)
     except ValueError as error:
         _fail(str(error), code=2)
     notes: list[str] = []
@@ -695,15 +703,22 @@ def report(
     result = report_figures.build(
         history, source=source, queues=queues, gpu_hour_price=gpu_hour_price, notes=[*said, *notes]
     )
+    what_if = _what_if(client, history, policies, result.notes) if what_if_whole_gpu else None
     if plot is not None:
         report_plot.write(result, plot)
         typer.echo(f"plot: {plot}", err=True)
     if output in ("json", "yaml"):
-        _dump(result.as_dict(), output)
+        data = result.as_dict()
+        if what_if is not None:
+            data["whatIfWholeGpu"] = [r.as_dict() for r in what_if]
+        _dump(data, output)
         return
     for line in report_text.header(result):
         typer.echo(line)
-    for section in report_text.sections(result):
+    sections = report_text.sections(result)
+    if what_if is not None:
+        sections.append(report_text.what_if_section(what_if))
+    for section in sections:
         typer.echo(f"\n{section.title}:")
         if section.rows:
             _print_table(section.headers, section.rows)
@@ -711,6 +726,21 @@ def report(
             typer.echo("  <none>")
     for note in result.notes:
         typer.echo(f"\nnote: {note}")
+
+
+def _what_if(
+    client: Client | None, history: report_figures.History, policies: list[str], notes: list[str]
+) -> list[report_whatif.WhatIfRow]:
+    """The window's pods placed again on the cluster's GPU nodes, as booked and with whole GPUs."""
+    if client is None:
+        _fail(
+            "--what-if-whole-gpu places the pods on the cluster's GPU nodes: it needs the API server", code=2
+        )
+    nodes = cluster_trace(_api(lambda: list(client.list(Node))), []).nodes
+    pods, left_out = report_whatif.window_pods(history)
+    notes.append(report_whatif.UNSAID)
+    notes.extend(f"what-if: left out {pod}" for pod in left_out)
+    return report_whatif.what_if(nodes=nodes, pods=pods, policies=policies)
 
 
 def _optional_client(notes: list[str]) -> Client | None:
@@ -747,6 +777,59 @@ def _report_queues(client: Client, default_queue: str, notes: list[str]) -> dict
     except (ApiError, httpx2.HTTPError):
         notes.append("namespaces could not be read: their default queues are not applied")
     return report_sources.pod_queues(pods, namespace_labels=labels, fallback=default_queue)
+
+
+@app.command("resize")
+def resize(
+    pod: str = typer.Argument(..., help="The pod's name (its namespace: -n, else the context's)."),
+    container: str | None = typer.Option(None, "-c", "--container", help="Default: the pod's only fraction."),
+    memory_request: str | None = typer.Option(None, "--memory-request", help="New request (8Gi)."),
+    memory_limit: str | None = typer.Option(None, "--memory-limit", help="New limit (12Gi)."),
+    fraction: str | None = typer.Option(None, "--fraction", help="New request, a portion of its GPU."),
+    fraction_limit: str | None = typer.Option(None, "--fraction-limit", help="New limit, a portion."),
+    wait: bool = typer.Option(True, "--wait/--no-wait", help="Wait for the scheduler's answer."),
+    timeout: float = typer.Option(60.0, "--timeout", help="Seconds to wait for it."),
+    kubeconfig: Path | None = KUBECONFIG,
+    context: str | None = CONTEXT,
+    namespace: str | None = NAMESPACE,
+) -> None:
+    """Resize a running fraction: write its resize request, then say what the scheduler made of it
+    (resized, Deferred until room frees, or Infeasible: exit 1). docs/user-guide.md, "Resizing"."""
+    _set(kubeconfig, context, namespace)
+    client = _client()
+    namespace = _globals.namespace or client.namespace
+    found = _api(lambda: client.get(Pod, pod, namespace=namespace))
+    if not (found.spec and found.spec.nodeName):
+        _fail(f"pod {namespace}/{pod} is not placed yet: there is nothing to resize")
+    fractions = resizing.fractional_containers(found)
+    if container is None and len(fractions) != 1:
+        _fail(
+            f"pod {namespace}/{pod} has fractions in {fractions or 'no container'}: name one with -c", code=2
+        )
+    name = container or fractions[0]
+    try:
+        body = resizing.request_annotations(
+            name,
+            memory_request=memory_request,
+            memory_limit=memory_limit,
+            fraction=fraction,
+            fraction_limit=fraction_limit,
+        )
+    except ValueError as error:
+        _fail(str(error), code=2)
+    before = resizing.pending_condition(found)
+    patch = {"metadata": {"annotations": body}}
+    _api(lambda: client.patch(Pod, pod, patch, namespace=namespace, patch_type=PatchType.MERGE))
+    typer.echo(f"pod/{pod} resize requested: {', '.join(f'{k}={v}' for k, v in body.items() if v)}")
+    if not wait:
+        return
+    deadline = time.monotonic() + timeout
+    while (result := resizing.answer(client.get(Pod, pod, namespace=namespace), name, before=before)) is None:
+        if time.monotonic() > deadline:
+            _fail(f"the scheduler has not answered within {timeout:g}s; the request stays on the pod")
+        time.sleep(0.2)
+    typer.echo(f"{result.state}: {result.message}")
+    raise typer.Exit(code=result.exit_code)
 
 
 def main() -> None:

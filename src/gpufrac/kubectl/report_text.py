@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpufrac.kubectl.report import CostRow, GpuInterference, MemoryRow, Report, TenantInterference
+from gpufrac.kubectl.report_whatif import FRACTIONS, WHOLE_GPUS, WhatIfRow
 
 GIB = 2**30
 #: Rows shown per ranked list in the table (``-o json`` has all).
@@ -125,3 +126,21 @@ def sections(report: Report) -> list[Section]:
             [_cost(r) for r in report.cost],
         ),
     ]
+
+
+def what_if_section(rows: list[WhatIfRow]) -> Section:
+    """Per policy, as booked against a whole GPU per device: pods placed, left out, GPUs taken."""
+    by_policy: dict[str, dict[str, WhatIfRow]] = {}
+    for r in rows:
+        by_policy.setdefault(r.policy, {})[r.allocation] = r
+    table = []
+    for policy, pair in by_policy.items():
+        mine, whole = pair[FRACTIONS], pair[WHOLE_GPUS]
+        placed = (f"{mine.placed}/{mine.pods}", f"{mine.gpus_used}/{mine.gpus}")
+        placed_whole = (f"{whole.placed}/{whole.pods}", f"{whole.gpus_used}/{whole.gpus}")
+        table.append([policy, *placed, *placed_whole, whole.left_out - mine.left_out])
+    return Section(
+        "What if whole GPUs (the window's pods placed again by the engine)",
+        ["POLICY", "FRACTIONS-PLACED", "FRACTIONS-GPUS", "WHOLE-PLACED", "WHOLE-GPUS", "PODS-FRACTIONS-FIT"],
+        table,
+    )
