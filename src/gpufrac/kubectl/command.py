@@ -36,7 +36,7 @@ from gpufrac.contract.keys import (
     POD_MEMORY_ENFORCED_CONDITION,
 )
 from gpufrac.kubectl import report as report_figures
-from gpufrac.kubectl import report_plot, report_sources, report_text
+from gpufrac.kubectl import report_plot, report_sources, report_text, report_whatif
 from gpufrac.kubectl import resize as resizing
 from gpufrac.kubectl.snapshot import MILLI, ClusterTrace, cluster_trace
 from gpufrac.kubectl.view import (
@@ -667,6 +667,10 @@ def report(
     ),
     plot: Path | None = typer.Option(None, "--plot", help="Also draw the report as a PNG here."),
     default_queue: str = typer.Option("default", "--default-queue", help="The scheduler's default_queue."),
+    what_if_whole_gpu: bool = typer.Option(
+        False, "--what-if-whole-gpu", help="Also place the window's pods again with whole GPUs, per policy."
+    ),
+    policy: str = typer.Option("binpack,spread,kai,fgd", "--policy", help="Policies of --what-if-whole-gpu."),
     output: str = OUTPUT,
     kubeconfig: Path | None = KUBECONFIG,
     context: str | None = CONTEXT,
@@ -677,6 +681,7 @@ def report(
     try:
         window_s = parse_duration(since, where="--since")
         step_s = parse_duration(step, where="--step") if step else report_sources.step_for(window_s)
+        policies = parse_policies(policy)
     except ValueError as error:
         _fail(str(error), code=2)
     notes: list[str] = []
@@ -698,15 +703,22 @@ def report(
     result = report_figures.build(
         history, source=source, queues=queues, gpu_hour_price=gpu_hour_price, notes=[*said, *notes]
     )
+    what_if = _what_if(client, history, policies, result.notes) if what_if_whole_gpu else None
     if plot is not None:
         report_plot.write(result, plot)
         typer.echo(f"plot: {plot}", err=True)
     if output in ("json", "yaml"):
-        _dump(result.as_dict(), output)
+        data = result.as_dict()
+        if what_if is not None:
+            data["whatIfWholeGpu"] = [r.as_dict() for r in what_if]
+        _dump(data, output)
         return
     for line in report_text.header(result):
         typer.echo(line)
-    for section in report_text.sections(result):
+    sections = report_text.sections(result)
+    if what_if is not None:
+        sections.append(report_text.what_if_section(what_if))
+    for section in sections:
         typer.echo(f"\n{section.title}:")
         if section.rows:
             _print_table(section.headers, section.rows)
@@ -714,6 +726,21 @@ def report(
             typer.echo("  <none>")
     for note in result.notes:
         typer.echo(f"\nnote: {note}")
+
+
+def _what_if(
+    client: Client | None, history: report_figures.History, policies: list[str], notes: list[str]
+) -> list[report_whatif.WhatIfRow]:
+    """The window's pods placed again on the cluster's GPU nodes, as booked and with whole GPUs."""
+    if client is None:
+        _fail(
+            "--what-if-whole-gpu places the pods on the cluster's GPU nodes: it needs the API server", code=2
+        )
+    nodes = cluster_trace(_api(lambda: list(client.list(Node))), []).nodes
+    pods, left_out = report_whatif.window_pods(history)
+    notes.append(report_whatif.UNSAID)
+    notes.extend(f"what-if: left out {pod}" for pod in left_out)
+    return report_whatif.what_if(nodes=nodes, pods=pods, policies=policies)
 
 
 def _optional_client(notes: list[str]) -> Client | None:
