@@ -26,6 +26,7 @@ from lightkube.models.core_v1 import Container, EnvVar, PodSpec, Toleration
 from lightkube.models.meta_v1 import ObjectMeta
 from lightkube.resources.apps_v1 import DaemonSet, Deployment
 from lightkube.resources.core_v1 import Node, Pod
+from lightkube.types import PatchType
 
 from gpufrac.admission.review import DEFAULT_SCHEDULER_USER
 from gpufrac.contract import keys
@@ -54,6 +55,7 @@ from gpufrac.node.inject import (
 )
 from gpufrac.node.memlimit.driver import MIB, NVML_ERROR_NOT_SUPPORTED, MemoryLimits
 from gpufrac.node.memlimit.simulated import SimulatedMemoryLimits
+from gpufrac.node.metrics import FRACTION_MEMORY_LIMIT
 
 pytestmark = pytest.mark.kube
 
@@ -762,3 +764,78 @@ async def test_a_container_whose_limit_cannot_be_set_never_runs_and_the_pod_says
         for gpu in gpus:
             driver.refuse(gpu=gpu, code=None)
         await _delete(cluster, "unenforced")
+
+
+def _metric(text: str, name: str, pod: str) -> float | None:
+    for line in text.splitlines():
+        if line.startswith(name + "{") and f'pod="{pod}"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    return None
+
+
+async def test_a_running_fractions_limit_is_resized_on_its_cgroup_while_the_process_keeps_running(
+    cluster: LocalCluster,
+) -> None:
+    """The scheduler grants a grow by patching the bound pod's amounts; the node agent's watch sees it and
+    sets the new soft and hard limit on the cgroup the running process lives in (SIMULATED driver keyed by
+    the REAL cgroup): the same process (same PID, never restarted) is now held to the new limit, and the
+    pod's GpuMemoryEnforced condition and the limit series of /metrics say the new values."""
+    assert cluster.client is not None and cluster.real_node is not None
+    await cluster.client.create(_pod("resized", annotations=FRACTION), namespace="default")
+    pod = await _wait_pod(cluster, "resized", _running, what="run")
+    assert pod.metadata is not None
+    (plan,) = read_binding(pod.metadata.annotations or {})
+    assert plan.request_mib is not None and plan.limit_mib is not None
+    container = _container_id(pod)
+    pid = cluster.real_node.container_pid(container)
+    cgroup = _process_cgroup(pid)
+    driver = _driver(cluster)
+
+    def held() -> dict[str, MemoryLimits]:
+        return {gpu: per_gpu[cgroup] for gpu, per_gpu in driver.held().items() if cgroup in per_gpu}
+
+    assert held() == {
+        d: MemoryLimits(soft=plan.request_mib * MIB, hard=plan.limit_mib * MIB) for d in plan.devices
+    }
+    request, limit = plan.request_mib + 1024, plan.limit_mib + 4096
+    scheduler = cluster.controlplane.async_client(impersonate=DEFAULT_SCHEDULER_USER)
+    patched = time.monotonic()
+    try:
+        await scheduler.patch(
+            Pod,
+            "resized",
+            {"metadata": {"annotations": {
+                keys.memory_request_key("app"): f"{request}Mi",
+                keys.memory_limit_key("app"): f"{limit}Mi",
+            }}},
+            namespace="default",
+            patch_type=PatchType.MERGE,
+        )  # fmt: skip
+    finally:
+        await scheduler.close()
+    wanted = {d: MemoryLimits(soft=request * MIB, hard=limit * MIB) for d in plan.devices}
+    while held() != wanted:
+        assert time.monotonic() - patched < 30, f"the resize did not reach the cgroup: {held()}"
+        await asyncio.sleep(0.05)
+
+    assert cluster.real_node.container_pid(container) == pid and _process_cgroup(pid) == cgroup
+    os.kill(pid, 0)  # the same process, still running
+    after = await _wait_pod(
+        cluster,
+        "resized",
+        lambda p: _condition(p) is not None and f"hard {limit} MiB" in _condition(p).message,
+        what="say the new limit",
+    )
+    assert _condition(after).status == "True" and _container_id(after) == container
+    statuses = after.status.containerStatuses if after.status is not None else None
+    assert statuses and statuses[0].restartCount == 0
+    assert cluster.real_node.metrics_url
+    deadline = time.monotonic() + 30
+    async with httpx2.AsyncClient() as http:
+        while (
+            _metric((await http.get(cluster.real_node.metrics_url)).text, FRACTION_MEMORY_LIMIT, "resized")
+            != limit * MIB
+        ):
+            assert time.monotonic() < deadline, "the limit series did not show the new limit"
+            await asyncio.sleep(0.5)
+    await _delete(cluster, "resized")
