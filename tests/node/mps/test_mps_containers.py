@@ -398,3 +398,37 @@ async def test_daemon_crashing_on_namespace_create_fails_that_container_and_reco
     assert namespace_name(CID_A) not in await supervisor.control.list_namespaces(server="shared")  # not kept
     await hooks.on_create(sm(CID_B, 0.5), container_id=CID_B)  # the next container is served again
     assert namespace_name(CID_B) in await supervisor.control.list_namespaces(server="shared")
+
+
+async def test_a_live_resize_changes_an_idle_namespace_and_says_why_an_attached_one_keeps_its_settings(
+    make_supervisor, mps_env
+) -> None:
+    """A resize of a running sm-sharing container (gpufrac.node.resize): with no client attached the
+    namespace takes the new ceiling and pinned-memory limit; with one attached MPS refuses ``namespace set``
+    (a client's settings are fixed when it connects), the answer says so, and the live set holds the new
+    settings, so the namespace is made with them again after a daemon restart."""
+    supervisor = await started(make_supervisor())
+    hooks = MpsContainerHooks(supervisor=supervisor)
+    await hooks.on_create(sm(CID_A, 0.5), container_id=CID_A)
+    ns = namespace_name(CID_A)
+
+    assert await hooks.on_resize(planned(CID_A, portion=0.3, limit="6Gi").bound, container_id=CID_A) is None
+    assert await field(supervisor, ns, "active_thread_percentage") == "30"
+    assert await field(supervisor, ns, "pinned_memory_limit") == "6144M"
+
+    client, greeting = await mps_env.client(supervisor.namespace_dir(ns))
+    assert greeting == f"connected shared {ns} 30"
+    kept = await hooks.on_resize(planned(CID_A, portion=0.6, limit="8Gi").bound, container_id=CID_A)
+    assert kept is not None and "clients attached now" in kept
+    assert (
+        await field(supervisor, ns, "active_thread_percentage") == "30"
+    )  # the running client's, as MPS keeps it
+    (spec,) = [s for s in supervisor.live_namespaces() if s.name == ns]
+    assert (spec.active_thread_percentage, spec.pinned_memory_limit) == (60, "8192M")
+    # A time-slicing container has no namespace: nothing to do.
+    assert (
+        await hooks.on_resize(planned(CID_T, mode="time-slicing", portion=None).bound, container_id=CID_T)
+        is None
+    )
+    client.kill()
+    await client.wait()
