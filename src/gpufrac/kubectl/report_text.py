@@ -118,7 +118,7 @@ def sections(report: Report) -> list[Section]:
             [
                 "QUEUE",
                 f"BOOKED-{hours}",
-                f"WHOLE-GPU-{hours}",
+                f"WHOLE-{hours}",
                 f"SAVED-{hours}",
                 "BOOKED-COST",
                 "WHOLE-GPU-COST",
@@ -126,6 +126,16 @@ def sections(report: Report) -> list[Section]:
             [_cost(r) for r in report.cost],
         ),
     ]
+
+
+WHAT_IF_HEADERS = [
+    "POLICY",
+    "FRACTIONS-PLACED",
+    "FRACTIONS-GPUS",
+    "WHOLE-PLACED",
+    "WHOLE-GPUS",
+    "MORE-PODS-WITH-FRACTIONS",
+]
 
 
 def what_if_section(rows: list[WhatIfRow]) -> Section:
@@ -141,6 +151,6 @@ def what_if_section(rows: list[WhatIfRow]) -> Section:
         table.append([policy, *placed, *placed_whole, whole.left_out - mine.left_out])
     return Section(
         "What if whole GPUs (the window's pods placed again by the engine)",
-        ["POLICY", "FRACTIONS-PLACED", "FRACTIONS-GPUS", "WHOLE-PLACED", "WHOLE-GPUS", "PODS-FRACTIONS-FIT"],
+        WHAT_IF_HEADERS,
         table,
     )
