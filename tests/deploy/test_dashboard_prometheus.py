@@ -215,3 +215,12 @@ async def test_the_report_from_prometheus_agrees_with_the_recorded_rules(
     booked, whole = report["whatIfWholeGpu"]
     assert (booked["allocation"], booked["leftOut"], booked["gpus"]) == ("fractions", 0, 8)
     assert whole["allocation"] == "whole-gpus" and whole["gpusUsed"] > booked["gpusUsed"]
+    # Without --prometheus: one scrape of `gpufrac up`'s agents (as `top` reads them), said to be a snapshot.
+    args = ["report", "-o", "json", "--gpu-hour-price", "2"]
+    done = await asyncio.to_thread(
+        CliRunner().invoke, kubectl_app, args, env={"KUBECONFIG": str(cluster.kubeconfig)}
+    )
+    assert done.exit_code == 0, done.output
+    snapshot = json.loads(done.stdout)
+    assert snapshot["source"].startswith("snapshot") and snapshot["windowSeconds"] == 3600
+    assert snapshot["density"]["fractions"] == fractions

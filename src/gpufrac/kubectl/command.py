@@ -687,6 +687,10 @@ def report(
     notes: list[str] = []
     config = None if prometheus else _config()
     client = Client(config=config, field_manager="kubectl-gpufrac") if config else _optional_client(notes)
+    if what_if_whole_gpu and client is None:
+        _fail(
+            "--what-if-whole-gpu places the pods on the cluster's GPU nodes: it needs the API server", code=2
+        )
     if prometheus:
         end = time.time()
         try:
@@ -700,10 +704,10 @@ def report(
         history, said = report_sources.history_from_agents(views, at=time.time())
         source = "snapshot: the node agents now (no --prometheus); GPU-hours are per hour at today's bookings"
     queues = _report_queues(client, default_queue, notes) if client is not None else {}
+    what_if = _what_if(client, history, policies, notes) if what_if_whole_gpu else None
     result = report_figures.build(
         history, source=source, queues=queues, gpu_hour_price=gpu_hour_price, notes=[*said, *notes]
     )
-    what_if = _what_if(client, history, policies, result.notes) if what_if_whole_gpu else None
     if plot is not None:
         report_plot.write(result, plot)
         typer.echo(f"plot: {plot}", err=True)
@@ -729,13 +733,9 @@ def report(
 
 
 def _what_if(
-    client: Client | None, history: report_figures.History, policies: list[str], notes: list[str]
+    client: Client, history: report_figures.History, policies: list[str], notes: list[str]
 ) -> list[report_whatif.WhatIfRow]:
     """The window's pods placed again on the cluster's GPU nodes, as booked and with whole GPUs."""
-    if client is None:
-        _fail(
-            "--what-if-whole-gpu places the pods on the cluster's GPU nodes: it needs the API server", code=2
-        )
     nodes = cluster_trace(_api(lambda: list(client.list(Node))), []).nodes
     pods, left_out = report_whatif.window_pods(history)
     notes.append(report_whatif.UNSAID)
