@@ -16,7 +16,8 @@ from test_report_figures import GIB, HISTORY, QUEUES, WHOLE
 from typer.testing import CliRunner
 
 from gpufrac.kubectl.command import app
-from gpufrac.kubectl.report import build, density
+from gpufrac.kubectl.report import History, build, density
+from gpufrac.kubectl.report_plot import write as write_plot
 from gpufrac.kubectl.report_sources import (
     FRACTION_FIELDS,
     history_from_agents,
@@ -163,6 +164,13 @@ def test_the_what_if_without_an_api_server_says_it_needs_the_clusters_nodes(
         "--what-if-whole-gpu places the pods on the cluster's GPU nodes: it needs the API server"
         in done.output
     )
+
+
+def test_a_window_with_no_fractions_still_plots_and_says_the_panels_are_empty(tmp_path: Path) -> None:
+    empty = build(History([], 60), source="x", queues={}, gpu_hour_price=None)
+    assert (empty.density.fractions, empty.density.saved_share, empty.cost) == (0, 0, [])
+    write_plot(empty, tmp_path / "empty.png")
+    assert (tmp_path / "empty.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_a_prometheus_that_does_not_answer_is_an_error_that_names_it(tmp_path: Path) -> None:

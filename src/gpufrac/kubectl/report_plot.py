@@ -53,6 +53,7 @@ def write(report: Report, path: Path) -> None:
         )
     dens.set_title("Density")
     dens.set_ylabel("GPUs")
+    dens.set_ylim(bottom=0)
     dens.legend(loc="upper left", fontsize=8) if len(times) > 1 else None
 
     rows = report.memory_by_queue[:TOP]
@@ -108,9 +109,18 @@ def write(report: Report, path: Path) -> None:
     cost.bar([p + 0.2 for p in positions], mine, width=0.4, color="tab:green", label="booked fractions")
     cost.set_xticks(list(positions), queues, rotation=20)
     cost.set_ylabel(unit)
-    cost.set_title(f"{unit.capitalize()} by queue")
+    cost.set_title(f"{'Cost' if priced else 'GPU-hours'} by queue")
     cost.legend(fontsize=8)
 
+    for panel, rows, empty in (
+        (mem, report.memory_by_queue, "no GPU memory booked in the window"),
+        (inter, report.tenants, "no fraction was busy in the window:\nnothing to compare"),
+        (cost, report.cost, "no fractions in the window"),
+    ):
+        if not rows:
+            panel.cla()
+            panel.set_axis_off()
+            panel.text(0.5, 0.5, empty, ha="center", va="center", transform=panel.transAxes, color="gray")
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
