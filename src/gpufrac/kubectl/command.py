@@ -1,4 +1,4 @@
-"""``kubectl-gpufrac``: ``kubectl gpufrac nodes | explain POD | queues | top``, kubectl's conventions.
+"""``kubectl-gpufrac``: ``kubectl gpufrac nodes | explain POD | queues | top | report``, as kubectl does.
 
 Flags as kubectl spells them: ``--kubeconfig``, ``--context``, ``-n/--namespace`` (default: the
 context's namespace), ``-o/--output`` ``wide|json|yaml`` (default: a plain column table, upper-case
@@ -67,7 +67,7 @@ OUTPUTS = ("table", "wide", "json", "yaml")
 
 app = typer.Typer(
     name="kubectl-gpufrac",
-    help="gpufrac's GPU fractions from kubectl: `kubectl gpufrac nodes | explain POD | queues | top`.",
+    help="GPU fractions from kubectl: `kubectl gpufrac nodes | explain POD | queues | top | report`.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
