@@ -61,6 +61,7 @@ def args(**overrides) -> argparse.Namespace:
         chunk_mib=64,
         overhead_mib=1024,
         refill_chunk_mib=256,
+        resize_hard_mib=0,
     )
     return argparse.Namespace(**{**base, **overrides})
 
@@ -174,6 +175,8 @@ def test_options_that_make_no_sense_are_refused():
     assert "--soft-mib" in gc.enforcement_args_problem(args(soft_mib=5000))
     assert gc.enforcement_args_problem(args(hard_mib=0, soft_mib=0)) is not None
     assert gc.enforcement_args_problem(args(chunk_mib=0)) is not None
+    assert gc.enforcement_args_problem(args(resize_hard_mib=4096)) is not None  # not a raise
+    assert gc.enforcement_args_problem(args(resize_hard_mib=8192)) is None
     assert gc.enforcement_args_problem(args(chunk_mib=8192)) is not None
     assert gc.enforcement_args_problem(args(only="mps", enforcement=True)) is not None
 
@@ -227,6 +230,65 @@ def test_refill_needs_about_all_free_memory_and_more_than_the_old_limit():
     # a nearly full GPU: the fill must still pass the old limit
     assert not gc.refill_row("r", old_hard_mib=4096, overhead_mib=1024, result=fill(4096, free=4500)).ok
     assert gc.refill_row("r", old_hard_mib=4096, overhead_mib=1024, result=fill(4352, free=4500)).ok
+
+
+def held(allocated, stop="CUDA_ERROR_OUT_OF_MEMORY", pid=41):
+    """A ``--client resize`` answer."""
+    return {"pid": pid, "allocated_mib": allocated, "stop_error": stop}
+
+
+def test_a_raised_limit_lets_the_same_process_grow_to_it_and_no_further():
+    grow = dict(old_hard_mib=4096, new_hard_mib=8192, overhead_mib=1024, before=held(0))
+    row = gc.resize_grow_row("g", **grow, after=held(8000))
+    assert row.ok and row.observed == "pid 41 (same), 8000 MiB, then CUDA_ERROR_OUT_OF_MEMORY"
+    assert not gc.resize_grow_row("g", **grow, after=held(4032)).ok  # stuck at the old limit: not raised
+    assert not gc.resize_grow_row("g", **grow, after=held(8256)).ok  # past the new one
+    never = gc.resize_grow_row("g", **grow, after=held(8448, stop=None))
+    assert not never.ok and "no failure" in never.observed
+    other = gc.resize_grow_row("g", **grow, after=held(8000, pid=42))
+    assert not other.ok and "ANOTHER" in other.observed  # a restarted client proves nothing about a live one
+    assert not gc.resize_grow_row("g", **grow | {"before": "client exited"}, after=held(8000)).ok
+    # A small raise: growing past the old limit at all is required, whatever the overhead allows.
+    assert not gc.resize_grow_row("g", **grow | {"new_hard_mib": 4352}, after=held(4096)).ok
+
+
+def test_a_lowered_limit_caps_the_same_process():
+    capped = dict(hard_mib=2048, overhead_mib=1024, before=held(0))
+    assert gc.resize_capped_row("c", **capped, after=held(2048)).ok
+    assert not gc.resize_capped_row("c", **capped, after=held(2560, stop=None)).ok  # grew past it
+    other = gc.resize_capped_row("c", **capped, after=held(2048, pid=7))
+    assert not other.ok and "ANOTHER pid 7" in other.observed
+
+
+def test_the_commanded_client_protocol_one_json_line_per_command(tmp_path):
+    """The parent's side of ``--client resize`` against a real process speaking the same lines (the CUDA
+    half needs a GPU): the ready line, one answer per command, and a client that dies is reported."""
+    echo = tmp_path / "echo.py"
+    echo.write_text(
+        "import json, os, sys\n"
+        "print(json.dumps({'pid': os.getpid(), 'allocated_mib': 0}), flush=True)\n"
+        "for line in sys.stdin:\n"
+        "    if line.startswith('die'): sys.exit(3)\n"
+        "    print('noise', flush=True)\n"
+        "    print(json.dumps({'pid': os.getpid(), 'allocated_mib': int(line.split()[1])}), flush=True)\n"
+    )
+    process = subprocess.Popen(
+        [sys.executable, str(echo)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    client = gc.CommandedClient(process)
+    try:
+        ready = client.read(timeout_s=30)
+        assert ready == {"pid": process.pid, "allocated_mib": 0}
+        assert client.command("fill 4096 64") == {"pid": process.pid, "allocated_mib": 4096}
+        assert client.command("fill 8192 64")["allocated_mib"] == 8192
+        gone = client.command("die")
+        assert isinstance(gone, str) and "client exited (3)" in gone
+    finally:
+        gc.release(process)
 
 
 def test_current_used_row():
@@ -308,7 +370,13 @@ def run_script(*argv: str) -> subprocess.CompletedProcess[str]:
 def test_help_lists_the_enforcement_options():
     done = run_script("--help")
     assert done.returncode == 0
-    for option in ("--only {mps,enforcement}", "--enforcement", "--soft-mib", "--hard-mib"):
+    for option in (
+        "--only {mps,enforcement}",
+        "--enforcement",
+        "--soft-mib",
+        "--hard-mib",
+        "--resize-hard-mib",
+    ):
         assert option in done.stdout
 
 
