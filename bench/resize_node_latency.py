@@ -170,6 +170,9 @@ async def simulated(*, resizes: int, pods: int) -> dict[str, Any]:
                 in_force_ms.append((time.perf_counter() - began) * 1000)
                 arrived = arrivals.seen.pop((name, f"{limit}Mi"))
                 watch_ms.append((arrived - began) * 1000)
+            settled = time.perf_counter()  # the last one's Event may follow its read-back by a moment
+            while watch.tracker.applied < resizes and time.perf_counter() - settled < 5:
+                await asyncio.sleep(0.01)
         finally:
             running.cancel()
             await asyncio.gather(running, return_exceptions=True)
