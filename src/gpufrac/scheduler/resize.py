@@ -50,6 +50,9 @@ from gpufrac.scheduler.status_report import pod_ref
 
 log = logging.getLogger(__name__)
 
+#: How many pods' resize writes may be in flight at once.
+WRITES_AT_ONCE = 16
+
 #: Writes the decided annotations on the pod at its resourceVersion (None values remove a key).
 WritePod = Callable[[Pod, dict[str, str | None]], Awaitable[Pod]]
 
@@ -99,6 +102,7 @@ class Resizes:
         #: Bound pods with a resize request, or with the pending condition to take away: uid -> pod.
         self._wanted: dict[str, Pod] = {}
         self._wake = asyncio.Event()
+        self._writes = asyncio.Semaphore(WRITES_AT_ONCE)
         self.done = 0
         self.failed = 0
 
@@ -133,9 +137,15 @@ class Resizes:
                 await self.decide_all()
 
     async def decide_all(self) -> None:
-        for uid, pod in list(self._wanted.items()):
+        """Decide every pod with a request. Each decision and its change of the books run without a
+        pause (nothing else touches the books meanwhile); the pods' writes then run side by side, at
+        most ``WRITES_AT_ONCE`` of them."""
+        await asyncio.gather(*(self._decide_one(uid, pod) for uid, pod in list(self._wanted.items())))
+
+    async def _decide_one(self, uid: str, pod: Pod) -> None:
+        async with self._writes:
             if self._wanted.get(uid) is not pod:
-                continue  # a newer copy arrived while an earlier pod was written; the next round has it
+                return  # a newer copy arrived meanwhile; the next round has it
             try:
                 await self._decide(pod)
             except Exception:  # one pod's failure never stops the others
