@@ -16,7 +16,7 @@ from test_report_figures import GIB, HISTORY, QUEUES, WHOLE
 from typer.testing import CliRunner
 
 from gpufrac.kubectl.command import app
-from gpufrac.kubectl.report import History, build, density
+from gpufrac.kubectl.report import History, build, by_namespace, density, memory
 from gpufrac.kubectl.report_plot import write as write_plot
 from gpufrac.kubectl.report_sources import (
     FRACTION_FIELDS,
@@ -76,6 +76,16 @@ def test_a_sample_that_missed_a_series_is_kept_and_said() -> None:
     assert notes == ["2 sample(s) missed a series at their instant (read as 0)"]
 
 
+def test_used_memory_is_the_drivers_count_for_the_cgroup_where_the_agent_exports_it() -> None:
+    matrices = as_matrices(HISTORY)
+    labels = {"node": "n1", "namespace": "a", "pod": "p1", "container": "c", "gpu_uuid": "G1"}
+    matrices[metrics.FRACTION_CGROUP_USED] = [{"metric": labels, "values": [[0.0, str(12 * GIB)]]}]
+    history, _ = history_from_matrices(matrices, step_s=60)
+    a = next(r for r in memory(history, by_namespace) if r.group == "a")
+    # p1 at 0 s: 12 GiB by the driver (10 by NVML); at 60 s no cgroup series: NVML's 30. p2: 20 both times.
+    assert (a.used_bytes, a.idle_booked_bytes) == ((12 + 20 + 30 + 20) / 2 * GIB, (20 - 12) / 2 * GIB)
+
+
 def test_the_step_keeps_a_range_query_under_prometheus_point_limit() -> None:
     assert step_for(24 * 3600) == 60
     assert step_for(7 * 24 * 3600) == 420
@@ -132,7 +142,11 @@ def test_the_command_reads_prometheus_over_the_window_and_prints_tables_json_and
     assert "a/p2/c" in text.split("Interference by tenant")[1].splitlines()[2]  # ranked first
     assert "note: queues unknown: no API server to ask" in text
     assert "cannot be measured" in text
-    assert {a["query"] for a in asked} == {*FRACTION_FIELDS, metrics.GPU_MEMORY_TOTAL}
+    assert {a["query"] for a in asked} == {
+        *FRACTION_FIELDS,
+        metrics.FRACTION_CGROUP_USED,
+        metrics.GPU_MEMORY_TOTAL,
+    }
     assert {(float(a["end"]) - float(a["start"]), float(a["step"])) for a in asked} == {(120.0, 60.0)}
 
     plot = tmp_path / "report.png"

@@ -3,13 +3,15 @@
 From Prometheus, the report reads the node agents' raw per-fraction series over the window (one range
 query per metric, the same ``step`` for all) rather than the chart's recording rules: the figures are
 then the same whether or not the rules are installed, and the rules (deploy/helm/gpufrac/rules/
-report.yaml) record the same formulas for the dashboard. Samples of one tenant on one GPU are joined on
-their labels at each timestamp; a tenant missing one series at an instant (a scrape that fell between
-two steps) is kept with that value at 0 and counted in a note.
+report.yaml) record the same formulas for the dashboard. Used memory is the driver's ``currentUsed``
+for the container's cgroup where the agent exports it, NVML's per-process sum otherwise (the rules
+choose the same way). Samples of one tenant on one GPU are joined on their labels at each timestamp; a
+tenant missing one series at an instant (a scrape that fell between two steps) is kept with that value
+at 0 and counted in a note.
 
-Without Prometheus, the history is one instant: what ``kubectl gpufrac top`` reads from the agents now.
-It stands for one hour, so GPU-hours and cost read "per hour at today's bookings", and the report says
-it is a snapshot.
+Without Prometheus, the history is one instant: what ``kubectl gpufrac top`` reads from the agents now
+(used memory there is NVML's, as ``top`` shows it). It stands for one hour, so GPU-hours and cost read
+"per hour at today's bookings", and the report says it is a snapshot.
 """
 
 from __future__ import annotations
@@ -65,6 +67,14 @@ def history_from_matrices(matrices: Mapping[str, Matrix], *, step_s: float) -> t
             )
             for at, value in series["values"]:
                 rows[(float(at), key)][field] = float(value)
+    # The driver's count for the container's cgroup on the GPU (currentUsed), where it gives one, is the
+    # used memory; NVML's per-process sum otherwise (the recording rules choose the same way).
+    current: dict[tuple[float, str, str, str, str, str], float] = {}
+    for series in matrices.get(metrics.FRACTION_CGROUP_USED, ()):
+        m = series["metric"]
+        who = tuple(m.get(k, "") for k in ("node", "namespace", "pod", "container", "gpu_uuid"))
+        for at, value in series["values"]:
+            current[(float(at), *who)] = float(value)
     capacity: dict[tuple[float, str, str], float] = {}
     for series in matrices.get(metrics.GPU_MEMORY_TOTAL, ()):
         m = series["metric"]
@@ -76,6 +86,9 @@ def history_from_matrices(matrices: Mapping[str, Matrix], *, step_s: float) -> t
         if "request_bytes" not in values:
             continue  # no booking at this instant: nothing to count it against
         partial += len(values) < len(FRACTION_FIELDS)
+        driver = current.get((at, node, namespace, pod, container, uuid))
+        if driver is not None:
+            values["used_bytes"] = driver
         by_time[at].append(
             FractionSample(
                 node=node,
@@ -98,7 +111,7 @@ def query_range(
     """Each metric the report reads, over [start, end] every ``step_s``; raises ``PrometheusError``."""
     found: dict[str, Matrix] = {}
     with httpx.Client(base_url=url.rstrip("/"), timeout=timeout_s) as client:
-        for name in (*FRACTION_FIELDS, metrics.GPU_MEMORY_TOTAL):
+        for name in (*FRACTION_FIELDS, metrics.FRACTION_CGROUP_USED, metrics.GPU_MEMORY_TOTAL):
             try:
                 response = client.get(
                     "/api/v1/query_range",
