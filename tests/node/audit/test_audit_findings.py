@@ -10,6 +10,7 @@ from gpufrac.node.enforcement_audit import (
     REASON_UNKNOWN_PROCESS,
     Auditor,
 )
+from gpufrac.node.inject import EnvPlanner
 from gpufrac.node.mapping import AllocationRecord
 from gpufrac.node.metrics import VIOLATION_KINDS, EnforcementCounters
 from gpufrac.node.usage.collect import UsageCollector
@@ -273,3 +274,37 @@ async def test_a_runtime_that_cannot_list_containers_skips_the_cycle(node, runti
     await audit(node.collector.collect())
 
     assert events.reasons() == [REASON_MISSING_INJECTION]
+
+
+async def test_a_resized_container_the_agent_recorded_keeps_its_created_amounts_without_a_finding(
+    node, runtime, cri, events, counters, allocations
+):
+    """A live resize changed the pod's amounts after the container was created with the old ones: the
+    audit restarted with the agent must not call it unenforced -- when the agent recorded it. The same
+    environment on a container the agent never recorded (created while it was away) still is a finding."""
+    resized = {**ANNOTATIONS, "nvidia.com/container.server.gpu-memory.request": "16Gi"}
+    sandbox = runtime.add_pod(namespace="ml", name="infer-0", annotations=resized)
+    runtime.add_container(id=INFER, sandbox_id=sandbox, name="server", env={"PATH": "/usr/bin", **PLAN})
+    other = runtime.add_pod(namespace="ml", name="infer-1", annotations=resized)
+    runtime.add_container(id=OTHER, sandbox_id=other, name="server", env={"PATH": "/usr/bin", **PLAN})
+    allocations.put(
+        AllocationRecord(
+            container_id=INFER,
+            pod_namespace="ml",
+            pod_name="infer-0",
+            pod_uid="u0",
+            container_name="server",
+            devices=(GPU0,),
+            request_mib=16384,
+            limit_mib=16384,
+            mode="time-slicing",
+            portion=None,
+        )
+    )
+    planner = EnvPlanner(recorded=lambda container_id: allocations.get(container_id) is not None)
+    audit = Auditor(runtime=cri, planner=planner, events=events, counters=counters, node_name="gpu-node-1")
+
+    raised = await audit(node.collector.collect())
+
+    assert [(f.reason, f.regarding.name) for f in raised] == [(REASON_MISSING_INJECTION, "infer-1")]
+    assert "NVIDIA_GPU_MEMORY_REQUEST='8192', want '16384'" in raised[0].message
