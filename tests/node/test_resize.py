@@ -325,7 +325,6 @@ async def restart(node: Node, annotations: dict[str, str], created_with: dict[st
     await injector.synchronize(
         pods=[sandbox(annotations)], containers=[running(annotations, created_with=created_with)]
     )
-    again.tracker.after_audit()
     again.store.flush()
     return again
 

@@ -181,7 +181,16 @@ class ResizeTracker:
 
     def condition(self, pod_uid: str) -> PodCondition | None:
         booked = {b.record.container_id: b for b in self._limits.booked()}
+        self._take_over(booked)
         return resize_condition(self.resizes(pod_uid), booked)
+
+    def _take_over(self, booked: Mapping[str, Booked]) -> None:
+        """Follow held-back limits this tracker did not start: found at adoption after an agent restart in
+        the middle of a shrink (their timeout starts now)."""
+        now = self._clock()
+        for cid, entry in booked.items():
+            if entry.held_back and cid not in self._resizes:
+                self._resizes[cid] = Resize(old=None, new=entry.record, since=now)
 
     async def observe(self, *, pod_uid: str, annotations: Mapping[str, str]) -> int:
         """Compare the pod's binding with the records of its fractional containers here and apply what
@@ -249,9 +258,7 @@ class ResizeTracker:
         whose condition may have changed."""
         now = self._clock()
         booked = {b.record.container_id: b for b in self._limits.booked()}
-        for cid, entry in booked.items():
-            if entry.held_back and cid not in self._resizes:  # adopted after a restart mid-shrink
-                self._resizes[cid] = Resize(old=None, new=entry.record, since=now)
+        self._take_over(booked)
         pods: set[str] = set()
         for cid, resize in list(self._resizes.items()):
             entry = booked.get(cid)
