@@ -64,6 +64,7 @@ async def test_agent_restart_rebuilds_the_mapping_from_synchronize(node: Node) -
     # as enforced; it is reported on its pod and counted instead.
     assert set(records) == {kept.id}
     assert records[kept.id].request_mib == 4096 and records[kept.id].pod_name == "kept"
+    agent.store.flush()  # the files are written by the store's background writer (gpufrac.node.mapping)
     assert not (agent.store.directory / f"{gone.id}.json").exists()
     assert list(agent.injector.unenforced) == [late.id]
     assert agent.counters.read().without_injection == 1
