@@ -10,6 +10,11 @@ There is no GPU here, so this stands in for ``nvmlDeviceSetMemoryLimits_v1`` / `
   filesystem, so a limit is only ever "set" on a cgroup that exists (on the real node, the container's
   real cgroup; in the embedded cluster, the directory its simulated runtime made);
 - no limit reads soft 0, hard NVML_DEVICE_MEMORY_LIMIT_MAX; a removed cgroup's limits are forgotten.
+- ``currentUsed`` is what the state's ``used`` says for the cgroup (0 when nothing is written): nothing
+  here allocates GPU memory, so a test or the embedded cluster plays a container's use with
+  ``set_used``; the real driver measures it. The shrink rule of a live resize reads it
+  (``gpufrac.node.memlimit.enforce.apply_guarded``), and a limit change applies to a cgroup whatever runs
+  in it, as the real driver's is assumed to (``scripts/gpu-check``'s resize step checks that on hardware).
 
 The state is a JSON file shared by every process of the node (the agent, a test, ``gpufrac up``), so a
 test can play the driver's faults by editing it, as an operator could reset a real driver:
