@@ -13,10 +13,11 @@ from test_fair_share import CLOSE, _wants, trees
 
 from gpufrac.placement.decision import Placement
 from gpufrac.placement.engine import Engine
-from gpufrac.placement.fair_share import fair_shares
+from gpufrac.placement.fair_share import QueueBook, fair_shares
 from gpufrac.placement.model import Queue, QueueResource, Quota
 from gpufrac.placement.queue_shares import QueueAmount, request_amount
-from gpufrac.placement.usage_history import UsageHistory
+from gpufrac.placement.usage_history import ALL, OVER_QUOTA, UsageHistory
+from gpufrac.placement.usage_history import held as counted_held
 
 MEM = QueueResource.GPU_MEMORY
 GPUS = QueueResource.GPUS
@@ -80,6 +81,26 @@ def test_a_clock_that_goes_back_adds_nothing_and_a_bad_half_life_is_refused():
     assert history.normalized(MEM) == {}
     with pytest.raises(ValueError, match="half_life_s must be positive"):
         UsageHistory(0)
+
+
+def test_by_default_only_use_above_the_deserved_quota_counts():
+    book = QueueBook()
+    book.replace([Queue("guaranteed", gpu_memory=Quota(deserved=60)), Queue("burst"), Queue("parent")])
+    book.replace([*book.queues, Queue("child", parent="parent", gpu_memory=Quota(deserved=10))])
+    book.charge("guaranteed", 50)
+    book.charge("burst", 30)
+    book.charge("child", 25)
+    capacity = cap(200)
+    assert counted_held(book, capacity)[MEM] == {"guaranteed": 0, "burst": 30, "parent": 25, "child": 15}
+    assert counted_held(book, capacity, ALL)[MEM] == {
+        "guaranteed": 50,
+        "burst": 30,
+        "parent": 25,
+        "child": 25,
+    }
+    assert OVER_QUOTA != ALL
+    with pytest.raises(ValueError, match="counted='some'"):
+        counted_held(book, capacity, "some")
 
 
 # -- the share ----------------------------------------------------------------------------------------

@@ -17,6 +17,12 @@ leader resumes the queues' standing instead of forgetting it.
 
 How the score changes the fair share is ``gpufrac.placement.fair_share`` (``usage`` and ``k``): only the
 over-quota part, never the deserved quota.
+
+What counts as use (``held``): by default only what a queue held *above its deserved quota*
+(``OVER_QUOTA``), so a queue is not charged in the over-quota division for the guarantee it was given;
+KAI counts everything (``ALL``), which its own design leaves open ("Story 4: no over-usage"). On the
+openb churn replay counting all use raised pending times (p50 122 -> 558 s) where counting over-quota use
+lowered them (to 0 s) (docs/benchmarks.md, "Time-based fair share in the churn replay").
 """
 
 from __future__ import annotations
@@ -24,9 +30,31 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 
+from .fair_share import QueueBook
 from .model import QueueResource
 
 RESOURCES = tuple(QueueResource)
+OVER_QUOTA = "over-quota"
+ALL = "all"
+COUNTED = (OVER_QUOTA, ALL)
+
+
+def held(
+    book: QueueBook, capacity: Mapping[QueueResource, int], counted: str = OVER_QUOTA
+) -> dict[QueueResource, dict[str, int]]:
+    """What each queue's subtree holds now, per resource, as the history counts it: all of it (``ALL``)
+    or the part above its deserved quota (``OVER_QUOTA``)."""
+    if counted not in COUNTED:
+        raise ValueError(f"counted={counted!r}: one of {', '.join(COUNTED)}")
+    totals = {QueueResource.GPU_MEMORY: book.usage, QueueResource.GPUS: book.whole_gpus}
+    out: dict[QueueResource, dict[str, int]] = {}
+    for r in RESOURCES:
+        if counted == ALL:
+            out[r] = dict(totals[r])
+        else:
+            cap = capacity.get(r, 0)
+            out[r] = {q: max(0, a - book.get(q).deserved(r, cap)) for q, a in totals[r].items()}
+    return out
 
 
 class UsageHistory:
@@ -98,4 +126,4 @@ class UsageHistory:
         return {r: self.normalized(r) for r in RESOURCES}
 
 
-__all__ = ["UsageHistory"]
+__all__ = ["ALL", "COUNTED", "OVER_QUOTA", "UsageHistory", "held"]

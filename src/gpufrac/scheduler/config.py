@@ -80,6 +80,9 @@ class TimeFairnessConfig(_Strict):
     weight's part gets none of the over-quota part while others ask."""
     half_life_s: float = Field(default=3600.0, gt=0)
     """Usage this long ago counts half as much as usage now."""
+    counted: Literal["over-quota", "all"] = "over-quota"
+    """What counts as use: what a queue held above its deserved quota (the default: the guarantee is not
+    charged), or all it held (KAI Scheduler's rule)."""
 
 
 class SchedulerConfig(_Strict):

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from gpufrac.placement.model import QueueResource
-from gpufrac.placement.usage_history import UsageHistory
+from gpufrac.placement.usage_history import UsageHistory, held
 from gpufrac.scheduler.config import TimeFairnessConfig
 from gpufrac.scheduler.placement_engine import PlacementEngine
 from gpufrac.scheduler.queues import RESOURCE_FIELDS
@@ -31,6 +31,7 @@ class QueueUsageClock:
 
     def __init__(self, config: TimeFairnessConfig, *, clock: Callable[[], float] = time.monotonic) -> None:
         self.k = config.k
+        self.counted = config.counted
         self.history = UsageHistory(config.half_life_s)
         self._clock = clock
         self._seeded = False
@@ -58,12 +59,7 @@ class QueueUsageClock:
         if not self.enabled:
             return
         self._seeded = True
-        book = engine.queues
-        held = {
-            QueueResource.GPU_MEMORY: dict(book.usage),
-            QueueResource.GPUS: dict(book.whole_gpus),
-        }
-        self.history.record(self._clock(), held, capacity)
+        self.history.record(self._clock(), held(engine.queues, capacity, self.counted), capacity)
         engine.set_usage_history(self.history.scores(), self.k)
 
     def status(self, queue: str) -> dict[str, float]:

@@ -36,9 +36,10 @@ import numpy as np
 from gpufrac.placement.consolidation import Consolidation, MoveBudget, plan_consolidation
 from gpufrac.placement.decision import Placement
 from gpufrac.placement.engine import Engine
-from gpufrac.placement.model import Queue
+from gpufrac.placement.model import Queue, QueueResource
 from gpufrac.placement.preemption import Kind, find_victims
 from gpufrac.placement.queue_shares import Amount, QueueAmount, QueueShares, request_amount
+from gpufrac.placement.usage_history import ALL, OVER_QUOTA, UsageHistory, held
 
 from .fairness import FairnessMeter
 from .trace import TraceNode, TracePod
@@ -50,7 +51,13 @@ TIMELINE_POINTS = 400
 #: since #36), or against the static deserved quota alone (the rule before #36).
 FAIR_SHARE_RULE = "fair-share"
 DESERVED_RULE = "deserved"
-RECLAIM_RULES = (FAIR_SHARE_RULE, DESERVED_RULE)
+#: The fair-share rule with time-based fair share (``TIME_K``, half-life ``TIME_HALF_LIFE_S``), counting
+#: the use above each queue's deserved quota (the scheduler's default) or all use (KAI's rule).
+TIME_RULE = "fair-share+time"
+TIME_ALL_RULE = "fair-share+time-all"
+RECLAIM_RULES = (FAIR_SHARE_RULE, DESERVED_RULE, TIME_RULE, TIME_ALL_RULE)
+TIME_K = 0.5
+TIME_HALF_LIFE_S = 6 * 3600.0
 #: A reclaim's victims count as wasted when the pod they were evicted for did not start, or was itself
 #: evicted before it had run this long (seconds of trace time): their room served it less than this.
 WASTE_WINDOW_S = 600
@@ -153,7 +160,10 @@ def churn_replay(
     ``reclaim_rule`` (with ``reclaim``): ``FAIR_SHARE_RULE`` reclaims against the queues' fair shares
     (the pending pods' demand counted), then their deserved quotas; ``DESERVED_RULE`` against deserved
     quotas alone, the rule before #36. The replay carries a plan out at once, so the other half of that
-    change (victims still leaving and nominated pods counted) has nothing to act on here."""
+    change (victims still leaving and nominated pods counted) has nothing to act on here.
+    ``TIME_RULE`` is ``FAIR_SHARE_RULE`` with time-based fair share (k ``TIME_K``, half-life
+    ``TIME_HALF_LIFE_S`` of trace time, use above the deserved quota counted), the history sampled at
+    every event; ``TIME_ALL_RULE`` the same counting all use."""
     if reclaim_rule not in RECLAIM_RULES:
         raise ValueError(f"reclaim_rule={reclaim_rule!r}: one of {', '.join(RECLAIM_RULES)}")
     if load <= 0:
@@ -278,7 +288,7 @@ def churn_replay(
             engine,
             pending_pods[i],
             kind=Kind.RECLAIM,
-            shares=book if reclaim_rule == FAIR_SHARE_RULE else book.by_deserved(),
+            shares=book.by_deserved() if reclaim_rule == DESERVED_RULE else book,
         )
         if plan is None:
             return consolidation and consolidate(i, now)
@@ -306,6 +316,10 @@ def churn_replay(
         return True
 
     cluster_mib = max(1, int(engine.state.cap_total.sum()))
+    timed_rule = reclaim and reclaim_rule in (TIME_RULE, TIME_ALL_RULE)
+    history = UsageHistory(TIME_HALF_LIFE_S) if timed_rule else None
+    counted = ALL if reclaim_rule == TIME_ALL_RULE else OVER_QUOTA
+    capacity = {QueueResource.GPU_MEMORY: cluster_mib, QueueResource.GPUS: int(engine.state.gpu_count.sum())}
     span = max(1, max(arrive) + max(left.values()))
     step = max(1, span // TIMELINE_POINTS)
     timeline: list[tuple[int, dict[str, float]]] = []
@@ -317,6 +331,9 @@ def churn_replay(
     def sample(now: int) -> None:
         """The books since the last event held until ``now``: weighed, and sampled for the timeline."""
         nonlocal last
+        if history is not None:
+            history.record(now, held(engine.queues, capacity, counted), capacity)
+            engine.set_usage_history(history.scores(), TIME_K)
         if now <= last:
             return
         book = books()

@@ -128,7 +128,9 @@ def simulate(
         str,
         typer.Option(
             help="With --churn: the runs, a comma list of off (no reclaim), deserved (reclaim against "
-            "deserved quotas alone, before #36) and fair-share (against fair shares, then deserved quotas).",
+            "deserved quotas alone, before #36), fair-share (against fair shares, then deserved quotas) and "
+            "fair-share+time (fair shares that are time-based: k 0.5, half-life 6 h of trace time, use "
+            "above the deserved quota counted) and fair-share+time-all (the same counting all use, as KAI).",
         ),
     ] = f"off,{DESERVED_RULE},{FAIR_SHARE_RULE}",
     consolidation: Annotated[
