@@ -9,9 +9,11 @@ GPUs (``gpufrac.placement.resize``: never a move) and carries the decision out:
   pod; one that only shrinks changes the pod first, then the books (so that no other pod is placed into
   room the node still enforces for this one). The pod's write is ONE merge patch at the resourceVersion
   the decision read: the new ``nvidia.com/container.<c>.gpu-memory.request``/``.limit`` (the node's only
-  source) and the removal of the resize keys. A failed patch puts the books back. A restart in between
-  ends in the old or the new state, never half: the books are rebuilt from bound pods' annotations at
-  start, and a request still on the pod is simply decided again. A Normal ``Resized`` Event says old ->
+  source) and the removal of the resize keys. A patch the API server refuses puts the books back. A
+  restart in between ends in the old or the new state, never half: the books are rebuilt from bound
+  pods' annotations at start, and a request still on the pod is simply decided again. A write that got
+  no answer (the patch may have landed) leaves the books as they are, the safe side of both orders, and
+  they follow the pod's binding as soon as it shows no request. A Normal ``Resized`` Event says old ->
   new amounts, and the pending condition goes.
 - **Deferred** (no room on a GPU now): condition ``gpufrac.io/GpuResizePending`` True, reason
   ``Deferred``, with the GPU, the amounts and who holds the room. Retried whenever a pod leaves (room
@@ -36,16 +38,17 @@ from lightkube import AsyncClient
 from lightkube.resources.core_v1 import Pod
 
 from gpufrac.contract import keys
-from gpufrac.contract.errors import InvalidPodRequest
+from gpufrac.contract.errors import ContractError, InvalidPodRequest
 from gpufrac.contract.quantities import format_mib
 from gpufrac.contract.resize import cleared, parse_resizes, resize_keys
-from gpufrac.kube.errors import Conflict, NotFound
+from gpufrac.kube.errors import Conflict, KubeError, NotFound
 from gpufrac.kube.events import NORMAL, WARNING, EventRecorder
 from gpufrac.kube.patch import remove_pod_condition, set_annotations, set_pod_condition
 from gpufrac.placement.decision import Placement
 from gpufrac.placement.engine import Engine
 from gpufrac.placement.resize import ResizeDecision, ResizeOutcome, decide_resize
 from gpufrac.scheduler.booking_cache import BookingCache, BookingState
+from gpufrac.scheduler.objects import bound_placement
 from gpufrac.scheduler.status_report import pod_ref
 
 log = logging.getLogger(__name__)
@@ -99,6 +102,10 @@ class Resizes:
         self._retry_s = retry_s
         #: Writes the decided annotations (tests replace it to fail or stall a write on purpose).
         self.write: WritePod = write or self._patch
+        #: Pods whose last resize write got no answer: their books follow the pod once it shows none.
+        self._uncertain: set[str] = set()
+        #: Pods whose write is in flight, with the newest copy the watch brought meanwhile.
+        self._writing: dict[str, Pod | None] = {}
         #: Bound pods with a resize request, or with the pending condition to take away: uid -> pod.
         self._wanted: dict[str, Pod] = {}
         self._wake = asyncio.Event()
@@ -112,15 +119,37 @@ class Resizes:
         """A bound pod of ours changed: note it when it carries a request (or a stale condition). A pod
         ``gone``: its request goes, and room may have freed for the deferred ones."""
         uid = pod.metadata.uid
+        if uid in self._writing:
+            self._writing[uid] = pod
         if gone:
             self._wanted.pop(uid, None)
+            self._uncertain.discard(uid)
             if self._wanted:
                 self._wake.set()
-        elif resize_keys(pod.metadata.annotations or {}) or _condition(pod)[0] is not None:
-            self._wanted[uid] = pod
+            return
+        asking = bool(resize_keys(pod.metadata.annotations or {}))
+        if uid in self._uncertain and not asking:
+            self._uncertain.discard(uid)
+            self._follow(pod)
+        if asking or _condition(pod)[0] is not None:
+            self._wanted[uid] = pod  # always the newest copy: an older one is never decided again
             self._wake.set()
         else:
             self._wanted.pop(uid, None)
+
+    def _follow(self, pod: Pod) -> None:
+        """Book what the pod's binding says (after a write whose outcome was unknown)."""
+        booking = self._cache.booking(pod.metadata.uid)
+        spec = self._cache.nodes.get(booking.node) if booking is not None else None
+        if booking is None or spec is None or booking.state is not BookingState.CONFIRMED:
+            return
+        try:
+            placement = bound_placement(pod, gpus_by_uuid={g.uuid: g for g in spec.gpus})
+        except ContractError:
+            return
+        if placement != booking.placement:
+            self._cache.rebook(pod.metadata.uid, booking.pending, placement)
+            self._changed()
 
     @property
     def waiting(self) -> int:
@@ -183,16 +212,32 @@ class Resizes:
         books_first = _grows(decision)
         if books_first:
             self._cache.rebook(meta.uid, booking.pending, decision.placement)
+        self._writing[meta.uid] = None
         try:
             written = await self.write(pod, decided_annotations(decision, asks))
         except Exception as error:
             self.failed += 1
-            if books_first:
+            seen = self._writing.pop(meta.uid, None)
+            if not (isinstance(error, KubeError) and error.code < 500):
+                # No answer (a timeout, a dropped connection, a server error): the patch may have landed.
+                # The books stay as they are, the safe side of both orders, and follow the pod as soon as
+                # it shows no request (``observe``; a copy the watch brought during the write counts); a
+                # request still there is decided again.
+                log.warning(
+                    "resize of %s/%s: the write's outcome is unknown: %s", meta.namespace, meta.name, error
+                )
+                self._uncertain.add(meta.uid)
+                if seen is not None:
+                    self.observe(seen)
+                return
+            if books_first:  # the API server refused it: nothing was written
                 self._roll_back(meta.uid, decision.placement, old)
             if isinstance(error, (Conflict, NotFound)):
                 log.info("resize of %s/%s not written (%s); deciding again", meta.namespace, meta.name, error)
                 return  # the pod changed (or went) since: its newer self is decided again
             raise
+        self._writing.pop(meta.uid, None)
+        self._uncertain.discard(meta.uid)
         if not books_first and not decision.unchanged:
             current = self._cache.booking(meta.uid)
             if current is not None and current.placement == old:
