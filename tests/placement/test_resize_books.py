@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from placement_builders import mib, node, pod
 
 from gpufrac.contract.render import DeviceChoice, read_binding, render_binding
-from gpufrac.contract.request import GpuMemory
+from gpufrac.contract.request import ComputeMode, GpuMemory
 from gpufrac.contract.resize import ResizeAsk
 from gpufrac.placement.decision import Placement
 from gpufrac.placement.engine import Engine
@@ -120,3 +120,18 @@ def test_random_resize_sequences_keep_the_books_whole(sizes: list[int], steps: l
         assert booked == sum(g.capacity_mib - g.free_mib for g in engine.ledger("n"))
         for u in uids:
             _booked_as_written(engine, u)
+
+
+def test_an_sm_sharing_resize_keeps_its_compute_portion_and_a_multi_gpu_one_its_gpus() -> None:
+    engine, _ = _engine()
+    placed = engine.schedule([pod(mib(4096, mode=ComputeMode.SM_SHARING, count=2))])[0]
+    assert isinstance(placed, Placement)
+    before = [(g.uuid, g.compute_ppm) for g in engine.ledger("n")]
+    decision = decide_resize(engine, placed.pod_uid, _ask(6144))
+    assert decision.outcome is ResizeOutcome.FITS
+    (c,) = decision.placement.containers
+    assert c.uuids == placed.containers[0].uuids and len(c.uuids) == 2
+    assert [d.compute_portion for d in c.devices] == [d.compute_portion for d in placed.containers[0].devices]
+    assert {(d.request_mib, d.limit_mib) for d in c.devices} == {(6144, 6144)}
+    engine.assume(engine.bound_pod(placed.pod_uid), decision.placement)  # type: ignore[arg-type]
+    assert [(g.uuid, g.compute_ppm) for g in engine.ledger("n")] == before
