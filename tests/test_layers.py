@@ -41,9 +41,12 @@ ONLY: dict[str, dict[str, tuple[str, ...]]] = {
         "node": ("gpufrac.node.labels", "gpufrac.node.inventory.simulated", "gpufrac.node.mps.mode"),
         "scheduler": ("gpufrac.scheduler.booking_audit",),
     },
-    # kubectl's `top` reuses the node agent's view of its metrics, and it finds the agents' pods by the
-    # names the operator renders them with.
-    "kubectl": {"node": ("gpufrac.node.top",), "operator": ("gpufrac.operator.render",)},
+    # kubectl's `top` reuses the node agent's view of its metrics, its `report` the names of the metrics
+    # the agent exports, and it finds the agents' pods by the names the operator renders them with.
+    "kubectl": {
+        "node": ("gpufrac.node.top", "gpufrac.node.metrics"),
+        "operator": ("gpufrac.operator.render",),
+    },
     # The webhook judges a pod's queue by the scheduler's own rule (which queues a namespace may use).
     "admission": {"placement": ("gpufrac.placement.queue_access", "gpufrac.placement.model")},
 }
