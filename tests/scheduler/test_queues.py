@@ -358,7 +358,8 @@ async def test_kubectl_gpufrac_queues_shows_the_tree_with_the_status_the_schedul
         code, out, err = await _plugin(controlplane.kubeconfig, "queues", "-o", "wide")
         assert code == 0, err
         (row,) = [line for line in out.splitlines() if line.strip().startswith(child)]
-        assert row.split()[7:] == ["25000", "1", "0", "1", "1", "The", "team"]
+        # ... and USED-SHARE "-": time-based fair share is off.
+        assert row.split()[7:] == ["25000", "1", "0", "1", "1", "-", "The", "team"]
         code, out, err = await _plugin(controlplane.kubeconfig, "queues", "-o", "yaml")
         assert code == 0 and yaml.safe_load(out)["kind"] == "QueueList"
         code, _, err = await _plugin(controlplane.kubeconfig, "queues", "-o", "tree")

@@ -421,7 +421,15 @@ def _queue_table(rows: list[QueueRow], *, wide: bool) -> tuple[list[str], list[l
         "GPU-FAIR-SHARE",
     ]
     if wide:
-        headers += ["REQUESTED(MiB)", "WEIGHT", "GPU-DESERVED", "GPU-LIMIT", "GPU-WEIGHT", "DISPLAY-NAME"]
+        headers += [
+            "REQUESTED(MiB)",
+            "WEIGHT",
+            "GPU-DESERVED",
+            "GPU-LIMIT",
+            "GPU-WEIGHT",
+            "USED-SHARE",
+            "DISPLAY-NAME",
+        ]
     table = []
     for r in rows:
         row = [
@@ -440,6 +448,7 @@ def _queue_table(rows: list[QueueRow], *, wide: bool) -> tuple[list[str], list[l
                 shown(r.term("gpus", "deserved")),
                 shown(r.term("gpus", "limit")),
                 shown(r.term("gpus", "overQuotaWeight")),
+                shown(r.amount("historicalUsage", "gpuMemory")),
                 shown(r.display_name),
             ]
         table.append(row)
