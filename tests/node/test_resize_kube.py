@@ -79,7 +79,8 @@ async def test_a_patched_binding_is_applied_live_and_the_condition_follows(
         await until(lambda: watch.informer.synced.is_set(), what="the watch to list the node's pods")
         await patch(binding(request=8192, limit=16384))  # the scheduler grants a grow
         await until(lambda: node.held() == {"GPU-aaaa": (8192, 16384)}, what="the grow in force")
-        assert node.tracker.applied == 1 and await condition() is None
+        await until(lambda: node.tracker.applied == 1, what="the grow said applied")  # just after read-back
+        assert await condition() is None
 
         node.use(12000)  # the workload now holds 12000 MiB; a shrink to a 10240 MiB limit must wait
         await patch(binding(request=2048, limit=10240))
@@ -97,7 +98,7 @@ async def test_a_patched_binding_is_applied_live_and_the_condition_follows(
             return await condition() is None
 
         await until(removed, what="the condition removed")
-        assert node.tracker.applied == 2
+        await until(lambda: node.tracker.applied == 2, what="the shrink said applied")
         (stored,) = node.store.allocations()
         assert (stored.container_id, stored.request_mib, stored.limit_mib) == (CID, 2048, 10240)
     finally:
