@@ -23,6 +23,11 @@ injects by, and shares one ``EventRecorder`` on the Node and one set of counters
 not enter readiness: a node whose reporting is down still enforces. The audit needs the runtime's CRI
 socket; when it is not there and the audit was not asked for explicitly (``gpufrac up`` has no CRI
 runtime), the agent says so once and reports usage without auditing instead of warning every cycle.
+
+Live resizes (``gpufrac.node.resize``): with ``memory_limits: driver`` and an API client, the agent watches
+the pods bound to its node; when a running fraction's binding changes it sets the new limits on its
+cgroup through the same enforcer, and each audit cycle finishes a shrink that waited for the use to fall.
+Usage reporting sees a held-back limit as the one in force (``AllocationsInForce``).
 """
 
 from __future__ import annotations
