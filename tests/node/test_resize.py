@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from gpufrac._generated.nri import api_pb2 as api
 from gpufrac.contract import keys
@@ -387,3 +389,41 @@ def test_the_simulated_driver_reports_use_with_the_limits(cgroupfs: Path, tmp_pa
     assert node.driver.get_limits(gpu=GPU_A, cgroup=node.cgroup) == MemoryLimits(
         soft=0, hard=0xFFFFFFFFFFFFFFFF, current_used=1234 * MIB
     )
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    steps=st.lists(
+        st.one_of(
+            st.tuples(st.just("resize"), st.integers(1, 40), st.integers(0, 40)),  # request, limit above it
+            st.tuples(st.just("use"), st.floats(0, 1), st.just(0)),  # a share of the hard limit held now
+        ),
+        max_size=12,
+    )
+)
+async def test_random_resizes_never_lower_a_limit_below_use_and_end_as_the_pod_says(
+    cgroupfs: Path, tmp_path_factory: pytest.TempPathFactory, steps: list[tuple[str, float, int]]
+) -> None:
+    """Any sequence of resizes and usage changes (the use never above the hard limit held: the driver
+    refuses allocations past it): the request is always in force, the hard limit is never set below the
+    use, it is the pod's as soon as the use allows, and the record always says what the pod says."""
+    node = agent(cgroupfs, tmp_path_factory.mktemp("state"))
+    node.use(0)  # the driver's state outlives an example, as it outlives an agent
+    started(node, record(request=1024, limit=2048))
+    want = (1024, 2048)
+    for kind, a, b in steps:
+        before = node.held()[GPU_A]
+        if kind == "resize":
+            want = (int(a) * 256, int(a) * 256 + b * 256)
+            await node.tracker.observe(pod_uid=POD_UID, annotations=binding(request=want[0], limit=want[1]))
+        else:
+            node.use(int(a * before[1]))
+            node.audit()
+        used = node.driver.get_limits(gpu=GPU_A, cgroup=node.cgroup).current_used // MIB
+        soft, hard = node.held()[GPU_A]
+        assert soft == want[0]
+        assert hard >= min(used, before[1]) and hard >= want[1]
+        assert hard == (want[1] if used <= want[1] else max(before[1], want[1]))
+        assert node.condition() is None if hard == want[1] else node.condition() is not None
+        (stored,) = node.store.allocations()
+        assert (stored.request_mib, stored.limit_mib) == want
