@@ -74,3 +74,19 @@ def test_nothing_to_resize_is_refused_clearly() -> None:
 def test_the_scheduler_writes_the_decided_amounts_and_clears_the_request() -> None:
     decided = {**BOUND, REQ: "8192Mi", LIM: "8192Mi"}
     assert answer(decided, old={**BOUND, R_REQ: "8Gi"}, user=DEFAULT_SCHEDULER_USER)["allowed"]
+
+
+def test_a_compute_share_resize_is_allowed_only_on_an_sm_sharing_fraction() -> None:
+    compute = keys.resize_key("app", keys.RESIZE_COMPUTE_REQUEST)
+    sm = {**BOUND, keys.compute_mode_key("app"): "sm-sharing", keys.compute_portion_key("app"): "0.25"}
+    assert answer({**sm, compute: "0.5"}, old=sm)["allowed"]
+    refused = answer({**BOUND, compute: "0.5"})
+    assert (
+        not refused["allowed"]
+        and "runs time-slicing, which reserves no compute share" in refused["status"]["message"]
+    )
+    invalid = answer({**sm, compute: "1.5"}, old=sm)
+    assert (
+        not invalid["allowed"]
+        and "a compute portion must be a number greater than 0" in invalid["status"]["message"]
+    )

@@ -18,6 +18,7 @@ R_REQ = k.resize_key("app", k.RESIZE_MEMORY_REQUEST)
 R_LIM = k.resize_key("app", k.RESIZE_MEMORY_LIMIT)
 R_FRAC = k.resize_key("app", k.RESIZE_FRACTION)
 R_FRAC_LIM = k.resize_key("app", k.RESIZE_FRACTION_LIMIT)
+R_COMPUTE = k.resize_key("app", k.RESIZE_COMPUTE_REQUEST)
 BOUND = {REQ: "4096Mi", LIM: "4096Mi", DEV: "GPU-1"}
 
 
@@ -51,6 +52,8 @@ def test_fraction_asks_resolve_on_the_pods_gpu() -> None:
         ({R_FRAC: "0.5", R_FRAC_LIM: "0.4"}, f'{R_FRAC_LIM}="0.4" is invalid: a fraction limit must be'),
         ({R_FRAC_LIM: "0.4"}, f'{R_FRAC_LIM}="0.4" is invalid: the key only applies together with'),
         ({R_FRAC: "0.5", R_REQ: "1Gi"}, f'{R_FRAC}="0.5" is invalid: a container\'s GPU request must be'),
+        ({R_COMPUTE: "1.5"}, f'{R_COMPUTE}="1.5" is invalid: a compute portion must be a number greater'),
+        ({R_COMPUTE: "0", R_REQ: "1Gi"}, f'{R_COMPUTE}="0" is invalid: a compute portion must be'),
     ],
 )
 def test_invalid_asks_name_key_value_and_rule(annotations: dict[str, str], expected: str) -> None:
@@ -110,3 +113,22 @@ def test_resize_refusals_name_what_cannot_be_resized() -> None:
         {k.resize_key("whole", k.RESIZE_MEMORY_REQUEST): "1Gi"}, exclusive, ["whole"], bound=True
     )
     assert "holds whole GPUs" in str(whole)
+
+
+def test_a_compute_ask_stands_alone_or_beside_a_memory_form() -> None:
+    (alone,) = parse_resizes({R_COMPUTE: "0.5"}).values()
+    assert (alone.compute, alone.resolve(81920)) == (0.5, None)  # the memory stays as bound
+    (both,) = parse_resizes({R_COMPUTE: "1", R_FRAC: "0.25"}).values()
+    assert (both.compute, both.resolve(81920)) == (1.0, (20480, 20480))
+
+
+def test_a_compute_ask_needs_an_sm_sharing_container() -> None:
+    shared = parse_pod({REQ: "1Gi"}, [ContainerSpec("app")])
+    (refused,) = resize_refusals({R_COMPUTE: "0.5"}, shared, ["app"], bound=True)
+    assert "runs time-slicing, which reserves no compute share" in str(refused)
+    sm = parse_pod({REQ: "1Gi", k.compute_mode_key("app"): "sm-sharing"}, [ContainerSpec("app")])
+    assert resize_refusals({R_COMPUTE: "0.5"}, sm, ["app"], bound=True) == []
+    (edited,) = forbidden_changes(
+        BOUND, {**BOUND, k.compute_request_key("app"): "0.5"}, creating=False, bound=True
+    )
+    assert f"set {R_COMPUTE} and the scheduler decides" in str(edited)

@@ -135,3 +135,43 @@ def test_an_sm_sharing_resize_keeps_its_compute_portion_and_a_multi_gpu_one_its_
     assert {(d.request_mib, d.limit_mib) for d in c.devices} == {(6144, 6144)}
     engine.assume(engine.bound_pod(placed.pod_uid), decision.placement)  # type: ignore[arg-type]
     assert [(g.uuid, g.compute_ppm) for g in engine.ledger("n")] == before
+
+
+def _compute(portion: float, memory: int | None = None) -> dict[str, ResizeAsk]:
+    low = GpuMemory(mib=memory) if memory is not None else None
+    return {"main": ResizeAsk("main", low, low, ("k", "v"), compute=portion)}
+
+
+def test_an_sm_sharing_compute_resize_fits_beside_the_gpus_other_portions_or_waits() -> None:
+    engine, _ = _engine()
+    sm = ComputeMode.SM_SHARING
+    a = engine.schedule([pod(mib(4096, mode=sm))])[0]
+    b = engine.schedule([pod(mib(4096, mode=sm))])[0]
+    assert isinstance(a, Placement) and isinstance(b, Placement)
+    assert a.containers[0].uuids == b.containers[0].uuids  # binpack: one GPU, 0.25 + 0.25 of its compute
+    (gpu,) = a.containers[0].uuids
+    decision = decide_resize(engine, a.pod_uid, _compute(0.75))
+    assert decision.outcome is ResizeOutcome.FITS, decision.message
+    (c,) = decision.placement.containers
+    assert [d.compute_portion for d in c.devices] == [0.75] and c.devices[0].request_mib == 4096
+    assert "compute portion 0.25 -> 0.75" in decision.message
+    engine.assume(engine.bound_pod(a.pod_uid), decision.placement)  # type: ignore[arg-type]
+    assert {g.uuid: g.compute_ppm for g in engine.ledger("n")}[gpu] == 1_000_000
+
+    grow = decide_resize(engine, b.pod_uid, _compute(0.5, memory=2048))  # memory fits, compute does not
+    assert grow.outcome is ResizeOutcome.DEFERRED
+    assert "has a compute portion of 0.25 beside its other sm-sharing bookings" in grow.message
+    assert f"{engine.bound_pod(a.pod_uid).key} 0.75" in grow.message  # type: ignore[union-attr]
+    shrink = decide_resize(engine, a.pod_uid, _compute(0.5))
+    assert shrink.outcome is ResizeOutcome.FITS
+    engine.assume(engine.bound_pod(a.pod_uid), shrink.placement)  # type: ignore[arg-type]
+    both = decide_resize(engine, b.pod_uid, _compute(0.5, memory=2048))
+    assert both.outcome is ResizeOutcome.FITS
+    (c,) = both.placement.containers
+    assert (c.devices[0].request_mib, c.devices[0].compute_portion) == (2048, 0.5)
+
+
+def test_a_compute_resize_of_a_time_slicing_container_is_infeasible() -> None:
+    engine, (a,) = _engine(4096)
+    decision = decide_resize(engine, a, _compute(0.5))
+    assert decision.outcome is ResizeOutcome.INFEASIBLE and "reserves no compute share" in decision.message

@@ -63,9 +63,9 @@ async def books_match(client: AsyncClient, pool: Pool, service: SchedulerService
     assert books_disagree(report, ledgers) == []
 
 
-async def two_pods(client: AsyncClient, pool: Pool, amount: str) -> None:
+async def two_pods(client: AsyncClient, pool: Pool, amount: str, extra: dict[str, str] | None = None) -> None:
     for name in ("a", "b"):
-        await client.create(gpu_pod(pool, name, {REQ: amount}))
+        await client.create(gpu_pod(pool, name, {REQ: amount, **(extra or {})}))
     await wait_bound(client, pool.namespace, 2, timeout=30)
 
 
@@ -121,6 +121,42 @@ async def test_a_grow_waits_for_room_and_one_larger_than_the_gpu_is_infeasible(
         await ask(client, pool, "a")  # withdrawn: the condition goes, the amounts stay
         await wait_for(lambda: _no_condition(client, pool, "a"), timeout=10, what="withdrawn")
         assert (await annotations(client, pool, "a"))[REQ] == "12288Mi"
+
+
+async def test_an_sm_sharing_compute_resize_rewrites_the_portion_beside_the_gpus_other_portions(
+    client: AsyncClient, pool: Pool
+) -> None:
+    await add_nodes(client, pool, count=1, shape=ONE_GPU)
+    compute, portion = keys.resize_key("app", keys.RESIZE_COMPUTE_REQUEST), keys.compute_portion_key("app")
+    async with running(client, pool.config()) as service:
+        await two_pods(client, pool, "4Gi", {keys.compute_mode_key("app"): "sm-sharing"})
+        assert (await annotations(client, pool, "a"))[portion] == "0.25"
+        await ask(client, pool, "a", **{compute: "0.75"})
+
+        async def rewritten() -> bool:
+            found = await annotations(client, pool, "a")
+            return found.get(portion) == "0.75" and compute not in found
+
+        await wait_for(rewritten, timeout=20, what="a's compute portion rewritten")
+        assert (await annotations(client, pool, "a"))[REQ] == "4096Mi"  # the memory stays as bound
+        (resized,) = await events(client, pool, keys.EVENT_REASON_RESIZED)
+        assert "compute portion 0.25 -> 0.75" in (resized.message or "")
+        await books_match(client, pool, service)
+
+        await ask(client, pool, "b", **{compute: "0.5"})
+        message = await wait_pending(client, pool, "b", keys.POD_REASON_RESIZE_DEFERRED)
+        assert "has a compute portion of 0.25 beside its other sm-sharing bookings" in message
+        assert f"{pool.namespace}/a 0.75" in message
+        await client.delete(Pod, "a", namespace=pool.namespace, grace_period=0)
+        await wait_for(
+            lambda: _portion_is(client, pool, "b", "0.5"), timeout=20, what="b's compute portion rewritten"
+        )
+        await books_match(client, pool, service)
+
+
+async def _portion_is(client: AsyncClient, pool: Pool, name: str, value: str) -> bool:
+    found = await annotations(client, pool, name)
+    return found.get(keys.compute_portion_key("app")) == value and not any(".resize." in k for k in found)
 
 
 async def _no_condition(client: AsyncClient, pool: Pool, name: str) -> bool:

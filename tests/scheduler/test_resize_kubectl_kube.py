@@ -56,3 +56,5 @@ async def test_resize_waits_for_the_scheduler_and_prints_its_answer(
             config, "resize", "a", "-n", pool.namespace, "--fraction", "0.5", "--memory-limit", "1Gi"
         )
         assert code == 2 and "not both" in err
+        code, out, err = await plugin(config, "resize", "b", "-n", pool.namespace, "--compute", "0.5")
+        assert code == 1 and "Infeasible: container app runs time-slicing" in out, (out, err)

@@ -33,6 +33,9 @@ def _immutable_detail(key: str, removed: bool) -> str:
             f"{done}to resize, set {k.resize_key(split.container, k.RESIZE_MEMORY_REQUEST)}"
             f" (or .{k.RESIZE_MEMORY_LIMIT}, .{k.RESIZE_FRACTION}) and the scheduler decides"
         )
+    if split is not None and split.suffix == k.COMPUTE_REQUEST:
+        key_to_set = k.resize_key(split.container, k.RESIZE_COMPUTE_REQUEST)
+        return f"{done}to resize an sm-sharing compute share, set {key_to_set} and the scheduler decides"
     if key in (k.GPU_FRACTION, k.GPU_FRACTION_LIMIT, k.GPU_MEMORY, k.GPU_MEMORY_LIMIT):
         return f"{done}to resize, set gpufrac.io/container.<c>.{k.RESIZE_FRACTION} and the scheduler decides"
     return f"{done}the device list, compute mode and device count of a placed pod never change"

@@ -59,7 +59,16 @@ RESIZE_MEMORY_REQUEST = "resize.gpu-memory.request"
 RESIZE_MEMORY_LIMIT = "resize.gpu-memory.limit"
 RESIZE_FRACTION = "resize.gpu-fraction"
 RESIZE_FRACTION_LIMIT = "resize.gpu-fraction.limit"
-RESIZE_SUFFIXES = (RESIZE_MEMORY_REQUEST, RESIZE_MEMORY_LIMIT, RESIZE_FRACTION, RESIZE_FRACTION_LIMIT)
+#: The new compute share of an sm-sharing container, a portion in (0, 1] (the request form of
+#: ``COMPUTE_REQUEST``); the scheduler answers by rewriting the binder-owned ``COMPUTE_PORTION``.
+RESIZE_COMPUTE_REQUEST = "resize.gpu-compute.request"
+RESIZE_SUFFIXES = (
+    RESIZE_MEMORY_REQUEST,
+    RESIZE_MEMORY_LIMIT,
+    RESIZE_FRACTION,
+    RESIZE_FRACTION_LIMIT,
+    RESIZE_COMPUTE_REQUEST,
+)
 
 GPUFRAC_CONTAINER_SUFFIXES = (WHOLE_GPUS, *RESIZE_SUFFIXES)
 

@@ -15,18 +15,23 @@ The forms follow creation's rules, one per container, never mixed:
 * ``resize.gpu-fraction`` (in (0, 1)) with an optional ``resize.gpu-fraction.limit`` (greater than the
   fraction, below 1): portions of the pod's own GPU, resolved there as floor(portion x GPU MiB).
 
-The compute share of an sm-sharing container does not change with a resize (its portion stays as bound,
-so the sum of portions on its GPU cannot grow). Everything here is pure: no I/O, no clock.
+* ``resize.gpu-compute.request``: the new compute share of an ``sm-sharing`` container, a portion in
+  (0, 1] read as creation reads ``gpu-compute.request``; alone or beside either memory form. The
+  scheduler answers by rewriting the binder-owned ``gpu-compute.portion``. Without it the compute share
+  stays as bound.
+
+Everything here is pure: no I/O, no clock.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from gpufrac.contract import keys as k
 from gpufrac.contract.errors import (
     ConflictingRequests,
+    InvalidComputePortion,
     InvalidFraction,
     InvalidFractionLimit,
     InvalidPodRequest,
@@ -36,21 +41,26 @@ from gpufrac.contract.errors import (
     RuleViolation,
     UnknownContainer,
 )
-from gpufrac.contract.parse import _decimal, _fraction_detail, _Violations
-from gpufrac.contract.request import GpuMemory, PodGpuRequest
+from gpufrac.contract.parse import _decimal, _fraction_detail, _strict_decimal, _Violations
+from gpufrac.contract.request import ComputeMode, GpuMemory, PodGpuRequest
 
 
 @dataclass(frozen=True, slots=True)
 class ResizeAsk:
-    """The new amounts one container asks for, per device; ``source`` is the key (and value) that asked."""
+    """The new amounts one container asks for, per device; ``source`` is the key (and value) that asked.
+    ``request``/``limit`` are None when only the compute share changes, ``compute`` None when it stays."""
 
     container: str
-    request: GpuMemory
-    limit: GpuMemory
+    request: GpuMemory | None
+    limit: GpuMemory | None
     source: tuple[str, str]
+    compute: float | None = None
 
-    def resolve(self, gpu_mib: int) -> tuple[int, int]:
-        """(request, limit) in whole MiB on a GPU of ``gpu_mib`` (the limit never below the request)."""
+    def resolve(self, gpu_mib: int) -> tuple[int, int] | None:
+        """(request, limit) in whole MiB on a GPU of ``gpu_mib`` (the limit never below the request); None
+        when the memory stays as bound."""
+        if self.request is None or self.limit is None:
+            return None
         request = self.request.resolve(gpu_mib)
         return request, max(request, self.limit.resolve(gpu_mib))
 
@@ -88,6 +98,24 @@ def parse_resizes(annotations: Mapping[str, str]) -> dict[str, ResizeAsk]:
 
 
 def _parse_container(name: str, entries: Mapping[str, str], found: _Violations) -> ResizeAsk | None:
+    memory = dict(entries)
+    raw_compute = memory.pop(k.RESIZE_COMPUTE_REQUEST, None)
+    compute = None
+    if raw_compute is not None:
+        compute = _strict_decimal(raw_compute)
+        if compute is None or not 0 < compute <= 1:
+            key = k.resize_key(name, k.RESIZE_COMPUTE_REQUEST)
+            found.add(InvalidComputePortion(key=key, value=raw_compute))
+            return None
+    if not memory:
+        assert raw_compute is not None
+        source = (k.resize_key(name, k.RESIZE_COMPUTE_REQUEST), raw_compute)
+        return ResizeAsk(name, None, None, source, compute=compute)
+    ask = _parse_memory(name, memory, found)
+    return ask if ask is None or compute is None else replace(ask, compute=compute)
+
+
+def _parse_memory(name: str, entries: Mapping[str, str], found: _Violations) -> ResizeAsk | None:
     key = lambda suffix: k.resize_key(name, suffix)  # noqa: E731
     memory = [s for s in (k.RESIZE_MEMORY_REQUEST, k.RESIZE_MEMORY_LIMIT) if s in entries]
     fraction = [s for s in (k.RESIZE_FRACTION, k.RESIZE_FRACTION_LIMIT) if s in entries]
@@ -169,7 +197,8 @@ def resize_refusals(
     annotations: Mapping[str, str], request: PodGpuRequest, containers: Sequence[str], *, bound: bool
 ) -> list[RuleViolation]:
     """Why the resize keys of ``annotations`` cannot apply to this pod: a container that does not exist,
-    asks for no GPU or holds whole GPUs, or a pod not placed yet (``bound`` False). Values are judged
+    asks for no GPU or holds whole GPUs, a compute share asked of a container that is not sm-sharing, or
+    a pod not placed yet (``bound`` False). Values are judged
     by ``parse_resizes``."""
     found: list[RuleViolation] = []
     for key, value in sorted(resize_keys(annotations).items()):
@@ -184,6 +213,9 @@ def resize_refusals(
             found.append(ResizeNotAllowed(key=key, value=value, detail=f'container "{name}" asks for no GPU'))
         elif wanted.exclusive:
             detail = f'container "{name}" holds whole GPUs, which are not resized'
+            found.append(ResizeNotAllowed(key=key, value=value, detail=detail))
+        elif split.suffix == k.RESIZE_COMPUTE_REQUEST and wanted.mode is not ComputeMode.SM_SHARING:
+            detail = f'container "{name}" runs {wanted.mode.value}, which reserves no compute share'
             found.append(ResizeNotAllowed(key=key, value=value, detail=detail))
         elif not bound:
             found.append(

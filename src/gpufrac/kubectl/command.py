@@ -796,6 +796,9 @@ def resize(
     memory_limit: str | None = typer.Option(None, "--memory-limit", help="New limit (12Gi)."),
     fraction: str | None = typer.Option(None, "--fraction", help="New request, a portion of its GPU."),
     fraction_limit: str | None = typer.Option(None, "--fraction-limit", help="New limit, a portion."),
+    compute: str | None = typer.Option(
+        None, "--compute", help="New compute share of an sm-sharing container, in (0, 1]."
+    ),
     wait: bool = typer.Option(True, "--wait/--no-wait", help="Wait for the scheduler's answer."),
     timeout: float = typer.Option(60.0, "--timeout", help="Seconds to wait for it."),
     kubeconfig: Path | None = KUBECONFIG,
@@ -823,6 +826,7 @@ def resize(
             memory_limit=memory_limit,
             fraction=fraction,
             fraction_limit=fraction_limit,
+            compute=compute,
         )
     except ValueError as error:
         _fail(str(error), code=2)

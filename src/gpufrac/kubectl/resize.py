@@ -28,18 +28,21 @@ def request_annotations(
     memory_limit: str | None = None,
     fraction: str | None = None,
     fraction_limit: str | None = None,
+    compute: str | None = None,
 ) -> dict[str, str | None]:
     """The merge patch of one resize request: the given keys set, every other resize key of the container
-    removed. Raises ``ValueError`` when the flags mix forms or give none."""
+    removed. ``compute`` (an sm-sharing container's compute share) goes alone or with either memory form.
+    Raises ``ValueError`` when the flags mix memory forms or give none."""
     memory = {keys.RESIZE_MEMORY_REQUEST: memory_request, keys.RESIZE_MEMORY_LIMIT: memory_limit}
     portion = {keys.RESIZE_FRACTION: fraction, keys.RESIZE_FRACTION_LIMIT: fraction_limit}
     given_memory = any(v is not None for v in memory.values())
     given_portion = any(v is not None for v in portion.values())
     if given_memory and given_portion:
         raise ValueError("give --memory-request/--memory-limit or --fraction/--fraction-limit, not both")
-    if not (given_memory or given_portion):
-        raise ValueError("give --memory-request, --memory-limit or --fraction")
-    return {keys.resize_key(container, suffix): value for suffix, value in {**memory, **portion}.items()}
+    if not (given_memory or given_portion or compute is not None):
+        raise ValueError("give --memory-request, --memory-limit, --fraction or --compute")
+    asked = {**memory, **portion, keys.RESIZE_COMPUTE_REQUEST: compute}
+    return {keys.resize_key(container, suffix): value for suffix, value in asked.items()}
 
 
 def fractional_containers(pod: Pod) -> list[str]:
@@ -80,7 +83,9 @@ def answer(pod: Pod, container: str, *, before: tuple[str, str] | None) -> Answe
     if not mine:
         request = annotations.get(keys.memory_request_key(container), "?")
         limit = annotations.get(keys.memory_limit_key(container), request)
-        return Answer("Resized", f"container {container}: request {request}, limit {limit}")
+        message = f"container {container}: request {request}, limit {limit}"
+        portion = annotations.get(keys.compute_portion_key(container))
+        return Answer("Resized", message + (f", compute portion {portion}" if portion else ""))
     pending = pending_condition(pod)
     if pending is not None and pending != before:
         return Answer(pending[0], pending[1])

@@ -4,14 +4,16 @@ A resize never moves a pod. Its containers keep their GPUs, so the question is o
 can hold the new amounts beside everything else booked there, with the pod's own old amounts freed
 first. Three answers, as Kubernetes gives for an in-place resize of CPU and memory:
 
-- ``FITS``: the new placement (same GPUs, new request and limit per device; an sm-sharing compute
-  portion stays as bound, so the sum of portions on a GPU cannot grow) is what the caller books
-  (``Engine.assume`` replaces the pod's old holding) and then writes.
+- ``FITS``: the new placement (same GPUs, new request and limit per device, and an sm-sharing
+  container's new compute portion when it asked for one; otherwise its portion stays as bound) is what
+  the caller books (``Engine.assume`` replaces the pod's old holding) and then writes.
 - ``DEFERRED``: not now, maybe later. A GPU lacks the room (or, with a limit-overcommit cap, the limit
-  headroom) because other bookings hold it; the message names the GPU, the amounts and who holds the
+  headroom, or for sm-sharing the compute: the portions booked there may sum to 1 at most) because
+  other bookings hold it; the message names the GPU, the amounts and who holds the
   room, and the caller retries when room frees.
 - ``INFEASIBLE``: never, as the cluster stands: the request is larger than the GPU itself (or its
-  limit beyond the overcommit cap of an empty GPU), the container holds no fraction, or growing
+  limit beyond the overcommit cap of an empty GPU), the container holds no fraction (or a compute
+  share is asked of one that is not sm-sharing), or growing
   would take the pod's queue (or an ancestor) past its limit (the engine's own check,
   ``QueueBook.exceeded``, the one placement applies).
 
@@ -27,8 +29,10 @@ import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
+from gpufrac.contract.request import ComputeMode
 from gpufrac.contract.resize import ResizeAsk
 from gpufrac.placement.decision import ContainerPlacement, Placement
+from gpufrac.placement.demand import PPM, portion_ppm
 from gpufrac.placement.engine import Engine, over_limit
 from gpufrac.placement.state import GpuLedger
 
@@ -41,19 +45,38 @@ class ResizeOutcome(enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class AmountChange:
-    """One container's amounts per device, before and after (MiB)."""
+    """One container's amounts per device, before and after (MiB), and its sm-sharing compute portion
+    (None for a container without one)."""
 
     container: str
     old_request: int
     old_limit: int
     new_request: int
     new_limit: int
+    old_portion: float | None = None
+    new_portion: float | None = None
+
+    @property
+    def unchanged(self) -> bool:
+        return (self.old_request, self.old_limit, self.old_portion) == (
+            self.new_request,
+            self.new_limit,
+            self.new_portion,
+        )
+
+    @property
+    def grows(self) -> bool:
+        more_compute = (self.new_portion or 0) > (self.old_portion or 0)
+        return self.new_request > self.old_request or self.new_limit > self.old_limit or more_compute
 
     def describe(self) -> str:
-        return (
+        text = (
             f"container {self.container}: request {self.old_request} -> {self.new_request} MiB, "
             f"limit {self.old_limit} -> {self.new_limit} MiB"
         )
+        if self.old_portion != self.new_portion:
+            text += f", compute portion {self.old_portion:g} -> {self.new_portion:g}"
+        return text
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,7 +89,7 @@ class ResizeDecision:
 
     @property
     def unchanged(self) -> bool:
-        return all((c.old_request, c.old_limit) == (c.new_request, c.new_limit) for c in self.changes)
+        return all(c.unchanged for c in self.changes)
 
 
 def decide_resize(engine: Engine, uid: str, asks: Mapping[str, ResizeAsk]) -> ResizeDecision:
@@ -85,6 +108,9 @@ def decide_resize(engine: Engine, uid: str, asks: Mapping[str, ResizeAsk]) -> Re
             return _decision(
                 ResizeOutcome.INFEASIBLE, current, (), f"container {name} {what}; nothing to resize"
             )
+        if asks[name].compute is not None and c.mode is not ComputeMode.SM_SHARING:
+            message = f"container {name} runs {c.mode.value}, which reserves no compute share to resize"
+            return _decision(ResizeOutcome.INFEASIBLE, current, (), message)
     containers: list[ContainerPlacement] = []
     changes: list[AmountChange] = []
     for c in current.containers:
@@ -92,16 +118,32 @@ def decide_resize(engine: Engine, uid: str, asks: Mapping[str, ResizeAsk]) -> Re
         if ask is None:
             containers.append(c)
             continue
-        amounts = [ask.resolve(ledgers[d.uuid].capacity_mib) for d in c.devices if d.uuid in ledgers]
-        if not amounts:
+        held_here = [d for d in c.devices if d.uuid in ledgers]
+        if not held_here:
             containers.append(c)
             continue
-        request, limit = min(a[0] for a in amounts), min(a[1] for a in amounts)
         old = c.devices[0]
+        amounts = [ask.resolve(ledgers[d.uuid].capacity_mib) for d in held_here]
+        request = min(a[0] for a in amounts if a is not None) if ask.request is not None else old.request_mib
+        limit = min(a[1] for a in amounts if a is not None) if ask.request is not None else old.limit_mib
+        portion = ask.compute if ask.compute is not None else old.compute_portion
         changes.append(
-            AmountChange(c.container, old.request_mib, old.limit_mib, request, max(request, limit))
+            AmountChange(
+                c.container,
+                old.request_mib,
+                old.limit_mib,
+                request,
+                max(request, limit),
+                old.compute_portion,
+                portion,
+            )
         )
-        devices = tuple(replace(d, request_mib=request, limit_mib=max(request, limit)) for d in c.devices)
+        devices = tuple(
+            replace(d, request_mib=request, limit_mib=max(request, limit), compute_portion=portion)
+            if ask.compute is not None
+            else replace(d, request_mib=request, limit_mib=max(request, limit))
+            for d in c.devices
+        )
         containers.append(replace(c, devices=devices))
     resized = replace(current, containers=tuple(containers))
     refusal = _gpu_refusal(engine, uid, current, resized, ledgers)
@@ -127,13 +169,14 @@ def _total_request(placement: Placement) -> int:
     return sum(d.request_mib for c in placement.containers for d in c.devices)
 
 
-def _per_gpu(placement: Placement) -> dict[str, tuple[int, int]]:
-    """(request, limit) MiB the placement holds on each GPU."""
-    out: dict[str, tuple[int, int]] = {}
+def _per_gpu(placement: Placement) -> dict[str, tuple[int, int, int]]:
+    """(request MiB, limit MiB, compute ppm) the placement holds on each GPU."""
+    out: dict[str, tuple[int, int, int]] = {}
     for c in placement.containers:
         for d in c.devices:
-            request, limit = out.get(d.uuid, (0, 0))
-            out[d.uuid] = (request + d.request_mib, limit + d.limit_mib)
+            request, limit, ppm = out.get(d.uuid, (0, 0, 0))
+            share = 0 if d.compute_portion is None else portion_ppm(d.compute_portion)
+            out[d.uuid] = (request + d.request_mib, limit + d.limit_mib, ppm + share)
     return out
 
 
@@ -146,8 +189,8 @@ def _gpu_refusal(
         ledger = ledgers.get(uuid)
         if ledger is None:
             continue
-        old_request, old_limit = before.get(uuid, (0, 0))
-        new_request, new_limit = after[uuid]
+        old_request, old_limit, old_ppm = before.get(uuid, (0, 0, 0))
+        new_request, new_limit, new_ppm = after[uuid]
         where = f"GPU {uuid} (index {ledger.index}) on node {current.node}"
         if new_request > ledger.capacity_mib:
             return ResizeOutcome.INFEASIBLE, (
@@ -158,6 +201,13 @@ def _gpu_refusal(
             return ResizeOutcome.DEFERRED, (
                 f"{where} has {room} MiB beside its other bookings; the pod would need {new_request} MiB "
                 f"(it holds {old_request} MiB); {_holders(engine, uid, current.node, uuid, ledger, room)}"
+            )
+        compute_room = PPM - ledger.compute_ppm + old_ppm
+        if new_ppm > old_ppm and new_ppm > compute_room:
+            return ResizeOutcome.DEFERRED, (
+                f"{where} has a compute portion of {compute_room / PPM:g} beside its other sm-sharing "
+                f"bookings; the pod would need {new_ppm / PPM:g} (it holds {old_ppm / PPM:g}); "
+                f"{_compute_holders(engine, uid, current.node, uuid)}"
             )
         if cap is not None and new_limit > old_limit:
             bound = int(ledger.capacity_mib * cap)
@@ -196,3 +246,26 @@ def _holders(engine: Engine, uid: str, node: str, uuid: str, ledger: GpuLedger, 
     if rest > 0:
         shown += f"{', ' if shown else ''}{rest} MiB by shares no pod holds (DRA claims)"
     return f"held there: {shown}" if shown else "held there: nothing"
+
+
+def _compute_holders(engine: Engine, uid: str, node: str, uuid: str) -> str:
+    """The other pods' compute portions on the GPU, largest first."""
+    found: list[tuple[int, str]] = []
+    for other in engine.bound_uids:
+        placement = engine.placement_of(other)
+        if other == uid or placement is None or placement.node != node:
+            continue
+        ppm = sum(
+            portion_ppm(d.compute_portion)
+            for c in placement.containers
+            for d in c.devices
+            if d.uuid == uuid and d.compute_portion is not None
+        )
+        pod = engine.bound_pod(other)
+        if ppm and pod is not None:
+            found.append((ppm, pod.key))
+    found.sort(key=lambda item: (-item[0], item[1]))
+    shown = ", ".join(f"{key} {ppm / PPM:g}" for ppm, key in found[:5])
+    if len(found) > 5:
+        shown += f" and {len(found) - 5} more pods"
+    return f"compute held there: {shown or 'by shares no pod holds (DRA claims)'}"

@@ -4,13 +4,14 @@ A user writes a resize request (``gpufrac.io/container.<c>.resize.*``, ``gpufrac
 bound pod; the webhook has checked who wrote it and its values. ``Resizes`` decides it on the pod's own
 GPUs (``gpufrac.placement.resize``: never a move) and carries the decision out:
 
-- **Fits.** The books and the pod change, in the order that never promises the node room the books do
-  not hold: a resize that grows any amount changes the books first (``BookingCache.rebook``), then the
-  pod; one that only shrinks changes the pod first, then the books (so that no other pod is placed into
-  room the node still enforces for this one). The pod's write is ONE merge patch at the resourceVersion
-  the decision read: the new ``nvidia.com/container.<c>.gpu-memory.request``/``.limit`` (the node's only
-  source) and the removal of the resize keys. A patch the API server refuses puts the books back. A
-  restart in between ends in the old or the new state, never half: the books are rebuilt from bound
+- **Fits.** The books and the pod change, in the order that never promises the node room the books do not
+  hold: a resize that grows any amount changes the books first (``BookingCache.rebook``), then the pod;
+  one that only shrinks changes the pod first, then the books (so that no other pod is placed into room
+  the node still enforces for this one). The pod's write is ONE merge patch at the resourceVersion the
+  decision read: the new ``nvidia.com/container.<c>.gpu-memory.request``/``.limit`` (the node's only
+  source), an sm-sharing container's new ``.gpu-compute.portion`` when it asked for one, and the removal
+  of the resize keys. A patch the API server refuses puts the books back.
+  A restart in between ends in the old or the new state, never half: the books are rebuilt from bound
   pods' annotations at start, and a request still on the pod is simply decided again. A write that got
   no answer (the patch may have landed) leaves the books as they are, the safe side of both orders, and
   they follow the pod's binding as soon as it shows no request. A Normal ``Resized`` Event says old ->
@@ -40,6 +41,7 @@ from lightkube.resources.core_v1 import Pod
 from gpufrac.contract import keys
 from gpufrac.contract.errors import ContractError, InvalidPodRequest
 from gpufrac.contract.quantities import format_mib
+from gpufrac.contract.render import format_portion
 from gpufrac.contract.resize import cleared, parse_resizes, resize_keys
 from gpufrac.kube.errors import Conflict, KubeError, NotFound
 from gpufrac.kube.events import NORMAL, WARNING, EventRecorder
@@ -68,16 +70,19 @@ def _condition(pod: Pod) -> tuple[str | None, str | None, str | None]:
 
 
 def decided_annotations(decision: ResizeDecision, asks: Mapping[str, str]) -> dict[str, str | None]:
-    """The one patch that carries a decision out: the new resolved amounts and the request removed."""
+    """The one patch that carries a decision out: the new resolved amounts (and a new sm-sharing compute
+    portion, binder-owned) and the request removed."""
     out: dict[str, str | None] = dict(cleared(asks))
     for change in decision.changes:
         out[keys.memory_request_key(change.container)] = format_mib(change.new_request)
         out[keys.memory_limit_key(change.container)] = format_mib(change.new_limit)
+        if change.new_portion is not None and change.new_portion != change.old_portion:
+            out[keys.compute_portion_key(change.container)] = format_portion(change.new_portion)
     return out
 
 
 def _grows(decision: ResizeDecision) -> bool:
-    return any(c.new_request > c.old_request or c.new_limit > c.old_limit for c in decision.changes)
+    return any(c.grows for c in decision.changes)
 
 
 class Resizes:
