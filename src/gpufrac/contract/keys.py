@@ -178,6 +178,10 @@ POD_REASON_LIMITS_NOT_VERIFIED = "LimitsNotVerified"
 POD_RESIZE_PENDING_CONDITION = "gpufrac.io/GpuResizePending"
 POD_REASON_RESIZE_DEFERRED = "Deferred"
 POD_REASON_RESIZE_INFEASIBLE = "Infeasible"
+#: Pod condition written by the node agent while a decided resize is not fully in force on the node
+#: (reasons ``Applying``, ``WaitingForUsage``, ``LimitBelowUsage``: ``gpufrac.node.resize``); named here
+#: for its readers (``kubectl gpufrac explain``).
+POD_RESIZE_IN_PROGRESS_CONDITION = "gpufrac.io/GpuResizeInProgress"
 #: The scheduler's Events about resizes: done (Normal) and refused (Warning).
 EVENT_REASON_RESIZED = "Resized"
 EVENT_REASON_RESIZE_INFEASIBLE = "ResizeInfeasible"

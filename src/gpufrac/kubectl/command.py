@@ -358,6 +358,13 @@ def _print_explanation(e: Explanation, *, wide: bool) -> None:
             ["CONTAINER", "ENFORCED", "REASON", "MESSAGE"],
             [[c.container, c.status, c.reason or "-", c.message] for c in m.containers],
         )
+    if e.resize is not None:
+        asked = ", ".join(f"{k}={v}" for k, v in e.resize.requested.items())
+        typer.echo(f"Resize:     {asked or 'no request on the pod'}")
+        for c in (e.resize.pending, e.resize.in_progress):
+            if c is not None:
+                since = f" since {c['since']}" if c["since"] else ""
+                typer.echo(f"{c['type']}: {c['status']} ({c['reason'] or '-'}){since}: {c['message'] or ''}")
     for hint in e.fit:
         typer.echo(f"Fit now:    {hint}")
     typer.echo("Events:" if e.events else "Events:     <none>")

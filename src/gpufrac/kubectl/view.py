@@ -27,6 +27,7 @@ from gpufrac.contract import keys
 from gpufrac.contract.dra import AllocationError, device_name, read_allocation
 from gpufrac.contract.errors import ContractError
 from gpufrac.contract.request import ContainerGpuRequest, PodGpuRequest
+from gpufrac.contract.resize import resize_keys
 from gpufrac.placement.decision import Placement
 from gpufrac.placement.queue_access import chosen_queue, named_queues
 from gpufrac.scheduler.objects import (
@@ -339,6 +340,41 @@ def node_enforcement(rows: Iterable[GpuRow]) -> list[NodeEnforcement]:
     ]
 
 
+@dataclass(frozen=True, slots=True)
+class ResizeState:
+    """A resize of the pod not finished: the request still on it (``gpufrac.io/container.<c>.resize.*``),
+    the scheduler's ``GpuResizePending`` condition (why it waits or was refused) and the node agent's
+    ``GpuResizeInProgress`` (a decided resize not yet in force); each condition as ``type``, ``status``,
+    ``reason``, ``message``, ``since`` (None: not on the pod)."""
+
+    requested: dict[str, str]
+    pending: dict[str, str | None] | None
+    in_progress: dict[str, str | None] | None
+
+
+def resize_state(pod: Pod) -> ResizeState | None:
+    """The pod's unfinished resize, or None when it shows none."""
+    requested = resize_keys(pod.metadata.annotations or {})
+    found: dict[str, dict[str, str | None]] = {}
+    for c in (pod.status.conditions if pod.status else None) or []:
+        if c.type in (keys.POD_RESIZE_PENDING_CONDITION, keys.POD_RESIZE_IN_PROGRESS_CONDITION):
+            since = c.lastTransitionTime
+            found[c.type] = {
+                "type": c.type,
+                "status": c.status,
+                "reason": c.reason,
+                "message": c.message,
+                "since": since.isoformat() if since is not None else None,
+            }
+    if not requested and not found:
+        return None
+    return ResizeState(
+        requested=dict(sorted(requested.items())),
+        pending=found.get(keys.POD_RESIZE_PENDING_CONDITION),
+        in_progress=found.get(keys.POD_RESIZE_IN_PROGRESS_CONDITION),
+    )
+
+
 @dataclass(slots=True)
 class Explanation:
     """Where a pod went and why, or why it waits: the scheduler's condition and Events, newest last."""
@@ -357,6 +393,8 @@ class Explanation:
     enforced: MemoryEnforcement | None = None
     #: The queue the pod is in and that queue's share (None: the queues were not read).
     queue: QueueShare | None = None
+    #: A resize not finished: the request, why the scheduler has not carried it out, what the node is at.
+    resize: ResizeState | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -698,6 +736,7 @@ def explain(
         ),
         enforced=enforced,
         queue=queue,
+        resize=resize_state(pod),
     )
 
 
