@@ -124,3 +124,23 @@ def test_the_meter_weighs_each_state_by_how_long_it_held() -> None:
     assert (y.ratio_p10, y.ratio_p90, y.starved_s) == (0.5, 0.95, 30.0)
     jains = (jain([1.0, 0.5]) * 30 + 1.0 * 10 + jain([1.0, 0.95]) * 20) / 60
     assert meter.jain_index == pytest.approx(jains)
+
+
+def test_a_pod_no_node_could_hold_even_empty_is_left_out_and_starves_nobody() -> None:
+    # One node of four GPUs and 256 GiB of host memory. A asks for more host memory than the node has,
+    # C for more GPUs: they would wait forever under any rule. Replayed, their demand raised A's and C's
+    # fair share by a claim nothing could serve, and A and C counted as starved all the while (the
+    # 12-node sample of the default trace and its eight-GPU, 640,000-MiB LS pods, docs/benchmarks.md).
+    pods = [
+        pod("b0", "B", 1000, 0, 1000),
+        TracePod("a0", 100, 500_000, 1, 500, qos="A", created=0, deleted=1000),
+        TracePod("c0", 100, 1024, 5, 125, qos="C", created=0, deleted=1000),
+    ]
+    for reclaim in (False, True):
+        result = churn_replay(nodes=FOUR_GPUS, pods=pods, policy="binpack", seed=0, reclaim=reclaim)
+        queues = by_queue(result)
+        assert (result.pods, result.unfit, result.started) == (1, 2, 1)
+        assert (queues["A"].pods, queues["A"].unfit, queues["A"].starved_s) == (0, 1, 0.0)
+        assert (queues["C"].pods, queues["C"].unfit, queues["C"].starved_s) == (0, 1, 0.0)
+        # B holds its whole fair share: nobody else asks for anything a node could give.
+        assert queues["B"].fair_ratio_mean == 1.0 and queues["B"].unfit == 0

@@ -7,6 +7,18 @@ cluster churns. Tenants come from the trace's own data: each QoS class of the po
 ``BE``, ``Burstable``, ...) is a queue, and a queue deserves the share of the cluster's GPU memory that
 its pods' GPU-time is of the whole trace's (GPU thousandths x seconds), so no share is invented.
 
+A pod that no node of the replayed cluster could hold even empty (more GPUs, GPU memory, host CPU or
+host memory than any node has, or a GPU model none has) is not replayed: it would wait forever under
+any rule, and as pending demand it would raise its queue's fair share by a claim nothing can serve, so
+the queue would look starved and far below its share. This happens when ``cluster`` samples a few
+nodes of a trace whose cluster could hold the pod: at ``cluster=0.01`` of the default trace, LS's
+eight-GPU pods asking for 120 cores and 640,000 MiB of host memory fit none of the 12 sampled nodes.
+They used to be replayed (only a GPU model no node has kept a pod out of the starved time): they stayed
+pending as demand, and most of LS's "starved" time and of its gap to its fair share were theirs, not
+reclaim's (docs/benchmarks.md, #36). Such pods are counted per queue (``QueueResult.unfit``); the
+deserved shares still come from the whole trace. The check is the engine's own:
+``preemption.simulate`` on the empty cluster, once per pod shape.
+
 A pod that fits nowhere waits; pending pods are tried again, oldest first, after every departure (at
 most ``retry_limit`` attempts per departure, so a long queue does not make the replay quadratic). With
 ``reclaim`` a pod that fits nowhere first asks ``gpufrac.placement.preemption`` for victims from queues
@@ -37,7 +49,7 @@ from gpufrac.placement.consolidation import Consolidation, MoveBudget, plan_cons
 from gpufrac.placement.decision import Placement
 from gpufrac.placement.engine import Engine
 from gpufrac.placement.model import Queue, QueueResource
-from gpufrac.placement.preemption import Kind, find_victims
+from gpufrac.placement.preemption import Kind, find_victims, simulate
 from gpufrac.placement.queue_shares import Amount, QueueAmount, QueueShares, request_amount
 from gpufrac.placement.usage_history import ALL, OVER_QUOTA, UsageHistory, held
 
@@ -81,6 +93,9 @@ class QueueResult:
     fair_ratio_p90: float = float("nan")
     starved_s: float = 0.0
     """Seconds it had a pending pod that would have fitted within its fair share."""
+    unfit: int = 0
+    """Pods left out of the replay: no node of the replayed cluster could hold them even empty (module
+    docstring); not in ``pods``."""
 
 
 @dataclass
@@ -116,6 +131,8 @@ class ChurnResult:
     """Victims whose queue held less than its fair share once the plan was carried out."""
     jain_index: float = float("nan")
     """Jain's index over queues of allocated / fair share, time-weighted (``gpufrac.sim.fairness``)."""
+    unfit: int = 0
+    """Pods no node of the replayed cluster could hold even empty, left out (module docstring)."""
 
 
 def queue_of(pod: TracePod) -> str:
@@ -196,11 +213,30 @@ def churn_replay(
         dataclasses.replace(make(timed[i], i), queue=queue_of(timed[i]), movable=bool(movable[i]))
         for i in range(len(timed))
     ]
+    # Whether some node of the cluster, empty, would take the pod: the engine is still empty here.
+    fits_empty: dict[tuple[object, ...], bool] = {}
+    fits = []
+    for p in pending_pods:
+        shape = (
+            p.gpu,
+            p.cpu_milli,
+            p.memory_bytes,
+            p.namespace,
+            p.queue,
+            p.priority,
+            p.affinity,
+            p.tolerations,
+            tuple(sorted((p.node_selector or {}).items())),
+        )
+        if shape not in fits_empty:
+            fits_empty[shape] = simulate(engine, p, []) is not None
+        fits.append(fits_empty[shape])
     left = {i: max(0, int(timed[i].deleted) - int(timed[i].created)) for i in range(len(timed))}  # type: ignore[arg-type]
     arrive = [int(int(p.created) / load) for p in timed]  # type: ignore[arg-type]
     events: list[tuple[int, int, int, int]] = []  # (time, kind 0=depart 1=arrive, pod, version)
     for i in order:
-        heapq.heappush(events, (arrive[i], 1, i, 0))
+        if fits[i]:
+            heapq.heappush(events, (arrive[i], 1, i, 0))
     version = [0] * len(timed)
     started_at: dict[int, int] = {}
     waits: dict[int, float] = {}
@@ -215,14 +251,10 @@ def churn_replay(
     taker: dict[int, tuple[int, int]] = {}  # pod started by a reclaim -> (start, its victims)
     wasted = below_share = 0
 
-    placeable: dict[int, bool] = {}
-
     def starvable(i: int) -> bool:
-        """Whether pod ``i`` waiting can starve its queue: it asks GPU memory, and some node's spec
-        admits it (a pod asking for a GPU model no node has waits whatever reclaim does)."""
-        if i not in placeable:
-            placeable[i] = asks[i].mib > 0 and engine.static_fits(pending_pods[i]).size > 0
-        return placeable[i]
+        """Whether pod ``i`` waiting can starve its queue: it asks GPU memory (every replayed pod fits
+        some node of the cluster when it is empty)."""
+        return asks[i].mib > 0
 
     def wait(i: int) -> None:
         if i in waiting:
@@ -325,7 +357,7 @@ def churn_replay(
     timeline: list[tuple[int, dict[str, float]]] = []
     fair_timeline: list[tuple[int, dict[str, float]]] = []
     meter = FairnessMeter(list(shares))
-    first = min(arrive)
+    first = min((arrive[i] for i in range(len(timed)) if fits[i]), default=0)
     last = first
 
     def sample(now: int) -> None:
@@ -361,7 +393,8 @@ def churn_replay(
 
     queues = []
     for q, share in shares.items():
-        members = [i for i in range(len(timed)) if queue_of(timed[i]) == q]
+        everyone = [i for i in range(len(timed)) if queue_of(timed[i]) == q]
+        members = [i for i in everyone if fits[i]]
         done = [waits[i] for i in members if i in waits]
         fair = meter.queue(q)
         queues.append(
@@ -379,6 +412,7 @@ def churn_replay(
                 fair_ratio_p10=round(fair.ratio_p10, 3),
                 fair_ratio_p90=round(fair.ratio_p90, 3),
                 starved_s=round(fair.starved_s, 1),
+                unfit=len(everyone) - len(members),
             )
         )
     everything = list(waits.values())
@@ -388,7 +422,7 @@ def churn_replay(
         reclaim=reclaim,
         load=load,
         nodes=len(nodes),
-        pods=len(timed),
+        pods=sum(fits),
         started=len(everything),
         preemptions=sum(preempted.values()),
         pending_p50_s=round(_percentile(everything, 50), 1),
@@ -405,4 +439,5 @@ def churn_replay(
         wasted_evictions=wasted,
         below_share_evictions=below_share,
         jain_index=round(meter.jain_index, 4),
+        unfit=len(timed) - sum(fits),
     )

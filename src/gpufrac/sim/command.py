@@ -348,7 +348,7 @@ def _churn(
             (
                 q.queue,
                 f"{q.deserved_share:.3f}",
-                str(q.pods),
+                f"{q.pods} (+{q.unfit} fit no node)" if q.unfit else str(q.pods),
                 q.started,
                 q.pending_p50_s,
                 q.pending_p99_s,
@@ -363,7 +363,7 @@ def _churn(
             (
                 "all",
                 "",
-                str(run.pods),
+                f"{run.pods} (+{run.unfit} fit no node)" if run.unfit else str(run.pods),
                 run.started,
                 run.pending_p50_s,
                 run.pending_p99_s,

@@ -7,9 +7,10 @@ above zero (it holds or asks for something):
 * ``ratio``: allocated / fair share, its time-weighted mean and 10th and 90th percentiles;
 * ``starved_s``: the seconds it had a pending pod that would have fitted within its fair share
   (allocated + the smallest pending request <= fair share): the time reclaim was entitled to act for it
-  and the queue still waited. A queue below its share by less than any of its pods is not starved, and
-  a pod no node's spec admits (a GPU model the cluster lacks) starves nobody: it waits whatever reclaim
-  does (it still counts as demand, as the scheduler counts it).
+  and the queue still waited. A queue below its share by less than any of its pods is not starved. The
+  churn replay leaves out pods that no node could hold even empty (``gpufrac.sim.churn``): they would
+  wait whatever reclaim does, and as demand they would raise their queue's fair share by a claim nothing
+  can serve.
 
 Over queues, Jain's fairness index of the same ratios, (sum x)^2 / (n * sum x^2) over the n queues with
 a fair share at that moment: 1 when every such queue holds the same fraction of its fair share, 1/n when
