@@ -20,7 +20,7 @@ from lightkube.models.core_v1 import Container, PodSpec
 from lightkube.models.meta_v1 import ObjectMeta
 from lightkube.resources.core_v1 import Pod
 from lightkube.types import PatchType
-from test_resize import CGROUP, CID, agent, binding, record, started
+from test_node_resize import CGROUP, CID, agent, binding, record, started
 
 from gpufrac.node.resize import REASON_WAITING_FOR_USAGE, RESIZE_CONDITION, PodResizeWatch
 
