@@ -8,7 +8,18 @@ from typing import Any
 
 from lightkube import AsyncClient
 from lightkube.resources.core_v1 import Event, Pod
-from sched_harness import Pool, add_nodes, audit_pool, condition, gpu_pod, running, wait_bound, wait_for
+from sched_harness import (
+    Pool,
+    add_nodes,
+    audit_pool,
+    condition,
+    gpu_pod,
+    metric,
+    running,
+    scrape,
+    wait_bound,
+    wait_for,
+)
 
 from gpufrac.contract import keys
 from gpufrac.kube.errors import KubeError
@@ -118,6 +129,16 @@ async def test_a_grow_waits_for_room_and_one_larger_than_the_gpu_is_infeasible(
         assert "has 16384 MiB in all; the pod would need 20480 MiB of it" in message
         (warning,) = await events(client, pool, keys.EVENT_REASON_RESIZE_INFEASIBLE)
         assert warning.type == "Warning" and "16384 MiB in all" in (warning.message or "")
+        # Each answer counted once (Deferred once, however often it was decided again); the decision time
+        # once per request, at its first answer: the 12Gi one's Deferred and the 20Gi one's Infeasible.
+        text = await scrape(service.probe_port)
+        answers = {
+            outcome: metric(text, "gpufrac_scheduler_resizes_total", outcome=outcome)
+            for outcome in ("resized", "deferred", "infeasible")
+        }
+        assert answers == {"resized": 1, "deferred": 1, "infeasible": 1}
+        assert metric(text, "gpufrac_scheduler_resize_decision_duration_seconds_count") == 2
+        assert 0 < metric(text, "gpufrac_scheduler_resize_decision_duration_seconds_sum") < 20
         await ask(client, pool, "a")  # withdrawn: the condition goes, the amounts stay
         await wait_for(lambda: _no_condition(client, pool, "a"), timeout=10, what="withdrawn")
         assert (await annotations(client, pool, "a"))[REQ] == "12288Mi"

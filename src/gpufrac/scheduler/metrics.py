@@ -165,6 +165,26 @@ class SchedulerMetrics:
             registry=self.registry,
         )
 
+        self.resizes = Counter(
+            "gpufrac_scheduler_resizes",
+            "Answers to resize requests, by outcome (resized, deferred, infeasible).",
+            ["outcome"],
+            registry=self.registry,
+        )
+        self.resize_latency = Histogram(
+            "gpufrac_scheduler_resize_decision_duration_seconds",
+            "From the scheduler's first sighting of a resize request to its first answer.",
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+            registry=self.registry,
+        )
+
+    def resize_answered(self, outcome: str, seconds: float | None) -> None:
+        """A resize request answered (``Resizes``): ``seconds`` since it was first seen, None when this
+        is not its first answer (a deferred one carried out later)."""
+        self.resizes.labels(outcome).inc()
+        if seconds is not None:
+            self.resize_latency.observe(seconds)
+
     def watch_state(self, readers: StateReaders) -> None:
         self.registry.register(_StateCollector(readers))
         self.registry.register(_GpuCollector(readers))

@@ -26,6 +26,8 @@ GPUs (``gpufrac.placement.resize``: never a move) and carries the decision out:
 A request the user removes withdraws the resize: the condition goes. Only the leader writes; every
 replica keeps the list of pods with a request, so a new leader picks them up. ``Resizes`` receives its
 collaborators as callables and the booking cache; its writes are injectable (tests fail them on purpose).
+Each answer is told to ``answered`` (the service's ``gpufrac_scheduler_resizes_total`` and decision-time
+histogram, docs/metrics.md "Scheduler metrics").
 """
 
 from __future__ import annotations
@@ -33,7 +35,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
 
 from lightkube import AsyncClient
 from lightkube.resources.core_v1 import Pod
@@ -60,6 +64,10 @@ WRITES_AT_ONCE = 16
 
 #: Writes the decided annotations on the pod at its resourceVersion (None values remove a key).
 WritePod = Callable[[Pod, dict[str, str | None]], Awaitable[Pod]]
+#: Told of each answer written: the outcome (``RESIZED``, ``DEFERRED``, ``INFEASIBLE``) and the seconds
+#: since the request was first seen, None when it is not the request's first answer.
+Answered = Callable[[str, float | None], None]
+RESIZED, DEFERRED, INFEASIBLE = "resized", "deferred", "infeasible"
 
 
 def _condition(pod: Pod) -> tuple[str | None, str | None, str | None]:
@@ -79,6 +87,15 @@ def decided_annotations(decision: ResizeDecision, asks: Mapping[str, str]) -> di
         if change.new_portion is not None and change.new_portion != change.old_portion:
             out[keys.compute_portion_key(change.container)] = format_portion(change.new_portion)
     return out
+
+
+@dataclass(slots=True)
+class _Request:
+    """A resize request on a pod: its keys, when the scheduler first saw them, its last answer."""
+
+    asks: dict[str, str]
+    seen: float
+    answer: str | None = None
 
 
 def _grows(decision: ResizeDecision) -> bool:
@@ -113,6 +130,11 @@ class Resizes:
         self._writing: dict[str, Pod | None] = {}
         #: Bound pods with a resize request, or with the pending condition to take away: uid -> pod.
         self._wanted: dict[str, Pod] = {}
+        #: The requests on pods, for ``answered``: uid -> the request.
+        self._asked: dict[str, _Request] = {}
+        #: Told of every answer (the service's metrics); ``clock`` is monotonic seconds.
+        self.answered: Answered = lambda outcome, seconds: None
+        self.clock: Callable[[], float] = time.monotonic
         self._wake = asyncio.Event()
         self._writes = asyncio.Semaphore(WRITES_AT_ONCE)
         self.done = 0
@@ -128,11 +150,17 @@ class Resizes:
             self._writing[uid] = pod
         if gone:
             self._wanted.pop(uid, None)
+            self._asked.pop(uid, None)
             self._uncertain.discard(uid)
             if self._wanted:
                 self._wake.set()
             return
-        asking = bool(resize_keys(pod.metadata.annotations or {}))
+        asks = resize_keys(pod.metadata.annotations or {})
+        asking = bool(asks)
+        if not asking:
+            self._asked.pop(uid, None)
+        elif uid not in self._asked or self._asked[uid].asks != asks:
+            self._asked[uid] = _Request(asks, self.clock())  # new, or one that replaced the last
         if uid in self._uncertain and not asking:
             self._uncertain.discard(uid)
             self._follow(pod)
@@ -215,6 +243,7 @@ class Resizes:
         booking = self._cache.booking(meta.uid)
         assert booking is not None
         books_first = _grows(decision)
+        asked = self._asked.get(meta.uid)  # the watch may bring the written pod before the write returns
         if books_first:
             self._cache.rebook(meta.uid, booking.pending, decision.placement)
         self._writing[meta.uid] = None
@@ -251,6 +280,7 @@ class Resizes:
         if self._wanted.get(meta.uid) is pod:
             del self._wanted[meta.uid]
         self.done += 1
+        self._answer(RESIZED, asked)
         if not decision.unchanged:
             message = "; ".join(c.describe() for c in decision.changes)
             self._events.emit(
@@ -271,7 +301,9 @@ class Resizes:
         if _condition(pod) == ("True", reason, message) or not self._is_leader():
             return
         meta = pod.metadata
-        if reason == keys.POD_REASON_RESIZE_INFEASIBLE:
+        infeasible = reason == keys.POD_REASON_RESIZE_INFEASIBLE
+        self._answer(INFEASIBLE if infeasible else DEFERRED, self._asked.get(meta.uid))
+        if infeasible:
             self._events.emit(
                 regarding=pod_ref(pod),
                 type=WARNING,
@@ -288,6 +320,19 @@ class Resizes:
                 reason=reason,
                 message=message,
             )
+
+    def _answer(self, outcome: str, asked: _Request | None) -> None:
+        """Tell ``answered`` of each change of a request's answer (a Deferred one whose message changes
+        is not counted again; carried out later, it counts as resized). Its time counts once, from the
+        request's sighting to its first answer."""
+        if asked is not None and asked.answer == outcome:
+            return
+        seconds = None
+        if asked is not None:
+            if asked.answer is None:
+                seconds = max(0.0, self.clock() - asked.seen)
+            asked.answer = outcome
+        self.answered(outcome, seconds)
 
     async def _clear_condition(self, pod: Pod) -> None:
         if _condition(pod)[0] is None or not self._is_leader():

@@ -177,10 +177,11 @@ class SchedulerService:
             queue_size=EVENTS_QUEUE,
             yield_to=lambda: self.binds.busy(),
         )
+        self.metrics = SchedulerMetrics()
         self.resizes = Resizes(
             client=client, cache=self.cache, events=self.events, fence=self.is_leader, changed=changed
         )
-        self.metrics = SchedulerMetrics()
+        self.resizes.answered = self.metrics.resize_answered
         self.report = StatusReporter(
             client=client,
             events=self.events,
