@@ -126,7 +126,13 @@ def _wants(queues: list[Queue], demand: dict[str, int]) -> dict[str, int]:
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 def test_conservation_caps_and_deserved(case):
     queues, demand, capacity = case
-    shares = fair_shares(queues, demand, capacity)
+    check_conservation_caps_and_deserved(queues, demand, capacity, fair_shares(queues, demand, capacity))
+
+
+def check_conservation_caps_and_deserved(
+    queues: list[Queue], demand: dict[str, int], capacity: int, shares: dict[str, float]
+) -> None:
+    """What every fair share keeps (docs/queues.md): nothing wanted idle, caps, deserved first."""
     wants = _wants(queues, demand)
     roots = [q for q in queues if q.parent is None]
     # Nothing wanted stays idle: the top level gets all of the capacity or all it wants.

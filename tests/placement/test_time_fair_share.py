@@ -3,13 +3,11 @@ over-quota part of the fair share (KAI Scheduler's time-aware fairness), never t
 
 from __future__ import annotations
 
-import math
-
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from placement_builders import mib, node, pod
-from test_fair_share import CLOSE, _wants, trees
+from test_fair_share import check_conservation_caps_and_deserved, trees
 
 from gpufrac.placement.decision import Placement
 from gpufrac.placement.engine import Engine
@@ -155,23 +153,7 @@ def test_history_moves_shares_but_keeps_conservation_caps_and_deserved(case, sco
     queues, demand, capacity = case
     usage = {q.name: scores[i] for i, q in enumerate(queues)}
     shares = fair_shares(queues, demand, capacity, usage=usage, k=k)
-    wants = _wants(queues, demand)
-    roots = [q for q in queues if q.parent is None]
-    assert math.isclose(
-        sum(shares[q.name] for q in roots), min(capacity, sum(wants[q.name] for q in roots)), abs_tol=CLOSE
-    )
-    for q in queues:
-        children = [c for c in queues if c.parent == q.name]
-        if children:
-            assert math.isclose(sum(shares[c.name] for c in children), shares[q.name], abs_tol=CLOSE)
-        assert shares[q.name] <= wants[q.name] + CLOSE
-    for parent in [None, *(q.name for q in queues)]:
-        siblings = [q for q in queues if q.parent == parent]
-        available = capacity if parent is None else shares[parent]
-        promised = sum(min(q.gpu_memory.deserved, wants[q.name]) for q in siblings)
-        if siblings and promised <= available:
-            for q in siblings:
-                assert shares[q.name] >= min(q.gpu_memory.deserved, wants[q.name]) - CLOSE
+    check_conservation_caps_and_deserved(queues, demand, capacity, shares)
 
 
 # -- the engine ---------------------------------------------------------------------------------------
