@@ -7,10 +7,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from placement_builders import mib, node, pod
 
+from gpufrac.contract.keys import compute_portion_key
 from gpufrac.contract.render import DeviceChoice, read_binding, render_binding
 from gpufrac.contract.request import ComputeMode, GpuMemory
 from gpufrac.contract.resize import ResizeAsk
 from gpufrac.placement.decision import Placement
+from gpufrac.placement.demand import PPM, portion_ppm
 from gpufrac.placement.engine import Engine
 from gpufrac.placement.model import Queue, Quota
 from gpufrac.placement.resize import ResizeOutcome, decide_resize
@@ -175,3 +177,57 @@ def test_a_compute_resize_of_a_time_slicing_container_is_infeasible() -> None:
     engine, (a,) = _engine(4096)
     decision = decide_resize(engine, a, _compute(0.5))
     assert decision.outcome is ResizeOutcome.INFEASIBLE and "reserves no compute share" in decision.message
+
+
+compute_step = st.tuples(
+    st.integers(0, 3),
+    st.one_of(st.none(), st.integers(1, 12000)),
+    st.one_of(st.none(), st.integers(1, 1000).map(lambda n: n / 1000)),
+)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(512, 8192), min_size=1, max_size=4), st.lists(compute_step, max_size=10))
+def test_random_sm_sharing_resizes_keep_each_gpus_compute_within_one(
+    sizes: list[int], steps: list[tuple]
+) -> None:
+    """Memory and compute asks on sm-sharing pods: a GPU's portions never sum past 1, the ledger's sum is
+    the placements', and the portion booked is the one the binding says."""
+    engine, uids = _engine()
+    for amount in sizes:
+        placed = engine.schedule([pod(mib(amount, mode=ComputeMode.SM_SHARING))])[0]
+        if isinstance(placed, Placement):
+            uids.append(placed.pod_uid)
+    for index, memory, portion in steps:
+        if not uids or (memory is None and portion is None):
+            continue
+        uid = uids[index % len(uids)]
+        low = GpuMemory(mib=memory) if memory is not None else None
+        asks = {"main": ResizeAsk("main", low, low, ("k", "v"), compute=portion)}
+        before = [engine.ledger("n"), engine.placement_of(uid)]
+        decision = decide_resize(engine, uid, asks)
+        if decision.outcome is ResizeOutcome.FITS:
+            engine.assume(engine.bound_pod(uid), decision.placement)  # type: ignore[arg-type]
+        else:
+            assert [engine.ledger("n"), engine.placement_of(uid)] == before
+        held: dict[str, int] = {}
+        for u in uids:
+            placement = engine.placement_of(u)
+            held_pod = engine.bound_pod(u)
+            assert placement is not None and held_pod is not None
+            (c,) = placement.containers
+            for d in c.devices:
+                assert d.compute_portion is not None
+                held[d.uuid] = held.get(d.uuid, 0) + portion_ppm(d.compute_portion)
+            choice = DeviceChoice(
+                c.container,
+                c.uuids,
+                c.devices[0].request_mib,
+                c.devices[0].limit_mib,
+                c.devices[0].compute_portion,
+            )
+            written = render_binding(held_pod.gpu, [choice])[compute_portion_key("main")]
+            # What a restarted scheduler books again from the pod's annotation: the same ppm.
+            assert portion_ppm(float(written)) == portion_ppm(c.devices[0].compute_portion)
+        for ledger in engine.ledger("n"):
+            assert ledger.compute_ppm == held.get(ledger.uuid, 0) <= PPM
