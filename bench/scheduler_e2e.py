@@ -29,6 +29,9 @@ at equal burst sizes, one run each.)
 With ``--rules`` the audit also checks the rules held: no two replicas of an anti-affine deployment on
 one node, and every spread deployment within maxSkew 1 over the zones.
 
+``bench/kube_scheduler_e2e.py`` runs this bench's bursts and scheduler rounds against the stock
+kube-scheduler instead of the minimal binder (issue #39).
+
 The last line is a one-line JSON summary.
 """
 
@@ -49,7 +52,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import httpx2
 import yaml
@@ -84,6 +87,12 @@ finally:
     profiler.dump_stats(out)
 """
 ZONES = 8
+
+
+class PodBuilder(Protocol):
+    """The i-th pod of a burst for ``scheduler`` in ``namespace`` (``burst``'s ``manifest``)."""
+
+    def __call__(self, i: int, *, namespace: str, scheduler: str) -> Pod: ...
 
 
 def pod_rules(i: int, *, share: float, apps: int) -> tuple[dict[str, str], dict[str, Any]]:
@@ -223,6 +232,13 @@ def cpu_ms_per_pod(pid: int, before: float, pods: int) -> float:
     return round(1000 * (cpu_seconds(pid) - before) / pods, 2)
 
 
+def machine_cpu() -> tuple[float, float]:
+    """(busy, total) jiffies of all the machine's cores so far, from /proc/stat (idle and iowait are not
+    busy)."""
+    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return float(sum(fields) - fields[3] - fields[4]), float(sum(fields))
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
@@ -237,8 +253,14 @@ async def burst(
     concurrency: int,
     timeout: float,
     rules_share: float = 0.0,
+    manifest: PodBuilder | None = None,
 ) -> dict[str, Any]:
-    """Create ``count`` pods as fast as possible and wait until every one is bound."""
+    """Create ``count`` pods as fast as possible and wait until every one is bound.
+
+    The i-th pod is ``manifest(i, namespace=..., scheduler=...)`` (default: ``pod_manifest``'s mix of
+    fractional forms, with ``rules_share`` of them carrying pod rules). ``machine_cpu_busy`` is the share
+    of all the machine's cores that were busy from the first create to the last bind (from /proc/stat):
+    near 1, every process of the run, the API server's included, was waiting for a core."""
     clock = BindClock()
     informer: Informer[Pod] = Informer(client=client, resource=Pod, selection=Selection(namespace=namespace))
     informer.add_handler(clock)
@@ -249,16 +271,21 @@ async def burst(
         gate = asyncio.Semaphore(concurrency)
 
         async def create(i: int) -> None:
-            pod = pod_manifest(i, namespace=namespace, scheduler=scheduler, rules_share=rules_share)
+            if manifest is None:
+                pod = pod_manifest(i, namespace=namespace, scheduler=scheduler, rules_share=rules_share)
+            else:
+                pod = manifest(i, namespace=namespace, scheduler=scheduler)
             async with gate:
                 created_at[pod.metadata.name] = time.monotonic()
                 await client.create(pod)
 
+        machine_before = machine_cpu()
         await asyncio.gather(*(create(i) for i in range(count)))
         created_all = time.monotonic()
         deadline = time.monotonic() + timeout
         while len(clock.bound_at) < count and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
+        machine_after = machine_cpu()
     finally:
         watching.cancel()
         await asyncio.gather(watching, return_exceptions=True)
@@ -274,6 +301,9 @@ async def burst(
         "pods_per_s": round(bound / (last - first), 1),
         "p50_ms": round(1000 * statistics.median(latencies), 1) if latencies else None,
         "p99_ms": round(1000 * percentile(latencies, 0.99), 1) if latencies else None,
+        "machine_cpu_busy": round(
+            (machine_after[0] - machine_before[0]) / max(1e-9, machine_after[1] - machine_before[1]), 2
+        ),
     }
 
 
@@ -499,10 +529,17 @@ def scheduler_process(
 
 
 async def scheduler_round(
-    cp: ControlPlane, client: AsyncClient, args: argparse.Namespace, *, workdir: Path, tag: str
+    cp: ControlPlane,
+    client: AsyncClient,
+    args: argparse.Namespace,
+    *,
+    workdir: Path,
+    tag: str,
+    manifest: PodBuilder | None = None,
 ) -> dict[str, Any]:
     """One burst placed and bound by ``gpufrac scheduler`` (started for it, as deployed), audited from the
-    API objects, its pods deleted afterwards."""
+    API objects, its pods deleted afterwards. ``manifest`` builds the pods (``burst``'s default: the
+    fractional mix)."""
     namespace = f"bench-{tag}"
     await client.create(Namespace(metadata=ObjectMeta(name=namespace)))
     settings = {
@@ -528,6 +565,7 @@ async def scheduler_round(
             concurrency=args.concurrency,
             timeout=args.timeout,
             rules_share=args.rules,
+            manifest=manifest,
         )
         result.update(measured)
         # CPU per pod holds still when the machine is shared; pods/s does not.

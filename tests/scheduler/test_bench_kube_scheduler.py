@@ -1,0 +1,101 @@
+"""bench/kube_scheduler_e2e.py's inputs, checked without running the bench (issue #39): the configuration
+it gives kube-scheduler is one the binary accepts, with the client limits and leader election the bench
+says; the pods of both sides are ones the API server accepts and gpufrac reads as the bench says; the
+figures it takes from kube-scheduler's metrics are differences between two scrapes."""
+
+from __future__ import annotations
+
+import importlib
+import subprocess
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import yaml
+from lightkube import Client
+from lightkube.resources.core_v1 import Pod
+
+from gpufrac.contract import keys
+from gpufrac.local.simnodes import sim_node
+from gpufrac.scheduler.objects import gpu_request
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+@pytest.fixture
+def bench(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    monkeypatch.syspath_prepend(str(BENCH))  # the bench imports scheduler_e2e by name, as a script does
+    return importlib.import_module("kube_scheduler_e2e")
+
+
+KUBECONFIG = {
+    "apiVersion": "v1",
+    "kind": "Config",
+    "clusters": [{"name": "c", "cluster": {"server": "https://127.0.0.1:1"}}],
+    "users": [{"name": "u", "user": {"token": "t"}}],
+    "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}],
+    "current-context": "c",
+}
+
+
+def test_kube_scheduler_accepts_the_bench_configuration(bench: ModuleType, tmp_path: Path) -> None:
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(yaml.safe_dump(KUBECONFIG))
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump(bench.kube_scheduler_config(kubeconfig)))
+    written = tmp_path / "written.yaml"
+    # --write-config-to decodes strictly (an unknown field fails), defaults, writes and exits.
+    answer = subprocess.run(
+        [str(bench.KUBE_SCHEDULER), f"--config={config}", f"--write-config-to={written}"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert answer.returncode == 0, answer.stderr
+    effective = yaml.safe_load(written.read_text())
+    assert effective["clientConnection"]["qps"] == bench.CLIENT_QPS == 5000
+    assert effective["clientConnection"]["burst"] == bench.CLIENT_BURST == 5000
+    assert effective["leaderElection"]["leaderElect"] is False
+    assert [p["schedulerName"] for p in effective["profiles"]] == [bench.KUBE_SCHEDULER_NAME]
+
+
+@pytest.mark.kube
+def test_both_sides_pods_are_valid_and_read_as_the_bench_says(
+    bench: ModuleType, kube: Client, namespace: str
+) -> None:
+    whole = bench.whole_gpu_pod(7, namespace=namespace, scheduler=bench.KUBE_SCHEDULER_NAME)
+    half = bench.half_gpu_pod(7, namespace=namespace, scheduler=keys.DEFAULT_SCHEDULER_NAME)
+    for pod in (whole, half):
+        kube.create(pod, dry_run=True)  # the API server's validation, nothing stored
+        taint = sim_node(name="n").spec.taints[0]
+        assert any(t.key == taint.key and t.effect == taint.effect for t in pod.spec.tolerations)
+    (one,) = gpu_request(whole).containers
+    assert one.exclusive and one.device_count == 1
+    (part,) = gpu_request(half).containers
+    assert not part.exclusive and part.request is not None and part.request.portion == 0.5
+    assert {s.name: (s.ours, s.theirs) for s in bench.SCENARIOS.values()} == {
+        "whole": (bench.whole_gpu_pod, bench.whole_gpu_pod),
+        "fraction": (bench.half_gpu_pod, bench.whole_gpu_pod),
+    }
+    assert isinstance(whole, Pod)
+
+
+def test_peer_metrics_are_what_the_burst_added(bench: ModuleType) -> None:
+    def samples(algorithm: float, pods: int, posts: int, post_s: float) -> dict:
+        return {
+            ("scheduler_scheduling_algorithm_duration_seconds_sum", ()): algorithm,
+            ("scheduler_scheduling_algorithm_duration_seconds_count", ()): pods,
+            ("scheduler_schedule_attempts_total", (("profile", "p"), ("result", "scheduled"))): pods,
+            ("scheduler_schedule_attempts_total", (("profile", "p"), ("result", "error"))): 3,
+            ("rest_client_request_duration_seconds_count", (("host", "h"), ("verb", "POST"))): posts,
+            ("rest_client_request_duration_seconds_sum", (("host", "h"), ("verb", "POST"))): post_s,
+            ("rest_client_request_duration_seconds_count", (("host", "h"), ("verb", "GET"))): 1000,
+        }
+
+    got = bench.peer_metrics(samples(1.0, 10, 5, 0.5), samples(3.0, 1010, 2005, 40.5), seconds=4.0)
+    assert got["scheduled"] == 1000
+    assert got["algorithm_ms_per_pod"] == 2.0
+    assert got["algorithm_busy"] == 0.5
+    assert got["posts"] == 2000 and got["post_ms_mean"] == 20.0
+    assert got["client_throttle_s"] == 0
+    assert got["attempt_ms_mean"] is None  # never observed: no figure rather than a zero
