@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import random
@@ -244,6 +245,23 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
 
 
+async def create_pods(
+    client: AsyncClient, *, namespace: str, scheduler: str, count: int, concurrency: int, manifest: PodBuilder
+) -> dict[str, float]:
+    """Create ``count`` pods, ``concurrency`` requests in flight; when each create request started."""
+    created_at: dict[str, float] = {}
+    gate = asyncio.Semaphore(concurrency)
+
+    async def create(i: int) -> None:
+        pod = manifest(i, namespace=namespace, scheduler=scheduler)
+        async with gate:
+            created_at[pod.metadata.name] = time.monotonic()
+            await client.create(pod)
+
+    await asyncio.gather(*(create(i) for i in range(count)))
+    return created_at
+
+
 async def burst(
     client: AsyncClient,
     *,
@@ -265,22 +283,17 @@ async def burst(
     informer: Informer[Pod] = Informer(client=client, resource=Pod, selection=Selection(namespace=namespace))
     informer.add_handler(clock)
     watching = asyncio.create_task(informer.run())
-    created_at: dict[str, float] = {}
     try:
         await asyncio.wait_for(informer.synced.wait(), 30)
-        gate = asyncio.Semaphore(concurrency)
-
-        async def create(i: int) -> None:
-            if manifest is None:
-                pod = pod_manifest(i, namespace=namespace, scheduler=scheduler, rules_share=rules_share)
-            else:
-                pod = manifest(i, namespace=namespace, scheduler=scheduler)
-            async with gate:
-                created_at[pod.metadata.name] = time.monotonic()
-                await client.create(pod)
-
         machine_before = machine_cpu()
-        await asyncio.gather(*(create(i) for i in range(count)))
+        created_at = await create_pods(
+            client,
+            namespace=namespace,
+            scheduler=scheduler,
+            count=count,
+            concurrency=concurrency,
+            manifest=manifest or functools.partial(pod_manifest, rules_share=rules_share),
+        )
         created_all = time.monotonic()
         deadline = time.monotonic() + timeout
         while len(clock.bound_at) < count and time.monotonic() < deadline:
@@ -583,20 +596,27 @@ async def scheduler_round(
         result["scheduler_cpu_ms_per_pod_with_events"] = cpu_ms_per_pod(proc.pid, scheduler_before, args.pods)
         result["control_plane_cpu_ms_per_pod_with_events"] = cpu_ms_per_pod(cp.pid, cp_before, args.pods)
     result["scheduler_exit"] = ended["exit"]
+    result.update(await audit_bindings(client, namespace=namespace, rules=bool(args.rules)))
+    result["removed_s"] = await remove_pods(client, namespace=namespace)
+    return result
 
+
+async def audit_bindings(client: AsyncClient, *, namespace: str, rules: bool = False) -> dict[str, Any]:
+    """The scheduler's bindings in ``namespace`` audited from the API objects (with ``rules``, the pod
+    rules of ``pod_rules`` too), and how full the GPUs it used are."""
     pods = [p async for p in client.list(Pod, namespace=namespace)]
     nodes = [n async for n in client.list(Node)]
     report = audit(nodes=nodes, pods=pods)
-    broken = rule_violations(pods=pods, nodes=nodes) if args.rules else []
-    result["audit_ok"] = report.ok and not broken
-    result["audit_problems"] = (report.problems + broken)[:5]
+    broken = rule_violations(pods=pods, nodes=nodes) if rules else []
     used = [b for b in report.gpus.values() if b.pods]
-    result["gpus_used"] = len(used)
-    result["gpu_memory_allocated_pct"] = round(
-        100 * sum(b.request_mib for b in used) / max(1, sum(b.capacity_mib for b in used)), 1
-    )
-    result["removed_s"] = await remove_pods(client, namespace=namespace)
-    return result
+    return {
+        "audit_ok": report.ok and not broken,
+        "audit_problems": (report.problems + broken)[:5],
+        "gpus_used": len(used),
+        "gpu_memory_allocated_pct": round(
+            100 * sum(b.request_mib for b in used) / max(1, sum(b.capacity_mib for b in used)), 1
+        ),
+    }
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
