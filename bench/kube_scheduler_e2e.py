@@ -29,7 +29,8 @@ side's medians over the rounds, the ratios of those medians (ours / theirs) and 
 ``--mode backlog`` takes the create path out: each side's pods are all created while no scheduler runs,
 then its scheduler is started on them; ``pods_per_s`` is then its drain rate from the first bind to the
 last, ``first_bind_s`` how long after its process started the first pod was bound, CPU per pod counted
-from the first bind (and no latency is measured). On a machine where the API server and the creating
+from the first bind, with the CPU before it apart (its start, and for gpufrac the first batch it placed
+before binding any pod; no latency is measured). On a machine where the API server and the creating
 client keep both schedulers waiting, this is the figure that tells the schedulers apart.
 
 What limits each side is said per round (``limited_by``), from: how long after the last create the last
@@ -342,7 +343,8 @@ async def backlog_round(
     """``--mode backlog``: the burst's pods are all created while no scheduler runs, then ``side``'s
     scheduler is started on them. ``pods_per_s`` is its drain rate, from the first bind to the last seen
     by a watch (neither its start nor the create path counts); ``first_bind_s`` is how long after its
-    process started the first pod was bound; CPU per pod from the first bind to the last."""
+    process started the first pod was bound; CPU per pod from the first bind to the last, and apart the
+    CPU it spent before its first bind (its start, and the decisions it made before binding any pod)."""
     kube = side == "kube_scheduler"
     namespace = f"{'kube' if kube else 'bench'}-{tag}"
     await client.create(Namespace(metadata=ObjectMeta(name=namespace)))
@@ -387,6 +389,8 @@ async def backlog_round(
             after = await scrape(port) if kube else {}
             result["scheduler_cpu_ms_per_pod"] = cpu_ms_per_pod(proc.pid, sched_before, args.pods)
             result["control_plane_cpu_ms_per_pod"] = cpu_ms_per_pod(cp.pid, cp_before, args.pods)
+            # Its start and what it decided before its first bind (gpufrac places a batch first).
+            result["scheduler_cpu_s_to_first_bind"] = round(sched_before, 2)
             if not kube:
                 await wait_leading(port, proc, timeout=10)  # it was: it bound pods; and it still is
     finally:
@@ -511,6 +515,7 @@ def brief(side: dict[str, Any]) -> dict[str, Any]:
     keep = (
         *SIDE_FIELDS["burst"],
         "first_bind_s",
+        "scheduler_cpu_s_to_first_bind",
         "bound",
         "seconds",
         "create_seconds",
