@@ -46,6 +46,7 @@ profile run is slower: take its shares, not its pods/s).
     .venv/bin/python bench/kube_scheduler_e2e.py        # 1000 nodes x 8 GPUs, 5000-pod bursts, 3 rounds
     .venv/bin/python bench/kube_scheduler_e2e.py --nodes 200 --pods 1000 --rounds 3     # a quick look
     .venv/bin/python bench/kube_scheduler_e2e.py --mode backlog    # the drain rates, no create path
+    .venv/bin/python bench/kube_scheduler_e2e.py --rules 0.25      # a quarter anti-affine or spread
     .venv/bin/python bench/kube_scheduler_e2e.py --scenarios whole --profile /tmp/prof  # what limits ours
 
 Goals (issue #39): ours >= 2x kube-scheduler's pods/s and <= 0.25x its p99. The last line is a one-line
@@ -57,6 +58,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import pstats
 import statistics
@@ -95,7 +97,9 @@ from scheduler_e2e import (
     create_pods,
     free_port,
     machine_cpu,
+    pod_rules,
     remove_pods,
+    rule_violations,
     scheduler_process,
     scheduler_round,
     wait_leading,
@@ -109,6 +113,7 @@ CLIENT_QPS = 5000
 CLIENT_BURST = 5000
 GOAL_PODS_PER_S_RATIO = 2.0
 GOAL_P99_RATIO = 0.25
+RULE_APPS = 200
 
 
 # -- pods -------------------------------------------------------------------------------------------------
@@ -140,6 +145,20 @@ def whole_gpu_pod(i: int, *, namespace: str, scheduler: str) -> Pod:
 def half_gpu_pod(i: int, *, namespace: str, scheduler: str) -> Pod:
     """Half a GPU in the contract's pod-level form (KAI's ``gpu-fraction``)."""
     return _pod(i, namespace=namespace, scheduler=scheduler, annotations={"gpu-fraction": "0.5"}, limits={})
+
+
+def with_rules(build: PodBuilder, *, share: float) -> PodBuilder:
+    """``build``'s pods, ``share`` of them replicas with a required anti-affinity or a zone spread
+    (``scheduler_e2e.pod_rules``, the mix of issue #19), the same pods on both sides."""
+
+    def rules(i: int, *, namespace: str, scheduler: str) -> Pod:
+        body = build(i, namespace=namespace, scheduler=scheduler).to_dict()
+        labels, spec = pod_rules(i, share=share, apps=RULE_APPS)
+        body["metadata"]["labels"] = labels
+        body["spec"] |= spec
+        return Pod.from_dict(body)
+
+    return rules
 
 
 @dataclass(frozen=True)
@@ -323,7 +342,9 @@ async def kube_round(
         result["scheduler_exit"] = "running" if proc.poll() is None else proc.returncode
     pods = [p async for p in client.list(Pod, namespace=namespace)]
     nodes = [n async for n in client.list(Node)]
-    problems = gpus_overbooked(pods=pods, nodes=nodes)
+    problems = gpus_overbooked(pods=pods, nodes=nodes) + (
+        rule_violations(pods=pods, nodes=nodes) if args.rules else []
+    )
     result["audit_ok"] = not problems
     result["audit_problems"] = problems[:5]
     result["removed_s"] = await remove_pods(client, namespace=namespace)
@@ -411,10 +432,12 @@ async def backlog_round(
     if kube:
         result["metrics"] = peer_metrics(before, after, seconds=result["seconds"])
         pods = [p async for p in client.list(Pod, namespace=namespace)]
-        problems = gpus_overbooked(pods=pods, nodes=[n async for n in client.list(Node)])
+        nodes = [n async for n in client.list(Node)]
+        problems = gpus_overbooked(pods=pods, nodes=nodes)
+        problems += rule_violations(pods=pods, nodes=nodes) if args.rules else []
         result["audit_ok"], result["audit_problems"] = not problems, problems[:5]
     else:
-        result.update(await audit_bindings(client, namespace=namespace))
+        result.update(await audit_bindings(client, namespace=namespace, rules=bool(args.rules)))
     result["removed_s"] = await remove_pods(client, namespace=namespace)
     return result
 
@@ -575,6 +598,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "mode": args.mode,
         "rounds_per_scenario": args.rounds,
         "policy": args.policy,
+        "rules_share": args.rules,
         "kube_scheduler": kube_scheduler_version(),
         "kube_scheduler_client": {"qps": CLIENT_QPS, "burst": CLIENT_BURST},
         "profiled": bool(args.profile),
@@ -598,6 +622,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             scenarios: dict[str, Any] = {}
             for name in args.scenarios:
                 scenario = SCENARIOS[name]
+                if args.rules:
+                    scenario = dataclasses.replace(
+                        scenario,
+                        ours=with_rules(scenario.ours, share=args.rules),
+                        theirs=with_rules(scenario.theirs, share=args.rules),
+                    )
                 rounds = [
                     await one_round(cp, client, args, scenario=scenario, number=n, workdir=workdir)
                     for n in range(1, args.rounds + 1)
@@ -687,6 +717,13 @@ def main() -> None:
         help="burst: pods created while the scheduler runs (pods/s from the first create to the last bind, "
         "latency); backlog: pods created first, then the scheduler started (its drain rate alone)",
     )
+    parser.add_argument(
+        "--rules",
+        type=float,
+        default=0.0,
+        help="share of the pods, on both sides, that are replicas with a required anti-affinity or a zone "
+        "spread (scheduler_e2e's mix); the audits then check the rules held",
+    )
     parser.add_argument("--concurrency", type=int, default=64, help="create requests in flight")
     parser.add_argument("--timeout", type=float, default=600.0)
     parser.add_argument(
@@ -702,7 +739,7 @@ def main() -> None:
         # kube-scheduler's side always asks one whole GPU a pod: the rest would wait out --timeout.
         parser.error(f"--pods {args.pods} whole-GPU pods do not fit {args.nodes} nodes x {args.gpus} GPUs")
     # What scheduler_e2e.scheduler_round reads besides the above: ours as that bench runs it by default.
-    args.bind_mode, args.bind_concurrency, args.rules = "atomic", None, 0.0
+    args.bind_mode, args.bind_concurrency = "atomic", None
     print(json.dumps(asyncio.run(run(args)), separators=(",", ":")))
 
 

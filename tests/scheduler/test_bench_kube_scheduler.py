@@ -78,6 +78,14 @@ def test_both_sides_pods_are_valid_and_read_as_the_bench_says(
         "fraction": (bench.half_gpu_pod, bench.whole_gpu_pod),
     }
     assert isinstance(whole, Pod)
+    # --rules: a share of the same pods carry anti-affinity or a zone spread, still valid, still asking
+    ruled = bench.with_rules(bench.whole_gpu_pod, share=0.5)
+    pods = [ruled(i, namespace=namespace, scheduler=bench.KUBE_SCHEDULER_NAME) for i in range(12)]
+    with_rules = [p for p in pods if p.spec.affinity or p.spec.topologySpreadConstraints]
+    assert with_rules and len(with_rules) < len(pods)
+    for pod in with_rules[:2]:
+        kube.create(pod, dry_run=True)
+        assert gpu_request(pod).containers[0].device_count == 1
 
 
 def test_peer_metrics_are_what_the_burst_added(bench: ModuleType) -> None:
