@@ -4,8 +4,9 @@ the history survives a restart through ``Queue.status.historicalUsage``.
 
 One node of 2 A100-80GB GPUs, two queues of no deserved quota and equal weights. Queue a has used the
 whole cluster (its status says so, as a scheduler that ran before this one wrote it) and holds all four
-halves; queue b asks for four. The plain fair share splits the GPUs 2/2 (two reclaims). With k = 0.5,
-KAI's portion max(w + k (w - u), 0) gives a 0.5 + 0.5 (0.5 - 1) = 0.25 and b 0.75: three reclaims.
+halves; queue b asks for four. The plain fair share splits the GPUs 2/2 (two reclaims). With k = 0.75,
+KAI's portion max(w + k (w - u), 0) gives a 0.5 + 0.75 (0.5 - 1) = 0.125 and b 0.875: fair shares 20480
+and 143360 MiB, three reclaims (half a pod of margin either way, as the history moves a little each pass).
 """
 
 from __future__ import annotations
@@ -56,12 +57,18 @@ async def test_a_queue_that_used_the_cluster_loses_more_to_one_that_did_not(
     config = pool.config(
         queue_status_interval_s=0.2,
         node_heartbeat_expiry_s=None,
-        time_fairness={"k": 0.5, "half_life_s": 3600},
+        time_fairness={"k": 0.75, "half_life_s": 3600},
     )
     async with running(client, config) as service:
         for i in range(4):
             await client.create(half_pod(pool, f"a-{i}", a))
         await wait_bound(client, ns, 4, timeout=60)
+
+        async def history_in_force() -> bool:
+            # The scheduler seeds its history from the status and writes it back on its first pass.
+            return "historicalUsage" in (await status_of(client, b))
+
+        await wait_for(history_in_force, timeout=20, what="the usage history written back")
         for i in range(4):
             await client.create(half_pod(pool, f"b-{i}", b))
 
@@ -78,12 +85,11 @@ async def test_a_queue_that_used_the_cluster_loses_more_to_one_that_did_not(
 
         async def shares_written() -> bool:
             sa, sb = await status_of(client, a), await status_of(client, b)
-            return (sa.get("fairShare", {}).get("gpuMemory"), sb.get("fairShare", {}).get("gpuMemory")) == (
-                GPU_MIB // 2,
-                GPU_MIB * 3 // 2,
-            )
+            fa = sa.get("fairShare", {}).get("gpuMemory") or 0
+            fb = sb.get("fairShare", {}).get("gpuMemory") or 0
+            return abs(fa - GPU_MIB // 4) < 1000 and abs(fb - GPU_MIB * 7 // 4) < 1000
 
-        await wait_for(shares_written, timeout=20, what="fair shares 40960 / 122880 in the queue status")
+        await wait_for(shares_written, timeout=20, what="fair shares ~20480 / ~143360 in the queue status")
         # The seeded history was kept and written back: a hour-long half-life barely moves it in seconds.
         used_a = (await status_of(client, a))["historicalUsage"]["gpuMemory"]
         used_b = (await status_of(client, b))["historicalUsage"]["gpuMemory"]
