@@ -108,9 +108,14 @@ async def test_an_xid_or_a_lost_gpu_is_withdrawn_its_pods_are_told_and_it_comes_
         # A fatal XID (79: fell off the bus as the driver reports it; 48: double-bit ECC is the same).
         backend.set_xid(0, 48)
         xid_detected = await until(lambda: _eq(offered(akube, node_name), [gpu1]))
-        node = await akube.get(Node, node_name)
-        ready = next(c for c in node.status.conditions if c.type == keys.NODE_READY_CONDITION)
-        assert f"GPU 0 ({gpu0}) withdrawn: XID 48" in ready.message
+
+        async def says_withdrawn() -> bool:
+            # The condition is a write of its own after the annotation's: under load it comes a moment later.
+            node = await akube.get(Node, node_name)
+            ready = next(c for c in node.status.conditions if c.type == keys.NODE_READY_CONDITION)
+            return f"GPU 0 ({gpu0}) withdrawn: XID 48" in (ready.message or "")
+
+        await until(says_withdrawn)
         await until(lambda: events(akube, namespace, "on-gpu0"))
         ((kind, reason, message),) = await events(akube, namespace, "on-gpu0")
         assert (
