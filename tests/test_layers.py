@@ -1,7 +1,7 @@
 """The import direction of docs/architecture.md, checked on the source: a layer never imports above it.
 
-The pure layers matter most: the simulator's quality figures are the product's only while `placement`
-and `contract` stay free of I/O and of the components above them.
+The pure layers matter most: the simulator's quality figures are the product's only while `placement`,
+`contract` and `mig` stay free of I/O and of the components above them.
 """
 
 from __future__ import annotations
@@ -15,20 +15,22 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "gpufrac"
 
 #: What each package may import of gpufrac (besides itself).
 ALLOWED: dict[str, set[str]] = {
-    "contract": set(),
-    "placement": {"contract"},
+    "contract": {"mig"},
+    # MIG profile tables and layout geometry: pure, below everything that judges a MIG layout.
+    "mig": set(),
+    "placement": {"contract", "mig"},
     "kube": set(),
     # The controller runner (process/controller.py) runs informers and a lease for the components.
     "process": {"kube"},
-    "scheduler": {"contract", "placement", "kube", "process"},
-    "admission": {"contract", "placement", "kube", "process"},
-    "node": {"contract", "kube", "process", "_generated"},
-    "sim": {"contract", "placement"},
-    "operator": {"contract", "kube", "process"},
-    "local": {"contract", "kube", "node", "scheduler"},
+    "scheduler": {"contract", "mig", "placement", "kube", "process"},
+    "admission": {"contract", "mig", "placement", "kube", "process"},
+    "node": {"contract", "mig", "kube", "process", "_generated"},
+    "sim": {"contract", "mig", "placement"},
+    "operator": {"contract", "mig", "kube", "process"},
+    "local": {"contract", "mig", "kube", "node", "scheduler"},
     # kubectl-gpufrac is an entry like the cli: it reads through the layers below so that what it shows
     # is what they count; nothing imports it.
-    "kubectl": {"contract", "placement", "kube", "scheduler", "sim", "node", "operator"},
+    "kubectl": {"contract", "mig", "placement", "kube", "scheduler", "sim", "node", "operator"},
 }
 
 #: Where a layer may import only some modules of a layer below it (module prefixes).
@@ -91,7 +93,7 @@ def test_a_package_imports_only_the_layers_below_it(package: str) -> None:
     assert not wrong, "imports against docs/architecture.md:\n" + "\n".join(wrong)
 
 
-@pytest.mark.parametrize("package", ["contract", "placement"])
+@pytest.mark.parametrize("package", ["contract", "mig", "placement"])
 def test_the_pure_layers_do_no_io(package: str) -> None:
     wrong = [
         f"{path.relative_to(SRC)} imports {name}"
@@ -173,7 +175,7 @@ def _circles(package: str) -> list[list[str]]:
     return [list(c) for c in sorted(found)]
 
 
-@pytest.mark.parametrize("package", ["contract", "placement"])
+@pytest.mark.parametrize("package", ["contract", "mig", "placement"])
 def test_no_import_circle_closes_inside_a_pure_layer(package: str) -> None:
     """Not even one a ``TYPE_CHECKING`` guard hides: such a pair is one module in two files, and the
     next change to either breaks the other at import time."""
