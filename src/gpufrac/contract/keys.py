@@ -70,7 +70,16 @@ RESIZE_SUFFIXES = (
     RESIZE_COMPUTE_REQUEST,
 )
 
-GPUFRAC_CONTAINER_SUFFIXES = (WHOLE_GPUS, *RESIZE_SUFFIXES)
+#: MIG slices for a container (docs/mig.md, docs/user-guide.md "Hardware-isolated MIG slices"): a profile
+#: as the device plugin names it (``1g.10gb``; the webhook writes it from ``nvidia.com/mig-1g.10gb``), how
+#: many such slices (default 1), or instead of a profile the least memory of the slice
+#: (``mig.gpu-memory: 20Gi``: the smallest profile with that much, on the model the scheduler picks).
+MIG_PROFILE = "mig.profile"
+MIG_COUNT = "mig.count"
+MIG_MEMORY = "mig.gpu-memory"
+MIG_SUFFIXES = (MIG_PROFILE, MIG_COUNT, MIG_MEMORY)
+
+GPUFRAC_CONTAINER_SUFFIXES = (WHOLE_GPUS, *RESIZE_SUFFIXES, *MIG_SUFFIXES)
 
 # -- pod-level KAI Scheduler forms ----------------------------------------------------------------------
 
@@ -97,6 +106,9 @@ POD_LEVEL_KEYS = (
 # -- resources, labels, taints, node inventory ----------------------------------------------------------
 
 GPU_RESOURCE = "nvidia.com/gpu"
+#: The NVIDIA device plugin's MIG resources (``mixed`` strategy): ``nvidia.com/mig-<profile>``, e.g.
+#: ``nvidia.com/mig-1g.10gb``.
+MIG_RESOURCE_PREFIX = "nvidia.com/mig-"
 
 QUEUE_LABEL = "gpufrac.io/queue"
 KAI_QUEUE_LABEL = "kai.scheduler/queue"
@@ -333,6 +345,16 @@ def portion_limit_key(container: str) -> str:
 def whole_gpus_key(container: str) -> str:
     """``gpufrac.io/container.<container>.gpus``."""
     return f"{GPUFRAC_CONTAINER_PREFIX}{container}.{WHOLE_GPUS}"
+
+
+def mig_key(container: str, suffix: str) -> str:
+    """``gpufrac.io/container.<container>.<suffix>`` for one of ``MIG_SUFFIXES``."""
+    return f"{GPUFRAC_CONTAINER_PREFIX}{container}.{suffix}"
+
+
+def mig_resource(profile: str) -> str:
+    """``nvidia.com/mig-<profile>``."""
+    return f"{MIG_RESOURCE_PREFIX}{profile}"
 
 
 def resize_key(container: str, suffix: str) -> str:

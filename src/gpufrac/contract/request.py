@@ -1,8 +1,9 @@
 """The typed GPU request of a pod: what every parsed annotation form becomes.
 
 Every accepted form of the contract (per-container NvFractions keys, KAI's pod-level ``gpu-fraction``
-family, legacy ``gpu-memory``, a whole-GPU resource) normalises to one ``PodGpuRequest``. The scheduler's
-placement engine, the webhook and the node agent consume only this type, never raw annotations.
+family, legacy ``gpu-memory``, a whole-GPU resource, MIG slices) normalises to one ``PodGpuRequest``.
+The scheduler's placement engine, the webhook and the node agent consume only this type, never raw
+annotations.
 
 Memory is either whole MiB or a portion of the GPU the scheduler picks: a portion is resolved on the
 chosen GPU by ``floor(portion x GPU MiB)`` (at least 1 MiB), which is why ``GpuMemory`` keeps both forms
@@ -65,6 +66,24 @@ class GpuMemory:
 
 
 @dataclass(frozen=True, slots=True)
+class MigRequest:
+    """A container's MIG slices (docs/mig.md): ``count`` GPU instances, each of the named ``profile``
+    (``1g.10gb``, from ``nvidia.com/mig-1g.10gb`` or ``gpufrac.io/container.<c>.mig.profile``) or, with
+    ``min_mib``, the smallest profile with at least that much memory on whichever model the scheduler picks
+    (``gpufrac.mig.geometry.smallest_fitting``). Exactly one of ``profile`` and ``min_mib`` is set."""
+
+    profile: str | None = None
+    min_mib: int | None = None
+    count: int = 1
+
+    def __post_init__(self) -> None:
+        if (self.profile is None) == (self.min_mib is None):
+            raise ValueError("MigRequest needs exactly one of profile or min_mib")
+        if self.count < 1:
+            raise ValueError(f"MigRequest needs a count of at least 1, got {self.count}")
+
+
+@dataclass(frozen=True, slots=True)
 class ContainerGpuRequest:
     """The GPU request of one container.
 
@@ -72,6 +91,12 @@ class ContainerGpuRequest:
     ``exclusive`` request takes whole GPUs (``request``/``limit`` are None then). ``devices`` and
     ``compute_portion`` are binder-owned: empty/None until the scheduler has placed the pod.
     ``compute_request`` is the user's own compute share (KAI's ``gpu-compute.request``), None when absent.
+
+    A MIG container (``mig`` set) asks for hardware slices, not for memory on a shared GPU: ``request``
+    and ``limit`` are None, it is not ``exclusive``, its mode is time-slicing (it shares nothing),
+    ``device_count`` is its slice count, and the binder-owned ``devices`` are its MIG devices' UUIDs.
+    Its memory is its slices', known only once a GPU's profile is chosen, so ``request_mib`` and
+    ``limit_mib`` refuse it (``ValueError``) rather than read it as a whole GPU.
     """
 
     container: str
@@ -83,13 +108,24 @@ class ContainerGpuRequest:
     devices: tuple[str, ...] = ()
     compute_portion: float | None = None
     compute_request: float | None = None
+    mig: MigRequest | None = None
+
+    def _refuse_mig(self) -> None:
+        if self.mig is not None:
+            raise ValueError(
+                f"container {self.container} asks for MIG slices, not memory of a shared GPU: its memory is"
+                " its slices' (gpufrac.mig.profiles), read through ContainerGpuRequest.mig"
+            )
 
     def request_mib(self, gpu_mib: int) -> int:
-        """Guaranteed MiB on a GPU of ``gpu_mib`` (the whole GPU when exclusive)."""
+        """Guaranteed MiB on a GPU of ``gpu_mib`` (the whole GPU when exclusive); ``ValueError`` for a MIG
+        container."""
+        self._refuse_mig()
         return gpu_mib if self.exclusive or self.request is None else self.request.resolve(gpu_mib)
 
     def limit_mib(self, gpu_mib: int) -> int:
-        """Limit MiB on a GPU of ``gpu_mib``; defaults to the request."""
+        """Limit MiB on a GPU of ``gpu_mib``; defaults to the request. ``ValueError`` for a MIG container."""
+        self._refuse_mig()
         if self.exclusive:
             return gpu_mib
         chosen = self.limit if self.limit is not None else self.request
@@ -101,7 +137,7 @@ class ContainerGpuRequest:
         The user's compute request when given, else proportional to the guaranteed memory share (so a
         GPU full by memory is full by compute); None for time-slicing, whose share is not reserved.
         """
-        if self.mode is not ComputeMode.SM_SHARING:
+        if self.mode is not ComputeMode.SM_SHARING or self.mig is not None:
             return None
         if self.exclusive or self.request is None:
             return 1.0
