@@ -135,6 +135,10 @@ MANAGED_TAINT_VALUE = "true"
 MANAGED_TAINT_EFFECT = "NoSchedule"
 MANAGED_LABEL = "gpufrac.io/managed"
 NODE_GPUS_ANNOTATION = "gpufrac.io/gpus"
+#: A Node's wanted GPU modes and MIG layouts (the scheduler writes it) and where each stands (the node
+#: agent writes it): docs/mig.md, "Layout changes".
+NODE_GPU_LAYOUT_ANNOTATION = "gpufrac.io/gpu-layout"
+NODE_GPU_LAYOUT_STATUS_ANNOTATION = "gpufrac.io/gpu-layout-status"
 NODE_READY_CONDITION = "gpu-fractioning.nvidia.com/Ready"
 # The reasons gpufrac's node agent writes on NODE_READY_CONDITION. NVIDIA's GPU-fractioning operator writes
 # the same condition type with reasons of its own, so a reason outside this set is another node stack's.
