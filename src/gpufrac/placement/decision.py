@@ -54,6 +54,11 @@ class Reason(IntEnum):
     EXISTING_ANTI_AFFINITY = 26
     SPREAD_LABEL_MISSING = 27
     SPREAD = 28
+    # GPU modes (docs/mig.md): checked with the GPU fit above, numbered here to keep the codes stable.
+    NO_FRACTIONS_GPU = 29
+    NO_WHOLE_OR_FRACTIONS_GPU = 30
+    NO_MIG_GPU = 31
+    NO_FREE_MIG_SLICE = 32
 
     @property
     def message(self) -> str:
@@ -94,7 +99,16 @@ _MESSAGES = {
         "node(s) didn't match pod topology spread constraints (missing required label)"
     ),
     Reason.SPREAD: "node(s) didn't match pod topology spread constraints",
+    Reason.NO_FRACTIONS_GPU: "node(s) had no GPU in fractions mode (only MIG, whole or re-partitioning)",
+    Reason.NO_WHOLE_OR_FRACTIONS_GPU: "node(s) had only MIG or re-partitioning GPUs",
+    Reason.NO_MIG_GPU: "node(s) had no GPU in MIG mode",
+    Reason.NO_FREE_MIG_SLICE: "node(s) had no free MIG slice that fits",
 }
+
+
+def mig_slice_message(wanted: str) -> str:
+    """``NO_FREE_MIG_SLICE``'s sentence naming what the pod asks for (``2g.20gb``, ``at least N MiB``)."""
+    return f"node(s) had no free MIG slice of {wanted}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,10 +136,14 @@ class DeviceAssignment:
 
 @dataclass(frozen=True, slots=True)
 class ContainerPlacement:
+    """One container's devices. ``mig``: they are MIG slices (each device's UUID is the slice's MIG
+    UUID, its ``index`` the GPU's, its MiB the slice's); no fraction, limit or compute mode applies."""
+
     container: str
     mode: ComputeMode
     exclusive: bool
     devices: tuple[DeviceAssignment, ...]
+    mig: bool = False
 
     @property
     def uuids(self) -> tuple[str, ...]:

@@ -19,6 +19,7 @@ import numpy as np
 
 from gpufrac.contract.request import ROUND_UP_SLACK, ComputeMode, ContainerGpuRequest, GpuMemory
 
+from .mig_book import MigDemand, compute_slices
 from .model import ModePolicy, PendingPod
 
 PPM = 1_000_000
@@ -91,10 +92,12 @@ class Demand:
     namespace: str
     policy: str
     static_key: Hashable
+    #: MIG containers (``gpufrac.placement.mig_book``): slices, never shares of a GPU.
+    mig: tuple[MigDemand, ...] = ()
 
     @property
     def wants_gpu(self) -> bool:
-        return bool(self.containers)
+        return bool(self.containers) or bool(self.mig)
 
     @property
     def modes(self) -> frozenset[ComputeMode]:
@@ -113,6 +116,11 @@ class Demand:
             else:
                 assert c.request.mib is not None
                 milli += min(1000, -(-c.request.mib * 1000 // SIZE_GPU_MIB)) * c.count
+        for m in self.mig:
+            if m.profile is not None:
+                milli += compute_slices(m.profile) * 1000 // 7 * m.count
+            else:
+                milli += min(1000, -(-(m.min_mib or 0) * 1000 // SIZE_GPU_MIB)) * m.count
         return (milli, self.cpu_milli, self.memory_bytes)
 
     @property
@@ -130,6 +138,14 @@ def static_key(pod: PendingPod) -> Hashable:
     )
 
 
+def mig_demand(request: ContainerGpuRequest) -> MigDemand | None:
+    """The container's MIG request, or None when it asks for a share of a GPU or whole GPUs."""
+    mig = request.mig
+    if mig is None:
+        return None
+    return MigDemand(request.container, mig.profile, mig.min_mib, mig.count)
+
+
 def container_demand(request: ContainerGpuRequest, mode: ComputeMode | None = None) -> ContainerDemand:
     return ContainerDemand(
         name=request.container,
@@ -144,7 +160,12 @@ def container_demand(request: ContainerGpuRequest, mode: ComputeMode | None = No
 def demand_of(pod: PendingPod, *, policy: str, flip_modes: bool = False) -> Demand:
     """The Demand of ``pod`` under ``policy``; ``flip_modes`` builds the Preferred-mode fallback."""
     containers = []
+    migs = []
     for request in pod.gpu.containers:
+        slices = mig_demand(request)
+        if slices is not None:
+            migs.append(slices)
+            continue
         mode = request.mode
         if flip_modes and not request.exclusive:
             mode = ComputeMode.SM_SHARING if mode is ComputeMode.TIME_SLICING else ComputeMode.TIME_SLICING
@@ -153,7 +174,8 @@ def demand_of(pod: PendingPod, *, policy: str, flip_modes: bool = False) -> Dema
     cds = tuple(containers)
     # The namespace matters only where sm-sharing tenancy is checked.
     tenant = pod.namespace if any(c.mode is ComputeMode.SM_SHARING for c in cds) else ""
-    kind = (pod.cpu_milli, pod.memory_bytes, cds, tenant, policy, skey)
+    mig = tuple(migs)
+    kind = (pod.cpu_milli, pod.memory_bytes, cds, tenant, policy, skey, mig)
     return Demand(
         kind=kind,
         cpu_milli=pod.cpu_milli,
@@ -162,8 +184,11 @@ def demand_of(pod: PendingPod, *, policy: str, flip_modes: bool = False) -> Dema
         namespace=pod.namespace,
         policy=policy,
         static_key=skey,
+        mig=mig,
     )
 
 
 def can_fall_back(pod: PendingPod) -> bool:
-    return pod.mode_policy is ModePolicy.PREFERRED and any(not c.exclusive for c in pod.gpu.containers)
+    return pod.mode_policy is ModePolicy.PREFERRED and any(
+        not c.exclusive and c.mig is None for c in pod.gpu.containers
+    )

@@ -55,11 +55,13 @@ from .decision import (
     Reason,
     Status,
     Unschedulable,
+    mig_slice_message,
 )
 from .demand import PPM, ContainerDemand, Demand, can_fall_back, demand_of, portion_ppm
 from .fair_share import QueueBook, scheduling_order
 from .filters import STATIC_FILTERS, Fit, GpuRules, container_fit, resource_fit, static_reason
-from .model import NodeSpec, PendingPod, Queue, QueueResource
+from .mig_book import SliceCharge
+from .model import GpuMode, NodeSpec, PendingPod, Queue, QueueResource
 from .policies import Policy, Prior, make_policy
 from .queue_shares import Amount, QueueAmount, QueueShares, request_amount
 from .state import EXCLUSIVE, MODE_CODE, Allocation, ClusterState, DeviceCharge, GpuLedger, PodTable
@@ -164,6 +166,8 @@ class Engine:
         #: Time-based fair share (``set_usage_history``): historical usage per resource and queue, and k.
         self._usage: Mapping[QueueResource, Mapping[str, float]] = {}
         self._usage_k = 0.0
+        #: GPUs whose layout change is pending (``fence``): nothing is booked on them.
+        self._fenced: set[str] = set()
 
     # -- policies -------------------------------------------------------------------------------------
 
@@ -185,6 +189,9 @@ class Engine:
             self._rank = grown
         self._rank[n] = tie_rank(self.seed, spec.name)
         self._on_node[n] = set()
+        for gpu in spec.gpus:
+            if gpu.uuid in self._fenced:
+                self.state.fence(gpu.uuid)
 
     def remove_node(self, name: str) -> list[str]:
         """Drop a node and every pod the engine holds on it; returns those pods' uids."""
@@ -219,7 +226,7 @@ class Engine:
             self.release_hold(key)
         self.state.remove_node(spec.name)
         self.add_node(spec)
-        uuids = {g.uuid for g in spec.gpus}
+        uuids = {g.uuid for g in spec.gpus} | {s.uuid for g in spec.gpus for s in g.mig}
         for key, (_, placement, namespace) in holds:
             if all(set(c.uuids) <= uuids for c in placement.containers):
                 self.hold(key, placement, namespace=namespace)
@@ -268,6 +275,40 @@ class Engine:
     def ledger(self, node: str) -> list[GpuLedger]:
         return self.state.ledger(node)
 
+    # -- GPU modes and layouts (docs/mig.md) ----------------------------------------------------------
+
+    def fence(self, uuid: str) -> None:
+        """Book nothing on GPU ``uuid`` (idle; raises ValueError when something is booked on it) until
+        ``unfence``: its layout change is pending. Kept across the node's updates."""
+        if uuid in self.state.gpu_at:
+            self.state.fence(uuid)
+        self._fenced.add(uuid)
+
+    def unfence(self, uuid: str) -> None:
+        self._fenced.discard(uuid)
+        if uuid in self.state.gpu_at:
+            self.state.unfence(uuid)
+
+    @property
+    def fenced(self) -> frozenset[str]:
+        return frozenset(self._fenced)
+
+    def gpu_idle(self, uuid: str) -> bool:
+        """Whether nothing is booked on GPU ``uuid`` (no pod, no hold, no MIG slice taken)."""
+        n, g = self.state.gpu_at[uuid]
+        return not self.state.npods[n, g] and not self.state.mig.busy(n, g)
+
+    def idle_gpus(self, node: str) -> list[tuple[str, str, GpuMode]]:
+        """(uuid, model, mode) of the node's GPUs with nothing booked and no pending change."""
+        n = self.state.index[node]
+        spec = self.state.nodes[n]
+        assert spec is not None
+        return [
+            (g.uuid, g.model or spec.gpu_model, g.mode)
+            for g in spec.gpus
+            if g.uuid not in self._fenced and self.gpu_idle(g.uuid)
+        ]
+
     # -- bound pods -----------------------------------------------------------------------------------
 
     def assume(self, pod: PendingPod, placement: Placement) -> Placement:
@@ -276,27 +317,38 @@ class Engine:
         if pod.uid in self._bound:
             self.forget(pod.uid)
         n = self.state.index[placement.node]
+        charges, slices = self._charges(placement, n, holder=f"pod {pod.key}")
         allocation = Allocation(
             node=n,
             cpu_milli=pod.cpu_milli,
             memory_bytes=pod.memory_bytes,
             tenant=self.state.namespace_id(pod.namespace),
-            charges=self._charges(placement, n, holder=f"pod {pod.key}"),
+            charges=charges,
+            slices=slices,
         )
         self._commit(pod, allocation, placement)
         return placement
 
-    def _charges(self, placement: Placement, n: int, *, holder: str) -> tuple[DeviceCharge, ...]:
-        charges = []
+    def _charges(
+        self, placement: Placement, n: int, *, holder: str
+    ) -> tuple[tuple[DeviceCharge, ...], tuple[SliceCharge, ...]]:
+        """What ``placement`` books on node row ``n``: per device a GPU charge, or for a MIG device
+        (a slice's UUID) the slice, whole."""
+        charges, slices = [], []
+        mig = self.state.mig.slots
         for cp in placement.containers:
             for d in cp.devices:
+                found = mig.get(d.uuid)
+                if found is not None and found.node == n:
+                    slices.append(SliceCharge(found.gpu, d.uuid, found.slice.mib))
+                    continue
                 at = self.state.gpu_at.get(d.uuid)
                 if at is None or at[0] != n:
                     raise ValueError(f"GPU {d.uuid} of {holder} is not on node {placement.node}")
                 mode = EXCLUSIVE if cp.exclusive else MODE_CODE[cp.mode]
                 ppm = 0 if d.compute_portion is None else portion_ppm(d.compute_portion)
                 charges.append(DeviceCharge(at[1], d.request_mib, d.limit_mib, ppm, mode))
-        return tuple(charges)
+        return tuple(charges), tuple(slices)
 
     # -- shares no pod holds ----------------------------------------------------------------------------
 
@@ -310,8 +362,8 @@ class Engine:
         n = self.state.index.get(placement.node)
         if n is None:
             raise ValueError(f"node {placement.node} of {key} is not known")
-        charges = self._charges(placement, n, holder=key)
-        allocation = Allocation(n, 0, 0, self.state.namespace_id(namespace), charges, pods=0)
+        charges, slices = self._charges(placement, n, holder=key)
+        allocation = Allocation(n, 0, 0, self.state.namespace_id(namespace), charges, pods=0, slices=slices)
         self.state.apply(allocation)
         self._holds[key] = (allocation, placement, namespace)
         self._held_on_node.setdefault(n, set()).add(key)
@@ -360,7 +412,7 @@ class Engine:
         self.state.apply(allocation)
         self.pods.add(pod.uid, allocation, priority=pod.priority, queue=pod.queue, movable=pod.movable)
         self.book.add(pod, allocation.node)
-        mib = sum(c.request_mib for c in allocation.charges)
+        mib = allocation.gpu_mib
         gpus = _whole_gpus(allocation)
         self._bound[pod.uid] = _Bound(pod, allocation, placement, mib, gpus)
         self._on_node[allocation.node].add(pod.uid)
@@ -670,7 +722,11 @@ class Engine:
             fit = resource_fit(st, demand, candidates, self.rules)
             reasons[reasons == 0] = fit.reasons
             feasible = fit.feasible()
-            if feasible.nodes.size:
+            if feasible.nodes.size and demand.mig and not demand.containers:
+                kc.key[feasible.nodes] = (_mig_scores(st, demand, feasible.nodes) << _RANK_BITS) | self._rank[
+                    feasible.nodes
+                ]
+            elif feasible.nodes.size:
                 scores, gpu = kc.policy.score(st, demand, feasible)
                 kc.key[feasible.nodes] = (scores << _RANK_BITS) | self._rank[feasible.nodes]
                 single = demand.single
@@ -715,7 +771,7 @@ class Engine:
                 kc.reason[best] = Reason.DEVICE_ASSIGNMENT
                 nominated = None
                 continue
-            mib = sum(c.request_mib for c in allocation.charges)
+            mib = allocation.gpu_mib
             held = self._nominees_held(besides=pod.uid) if self._nominees else None
             exceeded = self.queues.exceeded(pod.queue, mib, _whole_gpus(allocation), held=held)
             if exceeded is not None:
@@ -733,8 +789,15 @@ class Engine:
             codes = np.where(codes == 0, overlay[: st.rows], codes)
         codes = codes[st.present[: st.rows]]
         counts = np.bincount(codes, minlength=len(Reason))
+        wanted = ", ".join(m.describe() for m in kc.demand.mig)
+
+        def message(code: int) -> str:
+            if code == Reason.NO_FREE_MIG_SLICE and wanted:
+                return mig_slice_message(wanted)
+            return Reason(code).message
+
         ranked = sorted(
-            ((Reason(code).message, int(n)) for code, n in enumerate(counts[: len(Reason)]) if n and code),
+            ((message(code), int(n)) for code, n in enumerate(counts[: len(Reason)]) if n and code),
             key=lambda item: (-item[1], item[0]),
         )
         return Unschedulable(pod.uid, st.node_count, tuple(ranked))
@@ -766,7 +829,13 @@ class Engine:
             finally:
                 for step in reversed(staged):
                     st.release(step)
-        return Allocation(n, demand.cpu_milli, demand.memory_bytes, tenant, tuple(charges))
+        slices: tuple[SliceCharge, ...] = ()
+        if demand.mig:
+            chosen = st.mig.choose(n, demand.mig)
+            if chosen is None:
+                return None
+            slices = tuple(SliceCharge(s.gpu, s.slice.uuid, s.slice.mib) for group in chosen for s in group)
+        return Allocation(n, demand.cpu_milli, demand.memory_bytes, tenant, tuple(charges), slices=slices)
 
     def _placement(self, pod: PendingPod, demand: Demand, allocation: Allocation) -> Placement:
         st = self.state
@@ -790,6 +859,16 @@ class Engine:
                 )
             i += c.count
             containers.append(ContainerPlacement(c.name, c.mode, c.exclusive, tuple(devices)))
+        j = 0
+        for m in demand.mig:
+            devices = []
+            for sl in allocation.slices[j : j + m.count]:
+                gpu = spec.gpus[sl.gpu]
+                devices.append(DeviceAssignment(sl.uuid, gpu.index, sl.mib, sl.mib, None))
+            j += m.count
+            containers.append(
+                ContainerPlacement(m.name, ComputeMode.TIME_SLICING, False, tuple(devices), mig=True)
+            )
         return Placement(pod.uid, spec.name, tuple(containers))
 
 
@@ -802,6 +881,25 @@ def _charge(st: ClusterState, c: ContainerDemand, n: int, g: int) -> DeviceCharg
         ppm=int(c.ppm(cap)[0]),
         mode=EXCLUSIVE if c.exclusive else MODE_CODE[c.mode],
     )
+
+
+_MIG_SCORE_TOP = (1 << 22) - 1
+
+
+def _mig_scores(st: ClusterState, demand: Demand, nodes: np.ndarray) -> np.ndarray:
+    """Score of each node for a pod that asks only for MIG slices: the less memory its slices would
+    waste over a size request the better (a named profile wastes none), then the more slices the node
+    has taken already (pack MIG pods, so that idle GPUs stay free to be re-partitioned)."""
+    out = np.zeros(nodes.size, dtype=np.int64)
+    for i, n in enumerate(nodes.tolist()):
+        chosen = st.mig.choose(n, demand.mig)
+        if chosen is None:
+            continue
+        pairs = zip(demand.mig, chosen, strict=True)
+        waste = sum(s.slice.mib - (m.min_mib or s.slice.mib) for m, group in pairs for s in group)
+        taken = sum(1 for s in st.mig.node_slots(n) if s.taken)
+        out[i] = max(0, _MIG_SCORE_TOP - min(waste, 1 << 17) * 16 + min(taken, 15))
+    return out
 
 
 def _first_choice(policy: Policy, st: ClusterState, c: ContainerDemand, fit: Fit) -> np.ndarray:

@@ -32,7 +32,7 @@ from gpufrac.contract.request import ComputeMode
 from .decision import Reason
 from .demand import PPM, ContainerDemand, Demand
 from .model import NodeSpec, TaintEffect
-from .state import EMPTY, MODE_CODE, SM_SHARING, ClusterState
+from .state import EMPTY, MIG, MODE_CODE, SM_SHARING, WHOLE_IDLE, ClusterState
 
 
 class StaticFilter(Protocol):
@@ -157,9 +157,17 @@ def container_fit(
     mode = state.mode[nodes]
     need = container.count
     reasons = np.zeros(nodes.size, dtype=np.int8)
+    if state.partitioned:
+        # Some GPUs serve MIG slices or whole GPUs only (or are being re-partitioned): say so first.
+        base = state.base[nodes]
+        if container.exclusive:
+            served, code = (base == EMPTY) | (base == WHOLE_IDLE), Reason.NO_WHOLE_OR_FRACTIONS_GPU
+        else:
+            served, code = base == EMPTY, Reason.NO_FRACTIONS_GPU
+        reasons[served.sum(axis=1) < need] = code
     if container.exclusive:
-        ok = mode == EMPTY
-        reasons[ok.sum(axis=1) < need] = Reason.NO_WHOLE_GPU
+        ok = (mode == EMPTY) | (mode == WHOLE_IDLE)
+        reasons[(ok.sum(axis=1) < need) & (reasons == 0)] = Reason.NO_WHOLE_GPU
     else:
         want = MODE_CODE[container.mode]
         ok = (mode == EMPTY) | (mode == want)
@@ -238,14 +246,34 @@ class Fit:
         return self._free_milli
 
 
+def mig_fit(state: ClusterState, demand: Demand, nodes: np.ndarray) -> np.ndarray:
+    """Reason per node for the pod's MIG containers (``gpufrac.placement.mig_book``): a node with no GPU
+    in mode mig cannot serve them; one that has must hold free slices for all of them together. Only
+    nodes with MIG GPUs are looked at one by one (MIG demand is small)."""
+    reasons = np.zeros(nodes.size, dtype=np.int8)
+    count = state.gpu_count[nodes]
+    has_mig = (state.base[nodes] == MIG).any(axis=1)
+    reasons[~has_mig] = Reason.NO_MIG_GPU
+    reasons[count == 0] = Reason.NO_GPUS
+    real = nodes if state.mig_rows is None else state.mig_rows[nodes]
+    for i in np.flatnonzero(has_mig).tolist():
+        if state.mig.choose(int(real[i]), demand.mig) is None:
+            reasons[i] = Reason.NO_FREE_MIG_SLICE
+    return reasons
+
+
 _HOST = HostFit()
 
 
 def resource_fit(state: ClusterState, demand: Demand, nodes: np.ndarray, rules: GpuRules) -> Fit:
-    """Host fit, then GPU fit; the first failing filter's reason per node."""
+    """Host fit, then GPU fit, then MIG fit; the first failing filter's reason per node."""
     reasons = _HOST.check(state, demand, nodes)
     masks: list[np.ndarray] = []
     if demand.containers:
         codes, masks = GpuFit(rules).fit(state, demand, nodes)
         reasons = np.where(reasons == 0, codes, reasons)
+    if demand.mig:
+        open_ = reasons == 0
+        if open_.any():
+            reasons[open_] = mig_fit(state, demand, nodes[open_])
     return Fit(state, nodes, reasons, masks)

@@ -30,7 +30,7 @@ import numpy as np
 from .demand import Demand
 from .filters import Fit
 from .scoring import milli_of, reference_cap
-from .state import ABSENT, EMPTY, EXCLUSIVE, MODE_CODE, ClusterState
+from .state import EMPTY, EXCLUSIVE, MODE_CODE, MODE_CODES, ClusterState
 from .typical import TypicalSet, TypicalSource
 
 
@@ -61,7 +61,7 @@ def _with(typical: TypicalSet, need: np.ndarray, access: np.ndarray) -> Shapes:
     if modes is None:
         modes = typical._memo["mode"] = np.array([MODE_CODE[p.mode] for p in typical.pods], dtype=np.int8)
         # (mode code of a GPU, K): may a device of k go on a GPU in that mode (empty, or k's own mode)
-        codes = np.arange(ABSENT + 1)[:, None]
+        codes = np.arange(MODE_CODES)[:, None]
         typical._memo["mode_ok"] = (codes == EMPTY) | (codes == modes[None, :])
     return Shapes(
         need=need,

@@ -65,14 +65,39 @@ class Toleration:
         return self.operator is TolerationOperator.EXISTS or self.value == taint.value
 
 
+class GpuMode(StrEnum):
+    """What a GPU serves (docs/mig.md): fractions (and whole-GPU pods while empty), MIG slices only, or
+    whole-GPU pods only. The node agent publishes it per GPU; the scheduler asks for changes."""
+
+    FRACTIONS = "fractions"
+    MIG = "mig"
+    WHOLE = "whole"
+
+
+@dataclass(frozen=True, slots=True)
+class MigSlice:
+    """One MIG GPU instance of a GPU in mode ``mig``: its profile (``3g.40gb``), its placement start
+    (memory-slice offset), its MIG device UUID (``MIG-...``: what a container is given) and its memory."""
+
+    profile: str
+    start: int
+    uuid: str
+    mib: int
+
+    def __str__(self) -> str:
+        return f"{self.profile}@{self.start}"
+
+
 @dataclass(frozen=True, slots=True)
 class GpuDevice:
-    """One physical GPU as the node agent publishes it."""
+    """One physical GPU as the node agent publishes it; ``mig`` lists its slices when ``mode`` is MIG."""
 
     uuid: str
     index: int
     memory_mib: int
     model: str = ""
+    mode: GpuMode = GpuMode.FRACTIONS
+    mig: tuple[MigSlice, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

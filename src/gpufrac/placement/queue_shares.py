@@ -39,7 +39,8 @@ import copy
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from gpufrac.contract.request import PodGpuRequest
+from gpufrac.contract.request import MigRequest, PodGpuRequest
+from gpufrac.mig.profiles import MIG_MODELS
 
 from .decision import Placement
 from .fair_share import QueueBook, fair_shares
@@ -284,10 +285,23 @@ def placed_amount(placement: Placement) -> Amount:
 
 def request_amount(request: PodGpuRequest, gpu_mib: int) -> Amount:
     """What a GPU request asks for on GPUs of ``gpu_mib`` (a portion resolves against it; an exclusive
-    device is the whole GPU and one whole GPU)."""
-    mib = sum(c.request_mib(gpu_mib) * c.device_count for c in request.containers)
+    device is the whole GPU and one whole GPU; a MIG container its slices, ``mig_request_mib``)."""
+    mib = sum(
+        mig_request_mib(c.mig) if c.mig is not None else c.request_mib(gpu_mib) * c.device_count
+        for c in request.containers
+    )
     gpus = sum(c.device_count for c in request.containers if c.exclusive)
     return Amount(mib, gpus)
+
+
+def mig_request_mib(mig: MigRequest) -> int:
+    """The least GPU memory a MIG request books: its size, or its profile's memory on the supported
+    model where that profile is smallest (the exact slice is known only where it is placed); per slice
+    times the count."""
+    if mig.min_mib is not None:
+        return mig.min_mib * mig.count
+    sizes = [p.memory_mib for m in MIG_MODELS.values() if (p := m.profile(mig.profile or "")) is not None]
+    return min(sizes, default=0) * mig.count
 
 
 def _has_terms(queues: Iterable[Queue], resource: QueueResource) -> bool:

@@ -14,6 +14,13 @@ and tenant return to EMPTY/none when the last pod leaves.
 Every change to a node bumps its ``version``; the engine caches per-node filter and score results and
 recomputes only nodes whose version moved. Changes to node specs (labels, taints, readiness) bump
 ``spec_epoch`` so cached static-filter masks are rebuilt.
+
+GPU modes (docs/mig.md): a GPU in mode ``fractions`` starts EMPTY; one in mode ``whole`` starts
+WHOLE_IDLE (a whole-GPU pod may take it, a fraction may not); one in mode ``mig`` is MIG for good, with no
+fraction room (``free`` 0) and its slices in the MIG book (``gpufrac.placement.mig_book``), which
+``apply``/``release`` keep with the arrays. ``base`` is the code a GPU returns to when its last pod
+leaves. A GPU whose layout change is pending is FENCED: nothing is booked on it until the node publishes
+the change (``fence``).
 """
 
 from __future__ import annotations
@@ -24,13 +31,21 @@ import numpy as np
 
 from gpufrac.contract.request import ComputeMode
 
-from .model import NodeSpec
+from .mig_book import MigBook, SliceCharge
+from .model import GpuDevice, GpuMode, NodeSpec
 
 EMPTY = 0
 TIME_SLICING = 1
 SM_SHARING = 2
 EXCLUSIVE = 3
 ABSENT = 4
+MIG = 5
+WHOLE_IDLE = 6
+FENCED = 7
+MODE_CODES = 8
+"""How many mode codes there are (tables indexed by a GPU's mode code have this many rows)."""
+
+BASE_CODE = {GpuMode.FRACTIONS: EMPTY, GpuMode.MIG: MIG, GpuMode.WHOLE: WHOLE_IDLE}
 
 MODE_CODE = {ComputeMode.TIME_SLICING: TIME_SLICING, ComputeMode.SM_SHARING: SM_SHARING}
 NO_TENANT = -1
@@ -60,6 +75,13 @@ class Allocation:
     #: Pod slots it takes: 1 for a pod, 0 for GPU shares no pod holds itself (a DRA claim's allocation,
     #: ``Engine.hold``).
     pods: int = 1
+    #: MIG slices it holds (``gpufrac.placement.mig_book``), beside the fraction charges.
+    slices: tuple[SliceCharge, ...] = ()
+
+    @property
+    def gpu_mib(self) -> int:
+        """Guaranteed GPU memory it books: fraction requests and whole slices (a queue's gpuMemory)."""
+        return sum(c.request_mib for c in self.charges) + sum(s.mib for s in self.slices)
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +118,7 @@ _ARRAYS = [
     "limit_sum",
     "ppm",
     "mode",
+    "base",
     "npods",
     "tenant",
 ]
@@ -120,6 +143,12 @@ class ClusterState:
         self._models: dict[str, int] = {"": 0}
         self._model_names: list[str] = [""]
         self.tenants: dict[tuple[int, int], dict[int, int]] = {}
+        self.mig = MigBook()
+        #: Node rows of the MIG book per row of these arrays: None here (the same rows); a hypothetical
+        #: copy's rows are a selection of the real ones.
+        self.mig_rows: np.ndarray | None = None
+        #: GPUs not in mode fractions (MIG, whole, fenced): while 0 the filters skip the mode reasons.
+        self.partitioned = 0
         self._alloc_arrays(node_slots, gpu_slots)
 
     # -- storage --------------------------------------------------------------------------------------
@@ -144,6 +173,7 @@ class ClusterState:
         self.limit_sum = np.zeros((rows, cols), dtype=np.int64)
         self.ppm = np.zeros((rows, cols), dtype=np.int64)
         self.mode = np.full((rows, cols), ABSENT, dtype=np.int8)
+        self.base = np.full((rows, cols), ABSENT, dtype=np.int8)
         self.npods = np.zeros((rows, cols), dtype=np.int64)
         self.tenant = np.full((rows, cols), NO_TENANT, dtype=np.int64)
 
@@ -220,20 +250,62 @@ class ClusterState:
         self.limit_sum[n, :] = 0
         self.ppm[n, :] = 0
         self.mode[n, :] = ABSENT
+        self.base[n, :] = ABSENT
         self.npods[n, :] = 0
         self.tenant[n, :] = NO_TENANT
         uuids = []
         for g, gpu in enumerate(spec.gpus):
             self.cap[n, g] = gpu.memory_mib
-            self.free[n, g] = gpu.memory_mib
-            self.mode[n, g] = EMPTY
+            self._set_gpu_mode(n, g, gpu)
             self.gpu_at[gpu.uuid] = (n, g)
             uuids.append(gpu.uuid)
         self.gpu_uuid[n] = uuids
-        self.free_total[n] = self.cap_total[n] = sum(g.memory_mib for g in spec.gpus)
-        self.empty_count[n] = len(spec.gpus)
+        self.cap_total[n] = sum(g.memory_mib for g in spec.gpus)
+        self.free_total[n] = int(self.free[n, : len(spec.gpus)].sum())
+        self.empty_count[n] = int((self.mode[n, : len(spec.gpus)] != MIG).sum())
+        self.mig.add_node(n, spec.gpus)
         self.spec_epoch += 1
         return n
+
+    def _set_gpu_mode(self, n: int, g: int, gpu: GpuDevice) -> None:
+        """An idle GPU's codes and fraction room by its published mode."""
+        code = BASE_CODE[gpu.mode]
+        self.mode[n, g] = self.base[n, g] = code
+        self.free[n, g] = 0 if code == MIG else gpu.memory_mib
+        if code != EMPTY:
+            self.partitioned += 1
+
+    def fence(self, uuid: str) -> None:
+        """Book nothing more on idle GPU ``uuid``: its layout change is pending (docs/mig.md). Undone by
+        ``unfence`` or by the node's next spec, which carries the GPU as the agent left it."""
+        n, g = self.gpu_at[uuid]
+        if self.npods[n, g] or self.mig.busy(n, g):
+            raise ValueError(f"GPU {uuid} holds bookings: its layout cannot change")
+        if self.base[n, g] == FENCED:
+            return
+        if self.base[n, g] == EMPTY:
+            self.partitioned += 1
+        self.free_total[n] -= max(0, int(self.free[n, g]))
+        self.free[n, g] = 0
+        self.mode[n, g] = self.base[n, g] = FENCED
+        self.mig.fenced.add((n, g))
+        self.version[n] += 1
+
+    def unfence(self, uuid: str) -> None:
+        n, g = self.gpu_at[uuid]
+        if self.base[n, g] != FENCED:
+            return
+        spec = self.nodes[n]
+        assert spec is not None
+        self.partitioned -= 1
+        self._set_gpu_mode(n, g, spec.gpus[g])
+        self.free_total[n] += int(self.free[n, g])
+        self.mig.fenced.discard((n, g))
+        self.version[n] += 1
+
+    def fenced(self, uuid: str) -> bool:
+        at = self.gpu_at.get(uuid)
+        return at is not None and int(self.base[at]) == FENCED
 
     def remove_node(self, name: str) -> int:
         """Drop a node (its allocations must have been released first)."""
@@ -242,6 +314,9 @@ class ClusterState:
             del self.gpu_at[uuid]
         for g in range(len(self.gpu_uuid[n])):
             self.tenants.pop((n, g), None)
+            if self.base[n, g] != EMPTY:
+                self.partitioned -= 1
+        self.mig.remove_node(n)
         self.gpu_uuid[n] = []
         self.nodes[n] = None
         self.present[n] = False
@@ -250,6 +325,7 @@ class ClusterState:
         self.cap[n, :] = 0
         self.free[n, :] = -1
         self.mode[n, :] = ABSENT
+        self.base[n, :] = ABSENT
         self.gpu_count[n] = self.free_total[n] = self.cap_total[n] = self.empty_count[n] = 0
         self.cpu_free[n] = self.mem_free[n] = self.pods_free[n] = 0
         self._free_slots.append(n)
@@ -275,6 +351,14 @@ class ClusterState:
     # -- ledgers --------------------------------------------------------------------------------------
 
     def apply(self, a: Allocation) -> None:
+        """Book ``a``; a slice taken already raises ValueError and leaves every book as it was."""
+        for i, sl in enumerate(a.slices):
+            try:
+                self.mig.take(sl.uuid)
+            except ValueError:
+                for taken in a.slices[:i]:
+                    self.mig.give(taken.uuid)
+                raise
         n = a.node
         self.cpu_free[n] -= a.cpu_milli
         self.mem_free[n] -= a.memory_bytes
@@ -293,6 +377,8 @@ class ClusterState:
         self.version[n] += 1
 
     def release(self, a: Allocation) -> None:
+        for sl in a.slices:
+            self.mig.give(sl.uuid)
         n = a.node
         self.cpu_free[n] += a.cpu_milli
         self.mem_free[n] += a.memory_bytes
@@ -301,7 +387,7 @@ class ClusterState:
             g = c.gpu
             self.npods[n, g] -= 1
             if self.npods[n, g] == 0:
-                self.mode[n, g] = EMPTY
+                self.mode[n, g] = self.base[n, g]
                 self.empty_count[n] += 1
             self.free[n, g] += c.request_mib
             self.free_total[n] += c.request_mib
@@ -457,7 +543,7 @@ class PodTable:
         self.movable[s] = movable
         self.cpu[s] = allocation.cpu_milli
         self.mem[s] = allocation.memory_bytes
-        self.mib[s] = sum(c.request_mib for c in allocation.charges)
+        self.mib[s] = allocation.gpu_mib
         self.gpus[s] = len({c.gpu for c in allocation.charges})
         for c in allocation.charges:
             self.req[s, c.gpu] += c.request_mib
@@ -557,6 +643,9 @@ class PodTable:
         out._models = state._models
         out._model_names = state._model_names
         out.tenants = {}
+        out.mig = state.mig
+        out.mig_rows = nodes if state.mig_rows is None else state.mig_rows[nodes]
+        out.partitioned = state.partitioned
         out.rows, out.cols = nodes.size, cols
         out.present = state.present[nodes]
         out.version = state.version[nodes]
@@ -576,7 +665,8 @@ class PodTable:
         out.ppm = state.ppm[nodes] - r.ppm
         out.npods = state.npods[nodes] - r.on
         mode = state.mode[nodes]
-        out.mode = np.where((out.npods == 0) & (mode != ABSENT), EMPTY, mode).astype(np.int8)
+        out.base = state.base[nodes]
+        out.mode = np.where(out.npods == 0, out.base, mode).astype(np.int8)
         out.empty_count = (out.mode == EMPTY).sum(axis=1)
         if tenant is None:
             out.tenant = state.tenant[nodes]
