@@ -23,8 +23,11 @@ request_mib, limit_mib, mode (``time-slicing``/``sm-sharing``), portion (null un
 portion), exclusive (whole GPUs), pipe_dir (host directory mounted as the container's MPS directory,
 null for whole GPUs), created_at (unix seconds), claims (list, empty unless the container's GPU is a share
 of our DRA driver: the ``<namespace>/<name>`` of each ResourceClaim it runs in; its devices, memory, mode
-and portion are then the claim's allocation as prepared, read back from the claim's CDI spec). A record
-without ``claims`` (written before it existed) reads as an annotation fraction. Unknown schema versions
+and portion are then the claim's allocation as prepared, read back from the claim's CDI spec),
+mig_profiles (list, empty unless the container runs on MIG slices: mode ``mig``, exclusive, devices the
+slices' ``MIG-`` UUIDs, request and limit the smallest slice's MiB, and here each slice's profile in the
+order of devices, ``?`` where the inventory did not know it). A record without ``claims`` (written before
+it existed) reads as an annotation fraction. Unknown schema versions
 are left on disk and skipped.
 """
 
@@ -46,6 +49,11 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 1
+
+#: The record mode of a container on MIG slices (docs/mig.md): the hardware isolates it, nothing is set.
+MIG_MODE = "mig"
+#: A slice profile the inventory did not know when the record was made (a Synchronize before it was read).
+UNKNOWN_PROFILE = "?"
 
 #: What the agent accepts as a container id before it names a file or directory after it: containerd and
 #: CRI-O use 64 hex digits; anything with a slash, a NUL, a leading dot or over 128 characters could
@@ -92,11 +100,19 @@ class AllocationRecord:
     #: annotation fraction). Usage and faults count such a container like any fraction; the limit
     #: enforcer, the ``GpuMemoryEnforced`` condition and the MPS hooks leave it to the claim's CDI spec.
     claims: tuple[str, ...] = ()
+    #: The profile of each device when the container runs on MIG slices (mode ``MIG_MODE``); else empty.
+    mig_profiles: tuple[str, ...] = ()
+
+    @property
+    def is_mig(self) -> bool:
+        """Runs on MIG slices: no memory limit, no MPS; the hardware enforces what it gets."""
+        return self.mode == MIG_MODE
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
         data["devices"] = list(self.devices)
         data["claims"] = list(self.claims)
+        data["mig_profiles"] = list(self.mig_profiles)
         return {"schema": SCHEMA_VERSION, **data}
 
     @classmethod
@@ -121,6 +137,7 @@ class AllocationRecord:
             pipe_dir=data.get("pipe_dir"),
             created_at=float(data.get("created_at", 0.0)),
             claims=tuple(str(c) for c in data.get("claims") or ()),
+            mig_profiles=tuple(str(p) for p in data.get("mig_profiles") or ()),
         )
 
 

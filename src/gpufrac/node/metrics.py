@@ -6,6 +6,12 @@ Collector that renders only the latest snapshot at scrape time, so the series of
 gone disappear with the next collection instead of lingering as stale gauges, and every allocated
 fraction has series (zeros) before its container first touches the GPU.
 
+MIG slices (docs/mig.md) have series of their own, memory used and total per slice, labelled with the
+parent GPU, the slice's UUID and profile and the container on it (empty labels for a free slice); a
+container on a slice also has its fraction series, on the slice's UUID with mode ``mig``. The per-GPU
+series leave slices out, so a sum over GPUs never counts a slice's memory twice. Without a GPU the
+slices are the SIMULATED usage backend's (``gpufrac.node.usage.simulated``).
+
 Counters (enforcement violations by kind, MPS restarts and wedges) live in ``EnforcementCounters``: the
 audit and the MPS supervisor call its methods, the exporter renders them. All kinds start at zero so a
 rate() over them is defined from the first scrape.
@@ -42,6 +48,7 @@ VIOLATION_KINDS = (MISSING_INJECTION, UNKNOWN_PROCESS, OVER_LIMIT, FOREIGN_GPU)
 
 FRACTION_LABELS = ("node", "namespace", "pod", "container", "gpu_uuid", "gpu_index", "mode")
 GPU_LABELS = ("node", "gpu_uuid", "gpu_index")
+SLICE_LABELS = ("node", "gpu_uuid", "gpu_index", "slice_uuid", "profile", "namespace", "pod", "container")
 
 # Metric names, declared once: ``gpufrac top`` reads the same series by these names.
 FRACTION_MEMORY_USED = "gpufrac_fraction_memory_used_bytes"
@@ -56,6 +63,8 @@ GPU_MEMORY_ALLOCATED = "gpufrac_gpu_memory_allocated_bytes"
 GPU_MEMORY_USED = "gpufrac_gpu_memory_used_bytes"
 GPU_MEMORY_UNATTRIBUTED = "gpufrac_gpu_memory_unattributed_bytes"
 GPU_BUSY_TENANTS = "gpufrac_gpu_busy_tenants"
+MIG_SLICE_MEMORY_USED = "gpufrac_mig_slice_memory_used_bytes"
+MIG_SLICE_MEMORY_TOTAL = "gpufrac_mig_slice_memory_total_bytes"
 AGENT_INFO = "gpufrac_agent_info"
 # The driver's per-cgroup memory limits (gpufrac.node.memlimit): what is in force, not what was injected.
 FRACTION_LIMIT_VERIFIED = "gpufrac_fraction_memory_limit_verified"
@@ -194,6 +203,7 @@ class UsageExporter(Collector):
     def collect(self) -> Iterator[Metric]:
         yield from self._fraction_metrics()
         yield from self._gpu_metrics()
+        yield from self._slice_metrics()
         yield from self._counter_metrics()
         if self._limits is not None:
             yield from self._limit_metrics(self._limits())
@@ -322,6 +332,8 @@ class UsageExporter(Collector):
         )
         snapshot = self._latest
         for g in snapshot.gpus if snapshot is not None else ():
+            if g.parent_uuid is not None:  # a MIG slice: _slice_metrics
+                continue
             labels = [self._node, g.uuid, str(g.index)]
             total.add_metric(labels, g.memory_total_bytes)
             allocated.add_metric(labels, g.allocated_bytes)
@@ -345,6 +357,41 @@ class UsageExporter(Collector):
             )
             at.add_metric([self._node], snapshot.taken_at)
             yield at
+
+    def _slice_metrics(self) -> Iterator[Metric]:
+        used = GaugeMetricFamily(
+            MIG_SLICE_MEMORY_USED,
+            "GPU memory used by all processes on this MIG slice.",
+            labels=SLICE_LABELS,
+        )
+        total = GaugeMetricFamily(
+            MIG_SLICE_MEMORY_TOTAL,
+            "Memory of this MIG slice (its GPU instance's, as NVML reports it).",
+            labels=SLICE_LABELS,
+        )
+        snapshot = self._latest
+        if snapshot is not None:
+            on_slice: dict[str, list[tuple[str, str, str]]] = {}
+            for f in snapshot.fractions:
+                a = f.allocation
+                on_slice.setdefault(f.gpu_uuid, []).append((a.pod_namespace, a.pod_name, a.container_name))
+            for g in snapshot.gpus:
+                if g.parent_uuid is None:
+                    continue
+                for namespace, pod, container in on_slice.get(g.uuid) or [("", "", "")]:
+                    labels = [
+                        self._node,
+                        g.parent_uuid,
+                        str(g.index),
+                        g.uuid,
+                        g.mig_profile or "",
+                        namespace,
+                        pod,
+                        container,
+                    ]
+                    used.add_metric(labels, g.used_bytes)
+                    total.add_metric(labels, g.memory_total_bytes)
+        yield from (used, total)
 
     def _counter_metrics(self) -> Iterator[Metric]:
         values = self._counters.read()

@@ -4,6 +4,9 @@ It reads nothing but the agents' /metrics endpoints (the same series Prometheus 
 shows is what dashboards and alerts see, and it works from a laptop with a port-forward. Each refresh
 scrapes every URL; an agent that does not answer is shown as unreachable and the others still render.
 ``--once`` prints one snapshot and exits (scripts, tests, CI logs).
+
+A GPU in MIG mode is shown with its slices under it: each slice's profile and UUID, the container on it
+(or free), the slice's memory as request and limit, and its used memory.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from rich.live import Live
 from rich.table import Table
 
 from gpufrac.node import metrics
+from gpufrac.node.mapping import MIG_MODE
 
 _FRACTION_VALUES = {
     metrics.FRACTION_MEMORY_REQUEST: "request",
@@ -35,12 +39,28 @@ _GPU_VALUES = {
 }
 
 
+_SLICE_VALUES = {metrics.MIG_SLICE_MEMORY_USED: "used", metrics.MIG_SLICE_MEMORY_TOTAL: "total"}
+
+
+@dataclass
+class SliceView:
+    """One MIG slice: its profile, the container on it (empty: free) and its memory."""
+
+    uuid: str
+    profile: str
+    occupant: tuple[str, str, str] = ("", "", "")
+    values: dict[str, float] = field(default_factory=dict)
+    #: The container's fraction series on the slice (SM% and compute shares), when it has them.
+    fraction: dict[str, float] = field(default_factory=dict)
+
+
 @dataclass
 class GpuView:
     uuid: str
     index: str
     values: dict[str, float] = field(default_factory=dict)
     fractions: dict[tuple[str, str, str, str], dict[str, float]] = field(default_factory=dict)
+    slices: dict[str, SliceView] = field(default_factory=dict)
 
 
 @dataclass
@@ -64,12 +84,29 @@ def parse_agent(*, url: str, text: str) -> AgentView:
             if uuid is None:
                 continue
             gpu = view.gpus.setdefault(uuid, GpuView(uuid=uuid, index=labels.get("gpu_index", "?")))
-            if s.name in _GPU_VALUES:
+            if s.name in _SLICE_VALUES:
+                piece = gpu.slices.setdefault(
+                    labels["slice_uuid"], SliceView(uuid=labels["slice_uuid"], profile=labels["profile"])
+                )
+                if labels.get("container"):
+                    piece.occupant = (labels["namespace"], labels["pod"], labels["container"])
+                piece.values[_SLICE_VALUES[s.name]] = s.value
+            elif s.name in _GPU_VALUES:
                 gpu.values[_GPU_VALUES[s.name]] = s.value
             elif s.name in _FRACTION_VALUES:
                 key = (labels["namespace"], labels["pod"], labels["container"], labels.get("mode", ""))
                 gpu.fractions.setdefault(key, {})[_FRACTION_VALUES[s.name]] = s.value
+    _fold_slices(view)
     return view
+
+
+def _fold_slices(view: AgentView) -> None:
+    """A slice's container has fraction series on the slice's UUID: they belong to the slice's row."""
+    for gpu in list(view.gpus.values()):
+        for piece in gpu.slices.values():
+            as_gpu = view.gpus.pop(piece.uuid, None)
+            if as_gpu is not None and as_gpu.fractions:
+                piece.fraction = next(iter(as_gpu.fractions.values()))
 
 
 def scrape(urls: list[str], *, timeout_s: float = 3.0) -> list[AgentView]:
@@ -112,10 +149,11 @@ def render(views: list[AgentView]) -> Table:
             continue
         for gpu in sorted(view.gpus.values(), key=lambda g: (len(g.index), g.index)):
             v = gpu.values
+            held = f"{len(gpu.slices)} MIG slice(s)" if gpu.slices else f"{len(gpu.fractions)} fraction(s)"
             table.add_row(
                 f"[bold]{view.node}[/bold]",
                 f"[bold]{gpu.index}[/bold] {gpu.uuid[:12]}",
-                f"[dim]{len(gpu.fractions)} fraction(s) on {_bytes(v.get('total'))}[/dim]",
+                f"[dim]{held} on {_bytes(v.get('total'))}[/dim]",
                 "",
                 _bytes(v.get("allocated")),
                 "",
@@ -139,7 +177,26 @@ def render(views: list[AgentView]) -> Table:
                     _percent(f.get("entitled")),
                     _percent(f.get("received")),
                 )
+            for piece in sorted(gpu.slices.values(), key=lambda p: (p.profile, p.uuid)):
+                table.add_row(*_slice_row(piece))
     return table
+
+
+def _slice_row(piece: SliceView) -> tuple[str, ...]:
+    namespace, pod, container = piece.occupant
+    total, f = _bytes(piece.values.get("total")), piece.fraction
+    return (
+        "",
+        f"└ {piece.profile} {piece.uuid[:16]}",
+        f"{namespace}/{pod}/{container}" if container else "[dim]free[/dim]",
+        MIG_MODE,
+        total,
+        total,
+        _bytes(piece.values.get("used")),
+        _percent(f.get("sm")),
+        _percent(f.get("entitled")),
+        _percent(f.get("received")),
+    )
 
 
 def top(

@@ -3,6 +3,11 @@
 NVML answers "which processes run on this GPU and how much memory / SM time do they use"; tests and the
 embedded cluster answer the same question from a simulated table. Both return plain frozen values so
 the rest of the pipeline never touches NVML handles.
+
+A MIG slice (a MIG device: one GPU instance with its compute instance, docs/mig.md) is reported as a
+device of its own, keyed by its ``MIG-`` UUID, with its own memory and processes (NVML answers the
+same queries on a MIG device handle), and names its parent GPU and profile. A container placed on a
+slice names that UUID among its devices, so attribution needs no special case.
 """
 
 from __future__ import annotations
@@ -27,12 +32,17 @@ class GpuProcess:
 
 @dataclass(frozen=True, slots=True)
 class GpuProcesses:
-    """The processes of one physical GPU at one sample."""
+    """The processes of one GPU, or of one MIG slice of a GPU, at one sample.
+
+    A slice has ``parent_uuid`` (the GPU it is carved from; ``index`` is the GPU's) and ``mig_profile``
+    (``1g.10gb``); both are None for a GPU."""
 
     uuid: str
     index: int
     memory_total_bytes: int
     processes: tuple[GpuProcess, ...] = ()
+    parent_uuid: str | None = None
+    mig_profile: str | None = None
 
 
 class ProcessUsageBackend(Protocol):

@@ -10,8 +10,11 @@ among the fraction's devices; anything else on a GPU is a stray: the audit's "pr
 no fraction". The MPS server and control daemon are GPU processes of the node itself and never strays.
 
 A whole-GPU (exclusive) container is reported like a fraction whose request and limit are the GPU's
-memory. Every allocated (fraction, GPU) pair appears in the snapshot, with zeros when its container has not
-touched the GPU yet, so dashboards show an idle fraction instead of no fraction.
+memory; so is a container on a MIG slice, on the slice (the backend reports each slice as a device of its
+own, with its memory: ``gpufrac.node.usage.backend``). A slice is managed when its parent GPU is, so a
+process on a slice that is not its container's is a stray like one on a GPU. Every allocated (fraction,
+GPU) pair appears in the snapshot, with zeros when its container has not touched the GPU yet, so
+dashboards show an idle fraction instead of no fraction.
 
 Compute, per (fraction, GPU):
 
@@ -107,6 +110,9 @@ class GpuUsage:
     unattributed_bytes: int
     busy_tenants: int
     managed: bool
+    #: A MIG slice: the GPU it is carved from and its profile (None for a GPU).
+    parent_uuid: str | None = None
+    mig_profile: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,7 +168,7 @@ class UsageCollector:
         for gpu in gpus:
             tenants = _tenants(by_device, gpu)
             own, gpu_strays = self._attribute(gpu, tenants={a.container_id for a in tenants})
-            managed = self._managed is None or gpu.uuid in self._managed
+            managed = self._managed is None or gpu.uuid in self._managed or gpu.parent_uuid in self._managed
             if managed:
                 strays.extend(gpu_strays)
             on_gpu = _fractions_on_gpu(gpu, tenants=tenants, own=own)
@@ -177,6 +183,8 @@ class UsageCollector:
                     unattributed_bytes=sum(s.used_bytes for s in gpu_strays),
                     busy_tenants=sum(1 for f in on_gpu if f.busy),
                     managed=managed,
+                    parent_uuid=gpu.parent_uuid,
+                    mig_profile=gpu.mig_profile,
                 )
             )
         return UsageSnapshot(

@@ -5,7 +5,12 @@ NVML gives (processes per GPU, used bytes, SM share). A test changes it through 
 collections; another process can drive it through a JSON file that is re-read on every sample:
 
     {"gpus": [{"uuid": "GPU-…", "index": 0, "memory_total_bytes": 85899345920,
-               "processes": [{"pid": 4242, "used_bytes": 1073741824, "sm_ratio": 0.5}]}]}
+               "processes": [{"pid": 4242, "used_bytes": 1073741824, "sm_ratio": 0.5}]},
+              {"uuid": "MIG-…", "index": 1, "memory_total_bytes": 10468982784,
+               "parent_uuid": "GPU-…", "mig_profile": "1g.10gb", "processes": []}]}
+
+An entry with ``parent_uuid`` is a SIMULATED MIG slice of that GPU (its profile in ``mig_profile``), as
+the NVML backend reports a real one.
 
 In the node agent (``--usage-backend simulated``) the GPUs themselves come from its simulated inventory
 (``gpus``): the file then only adds processes, an entry naming a known GPU by ``uuid`` may leave out
@@ -17,6 +22,7 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 from gpufrac.node.usage.backend import GpuProcess, GpuProcesses
@@ -29,9 +35,24 @@ class SimulatedUsage:
         self._lock = threading.Lock()
         self._gpus: dict[str, GpuProcesses] = {gpu.uuid: gpu for gpu in gpus}
 
-    def add_gpu(self, *, uuid: str, index: int, memory_total_bytes: int) -> None:
+    def add_gpu(
+        self,
+        *,
+        uuid: str,
+        index: int,
+        memory_total_bytes: int,
+        parent_uuid: str | None = None,
+        mig_profile: str | None = None,
+    ) -> None:
+        """A GPU, or with ``parent_uuid`` a MIG slice of that GPU (``index`` is the parent's)."""
         with self._lock:
-            self._gpus[uuid] = GpuProcesses(uuid=uuid, index=index, memory_total_bytes=memory_total_bytes)
+            self._gpus[uuid] = GpuProcesses(
+                uuid=uuid,
+                index=index,
+                memory_total_bytes=memory_total_bytes,
+                parent_uuid=parent_uuid,
+                mig_profile=mig_profile,
+            )
 
     def set_process(self, *, gpu: str, pid: int, used_bytes: int, sm_ratio: float = 0.0) -> None:
         """Start ``pid`` on ``gpu`` or change its usage."""
@@ -88,11 +109,11 @@ class SimulatedUsageFile:
                     )
                     for p in gpu.get("processes", ())
                 ),
+                parent_uuid=gpu.get("parent_uuid", known.parent_uuid if known is not None else None),
+                mig_profile=gpu.get("mig_profile", known.mig_profile if known is not None else None),
             )
         return tuple(table.values())
 
 
 def _replace_processes(gpu: GpuProcesses, processes: tuple[GpuProcess, ...]) -> GpuProcesses:
-    return GpuProcesses(
-        uuid=gpu.uuid, index=gpu.index, memory_total_bytes=gpu.memory_total_bytes, processes=processes
-    )
+    return replace(gpu, processes=processes)
