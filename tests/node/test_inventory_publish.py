@@ -70,8 +70,20 @@ async def test_simulated_gpus_are_published_on_the_node(client: AsyncClient, nod
 
     node = await client.get(Node, node_name)
     assert published_gpus(node) == [
-        {"uuid": simulated_uuid(node_name, 0), "index": 0, "model": "H100-80GB", "mib": 81559},
-        {"uuid": simulated_uuid(node_name, 1), "index": 1, "model": "H100-80GB", "mib": 81559},
+        {
+            "uuid": simulated_uuid(node_name, 0),
+            "index": 0,
+            "model": "H100-80GB",
+            "mib": 81559,
+            "mode": "fractions",
+        },
+        {
+            "uuid": simulated_uuid(node_name, 1),
+            "index": 1,
+            "model": "H100-80GB",
+            "mib": 81559,
+            "mode": "fractions",
+        },
     ]
     assert node.metadata is not None and node.metadata.labels is not None
     node_labels = node.metadata.labels
@@ -97,8 +109,8 @@ async def test_a_gpu_that_goes_away_is_withdrawn(client: AsyncClient, node_name:
     try:
         await eventually(lambda: pub.publishes >= 1)
         gone = simulated_uuid(node_name, 1)
-        backend.remove_gpu(gone)  # fell off the bus
-        backend.set_mig(2)  # an operator enabled MIG
+        backend.remove_gpu(gone)  # taken out
+        backend.set_lost(2)  # fell off the bus
         await eventually(lambda: pub.published is not None and len(pub.published.gpus) == 1)
 
         node = await client.get(Node, node_name)
@@ -108,9 +120,10 @@ async def test_a_gpu_that_goes_away_is_withdrawn(client: AsyncClient, node_name:
         ready = condition(node, READY)
         assert ready.status == "True"
         assert f"({gone}) withdrawn: it is gone" in (ready.message or "")
-        assert "GPU 2" in (ready.message or "") and "MIG is enabled" in (ready.message or "")
+        assert "GPU 2" in (ready.message or "") and "fell off the bus" in (ready.message or "")
 
         backend.remove_gpu(0)
+        backend.remove_gpu(2)
         await eventually(lambda: pub.published is not None and not pub.published.gpus)
         node = await client.get(Node, node_name)
         assert published_gpus(node) == []

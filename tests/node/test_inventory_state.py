@@ -43,11 +43,11 @@ def test_yaml_file_is_reread_when_it_changes(tmp_path: Path) -> None:
     backend = SimulatedInventory(node_name="n", config=config)
     assert len(backend.read().usable) == 2
 
-    config.write_text("driver: 615.20.01\ngpus:\n  - {model: L4-24GB}\n  - {model: L4-24GB, mig: true}\n")
+    config.write_text("driver: 615.20.01\ngpus:\n  - {model: L4-24GB}\n  - {model: L4-24GB, xid: 48}\n")
     os.utime(config, ns=(1, 1))  # a different mtime even within the filesystem's timestamp granularity
     inv = backend.read()
     assert len(inv.gpus) == 2 and len(inv.usable) == 1
-    assert inv.withdrawn[0][1] == "MIG is enabled"
+    assert "XID 48" in inv.withdrawn[0][1]
 
     config.write_text("gpus: [")
     os.utime(config, ns=(2, 2))
@@ -64,8 +64,8 @@ def test_ready_node_publishes_every_usable_gpu_and_its_capability() -> None:
     state = desired_state(inventory=backend.read(), capability=v3())
     assert state.ready and state.reason == "GpuFractioningReady"
     assert json.loads(state.gpus_annotation) == [
-        {"uuid": simulated_uuid("n", 0), "index": 0, "model": "H100-80GB", "mib": 81559},
-        {"uuid": simulated_uuid("n", 1), "index": 1, "model": "H100-80GB", "mib": 81559},
+        {"uuid": simulated_uuid("n", 0), "index": 0, "model": "H100-80GB", "mib": 81559, "mode": "fractions"},
+        {"uuid": simulated_uuid("n", 1), "index": 1, "model": "H100-80GB", "mib": 81559, "mode": "fractions"},
     ]
     assert state.labels["gpufrac.io/managed"] == "true"
     assert state.labels["gpu-fractioning.kai.scheduler/nvidia-driver-version.major"] == "615"
@@ -74,26 +74,28 @@ def test_ready_node_publishes_every_usable_gpu_and_its_capability() -> None:
     assert state.labels["gpufrac.io/gpu-model"] == "H100-80GB" and state.labels["gpufrac.io/gpu-count"] == "2"
 
 
-def test_mig_and_missing_gpus_are_withdrawn_with_a_reason() -> None:
-    backend = SimulatedInventory(node_name="n", spec=parse_flag("3xH100-80GB"))
+def test_faulted_and_missing_gpus_are_withdrawn_with_a_reason_and_a_mig_gpu_is_published_as_mig() -> None:
+    backend = SimulatedInventory(node_name="n", spec=parse_flag("4xH100-80GB"))
     backend.set_mig(0)
+    backend.set_xid(3, 48)
     gone = simulated_uuid("n", 2)
     backend.remove_gpu(2)
     state = desired_state(inventory=backend.read(), capability=v3(), missing={gone: 2})
-    assert [g["index"] for g in state.gpus] == [1]
-    assert state.ready
-    assert "GPU 0" in state.message and "MIG is enabled" in state.message
+    assert [(g["index"], g["mode"]) for g in state.gpus] == [(0, "mig"), (1, "fractions")]
+    assert state.gpus[0]["mig"] == []  # MIG on, no slices made yet
+    assert state.ready and state.labels["gpufrac.io/gpu-count"] == "2"
+    assert "GPU 3" in state.message and "XID 48" in state.message
     assert f"GPU 2 ({gone}) withdrawn: it is gone" in state.message
 
 
 @pytest.mark.parametrize(
     ("setup", "reason", "says"),
     [
-        (lambda b: b.set_mig(0), "NoUsableGpus", "no GPU is usable"),
+        (lambda b: b.set_lost(0), "NoUsableGpus", "no GPU is usable"),
         (lambda b: b.remove_gpu(0), "NoUsableGpus", "no GPU was found"),
         (lambda b: b.set_driver("580.65.06"), "NoEnforceableComputeMode", "needs r615+"),
     ],
-    ids=["mig", "gone", "old-driver-no-mps"],
+    ids=["lost", "gone", "old-driver-no-mps"],
 )
 def test_not_ready_says_what_is_missing(setup, reason: str, says: str) -> None:  # type: ignore[no-untyped-def]
     backend = SimulatedInventory(node_name="n", spec=parse_flag("1xL4-24GB"))

@@ -20,8 +20,10 @@ One slice per node, one pool named after the node, one device per usable GPU:
 - attributes for selectors: model, UUID, index, driver major, and one boolean per compute mode saying
   whether the node can enforce that mode's limits right now (the capability labels' truth).
 
-A GPU the inventory withdraws (gone, MIG enabled, compute prohibited) leaves the slice, and a pool whose
-content changes gets the next ``generation``, so the scheduler drops the older view. While the inventory
+A GPU the inventory withdraws (gone, compute prohibited) leaves the slice, and so does one that does not
+serve fractions (mode ``mig`` or ``whole``, docs/mig.md: its MIG slices and whole-GPU pods go through the
+annotation path only); a pool whose content changes gets the next ``generation``, so the scheduler drops
+the older view. While the inventory
 cannot be read at all, the slice keeps no devices: nothing may be allocated on GPUs nobody can see.
 
 The slice is owned by the Node (an owner reference), so it goes when the Node is deleted, as the slices
@@ -131,7 +133,7 @@ def desired_devices(
         driver_major: int | None = DriverVersion.parse(inventory.driver_version).major
     except ValueError:
         driver_major = None
-    return [_device(g, driver_major=driver_major, capability=capability) for g in inventory.usable]
+    return [_device(g, driver_major=driver_major, capability=capability) for g in inventory.fractionable]
 
 
 def _without_gated(devices: list[dict[str, Any]]) -> list[dict[str, Any]]:

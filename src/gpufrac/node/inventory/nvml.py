@@ -9,6 +9,17 @@ total framebuffer memory and what the driver reserves of it (``nvmlDeviceGetMemo
 the driver lacks v2), compute mode and MIG mode. ``nvmlDeviceGetMigMode`` raises NOT_SUPPORTED on GPUs
 without MIG: that is MIG off. A failing NVML as a whole raises ``InventoryUnavailable``.
 
+MIG (docs/mig.md). ``nvmlDeviceGetMigMode`` gives the current and the pending mode. On a GPU whose current
+mode is MIG the GPU instances are read per GPU-instance profile: ``nvmlDeviceGetGpuInstanceProfileInfo``
+for each ``NVML_GPU_INSTANCE_PROFILE_*`` the GPU has (the others answer NOT_SUPPORTED or
+INVALID_ARGUMENT), ``nvmlDeviceGetGpuInstances`` with that profile's id, and ``nvmlGpuInstanceGetInfo`` for
+each instance's id and placement start. The profile's name is NVML's (the v2 info's ``name``,
+``MIG 3g.40gb`` -> ``3g.40gb``). The MIG devices (``nvmlDeviceGetMaxMigDeviceCount``,
+``nvmlDeviceGetMigDeviceHandleByIndex``, NOT_FOUND for an unused index) give each GPU instance its MIG UUID
+(``nvmlDeviceGetGpuInstanceId`` to match, ``nvmlDeviceGetUUID``) and memory (``nvmlDeviceGetMemoryInfo``
+on the MIG device; the profile's ``memorySizeMB`` where that fails). A GPU instance without a compute
+instance has no MIG device: nothing can run on it, it is left out (the layout executor recreates it).
+
 NVML is initialised once and kept; a failed read re-initialises on the next call, so a driver reload
 (nvidia-smi -r, a driver upgrade) is picked up without restarting the agent.
 
@@ -24,8 +35,10 @@ to fall between two reads (5 s apart) is not seen: such a GPU stays withdrawn un
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import logging
+import threading
 from typing import Any
 
 from gpufrac.contract.quantities import MIB
@@ -33,6 +46,7 @@ from gpufrac.node.inventory.backend import (
     APPLICATION_XIDS,
     GpuInfo,
     InventoryUnavailable,
+    MigSliceInfo,
     NodeInventory,
     NvmlComputeMode,
 )
@@ -52,6 +66,7 @@ class NvmlInventory:
         self._xids: dict[str, int] = {}  # uuid -> the fatal XID it reported since NVML was initialised
         self._seen: dict[int, GpuInfo] = {}  # index -> the GPU as last read (to name a lost one)
         self._went_away: set[str] = set()  # uuids unreadable at some read since their XID: being reset
+        self._lock = threading.Lock()  # the publisher and the MIG layout executor read from their threads
 
     def _init(self) -> None:
         if not self._initialised:
@@ -99,6 +114,10 @@ class NvmlInventory:
             self._nvml.nvmlShutdown()
 
     def read(self) -> NodeInventory:
+        with self._lock:
+            return self._read()
+
+    def _read(self) -> NodeInventory:
         nvml = self._nvml
         try:
             self._init()
@@ -132,10 +151,11 @@ class NvmlInventory:
         nvml = self._nvml
         handle = nvml.nvmlDeviceGetHandleByIndex(index)
         try:
-            current, _pending = nvml.nvmlDeviceGetMigMode(handle)
+            current, pending = nvml.nvmlDeviceGetMigMode(handle)
             mig = current == nvml.NVML_DEVICE_MIG_ENABLE
+            mig_pending = pending == nvml.NVML_DEVICE_MIG_ENABLE
         except nvml.NVMLError_NotSupported:
-            mig = False
+            mig = mig_pending = False
         try:  # memory info v2 (driver r510+) says what the driver reserves for itself
             memory = nvml.nvmlDeviceGetMemoryInfo(handle, version=nvml.nvmlMemory_v2)
             total, reserved = int(memory.total), -(-int(memory.reserved) // MIB)
@@ -152,7 +172,54 @@ class NvmlInventory:
                 int(nvml.nvmlDeviceGetComputeMode(handle)), NvmlComputeMode.DEFAULT
             ),
             mig=mig,
+            mig_pending=mig_pending,
+            mig_slices=read_mig_slices(nvml, handle) if mig else (),
         )
+
+
+def read_mig_slices(nvml: Any, handle: Any) -> tuple[MigSliceInfo, ...]:
+    """The GPU instances of a MIG-enabled GPU that have a MIG device, by start (REAL NVML)."""
+    instances: dict[int, tuple[str, int, int]] = {}  # GPU instance id -> (profile, start, profile MiB)
+    for profile_index in range(int(nvml.NVML_GPU_INSTANCE_PROFILE_COUNT)):
+        try:
+            info = nvml.nvmlDeviceGetGpuInstanceProfileInfo(handle, profile_index)
+        except (nvml.NVMLError_NotSupported, nvml.NVMLError_InvalidArgument):
+            continue  # a profile this GPU does not have
+        if int(info.instanceCount) == 0:
+            continue
+        name = _profile_name(info)
+        found = (nvml.c_nvmlGpuInstance_t * int(info.instanceCount))()
+        count = ctypes.c_uint(0)
+        nvml.nvmlDeviceGetGpuInstances(handle, info.id, found, ctypes.byref(count))
+        for i in range(count.value):
+            gi = nvml.nvmlGpuInstanceGetInfo(found[i])
+            instances[int(gi.id)] = (name, int(gi.placement.start), int(info.memorySizeMB))
+    devices: dict[int, tuple[str, int | None]] = {}  # GPU instance id -> (MIG UUID, MiB)
+    for index in range(int(nvml.nvmlDeviceGetMaxMigDeviceCount(handle))):
+        try:
+            mig = nvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, index)
+        except nvml.NVMLError_NotFound:
+            continue
+        try:
+            mib: int | None = int(nvml.nvmlDeviceGetMemoryInfo(mig).total) // MIB
+        except nvml.NVMLError:
+            mib = None
+        devices[int(nvml.nvmlDeviceGetGpuInstanceId(mig))] = (_text(nvml.nvmlDeviceGetUUID(mig)), mib)
+    slices = [
+        MigSliceInfo(profile=name, start=start, uuid=devices[gi][0], mib=devices[gi][1] or profile_mib)
+        for gi, (name, start, profile_mib) in instances.items()
+        if gi in devices
+    ]
+    return tuple(sorted(slices, key=lambda s: s.start))
+
+
+def _profile_name(info: Any) -> str:
+    """``3g.40gb`` from the profile info's v2 name (``MIG 3g.40gb``); from its slices and memory when the
+    driver gives no name (the device plugin's spelling: compute slices, memory rounded up to GB)."""
+    name = _text(getattr(info, "name", b"") or b"").strip()
+    if name:
+        return name.removeprefix("MIG ").strip()
+    return f"{int(info.sliceCount)}g.{-(-int(info.memorySizeMB) // 1024)}gb"
 
 
 # nvmlComputeMode_t: NVML_COMPUTEMODE_DEFAULT 0, _EXCLUSIVE_THREAD 1 (deprecated), _PROHIBITED 2,

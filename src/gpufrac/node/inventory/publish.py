@@ -3,11 +3,13 @@
 What the scheduler (and an operator) reads from the Node:
 
 - annotation ``gpufrac.io/gpus``: the usable GPUs, ``[{"uuid", "index", "model", "mib", "total_mib",
-  "reserved_mib"}]``, ``mib`` being the memory the scheduler may pack (the total less the driver's and
-  the MPS server's reserve: ``gpufrac.node.inventory.reserve``). A GPU that disappears, falls off the bus,
-  reports a fatal XID, has MIG enabled or is prohibited from running contexts is left out -- withdrawn --
-  so no new fraction lands on it (containers already there keep running; their pods get an Event, see
-  ``gpufrac.node.gpu_faults``).
+  "reserved_mib", "mode"}]``, ``mib`` being the memory the scheduler may pack (the total less the driver's
+  and the MPS server's reserve: ``gpufrac.node.inventory.reserve``) and ``mode`` what the GPU serves
+  (``fractions``, ``mig`` or ``whole``; always written, a reader takes a missing one, an older agent's, as
+  ``fractions``). A GPU in mode ``mig`` also has ``"mig": [{"profile", "start", "uuid", "mib"}]``, its GPU
+  instances by start (docs/mig.md). A GPU that disappears, falls off the bus, reports a fatal XID or is
+  prohibited from running contexts is left out -- withdrawn -- so no new pod lands on it (containers
+  already there keep running; their pods get an Event, see ``gpufrac.node.gpu_faults``).
 - labels: ``gpufrac.io/managed=true``, the driver major
   (``gpu-fractioning.kai.scheduler/nvidia-driver-version.major``), the compute modes the node can enforce
   memory for (``gpufrac.io/compute-mode.time-slicing|sm-sharing``, ``gpufrac.io/mps``: an input, see
@@ -53,7 +55,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any
@@ -70,7 +72,13 @@ from gpufrac.node import labels as names
 from gpufrac.node.dra.slices import ResourceSlicePublisher
 from gpufrac.node.enforcement_audit import EventSink
 from gpufrac.node.gpustack import GATE_LABEL, GpuStackGate, StackVerdict
-from gpufrac.node.inventory.backend import GpuInventoryBackend, InventoryUnavailable, NodeInventory
+from gpufrac.node.inventory.backend import (
+    GpuInfo,
+    GpuInventoryBackend,
+    GpuMode,
+    InventoryUnavailable,
+    NodeInventory,
+)
 from gpufrac.node.inventory.reserve import MemoryReserveSettings, driver_reserve_mib, usable_mib
 from gpufrac.node.mps.mode import DriverVersion, NodeMpsCapability
 
@@ -149,18 +157,23 @@ def desired_state(
         )
     usable = inventory.usable
     if reserve is None:
-        gpus = tuple({"uuid": g.uuid, "index": g.index, "model": g.model, "mib": g.mib} for g in usable)
+        gpus = tuple(
+            _with_mode(g, {"uuid": g.uuid, "index": g.index, "model": g.model, "mib": g.mib}) for g in usable
+        )
     else:
         gpus = tuple(
-            {
-                "uuid": g.uuid,
-                "index": g.index,
-                "model": g.model,
-                "mib": usable_mib(g, settings=reserve, mps=mps_reserve),
-                "total_mib": g.mib,
-                "reserved_mib": driver_reserve_mib(g, settings=reserve)
-                + (reserve.mps_server_mib if mps_reserve else 0),
-            }
+            _with_mode(
+                g,
+                {
+                    "uuid": g.uuid,
+                    "index": g.index,
+                    "model": g.model,
+                    "mib": usable_mib(g, settings=reserve, mps=mps_reserve),
+                    "total_mib": g.mib,
+                    "reserved_mib": driver_reserve_mib(g, settings=reserve)
+                    + (reserve.mps_server_mib if mps_reserve else 0),
+                },
+            )
             for g in usable
         )
     models = {g.model for g in usable}
@@ -191,7 +204,7 @@ def desired_state(
         return NodeState(labels=node_labels, gpus=gpus, ready=ready, reason=reason, message=message + suffix)
 
     if not usable:
-        found = "no GPU was found" if not inventory.gpus else "no GPU is usable for fractioning"
+        found = "no GPU was found" if not inventory.gpus else "no GPU is usable"
         return state(False, names.REASON_NO_GPUS, found)
     if not nri_connected:
         return state(
@@ -228,6 +241,25 @@ def desired_state(
     )
 
 
+def _with_mode(gpu: GpuInfo, entry: dict[str, Any]) -> dict[str, Any]:
+    """``entry`` with the GPU's mode and, for a MIG GPU, its slices by start (docs/mig.md)."""
+    entry["mode"] = gpu.mode.value
+    if gpu.mode is GpuMode.MIG:
+        entry["mig"] = [
+            {"profile": s.profile, "start": s.start, "uuid": s.uuid, "mib": s.mib}
+            for s in sorted(gpu.mig_slices, key=lambda s: (s.start, s.profile))
+        ]
+    return entry
+
+
+def with_whole(inventory: NodeInventory, whole: Collection[str]) -> NodeInventory:
+    """``inventory`` with the GPUs the node agent serves whole marked so (no backend knows that mode: it is
+    the layout executor's record, ``gpufrac.node.mig_layout``)."""
+    if not whole and not any(g.whole for g in inventory.gpus):
+        return inventory
+    return replace(inventory, gpus=tuple(replace(g, whole=g.uuid in whole) for g in inventory.gpus))
+
+
 def _label_value(text: str) -> str:
     """A label value: at most 63 of [A-Za-z0-9._-], starting and ending alphanumeric."""
     cleaned = "".join(c if c.isalnum() or c in "._-" else "-" for c in text)[:63]
@@ -254,10 +286,13 @@ class InventoryPublisher:
         on_inventory: Callable[[NodeInventory], None] | None = None,
         driver_upgrade: Callable[[], str | None] | None = None,
         slices: ResourceSlicePublisher | None = None,
+        whole_gpus: Callable[[], Collection[str]] | None = None,
     ) -> None:
         """``stack_gate``: the GPU stack gate (``gpufrac.node.gpustack``) readiness is withheld by.
         ``memory_reserve`` / ``mps_reserve``: publish usable memory (``desired_state``).
-        ``on_inventory``: called with every successful read (``gpufrac.node.gpu_faults``)."""
+        ``on_inventory``: called with every successful read (``gpufrac.node.gpu_faults``).
+        ``whole_gpus``: the UUIDs the node agent serves whole (``gpufrac.node.mig_layout``)."""
+        self._whole_gpus = whole_gpus or frozenset
         self._on_inventory = on_inventory
         self._stack_gate = stack_gate
         self._memory_reserve = memory_reserve
@@ -308,6 +343,7 @@ class InventoryPublisher:
         except InventoryUnavailable as exc:
             self._read = (None, None)
             return desired_state(inventory=None, unavailable=str(exc))
+        inventory = with_whole(inventory, self._whole_gpus())
         self.inventory = inventory
         if self._on_inventory is not None:
             self._on_inventory(inventory)

@@ -10,7 +10,8 @@ YAML::
     cuda: "13.4"               # CUDA version the driver supports (informational)
     gpus:
       - {count: 4, model: H100-80GB}          # MiB from the model table below
-      - {model: L4-24GB, mib: 23034, mig: true}
+      - {model: A100-80GB, mig: true}          # MIG enabled, no slices yet
+      - {model: H100-80GB, mig: true, layout: ["3g.40gb@0", "2g.20gb@4", "1g.10gb@6"]}
       - {uuid: GPU-1234..., model: T4-16GB, reserved_mib: 450}   # an explicit UUID (count 1)
       - {model: L4-24GB, xid: 79}             # a GPU with a fatal XID since its last reset
       - {model: L4-24GB, lost: true}          # a GPU fallen off the bus
@@ -19,6 +20,17 @@ YAML::
 simulated driver reports 0 unless told, so a simulated GPU's usable memory is its total unless a test or
 file says otherwise. Faults are SIMULATED too: ``set_xid`` (a critical XID event, as NVML's event set
 delivers it), ``set_lost`` (GPU_IS_LOST), and ``reset_gpu`` (the GPU reset that clears an XID).
+
+MIG is SIMULATED with each model's real profiles and placement rules (``gpufrac.mig``): ``mig: true``
+needs a model with MIG tables (A100-40GB, A100-80GB, H100-80GB, H200-141GB), ``layout`` lists its GPU
+instances as ``<profile>@<start>`` and must be a valid layout. The backend is also the SIMULATED
+``MigControl`` (``gpufrac.node.mig.control``) with NVML's semantics: a MIG mode change is pending until
+``reset_gpu`` (as on an A100, MIG User Guide "Deployment Considerations"; ``resetless=True`` makes it
+immediate, as a driver that resets an idle GPU itself), a slice that overlaps another fails with
+INSUFFICIENT_RESOURCES, and MIG cannot be disabled while slices exist (IN_USE). MIG device UUIDs are derived
+from the GPU's UUID and the slice (``simulated_mig_uuid``), so a slice recreated where it was has the UUID
+it had. ``crash_before(n)`` SIMULATES the agent being killed: the n-th MIG operation from then raises
+``SimulatedCrash`` (not an ``Exception``: nothing in the agent catches it) before it changes anything.
 
 Flag (``--sim-gpus``): ``COUNTxMODEL[:MIB]`` groups separated by commas, e.g. ``8xH100-80GB`` or
 ``2xA100-40GB,1xL4-24GB:23034``.
@@ -38,13 +50,17 @@ from typing import Any
 
 import yaml
 
+from gpufrac.mig.geometry import MigLayoutError, Slice, check_layout
+from gpufrac.mig.profiles import mig_model
 from gpufrac.node.inventory.backend import (
     APPLICATION_XIDS,
     GpuInfo,
     InventoryUnavailable,
+    MigSliceInfo,
     NodeInventory,
     NvmlComputeMode,
 )
+from gpufrac.node.mig.control import MigControlError
 
 #: Framebuffer MiB as NVML reports it for common data-centre GPUs.
 MODEL_MIB: dict[str, int] = {
@@ -67,6 +83,15 @@ def simulated_uuid(node: str, index: int) -> str:
     return f"GPU-{uuid.uuid5(_UUID_NAMESPACE, f'{node}/{index}')}"
 
 
+def simulated_mig_uuid(gpu_uuid: str, slice_: Slice) -> str:
+    """The MIG device UUID of a simulated slice: the same GPU and slice always give the same one."""
+    return f"MIG-{uuid.uuid5(_UUID_NAMESPACE, f'{gpu_uuid}/{slice_}')}"
+
+
+class SimulatedCrash(BaseException):
+    """The node agent killed between two MIG steps (SIMULATED; a BaseException so nothing catches it)."""
+
+
 @dataclass(frozen=True, slots=True)
 class SimGpu:
     model: str
@@ -77,6 +102,7 @@ class SimGpu:
     reserved_mib: int = 0
     xid: int | None = None
     lost: bool = False
+    layout: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,7 +155,9 @@ def parse_yaml(text: str) -> SimSpec:
             reserved_mib=int(entry.get("reserved_mib", 0)),
             xid=int(entry["xid"]) if entry.get("xid") is not None else None,
             lost=bool(entry.get("lost", False)),
+            layout=tuple(str(t) for t in entry.get("layout") or ()),
         )
+        _check_mig(gpu)
         if not 0 <= gpu.reserved_mib < gpu.mib:
             raise ValueError(
                 f"reserved_mib={gpu.reserved_mib} must be at least 0 and below the GPU's {gpu.mib} MiB"
@@ -144,10 +172,40 @@ def parse_yaml(text: str) -> SimSpec:
     )
 
 
+def _check_mig(gpu: SimGpu) -> None:
+    """``mig`` and ``layout`` of a simulated GPU: a MIG model, a valid layout (one sentence otherwise)."""
+    if not gpu.mig and not gpu.layout:
+        return
+    model = mig_model(gpu.model)
+    if model is None:
+        raise ValueError(
+            f"mig=true on model {gpu.model!r} is invalid: MIG is simulated for A100-40GB, A100-80GB, "
+            "H100-80GB and H200-141GB only"
+        )
+    if not gpu.mig:
+        raise ValueError(f"layout={list(gpu.layout)} is invalid: a MIG layout needs mig: true")
+    try:
+        check_layout(model, [Slice.parse(t) for t in gpu.layout])
+    except MigLayoutError as exc:
+        raise ValueError(f"layout={list(gpu.layout)} is invalid: {exc}") from None
+
+
 class SimulatedInventory:
     """A ``GpuInventoryBackend`` over a ``SimSpec`` that tests (or a file) may change at any time."""
 
-    def __init__(self, *, node_name: str, spec: SimSpec | None = None, config: Path | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        node_name: str,
+        spec: SimSpec | None = None,
+        config: Path | None = None,
+        resetless: bool = False,
+    ) -> None:
+        """``resetless``: a MIG mode change takes effect at once (the driver resets the idle GPU itself)."""
+        self._resetless = resetless
+        self._crash_in: int | None = None
+        #: Every MIG operation that changed something, in order: ("create", uuid, "3g.40gb@0"), ...
+        self.mig_operations: list[tuple[str, str, str]] = []
         if (spec is None) == (config is None):
             raise ValueError("give the simulated GPUs as a spec or as a config file, one of them")
         self._node = node_name
@@ -179,6 +237,8 @@ class SimulatedInventory:
                 reserved_mib=gpu.reserved_mib,
                 xid=gpu.xid,
                 lost=gpu.lost,
+                mig_pending=gpu.mig,
+                mig_slices=_slices(gpu.uuid or simulated_uuid(self._node, index), gpu.model, gpu.layout),
             )
             for index, gpu in enumerate(spec.gpus)
         ]
@@ -220,10 +280,8 @@ class SimulatedInventory:
             self._gpus = [g for g in self._gpus if uuid_or_index not in (g.uuid, g.index)]
 
     def set_mig(self, uuid_or_index: str | int, *, enabled: bool = True) -> None:
-        with self._lock:
-            self._gpus = [
-                replace(g, mig=enabled) if uuid_or_index in (g.uuid, g.index) else g for g in self._gpus
-            ]
+        """An operator enabled (or disabled) MIG and reset the GPU: no slices yet."""
+        self._change(uuid_or_index, mig=enabled, mig_pending=enabled, mig_slices=())
 
     def _change(self, uuid_or_index: str | int, **fields: Any) -> None:
         with self._lock:
@@ -242,8 +300,82 @@ class SimulatedInventory:
         self._change(uuid_or_index, lost=lost)
 
     def reset_gpu(self, uuid_or_index: str | int) -> None:
-        """A GPU reset: its XID is cleared."""
-        self._change(uuid_or_index, xid=None)
+        """A GPU reset: its XID is cleared and a pending MIG mode becomes current (``MigControl``)."""
+        self._step()
+        with self._lock:
+            gpu = self._find(uuid_or_index)
+            mode = gpu.mig_pending_mode
+            slices = gpu.mig_slices if mode else ()
+            self._put(replace(gpu, xid=None, mig=mode, mig_pending=mode, mig_slices=slices))
+            self.mig_operations.append(("reset", gpu.uuid, "mig" if mode else "no mig"))
+
+    # -- the SIMULATED MigControl (gpufrac.node.mig.control) ---------------------------------------------
+
+    def crash_before(self, operations: int) -> None:
+        """The ``operations``-th MIG operation from now raises ``SimulatedCrash`` instead of running."""
+        self._crash_in = operations
+
+    def _step(self) -> None:
+        if self._crash_in is not None:
+            self._crash_in -= 1
+            if self._crash_in <= 0:
+                self._crash_in = None
+                raise SimulatedCrash("the node agent was killed (simulated) before this MIG step")
+
+    def _find(self, uuid_or_index: str | int) -> GpuInfo:
+        gpu = next((g for g in self._gpus if uuid_or_index in (g.uuid, g.index)), None)
+        if gpu is None:
+            raise MigControlError("NVML_ERROR_NOT_FOUND", f"no GPU {uuid_or_index} on this node")
+        return gpu
+
+    def _put(self, gpu: GpuInfo) -> None:
+        self._gpus = [gpu if g.uuid == gpu.uuid else g for g in self._gpus]
+
+    def set_mig_mode(self, gpu: str, enabled: bool) -> bool:
+        self._step()
+        with self._lock:
+            info = self._find(gpu)
+            if mig_model(info.model) is None:
+                raise MigControlError("NVML_ERROR_NOT_SUPPORTED", f"{info.model} {gpu} has no MIG")
+            if not enabled and info.mig_slices:
+                raise MigControlError(
+                    "NVML_ERROR_IN_USE", f"GPU {gpu} still has GPU instances: destroy them first"
+                )
+            now = enabled if self._resetless else info.mig
+            self._put(replace(info, mig=now, mig_pending=enabled))
+            self.mig_operations.append(("mode", gpu, "mig" if enabled else "no mig"))
+            return now != enabled
+
+    def create_slice(self, gpu: str, profile: str, start: int) -> str:
+        self._step()
+        with self._lock:
+            info = self._find(gpu)
+            model = mig_model(info.model)
+            if model is None or not info.mig:
+                raise MigControlError("NVML_ERROR_NOT_SUPPORTED", f"MIG is not enabled on GPU {gpu}")
+            wanted = Slice(profile, start)
+            if model.profile(profile) is None:
+                raise MigControlError(
+                    "NVML_ERROR_INVALID_ARGUMENT", f"{model.model} has no GPU instance profile {profile}"
+                )
+            try:
+                check_layout(model, [*(Slice(s.profile, s.start) for s in info.mig_slices), wanted])
+            except MigLayoutError as exc:
+                raise MigControlError("NVML_ERROR_INSUFFICIENT_RESOURCES", str(exc)) from None
+            (created,) = _slices(gpu, info.model, (str(wanted),))
+            self._put(replace(info, mig_slices=(*info.mig_slices, created)))
+            self.mig_operations.append(("create", gpu, str(wanted)))
+            return created.uuid
+
+    def destroy_slice(self, gpu: str, slice_: Slice) -> None:
+        self._step()
+        with self._lock:
+            info = self._find(gpu)
+            kept = tuple(s for s in info.mig_slices if (s.profile, s.start) != (slice_.profile, slice_.start))
+            if len(kept) == len(info.mig_slices):
+                raise MigControlError("NVML_ERROR_NOT_FOUND", f"GPU {gpu} has no GPU instance {slice_}")
+            self._put(replace(info, mig_slices=kept))
+            self.mig_operations.append(("destroy", gpu, str(slice_)))
 
     def set_reserved(self, uuid_or_index: str | int, mib: int) -> None:
         self._change(uuid_or_index, reserved_mib=mib)
@@ -256,3 +388,23 @@ class SimulatedInventory:
         """Make ``read`` fail as NVML does without a driver (None: working again)."""
         with self._lock:
             self._unavailable = reason
+
+
+def _slices(gpu_uuid: str, model_name: str, layout: tuple[str, ...]) -> tuple[MigSliceInfo, ...]:
+    model = mig_model(model_name)
+    if model is None:
+        return ()
+    out = []
+    for text in layout:
+        slice_ = Slice.parse(text)
+        profile = model.profile(slice_.profile)
+        assert profile is not None  # checked by _check_mig / create_slice
+        out.append(
+            MigSliceInfo(
+                profile=slice_.profile,
+                start=slice_.start,
+                uuid=simulated_mig_uuid(gpu_uuid, slice_),
+                mib=profile.memory_mib,
+            )
+        )
+    return tuple(out)
