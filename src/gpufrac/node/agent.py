@@ -56,6 +56,7 @@ from gpufrac.node.inject import EnvPlanner, InjectionPlan, pipe_leaf
 from gpufrac.node.inventory.backend import (
     GpuInfo,
     GpuInventoryBackend,
+    GpuMode,
     InventoryUnavailable,
     NodeInventory,
 )
@@ -66,6 +67,9 @@ from gpufrac.node.memlimit.condition import PodConditionWriter
 from gpufrac.node.memlimit.driver import MemoryLimitDriver
 from gpufrac.node.memlimit.enforcer import LimitEnforcer, limit_report
 from gpufrac.node.metrics import CountingMpsEvents, EnforcementCounters, LimitReport
+from gpufrac.node.mig.control import MigControl
+from gpufrac.node.mig.executor import GpuLayoutExecutor, LayoutApplier
+from gpufrac.node.mig.modes import WholeGpus
 from gpufrac.node.mps.config import MpsSettings
 from gpufrac.node.mps.events import NodeEventSink
 from gpufrac.node.mps.hostpid import OUTSIDE_HOST_PID, outside_host_pid_namespace
@@ -128,6 +132,15 @@ def make_backend(settings: NodeAgentSettings) -> GpuInventoryBackend:
     return SimulatedInventory(
         node_name=settings.node_name, spec=parse_flag(settings.sim_gpus, driver=settings.sim_driver)
     )
+
+
+def make_mig_control(settings: NodeAgentSettings, backend: GpuInventoryBackend) -> MigControl | None:
+    """What changes MIG: NVML (REAL), or the simulated inventory itself (SIMULATED); None: nothing can."""
+    if settings.backend == "nvml":
+        from gpufrac.node.mig.nvml import NvmlMigControl
+
+        return NvmlMigControl()
+    return backend if hasattr(backend, "create_slice") else None  # type: ignore[return-value]
 
 
 class _LoggedEvents:
@@ -271,6 +284,8 @@ class NodeAgent:
             on_state=self._nri_state,
         )
         self.publisher: InventoryPublisher | None = None
+        #: The GPUs served whole (gpufrac.node.mig.modes): the layout executor's record, published as mode.
+        self.whole_gpus = WholeGpus(path=settings.state_dir / "gpu-modes.json")
         self.stack_gate = GpuStackGate(
             client=client,
             node_name=settings.node_name,
@@ -303,6 +318,25 @@ class NodeAgent:
                 slices=ResourceSlicePublisher(client=client, node_name=settings.node_name)
                 if settings.dra
                 else None,
+                whole_gpus=self.whole_gpus,
+            )
+        #: MIG layout changes the scheduler asks for (gpufrac.node.mig.executor), on idle GPUs only.
+        self.layouts: GpuLayoutExecutor | None = None
+        control = make_mig_control(settings, self.backend) if settings.mig.layouts else None
+        if self.publisher is not None and client is not None and control is not None:
+            publisher = self.publisher
+            self.layouts = GpuLayoutExecutor(
+                client=client,
+                node_name=settings.node_name,
+                applier=LayoutApplier(
+                    backend=self.backend,
+                    control=control,
+                    whole=self.whole_gpus,
+                    containers=self.store.allocations,
+                    allow_gpu_reset=settings.mig.allow_gpu_reset,
+                ),
+                republish=lambda: asyncio.wait_for(publisher.refresh(), timeout=30),
+                interval_s=settings.publish_interval_s,
             )
         self.dra_plugin: DraPlugin | None = None
         if settings.dra and client is not None:
@@ -350,6 +384,7 @@ class NodeAgent:
                 uuid=g.uuid, index=g.index, usable_mib=usable_mib(g, settings=reserve, mps=mps)
             )
             for g in self._usable_gpus or ()
+            if g.mode is GpuMode.FRACTIONS  # the slice offers fraction GPUs only (docs/dra.md)
         }
 
     def _prepared_claims(self) -> list[tuple[str, InjectionPlan]]:
@@ -406,7 +441,7 @@ class NodeAgent:
         stack = (inventory.driver_version, self.stack_gate.toolkit)
         if result is not None and result.passed and stack == self._canary_stack:
             return
-        await asyncio.to_thread(self.limits.canary, gpus=[g.uuid for g in inventory.usable])
+        await asyncio.to_thread(self.limits.canary, gpus=[g.uuid for g in inventory.fractionable])
         self._canary_stack = stack
         if result != self.limits.canary_result and self.publisher is not None:
             self.publisher.poke()
@@ -633,6 +668,8 @@ class NodeAgent:
             tasks.append(asyncio.create_task(self.conditions.run(), name="pod-conditions"))
         if self.resizes is not None:
             tasks.append(asyncio.create_task(self.resizes.run(), name="pod-resizes"))
+        if self.layouts is not None:
+            tasks.append(asyncio.create_task(self.layouts.run(), name="mig-layouts"))
         # MPS and usage reporting, paused around driver upgrades; cancelled with the publisher (MPS stops
         # the daemon in a finally; reporting closes CRI, then the metrics endpoint).
         tasks.append(asyncio.create_task(self._gpu_users(), name="gpu-users"))

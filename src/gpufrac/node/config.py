@@ -24,6 +24,7 @@ from gpufrac.contract.keys import CDI_GPU_KIND
 from gpufrac.node.gpustack import GpuStackSettings
 from gpufrac.node.inject import CDI_KIND_PATTERN, CONTAINER_PIPE_DIR
 from gpufrac.node.inventory.reserve import MemoryReserveSettings
+from gpufrac.node.mig.executor import MigSettings
 from gpufrac.node.mps.hostcgroup import CGROUP_NAME
 from gpufrac.node.nri.handler import ForeignGpuPolicy
 from gpufrac.node.nri.plugin import DEFAULT_SOCKET
@@ -120,6 +121,10 @@ class NodeAgentSettings(BaseModel):
         default_factory=MemoryReserveSettings,
         description="GPU memory held back from scheduling per GPU: the driver's reserve where it does not "
         "report it, and the MPS server's with --mps (gpufrac.node.inventory.reserve)",
+    )
+    mig: MigSettings = Field(
+        default_factory=MigSettings,
+        description="MIG layout changes the scheduler asks for (gpufrac.node.mig, docs/node-agent.md, MIG)",
     )
     memory_limits: Literal["driver", "verify", "off"] = Field(
         "driver",

@@ -9,7 +9,8 @@ offers it again and the Node gets a Normal ``GpuRecovered``.
 
 Which pods are on a GPU comes from the node agent's mapping store (what was injected at
 CreateContainer), matched by UUID — devices given as CDI names (``nvidia.com/gpu=<uuid>``) or as indices
-count too. Each fault is told once per GPU until it recovers, not at every poll.
+count too, and so do the MIG devices of a GPU's slices (a MIG GPU's fault is its slices' fault). Each
+fault is told once per GPU until it recovers, not at every poll.
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ class Allocations(Protocol):
 
 
 def _names(gpu: GpuInfo) -> set[str]:
-    return {gpu.uuid, str(gpu.index)}
+    """What a container's devices may call the GPU: its UUID, its index, or one of its MIG slices."""
+    return {gpu.uuid, str(gpu.index), *(s.uuid for s in gpu.mig_slices)}
 
 
 def _device_id(device: str) -> str:

@@ -312,6 +312,7 @@ class InventoryPublisher:
         #: What the last read saw (None: the inventory could not be read) and the capability it implied.
         self._read: tuple[NodeInventory | None, NodeMpsCapability | None] = (None, None)
         self._changed = asyncio.Event()
+        self._refreshes: list[asyncio.Future[None]] = []  # callers of refresh() waiting for the next publish
         self.published: NodeState | None = None
         self.inventory: NodeInventory | None = None  # the last successful read
         self.publishes = 0
@@ -326,6 +327,14 @@ class InventoryPublisher:
     def poke(self) -> None:
         """Re-read now (the NRI plugin connected or dropped, the MPS capability changed)."""
         self._changed.set()
+
+    async def refresh(self) -> None:
+        """Re-read now and return once a publish that began after this call is over (``run`` must be
+        running): the MIG layout executor's changes are on the Node before it reports them done."""
+        done = asyncio.get_running_loop().create_future()
+        self._refreshes.append(done)
+        self.poke()
+        await done
 
     async def read_state(self) -> NodeState:
         upgrade = self._driver_upgrade()
@@ -434,11 +443,18 @@ class InventoryPublisher:
     async def run(self) -> None:
         """Publish, then keep publishing on change; a failed write is retried at the next interval."""
         while True:
+            waiting, self._refreshes = self._refreshes, []
             try:
                 await self.publish_once()
             except KubeError as exc:
                 log.warning("inventory: could not update node %s: %s", self._node, exc)
+            finally:
+                for done in waiting:
+                    if not done.done():
+                        done.set_result(None)
             self._changed.clear()
+            if self._refreshes:  # asked for during this publish: publish again at once
+                self._changed.set()
             # asyncio.timeout, not wait_for: on Python 3.11 wait_for loses a cancellation that
             # arrives as the event is set, and this loop would then never stop.
             with contextlib.suppress(TimeoutError):

@@ -60,9 +60,13 @@ class LayoutRequest:
     error: str | None = None
 
 
-def _shown(value: Any) -> str:
-    text = json.dumps(value) if not isinstance(value, str) else value
+def _clip(text: str) -> str:
     return text if len(text) <= 120 else text[:117] + "..."
+
+
+def _shown(value: Any) -> str:
+    """A value as JSON writes it (strings quoted), clipped."""
+    return _clip(json.dumps(value))
 
 
 def parse_layout(text: str | None, *, gpus: Mapping[str, GpuInfo]) -> LayoutRequest:
@@ -72,9 +76,9 @@ def parse_layout(text: str | None, *, gpus: Mapping[str, GpuInfo]) -> LayoutRequ
     try:
         data = json.loads(text)
     except ValueError:
-        return LayoutRequest(error=f'{KEY}="{_shown(text)}" is invalid: it must be a JSON object')
+        return LayoutRequest(error=f'{KEY}="{_clip(text)}" is invalid: it must be a JSON object')
     if not isinstance(data, dict):
-        return LayoutRequest(error=f'{KEY}="{_shown(text)}" is invalid: it must be a JSON object')
+        return LayoutRequest(error=f'{KEY}="{_clip(text)}" is invalid: it must be a JSON object')
     generation = data.get("generation")
     if not isinstance(generation, int) or isinstance(generation, bool) or generation < 0:
         return LayoutRequest(
@@ -101,7 +105,7 @@ def _wanted(uuid: str, entry: Any, gpu: GpuInfo | None) -> WantedGpu:
     if gpu is None:
         raise ValueError(f"{where} is invalid: this node has no GPU {uuid} (its GPUs are named by UUID)")
     if not isinstance(entry, dict):
-        raise ValueError(f'{where}="{_shown(entry)}" is invalid: it must be an object with a mode')
+        raise ValueError(f"{where}={_shown(entry)} is invalid: it must be an object with a mode")
     mode_text = entry.get("mode")
     try:
         mode = GpuMode(mode_text)
