@@ -14,6 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from typer.testing import CliRunner
 
 from gpufrac.cli import app
+from gpufrac.node.inventory.backend import GpuInfo, MigSliceInfo
 from gpufrac.node.metrics import (
     GPU_MEMORY_TOTAL,
     MIG_SLICE_MEMORY_TOTAL,
@@ -25,7 +26,7 @@ from gpufrac.node.metrics import (
     registry_for,
 )
 from gpufrac.node.usage.collect import UsageCollector
-from gpufrac.node.usage.simulated import SimulatedUsage, SimulatedUsageFile
+from gpufrac.node.usage.simulated import SimulatedUsage, SimulatedUsageFile, inventory_devices
 
 GIB = 1024**3
 MIB = 1024**2
@@ -169,3 +170,25 @@ def test_the_simulated_usage_file_describes_slices_of_an_inventory_gpu(tmp_path)
         "1g.10gb",
         MIB,
     )
+
+
+def test_the_simulated_table_has_each_slice_of_an_inventory_gpu_in_mode_mig_beside_the_gpus(tmp_path):
+    """What the agent's simulated usage lays the file over: the same devices NVML would report."""
+    mig = GpuInfo(
+        uuid=GPU0,
+        index=0,
+        minor=0,
+        model="NVIDIA H100 80GB HBM3",
+        mib=81559,
+        mig=True,
+        mig_slices=(MigSliceInfo(profile="1g.10gb", start=6, uuid=SMALL, mib=9856),),
+    )
+    plain = GpuInfo(uuid="GPU-b", index=1, minor=1, model="NVIDIA H100 80GB HBM3", mib=81559)
+    table = SimulatedUsageFile(path=tmp_path / "absent.json", gpus=lambda: inventory_devices([mig, plain]))
+    assert [
+        (d.uuid, d.index, d.memory_total_bytes // MIB, d.parent_uuid, d.mig_profile) for d in table.sample()
+    ] == [
+        (GPU0, 0, 81559, None, None),
+        (SMALL, 0, 9856, GPU0, "1g.10gb"),
+        ("GPU-b", 1, 81559, None, None),
+    ]

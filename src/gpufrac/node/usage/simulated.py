@@ -13,7 +13,8 @@ An entry with ``parent_uuid`` is a SIMULATED MIG slice of that GPU (its profile 
 the NVML backend reports a real one.
 
 In the node agent (``--usage-backend simulated``) the GPUs themselves come from its simulated inventory
-(``gpus``): the file then only adds processes, an entry naming a known GPU by ``uuid`` may leave out
+(``gpus``; ``inventory_devices`` turns the inventory's GPUs and MIG slices into the table's devices):
+the file then only adds processes, an entry naming a known GPU by ``uuid`` may leave out
 ``index`` and ``memory_total_bytes``, and no file at all means every GPU is idle.
 """
 
@@ -21,11 +22,34 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 from pathlib import Path
 
+from gpufrac.node.inventory.backend import GpuInfo, GpuMode
 from gpufrac.node.usage.backend import GpuProcess, GpuProcesses
+
+MIB = 1024**2
+
+
+def inventory_devices(gpus: Iterable[GpuInfo]) -> tuple[GpuProcesses, ...]:
+    """The inventory's GPUs, and the MIG slices of those in mode ``mig``, without processes: the devices
+    the NVML backend would report for the same node (a slice under its MIG UUID, with its parent)."""
+    devices: list[GpuProcesses] = []
+    for gpu in gpus:
+        devices.append(GpuProcesses(uuid=gpu.uuid, index=gpu.index, memory_total_bytes=gpu.mib * MIB))
+        if gpu.mode is GpuMode.MIG:
+            devices.extend(
+                GpuProcesses(
+                    uuid=s.uuid,
+                    index=gpu.index,
+                    memory_total_bytes=s.mib * MIB,
+                    parent_uuid=gpu.uuid,
+                    mig_profile=s.profile,
+                )
+                for s in gpu.mig_slices
+            )
+    return tuple(devices)
 
 
 class SimulatedUsage:
