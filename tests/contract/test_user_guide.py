@@ -24,6 +24,7 @@ GUIDE = Path(__file__).resolve().parents[2] / "docs" / "user-guide.md"
 REQ, LIM = k.memory_request_key("app"), k.memory_limit_key("app")
 MODE, PORTION, DEV = k.compute_mode_key("app"), k.compute_portion_key("app"), k.devices_key("app")
 APP = [ContainerSpec("app")]
+MIG_PROFILE, MIG_COUNT, MIG_MEMORY = (k.mig_key("app", s) for s in (k.MIG_PROFILE, k.MIG_COUNT, k.MIG_MEMORY))
 
 
 def rejected(annotations: dict[str, str], containers: list[ContainerSpec] = APP, *, user: bool = True) -> str:
@@ -81,6 +82,10 @@ EXAMPLES: dict[str, Callable[[], str]] = {
     "ResizeNotAllowed": lambda: rejected({REQ: "1Gi", k.resize_key("app", k.RESIZE_MEMORY_REQUEST): "2Gi"}),
     "ImmutableRequest": lambda: forbidden_changes({REQ: "1Gi"}, {REQ: "2Gi"}, creating=False)[0].message,
     "NotPlaced": not_placed,
+    "UnknownMigProfile": lambda: rejected({MIG_PROFILE: "5g.30gb"}),
+    "MigMemoryTooLarge": lambda: rejected({MIG_MEMORY: "200Gi"}),
+    "InvalidMigCount": lambda: rejected({MIG_PROFILE: "1g.10gb", MIG_COUNT: "0"}),
+    "MigWithOtherRequest": lambda: rejected({MIG_PROFILE: "1g.10gb", REQ: "1Gi"}),
 }
 
 
@@ -110,6 +115,10 @@ ACCEPTED_KEYS = [
     k.KAI_MPS,
     k.portion_limit_key("app"),
     k.whole_gpus_key("app"),
+    MIG_PROFILE,
+    MIG_COUNT,
+    MIG_MEMORY,
+    k.mig_resource("1g.10gb"),
     *k.POD_LEVEL_KEYS,
     k.GPU_RESOURCE,
     k.QUEUE_LABEL,

@@ -154,6 +154,27 @@ class FractionWithWholeGpu(RuleViolation):
     summary = "a pod asks for fractions of GPUs or for whole GPUs (nvidia.com/gpu), not both"
 
 
+# -- MIG slices ------------------------------------------------------------------------------------------
+
+
+class UnknownMigProfile(RuleViolation):
+    summary = "a MIG profile must be one that a supported GPU model has"
+
+
+class MigMemoryTooLarge(RuleViolation):
+    summary = "the memory must fit in the largest MIG slice of a supported GPU model"
+
+
+class InvalidMigCount(RuleViolation):
+    summary = "a MIG slice count must be a whole number from 1 to 256"
+
+
+class MigWithOtherRequest(RuleViolation):
+    summary = (
+        "a container asks for MIG slices or for other GPU keys (fractions, compute, whole GPUs), not both"
+    )
+
+
 # -- keys and containers ---------------------------------------------------------------------------------
 
 

@@ -16,6 +16,10 @@ The accepted forms, and how they combine (docs/user-guide.md says the same for u
   container's own compute share, charged instead of the memory-proportional one on sm-sharing GPUs.
 * Whole GPUs: a container's ``nvidia.com/gpu`` limit, or ``gpufrac.io/container.<c>.gpus`` (what the
   webhook turns the resource into for pods of our scheduler). Exclusive, never shared.
+* MIG slices (docs/mig.md): a container's ``nvidia.com/mig-<profile>: N`` limit (the device plugin's
+  ``mixed`` strategy), or ``gpufrac.io/container.<c>.mig.profile`` with an optional ``.mig.count`` (what
+  the webhook turns the resource into for pods of our scheduler), or ``.mig.gpu-memory`` (the smallest
+  slice with that much memory). Hardware-isolated: such a container asks for nothing else of a GPU.
 
 Precedence is explicit per-container keys > ``gpu-fraction`` > ``gpu-memory``, with two guards so that a
 pod never means two things at once: ``gpu-fraction`` and ``gpu-memory`` together are an error, and an
@@ -53,21 +57,26 @@ from gpufrac.contract.errors import (
     InvalidFraction,
     InvalidFractionLimit,
     InvalidLegacyMemory,
+    InvalidMigCount,
     InvalidMps,
     InvalidPodRequest,
     KeyWithoutRequest,
     LimitBelowRequest,
+    MigMemoryTooLarge,
+    MigWithOtherRequest,
     NotTheFractionTarget,
     NotTheRequestingContainer,
     QuantityNeedsUnit,
     RuleViolation,
     UnknownContainer,
     UnknownKey,
+    UnknownMigProfile,
 )
 from gpufrac.contract.near_miss import closest_suffix
 from gpufrac.contract.quantities import parse_bytes, parse_mib
-from gpufrac.contract.request import ComputeMode, ContainerGpuRequest, GpuMemory, PodGpuRequest
+from gpufrac.contract.request import ComputeMode, ContainerGpuRequest, GpuMemory, MigRequest, PodGpuRequest
 from gpufrac.contract.writable import unwritable_keys
+from gpufrac.mig.profiles import KNOWN_PROFILES, MIG_MODELS
 
 MAX_DEVICE_COUNT = 256
 
@@ -79,10 +88,12 @@ _DEVICE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/=-]*")
 
 @dataclass(frozen=True, slots=True)
 class ContainerSpec:
-    """What parsing needs of a container: its name and its ``nvidia.com/gpu`` count (0 when none)."""
+    """What parsing needs of a container: its name, its ``nvidia.com/gpu`` count (0 when none) and its
+    ``nvidia.com/mig-<profile>`` counts, as (profile, count) pairs in resource-name order."""
 
     name: str
     gpus: int = 0
+    mig: tuple[tuple[str, int], ...] = ()
 
 
 class _Violations:
@@ -196,7 +207,7 @@ def parse_pod(
         if parsed is not None:
             requests.append(parsed)
 
-    fractional = [r for r in requests if not r.exclusive]
+    fractional = [r for r in requests if not r.exclusive and r.mig is None]
     exclusive = [r for r in requests if r.exclusive]
     if fractional and exclusive:
         key, value = sources[fractional[0].container]
@@ -405,6 +416,31 @@ def _parse_container(
         sources[name] = source
 
     whole = _whole_gpus(spec, entries, found)
+    mig, mig_source = _mig(spec, entries, found)
+    if mig_source is not None:
+        others = [source[0]] if source is not None else []
+        if whole is not None:
+            marked = (k.GPUFRAC_CONTAINER_PREFIX, k.WHOLE_GPUS) in entries
+            others.append(k.whole_gpus_key(name) if marked else _resource_key(name))
+        others += [
+            k.container_key(name, s)
+            for s in (k.COMPUTE_MODE, k.COMPUTE_REQUEST, k.COMPUTE_PORTION)
+            if s in nv
+        ]
+        if others:
+            key, value = mig_source
+            found.add(MigWithOtherRequest(key=key, value=value, detail=f"{others[0]} is also set"))
+            return None
+        if mig is None:
+            return None
+        return ContainerGpuRequest(
+            container=name,
+            request=None,
+            limit=None,
+            device_count=mig.count,
+            devices=_devices(name, nv, True, mig.count, found),
+            mig=mig,
+        )
     if whole is not None and fractional:
         key, value = source if source is not None else (k.memory_request_key(name), "")
         found.add(
@@ -561,8 +597,115 @@ def _whole_gpus(
     return None
 
 
-def _resource_key(container: str) -> str:
-    return f"spec.containers[{container}].resources.limits.{k.GPU_RESOURCE}"
+def _resource_key(container: str, resource: str = k.GPU_RESOURCE) -> str:
+    return f"spec.containers[{container}].resources.limits.{resource}"
+
+
+def _profile_order(name: str) -> tuple[int, int]:
+    compute, _, memory = name.partition("g.")
+    return int(compute), int(memory.removesuffix("gb"))
+
+
+#: Every MIG profile a supported model has, smallest first, as a refusal lists them.
+KNOWN_PROFILES_TEXT = ", ".join(sorted(KNOWN_PROFILES, key=_profile_order))
+#: The largest MIG slice of any supported model: a ``mig.gpu-memory`` above it fits nowhere.
+_LARGEST_SLICE = max(
+    ((p.memory_mib, p.name, m.model) for m in MIG_MODELS.values() for p in m.profiles), default=(0, "", "")
+)
+
+
+def _mig(
+    spec: ContainerSpec, entries: Mapping[tuple[str, str], str], found: _Violations
+) -> tuple[MigRequest | None, tuple[str, str] | None]:
+    """A container's MIG request and the key that asked (None, None when it asks for no slice); a request
+    of None next to a key: invalid, already recorded."""
+    name = spec.name
+    keyed = {
+        suffix: value
+        for (prefix, suffix), value in entries.items()
+        if prefix == k.GPUFRAC_CONTAINER_PREFIX and suffix in k.MIG_SUFFIXES
+    }
+    if not keyed and not spec.mig:
+        return None, None
+    ok = True
+    profile = min_mib = None
+    count = 1
+    resource = None
+    for index, (wanted, amount) in enumerate(spec.mig):
+        key = _resource_key(name, k.mig_resource(wanted))
+        if index:
+            first = k.mig_resource(spec.mig[0][0])
+            detail = f"{first} is also set; a container takes slices of one profile"
+            found.add(ConflictingRequests(key=key, value=str(amount), detail=detail))
+            ok = False
+        elif wanted not in KNOWN_PROFILES:
+            found.add(
+                UnknownMigProfile(
+                    key=key, value=str(amount), detail=f"the profiles are {KNOWN_PROFILES_TEXT}"
+                )
+            )
+            ok = False
+        else:
+            resource, profile, count = (key, str(amount)), wanted, amount
+    source = resource
+
+    if k.MIG_PROFILE in keyed:
+        key, raw = k.mig_key(name, k.MIG_PROFILE), keyed[k.MIG_PROFILE]
+        source = (key, raw)
+        if raw.strip() not in KNOWN_PROFILES:
+            found.add(UnknownMigProfile(key=key, value=raw, detail=f"the profiles are {KNOWN_PROFILES_TEXT}"))
+            ok = False
+        elif resource is not None and raw.strip() != profile:
+            detail = f'container "{name}" has {k.mig_resource(profile or "")}: {count}'
+            found.add(ConflictingRequests(key=key, value=raw, detail=detail))
+            ok = False
+        else:
+            profile = raw.strip()
+    if k.MIG_MEMORY in keyed:
+        key, raw = k.mig_key(name, k.MIG_MEMORY), keyed[k.MIG_MEMORY]
+        source = source or (key, raw)
+        if k.MIG_PROFILE in keyed or resource is not None:
+            other = (
+                k.mig_key(name, k.MIG_PROFILE) if k.MIG_PROFILE in keyed else resource[0] if resource else ""
+            )
+            found.add(
+                ConflictingRequests(key=key, value=raw, detail=f"{other} is also set; keep one of them")
+            )
+            ok = False
+        else:
+            min_mib = found.mib(key, raw)
+            largest, largest_name, largest_model = _LARGEST_SLICE
+            if min_mib is None:
+                ok = False
+            elif min_mib > largest:
+                detail = f"the largest is {largest_name} of {largest_model}, {largest} MiB"
+                found.add(MigMemoryTooLarge(key=key, value=raw, detail=detail))
+                ok = False
+    if k.MIG_COUNT in keyed:
+        key, raw = k.mig_key(name, k.MIG_COUNT), keyed[k.MIG_COUNT]
+        annotated = _whole(raw)
+        if k.MIG_PROFILE not in keyed and k.MIG_MEMORY not in keyed:
+            found.add(KeyWithoutRequest(key=key, value=raw, detail=f"set {k.mig_key(name, k.MIG_PROFILE)}"))
+            ok = False
+        elif annotated is None or not 1 <= annotated <= MAX_DEVICE_COUNT:
+            found.add(InvalidMigCount(key=key, value=raw))
+            ok = False
+        elif resource is not None and annotated != count:
+            detail = f'container "{name}" has {k.mig_resource(profile or "")}: {count}'
+            found.add(ConflictingRequests(key=key, value=raw, detail=detail))
+            ok = False
+        else:
+            count = annotated
+    if source is None:  # only a count, or only refused resources
+        first = spec.mig[0] if spec.mig else None
+        source = (
+            (_resource_key(name, k.mig_resource(first[0])), str(first[1]))
+            if first is not None
+            else (k.mig_key(name, k.MIG_COUNT), keyed.get(k.MIG_COUNT, ""))
+        )
+    if not ok:
+        return None, source
+    return MigRequest(profile=profile, min_mib=None if profile else min_mib, count=count), source
 
 
 def _devices(
@@ -632,8 +775,9 @@ def _compute_request(name: str, nv: Mapping[str, str], asks: bool, found: _Viola
 def container_specs(pod_spec: Mapping[str, Any]) -> list[ContainerSpec]:
     """The ``ContainerSpec`` of each regular container of a raw pod spec.
 
-    The ``nvidia.com/gpu`` count is the limit, or the request when no limit is given. A count that is
-    not a whole number raises ``InvalidPodRequest`` (the API server rejects those too, but ``validate``
+    The ``nvidia.com/gpu`` and ``nvidia.com/mig-<profile>`` counts are the limit, or the request when no
+    limit is given. A count that is not a whole number (or a MIG count below 1) raises
+    ``InvalidPodRequest`` (the API server rejects those too, but ``validate``
     reads files that never met it).
     """
     found = _Violations()
@@ -641,9 +785,10 @@ def container_specs(pod_spec: Mapping[str, Any]) -> list[ContainerSpec]:
     for container in pod_spec.get("containers") or []:
         name = str(container.get("name", ""))
         resources = container.get("resources") or {}
-        raw = (resources.get("limits") or {}).get(k.GPU_RESOURCE)
+        limits, requests = resources.get("limits") or {}, resources.get("requests") or {}
+        raw = limits.get(k.GPU_RESOURCE)
         if raw is None:
-            raw = (resources.get("requests") or {}).get(k.GPU_RESOURCE)
+            raw = requests.get(k.GPU_RESOURCE)
         gpus = 0
         if raw is not None:
             count = _gpu_count(str(raw))
@@ -651,7 +796,17 @@ def container_specs(pod_spec: Mapping[str, Any]) -> list[ContainerSpec]:
                 found.add(InvalidDeviceCount(key=_resource_key(name), value=str(raw)))
             else:
                 gpus = count
-        specs.append(ContainerSpec(name=name, gpus=gpus))
+        mig: list[tuple[str, int]] = []
+        for resource in sorted(
+            {str(r) for r in (*limits, *requests) if str(r).startswith(k.MIG_RESOURCE_PREFIX)}
+        ):
+            raw = limits.get(resource, requests.get(resource))
+            count = _gpu_count(str(raw))
+            if count is None or not 1 <= count <= MAX_DEVICE_COUNT:
+                found.add(InvalidMigCount(key=_resource_key(name, resource), value=str(raw)))
+            else:
+                mig.append((resource.removeprefix(k.MIG_RESOURCE_PREFIX), count))
+        specs.append(ContainerSpec(name=name, gpus=gpus, mig=tuple(mig)))
     if found.found:
         raise InvalidPodRequest(found.found)
     return specs

@@ -3,10 +3,11 @@
 The binder writes, per container: the devices, the request and limit in whole MiB exactly as the engine
 booked them (a portion resolved on the chosen GPU as floor(portion x GPU MiB), by
 ``ContainerGpuRequest.request_mib``; ``render_binding`` resolves nothing itself), for sm-sharing the
-compute portion, and for whole GPUs the whole-GPU marker. Writing the MiB for every fractional container,
-not only for portions, makes a bound pod self-describing: the node agent never needs the GPU size, the
-pod's resources nor resolves a KAI pod-level form, and a restarted scheduler, which reads a bound pod
-with ``read_binding`` too, books exactly what the node enforces.
+compute portion, for whole GPUs the whole-GPU marker, and for MIG slices the MIG devices alone.
+Writing the MiB for every fractional container, not only for portions, makes a bound pod
+self-describing: the node agent never needs the GPU size, the pod's resources nor resolves a KAI
+pod-level form, and a restarted scheduler, which reads a bound pod with ``read_binding`` too, books
+exactly what the node enforces.
 
 ``read_binding`` is the exact inverse of ``render_binding`` and the node's only reader of a bound pod. It
 reads the keys the binder wrote plus the few the user's request fixes (the compute mode, the whole-GPU
@@ -35,8 +36,10 @@ from gpufrac.contract.errors import (
     InvalidDeviceCount,
     InvalidDeviceList,
     InvalidLegacyMemory,
+    InvalidMigCount,
     InvalidPodRequest,
     LimitBelowRequest,
+    MigWithOtherRequest,
     NotPlaced,
     QuantityNeedsUnit,
     RuleViolation,
@@ -79,6 +82,8 @@ class DeviceChoice:
         """``container``'s request resolved on GPUs of ``gpu_mib`` by the contract's own rule
         (``ContainerGpuRequest.request_mib``), for a caller that places without the engine: the KAI
         compatibility suite and the contract's tests. ``compute_portion`` overrides the derived share."""
+        if container.mig is not None:
+            return cls(container.container, devices)
         portion = compute_portion if compute_portion is not None else container.compute_portion_on(gpu_mib)
         if container.exclusive:
             return cls(container.container, devices, compute_portion=portion)
@@ -130,6 +135,8 @@ def _render_container(container: ContainerGpuRequest, placement: DeviceChoice) -
             f"container {name} needs {container.device_count} distinct devices, got {placement.devices}"
         )
     out = {k.devices_key(name): ",".join(placement.devices)}
+    if container.mig is not None:
+        return out  # the MIG devices' UUIDs; the slices' memory is their profile's, enforced by the hardware
     if container.exclusive:
         # The webhook's marker, written again: a pod that asked through ``nvidia.com/gpu`` alone (no webhook
         # on its way in) is still read as whole GPUs by the node, which sees no resources.
@@ -157,7 +164,8 @@ class BoundContainer:
     """One container of a bound pod as its binder wrote it: what the node agent enforces.
 
     ``request_mib``/``limit_mib`` are None for an exclusive container (it owns whole GPUs, nothing to
-    cap); ``compute_portion`` is None unless sm-sharing.
+    cap) and for a ``mig`` one (its ``devices`` are MIG devices, whose memory the hardware bounds);
+    ``compute_portion`` is None unless sm-sharing.
     """
 
     container: str
@@ -167,6 +175,7 @@ class BoundContainer:
     limit_mib: int | None
     compute_portion: float | None
     exclusive: bool
+    mig: bool = False
 
 
 def read_binding(annotations: Mapping[str, str]) -> tuple[BoundContainer, ...]:
@@ -189,6 +198,9 @@ def read_binding(annotations: Mapping[str, str]) -> tuple[BoundContainer, ...]:
       ``gpu-fraction-container-name`` names or, with none named, for the only placed container. A
       fraction the binder did not resolve to MiB (devices next to ``gpu-fraction`` alone) is refused:
       the node never guesses a GPU's size.
+    * MIG slices: ``gpufrac.io/container.<c>.mig.profile`` or ``.mig.gpu-memory`` (the user's, or the
+      webhook's from ``nvidia.com/mig-<profile>``) marks the container ``mig``: it needs exactly
+      ``.mig.count`` (default 1) devices, its MIG devices, and no memory, compute or whole-GPU keys.
     * ``gpu-compute.mode`` (the user's; default time-slicing) says how the devices are shared;
       ``gpu-compute.portion``, a number in (0, 1], is the sm-sharing compute share; on a time-slicing
       container (KAI Scheduler's newest binder writes one on every fractional bind) it is checked and not
@@ -257,10 +269,13 @@ def _read_container(
     nv = {suffix: value for (prefix, suffix), value in entries.items() if prefix == k.NVIDIA_CONTAINER_PREFIX}
     whole_raw = entries.get((k.GPUFRAC_CONTAINER_PREFIX, k.WHOLE_GPUS))
     memory_keys = [suffix for suffix in (k.MEMORY_REQUEST, k.MEMORY_LIMIT) if suffix in nv]
+    mig = {s: v for (p, s), v in entries.items() if p == k.GPUFRAC_CONTAINER_PREFIX and s in k.MIG_SUFFIXES}
     if k.DEVICES not in nv:
-        if memory_keys or whole_raw is not None:
+        if memory_keys or whole_raw is not None or mig:
             violation(NotPlaced(key=k.devices_key(name), value="", detail="no devices are assigned"))
         return None
+    if mig:
+        return _read_mig_container(name, nv, whole_raw, mig, found)
     ok = True
     devices_raw = nv[k.DEVICES]
     devices = tuple(item.strip() for item in devices_raw.split(","))
@@ -335,6 +350,45 @@ def _read_container(
         limit_mib=limit_mib,
         compute_portion=portion,
         exclusive=whole_raw is not None,
+    )
+
+
+def _read_mig_container(
+    name: str, nv: Mapping[str, str], whole_raw: str | None, mig: Mapping[str, str], found: _Violations
+) -> BoundContainer | None:
+    """A MIG container of a bound pod: its devices (MIG device UUIDs), ``mig.count`` of them."""
+    suffix, value = next((s, mig[s]) for s in (k.MIG_PROFILE, k.MIG_MEMORY, k.MIG_COUNT) if s in mig)
+    others = [k.container_key(name, s) for s in (k.MEMORY_REQUEST, k.MEMORY_LIMIT, k.COMPUTE_MODE) if s in nv]
+    others += [k.container_key(name, k.COMPUTE_PORTION)] if k.COMPUTE_PORTION in nv else []
+    others += [k.whole_gpus_key(name)] if whole_raw is not None else []
+    if others:
+        detail = f"{others[0]} is also set"
+        found.add(MigWithOtherRequest(key=k.mig_key(name, suffix), value=value, detail=detail))
+        return None
+    devices_raw = nv[k.DEVICES]
+    devices = tuple(item.strip() for item in devices_raw.split(","))
+    if not all(_DEVICE.fullmatch(d) for d in devices) or len(set(devices)) != len(devices):
+        found.add(InvalidDeviceList(key=k.devices_key(name), value=devices_raw))
+        return None
+    count = 1
+    if k.MIG_COUNT in mig:
+        count = _whole(mig[k.MIG_COUNT])
+        if count is None or not 1 <= count <= MAX_DEVICE_COUNT:
+            found.add(InvalidMigCount(key=k.mig_key(name, k.MIG_COUNT), value=mig[k.MIG_COUNT]))
+            return None
+    if len(devices) != count:
+        detail = f"{len(devices)} assigned, {count} requested"
+        found.add(DeviceCountMismatch(key=k.devices_key(name), value=devices_raw, detail=detail))
+        return None
+    return BoundContainer(
+        container=name,
+        devices=devices,
+        mode=ComputeMode.TIME_SLICING,
+        request_mib=None,
+        limit_mib=None,
+        compute_portion=None,
+        exclusive=False,
+        mig=True,
     )
 
 

@@ -197,9 +197,8 @@ def resize_refusals(
     annotations: Mapping[str, str], request: PodGpuRequest, containers: Sequence[str], *, bound: bool
 ) -> list[RuleViolation]:
     """Why the resize keys of ``annotations`` cannot apply to this pod: a container that does not exist,
-    asks for no GPU or holds whole GPUs, a compute share asked of a container that is not sm-sharing, or
-    a pod not placed yet (``bound`` False). Values are judged
-    by ``parse_resizes``."""
+    asks for no GPU or holds whole GPUs or MIG slices, a compute share asked of a container that is not
+    sm-sharing, or a pod not placed yet (``bound`` False). Values are judged by ``parse_resizes``."""
     found: list[RuleViolation] = []
     for key, value in sorted(resize_keys(annotations).items()):
         split = k.split_container_key(key)
@@ -213,6 +212,9 @@ def resize_refusals(
             found.append(ResizeNotAllowed(key=key, value=value, detail=f'container "{name}" asks for no GPU'))
         elif wanted.exclusive:
             detail = f'container "{name}" holds whole GPUs, which are not resized'
+            found.append(ResizeNotAllowed(key=key, value=value, detail=detail))
+        elif wanted.mig is not None:
+            detail = f'container "{name}" holds MIG slices, whose size is their profile\'s'
             found.append(ResizeNotAllowed(key=key, value=value, detail=detail))
         elif split.suffix == k.RESIZE_COMPUTE_REQUEST and wanted.mode is not ComputeMode.SM_SHARING:
             detail = f'container "{name}" runs {wanted.mode.value}, which reserves no compute share'

@@ -15,10 +15,12 @@ from gpufrac.contract.request import ComputeMode, ContainerGpuRequest, PodGpuReq
 
 
 def binder_keys(container: ContainerGpuRequest) -> tuple[str, ...]:
-    """The keys ``render_binding`` writes for ``container``: devices; the whole-GPU marker when exclusive,
-    else request and limit; the compute portion for sm-sharing."""
+    """The keys ``render_binding`` writes for ``container``: devices (alone for MIG slices); the whole-GPU
+    marker when exclusive, else request and limit; the compute portion for sm-sharing."""
     name = container.container
     written = [k.devices_key(name)]
+    if container.mig is not None:
+        return tuple(written)
     if container.exclusive:
         written.append(k.whole_gpus_key(name))
     else:
