@@ -33,7 +33,9 @@ def node_agent(
     nri_socket: str | None = typer.Option(None, "--nri-socket", help="The runtime's NRI socket."),
     backend: str | None = typer.Option(None, "--backend", help="GPU inventory: nvml or simulated."),
     sim_gpus: str | None = typer.Option(
-        None, "--sim-gpus", help="Simulated GPUs: COUNTxMODEL[:MIB],... e.g. 8xH100-80GB."
+        None,
+        "--sim-gpus",
+        help="Simulated GPUs: COUNTxMODEL[:MIB|:mig],... e.g. 8xH100-80GB or 2xA100-80GB:mig.",
     ),
     sim_config: Path | None = typer.Option(
         None, "--sim-config", help="YAML file of simulated GPUs (re-read when it changes)."

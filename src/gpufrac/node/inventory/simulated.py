@@ -32,8 +32,8 @@ from the GPU's UUID and the slice (``simulated_mig_uuid``), so a slice recreated
 it had. ``crash_before(n)`` SIMULATES the agent being killed: the n-th MIG operation from then raises
 ``SimulatedCrash`` (not an ``Exception``: nothing in the agent catches it) before it changes anything.
 
-Flag (``--sim-gpus``): ``COUNTxMODEL[:MIB]`` groups separated by commas, e.g. ``8xH100-80GB`` or
-``2xA100-40GB,1xL4-24GB:23034``.
+Flag (``--sim-gpus``): ``COUNTxMODEL[:MIB|:mig]`` groups separated by commas, e.g. ``8xH100-80GB``,
+``2xA100-40GB,1xL4-24GB:23034`` or ``2xH100-80GB,2xH100-80GB:mig`` (MIG enabled, no slices yet).
 
 UUIDs not given are derived from the node name and GPU index (uuid5), the same derivation as the
 simulated nodes of ``gpufrac.local.simnodes``, so a node agent that takes over a simulated node keeps
@@ -127,14 +127,17 @@ def _model_mib(model: str, mib: Any) -> int:
 
 
 def parse_flag(text: str, *, driver: str = DEFAULT_DRIVER) -> SimSpec:
-    """``8xH100-80GB`` / ``2xA100-40GB,1xL4-24GB:23034`` -> a spec."""
+    """``8xH100-80GB`` / ``2xA100-40GB,1xL4-24GB:23034`` / ``1xA100-80GB:mig`` (MIG on) -> a spec."""
     gpus: list[SimGpu] = []
     for group in filter(None, (g.strip() for g in text.split(","))):
         count_text, sep, rest = group.partition("x")
         if not sep or not count_text.isdigit():
             raise ValueError(f"--sim-gpus group {group!r} is not COUNTxMODEL[:MIB]")
         model, _, mib = rest.partition(":")
-        gpus += [SimGpu(model=model, mib=_model_mib(model, mib or None))] * int(count_text)
+        mig = mib == "mig"
+        gpu = SimGpu(model=model, mib=_model_mib(model, None if mig else mib or None), mig=mig)
+        _check_mig(gpu)
+        gpus += [gpu] * int(count_text)
     return SimSpec(driver=driver, gpus=tuple(gpus))
 
 
