@@ -190,6 +190,29 @@ def test_whole_gpus_are_stored_as_an_exclusive_gpufrac_request(kube: Client, web
     assert "nvidia.com/gpu" not in (resources.requests or {})
 
 
+def test_a_mig_resource_is_stored_as_gpufrac_mig_keys(kube: Client, webhook: Webhook) -> None:
+    """A pod that asks only for ``nvidia.com/mig-<profile>`` reaches the webhook (its match condition
+    names the MIG resources), which moves the request into the annotations the node reads."""
+    sliced = pod("sliced", resources={"limits": {"nvidia.com/mig-1g.10gb": "2"}})
+    stored = kube.create(sliced, namespace=webhook.namespace)
+    assert stored.metadata.annotations == {
+        keys.mig_key("app", keys.MIG_PROFILE): "1g.10gb",
+        keys.mig_key("app", keys.MIG_COUNT): "2",
+        **REQUIRES_GPUFRAC,
+    }
+    resources = stored.spec.containers[0].resources
+    assert not any(r.startswith(keys.MIG_RESOURCE_PREFIX) for r in (resources.limits or {}))
+    assert not any(r.startswith(keys.MIG_RESOURCE_PREFIX) for r in (resources.requests or {}))
+    code, message = rejection(
+        lambda: kube.create(
+            pod("mixed", resources={"limits": {"nvidia.com/mig-1g.10gb": "1", "nvidia.com/gpu": "1"}}),
+            namespace=webhook.namespace,
+        )
+    )
+    assert code == 422
+    assert "a container asks for MIG slices or for other GPU keys" in message
+
+
 @pytest.fixture
 def users(kube: Client, namespace: str) -> None:
     """RBAC for an ordinary user and the scheduler's service account: both may manage pods here."""

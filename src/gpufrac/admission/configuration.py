@@ -63,13 +63,18 @@ def _carries_contract_annotation(var: str) -> str:
 
 
 def _mentions_gpu(var: str) -> str:
-    """CEL: the object in ``var`` carries a contract annotation or asks for ``nvidia.com/gpu``."""
+    """CEL: the object in ``var`` carries a contract annotation or asks for ``nvidia.com/gpu`` or a
+    ``nvidia.com/mig-<profile>``."""
     annotations = _carries_contract_annotation(var)
     resource = f"'{k.GPU_RESOURCE}'"
+
+    def asks(section: str) -> str:
+        mig = f"c.resources.{section}.exists(r, r.startsWith('{k.MIG_RESOURCE_PREFIX}'))"
+        return f"(has(c.resources.{section}) && ({resource} in c.resources.{section} || {mig}))"
+
     containers = (
         f"(has({var}.spec.containers) && {var}.spec.containers.exists(c, has(c.resources) && ("
-        f"(has(c.resources.limits) && {resource} in c.resources.limits) || "
-        f"(has(c.resources.requests) && {resource} in c.resources.requests))))"
+        f"{asks('limits')} || {asks('requests')})))"
     )
     return f"{annotations} || {containers}"
 

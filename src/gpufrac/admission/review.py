@@ -46,7 +46,7 @@ from __future__ import annotations
 import base64
 import json
 import reprlib
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -399,13 +399,15 @@ def decide_mutate(request: Mapping[str, Any], policy: AdmissionPolicy) -> Verdic
                 else:
                     patch.append({"op": "add", "path": path, "value": value})
     for index, container in enumerate(spec.get("containers") or []):
-        if container.get("name") not in translation.strip_gpu_resource:
-            continue
+        name = container.get("name")
         resources = container.get("resources") or {}
         for section in ("limits", "requests"):
-            if k.GPU_RESOURCE in (resources.get(section) or {}):
-                path = f"/spec/containers/{index}/resources/{section}/{_escape(k.GPU_RESOURCE)}"
-                patch.append({"op": "remove", "path": path})
+            for resource in sorted(str(r) for r in resources.get(section) or {}):
+                whole = resource == k.GPU_RESOURCE and name in translation.strip_gpu_resource
+                mig = resource.startswith(k.MIG_RESOURCE_PREFIX) and name in translation.strip_mig_resource
+                if whole or mig:
+                    path = f"/spec/containers/{index}/resources/{section}/{_escape(resource)}"
+                    patch.append({"op": "remove", "path": path})
     if named:
         patch.append({"op": "add", "path": "/spec/schedulerName", "value": policy.scheduler_name})
     if ours and not _tolerates_managed(spec.get("tolerations") or []):
@@ -423,14 +425,24 @@ _DEFAULT_SCHEDULER = "default-scheduler"
 def _names_our_scheduler(
     spec: Mapping[str, Any], annotations: Mapping[str, str], wanted: PodGpuRequest, policy: AdmissionPolicy
 ) -> bool:
-    """Whether the pod gets ``policy.scheduler_name``: it asks for a GPU fraction (only gpufrac's
-    scheduler places fractions), names no scheduler of its own, and did not opt out."""
+    """Whether the pod gets ``policy.scheduler_name``: it asks for a GPU fraction or for MIG slices through
+    gpufrac's MIG keys (only gpufrac's scheduler places those; ``nvidia.com/mig-<profile>`` alone stays
+    with the device plugin, as ``nvidia.com/gpu`` does), names no scheduler of its own, and did not opt
+    out."""
     return (
         policy.set_scheduler_name
         and spec.get("schedulerName") in (None, "", _DEFAULT_SCHEDULER)
         and annotations.get(k.KEEP_SCHEDULER_NAME_ANNOTATION) != "true"
-        and any(not c.exclusive for c in wanted.containers)
+        and any(
+            _mig_keyed(annotations, c.container) if c.mig is not None else not c.exclusive
+            for c in wanted.containers
+        )
     )
+
+
+def _mig_keyed(annotations: Collection[str], container: str) -> bool:
+    """Whether ``container``'s MIG request is in gpufrac's keys (not only in a device plugin resource)."""
+    return any(k.mig_key(container, suffix) in annotations for suffix in (k.MIG_PROFILE, k.MIG_MEMORY))
 
 
 def _required_plugins(
@@ -447,7 +459,7 @@ def _required_plugins(
     instead of starting it without its limits or unchecked. The containers are those the node finds in
     the stored annotations (it sees no resources): every fractional container of ``wanted`` (the pod's
     one parse; translation moves a legacy request between keys, never between containers), and a
-    whole-GPU one only where the stored annotations mark it, so a whole-GPU pod left to the device plugin
+    whole-GPU or MIG one only where the stored annotations mark it, so a pod left to the device plugin
     requires nothing. Always written: a user's own value cannot drop the requirement (NRI reads the
     container's key before ``<key>/pod`` and ``<key>``, so those cannot either).
     """
@@ -456,7 +468,11 @@ def _required_plugins(
     return {
         k.nri_required_plugins_key(c.container): value
         for c in wanted.containers
-        if not c.exclusive or k.whole_gpus_key(c.container) in stored
+        if (
+            _mig_keyed(stored, c.container)
+            if c.mig is not None
+            else not c.exclusive or k.whole_gpus_key(c.container) in stored
+        )
     }
 
 
