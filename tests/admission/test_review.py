@@ -419,7 +419,7 @@ def test_a_misspelled_key_gets_an_admission_warning_naming_the_key_meant() -> No
 @st.composite
 def gpu_pods(draw: st.DrawFn) -> dict:
     """Pods of two containers in the request forms the mutating webhook rewrites: per-container MiB and
-    the whole-GPU marker, pod-level fractions and legacy MiB, ``nvidia.com/gpu`` resources."""
+    the whole-GPU marker, MIG profiles, pod-level fractions and legacy MiB, ``nvidia.com/gpu`` resources."""
     annotations: dict[str, str] = {}
     manifest = pod(
         annotations,
@@ -434,11 +434,13 @@ def gpu_pods(draw: st.DrawFn) -> dict:
     if pod_level != "none" and draw(st.booleans()):
         annotations["gpu-fraction-container-name"] = draw(st.sampled_from(["app", "side"]))
     for name in ("app", "side"):
-        form = draw(st.sampled_from(["none", "none", "mib", "marker"]))
+        form = draw(st.sampled_from(["none", "none", "mib", "marker", "mig"]))
         if form == "mib":
             annotations[keys.memory_request_key(name)] = "2Gi"
         elif form == "marker":
             annotations[keys.whole_gpus_key(name)] = "1"
+        elif form == "mig":
+            annotations[keys.mig_key(name, keys.MIG_PROFILE)] = "1g.10gb"
     return manifest
 
 
