@@ -12,7 +12,7 @@ from gpufrac.contract import keys as _contract
 
 # Re-exported: the contract owns these names (the operator reads the driver major and the GPU count, the
 # scheduler the GPU model; neither may import the node agent). The GPU count is of the GPUs the node
-# publishes (MIG-enabled or otherwise unusable GPUs are not counted).
+# publishes, in whichever mode it serves (a MIG GPU counts once; withdrawn GPUs do not count).
 from gpufrac.contract.keys import DRIVER_MAJOR_LABEL as DRIVER_MAJOR_LABEL
 from gpufrac.contract.keys import GPU_COUNT_LABEL as GPU_COUNT_LABEL
 from gpufrac.contract.keys import GPU_MODEL_LABEL as GPU_MODEL_LABEL
