@@ -25,17 +25,33 @@ from gpufrac.contract.render import BoundContainer, DeviceChoice, read_binding, 
 from gpufrac.contract.request import ComputeMode
 from gpufrac.contract.translate import apply_translation, translate
 from gpufrac.contract.writable import binder_keys
+from gpufrac.mig.profiles import KNOWN_PROFILES
 
 # The last name is the longest whose keys the scheduler can write in every mode (sm-sharing: 33).
 NAMES = ["app", "side", "train", "trainer", "l" * 33]
 
 _containers = st.lists(
-    st.builds(ContainerSpec, name=st.sampled_from(NAMES), gpus=st.sampled_from([0, 0, 0, 1, 2])),
+    st.builds(
+        ContainerSpec,
+        name=st.sampled_from(NAMES),
+        gpus=st.sampled_from([0, 0, 0, 1, 2]),
+        mig=st.sampled_from(
+            [(), (), (), (("1g.10gb", 1),), (("3g.40gb", 2), ("1g.5gb", 1)), (("9g.1gb", 1),)]
+        ),
+    ),
     max_size=3,
     unique_by=lambda c: c.name,
 )
 _suffixes = st.sampled_from(
-    [*k.NVIDIA_CONTAINER_SUFFIXES, k.PORTION_LIMIT, k.WHOLE_GPUS, "gpu-memory", "", "gpus.devices.x"]
+    [
+        *k.NVIDIA_CONTAINER_SUFFIXES,
+        k.PORTION_LIMIT,
+        k.WHOLE_GPUS,
+        *k.MIG_SUFFIXES,
+        "gpu-memory",
+        "",
+        "gpus.devices.x",
+    ]
 )
 _key = st.one_of(
     st.builds(
@@ -83,6 +99,8 @@ _value = st.one_of(
             ".5",
             "5.",
             "0x10",
+            "1g.10gb",
+            "7g.141gb",
         ]
     ),
     st.text(max_size=12),
@@ -120,9 +138,10 @@ def _quantity(mib: int, style: int) -> str:
 @st.composite
 def valid_pods(draw: Any) -> tuple[dict[str, str], list[ContainerSpec]]:
     names = draw(st.lists(st.sampled_from(NAMES), min_size=1, max_size=3, unique=True))
-    kind = draw(st.sampled_from(["explicit", "fraction", "memory", "whole"]))
+    kind = draw(st.sampled_from(["explicit", "fraction", "memory", "whole", "mig"]))
     annotations: dict[str, str] = {}
     gpus = dict.fromkeys(names, 0)
+    mig: dict[str, tuple[tuple[str, int], ...]] = dict.fromkeys(names, ())
     fractional: list[str] = []
     if kind == "explicit":
         fractional = draw(st.lists(st.sampled_from(names), min_size=1, unique=True))
@@ -150,6 +169,18 @@ def valid_pods(draw: Any) -> tuple[dict[str, str], list[ContainerSpec]]:
             annotations[k.GPU_MEMORY] = str(memory)
             if draw(st.booleans()):
                 annotations[k.GPU_MEMORY_LIMIT] = f"{memory + draw(st.integers(0, 9999))}Mi"
+    elif kind == "mig":
+        for name in draw(st.lists(st.sampled_from(names), min_size=1, unique=True)):
+            form = draw(st.sampled_from(["resource", "profile", "memory"]))
+            count = draw(st.integers(1, 4))
+            if form == "resource":
+                mig[name] = ((draw(st.sampled_from(sorted(KNOWN_PROFILES))), count),)
+            elif form == "profile":
+                annotations[k.mig_key(name, k.MIG_PROFILE)] = draw(st.sampled_from(sorted(KNOWN_PROFILES)))
+            else:
+                annotations[k.mig_key(name, k.MIG_MEMORY)] = _quantity(draw(st.integers(1, 130_000)), 0)
+            if form != "resource" and (count > 1 or draw(st.booleans())):
+                annotations[k.mig_key(name, k.MIG_COUNT)] = str(count)
     else:
         for name in draw(st.lists(st.sampled_from(names), min_size=1, unique=True)):
             gpus[name] = draw(st.integers(1, 8))
@@ -163,7 +194,7 @@ def valid_pods(draw: Any) -> tuple[dict[str, str], list[ContainerSpec]]:
         asks = name in fractional or gpus[name] or k.whole_gpus_key(name) in annotations
         if asks and draw(st.booleans()):
             annotations[k.compute_mode_key(name)] = draw(st.sampled_from(["time-slicing", "sm-sharing"]))
-    return annotations, [ContainerSpec(name=n, gpus=gpus[n]) for n in names]
+    return annotations, [ContainerSpec(name=n, gpus=gpus[n], mig=mig[n]) for n in names]
 
 
 @settings(max_examples=300, deadline=None)
@@ -199,6 +230,9 @@ def test_parse_render_parse_is_stable(
             before.device_count,
             before.exclusive,
         )
+        if before.mig is not None:  # slices: no memory of a shared GPU to compare
+            assert after.mig == before.mig
+            continue
         assert after.request_mib(gpu_mib) == before.request_mib(gpu_mib)
         assert after.limit_mib(gpu_mib) == max(before.request_mib(gpu_mib), before.limit_mib(gpu_mib))
 
@@ -225,6 +259,9 @@ def test_read_binding_is_the_inverse_of_render_binding(
         portion = None
         if c.mode is ComputeMode.SM_SHARING:
             portion = chosen if chosen is not None else c.compute_portion_on(gpu_mib)
+        if c.mig is not None:
+            placed.append(BoundContainer(c.container, devices, c.mode, None, None, None, False, mig=True))
+            continue
         placed.append(
             BoundContainer(
                 container=c.container,
@@ -249,7 +286,7 @@ def test_translation_keeps_the_request(pod: tuple[dict[str, str], list[Container
     assert parse_pod(stored, stored_containers) == parse_pod(annotations, containers)
     assert k.GPU_MEMORY not in stored
     if ours:
-        assert all(c.gpus == 0 for c in stored_containers)
+        assert all(c.gpus == 0 and not c.mig for c in stored_containers)
     assert translate(stored, stored_containers, whole_gpus=ours).empty
 
 
