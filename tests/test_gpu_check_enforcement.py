@@ -371,7 +371,7 @@ def test_help_lists_the_enforcement_options():
     done = run_script("--help")
     assert done.returncode == 0
     for option in (
-        "--only {mps,enforcement}",
+        "--only {mps,enforcement,mig}",
         "--enforcement",
         "--soft-mib",
         "--hard-mib",
