@@ -83,3 +83,15 @@ def test_without_a_ready_gpu_it_says_so() -> None:
     assert fit_hints(ask({"gpu-fraction": "0.5"}), [gpu("a", 0, health="Unhealthy")]) == [
         "no Ready GPU in the cluster: see kubectl gpufrac nodes"
     ]
+
+
+def test_a_mig_request_is_not_judged_by_free_memory_of_a_gpu() -> None:
+    """A MIG slice lands on a GPU in MIG mode, never in a fraction pool's free memory (docs/mig.md)."""
+    rows = [gpu("a", 0)]
+    (hint,) = fit_hints(ask({"gpufrac.io/container.app.mig.profile": "3g.40gb"}), rows)
+    assert hint == (
+        "app: needs 1 MIG slice(s) of 3g.40gb on one node; slices are placed on GPUs in MIG mode, not in a"
+        " GPU's free memory: see the scheduler's reasons"
+    )
+    (hint,) = fit_hints(ask({"gpufrac.io/container.app.mig.gpu-memory": "20Gi"}), rows)
+    assert "needs 1 MIG slice(s) of at least 20480 MiB on one node" in hint

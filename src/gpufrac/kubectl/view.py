@@ -596,6 +596,13 @@ def fit_hints(
 
 
 def _container_hint(container: ContainerGpuRequest, ready: list[GpuRow]) -> str:
+    if container.mig is not None:  # slices of GPUs in MIG mode: not memory of these rows (docs/mig.md)
+        mig = container.mig
+        size = mig.profile if mig.profile is not None else f"at least {mig.min_mib} MiB"
+        return (
+            f"needs {mig.count} MIG slice(s) of {size} on one node; slices are placed on GPUs in MIG mode, "
+            "not in a GPU's free memory: see the scheduler's reasons"
+        )
     wanted = f"needs {container.device_count} GPU(s) on one node with {_need(container)} free each"
     count = container.device_count
     ever = Counter(row.node for row in ready if _ever_holds(container, row))
