@@ -26,6 +26,11 @@ CDI devices                        every CDI name among the devices is also requ
                                    UUID or index as ``<cdi_kind>=<device>``
 ================================== ===================================================================
 
+A container on MIG slices (``BoundContainer.mig``: its devices are MIG device UUIDs, ``MIG-…``;
+docs/mig.md) gets only ``NVIDIA_VISIBLE_DEVICES`` and its slices as CDI devices
+(``nvidia.com/gpu=MIG-…``): no memory variables, no MPS directory or variables. The hardware isolates a
+slice's memory and SMs; an MPS client would need the slice's own MPS daemon, which gpufrac does not run.
+
 Why the CDI request for UUIDs: the operator requirement (docs/node-agent.md) sets the NVIDIA toolkit to
 ignore ``NVIDIA_VISIBLE_DEVICES`` in unprivileged containers, so the variable alone would give the
 container no GPU; the toolkit's CDI spec for the device is what adds the device nodes, libraries and the
@@ -112,6 +117,20 @@ def is_cdi_name(device: str) -> bool:
     return _CDI_NAME.fullmatch(device) is not None
 
 
+#: How NVML spells a MIG device's UUID (``nvmlDeviceGetUUID`` on a MIG handle, R470 and later).
+MIG_UUID_PREFIX = "MIG-"
+
+
+def device_name(device: str) -> str:
+    """The UUID or index a device names: the part after ``=`` of a CDI name, else the device."""
+    return device.partition("=")[2] if is_cdi_name(device) else device
+
+
+def is_mig_device(device: str) -> bool:
+    """``MIG-…`` or a CDI name of one: a MIG slice, not a GPU."""
+    return device_name(device).startswith(MIG_UUID_PREFIX)
+
+
 def active_thread_percentage(portion: float) -> int:
     """An sm-sharing compute portion as MPS's active-thread percentage: floored, at least 1.
 
@@ -176,7 +195,7 @@ def plan_bound(
     devices = placed.devices
     env: list[tuple[str, str]] = [(NVIDIA_VISIBLE_DEVICES, ",".join(devices))]
     mounts: tuple[Mount, ...] = ()
-    if not placed.exclusive:
+    if not placed.exclusive and not placed.mig:
         assert placed.request_mib is not None and placed.limit_mib is not None  # read_binding guarantees
         env += [
             (NVIDIA_GPU_MEMORY_REQUEST, str(placed.request_mib)),

@@ -4,8 +4,11 @@
 and what the enforcer booked for each, it says True only when every one was read back equal to its plan
 (the values in the message), and False with a reason otherwise: ``LimitsNotInForce`` (a set failed,
 or a read-back differed) or ``LimitsNotVerified`` (a container has not started yet, or its cgroup was
-never found). ``PodConditionWriter`` writes it when it changes (the pods/status subresource, merged by
-type, so the kubelet's own conditions stay) and records an Event for each change.
+never found). A container on MIG slices counts too, booked at its start as held by the hardware: its
+part of the message is "MIG slice <profile> (<uuid>)" instead of a memory limit, and a pod with only
+such containers says True with reason ``HardwareIsolated``. ``PodConditionWriter`` writes it when it
+changes (the pods/status subresource, merged by type, so the kubelet's own conditions stay) and records
+an Event for each change.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ from gpufrac.node.memlimit.enforcer import Booked, pod_ref
 log = logging.getLogger(__name__)
 
 REASON_CONDITION_CHANGED = "GpuMemoryEnforcedChanged"
+#: The condition's reason when every GPU container of the pod runs on MIG slices.
+REASON_HARDWARE_ISOLATED = "HardwareIsolated"
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,7 +46,7 @@ def pod_condition(records: Sequence[AllocationRecord], booked: Mapping[str, Book
     """The condition for one pod's fractional containers (None when it has none on this node). A DRA
     claim's container is left out: the agent does not set or read back its limit (its CDI spec does)."""
     fractional = sorted(
-        (r for r in records if not r.exclusive and not r.claims), key=lambda r: r.container_name
+        (r for r in records if (r.is_mig or not r.exclusive) and not r.claims), key=lambda r: r.container_name
     )
     if not fractional:
         return None
@@ -65,7 +70,7 @@ def pod_condition(records: Sequence[AllocationRecord], booked: Mapping[str, Book
         )
     return PodCondition(
         "True",
-        keys.POD_REASON_LIMITS_READ_BACK,
+        REASON_HARDWARE_ISOLATED if all(r.is_mig for r in fractional) else keys.POD_REASON_LIMITS_READ_BACK,
         "; ".join(booked[r.container_id].describe() for r in fractional),
     )
 

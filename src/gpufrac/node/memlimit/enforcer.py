@@ -24,8 +24,11 @@ toolkit's hook set is read back, and a missing limit fails the start or is repor
 container whose GPU work goes through an MPS daemon that cannot see its processes (``blind``) is never
 in force, whatever the driver reads back.
 
-Whole-GPU and non-GPU containers are never touched (no record, or ``exclusive``). Each booked
-container's state feeds the pod condition (``gpufrac.node.memlimit.condition``) and the metrics.
+Whole-GPU and non-GPU containers are never touched (no record, or ``exclusive``). A container on MIG
+slices is booked at its start without a cgroup or a driver call: the hardware holds its memory (its
+slices), so it is in force as soon as it exists and says so as "MIG slice <profile> (<uuid>)"; the audit
+has nothing to re-read for it. Each booked container's state feeds the pod condition
+(``gpufrac.node.memlimit.condition``) and the metrics (which count fractions only).
 """
 
 from __future__ import annotations
@@ -78,7 +81,9 @@ class Booked:
     @property
     def in_force(self) -> bool:
         """What the driver holds is what the node set (a hard limit held back by the shrink rule is
-        in force: it is the limit the node keeps until the use falls)."""
+        in force: it is the limit the node keeps until the use falls); a MIG container's slices are."""
+        if self.record.is_mig:
+            return self.problem is None
         return self.problem is None and self.verification is not None and self.verification.in_force
 
     @property
@@ -87,6 +92,11 @@ class Booked:
         return self.verification.held_back if self.verification is not None else ()
 
     def describe(self) -> str:
+        if self.record.is_mig and self.in_force:
+            slices = zip(self.record.mig_profiles, self.record.devices, strict=False)
+            return f"{self.record.container_name}: " + "; ".join(
+                f"MIG slice {profile} ({device})" for profile, device in slices
+            )
         if self.in_force:
             assert self.verification is not None
             waits = "".join(
@@ -334,6 +344,8 @@ class LimitEnforcer:
     # -- internals --------------------------------------------------------------------------------------
 
     def _set(self, *, record: AllocationRecord, pid: int, cgroups_path: str, check_first: bool) -> Booked:
+        if record.is_mig:  # the hardware holds it: nothing to resolve, set or read back
+            return self._book(Booked(record=record, cgroup=None, verification=None))
         try:
             cgroup = container_cgroup(
                 pid=pid, cgroups_path=cgroups_path, cgroup_root=self._cgroup_root, proc_root=self._proc_root

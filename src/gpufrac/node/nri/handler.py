@@ -28,9 +28,14 @@ plant an entry that other tenants' clients would then talk to.
 
 Devices are checked against this node's inventory before anything is injected: every assigned device
 must be a usable GPU of the node, by UUID, by index, or as the CDI name ``nvidia.com/gpu=<uuid|index>``.
-``all``, a UUID of another node's GPU or a withdrawn (MIG, prohibited) one fails the container, naming
+``all``, a UUID of another node's GPU or a withdrawn (faulty, prohibited) one fails the container, naming
 the key, the value and the device; so does any device while the inventory has not been read. What the
 scheduler assigned is on the node by construction, so only a forged or stale assignment is refused.
+MIG (``gpufrac.node.nri.mig``): a container placed on MIG slices gets exactly its slices as CDI devices
+and nothing of a fraction (no memory variables, no MPS, no memory limit at start); each must be a slice
+this node publishes, and a fraction or whole GPU naming a slice or a GPU in mode ``mig`` is refused. Its
+record (mode ``mig``) carries the slices' profiles; its start books it with the limit enforcer as held
+by the hardware, so the pod's ``GpuMemoryEnforced`` condition says "MIG slice <profile> (<uuid>)".
 A GPU container's id names its leaf directory and its mapping record, so it is checked first
 (``gpufrac.node.mapping.check_container_id``): an id with a slash, a NUL, a leading dot or over 128
 characters fails the container (and is skipped at Synchronize) before any path is made from it.
@@ -103,11 +108,18 @@ from gpufrac.node.inject import (
     plan_container,
 )
 from gpufrac.node.inventory.backend import GpuInfo
-from gpufrac.node.mapping import AllocationRecord, InvalidContainerId, MappingStore, check_container_id
+from gpufrac.node.mapping import (
+    MIG_MODE,
+    AllocationRecord,
+    InvalidContainerId,
+    MappingStore,
+    check_container_id,
+)
 from gpufrac.node.memlimit.enforcer import LimitEnforcer
 from gpufrac.node.metrics import FOREIGN_GPU, EnforcementCounters
 from gpufrac.node.mps.containers import ContainerHooks, apply_adjustment, read_only_shared_pipe
 from gpufrac.node.mps.supervisor import MpsUnavailable
+from gpufrac.node.nri.mig import mig_device_problem, slice_mib, slice_profiles
 from gpufrac.node.nri.plugin import ContainerRejected
 
 log = logging.getLogger(__name__)
@@ -255,7 +267,7 @@ class GpuInjector:
         if unknown is not None:
             return self._refuse(f"gpufrac: {unknown}", container=container, where=where)
 
-        if self._hooks is not None:
+        if self._hooks is not None and not plan.bound.mig:  # a MIG slice is no MPS client
             try:
                 plan = apply_adjustment(plan, await self._hooks.on_create(plan, container_id=container.id))
             except MpsUnavailable as exc:
@@ -335,6 +347,9 @@ class GpuInjector:
         gpus = self._node_gpus()
         if gpus is None:
             return f'{key}="{value}" cannot be checked: this node\'s GPU inventory has not been read yet'
+        mig = mig_device_problem(key=key, value=value, bound=plan.bound, gpus=gpus)
+        if mig is not None or plan.bound.mig:
+            return mig
         device = foreign_device(plan.bound.devices, gpus)
         if device is None:
             return None
@@ -366,6 +381,21 @@ class GpuInjector:
         self, *, pod: api.PodSandbox, container: api.Container, plan: InjectionPlan
     ) -> AllocationRecord:
         bound = plan.bound
+        if bound.mig:  # the slices' memory, and their profiles for the condition and metrics
+            gpus = self._node_gpus() if self._node_gpus is not None else None
+            mib = slice_mib(bound.devices, gpus)
+            return self._new_record(
+                pod=pod,
+                container=container,
+                devices=bound.devices,
+                request_mib=mib,
+                limit_mib=mib,
+                mode=MIG_MODE,
+                portion=None,
+                exclusive=True,
+                pipe_dir=None,
+                mig_profiles=slice_profiles(bound.devices, gpus),
+            )
         return self._new_record(
             pod=pod,
             container=container,
@@ -391,10 +421,12 @@ class GpuInjector:
         exclusive: bool,
         pipe_dir: str | None,
         claims: tuple[str, ...] = (),
+        mig_profiles: tuple[str, ...] = (),
     ) -> AllocationRecord:
         """A container's usage record; an exclusive device is the whole GPU (everything on it is the
-        container's), the smallest of its devices when there are several."""
-        if exclusive:
+        container's), the smallest of its devices when there are several (a MIG slice's amounts are
+        given: the inventory's slices, not the GPUs', know them)."""
+        if exclusive and not mig_profiles:
             sizes = [self._device_mib(d) for d in devices]
             request_mib = limit_mib = min((m for m in sizes if m is not None), default=0)
         return AllocationRecord(
@@ -411,6 +443,7 @@ class GpuInjector:
             exclusive=exclusive,
             pipe_dir=pipe_dir,
             claims=claims,
+            mig_profiles=mig_profiles,
         )
 
     def _claim_record(
@@ -474,9 +507,12 @@ class GpuInjector:
     # -- the rest of the lifecycle ----------------------------------------------------------------------
 
     async def start_container(self, *, pod: api.PodSandbox, container: api.Container) -> None:
-        """The driver's per-cgroup limit, set and read back before the workload runs (fail closed)."""
+        """The driver's per-cgroup limit, set and read back before the workload runs (fail closed); a MIG
+        container's slices are booked as held by the hardware (nothing to set)."""
         record = self._store.get(container.id)
-        if self._limits is None or record is None or record.exclusive or record.claims:
+        if self._limits is None or record is None or record.claims:
+            return
+        if record.exclusive and not record.is_mig:
             return
         started = time.perf_counter()
         booked = self._limits.enforce(
@@ -503,7 +539,7 @@ class GpuInjector:
 
     async def stop_container(self, *, pod: api.PodSandbox, container: api.Container) -> None:
         record = self._store.get(container.id)
-        if self._hooks is not None and record is not None and not record.claims:
+        if self._hooks is not None and record is not None and not record.claims and not record.is_mig:
             await self._hooks.on_stop(container_id=container.id)
 
     async def remove_container(self, *, pod: api.PodSandbox, container: api.Container) -> None:
@@ -512,7 +548,7 @@ class GpuInjector:
         if self._limits is not None:
             self._limits.forget(container.id)
         record = self._store.remove(container.id)
-        if record is None or record.claims:  # a claim's MPS namespace lives with its claim, not here
+        if record is None or record.claims or record.is_mig:  # a claim's MPS namespace lives with its claim
             return
         if self._hooks is not None:
             await self._hooks.on_remove(container_id=container.id)
@@ -594,8 +630,10 @@ class GpuInjector:
                 continue
             record = self._record(pod=pod, container=container, plan=plan)
             records.append(record)
-            live.append((container.id, plan))
-            if self._limits is not None and not record.exclusive and container.state == api.CONTAINER_RUNNING:
+            if not record.is_mig:  # MPS's live set
+                live.append((container.id, plan))
+            limited = not record.exclusive or record.is_mig
+            if self._limits is not None and limited and container.state == api.CONTAINER_RUNNING:
                 adopt.append((record, container.pid, container.linux.cgroups_path))
         self.unenforced = unenforced
         self._count_unenforced()
