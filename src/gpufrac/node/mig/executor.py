@@ -270,11 +270,14 @@ class GpuLayoutExecutor:
         self._written = status
 
     async def run(self) -> None:
-        """A pass every ``interval_s``; a failed API call is retried at the next."""
+        """A pass every ``interval_s``; a failed API call or GPU read is retried at the next (a layout
+        pass never ends the agent: its other duties go on)."""
         while True:
             try:
                 await self.pass_once()
-            except KubeError as exc:
+            except (KubeError, InventoryUnavailable) as exc:
                 log.warning("mig: layout pass on node %s: %s", self._node, exc)
+            except Exception:
+                log.exception("mig: layout pass on node %s failed", self._node)
             self.passes += 1
             await asyncio.sleep(self._interval_s)
