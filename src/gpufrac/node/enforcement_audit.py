@@ -11,6 +11,13 @@ collection (the reporter calls it as a listener), not only on reconnect:
   through CRI so the kubelet recreates it through a healthy create. The spec of a container never
   changes, so each container is checked once.
 - unknown process: a GPU process that belongs to no fraction on a managed GPU → Event and counter.
+
+A container on MIG slices (docs/mig.md) is checked for exactly its slices and nothing else: its plan is
+``NVIDIA_VISIBLE_DEVICES`` = its slices' MIG UUIDs and no other enforcement variable, so a fraction's
+memory or MPS variable, or other devices in the variable, is a missing-injection finding worded for
+the slices; and a slice is a device of the usage snapshot like a GPU (managed when its GPU is), so a
+process of the container on a slice or GPU not its own, or anyone else's process on its slice, is an
+unknown process naming the slice and its profile.
 - over limit: a container whose processes together use more than its limit on a GPU, for
   ``over_limit_cycles`` consecutive collections (one sample can race an allocation and its free) →
   Event, counter, and (configurable, default on) stop.
@@ -32,9 +39,9 @@ import grpc
 from gpufrac.contract.quantities import MIB
 from gpufrac.kube.events import WARNING, ObjectRef
 from gpufrac.node.cri.client import CriError, RunningContainer
-from gpufrac.node.inject import injection_problems
+from gpufrac.node.inject import NVIDIA_VISIBLE_DEVICES, injection_problems, is_mig_device
 from gpufrac.node.metrics import MISSING_INJECTION, OVER_LIMIT, UNKNOWN_PROCESS, EnforcementCounters
-from gpufrac.node.usage.collect import UsageSnapshot
+from gpufrac.node.usage.collect import Allocation, GpuUsage, StrayProcess, UsageSnapshot
 
 log = logging.getLogger(__name__)
 
@@ -168,17 +175,25 @@ class Auditor:
             return None
         where = f"{container.pod_namespace}/{container.pod_name} container {container.name}"
         action = "; stopping it so the kubelet recreates it" if self._stop_missing else ""
+        slices = [d for d in expected.get(NVIDIA_VISIBLE_DEVICES, "").split(",") if is_mig_device(d)]
+        wrong = (
+            f"does not run on exactly its MIG slices {', '.join(slices)}"
+            if slices
+            else "runs without the GPU enforcement it needs"
+        )
         return Finding(
             kind=MISSING_INJECTION,
             key=(MISSING_INJECTION, container.id),
             regarding=_pod(container),
             reason=REASON_MISSING_INJECTION,
-            message=f"{where} runs without the GPU enforcement it needs ({'; '.join(problems)}){action}",
+            message=f"{where} {wrong} ({'; '.join(problems)}){action}",
             stop=container.id if self._stop_missing else None,
         )
 
     def _strays(self, snapshot: UsageSnapshot, running: Mapping[str, RunningContainer]) -> list[Finding]:
         findings = []
+        slices = {g.uuid: g for g in snapshot.gpus if g.parent_uuid is not None}
+        placed = {f.allocation.container_id: f.allocation for f in snapshot.fractions}
         for stray in snapshot.strays:
             container = running.get(stray.container_id or "")
             owner = (
@@ -192,9 +207,8 @@ class Auditor:
                     key=(UNKNOWN_PROCESS, stray.gpu_uuid, str(stray.pid)),
                     regarding=_pod(container) if container is not None else self._node,
                     reason=REASON_UNKNOWN_PROCESS,
-                    message=(
-                        f"process {stray.pid} ({owner}) uses {stray.used_bytes // MIB} MiB on GPU "
-                        f"{stray.gpu_index} ({stray.gpu_uuid}) but belongs to no fraction on that GPU"
+                    message=_stray_message(
+                        stray, owner=owner, on_slice=slices.get(stray.gpu_uuid), placed=placed
                     ),
                 )
             )
@@ -243,6 +257,25 @@ class Auditor:
                     log.warning("audit: stopping %s failed, retrying next cycle: %s", container_id, error)
                     continue
             self._pending_stops.discard(container_id)
+
+
+def _stray_message(
+    stray: StrayProcess, *, owner: str, on_slice: GpuUsage | None, placed: Mapping[str, Allocation]
+) -> str:
+    """A stray in words: on a GPU, or on a MIG slice (its profile); the owner's own slices when it has."""
+    used = f"process {stray.pid} ({owner}) uses {stray.used_bytes // MIB} MiB"
+    if on_slice is None:
+        return f"{used} on GPU {stray.gpu_index} ({stray.gpu_uuid}) but belongs to no fraction on that GPU"
+    own = placed.get(stray.container_id or "")
+    mine = (
+        f"; its container is placed on {', '.join(own.devices)}"
+        if own is not None and any(is_mig_device(d) for d in own.devices)
+        else ""
+    )
+    return (
+        f"{used} on MIG slice {on_slice.mig_profile} ({stray.gpu_uuid}) of GPU {stray.gpu_index} but is "
+        f"not the container placed on that slice{mine}"
+    )
 
 
 def _pod(container: RunningContainer) -> ObjectRef:
