@@ -155,25 +155,29 @@ def test_a_gpu_with_a_container_is_refused_naming_the_pod_and_container(tmp_path
 def test_an_agent_killed_between_steps_leaves_a_published_truth_and_the_next_one_finishes(
     tmp_path: Path, killed_before: int
 ) -> None:
-    sim = backend()
+    machine = tmp_path / "sim-mig.json"  # the GPUs' MIG state, which outlives the agent as the hardware's
+    sim = backend(mig_state=machine)
     gpu = sim.read().gpus[0].uuid
     mig = request({gpu: {"mode": "mig", "slices": LAYOUT}}, sim)
-    sim.crash_before(killed_before)  # the agent dies before its n-th MIG step (5 steps in all)
+    sim.crash_before(killed_before)  # the agent dies before its n-th MIG step: mode, reset, 3 creates
     with pytest.raises(SimulatedCrash):
         applier(sim, tmp_path).apply(gpu, mig.gpus[gpu])
-    # What the next agent publishes is what NVML says, a consistent half-way state.
-    halfway = sim.read().gpus[0]
-    entry = published(sim)[0]
-    assert entry["mode"] == ("mig" if halfway.mig else "fractions")
-    assert [f"{s['profile']}@{s['start']}" for s in entry.get("mig", [])] == LAYOUT[
-        : max(0, killed_before - 3)
-    ]  # type: ignore[union-attr]
 
-    outcome = applier(sim, tmp_path).apply(gpu, mig.gpus[gpu])  # the next agent, from scratch
+    # A new agent (a new backend on the same machine) publishes what the GPU is: half-way, consistent.
+    after = backend(mig_state=machine)
+    entry = published(after)[0]
+    assert entry["mode"] == ("mig" if killed_before > 2 else "fractions")  # MIG is on once the reset ran
+    assert after.read().gpus[0].mig_pending is (killed_before > 1)  # the switch, made before the kill
+    made = LAYOUT[: max(0, killed_before - 3)]
+    assert [f"{s['profile']}@{s['start']}" for s in entry.get("mig", [])] == made  # type: ignore[union-attr]
+
+    outcome = applier(after, tmp_path).apply(gpu, mig.gpus[gpu])
     assert outcome.state is LayoutState.APPLIED
-    assert [f"{s['profile']}@{s['start']}" for s in published(sim)[0]["mig"]] == LAYOUT  # type: ignore[union-attr]
-    creates = [s for op, _, s in sim.mig_operations if op == "create"]
+    assert [f"{s['profile']}@{s['start']}" for s in published(after)[0]["mig"]] == LAYOUT  # type: ignore[union-attr]
+    creates = [s for op, _, s in sim.mig_operations + after.mig_operations if op == "create"]
     assert sorted(creates) == sorted(LAYOUT)  # each slice made once: nothing redone, nothing doubled
+    modes = [op for op, _, _ in sim.mig_operations + after.mig_operations if op in ("mode", "reset")]
+    assert modes == ["mode", "reset"]  # MIG switched on once, reset once
 
 
 def test_an_agent_killed_while_leaving_mig_finishes_the_way_back(tmp_path: Path) -> None:

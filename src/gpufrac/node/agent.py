@@ -126,11 +126,16 @@ def make_backend(settings: NodeAgentSettings) -> GpuInventoryBackend:
         return NvmlInventory()
     from gpufrac.node.inventory.simulated import SimulatedInventory, parse_flag
 
+    mig_state = settings.state_dir / "sim-mig.json"  # the simulated GPUs' MIG state outlives the agent
     if settings.sim_config is not None:
-        return SimulatedInventory(node_name=settings.node_name, config=settings.sim_config)
+        return SimulatedInventory(
+            node_name=settings.node_name, config=settings.sim_config, mig_state=mig_state
+        )
     assert settings.sim_gpus is not None  # the settings validator guarantees one of the two
     return SimulatedInventory(
-        node_name=settings.node_name, spec=parse_flag(settings.sim_gpus, driver=settings.sim_driver)
+        node_name=settings.node_name,
+        spec=parse_flag(settings.sim_gpus, driver=settings.sim_driver),
+        mig_state=mig_state,
     )
 
 

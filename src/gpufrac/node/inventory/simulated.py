@@ -29,8 +29,10 @@ instances as ``<profile>@<start>`` and must be a valid layout. The backend is al
 immediate, as a driver that resets an idle GPU itself), a slice that overlaps another fails with
 INSUFFICIENT_RESOURCES, and MIG cannot be disabled while slices exist (IN_USE). MIG device UUIDs are derived
 from the GPU's UUID and the slice (``simulated_mig_uuid``), so a slice recreated where it was has the UUID
-it had. ``crash_before(n)`` SIMULATES the agent being killed: the n-th MIG operation from then raises
-``SimulatedCrash`` (not an ``Exception``: nothing in the agent catches it) before it changes anything.
+it had; with ``mig_state`` (the agent gives ``<state_dir>/sim-mig.json``) the MIG state outlives the agent
+as the hardware's does, so a restarted agent finds what its predecessor made. ``crash_before(n)``
+SIMULATES the agent being killed: the n-th MIG operation from then raises ``SimulatedCrash`` (not an
+``Exception``: nothing in the agent catches it) before it changes anything.
 
 Flag (``--sim-gpus``): ``COUNTxMODEL[:MIB|:mig]`` groups separated by commas, e.g. ``8xH100-80GB``,
 ``2xA100-40GB,1xL4-24GB:23034`` or ``2xH100-80GB,2xH100-80GB:mig`` (MIG enabled, no slices yet).
@@ -42,6 +44,8 @@ its GPUs' identities -- as a real machine does across agent restarts.
 
 from __future__ import annotations
 
+import json
+import os
 import threading
 import uuid
 from dataclasses import dataclass, replace
@@ -203,9 +207,13 @@ class SimulatedInventory:
         spec: SimSpec | None = None,
         config: Path | None = None,
         resetless: bool = False,
+        mig_state: Path | None = None,
     ) -> None:
-        """``resetless``: a MIG mode change takes effect at once (the driver resets the idle GPU itself)."""
+        """``resetless``: a MIG mode change takes effect at once (the driver resets the idle GPU itself).
+        ``mig_state``: a file that keeps the GPUs' MIG state (mode, pending mode, slices) across agent
+        restarts, as the hardware does; read once here, written after every MIG change."""
         self._resetless = resetless
+        self._mig_state = mig_state
         self._crash_in: int | None = None
         #: Every MIG operation that changed something, in order: ("create", uuid, "3g.40gb@0"), ...
         self.mig_operations: list[tuple[str, str, str]] = []
@@ -225,6 +233,45 @@ class SimulatedInventory:
             self._apply(spec)
         else:
             self._reload()
+        self._restore_mig()
+
+    def _restore_mig(self) -> None:
+        """The MIG state an earlier agent left on the simulated GPUs (a new agent on the same machine)."""
+        if self._mig_state is None or not self._mig_state.exists():
+            return
+        try:
+            saved = json.loads(self._mig_state.read_text())
+            for gpu in list(self._gpus):
+                state = saved.get(gpu.uuid)
+                if state is None or mig_model(gpu.model) is None:
+                    continue
+                layout = tuple(str(t) for t in state["slices"])
+                self._put(
+                    replace(
+                        gpu,
+                        mig=bool(state["mig"]),
+                        mig_pending=bool(state["pending"]),
+                        mig_slices=_slices(gpu.uuid, gpu.model, layout),
+                    )
+                )
+        except (OSError, ValueError, KeyError, TypeError, MigLayoutError) as exc:
+            raise InventoryUnavailable(f"simulated MIG state {self._mig_state}: {exc}") from exc
+
+    def _save_mig(self) -> None:
+        if self._mig_state is None:
+            return
+        state = {
+            g.uuid: {
+                "mig": g.mig,
+                "pending": g.mig_pending_mode,
+                "slices": [s.slice_name for s in g.mig_slices],
+            }
+            for g in self._gpus
+            if mig_model(g.model) is not None
+        }
+        tmp = self._mig_state.with_name(f".{self._mig_state.name}.tmp")
+        tmp.write_text(json.dumps(state, sort_keys=True))
+        os.replace(tmp, self._mig_state)
 
     def _apply(self, spec: SimSpec) -> None:
         self._driver, self._cuda = spec.driver, spec.cuda
@@ -311,6 +358,7 @@ class SimulatedInventory:
             slices = gpu.mig_slices if mode else ()
             self._put(replace(gpu, xid=None, mig=mode, mig_pending=mode, mig_slices=slices))
             self.mig_operations.append(("reset", gpu.uuid, "mig" if mode else "no mig"))
+            self._save_mig()
 
     # -- the SIMULATED MigControl (gpufrac.node.mig.control) ---------------------------------------------
 
@@ -347,6 +395,7 @@ class SimulatedInventory:
             now = enabled if self._resetless else info.mig
             self._put(replace(info, mig=now, mig_pending=enabled))
             self.mig_operations.append(("mode", gpu, "mig" if enabled else "no mig"))
+            self._save_mig()
             return now != enabled
 
     def create_slice(self, gpu: str, profile: str, start: int) -> str:
@@ -368,6 +417,7 @@ class SimulatedInventory:
             (created,) = _slices(gpu, info.model, (str(wanted),))
             self._put(replace(info, mig_slices=(*info.mig_slices, created)))
             self.mig_operations.append(("create", gpu, str(wanted)))
+            self._save_mig()
             return created.uuid
 
     def destroy_slice(self, gpu: str, slice_: Slice) -> None:
@@ -379,6 +429,7 @@ class SimulatedInventory:
                 raise MigControlError("NVML_ERROR_NOT_FOUND", f"GPU {gpu} has no GPU instance {slice_}")
             self._put(replace(info, mig_slices=kept))
             self.mig_operations.append(("destroy", gpu, str(slice_)))
+            self._save_mig()
 
     def set_reserved(self, uuid_or_index: str | int, mib: int) -> None:
         self._change(uuid_or_index, reserved_mib=mib)
