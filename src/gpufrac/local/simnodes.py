@@ -8,7 +8,9 @@ with nodes the product cannot tell from real ones. (Later a node agent with a si
 publishes the same fields itself.)
 
 GPU UUIDs are derived from the node name and index, so a re-created node gets the same UUIDs, as a
-real machine does.
+real machine does. A shape's ``mig`` layouts publish GPUs in mode mig with their slices (docs/mig.md,
+"Inventory"), MIG UUIDs derived as the simulated node agent derives them; ``mig_layout`` gives the
+inventory entry of one GPU laid out anew, what a test publishes as the agent's answer to a layout change.
 """
 
 from __future__ import annotations
@@ -26,8 +28,10 @@ from lightkube.types import PatchType
 
 from gpufrac.contract import keys
 from gpufrac.kube.errors import Conflict, api_errors
+from gpufrac.mig.geometry import Slice, check_layout
+from gpufrac.mig.profiles import mig_model
 from gpufrac.node import labels as node_labels
-from gpufrac.node.inventory.simulated import MODEL_MIB, simulated_uuid
+from gpufrac.node.inventory.simulated import MODEL_MIB, simulated_mig_uuid, simulated_uuid
 from gpufrac.node.mps.mode import DriverVersion, capability_for
 
 #: Framebuffer MiB per model: the simulated node agent's table, so both describe the same GPUs.
@@ -46,6 +50,8 @@ class NodeShape:
     cpu: str = "128"
     memory: str = "1024Gi"
     pods: int = 250
+    #: MIG layouts by GPU index (``("3g.40gb@0", "3g.40gb@4")``): those GPUs are in mode mig.
+    mig: tuple[tuple[int, tuple[str, ...]], ...] = ()
 
     @property
     def mib(self) -> int:
@@ -65,10 +71,39 @@ def gpu_uuid(node: str, index: int) -> str:
 
 def inventory(node: str, shape: NodeShape) -> list[dict[str, object]]:
     """The ``gpufrac.io/gpus`` annotation's content for ``node``."""
-    return [
-        {"uuid": gpu_uuid(node, i), "index": i, "model": shape.model, "mib": shape.mib}
-        for i in range(shape.gpus)
-    ]
+    layouts = dict(shape.mig)
+    out: list[dict[str, object]] = []
+    for i in range(shape.gpus):
+        entry: dict[str, object] = {
+            "uuid": gpu_uuid(node, i),
+            "index": i,
+            "model": shape.model,
+            "mib": shape.mib,
+        }
+        if i in layouts:
+            entry = mig_layout(entry, layouts[i])
+        out.append(entry)
+    return out
+
+
+def mig_layout(entry: dict[str, object], layout: tuple[str, ...] | None) -> dict[str, object]:
+    """GPU ``entry`` of an inventory in mode mig with the slices ``layout`` names (``3g.40gb@0``), or back
+    in mode fractions with ``None``; raises ``MigLayoutError`` for a layout the model cannot hold."""
+    base = {k: v for k, v in entry.items() if k not in ("mode", "mig")}
+    if layout is None:
+        return {**base, "mode": "fractions"}
+    model = mig_model(str(entry["model"]))
+    if model is None:
+        raise ValueError(f"GPU model {entry['model']!r} has no MIG profiles gpufrac knows")
+    slices = [Slice.parse(text) for text in layout]
+    check_layout(model, slices)
+    published = []
+    for s in sorted(slices):
+        profile = model.profile(s.profile)
+        assert profile is not None
+        uuid = simulated_mig_uuid(str(entry["uuid"]), s)
+        published.append({"profile": s.profile, "start": s.start, "uuid": uuid, "mib": profile.memory_mib})
+    return {**base, "mode": "mig", "mig": sorted(published, key=lambda x: int(x["start"]))}
 
 
 def sim_node(

@@ -97,6 +97,8 @@ class GpuLedger:
     mode: int
     pods: int
     tenants: tuple[str, ...]
+    #: MIG UUIDs of its slices that are taken (a GPU in mode mig).
+    slices: tuple[str, ...] = ()
 
 
 _ARRAYS = [
@@ -439,6 +441,7 @@ class ClusterState:
                     mode=int(self.mode[n, g]),
                     pods=int(self.npods[n, g]),
                     tenants=tenants,
+                    slices=tuple(s.slice.uuid for s in self.mig.node_slots(n) if s.gpu == g and s.taken),
                 )
             )
         return out

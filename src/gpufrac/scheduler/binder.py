@@ -112,7 +112,10 @@ def binding_annotations(request: PodGpuRequest, placement: Placement, *, device_
         )
     written = render_binding(PodGpuRequest(containers=tuple(placed_request)), rendered)
     for container in placement.containers:
-        if not container.exclusive and container.mode is not by_name[container.container].mode:
+        if (
+            not (container.exclusive or container.mig)
+            and container.mode is not by_name[container.container].mode
+        ):
             written[keys.compute_mode_key(container.container)] = container.mode.value
     return written
 

@@ -17,6 +17,10 @@ agent enforces them (one cgroup and MPS namespace per container). So a GPU is ju
 on it, whichever pod each belongs to: the containers of one pod together over its capacity is an
 over-committed GPU. One container that names a GPU twice never gets this far: the contract refuses a
 device list with a repeat, and a bound pod with one is reported as an invalid request.
+
+GPU modes (docs/mig.md): a MIG container's devices must be MIG slices its node publishes, each held by
+one container at most; a fraction or whole-GPU device on a GPU in mode mig, or a fraction on one in mode
+whole, is a broken promise. A slice's memory counts as booked on its GPU (``GpuBooking.slices``).
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from lightkube.resources.resource_v1 import ResourceClaim
 from gpufrac.contract.errors import InvalidPodRequest
 from gpufrac.contract.request import ComputeMode
 from gpufrac.placement.demand import PPM, portion_ppm
-from gpufrac.placement.model import NodeSpec
+from gpufrac.placement.model import GpuMode, NodeSpec
 from gpufrac.placement.state import GpuLedger
 from gpufrac.scheduler.claims import allocated_node, claim_placement
 from gpufrac.scheduler.objects import gpu_request, node_inventory
@@ -49,6 +53,10 @@ class GpuBooking:
     modes: set[str] = field(default_factory=set)
     namespaces: set[str] = field(default_factory=set)
     pods: list[str] = field(default_factory=list)
+    mode: GpuMode = GpuMode.FRACTIONS
+    #: MIG slices held, by MIG UUID: the holders (pod keys; more than one is a problem) and the MiB.
+    slices: dict[str, list[str]] = field(default_factory=dict)
+    slice_mib: int = 0
 
 
 @dataclass(slots=True)
@@ -70,6 +78,7 @@ def audit(
     sm_sharing_single_tenant: bool = True,
 ) -> AuditReport:
     gpus: dict[str, GpuBooking] = {}
+    slices: dict[str, tuple[str, int, str]] = {}  # MIG UUID -> (GPU uuid, MiB, "<profile>@<start>")
     specs: dict[str, NodeSpec] = {}
     for node in nodes:
         inventory = node_inventory(node)
@@ -77,7 +86,9 @@ def audit(
             name=node.metadata.name, cpu_milli=0, memory_bytes=0, gpus=inventory
         )
         for gpu in inventory:
-            gpus[gpu.uuid] = GpuBooking(node=node.metadata.name, capacity_mib=gpu.memory_mib)
+            gpus[gpu.uuid] = GpuBooking(node=node.metadata.name, capacity_mib=gpu.memory_mib, mode=gpu.mode)
+            for s in gpu.mig:
+                slices[s.uuid] = (gpu.uuid, s.mib, str(s))
     problems: list[str] = []
     placed = 0
     for claim in claims:
@@ -114,8 +125,19 @@ def audit(
             continue
         placed += 1
         for container in request.containers:
+            if container.mig is not None:
+                _book_slices(key, node, container.devices, gpus, slices, problems)
+                continue
             for name in container.devices:
                 booking = gpus.get(name.removeprefix("nvidia.com/gpu="))
+                wrong_mode = booking is not None and (
+                    booking.mode is GpuMode.MIG or (booking.mode is GpuMode.WHOLE and not container.exclusive)
+                )
+                if booking is not None and booking.node == node and wrong_mode:
+                    what = "whole GPU" if container.exclusive else "fraction"
+                    problems.append(
+                        f"pod {key} on {node} holds GPU {name} in mode {booking.mode.value} as a {what}"
+                    )
                 if booking is None or booking.node != node:
                     problems.append(f"pod {key} on {node} holds GPU {name}, which {node} does not have")
                     continue
@@ -141,16 +163,51 @@ def audit(
             problems.append(f"{where} has {b.compute_ppm / PPM:.3f} of its compute promised")
         if sm_sharing_single_tenant and len(b.namespaces) > 1:
             problems.append(f"{where} is sm-shared by namespaces {sorted(b.namespaces)}")
+        for uuid_, holders in b.slices.items():
+            if len(holders) > 1:
+                problems.append(f"MIG slice {slices[uuid_][2]} ({uuid_}) of {where} is held by {holders}")
     return AuditReport(gpus=gpus, problems=problems, placed_pods=placed)
+
+
+def _book_slices(
+    key: str,
+    node: str,
+    names: Iterable[str],
+    gpus: dict[str, GpuBooking],
+    slices: dict[str, tuple[str, int, str]],
+    problems: list[str],
+) -> None:
+    """A MIG container's devices: each a slice its node publishes, booked whole on its GPU."""
+    for name in names:
+        uuid = name.removeprefix("nvidia.com/gpu=")
+        found = slices.get(uuid)
+        booking = gpus[found[0]] if found is not None else None
+        if found is None or booking is None or booking.node != node:
+            problems.append(f"pod {key} on {node} holds MIG device {name}, which {node} does not publish")
+            continue
+        holders = booking.slices.setdefault(uuid, [])
+        if not holders:
+            booking.slice_mib += found[1]
+        holders.append(key)
+        booking.pods.append(key)
 
 
 def books_disagree(report: AuditReport, ledgers: Iterable[GpuLedger]) -> list[str]:
     """Each audited GPU whose guaranteed or limit MiB in a scheduler's ``ledgers`` differ from what the
-    pods' annotations book there (a GPU the ledgers do not show is not compared)."""
+    pods' annotations book there, or, for a MIG GPU, whose taken slices differ (a GPU the ledgers do not
+    show is not compared)."""
     out = []
     for ledger in ledgers:
         booked = report.gpus.get(ledger.uuid)
         if booked is None:
+            continue
+        if booked.mode is GpuMode.MIG or ledger.slices:
+            held = sorted(booked.slices)
+            if sorted(ledger.slices) != held:
+                out.append(
+                    f"GPU {ledger.uuid} on {booked.node}: the books hold MIG slices {sorted(ledger.slices)},"
+                    f" the pods' annotations {held}: {booked.pods}"
+                )
             continue
         books = (ledger.capacity_mib - ledger.free_mib, ledger.limit_sum_mib)
         if books != (booked.request_mib, booked.limit_mib):

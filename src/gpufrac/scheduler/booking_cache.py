@@ -68,7 +68,14 @@ from gpufrac.contract.request import PodGpuRequest
 from gpufrac.placement.decision import ContainerPlacement, Decision, DeviceAssignment, Placement
 from gpufrac.placement.model import ModePolicy, NodeSpec, PendingPod
 from gpufrac.scheduler.claim_holds import ClaimHolds
-from gpufrac.scheduler.objects import DefaultQueue, bound_placement, gpu_request, host_request, pending_pod
+from gpufrac.scheduler.objects import (
+    DefaultQueue,
+    bound_placement,
+    device_uuids,
+    gpu_request,
+    host_request,
+    pending_pod,
+)
 from gpufrac.scheduler.placement_engine import PlacementEngine
 from gpufrac.scheduler.pod_fields import RefusedPod
 
@@ -113,7 +120,7 @@ def uniform(placement: Placement) -> Placement:
     containers = []
     changed = False
     for c in placement.containers:
-        if len({(d.request_mib, d.limit_mib, d.compute_portion) for d in c.devices}) <= 1:
+        if c.mig or len({(d.request_mib, d.limit_mib, d.compute_portion) for d in c.devices}) <= 1:
             containers.append(c)
             continue
         changed = True
@@ -301,7 +308,7 @@ class BookingCache:
                 self.engine.remove_topology_node(spec.name)  # its pods are booked as bound below
             self.engine.add_node(spec)
             self._nodes[spec.name] = spec
-            uuids = {g.uuid for g in spec.gpus}
+            uuids = device_uuids(spec)
             for booking in [b for b in self._parked.values() if b.node == spec.name]:
                 del self._parked[booking.pending.uid]
                 if all(set(c.uuids) <= uuids for c in booking.placement.containers):

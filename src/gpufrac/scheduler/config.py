@@ -63,6 +63,20 @@ class ConsolidationConfig(_Strict):
     once; a plan that needs more waits (the pod says so)."""
 
 
+class MigConfig(_Strict):
+    """MIG layouts (docs/mig.md, "Dynamic layouts")."""
+
+    dynamic: bool = True
+    """Ask node agents to re-partition idle GPUs (``gpufrac.io/gpu-layout``) when MIG pods wait that no
+    free slice serves, and to give idle MIG or whole GPUs back to fractions when fractions wait that no
+    pool holds. False: place only on the layouts the nodes publish."""
+    change_timeout_s: float = Field(default=300.0, gt=0)
+    """A change the node agent has not answered (done, or refused) in this long is given up: the GPU takes
+    bookings again."""
+    retry_refused_s: float = Field(default=60.0, ge=0)
+    """A GPU whose change was refused or failed is not asked again for this long."""
+
+
 class MinRuntimeConfig(_Strict):
     """Min-runtimes for queues that set none on their path (docs/queues.md, "Min-runtime")."""
 
@@ -117,6 +131,10 @@ class SchedulerConfig(_Strict):
     """When a pod still fits nowhere (no preemption or reclaim helps) and only because free GPU memory is
     fragmented, evict movable pods (``gpufrac.io/movable: "true"`` and a controller owner) that have a
     new home elsewhere; off by default."""
+
+    mig: MigConfig = MigConfig()
+    """MIG layouts: ``dynamic`` (default true) lets the scheduler ask node agents to re-partition idle
+    GPUs for waiting pods (docs/mig.md)."""
 
     sm_sharing_tenancy: Literal["namespace", "shared"] = "namespace"
     """namespace: an sm-sharing GPU holds pods of one namespace only (MPS merges error domains).

@@ -14,8 +14,9 @@ not an API event, so ``run`` re-evaluates nodes as their heartbeats expire, slee
 one is due (woken early when a newly observed heartbeat expires sooner); a heartbeat that resumes is a
 Lease (or Node) update like any other.
 
-``NodeWatch`` receives its collaborators: the booking cache it writes nodes into, and ``changed``, called
-whenever a node change may let a waiting pod fit (the service wakes its parked pods).
+``NodeWatch`` receives its collaborators: the booking cache it writes nodes into, ``changed``, called
+whenever a node change may let a waiting pod fit (the service wakes its parked pods), and ``observe``,
+shown every managed node update (the MIG layout changes, ``mig_layouts``).
 """
 
 from __future__ import annotations
@@ -54,8 +55,10 @@ class NodeWatch:
         node_selector: str | None,
         lease_namespace: str,
         heartbeat_expiry_s: float | None,
+        observe: Callable[[Node], None] | None = None,
     ) -> None:
         self._cache = cache
+        self._observe = observe
         self._changed = changed
         self._lease_namespace = lease_namespace
         self.nodes: Informer[Node] = Informer(
@@ -114,6 +117,8 @@ class NodeWatch:
         if expires < self._due:
             self._wake.set()
         self._set_node(node, now=loop.time())
+        if self._observe is not None:
+            self._observe(node)  # after the books took the node's new GPUs (MIG layout changes)
 
     def _lease_changed(self, old: Lease | None, lease: Lease) -> None:
         node = self.nodes.store.get(lease.metadata.name)

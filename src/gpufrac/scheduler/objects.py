@@ -33,10 +33,14 @@ from gpufrac.contract.gpu_operator import driver_upgrade_state
 from gpufrac.contract.parse import container_specs, parse_pod
 from gpufrac.contract.render import BoundContainer, read_binding
 from gpufrac.contract.request import ComputeMode, PodGpuRequest
+from gpufrac.mig.geometry import MigLayoutError, Slice, check_layout
+from gpufrac.mig.profiles import mig_model
 from gpufrac.placement.decision import ContainerPlacement, DeviceAssignment, Placement
 from gpufrac.placement.model import (
     BOTH_MODES,
     GpuDevice,
+    GpuMode,
+    MigSlice,
     ModePolicy,
     NodeSelectorTerm,
     NodeSpec,
@@ -119,31 +123,75 @@ def topology_node_spec(node: NodeTopology) -> NodeSpec:
 
 
 def node_inventory(node: Node) -> tuple[GpuDevice, ...]:
-    """The node's physical GPUs from ``gpufrac.io/gpus`` (a JSON list of {uuid, index, model, mib})."""
+    """The node's physical GPUs from ``gpufrac.io/gpus``: a JSON list of {uuid, index, model, mib} and,
+    per GPU, its ``mode`` (fractions, mig or whole; absent: fractions, what older agents wrote) and for
+    mode mig its slices, ``mig: [{profile, start, uuid, mib}]`` (docs/mig.md, "Inventory")."""
     raw = (node.metadata.annotations or {}).get(keys.NODE_GPUS_ANNOTATION)
     if raw is None:
         return ()
+    where = f"{keys.NODE_GPUS_ANNOTATION} of node {node.metadata.name}"
     try:
         entries = json.loads(raw)
-        gpus = tuple(
-            GpuDevice(
-                uuid=str(e["uuid"]),
-                index=int(e["index"]),
-                memory_mib=int(e["mib"]),
-                model=str(e.get("model", "")),
-            )
-            for e in entries
-        )
-    except (ValueError, TypeError, KeyError) as error:
-        raise InvalidInventory(
-            f"{keys.NODE_GPUS_ANNOTATION} of node {node.metadata.name}: {error}"
-        ) from error
+        gpus = tuple(_gpu_entry(e, where) for e in entries)
+    except (ValueError, TypeError, KeyError, AttributeError) as error:
+        if isinstance(error, InvalidInventory):
+            raise
+        raise InvalidInventory(f"{where}: {error}") from error
     if any(g.memory_mib <= 0 for g in gpus) or len({g.uuid for g in gpus}) != len(gpus):
-        raise InvalidInventory(
-            f"{keys.NODE_GPUS_ANNOTATION} of node {node.metadata.name}: "
-            "GPUs need unique UUIDs and a positive MiB"
-        )
+        raise InvalidInventory(f"{where}: GPUs need unique UUIDs and a positive MiB")
+    slices = [s.uuid for g in gpus for s in g.mig]
+    if len(set(slices)) != len(slices) or set(slices) & {g.uuid for g in gpus}:
+        raise InvalidInventory(f"{where}: MIG devices need UUIDs of their own, unique on the node")
     return tuple(sorted(gpus, key=lambda g: g.index))
+
+
+def _gpu_entry(e: Mapping[str, Any], where: str) -> GpuDevice:
+    """One GPU of the inventory; ``InvalidInventory`` names the GPU, the key, the value and the rule."""
+    uuid = str(e["uuid"])
+    raw_mode = e.get("mode", GpuMode.FRACTIONS.value)
+    modes = ", ".join(m.value for m in GpuMode)
+    if raw_mode not in GpuMode.__members__.values():
+        raise InvalidInventory(f"{where}: GPU {uuid} has mode {raw_mode!r}; a mode is one of {modes}")
+    mode = GpuMode(raw_mode)
+    raw_slices = e.get("mig") or []
+    if raw_slices and mode is not GpuMode.MIG:
+        raise InvalidInventory(
+            f"{where}: GPU {uuid} in mode {mode.value} lists MIG slices; only mode mig has them"
+        )
+    slices = []
+    for entry in raw_slices:
+        try:
+            s = MigSlice(str(entry["profile"]), int(entry["start"]), str(entry["uuid"]), int(entry["mib"]))
+        except (KeyError, TypeError, ValueError) as error:
+            raise InvalidInventory(
+                f"{where}: GPU {uuid} has MIG slice {entry!r}; a slice needs profile, start, uuid and a MiB"
+                f" ({error})"
+            ) from error
+        if s.mib <= 0:
+            raise InvalidInventory(
+                f"{where}: GPU {uuid} has MIG slice {s} of {s.mib} MiB; it must be positive"
+            )
+        slices.append(s)
+    model = str(e.get("model", ""))
+    table = mig_model(model)
+    if slices and table is not None:
+        try:
+            check_layout(table, [Slice(s.profile, s.start) for s in slices])
+        except MigLayoutError as error:
+            raise InvalidInventory(f"{where}: GPU {uuid}: {error}") from error
+    return GpuDevice(
+        uuid=uuid,
+        index=int(e["index"]),
+        memory_mib=int(e["mib"]),
+        model=model,
+        mode=mode,
+        mig=tuple(sorted(slices, key=lambda s: s.start)),
+    )
+
+
+def device_uuids(spec: NodeSpec) -> set[str]:
+    """Every device UUID a pod may hold on the node: its GPUs' and their MIG slices'."""
+    return {g.uuid for g in spec.gpus} | {s.uuid for g in spec.gpus for s in g.mig}
 
 
 def _condition_true(node: Node, kind: str) -> bool:
@@ -382,14 +430,21 @@ def bound_placement(pod: Pod, *, gpus_by_uuid: Mapping[str, GpuDevice]) -> Place
     Raises ``InvalidPodRequest`` where the node would refuse the binding. Devices the node does not
     publish are skipped. A whole-GPU container holds each GPU's memory; an sm-sharing container the
     binder wrote no compute portion for (another binder) runs with no SM cap on the node, and is
-    charged its memory share of the GPU, as the engine charges a pod that asks no compute share.
+    charged its memory share of the GPU, as the engine charges a pod that asks no compute share. A MIG
+    container holds its slices (their MIG UUIDs, among the GPUs' published slices), each whole.
     """
     node = (pod.spec.nodeName if pod.spec else None) or ""
+    slices = {s.uuid: (g, s) for g in gpus_by_uuid.values() for s in g.mig}
     containers = []
     for bound in read_binding(pod.metadata.annotations or {}):
         devices = []
         for name in bound.devices:
-            device = gpus_by_uuid.get(name.removeprefix(f"{keys.GPU_RESOURCE}="))
+            uuid = name.removeprefix(f"{keys.GPU_RESOURCE}=")
+            if bound.mig and uuid in slices:
+                gpu, held = slices[uuid]
+                devices.append(DeviceAssignment(uuid, gpu.index, held.mib, held.mib, None))
+                continue
+            device = None if bound.mig else gpus_by_uuid.get(uuid)
             if device is None:
                 log.warning(
                     "pod %s/%s holds GPU %s which node %s does not publish; not counted",
@@ -401,7 +456,9 @@ def bound_placement(pod: Pod, *, gpus_by_uuid: Mapping[str, GpuDevice]) -> Place
                 continue
             devices.append(_held(bound, device))
         if devices:
-            placed = ContainerPlacement(bound.container, bound.mode, bound.exclusive, tuple(devices))
+            placed = ContainerPlacement(
+                bound.container, bound.mode, bound.exclusive, tuple(devices), mig=bound.mig
+            )
             containers.append(placed)
     return Placement(pod_uid=pod.metadata.uid, node=node, containers=tuple(containers))
 

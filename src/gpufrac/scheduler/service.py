@@ -62,6 +62,7 @@ from gpufrac.scheduler.config import SchedulerConfig
 from gpufrac.scheduler.cycle import CycleItem, PodFilter, PostFilter, PostFilterResult, PreemptionPostFilter
 from gpufrac.scheduler.gangs import GangKey, Gangs, gang_of
 from gpufrac.scheduler.metrics import SchedulerMetrics, StateReaders, gpu_allocations
+from gpufrac.scheduler.mig_layouts import MigLayouts
 from gpufrac.scheduler.node_watch import NodeWatch
 from gpufrac.scheduler.objects import gpu_request, pending_pod
 from gpufrac.scheduler.placement_engine import PlacementEngine
@@ -143,6 +144,7 @@ class SchedulerService:
             node_selector=config.node_selector,
             lease_namespace=config.node_lease_namespace,
             heartbeat_expiry_s=config.node_heartbeat_expiry_s,
+            observe=lambda node: self.layouts.observe(node),
         )
         # DRA (docs/dra.md): claims of our driver are allocated here and booked whoever allocated them.
         self.claim_front = (
@@ -227,8 +229,10 @@ class SchedulerService:
                 moves=MoveBudget(consolidation.max_moves_per_minute, now=time.monotonic()) if on else None,
                 gates=GateSettings.of(config),
             )
+        self.layouts = MigLayouts.of_service(self, client)  # dynamic MIG layouts (docs/mig.md)
         self._post_filters: tuple[PostFilter, ...] = (
             *((post_filter,) if post_filter is not None else ()),
+            self.layouts,
             *((PreemptionPostFilter(self.preemptions),) if self.preemptions is not None else ()),
         )
         self.runner = self._runner(client, config, lease_client)
