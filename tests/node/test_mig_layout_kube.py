@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from lightkube import AsyncClient
 from lightkube.models.meta_v1 import ObjectMeta
-from lightkube.resources.core_v1 import Node
+from lightkube.resources.core_v1 import Event, Node
 
 from gpufrac.contract import keys
 from gpufrac.kube.patch import merge_patch
@@ -70,7 +70,12 @@ async def test_a_layout_written_on_the_node_is_applied_and_published_before_it_s
     )
     agent = NodeAgent(settings=settings, client=akube)
     assert agent.publisher is not None and agent.layouts is not None
-    tasks = [asyncio.create_task(agent.publisher.run()), asyncio.create_task(agent.layouts.run())]
+    assert agent.recorder is not None
+    tasks = [
+        asyncio.create_task(agent.publisher.run()),
+        asyncio.create_task(agent.layouts.run()),
+        asyncio.create_task(agent.recorder.run()),
+    ]
     gpu0, gpu1 = simulated_uuid(node_name, 0), simulated_uuid(node_name, 1)
     try:
         layout = {"generation": 7, "gpus": {gpu0: {"mode": "mig", "slices": LAYOUT}, gpu1: {"mode": "whole"}}}
@@ -108,6 +113,19 @@ async def test_a_layout_written_on_the_node_is_applied_and_published_before_it_s
         )
         assert "valid starts: 0, 4" in refused["message"]
         assert len(seen[keys.NODE_GPUS_ANNOTATION][0]["mig"]) == 3  # untouched
+
+        # kubectl describe node tells the same: an Event per outcome.
+        async def reasons() -> set[str]:
+            return {
+                e.reason or ""
+                async for e in akube.list(Event, namespace="default")
+                if e.involvedObject.name == node_name
+            }
+
+        deadline = time.monotonic() + 10
+        while not {"GpuLayoutApplied", "GpuLayoutRefused"} <= await reasons():
+            assert time.monotonic() < deadline, await reasons()
+            await asyncio.sleep(0.1)
     finally:
         for task in tasks:
             task.cancel()

@@ -342,6 +342,7 @@ class NodeAgent:
                 ),
                 republish=lambda: asyncio.wait_for(publisher.refresh(), timeout=30),
                 interval_s=settings.publish_interval_s,
+                events=self.recorder if self.recorder is not None else _LoggedEvents(),
             )
         self.dra_plugin: DraPlugin | None = None
         if settings.dra and client is not None:

@@ -39,7 +39,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from gpufrac.contract import keys
 from gpufrac.kube.errors import KubeError, api_errors
+from gpufrac.kube.events import NORMAL, WARNING, ObjectRef
 from gpufrac.kube.patch import merge_patch
+from gpufrac.node.enforcement_audit import EventSink
 from gpufrac.node.inventory.backend import GpuInfo, GpuInventoryBackend, InventoryUnavailable, NodeInventory
 from gpufrac.node.inventory.publish import with_whole
 from gpufrac.node.mapping import AllocationRecord
@@ -56,6 +58,14 @@ from gpufrac.node.mig.layout import (
 from gpufrac.node.mig.modes import WholeGpus
 
 log = logging.getLogger(__name__)
+
+#: The Node's Event reason for each outcome a GPU's change comes to (Pending has none).
+EVENT_REASONS = {
+    LayoutState.APPLIED: "GpuLayoutApplied",
+    LayoutState.NEEDS_RESET: "GpuLayoutNeedsReset",
+    LayoutState.REFUSED: "GpuLayoutRefused",
+    LayoutState.FAILED: "GpuLayoutFailed",
+}
 
 #: At most this many steps per GPU per pass (a 7-slice layout over another is 14 destroys and creates,
 #: plus the mode and a reset); more means the backend does not do what it says.
@@ -193,7 +203,11 @@ class GpuLayoutExecutor:
         applier: LayoutApplier,
         republish: Callable[[], Awaitable[Any]],
         interval_s: float = 5.0,
+        events: EventSink | None = None,
     ) -> None:
+        """``events``: an Event on the Node each time a GPU's outcome changes (``EVENT_REASONS``), so
+        ``kubectl describe node`` tells a NeedsReset or a Refused layout without reading annotations."""
+        self._events = events
         self._client = client
         self._node = node_name
         self._applier = applier
@@ -252,9 +266,27 @@ class GpuLayoutExecutor:
         await self._write(status)
         return status
 
+    def _tell(self, status: dict[str, Any]) -> None:
+        """Events for the GPUs whose outcome is new since the last status written."""
+        if self._events is None:
+            return
+        before = (self._written or {}).get("gpus", {})
+        node = ObjectRef(kind="Node", namespace="default", name=self._node)
+        for uuid, outcome in status.get("gpus", {}).items():
+            reason = EVENT_REASONS.get(LayoutState(outcome["state"]))
+            if reason is None or before.get(uuid) == outcome:
+                continue
+            self._events.emit(
+                regarding=node,
+                type=NORMAL if outcome["state"] == LayoutState.APPLIED else WARNING,
+                reason=reason,
+                message=f"GPU {uuid}: {outcome['message']} (layout generation {status.get('generation')})",
+            )
+
     async def _write(self, status: dict[str, Any]) -> None:
         if status == self._written:
             return
+        self._tell(status)
         await merge_patch(
             self._client,
             Node,
