@@ -288,3 +288,22 @@ def test_random_mixes_keep_slices_single_modes_apart_and_books_exact(scenario):
     assert same(before, snapshot(e))
     assert not any(s.taken for s in e.state.mig.slots.values())
     assert np.array_equal(e.state.mode, before["mode"])
+
+
+def test_preemption_frees_a_slice_the_pod_can_take_by_evicting_its_holder_only():
+    from gpufrac.placement.preemption import Kind, find_victims
+
+    e = Engine()
+    e.add_node(node("n", mig_gpu("g0", 0, ["3g.40gb@0", "1g.10gb@4", "1g.10gb@5"])))
+    e.place(pod("small", mig("1g.10gb"), priority=1))
+    e.place(pod("big", mig("3g.40gb"), priority=2))
+    e.place(pod("other", mig("1g.10gb"), priority=0))
+    wanted = pod("urgent", mig("3g.40gb"), priority=10)
+    assert isinstance(e.place(wanted), Unschedulable)
+    before = snapshot(e)
+    found = find_victims(e, wanted, kind=Kind.PREEMPT)
+    assert found is not None
+    assert found.victims == ("uid-big",)  # the 1g holders free nothing a 3g pod can use
+    assert devices(found.placement) == ["MIG-g0-0"]
+    assert same(before, snapshot(e)) and e.placement_of("uid-big") is not None  # only a plan
+    assert find_victims(e, pod("meek", mig("3g.40gb"), priority=2), kind=Kind.PREEMPT) is None

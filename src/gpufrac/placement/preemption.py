@@ -254,6 +254,8 @@ def _search(
         return None
     table = engine.pods
     demand = engine.demand(pod)
+    if demand.mig and not demand.containers:
+        return _mig_search(engine, pod, kind, book, slots, rooms, trial)
     sm = any(c.mode is ComputeMode.SM_SHARING and not c.exclusive for c in demand.containers)
     tenant = (
         engine.state.namespace_id(pod.namespace) if sm and engine.rules.sm_sharing_single_tenant else None
@@ -372,6 +374,59 @@ def _search(
             return found
         size += 1
     return None
+
+
+def _mig_search(
+    engine: Engine,
+    pod: PendingPod,
+    kind: Kind,
+    book: ShareBook,
+    slots: np.ndarray,
+    rooms: list[_Room],
+    trial: Trial | None,
+) -> Preemption | None:
+    """Victims for a pod that asks only for MIG slices: a slice is freed whole by its holder leaving,
+    and only holders of slices the pod could take help (``MigDemand.wants``). Per candidate node its
+    eligible holders of such slices, least important first (priority, then MiB), are tried as growing
+    prefixes: the first prefix after which the engine places the pod there is the node's set. Sets are
+    then tried in the search's cost order (fewest victims, lowest priorities, seeded node order) by the
+    same verification as every other search (``_verify``: simulated on the engine, the queue's limit and
+    fair share checked). The prefix is minimal for its order, not necessarily the fewest victims overall.
+    """
+    table, st = engine.pods, engine.state
+    static_ok = np.zeros(st.rows, dtype=bool)
+    static_ok[engine.static_fits(pod)] = True
+    demand = engine.demand(pod)
+    holders: dict[int, list[int]] = {}
+    for s in slots.tolist():
+        node = int(table.node[s])
+        placement = engine.placement_of(table.uid[s] or "")
+        if not static_ok[node] or placement is None:
+            continue
+        held = [st.mig.slots.get(d.uuid) for c in placement.containers if c.mig for d in c.devices]
+        if any(h is not None and any(m.wants(h.slice) for m in demand.mig) for h in held):
+            holders.setdefault(node, []).append(s)
+    within = _RoomCheck(engine, slots, rooms)
+    found: list[tuple[int, np.ndarray]] = []
+    for node, mine in holders.items():
+        mine.sort(key=lambda s: (int(table.priority[s]), int(table.mib[s]), s))
+        uids = [table.uid[s] for s in mine]
+        for k in range(1, len(mine) + 1):
+            placed = (trial or simulate)(engine, pod, uids[:k])
+            if placed is not None and placed.node == st.nodes[node].name:  # type: ignore[union-attr]
+                found.append((node, np.array(mine[:k], dtype=np.int64)))
+                break
+    if not found:
+        return None
+    width = max(v.size for _, v in found)
+    victims = np.full((len(found), width), PodTable.NOTHING, dtype=np.int64)
+    for i, (_, v) in enumerate(found):
+        victims[i, : v.size] = v
+    cand = _Candidates(np.array([n for n, _ in found], dtype=np.int64), victims)
+    cand = _Candidates(cand.nodes[within(cand.victims)], cand.victims[within(cand.victims)])
+    if cand.nodes.size == 0:
+        return None
+    return _verify(engine, pod, kind, book, _in_cost_order(engine, cand), trial, limit=cand.nodes.size)
 
 
 class _RoomCheck:
