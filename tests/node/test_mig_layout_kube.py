@@ -23,6 +23,7 @@ from gpufrac.kube.patch import merge_patch
 from gpufrac.node.agent import NodeAgent
 from gpufrac.node.config import load_settings
 from gpufrac.node.inventory.simulated import simulated_uuid
+from gpufrac.node.mapping import AllocationRecord
 
 LAYOUT = ["3g.40gb@0", "2g.20gb@4", "1g.10gb@6"]
 
@@ -113,6 +114,45 @@ async def test_a_layout_written_on_the_node_is_applied_and_published_before_it_s
         )
         assert "valid starts: 0, 4" in refused["message"]
         assert len(seen[keys.NODE_GPUS_ANNOTATION][0]["mig"]) == 3  # untouched
+
+        # A container on one of GPU 0's slices: GPU 0 is not idle, its change is Refused naming it, and
+        # the passes that follow (every 0.2 s) leave the Node alone: no Pending/Refused flapping.
+        slice_uuid = seen[keys.NODE_GPUS_ANNOTATION][0]["mig"][0]["uuid"]
+        agent.store.put(
+            AllocationRecord(
+                container_id="c" * 64,
+                pod_namespace="team-a",
+                pod_name="isolated-0",
+                pod_uid="uid-1",
+                container_name="cuda",
+                devices=(f"nvidia.com/gpu={slice_uuid}",),
+                request_mib=40192,
+                limit_mib=40192,
+                mode="mig",
+                portion=None,
+            )
+        )
+        back = {"generation": 9, "gpus": {gpu0: {"mode": "fractions"}}}
+        await merge_patch(
+            akube,
+            Node,
+            name=node_name,
+            patch={"metadata": {"annotations": {keys.NODE_GPU_LAYOUT_ANNOTATION: json.dumps(back)}}},
+        )
+        seen = await status_of(akube, node_name, 9)
+        busy = seen[keys.NODE_GPU_LAYOUT_STATUS_ANNOTATION]["gpus"][gpu0]
+        assert busy["state"] == "Refused" and "team-a/isolated-0/cuda" in busy["message"]
+        version = (await akube.get(Node, node_name)).metadata.resourceVersion  # type: ignore[union-attr]
+        await asyncio.sleep(1.0)
+        assert (await akube.get(Node, node_name)).metadata.resourceVersion == version  # type: ignore[union-attr]
+        agent.store.remove("c" * 64)  # the pod is gone: the next pass changes the GPU
+        seen = await status_of(akube, node_name, 9)
+        deadline = time.monotonic() + 10
+        while seen[keys.NODE_GPU_LAYOUT_STATUS_ANNOTATION]["gpus"][gpu0]["state"] != "Applied":
+            assert time.monotonic() < deadline, seen
+            await asyncio.sleep(0.05)
+            seen = await status_of(akube, node_name, 9)
+        assert seen[keys.NODE_GPUS_ANNOTATION][0]["mode"] == "fractions"
 
         # kubectl describe node tells the same: an Event per outcome.
         async def reasons() -> set[str]:

@@ -132,10 +132,20 @@ class LayoutApplier:
     def read(self) -> NodeInventory:
         return with_whole(self._backend.read(), self._whole())
 
-    def needs_change(self, request: LayoutRequest) -> list[str]:
-        """The GPUs of ``request`` not yet as wanted (their change is Pending until the pass is done)."""
-        gpus = {g.uuid: g for g in self.read().gpus}
-        return [u for u, w in request.gpus.items() if u in gpus and next_step(gpus[u], w) is not None]
+    def starting(self, request: LayoutRequest) -> list[str]:
+        """The GPUs of ``request`` whose change would take a step now: not yet as wanted, idle, and not
+        waiting for a reset the agent may not do (their status is Pending until the pass is done)."""
+        records = list(self._containers())
+        out = []
+        for gpu in self.read().gpus:
+            wanted = request.gpus.get(gpu.uuid)
+            step = next_step(gpu, wanted) if wanted is not None else None
+            if step is None or containers_on(gpu, records):
+                continue
+            if step.kind is StepKind.RESET and not self._allow_reset:
+                continue
+            out.append(gpu.uuid)
+        return out
 
     def apply(self, uuid: str, wanted: WantedGpu) -> GpuOutcome:
         changed = False
@@ -214,6 +224,7 @@ class GpuLayoutExecutor:
         self._republish = republish
         self._interval_s = interval_s
         self._written: dict[str, Any] | None = None
+        self._final: dict[str, Any] | None = None  # the last status written at the end of a pass
         self.passes = 0
 
     async def pass_once(self) -> dict[str, Any]:
@@ -225,6 +236,7 @@ class GpuLayoutExecutor:
         if self._written is None:  # what an earlier agent wrote: rewriting the same is a no-op
             with contextlib.suppress(ValueError, TypeError):
                 self._written = json.loads(annotations.get(keys.NODE_GPU_LAYOUT_STATUS_ANNOTATION) or "null")
+                self._final = self._written
         try:
             inventory = await asyncio.to_thread(self._applier.read)
         except InventoryUnavailable as exc:
@@ -239,7 +251,14 @@ class GpuLayoutExecutor:
             await self._write(status)
             return status
         outcomes = {u: GpuOutcome(LayoutState.REFUSED, why) for u, why in request.refused.items()}
-        changing = await asyncio.to_thread(self._applier.needs_change, request)
+        changing = await asyncio.to_thread(self._applier.starting, request)
+        before = (
+            (self._final or {}).get("gpus", {})
+            if (self._final or {}).get("generation") == request.generation
+            else {}
+        )
+        # A GPU whose last try failed is retried quietly: Pending and back at every pass would be noise.
+        changing = [u for u in changing if before.get(u, {}).get("state") != LayoutState.FAILED.value]
         if changing:
             pending = {
                 **(self._written or {}).get("gpus", {}),
@@ -249,7 +268,7 @@ class GpuLayoutExecutor:
                     for u in changing
                 },
             }
-            await self._write({"generation": request.generation, "gpus": pending})
+            await self._write({"generation": request.generation, "gpus": pending}, final=False)
         changed = False
         for uuid, wanted in request.gpus.items():
             outcome = await asyncio.to_thread(self._applier.apply, uuid, wanted)
@@ -270,7 +289,7 @@ class GpuLayoutExecutor:
         """Events for the GPUs whose outcome is new since the last status written."""
         if self._events is None:
             return
-        before = (self._written or {}).get("gpus", {})
+        before = (self._final or {}).get("gpus", {})
         node = ObjectRef(kind="Node", namespace="default", name=self._node)
         for uuid, outcome in status.get("gpus", {}).items():
             reason = EVENT_REASONS.get(LayoutState(outcome["state"]))
@@ -283,10 +302,12 @@ class GpuLayoutExecutor:
                 message=f"GPU {uuid}: {outcome['message']} (layout generation {status.get('generation')})",
             )
 
-    async def _write(self, status: dict[str, Any]) -> None:
+    async def _write(self, status: dict[str, Any], *, final: bool = True) -> None:
+        if final:
+            self._tell(status)
+            self._final = status
         if status == self._written:
             return
-        self._tell(status)
         await merge_patch(
             self._client,
             Node,
