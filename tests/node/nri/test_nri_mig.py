@@ -142,3 +142,20 @@ async def test_at_start_a_mig_container_is_held_by_the_hardware_and_its_pod_cond
     assert (condition.status, condition.reason) == ("True", REASON_HARDWARE_ISOLATED)
     assert condition.message == f"app: MIG slice 1g.10gb ({SLICE_S})"
     assert node.agent.events.emitted == []
+
+
+async def test_after_an_agent_restart_synchronize_records_the_mig_container_again_and_reports_a_bare_one(
+    node: Node,
+) -> None:
+    pod = await node.pod(on_slices(SLICE_S))
+    kept = await node.create(pod, "app")
+    await node.agent.stop()
+    late = await node.create(await node.pod(on_slices(SLICE_L)), "app")  # created while the agent was away
+    assert late.cdi_devices == []
+
+    agent = await node.start_agent(gpus=GPUS)
+    agent.store.flush()
+    (record,) = agent.store.allocations()
+    assert (record.container_id, record.mode, record.mig_profiles) == (kept.id, MIG_MODE, ("1g.10gb",))
+    assert list(agent.injector.unenforced) == [late.id]
+    assert f"NVIDIA_VISIBLE_DEVICES missing, want '{SLICE_L}'" in agent.injector.unenforced[late.id]
