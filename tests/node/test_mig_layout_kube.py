@@ -71,9 +71,10 @@ async def test_a_layout_written_on_the_node_is_applied_and_published_before_it_s
     )
     agent = NodeAgent(settings=settings, client=akube)
     assert agent.publisher is not None and agent.layouts is not None
-    assert agent.recorder is not None
+    assert agent.recorder is not None and agent.upgrades is not None
     tasks = [
         asyncio.create_task(agent.publisher.run()),
+        asyncio.create_task(agent.upgrades.run()),  # the own-node informer the executor reads the Node from
         asyncio.create_task(agent.layouts.run()),
         asyncio.create_task(agent.recorder.run()),
     ]

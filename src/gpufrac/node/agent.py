@@ -344,6 +344,9 @@ class NodeAgent:
                 interval_s=settings.publish_interval_s,
                 events=self.recorder if self.recorder is not None else _LoggedEvents(),
             )
+            if self.upgrades is not None:  # the own-node informer the driver-upgrade watch runs anyway
+                self.upgrades.informer.add_handler(self.layouts)
+                self.layouts.watch()
         self.dra_plugin: DraPlugin | None = None
         if settings.dra and client is not None:
             # Imported only here: its gRPC messages are generated from k8s.io/kubelet, and an agent

@@ -1,6 +1,7 @@
 """Applies the scheduler's ``gpufrac.io/gpu-layout`` to this node's idle GPUs and reports where each stands.
 
-Each pass (every ``interval_s``) reads the agent's own Node, parses the layout (``gpufrac.node.mig.layout``)
+Each pass (every ``interval_s``, and at once when the layout changes) reads the agent's own Node (from
+the agent's own-node informer: a watch, not a GET per pass), parses the layout (``gpufrac.node.mig.layout``)
 and, for every GPU it names, walks ``next_step`` until the GPU is as wanted, each step read back from the
 backend (NVML) before the next is chosen:
 
@@ -225,12 +226,47 @@ class GpuLayoutExecutor:
         self._interval_s = interval_s
         self._written: dict[str, Any] | None = None
         self._final: dict[str, Any] | None = None  # the last status written at the end of a pass
+        self._watched = False
+        self._cached: Node | None = None
+        self._layout_seen: str | None = None
+        self._wake = asyncio.Event()
         self.passes = 0
+
+    # -- the own-node informer's handler (``watch``): the Node from its cache, a wake-up on a new layout --
+
+    def watch(self) -> None:
+        """Read the Node from the agent's own-node informer (``add_handler(self)``) instead of a GET per
+        pass: a thousand nodes polling their Node every 5 s would be 200 reads a second."""
+        self._watched = True
+
+    def on_add(self, obj: Node) -> None:
+        self._seen(obj)
+
+    def on_update(self, old: Node, new: Node) -> None:
+        self._seen(new)
+
+    def on_delete(self, obj: Node) -> None:
+        self._cached = None
+
+    def _seen(self, node: Node) -> None:
+        layout = ((node.metadata.annotations if node.metadata else None) or {}).get(
+            keys.NODE_GPU_LAYOUT_ANNOTATION
+        )
+        if self._cached is None or layout != self._layout_seen:
+            self._wake.set()  # a new layout: a pass now, not at the next interval
+        self._cached, self._layout_seen = node, layout
+
+    async def _read_node(self) -> Node | None:
+        if self._watched:
+            return self._cached
+        with api_errors():
+            return await self._client.get(Node, self._node)
 
     async def pass_once(self) -> dict[str, Any]:
         """Read the layout, change what it asks of idle GPUs, write the status; returns the status."""
-        with api_errors():
-            node = await self._client.get(Node, self._node)
+        node = await self._read_node()
+        if node is None:  # the informer has not listed it yet
+            return self._written or {}
         annotations = (node.metadata.annotations if node.metadata else None) or {}
         text = annotations.get(keys.NODE_GPU_LAYOUT_ANNOTATION)
         if self._written is None:  # what an earlier agent wrote: rewriting the same is a no-op
@@ -333,4 +369,7 @@ class GpuLayoutExecutor:
             except Exception:
                 log.exception("mig: layout pass on node %s failed", self._node)
             self.passes += 1
-            await asyncio.sleep(self._interval_s)
+            self._wake.clear()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self._interval_s):
+                    await self._wake.wait()
