@@ -179,6 +179,7 @@ SCHEDULER_DOES = [
     ("patch", "pods/status", "team-a"),
     ("list", "nodes", ""),
     ("watch", "nodes", ""),
+    ("patch", "nodes", ""),  # dynamic MIG layouts: gpufrac.io/gpu-layout only (admission policy)
     # affinity terms' namespaceSelector; bound volumes' node affinity (#19)
     ("list", "namespaces", ""),
     ("watch", "namespaces", ""),
@@ -197,7 +198,7 @@ SCHEDULER_MUST_NOT = [
     ("update", "gpufrac.io:queues", ""),  # the spec is the administrator's; the scheduler writes status
     ("patch", "scheduling.run.ai:queues/status", ""),  # KAI's queue status is KAI's
     ("delete", "nodes", ""),
-    ("patch", "nodes", ""),
+    ("patch", "nodes/status", ""),  # the inventory and conditions are the node agent's
     ("delete", "pods", "team-a"),
     ("create", "pods", "team-a"),
     ("update", "pods", "team-a"),
