@@ -17,9 +17,11 @@ from sched_harness import (
     audit_pool,
     condition,
     gpu_pod,
+    metric,
     nodes_of,
     pods_of,
     running,
+    scrape,
     wait_bound,
     wait_for,
 )
@@ -56,7 +58,7 @@ async def test_mig_pods_take_free_slices_and_fractions_stay_off_the_mig_gpu(
 ) -> None:
     shape = NodeShape(gpus=2, mig=((0, ("3g.40gb@0", "3g.40gb@4")),))
     await add_nodes(client, pool, count=1, shape=shape)
-    async with running(client, pool.config(mig={"dynamic": False})):
+    async with running(client, pool.config(mig={"dynamic": False})) as service:
         for name in ("a", "b"):
             await client.create(gpu_pod(pool, name, MIG_3G))
         await client.create(gpu_pod(pool, "f", FRACTION))
@@ -77,6 +79,12 @@ async def test_mig_pods_take_free_slices_and_fractions_stay_off_the_mig_gpu(
         report = await audit_pool(client, pool)
         assert report.ok, report.problems
         assert report.gpus[mig_gpu.uuid].slice_mib == 2 * 40448
+        text = await scrape(service.probe_port)
+        name = node.metadata.name
+        assert (
+            metric(text, "gpufrac_scheduler_gpu_memory_allocated_mib", node=name, gpu=mig_gpu.uuid)
+            == 2 * 40448
+        )
 
 
 async def test_a_waiting_3g_pod_gets_an_idle_gpu_re_partitioned_and_binds_to_the_new_slice(

@@ -99,6 +99,8 @@ class GpuLedger:
     tenants: tuple[str, ...]
     #: MIG UUIDs of its slices that are taken (a GPU in mode mig).
     slices: tuple[str, ...] = ()
+    #: The memory of those slices (what a MIG GPU has booked: its ``free_mib`` is no fraction room, 0).
+    slice_mib: int = 0
 
 
 _ARRAYS = [
@@ -430,6 +432,7 @@ class ClusterState:
         out = []
         for g, uuid in enumerate(self.gpu_uuid[n]):
             tenants = tuple(sorted(self.namespace_name(t) for t in self.tenants.get((n, g), {})))
+            taken = [s for s in self.mig.node_slots(n) if s.gpu == g and s.taken]
             out.append(
                 GpuLedger(
                     uuid=uuid,
@@ -441,7 +444,8 @@ class ClusterState:
                     mode=int(self.mode[n, g]),
                     pods=int(self.npods[n, g]),
                     tenants=tenants,
-                    slices=tuple(s.slice.uuid for s in self.mig.node_slots(n) if s.gpu == g and s.taken),
+                    slices=tuple(s.slice.uuid for s in taken),
+                    slice_mib=sum(s.slice.mib for s in taken),
                 )
             )
         return out

@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, GCCollector, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from gpufrac.placement.state import MIG
 from gpufrac.process.build_info import register_build_info
 from gpufrac.scheduler.placement_engine import PlacementEngine
 
@@ -38,8 +39,9 @@ def gpu_allocations(engine: PlacementEngine) -> Iterable[GpuAllocation]:
                 gpu=ledger.uuid,
                 index=ledger.index,
                 capacity_mib=ledger.capacity_mib,
-                request_mib=ledger.capacity_mib - ledger.free_mib,
-                limit_mib=ledger.limit_sum_mib,
+                # A MIG GPU has no fraction room: what it has booked is its taken slices' memory.
+                request_mib=ledger.slice_mib if ledger.mode == MIG else ledger.capacity_mib - ledger.free_mib,
+                limit_mib=ledger.slice_mib if ledger.mode == MIG else ledger.limit_sum_mib,
             )
 
 
