@@ -139,3 +139,25 @@ async def test_a_waiting_3g_pod_gets_an_idle_gpu_re_partitioned_and_binds_to_the
         assert pods["m"].metadata.annotations[keys.devices_key("app")] == slice_uuid
         report = await audit_pool(client, pool)
         assert report.ok, report.problems
+
+
+async def test_a_layout_change_found_pending_at_start_fences_its_gpu_until_the_agent_refuses_it(
+    client: AsyncClient, pool: Pool
+) -> None:
+    (name,) = await add_nodes(client, pool, count=1, shape=NodeShape(gpus=1, mig=((0, ("7g.80gb@0",)),)))
+    node = await client.get(Node, name)
+    (gpu,) = node_inventory(node)
+    pending = {"generation": 3, "gpus": {gpu.uuid: {"mode": "fractions"}}}
+    await set_annotations(
+        client, Node, name=name, annotations={keys.NODE_GPU_LAYOUT_ANNOTATION: json.dumps(pending)}
+    )
+    async with running(client, pool.config()):
+        await client.create(gpu_pod(pool, "m", {keys.mig_key("app", keys.MIG_PROFILE): "7g.80gb"}))
+        message = await _waiting_message(client, pool, "m", "MIG")
+        assert "1 node(s) had no free MIG slice of 7g.80gb" in message  # the slice is free, its GPU fenced
+        refused = {"generation": 3, "gpus": {gpu.uuid: {"state": "Refused", "message": "pods on it"}}}
+        await set_annotations(
+            client, Node, name=name, annotations={keys.NODE_GPU_LAYOUT_STATUS_ANNOTATION: json.dumps(refused)}
+        )
+        (m,) = await wait_bound(client, pool.namespace, 1, timeout=30)
+        assert m.metadata.annotations[keys.devices_key("app")] == gpu.mig[0].uuid

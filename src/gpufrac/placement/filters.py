@@ -32,7 +32,7 @@ from gpufrac.contract.request import ComputeMode
 from .decision import Reason
 from .demand import PPM, ContainerDemand, Demand
 from .model import NodeSpec, TaintEffect
-from .state import EMPTY, MIG, MODE_CODE, SM_SHARING, WHOLE_IDLE, ClusterState
+from .state import EMPTY, FENCED, MIG, MODE_CODE, SM_SHARING, WHOLE_IDLE, ClusterState
 
 
 class StaticFilter(Protocol):
@@ -252,7 +252,9 @@ def mig_fit(state: ClusterState, demand: Demand, nodes: np.ndarray) -> np.ndarra
     nodes with MIG GPUs are looked at one by one (MIG demand is small)."""
     reasons = np.zeros(nodes.size, dtype=np.int8)
     count = state.gpu_count[nodes]
-    has_mig = (state.base[nodes] == MIG).any(axis=1)
+    base = state.base[nodes]
+    # A GPU being re-partitioned (FENCED) counts: its node says "no free slice", not "no MIG GPU".
+    has_mig = ((base == MIG) | (base == FENCED)).any(axis=1)
     reasons[~has_mig] = Reason.NO_MIG_GPU
     reasons[count == 0] = Reason.NO_GPUS
     real = nodes if state.mig_rows is None else state.mig_rows[nodes]

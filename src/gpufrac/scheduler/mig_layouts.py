@@ -34,6 +34,7 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 from lightkube import AsyncClient
 from lightkube.resources.core_v1 import Node
 
@@ -46,6 +47,7 @@ from gpufrac.placement.decision import Unschedulable
 from gpufrac.placement.engine import Engine
 from gpufrac.placement.mig_layouts import FractionWait, IdleGpu, LayoutChange, MigWait, plan_layouts
 from gpufrac.placement.model import GpuDevice, GpuMode, PendingPod
+from gpufrac.placement.state import MIG, WHOLE_IDLE
 from gpufrac.scheduler.booking_cache import BookingCache
 from gpufrac.scheduler.config import MigConfig
 from gpufrac.scheduler.cycle import CycleItem, PostFilterResult
@@ -173,6 +175,8 @@ class MigLayouts:
         for change in self.pending.values():
             if item.uid in change.serves:
                 return PostFilterResult(report=waiting_message(change))
+        if decision.detail:  # a queue's limit or the pod's policy: no layout would let it in
+            return None
         wait = self._wait_of(item.pending)
         if wait is None:
             return None
@@ -230,8 +234,17 @@ class MigLayouts:
         """Idle GPUs on nodes some wait may use: any mode for MIG waits (of MIG-capable models), not in
         mode fractions for fraction waits; none fenced, none whose change failed lately."""
         engine, now = self._engine, self._clock()
+        st = engine.state
+        if migs:
+            names = list(self._cache.nodes)
+        else:  # fractions only: the nodes with a GPU in another mode (one array pass, not every GPU)
+            rows = np.flatnonzero(((st.base == MIG) | (st.base == WHOLE_IDLE)).any(axis=1) & st.present)
+            names = [spec.name for n in rows.tolist() if (spec := st.nodes[n]) is not None]
         out = []
-        for name, spec in self._cache.nodes.items():
+        for name in names:
+            spec = self._cache.nodes.get(name)
+            if spec is None:
+                continue
             want_mig = any(w.may_use(name) for w in migs)
             if not (want_mig or any(w.may_use(name) for w in fractions)) or not spec.ready:
                 continue
