@@ -161,3 +161,27 @@ async def test_a_layout_change_found_pending_at_start_fences_its_gpu_until_the_a
         )
         (m,) = await wait_bound(client, pool.namespace, 1, timeout=30)
         assert m.metadata.annotations[keys.devices_key("app")] == gpu.mig[0].uuid
+
+
+async def test_a_fraction_no_pool_holds_gets_an_idle_mig_gpu_back_to_fractions(
+    client: AsyncClient, pool: Pool
+) -> None:
+    (name,) = await add_nodes(
+        client, pool, count=1, shape=NodeShape(gpus=1, mig=((0, ("3g.40gb@0", "3g.40gb@4")),))
+    )
+    async with running(client, pool.config()):
+        await client.create(gpu_pod(pool, "f", FRACTION))
+        message = await _waiting_message(client, pool, "f", "re-partitioned")
+        node = await client.get(Node, name)
+        (gpu,) = node_inventory(node)
+        assert message == f"waiting for node {name}'s GPU {gpu.uuid} to be re-partitioned to fractions"
+        asked = json.loads(node.metadata.annotations[keys.NODE_GPU_LAYOUT_ANNOTATION])
+        assert asked == {"generation": 1, "gpus": {gpu.uuid: {"mode": "fractions"}}}
+        entries = [
+            mig_layout(e, None) for e in json.loads(node.metadata.annotations[keys.NODE_GPUS_ANNOTATION])
+        ]
+        await set_annotations(
+            client, Node, name=name, annotations={keys.NODE_GPUS_ANNOTATION: json.dumps(entries)}
+        )
+        (f,) = await wait_bound(client, pool.namespace, 1, timeout=30)
+        assert f.metadata.annotations[keys.devices_key("app")] == gpu.uuid
