@@ -151,6 +151,11 @@ class _TlsHttpServer(ThreadingHTTPServer):
     def get_request(self) -> tuple[socket.socket, Any]:
         sock, address = self.socket.accept()
         sock.settimeout(self.idle_timeout_s)
+        # An answer leaves in two writes (headers, then body: two TLS records). With Nagle's algorithm
+        # the body waits for the client's ACK of the headers, which a client delays up to 40 ms: every
+        # admission call took 40+ ms at the API server for under 1 ms of work here
+        # (bench/admission_latency.py, docs/benchmarks.md). Send each write at once.
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         context = self.certificate.current.context  # read once: a rotation swaps it between accepts
         return context.wrap_socket(sock, server_side=True, do_handshake_on_connect=False), address
 
