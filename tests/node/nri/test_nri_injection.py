@@ -205,7 +205,6 @@ async def test_user_set_enforcement_env_and_mps_mount_are_replaced(node: Node) -
     user_env = {
         "NVIDIA_VISIBLE_DEVICES": "all",
         "NVIDIA_GPU_MEMORY_LIMIT": "999999",
-        "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "100",
         "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=999999M",
         "APP": "yes",
     }
@@ -215,8 +214,10 @@ async def test_user_set_enforcement_env_and_mps_mount_are_replaced(node: Node) -
     assert created.env["NVIDIA_VISIBLE_DEVICES"] == GPU_A
     assert created.env["NVIDIA_GPU_MEMORY_LIMIT"] == "1024"
     assert created.env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=1024M"
-    assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" not in created.env  # time-slicing: the user's is removed
     assert created.env["APP"] == "yes"
+    # One the plan does not set (time-slicing: no active-thread percentage) NRI cannot remove: refused.
+    with pytest.raises(ContainerCreateFailed, match="sets CUDA_MPS_ACTIVE_THREAD_PERCENTAGE='100'"):
+        await node.create(pod, "c", env={**user_env, "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "100"})
     mps_mounts = [m for m in created.mounts if m["destination"] == MPS_DIR]
     assert len(mps_mounts) == 1 and mps_mounts[0]["source"] == str(node.pipe_root / created.id)
 

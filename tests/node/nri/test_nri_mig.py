@@ -55,9 +55,7 @@ async def test_a_mig_container_gets_exactly_its_slice_as_a_cdi_device_and_nothin
     node: Node,
 ) -> None:
     pod = await node.pod(on_slices(SLICE_S))
-    # What a user might write to get more: every variable of a fraction, an MPS directory, the other slice.
-    planted = {key: "planted" for key in ENFORCEMENT_ENV} | {"PATH": "/usr/bin"}
-    created = await node.create(pod, "app", env=planted, cdi_devices=[])
+    created = await node.create(pod, "app", env={NVIDIA_VISIBLE_DEVICES: "all", "PATH": "/usr/bin"})
 
     assert created.cdi_devices == [f"nvidia.com/gpu={SLICE_S}"]
     assert {k: v for k, v in created.env.items() if k in ENFORCEMENT_ENV} == {NVIDIA_VISIBLE_DEVICES: SLICE_S}
@@ -70,6 +68,19 @@ async def test_a_mig_container_gets_exactly_its_slice_as_a_cdi_device_and_nothin
         9856,
         None,
     )
+
+
+@pytest.mark.parametrize("key", [k for k in ENFORCEMENT_ENV if k != NVIDIA_VISIBLE_DEVICES])
+async def test_a_mig_container_bringing_a_fraction_or_mps_variable_is_refused_naming_it(
+    node: Node, key: str
+) -> None:
+    """NRI cannot remove a variable a container brings (only replace it), and a MIG plan sets none of
+    these: the container would run with what the user wrote, so it is refused."""
+    with pytest.raises(ContainerCreateFailed) as refused:
+        await node.create(await node.pod(on_slices(SLICE_S)), "app", env={key: "planted"})
+    said = str(refused.value)
+    assert f"sets {key}='planted' in its environment, which its GPU assignment does not set" in said
+    assert node.store.allocations() == []
 
 
 async def test_two_slices_are_both_given_and_recorded_with_their_profiles(node: Node) -> None:

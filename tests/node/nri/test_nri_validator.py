@@ -220,15 +220,16 @@ async def test_a_validator_that_hangs_fails_the_container_not_opens_it(make_guar
 async def test_an_enforcement_variable_the_plan_leaves_out_is_judged_as_containerd_applies_it(  # type: ignore[no-untyped-def]
     make_guarded,
 ) -> None:
-    """The agent removes a user's ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` from a time-slicing container
-    with NRI's removal marker, but NRI's merged adjustment (v0.12.3) carries no env removal, and
-    containerd applies only that: the variable would reach the process. The validator judges the
-    environment the runtime will apply, so it refuses it -- where the audit would stop it later."""
+    """A user's ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` on a time-slicing container: NRI's merged adjustment
+    (v0.12.3) carries no env removal, and containerd applies only that, so the variable would reach the
+    process. The agent refuses it first, naming it (``handler.unremovable_variable``); the validator,
+    judging the environment as the runtime will apply it (``effective_env``, below), would too."""
     g = await make_guarded()
     pod = await g.node.pod(GPU_POD, name="trainer")
     with pytest.raises(ContainerCreateFailed) as refused:
         await g.node.create(pod, "train", env={**USER_ENV, CUDA_MPS_ACTIVE_THREAD_PERCENTAGE: "100"})
-    assert f"{CUDA_MPS_ACTIVE_THREAD_PERCENTAGE}='100' set, want it absent" in str(refused.value)
+    assert f"sets {CUDA_MPS_ACTIVE_THREAD_PERCENTAGE}='100' in its environment" in str(refused.value)
+    assert "the runtime cannot remove" in str(refused.value)
 
 
 def test_effective_env_applies_an_adjustment_as_containerd_does() -> None:

@@ -2,13 +2,16 @@
 
 At CreateContainer the pod's annotations become an ``InjectionPlan`` (``gpufrac.node.inject``, pure),
 which becomes NRI's ``ContainerAdjustment``: enforcement variables the container already has are removed
-(``-KEY``, NRI's removal marker), then the plan's variables, the per-container MPS directory mount and the
-CDI devices are added: CDI names as assigned, UUIDs and indices as ``<cdi_kind>=<device>`` (the NVIDIA
-toolkit's spec brings the device nodes and the memory-limit hook; the toolkit ignores the plain variable
-in unprivileged containers). A container without a gpufrac ask gets nothing, so a CDI device it asked
-for itself is what the runtime resolved before NRI and is reported as a foreign GPU (below). The host
-leaf directory is created before answering (the runtime bind-mounts it), the container's record is
-written to the mapping store, and only then does the runtime get its answer.
+(``-KEY``, NRI's removal marker), then the plan's variables, the per-container MPS directory mount and
+the CDI devices are added. NRI only replaces a variable the container brings: a removal never reaches the
+runtime (``unremovable_variable``), so a container that brings one its plan does not set (a MIG or whole-
+GPU container's memory or MPS variable) is refused, naming it. CDI devices: CDI names as assigned, UUIDs
+and indices as ``<cdi_kind>=<device>`` (the NVIDIA toolkit's spec brings the device nodes and the memory-
+limit hook; the toolkit ignores the plain variable in unprivileged containers). A container without a
+gpufrac ask gets nothing, so a CDI device it asked for itself is what the runtime resolved before NRI and
+is reported as a foreign GPU (below). The host leaf directory is created before answering (the runtime
+bind-mounts it), the container's record is written to the mapping store, and only then does the runtime
+get its answer.
 When the MPS supervisor runs (``hooks``), it may re-point the MPS directory mount at a v3 namespace
 directory or the classic pipe directory (``gpufrac.node.mps.containers.apply_adjustment``); the private
 leaf is created only when the mount still points at it.
@@ -174,6 +177,27 @@ def foreign_device(devices: Sequence[str], gpus: Sequence[GpuInfo]) -> str | Non
     return None
 
 
+def unremovable_variable(plan: InjectionPlan, *, container: api.Container, pod: api.PodSandbox) -> str | None:
+    """Why ``container`` cannot be given its plan: it brings an enforcement variable the plan does not set
+    (a MIG or whole-GPU container's memory or MPS variable, a time-slicing fraction's active-thread
+    percentage); None when it brings none.
+
+    NRI can replace such a variable but not remove it: its adaptation (v0.12.3, ``result.adjustEnv``)
+    applies a removal to the adjustments of earlier plugins and to the request, never to the merged
+    adjustment the runtime applies to the container's spec, so containerd keeps the container's own
+    value (containerd#13432); the validator then sees it too. Refused, so the container never runs with
+    a value the scheduler did not grant."""
+    own = dict(entry.partition("=")[::2] for entry in container.env)
+    for key in ENFORCEMENT_ENV:
+        if key in own and key not in plan.env_map:
+            return (
+                f"container {container.name} of pod {pod.namespace}/{pod.name} sets {key}={own[key]!r} in "
+                "its environment, which its GPU assignment does not set and the runtime cannot remove (NRI "
+                "replaces a variable a container brings but does not remove it); remove it from the manifest"
+            )
+    return None
+
+
 class GpuInjector:
     """The ``NriHandler`` of the node agent."""
 
@@ -266,6 +290,9 @@ class GpuInjector:
         unknown = self._not_on_node(plan, annotations=pod.annotations)
         if unknown is not None:
             return self._refuse(f"gpufrac: {unknown}", container=container, where=where)
+        brought = unremovable_variable(plan, container=container, pod=pod)
+        if brought is not None:
+            return self._refuse(f"gpufrac: {brought}", container=container, where=where)
 
         if self._hooks is not None and not plan.bound.mig:  # a MIG slice is no MPS client
             try:
