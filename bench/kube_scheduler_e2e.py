@@ -18,7 +18,14 @@ taint tolerated, which kube-scheduler needs to reach the nodes at all):
 
 - ``whole``: one whole GPU per pod (``resources.limits nvidia.com/gpu: 1``) on both sides;
 - ``fraction``: ``gpu-fraction: "0.5"`` on gpufrac against one whole GPU per pod on kube-scheduler, what
-  a cluster without fractions has to ask for the same workload.
+  a cluster without fractions has to ask for the same workload;
+- ``claims`` (not in the default list): DRA, the same ResourceClaim per pod on both sides, a share of one
+  GPU's memory as consumable capacity (``dra_claims``: 10/20/40Gi of an 80Gi GPU in turn), every node
+  publishing gpufrac's ResourceSlice, the chart's DeviceClasses; kube-scheduler's DRA allocator
+  (DynamicResources, ``DRAConsumableCapacity``: kube-scheduler gets the API server's feature gates,
+  ``gpufrac.local.featuregates``) against gpufrac's claim path (``gpufrac.scheduler.claims``). Each side
+  also reports the allocation's quality from the claims' ``status.allocation``: GPUs and nodes used for
+  the same claims, claims per used GPU, no device over its memory.
 
 Per burst (``scheduler_e2e.burst``): pods/s from the first create to the last bind, each pod's latency
 from the start of its create request to a watch seeing it bound (p50, p99), and the scheduler process's
@@ -47,6 +54,7 @@ profile run is slower: take its shares, not its pods/s).
     .venv/bin/python bench/kube_scheduler_e2e.py --nodes 200 --pods 1000 --rounds 3     # a quick look
     .venv/bin/python bench/kube_scheduler_e2e.py --mode backlog    # the drain rates, no create path
     .venv/bin/python bench/kube_scheduler_e2e.py --rules 0.25      # a quarter anti-affine or spread
+    .venv/bin/python bench/kube_scheduler_e2e.py --scenarios claims --nodes 500 --pods 2000   # DRA
     .venv/bin/python bench/kube_scheduler_e2e.py --scenarios whole --profile /tmp/prof  # what limits ours
 
 Goals (issue #39): ours >= 2x kube-scheduler's pods/s and <= 0.25x its p99. The last line is a one-line
@@ -67,7 +75,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -80,10 +88,12 @@ from lightkube.resources.core_v1 import Namespace, Node, Pod
 from lightkube.types import PatchType
 from prometheus_client.parser import text_string_to_metric_families
 
+import dra_claims
 from gpufrac.contract import keys
 from gpufrac.kube.informer import Informer
 from gpufrac.kube.stream import Selection
 from gpufrac.local.controlplane import ControlPlane
+from gpufrac.local.featuregates import feature_gates_flag
 from gpufrac.local.simnodes import NodeShape, create_sim_nodes
 from gpufrac.placement.policies import DEFAULT_POLICY
 from scheduler_e2e import (
@@ -167,6 +177,9 @@ class Scenario:
     ours: PodBuilder
     theirs: PodBuilder
     about: str
+    #: Pods that use DRA claims (``dra_claims``): the claims are created before each burst and audited
+    #: and released after it, the ResourceSlices and DeviceClasses published with the nodes.
+    claims: bool = False
 
 
 SCENARIOS = {
@@ -176,6 +189,14 @@ SCENARIOS = {
         half_gpu_pod,
         whole_gpu_pod,
         'gpu-fraction "0.5" on gpufrac, nvidia.com/gpu: 1 on kube-scheduler',
+    ),
+    "claims": Scenario(
+        "claims",
+        dra_claims.claim_pod,
+        dra_claims.claim_pod,
+        "the same ResourceClaim per pod on both (one device of time-slicing.gpu.gpufrac.io, "
+        f"capacity.requests.memory {'/'.join(dra_claims.CLAIM_MEMORY)} in turn)",
+        claims=True,
     ),
 }
 
@@ -218,6 +239,7 @@ def kube_scheduler_process(
         "--authorization-always-allow-paths=/healthz,/readyz,/livez,/metrics",
         "-v=1",
     ]
+    command += [gates] if (gates := feature_gates_flag()) else []  # the API server's own gates
     with open(workdir / f"kube-scheduler-{tag}.log", "wb") as log:
         proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
         try:
@@ -320,6 +342,8 @@ async def kube_round(
     """One burst placed and bound by kube-scheduler (started for it), checked, its pods deleted."""
     namespace = f"kube-{tag}"
     await client.create(Namespace(metadata=ObjectMeta(name=namespace)))
+    if scenario.claims:
+        await dra_claims.create_claims(client, namespace=namespace, count=args.pods)
     result: dict[str, Any] = {}
     with kube_scheduler_process(cp, workdir=workdir, tag=tag) as (proc, port):
         await wait_kube_ready(port, proc, timeout=max(120.0, args.nodes / 10))
@@ -369,6 +393,8 @@ async def backlog_round(
     kube = side == "kube_scheduler"
     namespace = f"{'kube' if kube else 'bench'}-{tag}"
     await client.create(Namespace(metadata=ObjectMeta(name=namespace)))
+    if scenario.claims:
+        await dra_claims.create_claims(client, namespace=namespace, count=args.pods)
     await create_pods(
         client,
         namespace=namespace,
@@ -534,9 +560,14 @@ SIDE_FIELDS = {
 }
 
 
+#: The allocation's quality, with claims (``dra_claims.audit_claims``).
+CLAIM_FIELDS = ("gpus_used", "nodes_used", "claims_per_gpu", "gpu_memory_allocated_pct")
+
+
 def brief(side: dict[str, Any]) -> dict[str, Any]:
     keep = (
         *SIDE_FIELDS["burst"],
+        *CLAIM_FIELDS,
         "first_bind_s",
         "scheduler_cpu_s_to_first_bind",
         "bound",
@@ -555,9 +586,11 @@ def ratio(ours: float | None, theirs: float | None) -> float | None:
 
 def summarize(scenario: Scenario, rounds: list[dict[str, Any]], *, pods: int, mode: str) -> dict[str, Any]:
     """Each side's medians over the rounds, the ratios of the medians, the goals, and every round (in
-    ``backlog`` mode no latency is measured, and only the pods/s goal is judged)."""
+    ``backlog`` mode no latency is measured, and only the pods/s goal is judged). With claims, also the
+    allocation's quality: GPUs and nodes used for the same claims, claims per used GPU."""
+    fields = SIDE_FIELDS[mode] + (CLAIM_FIELDS if scenario.claims else ())
     medians = {
-        side: {f: statistics.median(r[side][f] for r in rounds) for f in SIDE_FIELDS[mode]}
+        side: {f: statistics.median(r[side][f] for r in rounds) for f in fields}
         for side in ("gpufrac", "kube_scheduler")
     }
     ours, theirs = medians["gpufrac"], medians["kube_scheduler"]
@@ -618,6 +651,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 concurrency=32,
             )
             await advertise_gpus(client, names, gpus=args.gpus)
+            if any(SCENARIOS[name].claims for name in args.scenarios):
+                await dra_claims.publish_world(client, names, workdir=workdir)
             result["node_setup_s"] = round(time.monotonic() - started, 1)
             scenarios: dict[str, Any] = {}
             for name in args.scenarios:
@@ -672,6 +707,11 @@ async def one_round(
     tag = f"{scenario.name}-{number}"
     one: dict[str, Any] = {"round": number}
     sides = ["kube_scheduler", "gpufrac"] if number % 2 else ["gpufrac", "kube_scheduler"]
+
+    async def create_claims(namespace: str) -> None:
+        await dra_claims.create_claims(client, namespace=namespace, count=args.pods)
+
+    claims: Callable[[str], Awaitable[None]] | None = create_claims if scenario.claims else None
     one["first"] = sides[0]
     for side in sides:
         profile = args.profile / f"gpufrac-{tag}.prof" if args.profile and side == "gpufrac" else None
@@ -684,8 +724,13 @@ async def one_round(
             measured = await kube_round(cp, client, args, scenario=scenario, workdir=workdir, tag=tag)
         else:
             measured = await scheduler_round(
-                cp, client, ours, workdir=workdir, tag=tag, manifest=scenario.ours
+                cp, client, ours, workdir=workdir, tag=tag, manifest=scenario.ours, before_burst=claims
             )
+        if scenario.claims:
+            namespace = f"{'kube' if side == 'kube_scheduler' else 'bench'}-{tag}"
+            report = await dra_claims.audit_and_release(client, namespace=namespace)
+            measured |= report | {"audit_ok": measured["audit_ok"] and report["audit_ok"]}
+            measured["audit_problems"] = measured.get("audit_problems", []) + report["audit_problems"]
         if profile:
             measured["profile"] = profile_summary(profile)
         measured["limited_by"] = limited_by(measured)

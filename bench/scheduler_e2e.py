@@ -51,7 +51,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -549,12 +549,15 @@ async def scheduler_round(
     workdir: Path,
     tag: str,
     manifest: PodBuilder | None = None,
+    before_burst: Callable[[str], Awaitable[None]] | None = None,
 ) -> dict[str, Any]:
     """One burst placed and bound by ``gpufrac scheduler`` (started for it, as deployed), audited from the
     API objects, its pods deleted afterwards. ``manifest`` builds the pods (``burst``'s default: the
-    fractional mix)."""
+    fractional mix); ``before_burst`` prepares the namespace (the claims the pods use), untimed."""
     namespace = f"bench-{tag}"
     await client.create(Namespace(metadata=ObjectMeta(name=namespace)))
+    if before_burst is not None:
+        await before_burst(namespace)
     settings = {
         "policy": args.policy,
         "bind_mode": args.bind_mode,

@@ -1,7 +1,8 @@
 """bench/kube_scheduler_e2e.py's inputs, checked without running the bench (issue #39): the configuration
 it gives kube-scheduler is one the binary accepts, with the client limits and leader election the bench
 says; the pods of both sides are ones the API server accepts and gpufrac reads as the bench says; the
-figures it takes from kube-scheduler's metrics are differences between two scrapes."""
+figures it takes from kube-scheduler's metrics are differences between two scrapes; with DRA claims, the
+claims and their pods are valid and the claims audit counts GPUs and finds unallocated or over-full ones."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from types import ModuleType
 
 import pytest
 import yaml
-from lightkube import Client
+from lightkube import Client, codecs
 from lightkube.resources.core_v1 import Pod
 
 from gpufrac.contract import keys
@@ -76,6 +77,7 @@ def test_both_sides_pods_are_valid_and_read_as_the_bench_says(
     assert {s.name: (s.ours, s.theirs) for s in bench.SCENARIOS.values()} == {
         "whole": (bench.whole_gpu_pod, bench.whole_gpu_pod),
         "fraction": (bench.half_gpu_pod, bench.whole_gpu_pod),
+        "claims": (importlib.import_module("dra_claims").claim_pod,) * 2,
     }
     assert isinstance(whole, Pod)
     # --rules: a share of the same pods carry anti-affinity or a zone spread, still valid, still asking
@@ -107,3 +109,40 @@ def test_peer_metrics_are_what_the_burst_added(bench: ModuleType) -> None:
     assert got["posts"] == 2000 and got["post_ms_mean"] == 20.0
     assert got["client_throttle_s"] == 0
     assert got["attempt_ms_mean"] is None  # never observed: no figure rather than a zero
+
+
+def test_the_claims_audit_counts_gpus_and_finds_what_is_wrong(bench: ModuleType) -> None:
+    claims_module = importlib.import_module("dra_claims")
+
+    def claim(name: str, *results: tuple[str, str, str]) -> dict:
+        allocated = [{"pool": p, "device": d, "consumedCapacity": {"memory": m}} for p, d, m in results]
+        status = {"allocation": {"devices": {"results": allocated}}} if allocated else {}
+        return {"metadata": {"name": name}, "status": status}
+
+    capacity = {("n1", "gpu-a"): 81920, ("n1", "gpu-b"): 81920, ("n2", "gpu-a"): 81920}
+    packed = [claim("c1", ("n1", "gpu-a", "40Gi")), claim("c2", ("n1", "gpu-a", "40Gi"))]
+    got = claims_module.audit_claims(packed, capacity)
+    assert got["audit_ok"] and got["claims_allocated"] == 2
+    assert (got["gpus_used"], got["nodes_used"], got["gpu_memory_allocated_pct"]) == (1, 1, 100.0)
+    spread = [claim("c1", ("n1", "gpu-a", "40Gi")), claim("c2", ("n2", "gpu-a", "40Gi"))]
+    assert claims_module.audit_claims(spread, capacity)["gpus_used"] == 2
+    over = [*packed, claim("c3", ("n1", "gpu-a", "10Gi")), claim("c4")]
+    got = claims_module.audit_claims(over, capacity)
+    assert not got["audit_ok"] and got["claims_allocated"] == 3
+    assert got["audit_problems"] == ["1 claims not allocated", "n1/gpu-a: 92160 MiB of 81920"]
+
+
+@pytest.mark.kube
+def test_the_claims_and_their_pods_are_valid(bench: ModuleType, kube: Client, namespace: str) -> None:
+    claims_module = importlib.import_module("dra_claims")
+    bodies = [
+        claims_module.claim_body(i, namespace=namespace) for i in range(len(claims_module.CLAIM_MEMORY))
+    ]
+    for body in bodies:
+        kube.create(codecs.from_dict(body), dry_run=True)
+    asked = [b["spec"]["devices"]["requests"][0]["exactly"]["capacity"]["requests"]["memory"] for b in bodies]
+    assert asked == list(claims_module.CLAIM_MEMORY)
+    pod = claims_module.claim_pod(3, namespace=namespace, scheduler=bench.KUBE_SCHEDULER_NAME)
+    kube.create(pod, dry_run=True)
+    assert pod.spec.resourceClaims[0].resourceClaimName == claims_module.claim_name(3) == "c00003"
+    assert bench.SCENARIOS["claims"].claims and bench.SCENARIOS["claims"].ours is claims_module.claim_pod
