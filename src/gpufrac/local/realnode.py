@@ -70,6 +70,9 @@ from gpufrac.local.featuregates import FEATURE_GATES
 from gpufrac.local.processes import Spawned, spawn, terminate
 from gpufrac.local.simnodes import NodeShape, gpu_uuid
 from gpufrac.local.supervisor import Component, Supervisor
+from gpufrac.mig.geometry import Slice
+from gpufrac.mig.profiles import mig_model
+from gpufrac.node.inventory.simulated import simulated_mig_uuid
 
 TESTENV_BIN = Path(__file__).resolve().parents[3] / "testenv" / "bin"
 
@@ -244,21 +247,34 @@ disabled_plugins = ["io.containerd.internal.v1.tracing", "io.containerd.tracing.
 
 #: The variable each simulated CDI device sets in a container: ``<prefix><index>=<uuid>``.
 SIMULATED_CDI_ENV_PREFIX = "GPUFRAC_SIMULATED_CDI_GPU_"
+#: The variable each simulated MIG device sets: ``<prefix><index>_<start>_<profile>=<MIG uuid>``.
+SIMULATED_CDI_MIG_ENV_PREFIX = "GPUFRAC_SIMULATED_CDI_MIG_"
 
 
-def simulated_cdi_spec(*, node: str, gpus: int) -> dict[str, object]:
-    """A CDI spec of kind ``nvidia.com/gpu`` for a simulated node's GPUs, named by UUID and by index.
+def simulated_cdi_spec(*, node: str, gpus: int, model: str | None = None) -> dict[str, object]:
+    """A CDI spec of kind ``nvidia.com/gpu`` for a simulated node's GPUs, named by UUID and by index, and,
+    for a ``model`` with MIG profiles, every MIG device its GPUs could have, named by MIG UUID.
 
     Simulated because the machine has no GPU and no NVIDIA toolkit: ``nvidia-ctk cdi generate`` would
     give each device its ``/dev/nvidia<N>`` node and the driver's libraries and hooks (and set
     ``NVIDIA_VISIBLE_DEVICES=void``); these devices only set ``GPUFRAC_SIMULATED_CDI_GPU_<index>=<uuid>``,
-    which shows from inside the container that containerd injected exactly that device.
+    which shows from inside the container that containerd injected exactly that device. A MIG device
+    (``--device-name-strategy=uuid`` names it by its ``MIG-`` UUID) sets
+    ``GPUFRAC_SIMULATED_CDI_MIG_<index>_<start>_<profile>=<MIG uuid>``; its UUID is the one the simulated
+    inventory gives the slice (``simulated_mig_uuid``), for every profile at every start, since the spec is
+    written before any slice exists (``nvidia-ctk`` is re-run after a layout change on a real node).
     """
+    tables = mig_model(model) if model is not None else None
     devices = []
     for index in range(gpus):
         uuid = gpu_uuid(node, index)
         edits = {"env": [f"{SIMULATED_CDI_ENV_PREFIX}{index}={uuid}"]}
         devices += [{"name": uuid, "containerEdits": edits}, {"name": str(index), "containerEdits": edits}]
+        for profile in tables.profiles if tables is not None else ():
+            for start in profile.starts:
+                mig = simulated_mig_uuid(uuid, Slice(profile.name, start))
+                variable = f"{SIMULATED_CDI_MIG_ENV_PREFIX}{index}_{start}_{profile.name.replace('.', '_')}"
+                devices.append({"name": mig, "containerEdits": {"env": [f"{variable}={mig}"]}})
     return {"cdiVersion": "0.5.0", "kind": CDI_GPU_KIND, "devices": devices}
 
 
@@ -500,7 +516,7 @@ class RealNode:
         config.write_text(containerd_config(root=self.root, bins=self.bins))
         cdi_dir = self.root / "cdi"
         cdi_dir.mkdir(exist_ok=True)
-        spec = simulated_cdi_spec(node=self.name, gpus=self.shape.gpus)
+        spec = simulated_cdi_spec(node=self.name, gpus=self.shape.gpus, model=self.shape.model)
         (cdi_dir / "gpufrac-simulated.json").write_text(json.dumps(spec, indent=1))
         # containerd finds the shim on PATH (containerd-shim-runc-v2, next to it in testenv/bin).
         path = f"{self.bins.shim.parent}:{os.environ.get('PATH', '/usr/bin:/bin')}"
