@@ -52,3 +52,15 @@ def test_a_replay_of_a_few_gpus_shows_unreached_shares_as_a_dash_with_a_caption(
     shown = console.export_text()
     assert "nan" not in shown
     assert " - " in shown and UNREACHED_NOTE.split(" (")[0] in " ".join(shown.split())
+
+
+def test_the_snapshot_leaves_out_a_mig_pod_and_says_so() -> None:
+    """The openb shape has no MIG slice: a MIG pod is named, not replayed as a whole GPU."""
+    nodes = [sim_node(name="n1", shape=NodeShape(gpus=2, model="H100-80GB"))]
+    pods = [
+        gpu_pod("sliced", {keys.mig_key("app", keys.MIG_PROFILE): "3g.40gb"}),
+        gpu_pod("plain", {"gpu-fraction": "0.5"}),
+    ]
+    trace = cluster_trace(nodes, pods)
+    assert [p.name for p in trace.pods] == ["team-a/plain"]
+    assert trace.left_out == ["pod team-a/sliced: asks for MIG slices, which the replay leaves out"]

@@ -82,6 +82,11 @@ def cluster_trace(nodes: Iterable[Node], pods: Iterable[Pod]) -> ClusterTrace:
         if not request.wants_gpu or not largest:
             continue
         first, *others = request.containers
+        if first.mig is not None:  # hardware slices: the openb shape has no MIG (docs/mig.md)
+            trace.left_out.append(
+                f"pod {meta.namespace}/{meta.name}: asks for MIG slices, which the replay leaves out"
+            )
+            continue
         if others:
             names = ", ".join(c.container for c in others)
             trace.left_out.append(
