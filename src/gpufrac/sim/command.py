@@ -13,6 +13,7 @@ Examples::
     gpufrac simulate --trace cpu2x --policy fgd,fgd-align --offline-bound   # a CPU-heavier variant
     gpufrac simulate --trace default --policy fgd-align --window 16    # bursts of 16 received pods
     gpufrac simulate --from-cluster --policy all --export snap/        # your own cluster (kubeconfig)
+    gpufrac simulate --trace default --scenario mig --seeds 42-44      # MIG static/dynamic vs fractions
 
 Prints a table (or JSON with ``--json``) and writes a PNG of the allocation and fragmentation curves of
 every policy run (``--plot``, default out/simulate-<trace>.png).
@@ -41,6 +42,8 @@ from gpufrac.placement.policies import DEFAULT_POLICY, POLICIES
 
 from .churn import DESERVED_RULE, FAIR_SHARE_RULE, RECLAIM_RULES, ChurnResult, churn_replay
 from .experiment import DEFAULT_POLICIES, parse_policies, parse_seeds, run_experiment
+from .mig_replay import MIG_VARIANTS, MigRun, run_mig
+from .mig_workload import DEFAULT_MIG_SHARE, MIG_GPU_MIB, MIG_MODEL
 from .openb import TraceUnavailable
 from .replay import RunResult
 from .report import as_json, plot, plot_churn, table
@@ -147,6 +150,20 @@ def simulate(
     max_moves_per_minute: Annotated[
         int, typer.Option(min=1, help="With --consolidation: the bound on moves per minute of trace time.")
     ] = 4,
+    mig_share: Annotated[
+        float,
+        typer.Option(
+            help="With --scenario mig: the share of GPU-sharing pods that ask for hardware isolation (a MIG "
+            "slice; a seeded draw per trace row).",
+        ),
+    ] = DEFAULT_MIG_SHARE,
+    mig_static_share: Annotated[
+        float | None,
+        typer.Option(
+            help="With --scenario mig: the share of GPU nodes the static variant partitions (all-balanced); "
+            "default: the isolation pods' share of the requested GPU.",
+        ),
+    ] = None,
     from_cluster: Annotated[
         bool,
         typer.Option(
@@ -201,6 +218,26 @@ def simulate(
             err.print(f"snapshot: {written[0]}, {written[1]}", markup=False)
     else:
         name, node_list, pod_list = _trace(trace, nodes, data_dir, err)
+    if scenario == "mig":
+        if churn or offline_bound or window != 1:
+            err.print(
+                "gpufrac simulate: --scenario mig is the arrival replay: "
+                "no --churn, --offline-bound or --window"
+            )
+            raise typer.Exit(code=2)
+        _mig(
+            name,
+            node_list,
+            pod_list,
+            policies[0],
+            seed_list,
+            share=mig_share,
+            static_share=mig_static_share,
+            workers=max(1, workers),
+            json_output=json_output,
+            err=err,
+        )
+        return
     if churn:
         _churn(
             name,
@@ -423,3 +460,102 @@ def _reclaim_table(runs: list[ChurnResult], consolidation: bool) -> Table:
             cells[1:1] = ["on" if run.consolidation else "off"]
         out.add_row(*cells)
     return out
+
+
+def _mig(
+    name: str,
+    nodes: list[TraceNode],
+    pods: list[TracePod],
+    policy: str,
+    seeds: list[int],
+    *,
+    share: float,
+    static_share: float | None,
+    workers: int,
+    json_output: bool,
+    err: Console,
+) -> None:
+    """``--scenario mig``: the three variants side by side, means over the seeds (docs/mig.md, "Measured")."""
+    for key, value in (("--mig-share", share), ("--mig-static-share", static_share)):
+        if value is not None and not 0 <= value <= 1:
+            err.print(f"gpufrac simulate: {key} {value}: a share must be between 0 and 1")
+            raise typer.Exit(code=2)
+    with Progress(
+        TextColumn("[bold]{task.description}"), MofNCompleteColumn(), console=err, transient=True
+    ) as bar:
+        task = bar.add_task(f"replaying {name} (mig)", total=len(MIG_VARIANTS) * len(seeds))
+        runs = run_mig(
+            nodes=nodes,
+            pods=pods,
+            policy=policy,
+            seeds=seeds,
+            share=share,
+            static_share=static_share,
+            workers=workers,
+            progress=lambda r: bar.update(task, advance=1, description=f"{r.variant} seed {r.seed}"),
+        )
+    means = {v: _mig_means([r for r in runs if r.variant == v]) for v in MIG_VARIANTS}
+    static = next(r for r in runs if r.variant == "static")
+    if json_output:
+        out = {
+            "trace": name,
+            "scenario": "mig",
+            "policy": policy,
+            "seeds": seeds,
+            "model": MIG_MODEL,
+            "gpu_mib": MIG_GPU_MIB,
+            "mig_share": share,
+            "static_mig_gpus": static.static_mig_gpus,
+            "means": means,
+            "runs": [r.summary() for r in runs],
+        }
+        typer.echo(json.dumps(out))
+        return
+    title = (
+        f"{name}: MIG beside fractions, {policy}, seeds {','.join(map(str, seeds))}; every GPU node as "
+        f"{MIG_MODEL} ({MIG_GPU_MIB} MiB), {share:.0%} of sharing pods isolated, static: "
+        f"{static.static_mig_gpus} of {static.gpus} GPUs all-balanced (means over seeds)"
+    )
+    table = Table(
+        title=title,
+        caption="alloc: GPU asked by placed pods / capacity, at 100 % and 130 % arrival; re-partitions per "
+        "1,000 submitted pods (the arrival replay has no trace time, so none per hour)",
+    )
+    columns = [
+        "variant",
+        "pods",
+        "placed",
+        "GPUs used",
+        "MIG GPUs at end",
+        "alloc@100",
+        "alloc@130",
+        "isolation placed",
+        "isolation failed",
+        "on MIG slices",
+        "re-partitions (to MIG / back)",
+        "per 1,000 pods",
+    ]
+    for column in columns:
+        table.add_column(column)
+    for kind, m in means.items():
+        table.add_row(
+            kind,
+            f"{m['pods']:.0f}",
+            f"{m['placed']:.0f}",
+            f"{m['gpus_used']:.0f}",
+            f"{m['mig_gpus_end']:.0f}",
+            f"{m['alloc_100']:.2f}",
+            f"{m['alloc_130']:.2f}",
+            f"{m['isolation_placed']:.0f}",
+            f"{m['isolation_failed']:.0f}",
+            f"{m['isolation_on_slices']:.0f}",
+            f"{m['repartitions']:.0f} ({m['to_mig']:.0f} / {m['to_fractions']:.0f})",
+            f"{m['repartitions_per_1000_pods']:.1f}",
+        )
+    Console().print(table)
+
+
+def _mig_means(runs: list[MigRun]) -> dict[str, float]:
+    """Each numeric figure's mean over the runs (seeds) of one variant."""
+    keys = [k for k, v in runs[0].summary().items() if isinstance(v, int | float) and k not in ("seed",)]
+    return {k: round(sum(r.summary()[k] for r in runs) / len(runs), 2) for k in keys}

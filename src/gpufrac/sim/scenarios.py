@@ -16,6 +16,10 @@ multi-GPU pod asks for ``num_gpu`` devices. The only difference from the annotat
 that rounding: ``ceil(p x MiB)`` instead of ``floor``, so two claims for half of a 15,109 MiB T4
 (7,555 MiB each) do not fit on it where two annotation pods (7,554 MiB) do. The claims are time-slicing
 (the default DeviceClass); FGD's prior keeps the trace's shapes.
+
+``mig`` (``gpufrac.sim.mig_workload``) moves the GPU nodes to a MIG-capable model and has a seeded share
+of the sharing pods ask for hardware isolation (a MIG slice); ``gpufrac simulate --scenario mig`` replays
+it three ways side by side (static layouts, dynamic layouts, fractions only: ``gpufrac.sim.mig_replay``).
 """
 
 from __future__ import annotations
@@ -25,9 +29,10 @@ from dataclasses import replace
 
 from gpufrac.contract.request import ComputeMode
 
+from .mig_workload import DEFAULT_MIG_SHARE, mig_workload
 from .trace import TracePod
 
-SCENARIOS = ("plain", "mixed", "claims")
+SCENARIOS = ("plain", "mixed", "claims", "mig")
 TEAMS = 8
 
 
@@ -38,6 +43,8 @@ def prepare(pods: Sequence[TracePod], scenario: str) -> list[TracePod]:
         return [_mixed(i, p) for i, p in enumerate(pods)]
     if scenario == "claims":
         return [replace(p, claim=True) for p in pods]
+    if scenario == "mig":
+        return mig_workload(pods, DEFAULT_MIG_SHARE)
     raise ValueError(f"unknown scenario {scenario!r}; known: {', '.join(SCENARIOS)}")
 
 

@@ -82,6 +82,9 @@ class TracePod:
     """Seconds into the trace when the pod was created (``creation_time``), when the trace has it."""
     deleted: int | None = None
     """Seconds into the trace when it was deleted (``deletion_time``); the churn replay's departures."""
+    isolation_mib: int = 0
+    """Hardware isolation asked for (scenario ``mig``): a MIG slice of at least this many MiB per GPU
+    (``MigRequest(min_mib=...)``) instead of a fraction; 0 for a fraction or whole-GPU pod."""
 
     @property
     def gpu_total_milli(self) -> int:

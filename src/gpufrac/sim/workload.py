@@ -9,6 +9,8 @@ instead). Pods are submitted one by one, never deleted. Everything random comes 
 Translation: ``gpu_milli < 1000`` becomes the contract's portion request (``gpu-fraction``) on each of
 ``num_gpu`` GPUs (rounded up to whole MiB instead of down for a pod expressed as a DRA claim,
 ``TracePod.claim``); ``gpu_milli == 1000`` becomes an exclusive request for ``num_gpu`` whole GPUs;
+a pod that asks for hardware isolation (``TracePod.isolation_mib``, scenario ``mig``) becomes a MIG size
+request;
 ``gpu_spec`` becomes a required node affinity ``gpufrac.io/gpu-model In (...)``; CPU and host memory are
 requested as in the trace. The typical pods of FGD's prior are built from the original list (before
 sampling), keyed by (cpu, gpu_milli, num_gpu, gpu_spec), CPU-only pods included.
@@ -22,7 +24,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from gpufrac.contract.keys import GPU_MODEL_LABEL
-from gpufrac.contract.request import ContainerGpuRequest, GpuMemory, PodGpuRequest
+from gpufrac.contract.request import ContainerGpuRequest, GpuMemory, MigRequest, PodGpuRequest
 from gpufrac.placement.model import (
     GpuDevice,
     NodeSelectorRequirement,
@@ -79,6 +81,9 @@ def node_spec(node: TraceNode, gpu_mib: dict[str, int] | None = None) -> NodeSpe
 def gpu_request(pod: TracePod) -> PodGpuRequest:
     if pod.num_gpu == 0 or pod.gpu_milli == 0:
         return PodGpuRequest()
+    if pod.isolation_mib:
+        mig = MigRequest(min_mib=pod.isolation_mib, count=pod.num_gpu)
+        return PodGpuRequest((ContainerGpuRequest(CONTAINER, None, None, device_count=pod.num_gpu, mig=mig),))
     if pod.gpu_milli >= 1000:
         request = ContainerGpuRequest(
             CONTAINER, None, None, pod.mode, device_count=pod.num_gpu, exclusive=True
