@@ -5,8 +5,9 @@ and drives ``gpufrac.placement.Engine``, the scheduler service's engine, so its 
 product's. Modules: ``trace`` (files, data directory), ``workload`` (the published sampling protocol and
 row translation), ``scenarios`` (variants with both compute modes, or as DRA claims), ``replay`` (one
 run and its metrics), ``metrics``, ``experiment`` (many runs in worker processes), ``report`` (table,
-JSON, PNG), ``synthetic`` (a generated trace for tests), ``paper`` (the published means), ``command``
-(``gpufrac simulate``).
+JSON, PNG), ``synthetic`` (a generated trace for tests), ``paper`` (the published means), ``mig_workload`` and
+``mig_replay`` (scenario ``mig``: static MIG layouts, dynamic layouts and fractions only, side by side),
+``command`` (``gpufrac simulate``).
 
 Programmatic use::
 
