@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 
 import pytest
 from typer.testing import CliRunner
@@ -16,6 +17,7 @@ from gpufrac.placement.decision import Placement
 from gpufrac.placement.engine import Engine
 from gpufrac.placement.mig_layouts import LayoutChange
 from gpufrac.placement.model import GpuMode
+from gpufrac.sim.mig_churn import mig_churn_replay
 from gpufrac.sim.mig_replay import MIG_VARIANTS, mig_replay
 from gpufrac.sim.mig_workload import (
     MIG_GPU_MIB,
@@ -66,7 +68,8 @@ def test_static_partitions_whole_nodes_spread_over_the_cluster():
     chosen = static_nodes(nodes, 0.25)
     assert len(chosen) == 5
     names = sorted(n.name for n in nodes)
-    assert chosen == {names[i] for i in (3, 7, 11, 15, 19)}
+    assert chosen == {names[i] for i in (2, 6, 10, 14, 18)}
+    assert len(static_nodes(nodes, 0.01)) == 1 and static_nodes(nodes, 0.0) == set()
 
 
 def _gpu_of(device_uuid: str, gpu_uuid: str) -> bool:
@@ -143,3 +146,43 @@ def test_simulate_prints_the_three_variants_side_by_side(tmp_path):
     assert f"{MIG_MODEL} ({MIG_GPU_MIB} MiB)" in table.stdout
     bad = CliRunner().invoke(app, [*args, "--mig-share", "2"])
     assert bad.exit_code == 2 and "--mig-share 2.0: a share must be between 0 and 1" in bad.output
+
+
+def _timed(pods: list[TracePod]) -> list[TracePod]:
+    """Each pod created a minute after the last and running for one to three hours."""
+    return [replace(p, created=60 * i, deleted=60 * i + 3600 * (1 + i % 3)) for i, p in enumerate(pods)]
+
+
+def test_with_departures_dynamic_layouts_turn_gpus_both_ways_and_count_per_hour():
+    nodes, pods = synthetic_trace(seed=8, nodes=4, pods=120)
+    runs = {
+        v: mig_churn_replay(nodes=nodes, pods=_timed(pods), variant=v, policy="fgd-room", seed=3, share=0.5)
+        for v in MIG_VARIANTS
+    }
+    dynamic, only = runs["dynamic"], runs["fractions-only"]
+    # Idle MIG GPUs went back to fractions for fraction pods that waited, and MIG again later.
+    assert dynamic.to_mig > 0 and dynamic.to_fractions > 0
+    assert dynamic.repartitions_per_hour == pytest.approx(dynamic.repartitions / dynamic.hours, abs=0.001)
+    assert dynamic.isolation_started > 0 and dynamic.isolation_unservable == 0
+    assert only.repartitions == 0 and only.mig_gpus_end == 0 and only.isolation_started == only.isolation_pods
+    # The static layout has no 7g.80gb: isolation pods above 49.6 % of a GPU are never replayed there.
+    big = sum(isolated(p, 0.5) and p.gpu_milli * MIG_GPU_MIB // 1000 > 40448 for p in pods)
+    assert big and runs["static"].isolation_unservable == big and runs["static"].repartitions == 0
+
+
+def test_simulate_churn_prints_the_three_variants_per_hour(tmp_path):
+    nodes, pods = synthetic_trace(seed=8, nodes=4, pods=60)
+    save_nodes(tmp_path / "nodes.csv", nodes)
+    rows = ["name,cpu_milli,memory_mib,num_gpu,gpu_milli,gpu_spec,qos,creation_time,deletion_time"]
+    rows += [
+        f"{p.name},{p.cpu_milli},{p.memory_mib},{p.num_gpu},{p.gpu_milli},,{p.qos},{p.created},{p.deleted}"
+        for p in _timed(pods)
+    ]
+    (tmp_path / "pods.csv").write_text("\n".join(rows) + "\n")
+    args = ["simulate", "--trace", str(tmp_path / "pods.csv"), "--nodes", str(tmp_path / "nodes.csv")]
+    args += ["--seeds", "1", "--scenario", "mig", "--churn", "--workers", "1", "--no-plot"]
+    table = CliRunner().invoke(app, args, env={"COLUMNS": "300"})
+    assert table.exit_code == 0, table.output
+    assert all(v in table.stdout for v in MIG_VARIANTS) and "per hour" in table.stdout
+    out = json.loads(CliRunner().invoke(app, [*args, "--json"]).stdout.strip().splitlines()[-1])
+    assert [r["variant"] for r in out["runs"]] == list(MIG_VARIANTS)

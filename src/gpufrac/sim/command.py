@@ -14,6 +14,7 @@ Examples::
     gpufrac simulate --trace default --policy fgd-align --window 16    # bursts of 16 received pods
     gpufrac simulate --from-cluster --policy all --export snap/        # your own cluster (kubeconfig)
     gpufrac simulate --trace default --scenario mig --seeds 42-44      # MIG static/dynamic vs fractions
+    gpufrac simulate --trace default --scenario mig --churn --churn-load 3 --churn-cluster 0.01  # per hour
 
 Prints a table (or JSON with ``--json``) and writes a PNG of the allocation and fragmentation curves of
 every policy run (``--plot``, default out/simulate-<trace>.png).
@@ -29,7 +30,9 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict
+from functools import partial
 from pathlib import Path
 from typing import Annotated
 
@@ -42,6 +45,7 @@ from gpufrac.placement.policies import DEFAULT_POLICY, POLICIES
 
 from .churn import DESERVED_RULE, FAIR_SHARE_RULE, RECLAIM_RULES, ChurnResult, churn_replay
 from .experiment import DEFAULT_POLICIES, parse_policies, parse_seeds, run_experiment
+from .mig_churn import MigChurnRun, mig_churn_replay
 from .mig_replay import MIG_VARIANTS, MigRun, run_mig
 from .mig_workload import DEFAULT_MIG_SHARE, MIG_GPU_MIB, MIG_MODEL
 from .openb import TraceUnavailable
@@ -219,12 +223,27 @@ def simulate(
     else:
         name, node_list, pod_list = _trace(trace, nodes, data_dir, err)
     if scenario == "mig":
-        if churn or offline_bound or window != 1:
+        if offline_bound or window != 1 or consolidation:
             err.print(
-                "gpufrac simulate: --scenario mig is the arrival replay: "
-                "no --churn, --offline-bound or --window"
+                "gpufrac simulate: --scenario mig takes no --offline-bound, --window or --consolidation"
             )
             raise typer.Exit(code=2)
+        if churn:
+            _mig_churn(
+                name,
+                node_list,
+                pod_list,
+                policies[0],
+                seed_list[0],
+                share=mig_share,
+                static_share=mig_static_share,
+                load=churn_load,
+                cluster=churn_cluster,
+                workers=max(1, workers),
+                json_output=json_output,
+                err=err,
+            )
+            return
         _mig(
             name,
             node_list,
@@ -559,3 +578,76 @@ def _mig_means(runs: list[MigRun]) -> dict[str, float]:
     """Each numeric figure's mean over the runs (seeds) of one variant."""
     keys = [k for k, v in runs[0].summary().items() if isinstance(v, int | float) and k not in ("seed",)]
     return {k: round(sum(r.summary()[k] for r in runs) / len(runs), 2) for k in keys}
+
+
+def _mig_churn(
+    name: str,
+    nodes: list[TraceNode],
+    pods: list[TracePod],
+    policy: str,
+    seed: int,
+    *,
+    share: float,
+    static_share: float | None,
+    load: float,
+    cluster: float,
+    workers: int,
+    json_output: bool,
+    err: Console,
+) -> None:
+    """``--scenario mig --churn``: the three variants with departures; re-partitions per hour."""
+    run = partial(
+        mig_churn_replay,
+        nodes=nodes,
+        pods=pods,
+        policy=policy,
+        seed=seed,
+        share=share,
+        static_share=static_share,
+        load=load,
+        cluster=cluster,
+    )
+    try:
+        if workers <= 1:
+            runs: list[MigChurnRun] = [run(variant=v) for v in MIG_VARIANTS]
+        else:
+            with ProcessPoolExecutor(max_workers=workers) as pool:
+                runs = list(pool.map(_churn_variant, [run] * len(MIG_VARIANTS), MIG_VARIANTS))
+    except ValueError as error:
+        err.print(f"gpufrac simulate: {error}", markup=False)
+        raise typer.Exit(code=2) from error
+    if json_output:
+        out = {"trace": name, "scenario": "mig", "churn": True, "model": MIG_MODEL, "gpu_mib": MIG_GPU_MIB}
+        out |= {"mig_share": share, "runs": [r.summary() for r in runs]}
+        typer.echo(json.dumps(out))
+        return
+    first = runs[0]
+    table = Table(
+        title=f"{name}: MIG beside fractions with departures, {policy}, seed {seed}, {first.nodes} nodes as "
+        f"{MIG_MODEL}, load x{load}, {share:.0%} of sharing pods isolated, static: {first.static_mig_gpus} "
+        f"GPUs all-balanced, {first.hours:.0f} h of trace time",
+        caption="unservable: isolation pods no slice of the variant can hold (not replayed); pending: "
+        "start minus arrival, seconds",
+    )
+    columns = ["variant", "pods", "started", "isolation started", "unservable", "pending p50", "pending p99"]
+    columns += ["re-partitions (to MIG / back)", "per hour", "MIG GPUs at end"]
+    for column in columns:
+        table.add_column(column)
+    for r in runs:
+        table.add_row(
+            r.variant,
+            str(r.pods),
+            str(r.started),
+            f"{r.isolation_started} of {r.isolation_pods}",
+            str(r.isolation_unservable),
+            f"{r.pending_p50_s:.0f}",
+            f"{r.pending_p99_s:.0f}",
+            f"{r.repartitions} ({r.to_mig} / {r.to_fractions})",
+            f"{r.repartitions_per_hour:.3f}",
+            str(r.mig_gpus_end),
+        )
+    Console().print(table)
+
+
+def _churn_variant(run: Callable[..., MigChurnRun], variant: str) -> MigChurnRun:
+    return run(variant=variant)

@@ -116,24 +116,10 @@ def mig_replay(
     ``static_share`` is the share of GPU nodes the static variant partitions (default: the isolation
     pods' share of the list's requested GPU).
     """
-    if variant not in MIG_VARIANTS:
-        raise ValueError(f"variant {variant!r} is not one of {', '.join(MIG_VARIANTS)}")
-    cluster = mig_nodes(nodes)
-    workload = mig_workload(pods, share, as_mig=variant != "fractions-only")
-    if static_share is None:
-        static_share = isolation_share_of_demand(pods, share)
-    if not 0 <= static_share <= 1:
-        raise ValueError(f"--mig-static-share {static_share}: the share of GPU nodes must be between 0 and 1")
-    partitioned = static_nodes(cluster, static_share) if variant == "static" else set()
-    engine = Engine(
-        policy=policy, seed=seed, typical=shape_counts([p for p in workload if not p.isolation_mib])
+    engine, specs, workload, partitioned = mig_cluster(
+        nodes, pods, variant, policy, seed, share, static_share
     )
-    specs: dict[str, NodeSpec] = {}
-    for node in cluster:
-        spec = node_spec(node, {MIG_MODEL: MIG_GPU_MIB})
-        specs[node.name] = balanced(spec) if node.name in partitioned else spec
-        engine.add_node(specs[node.name])
-    capacity = capacity_milli(cluster)
+    capacity = capacity_milli(mig_nodes(nodes))
     sequence = inflate(workload, seed=seed, capacity=capacity)
     model = MIG_MODELS[MIG_MODEL]
     make = PodFactory()
@@ -149,10 +135,7 @@ def mig_replay(
         pod = make(tp, i)
         decision = engine.place(pod)
         if variant == "dynamic" and not isinstance(decision, Placement):
-            for change in _plan(engine, specs, pod, tp):
-                if on_change is not None:
-                    on_change(engine, change)
-                _apply(engine, specs, change)
+            for change in repartition(engine, specs, pod, on_change):
                 counts["to_mig" if change.mode is GpuMode.MIG else "to_frac"] += 1
             decision = engine.place(pod)
         if on_pod is not None:
@@ -205,7 +188,49 @@ def mig_replay(
     )
 
 
-def _plan(engine: Engine, specs: dict[str, NodeSpec], pod: PendingPod, tp: TracePod) -> list[LayoutChange]:
+def mig_cluster(
+    nodes: Sequence[TraceNode],
+    pods: Sequence[TracePod],
+    variant: str,
+    policy: str,
+    seed: int,
+    share: float,
+    static_share: float | None,
+) -> tuple[Engine, dict[str, NodeSpec], list[TracePod], set[str]]:
+    """The engine with the variant's cluster, the node specs as published, the variant's pods and the
+    nodes the static variant partitioned."""
+    if variant not in MIG_VARIANTS:
+        raise ValueError(f"variant {variant!r} is not one of {', '.join(MIG_VARIANTS)}")
+    cluster = mig_nodes(nodes)
+    workload = mig_workload(pods, share, as_mig=variant != "fractions-only")
+    if static_share is None:
+        static_share = isolation_share_of_demand(pods, share)
+    if not 0 <= static_share <= 1:
+        raise ValueError(f"--mig-static-share {static_share}: the share of GPU nodes must be between 0 and 1")
+    partitioned = static_nodes(cluster, static_share) if variant == "static" else set()
+    prior = shape_counts([p for p in workload if not p.isolation_mib])  # MIG pods use no fraction pool
+    engine = Engine(policy=policy, seed=seed, typical=prior)
+    specs: dict[str, NodeSpec] = {}
+    for node in cluster:
+        spec = node_spec(node, {MIG_MODEL: MIG_GPU_MIB})
+        specs[node.name] = balanced(spec) if node.name in partitioned else spec
+        engine.add_node(specs[node.name])
+    return engine, specs, workload, partitioned
+
+
+def repartition(
+    engine: Engine, specs: dict[str, NodeSpec], pod: PendingPod, on_change: ChangeHook | None = None
+) -> list[LayoutChange]:
+    """Plan and apply (at once: SIMULATED) the layout changes that would serve waiting ``pod``."""
+    changes = _plan(engine, specs, pod)
+    for change in changes:
+        if on_change is not None:
+            on_change(engine, change)
+        _apply(engine, specs, change)
+    return changes
+
+
+def _plan(engine: Engine, specs: dict[str, NodeSpec], pod: PendingPod) -> list[LayoutChange]:
     """The planner's changes for one waiting pod: its wait, and the idle GPUs of nodes it could use."""
     request = pod.gpu.containers[0] if pod.gpu.containers else None
     if request is None:

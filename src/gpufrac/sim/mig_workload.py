@@ -80,10 +80,12 @@ def isolation_share_of_demand(pods: Sequence[TracePod], share: float) -> float:
 
 
 def static_nodes(nodes: Sequence[TraceNode], share: float) -> set[str]:
-    """The GPU nodes the static variant partitions: ``share`` of them, spread evenly over the nodes in
-    name order (mig-parted configures a node at a time, so whole nodes)."""
+    """The GPU nodes the static variant partitions: ``share`` of them (rounded, at least one when
+    ``share`` > 0), spread evenly over the nodes in name order (mig-parted configures a node at a time,
+    so whole nodes)."""
     gpu_nodes = sorted(n.name for n in nodes if n.gpus)
-    return {name for i, name in enumerate(gpu_nodes) if int((i + 1) * share) > int(i * share)}
+    count = min(len(gpu_nodes), max(1 if share > 0 else 0, round(share * len(gpu_nodes))))
+    return {gpu_nodes[int((k + 0.5) * len(gpu_nodes) / count)] for k in range(count)}
 
 
 def slice_uuid(gpu_uuid: str, s: Slice) -> str:
