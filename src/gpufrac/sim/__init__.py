@@ -6,7 +6,8 @@ product's. Modules: ``trace`` (files, data directory), ``workload`` (the publish
 row translation), ``scenarios`` (variants with both compute modes, or as DRA claims), ``replay`` (one
 run and its metrics), ``metrics``, ``experiment`` (many runs in worker processes), ``report`` (table,
 JSON, PNG), ``synthetic`` (a generated trace for tests), ``paper`` (the published means), ``mig_workload`` and
-``mig_replay`` (scenario ``mig``: static MIG layouts, dynamic layouts and fractions only, side by side),
+``mig_replay`` (scenario ``mig``: static MIG layouts, dynamic layouts and fractions only, side by side;
+``mig_churn`` the same with departures),
 ``command`` (``gpufrac simulate``).
 
 Programmatic use::

@@ -15,7 +15,8 @@ side (issue #40; docs/benchmarks.md, "MIG beside fractions").
 The replay is the arrival protocol of ``replay`` (the openb paper's: pods submitted one by one up to
 130 % of the cluster's GPU, never deleted), with the same metrics; allocation counts what each pod asked
 (``gpu_milli``), so a 7g slice for a pod that asked for 60 % counts 60 %. That replay has no clock, so
-re-partitions are reported per 1,000 submitted pods, not per hour.
+re-partitions are reported per 1,000 submitted pods; ``mig_churn`` replays the same variants with
+departures on the trace's clock and counts them per hour.
 """
 
 from __future__ import annotations
