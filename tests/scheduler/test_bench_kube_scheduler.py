@@ -7,7 +7,9 @@ claims and their pods are valid and the claims audit counts GPUs and finds unall
 from __future__ import annotations
 
 import importlib
+import json
 import subprocess
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -146,3 +148,30 @@ def test_the_claims_and_their_pods_are_valid(bench: ModuleType, kube: Client, na
     kube.create(pod, dry_run=True)
     assert pod.spec.resourceClaims[0].resourceClaimName == claims_module.claim_name(3) == "c00003"
     assert bench.SCENARIOS["claims"].claims and bench.SCENARIOS["claims"].ours is claims_module.claim_pod
+
+
+@pytest.mark.kube
+def test_a_tiny_claims_run_allocates_every_claim_on_both_sides() -> None:
+    tiny = ["--scenarios", "claims", "--nodes", "3", "--gpus", "2", "--pods", "6", "--rounds", "1"]
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(BENCH / "kube_scheduler_e2e.py"),
+            *tiny,
+            "--concurrency",
+            "4",
+            "--timeout",
+            "120",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    claims = json.loads(done.stdout.strip().splitlines()[-1])["scenarios"]["claims"]
+    assert claims["all_bound"] and claims["audit_ok"]  # every claim allocated, no GPU over its memory
+    (one,) = claims["rounds"]
+    for side in ("gpufrac", "kube_scheduler"):
+        # 110Gi of claims need at least two 80Gi GPUs; the audit counted the GPUs the allocations name.
+        assert 2 <= one[side]["gpus_used"] <= 6
+        assert round(one[side]["claims_per_gpu"] * one[side]["gpus_used"]) == 6
