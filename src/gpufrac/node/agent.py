@@ -343,6 +343,7 @@ class NodeAgent:
                 republish=lambda: asyncio.wait_for(publisher.refresh(), timeout=30),
                 interval_s=settings.publish_interval_s,
                 events=self.recorder if self.recorder is not None else _LoggedEvents(),
+                paused=lambda: self.upgrading,
             )
             if self.upgrades is not None:  # the own-node informer the driver-upgrade watch runs anyway
                 self.upgrades.informer.add_handler(self.layouts)

@@ -215,10 +215,14 @@ class GpuLayoutExecutor:
         republish: Callable[[], Awaitable[Any]],
         interval_s: float = 5.0,
         events: EventSink | None = None,
+        paused: Callable[[], str | None] = lambda: None,
     ) -> None:
         """``events``: an Event on the Node each time a GPU's outcome changes (``EVENT_REASONS``), so
-        ``kubectl describe node`` tells a NeedsReset or a Refused layout without reading annotations."""
+        ``kubectl describe node`` tells a NeedsReset or a Refused layout without reading annotations.
+        ``paused``: why the driver may not be touched now (a driver upgrade in progress), else None; a
+        pass then opens nothing, the layout waits until it is over."""
         self._events = events
+        self._paused = paused
         self._client = client
         self._node = node_name
         self._applier = applier
@@ -273,14 +277,17 @@ class GpuLayoutExecutor:
             with contextlib.suppress(ValueError, TypeError):
                 self._written = json.loads(annotations.get(keys.NODE_GPU_LAYOUT_STATUS_ANNOTATION) or "null")
                 self._final = self._written
+        if text is None:  # nothing asked: NVML is not opened for nothing
+            return self._written or {}
+        if (why := self._paused()) is not None:
+            log.debug("mig: layout waits, the driver is not to be touched (%s)", why)
+            return self._written or {}
         try:
             inventory = await asyncio.to_thread(self._applier.read)
         except InventoryUnavailable as exc:
             log.warning("mig: GPUs unreadable, layout not applied: %s", exc)
             return self._written or {}
         request = parse_layout(text, gpus={g.uuid: g for g in inventory.gpus})
-        if text is None:
-            return self._written or {}
         if request.error is not None:
             log.warning("mig: %s", request.error)
             status = {"generation": request.generation, "gpus": {}, "message": request.error}
