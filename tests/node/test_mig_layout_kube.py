@@ -18,6 +18,7 @@ from lightkube import AsyncClient
 from lightkube.models.meta_v1 import ObjectMeta
 from lightkube.resources.core_v1 import Event, Node
 
+from gpufrac._generated.nri import api_pb2 as api
 from gpufrac.contract import keys
 from gpufrac.kube.patch import merge_patch
 from gpufrac.node.agent import NodeAgent
@@ -98,6 +99,25 @@ async def test_a_layout_written_on_the_node_is_applied_and_published_before_it_s
         assert (first["mode"], second["mode"]) == ("mig", "whole")
         assert [f"{s['profile']}@{s['start']}" for s in first["mig"]] == LAYOUT
         assert all(s["uuid"].startswith("MIG-") for s in first["mig"])
+
+        # The agent took the new slices when it published them: a container the scheduler binds to one
+        # right after Applied is created on it, not refused as "not in this node's GPU inventory" until
+        # the agent's next inventory pass (that loop does not even run here).
+        new_slice = first["mig"][2]["uuid"]
+        pod = api.PodSandbox(
+            id="sb-1",
+            name="isolated-1",
+            namespace="team-a",
+            uid="uid-2",
+            annotations={
+                keys.mig_key("cuda", keys.MIG_PROFILE): "1g.10gb",
+                keys.devices_key("cuda"): new_slice,
+            },
+        )
+        cuda = api.Container(id="d" * 64, pod_sandbox_id="sb-1", name="cuda")
+        await agent.injector.create_container(pod=pod, container=cuda)
+        assert agent.store.get("d" * 64) is not None
+        await agent.injector.remove_container(pod=pod, container=cuda)
 
         # A slice the model cannot hold: that GPU is refused, named with the key, the value and the rule.
         bad = {"generation": 8, "gpus": {gpu0: {"mode": "mig", "slices": ["3g.40gb@2"]}}}

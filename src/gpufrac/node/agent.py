@@ -42,7 +42,6 @@ from typing import TYPE_CHECKING, Any
 from lightkube import AsyncClient
 from prometheus_client import CollectorRegistry
 
-from gpufrac.contract.quantities import MIB
 from gpufrac.kube.events import NORMAL, EventRecorder, ObjectRef
 from gpufrac.node import labels as names
 from gpufrac.node.config import NodeAgentSettings
@@ -80,6 +79,7 @@ from gpufrac.node.nri.plugin import NriPlugin, PluginIdentity
 from gpufrac.node.reporting import UsageSettings, run_reporting
 from gpufrac.node.resize import AllocationsInForce, PodResizeWatch, ResizeTracker
 from gpufrac.node.usage.backend import GpuProcesses, ProcessUsageBackend
+from gpufrac.node.usage.simulated import inventory_devices
 from gpufrac.process.probes import ProbeServer
 
 if TYPE_CHECKING:
@@ -329,7 +329,6 @@ class NodeAgent:
         self.layouts: GpuLayoutExecutor | None = None
         control = make_mig_control(settings, self.backend) if settings.mig.layouts else None
         if self.publisher is not None and client is not None and control is not None:
-            publisher = self.publisher
             self.layouts = GpuLayoutExecutor(
                 client=client,
                 node_name=settings.node_name,
@@ -340,7 +339,7 @@ class NodeAgent:
                     containers=self.store.allocations,
                     allow_gpu_reset=settings.mig.allow_gpu_reset,
                 ),
-                republish=lambda: asyncio.wait_for(publisher.refresh(), timeout=30),
+                republish=self._republish_layout,
                 interval_s=settings.publish_interval_s,
                 events=self.recorder if self.recorder is not None else _LoggedEvents(),
                 paused=lambda: self.upgrading,
@@ -489,25 +488,36 @@ class NodeAgent:
                 with contextlib.suppress(InventoryUnavailable):
                     inventory = await asyncio.to_thread(self.backend.read)
             if inventory is not None:
-                self._inventory = inventory
-                self._gpu_mib.clear()
-                self._gpu_mib.update({g.uuid: g.mib for g in inventory.gpus})
-                self._usable_gpus = inventory.usable
-                usable = {g.uuid for g in inventory.usable}
-                # In place, without a moment of "nothing managed": the collector reads it from a thread.
-                self._managed_gpus |= usable
-                self._managed_gpus &= usable
+                self._adopt(inventory)
             self._inventory_tried.set()
             self.size_passes += 1
             await asyncio.sleep(self.settings.publish_interval_s)
 
+    def _adopt(self, inventory: NodeInventory) -> None:
+        """What CreateContainer, the mapping and usage reporting check against: the latest inventory."""
+        self._inventory = inventory
+        self._gpu_mib.clear()
+        self._gpu_mib.update({g.uuid: g.mib for g in inventory.gpus})
+        self._usable_gpus = inventory.usable
+        usable = {g.uuid for g in inventory.usable}
+        # In place, without a moment of "nothing managed": the collector reads it from a thread.
+        self._managed_gpus |= usable
+        self._managed_gpus &= usable
+
+    async def _republish_layout(self) -> None:
+        """After a MIG layout change: publish the new slices, and take them here at the same moment, so the
+        first container the scheduler binds to a new slice is not refused as "not in this node's GPU
+        inventory" until the next inventory pass."""
+        assert self.publisher is not None
+        await asyncio.wait_for(self.publisher.refresh(), timeout=30)
+        if self.publisher.inventory is not None:
+            self._adopt(self.publisher.inventory)
+
     def _inventory_gpus(self) -> Sequence[GpuProcesses]:
-        """The inventory's GPUs without processes: the simulated process table is laid over them."""
+        """The inventory's GPUs and MIG slices without processes: the simulated process table is laid over
+        them, as NVML reports a MIG slice as a device of its own."""
         inventory = self._inventory
-        return tuple(
-            GpuProcesses(uuid=g.uuid, index=g.index, memory_total_bytes=g.mib * MIB)
-            for g in (inventory.gpus if inventory is not None else ())
-        )
+        return inventory_devices(inventory.gpus if inventory is not None else ())
 
     async def _usage_backend(self) -> ProcessUsageBackend:
         if self.settings.process_backend == "simulated":
