@@ -14,6 +14,7 @@ from gpufrac.mig.geometry import (
     MigLayoutError,
     Slice,
     check_layout,
+    fill,
     fits,
     free_starts,
     occupied,
@@ -88,6 +89,45 @@ def test_fits_agrees_with_check_layout(case, data) -> None:
     except MigLayoutError:
         valid = False
     assert fits(model, layout, profile, start) == valid
+
+
+@settings(max_examples=200, deadline=None)
+@given(_layout())
+def test_room_counts_the_placements_fits_allows(case) -> None:
+    model, layout = case
+    possible = [(p.name, s) for p in model.profiles for s in range(8)]
+    assert room(model, layout) == sum(fits(model, layout, name, s) for name, s in possible)
+
+
+@settings(max_examples=200, deadline=None)
+@given(_layout(), st.data())
+def test_fill_keeps_the_layout_stays_valid_and_leaves_no_placement(case, data) -> None:
+    model, keep = case
+    names = [p.name for p in model.profiles]
+    asked = data.draw(st.dictionaries(st.sampled_from([*names, "9g.99gb"]), st.integers(-1, 9), max_size=4))
+    layout = fill(model, keep, asked)
+    check_layout(model, layout)
+    assert set(keep) <= set(layout)
+    assert room(model, layout) == 0, f"{layout} still has room"
+    assert fill(model, keep, asked) == layout  # deterministic
+
+
+def test_fill_follows_the_mix_of_the_asks() -> None:
+    h100 = MIG_MODELS["H100-80GB"]
+    keep = [Slice("3g.40gb", 0)]
+    assert [str(s) for s in fill(h100, keep, {"3g.40gb": 1})] == ["3g.40gb@0", "3g.40gb@4"]
+    # Twice as many 1g.10gb asks as 1g.20gb: the four memory slices left get two of one and one of the other.
+    added = [s.profile for s in fill(h100, keep, {"1g.10gb": 2, "1g.20gb": 1}) if s not in keep]
+    assert sorted(added) == ["1g.10gb", "1g.10gb", "1g.20gb"]
+    # A profile that cannot fit any more (7g) is passed over; nothing asked: the smallest slices.
+    assert fill(h100, keep, {"7g.80gb": 5}) == fill(h100, keep) == pack(h100, ["1g.10gb"] * 4, keep)[0]
+
+
+def test_a_small_asked_slice_does_not_take_the_place_of_a_larger_one() -> None:
+    h100 = MIG_MODELS["H100-80GB"]
+    # The 1g.10gb asked most comes first, yet the 3g.40gb asked next still gets its four memory slices.
+    layout = fill(h100, [Slice("1g.10gb", 3)], {"1g.10gb": 3, "3g.40gb": 2})
+    assert Slice("3g.40gb", 4) in layout and room(h100, layout) == 0
 
 
 @settings(max_examples=200, deadline=None)

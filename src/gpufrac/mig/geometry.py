@@ -13,8 +13,9 @@ list of wanted profiles, largest first, each at the start that leaves the most r
 
 from __future__ import annotations
 
+import functools
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from gpufrac.mig.profiles import MigModel, MigProfile
@@ -124,7 +125,59 @@ def smallest_fitting(model: MigModel, min_mib: int) -> MigProfile | None:
 
 def room(model: MigModel, slices: Sequence[Slice]) -> int:
     """How many (profile, start) placements are still possible beside the layout (higher: less fragmented)."""
-    return sum(len(free_starts(model, slices, p.name)) for p in model.profiles)
+    return _Taken.of(model, slices).room()
+
+
+@dataclass(frozen=True, slots=True)
+class _Placement:
+    name: str
+    start: int
+    mask: int
+    compute: int
+    max_instances: int
+
+
+@functools.cache
+def _placements(model: MigModel) -> tuple[_Placement, ...]:
+    return tuple(
+        _Placement(p.name, s, ((1 << p.memory_slices) - 1) << s, p.compute_slices, p.max_instances)
+        for p in model.profiles
+        for s in p.starts
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class _Taken:
+    """What a valid layout takes, as :func:`fits` reads it: memory slices (a bit mask), compute slices and
+    instances per profile. :func:`room` and :func:`pack` ask it thousands of times per layout planned."""
+
+    model: MigModel
+    mask: int
+    compute: int
+    count: Mapping[str, int]
+
+    @classmethod
+    def of(cls, model: MigModel, slices: Iterable[Slice]) -> _Taken:
+        taken = cls(model, 0, 0, {})
+        for s in slices:
+            taken = taken.plus(_profile(model, s), s.start)
+        return taken
+
+    def plus(self, profile: MigProfile, start: int) -> _Taken:
+        count = dict(self.count)
+        count[profile.name] = count.get(profile.name, 0) + 1
+        mask = self.mask | (((1 << profile.memory_slices) - 1) << start)
+        return _Taken(self.model, mask, self.compute + profile.compute_slices, count)
+
+    def fits(self, p: _Placement) -> bool:
+        return (
+            not self.mask & p.mask
+            and self.compute + p.compute <= self.model.compute_slices
+            and self.count.get(p.name, 0) < p.max_instances
+        )
+
+    def room(self) -> int:
+        return sum(self.fits(p) for p in _placements(self.model))
 
 
 def _largest_first(model: MigModel, name: str) -> tuple[int, int, int]:
@@ -145,13 +198,61 @@ def pack(
     """
     check_layout(model, keep)
     layout = list(keep)
+    taken = _Taken.of(model, keep)
     known = [(i, n) for i, n in enumerate(wanted) if model.profile(n) is not None]
     left = {i for i, n in enumerate(wanted) if model.profile(n) is None}
     for index, name in sorted(known, key=lambda item: (_largest_first(model, item[1]), item[0])):
-        starts = free_starts(model, layout, name)
-        if not starts:
+        profile = _profile(model, Slice(name, 0))
+        options = [p for p in _placements(model) if p.name == name and taken.fits(p)]
+        if not options:
             left.add(index)
             continue
-        best = max(starts, key=lambda start: (room(model, [*layout, Slice(name, start)]), -start))
-        layout.append(Slice(name, best))
+        best = max(options, key=lambda p: (taken.plus(profile, p.start).room(), -p.start))
+        layout.append(Slice(name, best.start))
+        taken = taken.plus(profile, best.start)
     return tuple(sorted(layout, key=lambda s: (s.start, s.profile))), tuple(wanted[i] for i in sorted(left))
+
+
+def _smallest_first(model: MigModel, name: str) -> tuple[int, int, int, str]:
+    profile = model.profile(name)
+    assert profile is not None
+    return (profile.memory_mib, profile.compute_slices, profile.memory_slices, name)
+
+
+def fill(model: MigModel, keep: Sequence[Slice], asked: Mapping[str, int] | None = None) -> tuple[Slice, ...]:
+    """``keep`` with free slices added until no profile of ``model`` fits beside it (:func:`room` 0).
+
+    The free slices follow ``asked`` (profile name -> how often it was asked lately): each next one is the
+    profile that still fits with the highest ``asked / (slices of it added + 1)`` (the D'Hondt rule, so the
+    added slices follow the mix of the asks; ties: the more asked, then the smaller), checked by re-packing
+    every added slice beside ``keep`` with :func:`pack` (largest first), so a small slice added early does
+    not take the place a larger asked one needs. Once no asked profile fits, the smallest profile that fits
+    (memory, then compute slices: what :func:`smallest_fitting` prefers) is added until none does.
+    ``keep`` stays where it is and must be valid (:class:`MigLayoutError` otherwise); names ``model``
+    lacks are ignored. Ordered by start, as :func:`pack`'s.
+    """
+    check_layout(model, keep)
+    weights = {n: w for n, w in (asked or {}).items() if w > 0 and model.profile(n) is not None}
+    added: list[str] = []
+    layout = tuple(sorted(keep, key=lambda s: (s.start, s.profile)))
+    dead: set[str] = set()
+    while True:
+        live = [n for n in weights if n not in dead]
+        if not live:
+            break
+        name = max(
+            live,
+            key=lambda n: (weights[n] / (added.count(n) + 1), weights[n], _largest_first(model, n), n),
+        )
+        trial, left = pack(model, [*added, name], keep)
+        if left:
+            dead.add(name)
+            continue
+        added.append(name)
+        layout = trial
+    by_size = sorted((p.name for p in model.profiles), key=lambda n: _smallest_first(model, n))
+    while True:
+        name = next((n for n in by_size if free_starts(model, layout, n)), None)
+        if name is None:
+            return layout
+        layout = pack(model, [name], layout)[0]
