@@ -13,7 +13,7 @@ from lightkube.resources.core_v1 import Event, Pod
 from gpufrac.kube.binding import bind_pod
 from gpufrac.kube.errors import Conflict, KubeError, NotFound
 from gpufrac.kube.events import NORMAL, WARNING, EventRecorder, ObjectRef
-from gpufrac.kube.patch import set_annotations, set_pod_condition
+from gpufrac.kube.patch import merge_patch_version, set_annotations, set_pod_condition
 from gpufrac.kube.stream import Selection, watch_objects
 from gpufrac.local.controlplane import ControlPlane
 
@@ -310,6 +310,43 @@ async def test_a_burst_longer_than_half_the_queue_has_its_events_written_as_it_g
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_a_patch_answering_the_new_version_is_applied_once_at_the_version_read_on_both_paths(
+    controlplane: ControlPlane, client: AsyncClient, namespace: str
+) -> None:
+    """``merge_patch_version`` (a claim's per-pod writes): the lean path (the admin client) and httpx (a
+    client whose own transport impersonates someone, here an admin) apply a patch at the version read,
+    answer the object's new version, and refuse a second patch at the old one with a typed Conflict."""
+    impersonating = controlplane.async_client(impersonate="someone", groups=["system:masters"])
+    try:
+        for writer, name in ((client, "lean"), (impersonating, "httpx")):
+            pod = await new_pod(client, namespace, name)
+            stale = pod.metadata.resourceVersion
+            version = await merge_patch_version(
+                writer,
+                Pod,
+                name=name,
+                namespace=namespace,
+                patch={"metadata": {"labels": {"writer": "first"}}},
+                resource_version=stale,
+            )
+            with pytest.raises(Conflict):
+                await merge_patch_version(
+                    writer,
+                    Pod.Status,
+                    name=name,
+                    namespace=namespace,
+                    patch={"status": {"nominatedNodeName": "n1"}},
+                    resource_version=stale,
+                )
+            read = await client.get(Pod, name, namespace=namespace)
+            assert read.metadata.resourceVersion == version != stale, name
+            assert read.metadata.labels == {"writer": "first"} and read.status.nominatedNodeName is None, name
+            with pytest.raises(NotFound):
+                await merge_patch_version(writer, Pod, name="nope", namespace=namespace, patch={})
+    finally:
+        await impersonating.close()
 
 
 async def test_a_binding_goes_out_as_the_clients_transport_says(

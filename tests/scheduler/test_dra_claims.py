@@ -632,3 +632,53 @@ async def test_a_claim_changed_or_deleted_under_the_writer_is_not_allocated_and_
         pod, claims=[stale], allocations={}
     )
     assert error == "this scheduler is no longer the leader"
+
+
+async def test_two_writers_of_one_claim_allocate_it_once_and_the_loser_reserves_it_after_reading_it_again(
+    client: AsyncClient, pool: Pool
+) -> None:
+    """Two schedulers read the same claim (finalizer already on) and each writes an allocation at that
+    version: the API server takes the first and refuses the second (409), so the claim holds one
+    allocation; the loser, reading the claim again, only adds its pod to ``reservedFor``."""
+    await create_claim(client, claim_body(pool, "contended"))
+    await client.patch(
+        ResourceClaim,
+        "contended",
+        {"metadata": {"finalizers": [keys.DRA_CLAIM_FINALIZER]}},
+        namespace=pool.namespace,
+        patch_type=PatchType.MERGE,
+    )
+    read = await client.get(ResourceClaim, "contended", namespace=pool.namespace)
+
+    def allocation(device: str) -> dict[str, Any]:
+        result = {
+            "request": "gpu",
+            "driver": keys.DRA_DRIVER_NAME,
+            "pool": "node-a",
+            "device": device,
+            "consumedCapacity": {keys.DRA_MEMORY_CAPACITY: "20Gi"},
+            "shareID": f"00000000-0000-4000-8000-00000000000{device[-1]}",
+        }
+        return {"devices": {"results": [result], "config": []}}
+
+    def pod(name: str) -> Pod:
+        return Pod.from_dict({"metadata": {"name": name, "namespace": pool.namespace, "uid": f"uid-{name}"}})
+
+    writer = ClaimWriter(client=client, fence=lambda: True)
+    uid = read.metadata.uid
+    landed, error = await writer.write(pod("first"), claims=[read], allocations={uid: allocation("gpu-0")})
+    assert (landed, error) == ({uid}, None)
+    landed, error = await writer.write(pod("second"), claims=[read], allocations={uid: allocation("gpu-1")})
+    assert landed == set() and error is not None and "changed while it was being allocated" in error
+    status = (await get_claim(client, pool, "contended"))["status"]
+    assert allocated_device({"status": status}) == "gpu-0"
+    assert [r["name"] for r in status["reservedFor"]] == ["first"]
+
+    again = await client.get(ResourceClaim, "contended", namespace=pool.namespace)
+    landed, error = await writer.write(pod("second"), claims=[again], allocations={})
+    assert (landed, error) == (set(), None)
+    claim = await get_claim(client, pool, "contended")
+    assert allocated_device(claim) == "gpu-0"
+    assert claim["status"]["allocation"]["devices"]["results"][0]["shareID"].endswith("0")
+    assert [r["name"] for r in claim["status"]["reservedFor"]] == ["first", "second"]
+    assert claim["metadata"]["finalizers"] == [keys.DRA_CLAIM_FINALIZER]

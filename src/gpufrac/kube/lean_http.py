@@ -1,13 +1,16 @@
-"""The two requests a scheduler makes per pod, on plain HTTP/1.1: a POST (the Binding) and a watch.
+"""The requests a scheduler makes per pod, on plain HTTP/1.1: a POST (the Binding), a PATCH (a DRA
+claim's finalizer and allocation) and a watch.
 
 Why: a burst binds thousands of pods, one Binding each, and reads each pod twice from a watch. Through
 httpx a POST cost about 1 ms of CPU (its URL parsing, an auth flow per request, a connection pool that
 probes the socket of every idle connection on each request, h11's state machine), 45 % of the
 scheduler's CPU per pod under ``bench/scheduler_e2e.py --profile``, and reading watch lines through
 httpx and h11 another 30 % once the POSTs were lean, on a machine where the scheduler shares the CPU
-with the API server it talks to. Here a POST is one write of prepared bytes on a kept-alive connection
-taken from a free list, its answer a status line, headers and a ``Content-Length`` (or chunked) body;
-a watch is its own connection whose chunked body is split into lines.
+with the API server it talks to. The claim writes of a DRA claim pod (two merge PATCHes through
+lightkube) were 52 % of its CPU under ``bench/kube_scheduler_e2e.py --scenarios claims --profile``. Here
+a POST or PATCH is one write of prepared bytes on a kept-alive connection taken from a free list, its
+answer a status line, headers and a ``Content-Length`` (or chunked) body; a watch is its own connection
+whose chunked body is split into lines.
 
 Same endpoint, TLS context and credentials as the lightkube client it is made from (``for_client``):
 the cluster's CA, the client certificate, and the ``Authorization`` header of lightkube's own auth
@@ -18,8 +21,8 @@ environment, a transport of the caller's own such as one that adds impersonation
 the httpx client (``for_client`` answers None).
 
 A failure after the request may have been written is raised as ``ConnectionError`` (or
-``TimeoutError``); it is never retried here, because a POST may have taken effect: the binder reads the
-pod to know, as it does for httpx's errors.
+``TimeoutError``); it is never retried here, because a POST or PATCH may have taken effect: the binder
+reads the pod to know, as it does for httpx's errors, and the claim writer's next try reads the claim.
 """
 
 from __future__ import annotations
@@ -92,7 +95,8 @@ class HttpStatusError(Exception):
 
 
 class LeanHttp:
-    """POSTs to one API server over up to ``max_connections`` kept-alive HTTPS connections, and watches."""
+    """POSTs and PATCHes to one API server over up to ``max_connections`` kept-alive HTTPS connections,
+    and watches."""
 
     def __init__(
         self,
@@ -124,11 +128,25 @@ class LeanHttp:
 
     async def post(self, path: str, body: bytes, *, params: dict[str, str] | None = None) -> Answer:
         """POST ``body`` (JSON) to ``path`` (relative to the server's URL); the answer, any status."""
+        return await self.send("POST", path, body, params=params)
+
+    async def send(
+        self,
+        method: str,
+        path: str,
+        body: bytes,
+        *,
+        params: dict[str, str] | None = None,
+        content_type: str = "application/json",
+    ) -> Answer:
+        """Send ``body`` (of ``content_type``: a PATCH names its patch type) with ``method`` to ``path``;
+        the answer, any status. A 401 is retried once with the credentials read again (nothing was
+        applied)."""
         target = self._target(path, params)
-        answer = await self._send(target, body)
+        answer = await self._send(method, target, body, content_type)
         if answer.status == 401 and self._auth is not None:
             await self._authorize(refresh=answer)
-            answer = await self._send(target, body)
+            answer = await self._send(method, target, body, content_type)
         return answer
 
     async def close(self) -> None:
@@ -176,7 +194,9 @@ class LeanHttp:
         target = self._prefix + "/" + quote(path.lstrip("/"), safe="/:@")
         return target + "?" + urlencode(params) if params else target
 
-    def _head(self, method: str, target: str, *, body: bytes | None) -> bytes:
+    def _head(
+        self, method: str, target: str, *, body: bytes | None, content_type: str = "application/json"
+    ) -> bytes:
         head = [
             f"{method} {target} HTTP/1.1",
             f"Host: {self._host_header}",
@@ -184,15 +204,15 @@ class LeanHttp:
             f"User-Agent: {self._user_agent}",
         ]
         if body is not None:
-            head += ["Content-Type: application/json", f"Content-Length: {len(body)}"]
+            head += [f"Content-Type: {content_type}", f"Content-Length: {len(body)}"]
         if self._authorization:
             head.append(f"Authorization: {self._authorization}")
         return ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + (body or b"")
 
-    async def _send(self, target: str, body: bytes) -> Answer:
+    async def _send(self, method: str, target: str, body: bytes, content_type: str) -> Answer:
         if not self._authorized:
             await self._authorize(refresh=None)
-        request = self._head("POST", target, body=body)
+        request = self._head(method, target, body=body, content_type=content_type)
         async with self._slots:
             connection = await self._connection()
             try:

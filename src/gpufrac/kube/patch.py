@@ -19,6 +19,7 @@ from lightkube.resources.core_v1 import Pod
 from lightkube.types import PatchType
 
 from gpufrac.kube.errors import api_errors
+from gpufrac.kube.stream import patch_object
 
 T = TypeVar("T")
 
@@ -36,15 +37,37 @@ async def merge_patch(
 
     A key whose value is None is removed from the object (merge-patch semantics).
     """
+    body = _at_version(patch, resource_version)
+    with api_errors():
+        return await client.patch(  # type: ignore[no-any-return]
+            resource, name, body, namespace=namespace, patch_type=PatchType.MERGE
+        )
+
+
+async def merge_patch_version(
+    client: AsyncClient,
+    resource: type,
+    *,
+    name: str,
+    namespace: str | None = None,
+    patch: dict[str, Any],
+    resource_version: str | None = None,
+) -> str:
+    """``merge_patch`` for a write made per pod (a DRA claim's finalizer and allocation): the patched
+    object's new resourceVersion instead of the object, sent on the lean path (``kube.stream``)."""
+    return await patch_object(
+        client, resource, name=name, namespace=namespace, patch=_at_version(patch, resource_version)
+    )
+
+
+def _at_version(patch: dict[str, Any], resource_version: str | None) -> dict[str, Any]:
+    """The patch with ``metadata.resourceVersion`` set: the server applies it only at that version."""
     body = dict(patch)
     if resource_version is not None:
         metadata = dict(body.get("metadata") or {})
         metadata["resourceVersion"] = resource_version
         body["metadata"] = metadata
-    with api_errors():
-        return await client.patch(  # type: ignore[no-any-return]
-            resource, name, body, namespace=namespace, patch_type=PatchType.MERGE
-        )
+    return body
 
 
 async def set_annotations(

@@ -23,6 +23,7 @@ from lightkube import ApiError, AsyncClient
 from lightkube.core import decoders
 from lightkube.core.generic_client import ALL_NS, GenericAsyncClient, json_encode
 from lightkube.models.meta_v1 import DeleteOptions
+from lightkube.types import PatchType
 
 from gpufrac.kube import lean_http
 from gpufrac.kube.errors import KubeError, from_status, translate
@@ -136,6 +137,50 @@ async def _post(client: AsyncClient, obj: object, *, name: str | None, namespace
         generic.handle_response("post", await generic.send(generic.build_adapter_request(request)), request)
     except ApiError as error:
         raise translate(error) from error
+
+
+async def patch_object(
+    client: AsyncClient,
+    resource: type,
+    *,
+    name: str,
+    namespace: str | None,
+    patch: dict[str, Any],
+    patch_type: PatchType = PatchType.MERGE,
+) -> str:
+    """PATCH ``name`` (or its subresource: ``resource`` says which) and answer the resourceVersion the
+    patched object has; the object itself is not decoded. The lean path as a Binding's POST (a claim pod
+    takes two such writes per claim, and through lightkube's httpx client they were most of the
+    scheduler's CPU), through httpx where that path does not apply. Preconditions ride in the patch
+    (``metadata.resourceVersion``: else ``Conflict``)."""
+    generic = _generic(client)
+    request = generic.prepare_request(
+        "patch",
+        res=resource,
+        obj=patch,
+        name=name,
+        namespace=namespace,
+        headers={"Content-Type": patch_type.value},
+    )
+    lean = lean_http.for_client(client, config=generic.config, http=generic._client)
+    if lean is not None:
+        answer = await lean.send(
+            "PATCH",
+            request.url,
+            json_encode(request.data),
+            params=request.params,
+            content_type=patch_type.value,
+        )
+        if answer.status >= 400:
+            raise _answer_error(answer)
+        return decode_bookmark_version(answer.body)
+    request.response_type = None
+    response = await generic.send(generic.build_adapter_request(request))
+    try:
+        generic.handle_response("patch", response, request)
+    except ApiError as error:
+        raise translate(error) from error
+    return decode_bookmark_version(response.content)
 
 
 async def delete_object(

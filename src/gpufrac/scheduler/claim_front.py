@@ -35,7 +35,7 @@ from gpufrac.contract import keys
 from gpufrac.contract.request import PodGpuRequest
 from gpufrac.kube.errors import Conflict, KubeError, NotFound
 from gpufrac.kube.informer import Informer
-from gpufrac.kube.patch import merge_patch
+from gpufrac.kube.patch import merge_patch_version
 from gpufrac.kube.stream import ALL_NAMESPACES, Selection
 from gpufrac.placement.decision import Placement
 from gpufrac.placement.model import PendingPod
@@ -187,8 +187,11 @@ def reserved(claim: ResourceClaim, pod: Pod) -> bool:
 class ClaimWriter:
     """Writes a claim pod's allocations and reservations before its Binding, as kube-scheduler's
     PreBind does: the finalizer first (an allocated claim is not deleted under its pods), then
-    ``status.allocation`` with the pod in ``status.reservedFor`` (one write), each at the version read.
-    A claim already allocated only gets the pod added to ``reservedFor``."""
+    ``status.allocation`` with the pod in ``status.reservedFor`` (one write), each a merge patch at the
+    version read, so a claim that changed since (another scheduler allocated it) is refused by the API
+    server (409) and never allocated twice: the pod's next try plans on the claim as the informer has
+    it since. A claim already allocated only gets the pod added to ``reservedFor``. Both writes go on
+    the lean HTTP path (``merge_patch_version``), as the Binding does."""
 
     def __init__(self, *, client: AsyncClient, fence: Callable[[], bool]) -> None:
         self._client = client
@@ -210,7 +213,7 @@ class ClaimWriter:
                 version = meta.resourceVersion
                 allocation_ = allocations.get(meta.uid)
                 if allocation_ is not None and keys.DRA_CLAIM_FINALIZER not in (meta.finalizers or []):
-                    patched = await merge_patch(
+                    version = await merge_patch_version(
                         self._client,
                         ResourceClaim,
                         name=meta.name,
@@ -220,7 +223,6 @@ class ClaimWriter:
                         },
                         resource_version=version,
                     )
-                    version = patched.metadata.resourceVersion
                 if allocation_ is None and reserved(claim, pod):
                     continue
                 status: dict[str, Any] = {
@@ -231,7 +233,7 @@ class ClaimWriter:
                 }
                 if allocation_ is not None:
                     status["allocation"] = allocation_
-                await merge_patch(
+                await merge_patch_version(
                     self._client,
                     ResourceClaim.Status,
                     name=meta.name,
