@@ -454,3 +454,45 @@ async def test_a_deployment_gets_its_replicas_from_the_controller_manager(cluste
         await asyncio.to_thread(
             _kubectl, cluster, "delete", "deployment", "fractions", "--ignore-not-found", "--wait=false"
         )
+
+
+async def test_an_isolation_pod_gets_a_slice_the_scheduler_had_an_idle_gpu_partitioned_for(
+    cluster: LocalCluster, outcomes: dict[str, PodOutcome]
+) -> None:
+    """examples/isolated-mig.yaml on `gpufrac up`: no GPU is in MIG mode, so the scheduler writes a layout
+    for an idle GPU on its node, that node's agent makes the slice and republishes, and the pod is bound
+    to the new slice and created with exactly that MIG device (no fraction variables)."""
+    assert cluster.client is not None
+    client = cluster.client
+    (pod,) = load_all_yaml((REPO_ROOT / "examples" / "isolated-mig.yaml").read_text())
+    await client.create(pod, namespace="default")
+    try:
+        deadline = asyncio.get_running_loop().time() + 60
+        while True:
+            got = await client.get(Pod, "isolated", namespace="default")
+            if (got.metadata.annotations or {}).get(CONTAINERS_ANNOTATION):
+                break
+            assert asyncio.get_running_loop().time() < deadline, [
+                c.message for c in (got.status.conditions or []) if c.type == "PodScheduled"
+            ]
+            await asyncio.sleep(0.2)
+        (slice_uuid,) = got.metadata.annotations[keys.devices_key("app")].split(",")
+        assert slice_uuid.startswith("MIG-")
+        node = await client.get(Node, got.spec.nodeName)
+        gpus = json.loads(node.metadata.annotations[keys.NODE_GPUS_ANNOTATION])
+        (parent,) = [g for g in gpus if any(s["uuid"] == slice_uuid for s in g.get("mig", []))]
+        got_slice = next(s for s in parent["mig"] if s["uuid"] == slice_uuid)
+        assert parent["mode"] == "mig" and got_slice["profile"] == "1g.20gb"  # the smallest that fits
+        # None of the demo's fractions was on the GPU that was re-partitioned.
+        assert not any(
+            d.startswith(f"{node.metadata.name}/gpu{parent['index']}")
+            for o in outcomes.values()
+            for d in o.devices
+        )
+        status = json.loads(node.metadata.annotations[keys.NODE_GPU_LAYOUT_STATUS_ANNOTATION])
+        assert status["gpus"][parent["uuid"]]["state"] == "Applied"
+        env = json.loads(got.metadata.annotations[CONTAINERS_ANNOTATION])["app"]["env"]
+        assert env["NVIDIA_VISIBLE_DEVICES"] == slice_uuid
+        assert "NVIDIA_GPU_MEMORY_LIMIT" not in env and "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" not in env
+    finally:
+        await client.delete(Pod, "isolated", namespace="default", grace_period=0)

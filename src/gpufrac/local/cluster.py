@@ -191,7 +191,14 @@ class Timings:
         return config
 
     def node_agent_config(self) -> dict[str, Any]:
-        config: dict[str, Any] = {"health_host": LOOPBACK, "usage": {"metrics_host": LOOPBACK}}
+        # The nodes' GPUs are SIMULATED and nothing else uses them: a MIG mode change the scheduler asks
+        # for (mig.dynamic) is completed with the simulated GPU reset, so an isolation pod on `gpufrac up`
+        # gets its slice. On a real node allow_gpu_reset stays false unless the operator sets it.
+        config: dict[str, Any] = {
+            "health_host": LOOPBACK,
+            "usage": {"metrics_host": LOOPBACK},
+            "mig": {"allow_gpu_reset": True},
+        }
         if self.node_heartbeat_s is not None:
             config["heartbeat_s"] = self.node_heartbeat_s
         if self.node_publish_interval_s is not None:
