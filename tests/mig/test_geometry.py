@@ -4,6 +4,7 @@ rules agree with the facts of the MIG user guide ("Supported MIG Profiles" and i
 from __future__ import annotations
 
 import re
+from collections import Counter
 from dataclasses import replace
 
 import pytest
@@ -105,11 +106,15 @@ def test_fill_keeps_the_layout_stays_valid_and_leaves_no_placement(case, data) -
     model, keep = case
     names = [p.name for p in model.profiles]
     asked = data.draw(st.dictionaries(st.sampled_from([*names, "9g.99gb"]), st.integers(-1, 9), max_size=4))
-    layout = fill(model, keep, asked)
+    wanted = data.draw(st.lists(st.sampled_from(names), max_size=3))
+    layout = fill(model, keep, asked, wanted)
     check_layout(model, layout)
     assert set(keep) <= set(layout)
     assert room(model, layout) == 0, f"{layout} still has room"
-    assert fill(model, keep, asked) == layout  # deterministic
+    # Every wanted slice pack would place beside keep is there (the rest is free slices).
+    placed = Counter(s.profile for s in pack(model, wanted, keep)[0] if s not in keep)
+    assert not placed - Counter(s.profile for s in layout if s not in keep)
+    assert fill(model, keep, asked, wanted) == layout  # deterministic
 
 
 def test_fill_follows_the_mix_of_the_asks() -> None:
@@ -123,11 +128,13 @@ def test_fill_follows_the_mix_of_the_asks() -> None:
     assert fill(h100, keep, {"7g.80gb": 5}) == fill(h100, keep) == pack(h100, ["1g.10gb"] * 4, keep)[0]
 
 
-def test_a_small_asked_slice_does_not_take_the_place_of_a_larger_one() -> None:
+def test_a_wanted_slice_is_re_packed_with_the_fill_where_it_wastes_nothing() -> None:
     h100 = MIG_MODELS["H100-80GB"]
-    # The 1g.10gb asked most comes first, yet the 3g.40gb asked next still gets its four memory slices.
-    layout = fill(h100, [Slice("1g.10gb", 3)], {"1g.10gb": 3, "3g.40gb": 2})
-    assert Slice("3g.40gb", 4) in layout and room(h100, layout) == 0
+    # Laid out alone a 1g.10gb goes to 6 (the most room), which leaves memory slice 7 to no profile;
+    # re-packed with the 3g.40gb asked lately, the 3g.40gb takes 4-7 and four 1g.10gb fit beside it.
+    assert pack(h100, ["1g.10gb"])[0] == (Slice("1g.10gb", 6),)
+    layout = fill(h100, (), {"3g.40gb": 2, "1g.10gb": 1}, ["1g.10gb"])
+    assert [str(s) for s in layout] == ["1g.10gb@0", "1g.10gb@1", "1g.10gb@2", "1g.10gb@3", "3g.40gb@4"]
 
 
 @settings(max_examples=200, deadline=None)

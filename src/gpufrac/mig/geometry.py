@@ -219,22 +219,33 @@ def _smallest_first(model: MigModel, name: str) -> tuple[int, int, int, str]:
     return (profile.memory_mib, profile.compute_slices, profile.memory_slices, name)
 
 
-def fill(model: MigModel, keep: Sequence[Slice], asked: Mapping[str, int] | None = None) -> tuple[Slice, ...]:
-    """``keep`` with free slices added until no profile of ``model`` fits beside it (:func:`room` 0).
+def fill(
+    model: MigModel,
+    keep: Sequence[Slice],
+    asked: Mapping[str, int] | None = None,
+    wanted: Sequence[str] = (),
+) -> tuple[Slice, ...]:
+    """``keep`` and ``wanted`` (as :func:`pack` lays them out) with free slices added until no profile of
+    ``model`` fits (:func:`room` 0).
 
     The free slices follow ``asked`` (profile name -> how often it was asked lately): each next one is the
     profile that still fits with the highest ``asked / (slices of it added + 1)`` (the D'Hondt rule, so the
-    added slices follow the mix of the asks; ties: the more asked, then the smaller), checked by re-packing
-    every added slice beside ``keep`` with :func:`pack` (largest first), so a small slice added early does
-    not take the place a larger asked one needs. Once no asked profile fits, the smallest profile that fits
-    (memory, then compute slices: what :func:`smallest_fitting` prefers) is added until none does.
-    ``keep`` stays where it is and must be valid (:class:`MigLayoutError` otherwise); names ``model``
-    lacks are ignored. Ordered by start, as :func:`pack`'s.
+    added slices follow the mix of the asks; ties: the more asked, then the smaller). Every added slice is
+    re-packed with ``wanted`` beside ``keep`` (:func:`pack`, largest first), so the wanted slices and the
+    larger asked ones get the starts that suit them whatever order they were chosen in (a 1g.10gb laid
+    out alone goes to start 6, where it leaves memory slice 7 to no one; beside a 3g.40gb it does not).
+    Once no asked profile fits, the smallest profile that fits (memory, then compute slices, as
+    :func:`smallest_fitting` prefers) is added until none does. ``keep`` stays where it is and must be
+    valid (:class:`MigLayoutError` otherwise); a wanted name that does not fit is left out as by
+    :func:`pack`; names ``model`` lacks are ignored. Ordered by start, as :func:`pack`'s.
     """
-    check_layout(model, keep)
+    layout, left = pack(model, wanted, keep)
+    wanted = [n for n in wanted if model.profile(n) is not None]
+    for name in left:
+        if name in wanted:
+            wanted.remove(name)
     weights = {n: w for n, w in (asked or {}).items() if w > 0 and model.profile(n) is not None}
     added: list[str] = []
-    layout = tuple(sorted(keep, key=lambda s: (s.start, s.profile)))
     dead: set[str] = set()
     while True:
         live = [n for n in weights if n not in dead]
@@ -244,8 +255,8 @@ def fill(model: MigModel, keep: Sequence[Slice], asked: Mapping[str, int] | None
             live,
             key=lambda n: (weights[n] / (added.count(n) + 1), weights[n], _largest_first(model, n), n),
         )
-        trial, left = pack(model, [*added, name], keep)
-        if left:
+        trial, lost = pack(model, [*wanted, *added, name], keep)
+        if lost:
             dead.add(name)
             continue
         added.append(name)
