@@ -4,10 +4,16 @@ pods, and which to give back to fractions, packed by gpufrac.mig.geometry and de
 from __future__ import annotations
 
 import random
+import re
+from collections import Counter
 
-from gpufrac.mig.geometry import Slice, check_layout
-from gpufrac.mig.profiles import mig_model
-from gpufrac.placement.mig_layouts import FractionWait, IdleGpu, MigWait, plan_layouts
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gpufrac.mig.geometry import Slice, check_layout, room
+from gpufrac.mig.profiles import MIG_MODELS, mig_model
+from gpufrac.placement.mig_layouts import FractionWait, IdleGpu, MigWait, RecentMigAsks, plan_layouts
 from gpufrac.placement.model import GpuMode
 
 H100 = "H100-80GB"
@@ -22,11 +28,69 @@ def wait(key: str, *profiles: str, nodes: set[str] | None = None) -> MigWait:
     return MigWait(key, {H100: profiles}, None if nodes is None else frozenset(nodes))
 
 
-def test_a_waiting_3g_pod_gets_an_idle_gpu_laid_out_for_it():
+def test_a_waiting_3g_pod_gets_an_idle_gpu_laid_out_for_it_and_the_rest_filled_alike():
     (change,) = plan_layouts([wait("ns/a", "3g.40gb")], [], [idle("n1", 0)])
     assert change.node == "n1" and change.uuid == "n1-g0" and change.mode is GpuMode.MIG
-    assert [s.profile for s in change.slices] == ["3g.40gb"]
+    # Its slice, and the rest of the GPU in the profile asked: the next 3g pod needs no change.
+    assert [str(s) for s in change.slices] == ["3g.40gb@0", "3g.40gb@4"]
     assert change.serves == ("ns/a",)
+    (bare,) = plan_layouts([wait("ns/a", "3g.40gb")], [], [idle("n1", 0)], fill_rest=False)
+    assert [s.profile for s in bare.slices] == ["3g.40gb"] and bare.serves == ("ns/a",)
+
+
+def test_the_rest_of_the_gpu_follows_the_pods_seen_lately_then_the_smallest_slices():
+    recent = RecentMigAsks()
+    recent.add([wait("ns/r1", "3g.40gb"), wait("ns/r2", "3g.40gb")])
+    (change,) = plan_layouts([wait("ns/a", "1g.10gb")], [], [idle("n1", 0)], recent=recent.waits())
+    # A 3g.40gb for the pods seen lately, the rest in 1g.10gb like the pod waiting now.
+    assert Counter(s.profile for s in change.slices) == {"1g.10gb": 4, "3g.40gb": 1}
+    assert change.serves == ("ns/a",)
+    (alone,) = plan_layouts([wait("ns/a", "1g.10gb")], [], [idle("n1", 0)])
+    assert Counter(s.profile for s in alone.slices) == {"1g.10gb": 7}
+    # Asked lately: nothing that still fits beside a 4g.40gb; the rest goes to the smallest slices.
+    (big,) = plan_layouts([wait("ns/b", "4g.40gb")], [], [idle("n1", 0)], recent=[wait("ns/r", "7g.80gb")])
+    assert sorted(str(s) for s in big.slices) == ["1g.10gb@4", "1g.10gb@5", "1g.10gb@6", "4g.40gb@0"]
+
+
+def test_recent_asks_keep_the_last_pods_once_each():
+    recent = RecentMigAsks(size=2)
+    recent.add([wait("ns/a", "1g.10gb"), wait("ns/b", "3g.40gb")])
+    recent.add([wait("ns/a", "1g.20gb"), wait("ns/c", "2g.20gb")])
+    assert [(w.key, w.profiles[H100]) for w in recent.waits()] == [
+        ("ns/a", ("1g.20gb",)),
+        ("ns/c", ("2g.20gb",)),
+    ]
+    with pytest.raises(ValueError, match=re.escape("size 0: the number of recent MIG asks kept must be")):
+        RecentMigAsks(size=0)
+
+
+_PROFILES = [p.name for p in MIG_MODELS[H100].profiles]
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.lists(st.lists(st.sampled_from(_PROFILES), min_size=1, max_size=3), min_size=1, max_size=6),
+    st.lists(st.sampled_from(_PROFILES), max_size=5),
+    st.lists(st.sampled_from(["", "3g.40gb@0", "1g.10gb@6 2g.20gb@0", "7g.80gb@0"]), min_size=1, max_size=3),
+)
+def test_every_filled_layout_is_valid_holds_the_pods_it_serves_and_leaves_no_room(asks, seen, gpus):
+    pods = [wait(f"ns/p{i}", *profiles) for i, profiles in enumerate(asks)]
+    recent = [wait(f"ns/r{i}", p) for i, p in enumerate(seen)]
+    idle_gpus = [
+        idle("n", i, GpuMode.MIG if text else GpuMode.FRACTIONS, text) for i, text in enumerate(gpus)
+    ]
+    model = mig_model(H100)
+    assert model is not None
+    changes = plan_layouts(pods, [], idle_gpus, recent=recent)
+    bare = plan_layouts(pods, [], idle_gpus, fill_rest=False)
+    assert [(c.uuid, c.serves) for c in changes] == [(c.uuid, c.serves) for c in bare]
+    by_key = {w.key: w for w in pods}
+    for change in changes:
+        check_layout(model, change.slices)
+        assert room(model, change.slices) == 0, f"{change.describe()} leaves room"
+        held = Counter(s.profile for s in change.slices)
+        needed = Counter(p for key in change.serves for p in by_key[key].profiles[H100])
+        assert not needed - held, f"{change.describe()} lacks slices for {change.serves}"
 
 
 def test_pods_share_one_gpu_and_the_layout_is_valid():

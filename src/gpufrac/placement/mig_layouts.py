@@ -15,6 +15,13 @@ when the wanted ones fit beside them (the smallest change); otherwise it is laid
 slices first and its old ones added back where they still fit. A pod is served when all its slices fit
 on that one GPU; a change is asked only for a GPU that serves at least one pod.
 
+Fill (``fill``, on by default; scheduler setting ``mig.fill``): a GPU laid out for the pods that wait now
+gets the rest of its room in free slices too (``gpufrac.mig.geometry.fill``), in the mix of profiles
+asked by the pods waiting now and those seen lately (``recent``, kept by the caller in
+:class:`RecentMigAsks`), then the smallest profile, until no profile fits. A GPU that holds a slice is
+busy and no longer re-partitioned, so without fill the rest of it stays empty until every pod on it has
+left; with fill the next isolation pods land on its free slices with no change at all.
+
 Then fraction demand that no pool holds: idle GPUs in mode mig or whole (not chosen above) on a node a
 waiting fraction pod may use go back to fractions, one GPU per pod unless a GPU already going back holds
 it too (its memory counted down by what each pod asks).
@@ -24,11 +31,12 @@ Deterministic: the same inputs give the same changes in the same order.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from gpufrac.mig.geometry import MigLayoutError, Slice, check_layout, pack
-from gpufrac.mig.profiles import mig_model
+from gpufrac.mig.geometry import MigLayoutError, Slice, check_layout, fill, pack
+from gpufrac.mig.profiles import MigModel, mig_model
 
 from .model import GpuMode
 
@@ -94,13 +102,49 @@ class LayoutChange:
 _MODE_ORDER = {GpuMode.MIG: 0, GpuMode.WHOLE: 1, GpuMode.FRACTIONS: 2}
 
 
+class RecentMigAsks:
+    """The last ``size`` MIG pods handed to the planner, one entry per pod (the newest ask of a pod seen
+    again): the recent mix ``plan_layouts`` fills GPUs with. The caller's memory, so the planner stays
+    pure."""
+
+    def __init__(self, size: int = 64) -> None:
+        if size < 1:
+            raise ValueError(f"size {size}: the number of recent MIG asks kept must be at least 1")
+        self.size = size
+        self._waits: OrderedDict[str, MigWait] = OrderedDict()
+
+    def add(self, waits: Iterable[MigWait]) -> None:
+        for w in waits:
+            self._waits.pop(w.key, None)
+            self._waits[w.key] = w
+        while len(self._waits) > self.size:
+            self._waits.popitem(last=False)
+
+    def waits(self) -> tuple[MigWait, ...]:
+        return tuple(self._waits.values())
+
+
+def _asked(model: str, mig: Sequence[MigWait], recent: Sequence[MigWait]) -> Counter[str]:
+    """How often each profile of ``model`` is asked by the waiting pods and the recent ones (a pod in
+    both counted once)."""
+    by_key = {w.key: w for w in recent} | {w.key: w for w in mig}
+    return Counter(p for w in by_key.values() for p in w.profiles.get(model, ()))
+
+
 def plan_layouts(
-    mig: Sequence[MigWait], fractions: Sequence[FractionWait], idle: Sequence[IdleGpu]
+    mig: Sequence[MigWait],
+    fractions: Sequence[FractionWait],
+    idle: Sequence[IdleGpu],
+    *,
+    fill_rest: bool = True,
+    recent: Sequence[MigWait] = (),
 ) -> list[LayoutChange]:
-    """The layout changes to ask for; see the module docstring."""
+    """The layout changes to ask for; see the module docstring. ``fill_rest`` False lays out only the
+    waiting pods' slices; ``recent``: MIG pods seen lately, for the fill's mix."""
     changes: list[LayoutChange] = []
     chosen: set[str] = set()
     waiting = list(mig)
+    asked: dict[str, Counter[str]] = {}
     for g in sorted(idle, key=lambda g: (_MODE_ORDER[g.mode], g.node, g.index, g.uuid)):
         if not waiting:
             break
@@ -110,9 +154,13 @@ def plan_layouts(
         mine = [w for w in waiting if w.may_use(g.node) and w.profiles.get(model.model)]
         if not mine:
             continue
-        layout, served = _lay_out(g, mine)
+        layout, served, kept = _lay_out(g, mine)
         if not served:
             continue
+        if fill_rest:
+            if model.model not in asked:
+                asked[model.model] = _asked(model.model, mig, recent)
+            layout = _filled(model, layout, kept, served, asked[model.model])
         if g.mode is GpuMode.MIG and sorted(layout) == sorted(g.slices):
             continue  # nothing to change (its slices serve them already: the engine places there)
         keys = {w.key for w in served}
@@ -123,28 +171,47 @@ def plan_layouts(
     return changes
 
 
-def _lay_out(gpu: IdleGpu, waiting: list[MigWait]) -> tuple[tuple[Slice, ...], list[MigWait]]:
-    """The layout for ``gpu`` and the pods it serves whole, in their order."""
+def _filled(
+    model: MigModel,
+    layout: tuple[Slice, ...],
+    kept: tuple[Slice, ...],
+    served: list[MigWait],
+    asked: Mapping[str, int],
+) -> tuple[Slice, ...]:
+    """``layout`` with the rest of the GPU filled: the served pods' slices re-packed with the fill beside
+    the slices ``kept`` in place, or, should that lose one of them, the fill beside ``layout`` as it is."""
+    needed = [p for w in served for p in w.profiles[model.model]]
+    filled = fill(model, kept, asked, needed)
+    if Counter(needed) - Counter(s.profile for s in filled if s not in kept):
+        return fill(model, layout, asked)
+    return filled
+
+
+def _lay_out(
+    gpu: IdleGpu, waiting: list[MigWait]
+) -> tuple[tuple[Slice, ...], list[MigWait], tuple[Slice, ...]]:
+    """The layout for ``gpu``, the pods it serves whole, in their order, and the GPU's slices it keeps
+    where they are (none when laid out anew)."""
     model = mig_model(gpu.model)
     assert model is not None
     wanted = [p for w in waiting for p in w.profiles[model.model]]
-    options = []
+    options: list[tuple[tuple[Slice, ...], tuple[Slice, ...]]] = []  # (layout, slices kept in place)
     keep = tuple(gpu.slices) if gpu.mode is GpuMode.MIG else ()
     if keep:
         try:
             check_layout(model, keep)
-            options.append(pack(model, wanted, keep)[0])
+            options.append((pack(model, wanted, keep)[0], keep))
         except MigLayoutError:
             keep = ()
     fresh, _ = pack(model, wanted)
     if keep:
         fresh, _ = pack(model, [s.profile for s in keep], fresh)
-    options.append(fresh)
-    best: tuple[tuple[Slice, ...], list[MigWait]] = ((), [])
-    for layout in options:
+    options.append((fresh, ()))
+    best: tuple[tuple[Slice, ...], list[MigWait], tuple[Slice, ...]] = ((), [], ())
+    for layout, kept in options:
         served = _served(layout, keep, waiting, model.model)
         if len(served) > len(best[1]):
-            best = (layout, served)
+            best = (layout, served, kept)
     return best
 
 
