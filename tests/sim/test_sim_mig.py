@@ -186,3 +186,34 @@ def test_simulate_churn_prints_the_three_variants_per_hour(tmp_path):
     assert all(v in table.stdout for v in MIG_VARIANTS) and "per hour" in table.stdout
     out = json.loads(CliRunner().invoke(app, [*args, "--json"]).stdout.strip().splitlines()[-1])
     assert [r["variant"] for r in out["runs"]] == list(MIG_VARIANTS)
+
+
+def test_dynamic_layouts_fill_the_gpu_so_one_re_partition_serves_several_isolation_pods():
+    nodes, pods = synthetic_trace(seed=5, nodes=20, pods=300)
+    run = {
+        fill: mig_replay(
+            nodes=nodes, pods=pods, variant="dynamic", policy="fgd-align", seed=4, share=0.5, fill=fill
+        )
+        for fill in (False, True)
+    }
+    # Without the fill each re-partition lays out the one waiting pod's slice: one pod per change.
+    assert run[False].isolation_on_slices == run[False].to_mig > 0
+    # With it later isolation pods land on the free slices of GPUs laid out before.
+    assert run[True].isolation_on_slices > run[True].to_mig > 0
+    assert run[True].isolation_on_slices >= run[False].isolation_on_slices
+    # With departures too: fewer changes for the same isolation pods, all of them started.
+    timed = _timed(synthetic_trace(seed=8, nodes=4, pods=120)[1])
+    churn = {
+        fill: mig_churn_replay(
+            nodes=synthetic_trace(seed=8, nodes=4, pods=120)[0],
+            pods=timed,
+            variant="dynamic",
+            policy="fgd-room",
+            seed=3,
+            share=0.5,
+            fill=fill,
+        )
+        for fill in (False, True)
+    }
+    assert churn[True].isolation_started == churn[False].isolation_started == churn[True].isolation_pods
+    assert churn[True].to_mig < churn[False].to_mig

@@ -22,6 +22,7 @@ import numpy as np
 from gpufrac.mig.geometry import smallest_fitting
 from gpufrac.mig.profiles import MIG_MODELS
 from gpufrac.placement.decision import Placement
+from gpufrac.placement.mig_layouts import RecentMigAsks
 from gpufrac.placement.model import GpuMode
 
 from .mig_replay import mig_cluster, repartition
@@ -69,9 +70,11 @@ def mig_churn_replay(
     load: float = 1.0,
     cluster: float = 1.0,
     retry_limit: int = 64,
+    fill: bool = True,
 ) -> MigChurnRun:
     """One variant with arrivals and departures (module docstring); ``load`` divides the arrival times,
-    ``cluster`` keeps that fraction of the nodes (the same seeded sample as ``churn``'s)."""
+    ``cluster`` keeps that fraction of the nodes (the same seeded sample as ``churn``'s); ``fill`` as in
+    ``mig_replay``."""
     if load <= 0:
         raise ValueError(f"--churn-load {load}: arrivals must be sped up by a positive factor")
     if not 0 < cluster <= 1:
@@ -105,11 +108,12 @@ def mig_churn_replay(
     waiting: dict[int, None] = {}
     waits: dict[int, int] = {}
     moves = {GpuMode.MIG: 0, GpuMode.FRACTIONS: 0}
+    recent = RecentMigAsks() if fill else None
 
     def attempt(i: int, now: int) -> bool:
         decision = engine.place(pending[i])
         if not isinstance(decision, Placement) and variant == "dynamic":
-            for change in repartition(engine, specs, pending[i]):
+            for change in repartition(engine, specs, pending[i], recent=recent):
                 moves[change.mode] = moves.get(change.mode, 0) + 1
             decision = engine.place(pending[i])
         if not isinstance(decision, Placement):

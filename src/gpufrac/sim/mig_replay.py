@@ -9,7 +9,10 @@ side (issue #40; docs/benchmarks.md, "MIG beside fractions").
   it, a fraction or whole-GPU pod gets an idle MIG GPU back as a fraction pool; then the pod is placed
   again. Each change fences the GPU first (``Engine.fence``: it refuses a GPU with anything booked, the
   engine's own check) and publishes the GPU's new mode with ``Engine.update_node``. SIMULATED: the node
-  agent's change is instantaneous here (no NVML, no reset, no agent round trip).
+  agent's change is instantaneous here (no NVML, no reset, no agent round trip). The planner fills the
+  rest of a GPU it lays out with free slices in the mix of the MIG pods handed to it lately (the last
+  64, ``RecentMigAsks``), as the scheduler does; ``fill=False`` lays out the waiting pod's slices only
+  (the behaviour before the fill).
 - ``fractions-only``: the isolation pods ask for the same memory as fractions; no GPU is ever MIG.
 
 The replay is the arrival protocol of ``replay`` (the openb paper's: pods submitted one by one up to
@@ -33,7 +36,14 @@ from gpufrac.mig.geometry import Slice, smallest_fitting
 from gpufrac.mig.profiles import MIG_MODELS
 from gpufrac.placement.decision import Placement
 from gpufrac.placement.engine import Engine
-from gpufrac.placement.mig_layouts import FractionWait, IdleGpu, LayoutChange, MigWait, plan_layouts
+from gpufrac.placement.mig_layouts import (
+    FractionWait,
+    IdleGpu,
+    LayoutChange,
+    MigWait,
+    RecentMigAsks,
+    plan_layouts,
+)
 from gpufrac.placement.model import GpuMode, NodeSpec, PendingPod
 
 from .metrics import allocation_at
@@ -111,11 +121,12 @@ def mig_replay(
     static_share: float | None = None,
     on_change: ChangeHook | None = None,
     on_pod: PlacedHook | None = None,
+    fill: bool = True,
 ) -> MigRun:
     """One variant's replay of ``pods`` (the original list) on ``nodes`` (module docstring).
 
     ``static_share`` is the share of GPU nodes the static variant partitions (default: the isolation
-    pods' share of the list's requested GPU).
+    pods' share of the list's requested GPU); ``fill`` False plans without the fill (module docstring).
     """
     engine, specs, workload, partitioned = mig_cluster(
         nodes, pods, variant, policy, seed, share, static_share
@@ -131,12 +142,13 @@ def mig_replay(
         ("placed", "iso", "iso_placed", "on_slices", "no_slice", "slice_mib", "iso_mib", "to_mig", "to_frac"),
         0,
     )
+    recent = RecentMigAsks() if fill else None
     start = time.perf_counter()
     for i, tp in enumerate(sequence):
         pod = make(tp, i)
         decision = engine.place(pod)
         if variant == "dynamic" and not isinstance(decision, Placement):
-            for change in repartition(engine, specs, pod, on_change):
+            for change in repartition(engine, specs, pod, on_change, recent=recent):
                 counts["to_mig" if change.mode is GpuMode.MIG else "to_frac"] += 1
             decision = engine.place(pod)
         if on_pod is not None:
@@ -220,10 +232,16 @@ def mig_cluster(
 
 
 def repartition(
-    engine: Engine, specs: dict[str, NodeSpec], pod: PendingPod, on_change: ChangeHook | None = None
+    engine: Engine,
+    specs: dict[str, NodeSpec],
+    pod: PendingPod,
+    on_change: ChangeHook | None = None,
+    *,
+    recent: RecentMigAsks | None = None,
 ) -> list[LayoutChange]:
-    """Plan and apply (at once: SIMULATED) the layout changes that would serve waiting ``pod``."""
-    changes = _plan(engine, specs, pod)
+    """Plan and apply (at once: SIMULATED) the layout changes that would serve waiting ``pod``; with
+    ``recent`` (the MIG pods planned lately, updated here) a GPU laid out is filled, without it not."""
+    changes = _plan(engine, specs, pod, recent)
     for change in changes:
         if on_change is not None:
             on_change(engine, change)
@@ -231,7 +249,9 @@ def repartition(
     return changes
 
 
-def _plan(engine: Engine, specs: dict[str, NodeSpec], pod: PendingPod) -> list[LayoutChange]:
+def _plan(
+    engine: Engine, specs: dict[str, NodeSpec], pod: PendingPod, recent: RecentMigAsks | None
+) -> list[LayoutChange]:
     """The planner's changes for one waiting pod: its wait, and the idle GPUs of nodes it could use."""
     request = pod.gpu.containers[0] if pod.gpu.containers else None
     if request is None:
@@ -267,7 +287,11 @@ def _plan(engine: Engine, specs: dict[str, NodeSpec], pod: PendingPod) -> list[L
             g = by_uuid[uuid]
             slices = tuple(Slice(s.profile, s.start) for s in g.mig)
             idle.append(IdleGpu(name, uuid, g.index, model, g.memory_mib, mode, slices))
-    return plan_layouts(mig, fractions, idle)
+    if recent is None:
+        return plan_layouts(mig, fractions, idle, fill_rest=False)
+    changes = plan_layouts(mig, fractions, idle, recent=recent.waits())
+    recent.add(mig)
+    return changes
 
 
 def _apply(engine: Engine, specs: dict[str, NodeSpec], change: LayoutChange) -> None:
