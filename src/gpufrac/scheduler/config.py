@@ -70,6 +70,10 @@ class MigConfig(_Strict):
     """Ask node agents to re-partition idle GPUs (``gpufrac.io/gpu-layout``) when MIG pods wait that no
     free slice serves, and to give idle MIG or whole GPUs back to fractions when fractions wait that no
     pool holds. False: place only on the layouts the nodes publish."""
+    fill: bool = True
+    """Fill the rest of a GPU laid out for waiting pods with free slices, in the mix of profiles the
+    waiting and the last 64 planned MIG pods asked for, then the smallest profile, so the next MIG pods
+    land on them with no new change. False: lay out the waiting pods' slices only."""
     change_timeout_s: float = Field(default=300.0, gt=0)
     """A change the node agent has not answered (done, or refused) in this long is given up: the GPU takes
     bookings again."""

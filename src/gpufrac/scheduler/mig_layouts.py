@@ -5,7 +5,8 @@ A post-filter. When a pod fits nowhere and the layout planner (``gpufrac.placeme
 serve it by re-partitioning an idle GPU (a MIG pod: slices of its profile laid out on a GPU of a
 MIG-capable model on a node the pod may use; a fraction pod: an idle GPU in mode mig or whole given back
 to fractions), the pod waits for that change instead of going to preemption. The pods of one cycle are
-planned together once the cycle is over (so that several small slices share one GPU): every GPU chosen
+planned together once the cycle is over (so that several small slices share one GPU; with ``mig.fill``
+the rest of each GPU gets free slices in the mix of the MIG pods planned lately): every GPU chosen
 is fenced in the engine at once (nothing is booked on it while its change is pending, and the planner
 never picks a GPU with a booking or a pending change), its node's ``gpufrac.io/gpu-layout`` is patched
 with the next generation and every GPU of that node whose change is pending (only those), and each
@@ -45,7 +46,14 @@ from gpufrac.mig.geometry import Slice, smallest_fitting
 from gpufrac.mig.profiles import MIG_MODELS, mig_model
 from gpufrac.placement.decision import Unschedulable
 from gpufrac.placement.engine import Engine
-from gpufrac.placement.mig_layouts import FractionWait, IdleGpu, LayoutChange, MigWait, plan_layouts
+from gpufrac.placement.mig_layouts import (
+    FractionWait,
+    IdleGpu,
+    LayoutChange,
+    MigWait,
+    RecentMigAsks,
+    plan_layouts,
+)
 from gpufrac.placement.model import GpuDevice, GpuMode, PendingPod
 from gpufrac.placement.state import MIG, WHOLE_IDLE
 from gpufrac.scheduler.booking_cache import BookingCache
@@ -142,6 +150,8 @@ class MigLayouts:
         #: By GPU uuid: until when a GPU whose change failed is left alone, and why it failed.
         self.refused: dict[str, tuple[float, str]] = {}
         self._batch: dict[str, tuple[CycleItem, MigWait | FractionWait, str]] = {}
+        #: The MIG pods planned lately: the mix the rest of a GPU is filled with (``mig.fill``).
+        self.recent = RecentMigAsks()
         self._flush_due = False
 
     @classmethod
@@ -181,7 +191,7 @@ class MigLayouts:
         if wait is None:
             return None
         waits = [w for _, w, _ in self._batch.values()] + [wait]
-        if not any(item.uid in c.serves for c in self._plan(waits)):
+        if not any(item.uid in c.serves for c in self._plan(waits, fill=False)):  # the fill serves no one
             return None
         self._batch[item.uid] = (item, wait, decision.message)
         if not self._flush_due:
@@ -225,10 +235,11 @@ class MigLayouts:
 
         return FractionWait(pod.uid, mib, max(c.device_count for c in containers), nodes)
 
-    def _plan(self, waits: list[MigWait | FractionWait]) -> list[LayoutChange]:
+    def _plan(self, waits: list[MigWait | FractionWait], *, fill: bool) -> list[LayoutChange]:
         migs = [w for w in waits if isinstance(w, MigWait)]
         fractions = [w for w in waits if isinstance(w, FractionWait)]
-        return plan_layouts(migs, fractions, self._idle(migs, fractions))
+        idle = self._idle(migs, fractions)
+        return plan_layouts(migs, fractions, idle, fill_rest=fill, recent=self.recent.waits())
 
     def _idle(self, migs: list[MigWait], fractions: list[FractionWait]) -> list[IdleGpu]:
         """Idle GPUs on nodes some wait may use: any mode for MIG waits (of MIG-capable models), not in
@@ -266,11 +277,13 @@ class MigLayouts:
         batch, self._batch = self._batch, {}
         if not batch:
             return
+        waits = [w for _, w, _ in batch.values()]
         try:
-            changes = self._plan([w for _, w, _ in batch.values()])
+            changes = self._plan(waits, fill=self.config.fill)
         except Exception:
             log.exception("planning MIG layouts failed")
             changes = []
+        self.recent.add(w for w in waits if isinstance(w, MigWait))
         nodes: set[str] = set()
         now = self._clock()
         for change in changes:
