@@ -15,6 +15,7 @@ from typer.testing import CliRunner
 
 from gpufrac.cli import app
 from gpufrac.placement.policies import DEFAULT_POLICY, POLICIES
+from gpufrac.scheduler.config import MigConfig
 from gpufrac.sim.command import simulate
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -66,3 +67,10 @@ def test_simulate_defaults_to_the_schedulers_policy_and_help_lists_every_policy(
         assert result.exit_code == 0, result.output
         for name in POLICIES:
             assert name in result.output, f"{command} --help does not list {name}"
+
+
+def test_the_scheduler_page_gives_the_mig_settings_the_code_defaults_to() -> None:
+    scheduler_doc = (ROOT / "docs" / "scheduler.md").read_text()
+    (block,) = re.findall(r"^mig: .*\n((?:  \S.*\n)+)", scheduler_doc, re.MULTILINE)
+    documented = yaml.safe_load("\n".join(line[2:] for line in block.splitlines()))
+    assert documented == MigConfig().model_dump()
