@@ -119,6 +119,33 @@ class ClusterError(RuntimeError):
     """A component of the embedded cluster failed to start (the message says which, with its log)."""
 
 
+async def install_queue_crd(client: AsyncClient, *, timeout_s: float = 30.0) -> None:
+    """Apply the chart's Queue CRD and wait until the API server serves it: the scheduler probes for it
+    once at start (then only every minute), so it must be Established before the scheduler starts (here,
+    and in a benchmark that starts one: bench/mixed_load.py)."""
+    try:
+        manifest = QUEUE_CRD_FILE.read_text()
+    except OSError as error:
+        raise ClusterError(
+            f"the Queue CRD manifest {QUEUE_CRD_FILE} cannot be read ({error.strerror}): the embedded "
+            "cluster runs from a checkout of the gpufrac repository, which has it (make demo)"
+        ) from error
+    (crd,) = load_all_yaml(manifest)
+    name = crd.metadata.name
+    with api_errors():
+        await client.apply(crd, field_manager="gpufrac-local", force=True)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with api_errors():
+            got = await client.get(CustomResourceDefinition, name)
+        conditions = (got.status.conditions or []) if got.status else []
+        if any(c.type == "Established" and c.status == "True" for c in conditions):
+            return
+        if time.monotonic() > deadline:
+            raise ClusterError(f"CRD {name} (from {QUEUE_CRD_FILE}) not Established after {timeout_s:.0f}s")
+        await asyncio.sleep(0.1)
+
+
 @dataclass(frozen=True, slots=True)
 class ClusterShape:
     """How many simulated GPU nodes, and what each has."""
@@ -442,32 +469,8 @@ class LocalCluster:
         raise self._failed(process, f"not ready at {url} after {timeout_s:.0f}s")
 
     async def _install_queue_crd(self, timeout_s: float = 30.0) -> None:
-        """Apply the chart's Queue CRD and wait until the API server serves it: the scheduler probes for
-        it once at start (then only every minute), so it must be Established before the scheduler starts."""
         assert self.client is not None
-        try:
-            manifest = QUEUE_CRD_FILE.read_text()
-        except OSError as error:
-            raise ClusterError(
-                f"the Queue CRD manifest {QUEUE_CRD_FILE} cannot be read ({error.strerror}): the embedded "
-                "cluster runs from a checkout of the gpufrac repository, which has it (make demo)"
-            ) from error
-        (crd,) = load_all_yaml(manifest)
-        name = crd.metadata.name
-        with api_errors():
-            await self.client.apply(crd, field_manager="gpufrac-local", force=True)
-        deadline = time.monotonic() + timeout_s
-        while True:
-            with api_errors():
-                got = await self.client.get(CustomResourceDefinition, name)
-            conditions = (got.status.conditions or []) if got.status else []
-            if any(c.type == "Established" and c.status == "True" for c in conditions):
-                return
-            if time.monotonic() > deadline:
-                raise ClusterError(
-                    f"CRD {name} (from {QUEUE_CRD_FILE}) not Established after {timeout_s:.0f}s"
-                )
-            await asyncio.sleep(0.1)
+        await install_queue_crd(self.client, timeout_s=timeout_s)
 
     async def _create_node_lease_namespace(self) -> None:
         """Where the node agents renew their heartbeat Leases (the chart creates it in a cluster)."""
