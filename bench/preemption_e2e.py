@@ -38,6 +38,7 @@ import statistics
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -66,7 +67,18 @@ NAMESPACE = "bench-preempt"
 LOW, HIGH = "bench-low", "bench-high"
 
 
-def pod(name: str, *, annotations: dict[str, str], queue: str, priority: str, whole: bool = False) -> Pod:
+def pod(
+    name: str,
+    *,
+    annotations: dict[str, str],
+    queue: str,
+    priority: str,
+    whole: bool = False,
+    namespace: str = NAMESPACE,
+) -> Pod:
+    """A pod of ``gpufrac scheduler`` in ``queue`` with PriorityClass ``priority``, zero grace period (its
+    eviction deletes it at once: no kubelet runs), one container ``app`` asking ``annotations``'s GPU share
+    or, ``whole``, one whole GPU (``nvidia.com/gpu: 1``)."""
     resources: dict[str, Any] = {"requests": {"cpu": "100m", "memory": "256Mi"}}
     if whole:
         resources["limits"] = {keys.GPU_RESOURCE: "1"}
@@ -74,7 +86,7 @@ def pod(name: str, *, annotations: dict[str, str], queue: str, priority: str, wh
         {
             "metadata": {
                 "name": name,
-                "namespace": NAMESPACE,
+                "namespace": namespace,
                 "annotations": annotations,
                 "labels": {keys.QUEUE_LABEL: queue},
             },
@@ -88,17 +100,24 @@ def pod(name: str, *, annotations: dict[str, str], queue: str, priority: str, wh
     )
 
 
-async def create_all(client: AsyncClient, pods: list[Pod], *, concurrency: int) -> dict[str, float]:
-    """Create ``pods`` with ``concurrency`` requests in flight; when each create started."""
+async def create_all(
+    client: AsyncClient, pods: list[Pod], *, concurrency: int, rate: float = 0.0
+) -> dict[str, float]:
+    """Create ``pods`` with ``concurrency`` requests in flight, in order, and with ``rate`` a steady stream
+    of that many pods a second at most (0: as fast as the requests in flight allow); when each create
+    started."""
     gate = asyncio.Semaphore(concurrency)
     started: dict[str, float] = {}
+    begin = time.monotonic()
 
-    async def create(p: Pod) -> None:
+    async def create(i: int, p: Pod) -> None:
+        if rate:
+            await asyncio.sleep(max(0.0, begin + i / rate - time.monotonic()))
         async with gate:
             started[p.metadata.name] = time.monotonic()
             await client.create(p)
 
-    await asyncio.gather(*(create(p) for p in pods))
+    await asyncio.gather(*(create(i, p) for i, p in enumerate(pods)))
     return started
 
 
@@ -110,12 +129,25 @@ async def wait_until(check: Any, *, timeout: float, what: str) -> None:
         await asyncio.sleep(0.05)
 
 
-async def auditor(client: AsyncClient, every: float, found: list[str], count: list[int]) -> None:
-    """Audit the bookings from the API objects every ``every`` seconds until cancelled."""
+async def auditor(
+    client: AsyncClient,
+    every: float,
+    found: list[str],
+    count: list[int],
+    *,
+    snapshot: Callable[[], list[Pod]] | None = None,
+    nodes: list[Node] | None = None,
+) -> None:
+    """Audit the bookings from the API objects every ``every`` seconds until cancelled: the pods and nodes
+    listed each time, or ``snapshot()``'s pods (a watch's copy of the namespace, as consistent as a list
+    and costing the API server nothing) against ``nodes``, audited in a worker thread so that the
+    watch timing the pods keeps its loop."""
     while True:
-        pods = [p async for p in client.list(Pod, namespace=NAMESPACE)]
-        nodes = [n async for n in client.list(Node)]
-        report = audit(nodes=nodes, pods=pods)
+        if snapshot is None:
+            pods = [p async for p in client.list(Pod, namespace=NAMESPACE)]
+            report = audit(nodes=[n async for n in client.list(Node)], pods=pods)
+        else:
+            report = await asyncio.to_thread(audit, nodes=nodes or [], pods=snapshot())
         count[0] += 1
         found.extend(report.problems)
         await asyncio.sleep(every)

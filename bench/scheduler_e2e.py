@@ -415,18 +415,26 @@ EVENT_METRICS = [
 ]
 
 
+async def scheduler_samples(port: int, *names: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """The scheduler's metric samples of the families ``names`` (a filtered scrape: the per-GPU families,
+    three series per GPU, are not formatted), keyed by sample name and sorted labels."""
+    async with httpx2.AsyncClient(timeout=60) as http:
+        answer = await http.get(f"http://127.0.0.1:{port}/metrics", params=[("name[]", n) for n in names])
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(answer.text)
+        for s in family.samples
+    }
+
+
 async def gc_passes(port: int) -> dict[str, int]:
     """The scheduler's garbage-collector passes so far, per generation (``python_gc_collections_total``)."""
-    passes: dict[str, int] = {}
-    async with httpx2.AsyncClient() as http:
-        answer = await http.get(
-            f"http://127.0.0.1:{port}/metrics", params=[("name[]", "python_gc_collections_total")]
-        )
-    for family in text_string_to_metric_families(answer.text):
-        for sample in family.samples:
-            if sample.name == "python_gc_collections_total":
-                passes[sample.labels["generation"]] = int(sample.value)
-    return passes
+    samples = await scheduler_samples(port, "python_gc_collections_total")
+    return {
+        dict(labels)["generation"]: int(value)
+        for (name, labels), value in samples.items()
+        if name == "python_gc_collections_total"
+    }
 
 
 async def wait_events_written(port: int, *, timeout: float) -> tuple[float, int]:
