@@ -203,8 +203,9 @@ def queue_objects(*, gpus: int, gpu_mib: int) -> list[Any]:
 
 class Tracker(BindClock):
     """The watch's view: when each pod was first seen bound (``bound_at``), the GPUs the pods bound now
-    book, the bound pods deleted since (victims: nothing else deletes a pod here; by name, with uid), and
-    when a pod was last bound or deleted."""
+    book, the pods deleted (``gone``, by name, with uid: victims, as nothing else deletes a pod here; one
+    may be evicted while the scheduler's bind of it is still in flight, never seen bound), and when a pod
+    was last bound or deleted."""
 
     def __init__(self, gpus_of: dict[str, float]) -> None:
         super().__init__()
@@ -227,8 +228,8 @@ class Tracker(BindClock):
         if name in self.bound_now:
             self.bound_now.discard(name)
             self.booked -= self.gpus_of.get(name, 0.0)
-            self.gone[name] = p.metadata.uid
-            self.changed_at = time.monotonic()
+        self.gone[name] = p.metadata.uid
+        self.changed_at = time.monotonic()
 
 
 def latency(created: dict[str, float], bound_at: dict[str, float], names: list[str]) -> dict[str, Any]:
@@ -403,6 +404,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     "binds_plus_evictions_per_s": round((len(bound_at) + len(victims)) / span, 1),
                     "victims": len(victims),
                     "victims_by_class": dict(Counter(cls_of[n] for n in victims)),
+                    "victims_never_seen_bound": sum(1 for n in victims if n not in bound_at),
                     "victim_events": len(evictions),
                     "victims_with_event": sum(1 for uid in victims.values() if uid in per_victim),
                     "victims_evicted_twice": sum(1 for n in per_victim.values() if n > 1),
@@ -484,7 +486,7 @@ def main() -> None:
     parser.add_argument(
         "--burst-at",
         type=float,
-        default=0.95,
+        default=0.985,
         help="share of the cluster's GPUs booked when the burst starts",
     )
     parser.add_argument("--burst", type=int, help="high-priority pods in the burst (default: GPUs / 10)")
