@@ -86,6 +86,24 @@ def test_remove_node_releases_its_pods():
     assert e.ledger("c")[0].free_mib == 16384
 
 
+def test_gpu_capacity_is_what_the_ledgers_add_up_to_as_nodes_come_and_go():
+    def from_ledgers(e: Engine) -> tuple[int, int, int]:
+        sizes = [g.capacity_mib for n in e.node_names for g in e.ledger(n)]
+        return sum(sizes), len(sizes), max(sizes, default=0)
+
+    e = build()
+    assert e.gpu_capacity() == (0, 0, 0)
+    e.add_node(node("a", gpus=2, mib=16384))
+    e.add_node(node("b", gpus=4, mib=81920, model="H100"))
+    e.place(pod(fraction(0.5)))  # what is booked does not change what there is
+    assert e.gpu_capacity() == from_ledgers(e) == (2 * 16384 + 4 * 81920, 6, 81920)
+    e.remove_node("b")
+    assert e.gpu_capacity() == from_ledgers(e) == (2 * 16384, 2, 16384)
+    e.update_node(_with_gpus(node("a", gpus=2), node("a", gpus=2).gpus[:1]))
+    e.add_node(node("c", gpus=1, mib=40960))  # reuses b's slot
+    assert e.gpu_capacity() == from_ledgers(e) == (16384 + 40960, 2, 40960)
+
+
 def test_update_node_keeps_pods_whose_gpus_remain():
     e = build(node("a", gpus=2))
     first = e.place(pod(mib(10000)))

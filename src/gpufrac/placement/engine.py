@@ -275,6 +275,13 @@ class Engine:
     def ledger(self, node: str) -> list[GpuLedger]:
         return self.state.ledger(node)
 
+    def gpu_capacity(self) -> tuple[int, int, int]:
+        """Every node's GPUs: their MiB in all, how many, the largest one's MiB. What the ledgers of
+        ``node_names`` add up to, read from the arrays: queue status and reclaim ask for it per decision,
+        and building 40,000 ledgers for it took most of a preemption's time at 5,000 nodes."""
+        state = self.state
+        return int(state.cap_total.sum()), int(state.gpu_count.sum()), int(state.cap.max(initial=0))
+
     # -- GPU modes and layouts (docs/mig.md) ----------------------------------------------------------
 
     def fence(self, uuid: str) -> None:

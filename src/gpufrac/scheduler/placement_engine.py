@@ -105,6 +105,9 @@ class PlacementEngine(Protocol):
     def ledger(self, node: str) -> list[GpuLedger]:
         """The GPUs of ``node`` as ledgers (for metrics)."""
 
+    def gpu_capacity(self) -> tuple[int, int, int]:
+        """Every node's GPUs: their MiB in all, how many, the largest one's MiB."""
+
     @property
     def node_names(self) -> list[str]: ...
 

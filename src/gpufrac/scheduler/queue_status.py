@@ -61,8 +61,8 @@ class Capacity:
 
 def engine_capacity(engine: PlacementEngine) -> Capacity:
     """The GPUs of every node the engine knows."""
-    sizes = [ledger.capacity_mib for node in engine.node_names for ledger in engine.ledger(node)]
-    return Capacity(gpu_memory_mib=sum(sizes), gpus=len(sizes), largest_gpu_mib=max(sizes, default=0))
+    total_mib, gpus, largest_mib = engine.gpu_capacity()
+    return Capacity(gpu_memory_mib=total_mib, gpus=gpus, largest_gpu_mib=largest_mib)
 
 
 def pod_demand(pod: Pod, *, largest_gpu_mib: int) -> Amount | None:
