@@ -415,6 +415,8 @@ async def backlog_round(
                 proc, port = stack.enter_context(kube_scheduler_process(cp, workdir=workdir, tag=tag))
             else:
                 settings = {"policy": args.policy, "bind_mode": args.bind_mode}
+                if args.bind_concurrency:
+                    settings["bind_concurrency"] = args.bind_concurrency
                 proc, port, _ = stack.enter_context(
                     scheduler_process(cp, workdir=workdir, tag=tag, settings=settings, profile=args.profile)
                 )
@@ -631,6 +633,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "mode": args.mode,
         "rounds_per_scenario": args.rounds,
         "policy": args.policy,
+        "bind_concurrency": args.bind_concurrency,  # None: the scheduler's default
         "rules_share": args.rules,
         "kube_scheduler": kube_scheduler_version(),
         "kube_scheduler_client": {"qps": CLIENT_QPS, "burst": CLIENT_BURST},
@@ -770,6 +773,12 @@ def main() -> None:
         "spread (scheduler_e2e's mix); the audits then check the rules held",
     )
     parser.add_argument("--concurrency", type=int, default=64, help="create requests in flight")
+    parser.add_argument(
+        "--bind-concurrency",
+        type=int,
+        help="gpufrac's bind_concurrency, binds (a claim pod's claim writes included) in flight at once "
+        "(default: the scheduler's own, 32)",
+    )
     parser.add_argument("--timeout", type=float, default=600.0)
     parser.add_argument(
         "--profile",
@@ -784,7 +793,7 @@ def main() -> None:
         # kube-scheduler's side always asks one whole GPU a pod: the rest would wait out --timeout.
         parser.error(f"--pods {args.pods} whole-GPU pods do not fit {args.nodes} nodes x {args.gpus} GPUs")
     # What scheduler_e2e.scheduler_round reads besides the above: ours as that bench runs it by default.
-    args.bind_mode, args.bind_concurrency = "atomic", None
+    args.bind_mode = "atomic"
     print(json.dumps(asyncio.run(run(args)), separators=(",", ":")))
 
 
