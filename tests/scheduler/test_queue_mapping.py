@@ -84,3 +84,56 @@ def test_status_counts_subtrees_and_divides_by_demand() -> None:
     assert got["b"]["fairShare"] == {"gpuMemory": 35_000, "gpus": 1}
     assert got["solo"]["deserved"] == {"gpuMemory": 40_000, "gpus": 0}  # 0.25 of 160000
     assert got["solo"]["fairShare"]["gpuMemory"] == 10_000
+
+
+def test_a_waiting_pods_demand_follows_its_queues_and_namespace_labels_between_passes() -> None:
+    """The demand of a waiting pod is remembered between passes (each preemption decision reads it),
+    yet a queue's binding or its namespace's labels changing changes whether the pod counts."""
+    from gpufrac.local.simnodes import NodeShape, sim_node
+    from gpufrac.scheduler.config import SchedulerConfig
+    from gpufrac.scheduler.objects import node_spec
+    from gpufrac.scheduler.placement_engine import build_engine
+    from gpufrac.scheduler.queue_status import QueueStatusWriter
+    from gpufrac.scheduler.queues import QueueDirectory
+
+    config = SchedulerConfig()
+    engine = build_engine(config)
+    engine.add_node(node_spec(sim_node(name="n1")))
+    labels: dict[str, dict[str, str]] = {"ns": {}}
+    directory = QueueDirectory(
+        client=None,  # type: ignore[arg-type]  # nothing is listed: the queues are put in the store below
+        config=config,
+        apply=lambda queues: None,
+        changed=lambda: None,
+        namespace_labels=lambda name: labels.get(name),
+    )
+
+    def queue_object(spec: dict) -> None:
+        directory.ours.installed = True
+        directory.ours.informer.store._items["team"] = GpufracQueue(
+            metadata=ObjectMeta(name="team"), spec=spec
+        )
+        directory.refresh()
+
+    pod = _pod({"gpu-fraction": "0.5"})
+    pod.metadata.labels = {"gpufrac.io/queue": "team"}
+    pod.metadata.resourceVersion = "7"
+    writer = QueueStatusWriter(
+        client=None,  # type: ignore[arg-type]
+        directory=directory,
+        engine=lambda: engine,
+        leaving=lambda: (),
+        planned=lambda: {},
+        waiting=lambda: [("team", pod)],
+        is_leader=lambda: True,
+        interval=5.0,
+    )
+    assert writer.waiting_demand() == []  # queue team does not exist: no demand on it
+    queue_object({"namespaceSelector": {"matchLabels": {"team": "a"}}})
+    assert writer.waiting_demand() == []  # ns is not labelled team=a: refused
+    labels["ns"] = {"team": "a"}
+    half = writer.waiting_demand()
+    assert half == [QueueAmount("team", pod_demand(pod, largest_gpu_mib=NodeShape().mib))]
+    assert writer.waiting_demand() == half  # the same pod, queues and labels: the same answer
+    queue_object({"namespaces": []})  # the queue now admits no namespace
+    assert writer.waiting_demand() == []
