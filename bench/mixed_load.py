@@ -387,6 +387,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             result.update(
                 {
                     "fill_create_s": round(marks["fill_created"] - marks["first_create"], 1),
+                    "fill_created_per_s": round(
+                        len(fill) / (marks["fill_created"] - marks["first_create"]), 1
+                    ),
                     "burst_start_s": round(marks["burst_start"] - marks["first_create"], 1),
                     "burst_create_s": round(marks["burst_created"] - marks["burst_start"], 1),
                     "burst_bound_s": round(marks["burst_bound"] - marks["burst_start"], 1),
@@ -426,6 +429,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     "events_by_reason": dict(Counter(e.reason for e in events).most_common()),
                     "scheduler_rss_mib": round(rss, 1),
                     "scheduler_peak_rss_mib": round(peak, 1),
+                    "control_plane_peak_rss_mib": round(rss_mib(cp.pid)[1], 1),
+                    "bench_peak_rss_mib": round(rss_mib(os.getpid())[1], 1),
                     "scheduler_cpu_ms_per_pod": round(1000 * cpu["scheduler"] / len(bound_at), 2),
                     "scheduler_cores": round(cpu["scheduler"] / window, 2),
                     "control_plane_cores": round(cpu["cp"] / window, 2),
