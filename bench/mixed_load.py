@@ -27,8 +27,9 @@ The bench waits until every burst pod is bound, then until nothing has been boun
 create to the last bind), create-to-bound latency p50/p99 per class (fill low, fill mid, burst);
 decisions per second from the scheduler's own counter (``gpufrac_scheduler_schedule_attempts_total``:
 every placement attempt, scheduled, unschedulable or failed, over the run until settled) beside binds
-plus evictions per second from the API; the victims (bound pods deleted: nothing else deletes a pod
-here), and the ``Preempted``/``Reclaimed`` Events per victim by uid (each evicted exactly once); the
+plus evictions per second from the API; the victims (pods deleted: nothing else deletes a pod here; one
+may go while its bind is in flight), and the ``Preempted``/``Reclaimed`` Events per victim by uid (each
+evicted exactly once); the
 scheduler's peak RSS (VmHWM), its CPU per bound pod and its cores, the control plane's and the machine's
 (what limited it). The bookings are audited throughout from the watch's copy of the namespace
 (``gpufrac.scheduler.booking_audit``: no GPU over-committed, no mixed modes) every ``--audit-every``
@@ -37,7 +38,8 @@ seconds, and once at the end from a list.
     .venv/bin/python bench/mixed_load.py                       # 100 nodes x 8 GPUs, quick
     .venv/bin/python bench/mixed_load.py --nodes 5000 --burst 2000 --rate 200 --audit-every 60
 
-The last line is a one-line JSON summary.
+With ``BENCH_VERBOSE=1`` a progress line goes to stderr every 30 s. The last line is a one-line JSON
+summary.
 """
 
 from __future__ import annotations
@@ -339,6 +341,23 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     marks["burst_created"] = time.monotonic()
                     return created
 
+                async def progress() -> None:
+                    """With BENCH_VERBOSE, a line on stderr every 30 s: a long run can be watched."""
+                    while True:
+                        await asyncio.sleep(30)
+                        line = {
+                            "s": round(time.monotonic() - marks["first_create"]),
+                            "seen": len(informer.store),
+                            "bound": len(tracker.bound_at),
+                            "gone": len(tracker.gone),
+                            "booked": round(tracker.booked / gpus, 3),
+                            "audits": audits[0],
+                        }
+                        print(json.dumps(line), file=sys.stderr, flush=True)
+
+                watching_progress = (
+                    asyncio.create_task(progress()) if os.environ.get("BENCH_VERBOSE") else None
+                )
                 try:
                     fill_created, burst_created = await asyncio.gather(stream(), preemptors())
                     names = [p.pod.metadata.name for p in burst]
@@ -355,8 +374,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     )
                     marks["settled"] = time.monotonic()
                 finally:
-                    auditing.cancel()
-                    await asyncio.gather(auditing, return_exceptions=True)
+                    for task in (auditing, watching_progress):
+                        if task is not None:
+                            task.cancel()
+                            await asyncio.gather(task, return_exceptions=True)
                 machine_after = machine_cpu()
                 window = marks["settled"] - marks["first_create"]
                 cpu = {
