@@ -40,8 +40,9 @@ def test_a_tiny_mixed_load_binds_the_burst_by_preempting_fill_pods_once_each() -
     assert got["victims"] >= 1 and set(got["victims_by_class"]) <= {"fill-low", "fill-mid"}
     assert got["victims_evicted_twice"] == 0 and got["evicted_not_gone"] == []
     assert got["victims_with_event"] == got["victims"] == got["victim_events"]
-    # The cluster ends full: what waits is fill, never a burst pod.
-    assert got["pending_by_class"] and "burst" not in got["pending_by_class"]
+    # The cluster ends mostly booked (victims leave room only for their preemptors), and what still
+    # waits, if anything, is fill, never a burst pod.
+    assert got["booked_at_end"] > 0.75 and "burst" not in got["pending_by_class"]
     # The bookings were audited during the run and at the end, and held.
     assert got["audit_ok"] and got["audits_during"] >= 1 and got["audit_problems"] == []
     # The scheduler's own counter of scheduled attempts is the pods the watch saw bound.
