@@ -127,6 +127,7 @@ async def test_reference_examples_are_bound_with_the_contract_annotations(
         assert metric(text, "gpufrac_scheduler_events_pending") == 0  # both Events were written
         assert metric(text, "gpufrac_scheduler_events_dropped") == 0
         assert metric(text, "python_gc_collections_total", generation="0") >= 0  # the collector's passes
+        assert metric(text, "gpufrac_event_loop_lag_seconds_count") > 0  # the loop's timer has been sampled
         async with httpx2.AsyncClient() as http:
             answer = await http.get(
                 f"http://127.0.0.1:{service.probe_port}/metrics",

@@ -6,7 +6,7 @@ holder write" controllers. What they share lives here once, so the two cannot dr
 - Leader election on its own connection pool (as kube-scheduler does: a renew must never queue behind
   a burst of the controller's own writes, or a busy leader loses its lease for being busy).
 - /healthz (started, and not failed), /readyz (informers synced; "leading" once the leader's work runs,
-  else "standby (synced)") and /metrics.
+  else "standby (synced)") and /metrics, with the event loop's lag (``gpufrac.process.loop_lag``).
 - Informers a controller can only start once it knows their resource exists (the scheduler's Queue
   informers wait for their CRD) come as ``InformerSource`` s: the runner runs them with the others, and
   /readyz and the leader's work wait for them the same way.
@@ -39,6 +39,7 @@ from prometheus_client import CollectorRegistry
 
 from gpufrac.kube.informer import Informer
 from gpufrac.kube.lease import LeaderElector, LeadershipLost, LeaseTiming
+from gpufrac.process.loop_lag import LoopLag
 from gpufrac.process.probes import ProbeServer
 
 log = logging.getLogger(__name__)
@@ -139,6 +140,7 @@ class ControllerRunner:
         self._probes = ProbeServer(
             host=http_host, port=http_port, registry=registry, healthy=self._healthy, ready=self._ready
         )
+        self.loop_lag = LoopLag(registry)
         self._started = False
         self._working = False
         self._failed: BaseException | None = None
@@ -183,6 +185,7 @@ class ControllerRunner:
         background += [
             asyncio.create_task(make(), name=f"{self.name}-background") for make in self._background
         ]
+        background.append(asyncio.create_task(self.loop_lag.run(), name=f"{self.name}-loop-lag"))
         elector = asyncio.create_task(self.elector.run(), name="lease") if self.elector else None
         lead = asyncio.create_task(self._lead(), name=f"{self.name}-lead")
         watched = [*background, lead, *([elector] if elector else [])]
