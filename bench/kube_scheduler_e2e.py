@@ -473,6 +473,12 @@ async def backlog_round(
 # -- what limits a side -----------------------------------------------------------------------------------
 
 
+#: A loop whose 0.1-s timer ran this late on average, or this share of the time later than 50 ms, held
+#: the answers to its writes back itself (``scheduler_e2e.loop_lag_between``).
+LOOP_BUSY_MS = 20.0
+LOOP_BUSY_SHARE = 0.2
+
+
 def limited_by(side: dict[str, Any]) -> str:
     """One sentence on what set a burst's pace, from the figures of its round (see the module's doc)."""
     seconds, pods = side["seconds"], side["pods"]
@@ -495,6 +501,12 @@ def limited_by(side: dict[str, Any]) -> str:
         return f"the machine's CPU ({usage})"
     if cores >= 0.9:
         return f"its own CPU, one core ({usage})"
+    lag = side.get("scheduler_loop_lag") or {}
+    if lag.get("mean_ms") is not None:
+        loop = f"loop lag {lag['mean_ms']} ms mean, {lag['over_50ms']:.0%} of samples over 50 ms"
+        if lag["mean_ms"] >= LOOP_BUSY_MS or lag["over_50ms"] >= LOOP_BUSY_SHARE:
+            return f"its own event loop: each answer also waited for the loop ({loop}; {usage})"
+        usage = f"{usage}; {loop}: answers read as they came"
     return f"waiting on the API server ({usage})"
 
 
@@ -578,6 +590,7 @@ def brief(side: dict[str, Any]) -> dict[str, Any]:
         "machine_cpu_busy",
         "audit_ok",
         "limited_by",
+        "scheduler_loop_lag",
     )
     return {k: side[k] for k in keep if k in side} | {k: side[k] for k in ("metrics", "profile") if k in side}
 

@@ -437,6 +437,42 @@ async def gc_passes(port: int) -> dict[str, int]:
     }
 
 
+LOOP_LAG = "gpufrac_event_loop_lag_seconds"
+
+
+async def loop_lag_samples(port: int) -> dict[str, float]:
+    """The scheduler's event-loop lag histogram (``gpufrac.process.loop_lag``): ``count``, ``sum`` and
+    ``le=<bound>`` cumulative counts."""
+    samples = await scheduler_samples(port, LOOP_LAG)
+    out: dict[str, float] = {}
+    for (name, labels), value in samples.items():
+        if name == f"{LOOP_LAG}_bucket":
+            out[f"le={dict(labels)['le']}"] = value
+        elif name in (f"{LOOP_LAG}_count", f"{LOOP_LAG}_sum"):
+            out[name.rsplit("_", 1)[1]] = value
+    return out
+
+
+def loop_lag_between(before: dict[str, float], after: dict[str, float]) -> dict[str, float | None]:
+    """How late the scheduler's loop ran its 0.1-s timer between two scrapes: the mean, and the share of
+    samples later than 50 ms and 100 ms. Near 0: an answer from the API server was read as it came; tens
+    of milliseconds: each answer also waited that long for the loop."""
+    count = after.get("count", 0) - before.get("count", 0)
+    if count <= 0:
+        return {"samples": 0, "mean_ms": None, "over_50ms": None, "over_100ms": None}
+
+    def later_than(bound: str) -> float:
+        within = after.get(f"le={bound}", 0) - before.get(f"le={bound}", 0)
+        return round((count - within) / count, 3)
+
+    return {
+        "samples": int(count),
+        "mean_ms": round(1000 * (after.get("sum", 0) - before.get("sum", 0)) / count, 1),
+        "over_50ms": later_than("0.05"),
+        "over_100ms": later_than("0.1"),
+    }
+
+
 async def wait_events_written(port: int, *, timeout: float) -> tuple[float, int]:
     """Seconds until the scheduler has written every Event its burst left waiting (they yield to binds),
     and how many it dropped: the bench does not stop the scheduler on work it deferred."""
@@ -583,6 +619,7 @@ async def scheduler_round(
         await wait_leading(port, proc, timeout=max(120.0, args.nodes / 10))
         result["scheduler_rss_idle_mib"] = round(rss_mib(proc.pid)[0], 1)
         gc_before = await gc_passes(port)
+        lag_before = await loop_lag_samples(port)
         cp_before, scheduler_before = cpu_seconds(cp.pid), cpu_seconds(proc.pid)
         measured = await burst(
             client,
@@ -599,6 +636,7 @@ async def scheduler_round(
         result["scheduler_cpu_ms_per_pod"] = cpu_ms_per_pod(proc.pid, scheduler_before, args.pods)
         result["control_plane_cpu_ms_per_pod"] = cpu_ms_per_pod(cp.pid, cp_before, args.pods)
         gc_after = await gc_passes(port)
+        result["scheduler_loop_lag"] = loop_lag_between(lag_before, await loop_lag_samples(port))
         result["scheduler_gc_passes"] = {g: n - gc_before.get(g, 0) for g, n in sorted(gc_after.items())}
         rss, peak = rss_mib(proc.pid)
         result["scheduler_rss_mib"] = round(rss, 1)

@@ -113,6 +113,30 @@ def test_peer_metrics_are_what_the_burst_added(bench: ModuleType) -> None:
     assert got["attempt_ms_mean"] is None  # never observed: no figure rather than a zero
 
 
+def test_loop_lag_is_what_the_burst_added_and_names_a_busy_loop(bench: ModuleType) -> None:
+    """The loop-lag figures are differences of two scrapes of the histogram; a side whose loop ran its
+    timer late is said to be limited by its loop, one that read answers as they came by the API server."""
+    before = {"count": 100, "sum": 0.5, "le=0.05": 100, "le=0.1": 100}
+    after = {"count": 300, "sum": 8.5, "le=0.05": 220, "le=0.1": 280}
+    between = sys.modules["scheduler_e2e"].loop_lag_between  # imported by the bench, as a script does
+    lag = between(before, after)
+    assert lag == {"samples": 200, "mean_ms": 40.0, "over_50ms": 0.4, "over_100ms": 0.1}
+    assert between(before, before)["mean_ms"] is None  # no sample, no figure
+
+    side = {
+        "seconds": 10.0,
+        "pods": 1000,
+        "scheduler_cpu_ms_per_pod": 3.0,
+        "control_plane_cpu_ms_per_pod": 5.0,
+        "machine_cpu_busy": 0.6,
+    }
+    assert bench.limited_by(side | {"scheduler_loop_lag": lag}).startswith("its own event loop")
+    quiet = {"samples": 200, "mean_ms": 1.5, "over_50ms": 0.0, "over_100ms": 0.0}
+    said = bench.limited_by(side | {"scheduler_loop_lag": quiet})
+    assert said.startswith("waiting on the API server") and "answers read as they came" in said
+    assert bench.limited_by(side).startswith("waiting on the API server")  # no lag figures: as before
+
+
 def test_the_claims_audit_counts_gpus_and_finds_what_is_wrong(bench: ModuleType) -> None:
     claims_module = importlib.import_module("dra_claims")
 
