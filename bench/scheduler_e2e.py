@@ -443,7 +443,8 @@ LOOP_LAG = "gpufrac_event_loop_lag_seconds"
 async def loop_lag_samples(port: int) -> dict[str, float]:
     """The scheduler's event-loop lag histogram (``gpufrac.process.loop_lag``): ``count``, ``sum`` and
     ``le=<bound>`` cumulative counts."""
-    samples = await scheduler_samples(port, LOOP_LAG)
+    # A scrape by name filters samples by their own names: a histogram's are _bucket, _count and _sum.
+    samples = await scheduler_samples(port, *(f"{LOOP_LAG}_{part}" for part in ("bucket", "count", "sum")))
     out: dict[str, float] = {}
     for (name, labels), value in samples.items():
         if name == f"{LOOP_LAG}_bucket":
