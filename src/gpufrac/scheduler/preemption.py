@@ -84,6 +84,7 @@ from gpufrac.placement.preemption import (
 )
 from gpufrac.placement.queue_shares import QueueAmount
 from gpufrac.scheduler.disruption_target import mark_disruption_target
+from gpufrac.scheduler.preemption_books import PlanBooks
 from gpufrac.scheduler.preemption_events import (
     PREEMPTION_BLOCKED,
     VERB,
@@ -170,9 +171,9 @@ class Preemptions:
         self._place_now = place_now
         self._retry = retry
         self._spawn = spawn
-        self._demand = waiting
-        self._shares: ShareBook | None = None  # built once a cycle, and after a plan changes the books
-        self._cycle: list[Pod] = []
+        self._books = PlanBooks(
+            engine, planned=self.planned, leaving=lambda: self.leaving_pods, waiting=waiting
+        )
         self._preempt = preempt
         self._moves = moves
         self._budget = CycleBudget(search_budget_s)
@@ -190,7 +191,7 @@ class Preemptions:
     def new_cycle(self, pods: Iterable[Pod] = ()) -> None:
         """A cycle starts for ``pods`` (still demand on their queues): budget full, queue books anew."""
         self._budget.new_cycle()
-        self._shares, self._cycle = None, list(pods)
+        self._books.new_cycle(pods)
 
     def planned(self) -> dict[str, QueueAmount]:
         """The pods open plans make room for, by uid, and what each will book: counted as held."""
@@ -200,16 +201,6 @@ class Preemptions:
     def leaving_pods(self) -> set[str]:
         """Booked pods on their way out (a plan's victims, pods being deleted): no queue counts them."""
         return self._leaving | set(self._victim_of)
-
-    def _book(self) -> ShareBook:
-        """The queues as the books will be: what reclaim and its limit checks read."""
-        if self._shares is None:
-            planned = self.planned()
-            waiting = self._demand(set(planned), self._cycle)
-            self._shares = self._engine.queue_shares(
-                leaving=self.leaving_pods, waiting=waiting, nominees=planned
-            )
-        return self._shares
 
     def deferral_s(self) -> float:
         """How long the next pod deferred in this cycle waits (``CycleBudget.deferral_s``)."""
@@ -243,7 +234,7 @@ class Preemptions:
             uid,
             [(pending, pod)],
             lambda kind, exclude: find_victims(
-                self._engine, pending, kind=kind, shares=self._book(), exclude=exclude
+                self._engine, pending, kind=kind, shares=self._books.of(kind), exclude=exclude
             ),
         )
         if nomination is not None:
@@ -254,11 +245,13 @@ class Preemptions:
         self._young.begin(uid)
         for kind in (Kind.PREEMPT, Kind.RECLAIM) if self._preempt else ():
             # The common case, nobody to take from, costs one vectorised mask.
-            candidates = any_victims(self._engine, pending, kind=kind, shares=self._book())
+            candidates = any_victims(self._engine, pending, kind=kind, shares=self._books.of(kind))
             if candidates.size == 0:
                 continue
             exclude = self._excluded(uid, candidates, kind, pending.queue)
-            plan = find_victims(self._engine, pending, kind=kind, shares=self._book(), exclude=exclude)
+            plan = find_victims(
+                self._engine, pending, kind=kind, shares=self._books.of(kind), exclude=exclude
+            )
             if plan is not None:
                 break
         note = ""
@@ -272,7 +265,8 @@ class Preemptions:
             )
         if plan is None:
             said, young = decision.message, self._young.note(uid)
-            return f"{said}{note or young or limit_note(self._engine, self._book(), pending, said)}"
+            held = self._books.of(Kind.PREEMPT)  # the limit check reads only what the queues will hold
+            return f"{said}{note or young or limit_note(self._engine, held, pending, said)}"
         nomination = self._start(plan, pod, [pod], (uid,), queue=pending.queue)
         self._hold(nomination, [(pending, plan.placement)])
         return f"{decision.message} {waiting_for(self._engine, nomination.plan)}"
@@ -301,7 +295,12 @@ class Preemptions:
             key,
             members,
             lambda kind, exclude: find_gang_victims(
-                self._engine, pendings, min_member=min_member, kind=kind, shares=self._book(), exclude=exclude
+                self._engine,
+                pendings,
+                min_member=min_member,
+                kind=kind,
+                shares=self._books.of(),
+                exclude=exclude,
             ),
         )
         if nomination is not None:
@@ -311,7 +310,7 @@ class Preemptions:
         plan: GangPreemption | None = None
         self._young.begin(key)
         for kind in (Kind.PREEMPT, Kind.RECLAIM) if self._preempt else ():
-            book = self._book()
+            book = self._books.of()
             candidates = np.unique(
                 np.concatenate([any_victims(self._engine, p, kind=kind, shares=book) for p in pendings])
             )
@@ -322,7 +321,7 @@ class Preemptions:
                 pendings,
                 min_member=min_member,
                 kind=kind,
-                shares=self._book(),
+                shares=self._books.of(),
                 exclude=self._excluded(key, candidates, kind, pendings[0].queue),
             )
             if plan is not None:
@@ -406,7 +405,7 @@ class Preemptions:
             self._open[k] = nomination
         for victim in plan.victims:
             self._victim_of[victim] = nomination.owner
-        nomination.book, self._shares = self._shares, None  # its victims are leaving now
+        nomination.book = self._books.filed()  # its victims are leaving now
         return nomination
 
     def _start(

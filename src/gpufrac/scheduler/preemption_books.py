@@ -1,0 +1,69 @@
+"""The queues' books a preemption, reclaim or consolidation decision reads, as they will be.
+
+``Preemptions`` asks for them on every search: the pods leaving gone, the open plans' pods held as
+nominees, and (for reclaim's fair shares) the demand of every pod still waiting. They are built at most
+once a scheduling cycle and again after a plan is filed (its victims are leaving, its pod is a nominee).
+
+Two books, each built only when asked for. Reclaim (and a gang's search, and the Events that tell a
+reclaim's numbers) reads the fair shares, which the waiting pods' demand moves: ``full``. Preemption
+reads only what each queue will hold (``QueueShares.exceeded``, its limit check), which that demand
+does not change: ``held`` leaves it out. Reading the demand is one look at every waiting pod (its queue
+and whether it may join it); during a preemption burst at 5,000 nodes thousands of pods wait and a plan
+is filed every decision, so it was rebuilt on every decision and cost more than the victim search.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from lightkube.resources.core_v1 import Pod
+
+from gpufrac.placement.engine import Engine
+from gpufrac.placement.preemption import Kind, ShareBook
+from gpufrac.placement.queue_shares import QueueAmount
+
+
+class PlanBooks:
+    """``planned``: the pods open plans make room for and what each will book; ``leaving``: booked
+    pods on their way out; ``waiting``: the waiting pods' demand (besides the uids given, with the
+    cycle's own pods, which are out of the scheduling queue while it places them)."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        planned: Callable[[], dict[str, QueueAmount]],
+        leaving: Callable[[], set[str]],
+        waiting: Callable[[set[str], list[Pod]], Iterable[QueueAmount]],
+    ) -> None:
+        self._engine = engine
+        self._planned = planned
+        self._leaving = leaving
+        self._waiting = waiting
+        self._cycle: list[Pod] = []
+        self._full: ShareBook | None = None
+        self._held: ShareBook | None = None
+
+    def new_cycle(self, pods: Iterable[Pod]) -> None:
+        """A cycle starts for ``pods`` (still demand on their queues): both books are built anew."""
+        self._cycle = list(pods)
+        self._full = self._held = None
+
+    def filed(self) -> ShareBook | None:
+        """A plan was filed: both books are stale. Returns the full book it was decided on (None when
+        none was built: preemption's plans do not tell fair shares)."""
+        full, self._full, self._held = self._full, None, None
+        return full
+
+    def of(self, kind: Kind = Kind.RECLAIM) -> ShareBook:
+        """The book a decision of ``kind`` reads: ``Kind.PREEMPT`` the one without the waiting demand."""
+        engine = self._engine
+        if kind is Kind.PREEMPT:
+            if self._held is None:
+                self._held = engine.queue_shares(leaving=self._leaving(), nominees=self._planned())
+            return self._held
+        if self._full is None:
+            planned = self._planned()
+            waiting = self._waiting(set(planned), self._cycle)
+            self._full = engine.queue_shares(leaving=self._leaving(), waiting=waiting, nominees=planned)
+        return self._full

@@ -1,0 +1,80 @@
+"""The queues' books a preemption decision reads (``gpufrac.scheduler.preemption_books``).
+
+Preemption's book leaves the waiting pods' demand out (reading it is one look at every waiting pod); the
+limit check it makes answers as the full book's does, and both books follow a filed plan.
+"""
+
+from __future__ import annotations
+
+from gpufrac.contract.request import ContainerGpuRequest, GpuMemory, PodGpuRequest
+from gpufrac.placement.decision import Placement
+from gpufrac.placement.engine import Engine
+from gpufrac.placement.model import GpuDevice, NodeSpec, PendingPod, Queue, Quota
+from gpufrac.placement.preemption import Kind
+from gpufrac.placement.queue_shares import Amount, QueueAmount
+from gpufrac.scheduler.preemption_books import PlanBooks
+
+GIB = 1024
+
+
+def half_gpu() -> PodGpuRequest:
+    return PodGpuRequest((ContainerGpuRequest("main", GpuMemory(portion=0.5), None),))
+
+
+def engine_with_one_pod() -> Engine:
+    """Two 80 GiB GPUs; queue prod (limit 100 GiB) holds one half GPU (40 GiB); queue dev has none."""
+    engine = Engine(policy="binpack", queues=[Queue("prod", gpu_memory=Quota(limit=100 * GIB)), Queue("dev")])
+    gpus = tuple(GpuDevice(f"g{i}", i, 80 * GIB, "H100") for i in range(2))
+    engine.add_node(NodeSpec("n", 64_000, 1 << 40, gpus=gpus))
+    placed = engine.place(PendingPod("ns", "a", "a", half_gpu(), queue="prod"))
+    assert isinstance(placed, Placement)
+    return engine
+
+
+def test_preemptions_book_checks_the_queue_limit_as_the_full_book_does_without_reading_the_waiting_pods() -> (
+    None
+):
+    engine = engine_with_one_pod()
+    asked: list[set[str]] = []
+    waiting = [QueueAmount("dev", Amount(120 * GIB, 0)), QueueAmount("prod", Amount(40 * GIB, 0))]
+    planned = {"b": QueueAmount("prod", Amount(40 * GIB, 0))}  # an open plan's pod, held for prod
+
+    def demand(skip: set[str], cycle: list[object]) -> list[QueueAmount]:
+        asked.append(skip)
+        return waiting
+
+    books = PlanBooks(engine, planned=lambda: planned, leaving=set, waiting=demand)
+    held = books.of(Kind.PREEMPT)
+    assert asked == []  # preemption's book never looked at the waiting pods
+    full = books.of(Kind.RECLAIM)
+    assert asked == [{"b"}]  # reclaim's did, besides the open plan's pod
+    # 40 GiB placed + 40 GiB nominated: 20 GiB more fits under the 100 GiB limit, 21 GiB does not.
+    for mib in (20 * GIB, 21 * GIB):
+        assert held.exceeded("prod", Amount(mib, 0)) == full.exceeded("prod", Amount(mib, 0))
+    assert held.exceeded("prod", Amount(21 * GIB, 0)) is not None
+    assert held.exceeded("prod", Amount(20 * GIB, 0)) is None
+    # The fair shares are reclaim's: the waiting demand moves them, and only the full book has it.
+    assert full.requested("dev") == 120 * GIB
+    assert books.of(Kind.PREEMPT) is held and books.of() is full  # built once until something changes
+
+
+def test_both_books_follow_a_filed_plan_and_a_new_cycle() -> None:
+    engine = engine_with_one_pod()
+    planned: dict[str, QueueAmount] = {}
+    leaving: set[str] = set()
+    books = PlanBooks(
+        engine, planned=lambda: planned, leaving=lambda: leaving, waiting=lambda skip, cycle: []
+    )
+    assert books.of(Kind.PREEMPT).allocated("prod") == 40 * GIB
+    full = books.of()
+    # A plan: pod a leaves, pod c (60 GiB) is nominated in its place.
+    leaving.add("a")
+    planned["c"] = QueueAmount("prod", Amount(60 * GIB, 0))
+    assert books.filed() is full  # the book the plan was decided on, for its Events
+    assert books.of(Kind.PREEMPT).allocated("prod") == 60 * GIB
+    assert books.of().allocated("prod") == 60 * GIB
+    assert books.of(Kind.PREEMPT).exceeded("prod", Amount(41 * GIB, 0)) is not None
+    # A plan decided on preemption's book alone tells no fair shares: no full book to hand back.
+    books.new_cycle([])
+    books.of(Kind.PREEMPT)
+    assert books.filed() is None
