@@ -206,10 +206,14 @@ class MigLayouts:
         if not containers:
             return None
         state = self._engine.state
+        mig = any(c.mig is not None for c in containers)
+        if not mig and not state.partitioned:
+            # Asked first: every pod that fits nowhere comes here, and the names below are every node's.
+            return None
         nodes = frozenset(
             spec.name for n in self._engine.static_fits(pod).tolist() if (spec := state.nodes[n])
         )
-        if any(c.mig is not None for c in containers):
+        if mig:
             profiles: dict[str, tuple[str, ...]] = {}
             for name, model in MIG_MODELS.items():
                 wanted: list[str] = []
@@ -227,8 +231,6 @@ class MigLayouts:
                 else:
                     profiles[name] = tuple(wanted)
             return MigWait(pod.uid, profiles, nodes) if profiles else None
-        if not self._engine.state.partitioned:
-            return None
 
         def mib(gpu_mib: int) -> int:
             return max(gpu_mib if c.exclusive else c.request_mib(gpu_mib) for c in containers)
