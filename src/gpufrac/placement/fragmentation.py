@@ -155,12 +155,20 @@ def cpu_stranded(
     -0.4 point; docs/benchmarks.md); ``every_crossing`` does that, for the ablation. The GPU side is
     left to the stranded room (``room_waste``).
     """
+    found = stranded_by_cpu(state, typical, demand, fit, every_crossing=every_crossing)
+    return np.zeros(fit.free_milli().shape) if found is None else found
+
+
+def stranded_by_cpu(
+    state: ClusterState, typical: TypicalSet, demand: Demand, fit: Fit, *, every_crossing: bool = False
+) -> np.ndarray | None:
+    """``cpu_stranded``, or None where it would be 0 on every GPU (the common case, told cheaply: no
+    node is left short of CPU), so a scorer skips adding nothing."""
     nodes = fit.nodes
-    fm = fit.free_milli()
     single = demand.single
-    out = np.zeros(fm.shape)
     if not typical.pods or demand.cpu_milli <= 0 or single is None:
-        return out
+        return None
+    fm = fit.free_milli()
     cpu = state.cpu_free[nodes]
     cpu_after = cpu - demand.cpu_milli
     key = ("least_cpu", len(state.model_names))
@@ -177,11 +185,12 @@ def cpu_stranded(
     else:  # only nodes the share leaves short of every typical GPU pod; checked first, cheaply
         short = (cpu_after < least) & (cpu >= least)
         if not short.any():
-            return out
+            return None
         crossed = (cpu[:, None] >= typical.column("cpu_milli")) & short[:, None]
     rows = np.flatnonzero(crossed.any(axis=1))
     if rows.size == 0:
-        return out
+        return None
+    out = np.zeros(fm.shape)
     shapes = shapes_for(state, typical, nodes[rows])
     fm = fm[rows]
     usable = _usable(fm, state.mode[nodes[rows]], shapes)
@@ -352,7 +361,6 @@ class Fgd:
         typical = self.source.current()
         nodes = fit.nodes
         fm = fit.free_milli()
-        mode = state.mode[nodes]
         cpu = state.cpu_free[nodes]
         if not typical.pods:
             return np.zeros(nodes.size), None
@@ -387,7 +395,7 @@ class Fgd:
             )
             after = _fragments(fm, cpu - demand.cpu_milli, shapes, None, terms=terms)
             return (before - after) @ shapes.weights, None
-        fm_after, mode_after = fm.copy(), mode.copy()
+        fm_after, mode_after = fm.copy(), state.mode[nodes]  # a gather: a copy already
         for i, c in enumerate(demand.containers):
             chosen = _first_fitting(fm_after, fit.masks[i], c.count, exclusive=c.exclusive)
             cap = state.cap[nodes]
@@ -447,7 +455,7 @@ class Fgd:
             return _sigmoid_score(delta, self.scale), None
         scores = np.where(mask, _sigmoid_score(delta, self.scale), -1)
         best = scores.argmax(axis=1)  # first maximum: lowest GPU index on ties
-        return scores[np.arange(scores.shape[0]), best], best
+        return scores.max(axis=1), best  # the score at ``best``
 
 
 _NEVER = np.iinfo(np.int64).max

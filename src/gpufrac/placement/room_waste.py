@@ -40,9 +40,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from .demand import SIZE_GPU_MIB, Demand
+from .demand import SIZE_GPU_MIB, ContainerDemand, Demand
 from .filters import Fit
-from .fragmentation import cpu_stranded
+from .fragmentation import stranded_by_cpu
 from .scoring import milli_of
 from .state import ClusterState
 from .typical import TypicalSet, TypicalSource
@@ -126,6 +126,8 @@ class RoomWaste:
         self._one_size = 0
         self._sizes = np.zeros(0, dtype=np.int64)
         self._stacked: tuple[tuple[int, int], np.ndarray] | None = None
+        self._last: tuple[tuple[int, int], np.ndarray] | None = None
+        self._took: dict[tuple[int, int], tuple[ContainerDemand, int]] = {}
 
     @property
     def epoch(self) -> int:
@@ -136,12 +138,16 @@ class RoomWaste:
         snapshot)."""
         typical = self.source.current()
         key = (typical.epoch, cap_mib)
+        last = self._last
+        if last is not None and last[0] == key:  # the common case: one size, one snapshot for a while
+            return last[1]
         found = self._tables.get(key)
         if found is None:
             if len(self._tables) > 64:
                 self._tables.clear()  # old snapshots of an online source
             exact = stranded_table(one_gpu_shares(typical, cap_mib), self.stop)
             found = self._tables[key] = np.rint(exact).astype(np.int64)
+        self._last = (key, found)
         return found
 
     def batch_key(self, demand: Demand) -> tuple[int, int, int]:
@@ -190,26 +196,43 @@ class RoomWaste:
         tables = self._stacked[1]
         return np.where(cap > 0, tables[at, room] - tables[at, left], 0)
 
+    def took(self, single: ContainerDemand, cap_mib: int) -> int:
+        """Thousandths of a ``cap_mib`` GPU the share ``single`` takes (``milli_of`` its request),
+        memoised per container demand and size: a kind of pod is rescored on every node that changes."""
+        key = (id(single), cap_mib)
+        found = self._took.get(key)
+        if found is None or found[0] is not single:  # an id reused by another demand: computed anew
+            if len(self._took) > 1024:
+                self._took.clear()
+            cap = np.array([cap_mib], dtype=np.int64)
+            found = self._took[key] = (single, int(milli_of(single.request_mib(cap), cap)[0]))
+        return found[1]
+
     def per_gpu(self, state: ClusterState, demand: Demand, fit: Fit) -> np.ndarray:
         """(nodes, GPU slots) score of putting the one-GPU share ``demand`` on each slot."""
         single = demand.single
         assert single is not None
-        cap = state.cap[fit.nodes]
         room = fit.free_milli()  # 0..1000; 0 on absent slots, whose cap is 0
-        left = np.maximum(room - milli_of(single.request_mib(cap), cap), 0)
         size = self.one_size(state)
         if size:  # the common case: every GPU of the cluster has one size
+            # One size: the share takes the same thousandths on every GPU. An absent slot (cap 0) has
+            # no room, so it keeps none whatever the share takes, as with the per-slot arithmetic below.
+            left = np.maximum(room - self.took(single, size), 0)
             table = self.table(size)
             removed = table[room] - table[left]  # |W[r] - W[r']| <= 1000: W lies in 0..r
-        elif self._sizes.size:
-            removed = self._removed_by_size(cap, room, left)
         else:
-            removed = np.zeros(room.shape, dtype=np.int64)
+            cap = state.cap[fit.nodes]
+            left = np.maximum(room - milli_of(single.request_mib(cap), cap), 0)
+            if self._sizes.size:
+                removed = self._removed_by_size(cap, room, left)
+            else:
+                removed = np.zeros(room.shape, dtype=np.int64)
         if self.host:
-            stranded = cpu_stranded(
+            stranded = stranded_by_cpu(
                 state, self.source.current(), demand, fit, every_crossing=self.every_crossing
             )
-            removed = np.maximum(removed - np.rint(stranded).astype(np.int64), -self.CLIP)
+            if stranded is not None:  # None: nothing stranded, and removed >= -CLIP already
+                removed = np.maximum(removed - np.rint(stranded).astype(np.int64), -self.CLIP)
         return self.CLIP + removed
 
     def score(self, state: ClusterState, demand: Demand, fit: Fit) -> tuple[np.ndarray, np.ndarray | None]:
@@ -218,4 +241,4 @@ class RoomWaste:
             return np.full(fit.nodes.size, self.CLIP, dtype=np.int64), None
         values = np.where(fit.masks[0], self.per_gpu(state, demand, fit), -1)
         best = values.argmax(axis=1)  # first maximum: lowest GPU index on ties
-        return values[np.arange(values.shape[0]), best], best
+        return values.max(axis=1), best  # the value at ``best``

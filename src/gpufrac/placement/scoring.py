@@ -175,6 +175,7 @@ class Alignment:
         self.cpu_per_gpu_milli = 17.0
         self._spec_epoch = -1
         self.epoch = 0
+        self._requests: dict[tuple[int, int], tuple[Demand, float]] = {}
 
     def prepare(self, state: ClusterState) -> None:
         if state.spec_epoch == self._spec_epoch:
@@ -188,11 +189,28 @@ class Alignment:
                 self.cpu_per_gpu_milli = ratio
                 self.epoch += 1
 
+    def gpu_request(self, state: ClusterState, demand: Demand, nodes: np.ndarray) -> np.ndarray | float:
+        """``request_milli_total`` on each node as floats; one number when the nodes' reference GPUs
+        are alike (the common case), memoised per demand and size: a kind of pod is rescored on every
+        node that changes, and the same value broadcast gives the same cosine."""
+        cap_ref = reference_cap(state, nodes)
+        first = int(cap_ref[0]) if cap_ref.size else 0
+        if not cap_ref.size or not (cap_ref == first).all():
+            return request_milli_total(demand, cap_ref).astype(np.float64)
+        key = (id(demand), first)
+        found = self._requests.get(key)
+        if found is None or found[0] is not demand:
+            if len(self._requests) > 1024:
+                self._requests.clear()
+            total = request_milli_total(demand, np.array([first], dtype=np.int64))
+            found = self._requests[key] = (demand, float(total[0]))
+        return found[1]
+
     def score(self, state: ClusterState, demand: Demand, fit: Fit) -> tuple[np.ndarray, np.ndarray | None]:
         nodes = fit.nodes
         gpu_free = fit.free_milli().sum(axis=1).astype(np.float64)
         cpu_free = state.cpu_free[nodes] / self.cpu_per_gpu_milli
-        gpu_req = request_milli_total(demand, reference_cap(state, nodes)).astype(np.float64)
+        gpu_req = self.gpu_request(state, demand, nodes)
         cpu_req = demand.cpu_milli / self.cpu_per_gpu_milli
         dot = gpu_free * gpu_req + cpu_free * cpu_req
         norm = np.hypot(gpu_free, cpu_free) * np.hypot(gpu_req, cpu_req)
