@@ -137,3 +137,26 @@ def test_a_cluster_whose_one_gpu_size_changes_is_scored_with_the_new_size():
     for _ in range(10):
         assert isinstance(e.place(pod(mib(5000), cpu_milli=500)), Placement)
     _compare(e)
+
+
+def test_the_stranded_table_is_the_plain_recurrence_to_the_last_bit():
+    """``stranded_table`` keeps the fitting shares between their sizes; the plain loop re-selects them
+    for every room. Both must give the same floats (the batch order floors them into tiers)."""
+
+    def plain(shares: list[tuple[int, float]], stop: float) -> np.ndarray:
+        table = np.zeros(1001)
+        size = np.array([s for s, _ in shares], dtype=np.int64)
+        weight = np.array([w for _, w in shares])
+        for r in range(1, 1000):
+            fits = size <= r
+            q = weight[fits]
+            table[r] = (float(q @ table[r - size[fits]]) + stop * r) / (float(q.sum()) + stop)
+        return table
+
+    rng = random.Random(5)
+    for _ in range(40):
+        raw = [(rng.randint(1, 999), rng.random()) for _ in range(rng.randint(1, 10))]
+        total = sum(w for _, w in raw)
+        shares = [(s, w / total) for s, w in raw]
+        stop = rng.choice([0.001, 0.005, 0.05])
+        assert np.array_equal(stranded_table(shares, stop), plain(shares, stop))

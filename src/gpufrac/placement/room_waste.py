@@ -81,10 +81,16 @@ def stranded_table(shares: list[tuple[int, float]], stop: float = STOP_WEIGHT) -
         return table
     size = np.array([s for s, _ in shares], dtype=np.int64)
     weight = np.array([w for _, w in shares])
+    # The shares that fit change only where r reaches a share's size; in between they are kept (the
+    # same arrays, so the same sums: the table is what the plain loop gives, to the last bit).
+    changes = set(size.tolist())
+    q, fitting, total = weight[:0], size[:0], 0.0
     for r in range(1, 1000):
-        fits = size <= r
-        q = weight[fits]
-        table[r] = (float(q @ table[r - size[fits]]) + stop * r) / (float(q.sum()) + stop)
+        if r == 1 or r in changes:
+            fits = size <= r
+            q, fitting = weight[fits], size[fits]
+            total = float(q.sum()) + stop
+        table[r] = (float(q @ table[r - fitting]) + stop * r) / total
     return table
 
 
