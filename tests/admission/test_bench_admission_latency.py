@@ -81,6 +81,7 @@ def test_a_tiny_run_measures_each_side_as_it_says(tmp_path: Path) -> None:
         assert one[side]["update_plain"]["api_server"]["match_conditions webhook"]["count"] >= 4
         spans = one[side]["serial"]["webhook_spans"]
         assert spans["request_ms /mutate"]["n"] == spans["request_ms /validate"]["n"] == 4
+        assert spans["answer_ms /mutate"]["n"] == spans["answer_ms /validate"]["n"] == 4
     # The policies' plugin runs for every pod write; only on the third side do their matchConditions run.
     assert one["none"]["update_binder"]["api_server"]["policy_plugin"]["count"] >= 4
     assert "match_conditions policy" not in one["webhook"]["update_plain"]["api_server"]
