@@ -35,19 +35,24 @@ def test_preemptions_book_checks_the_queue_limit_as_the_full_book_does_without_r
     None
 ):
     engine = engine_with_one_pod()
-    asked: list[set[str]] = []
-    waiting = [QueueAmount("dev", Amount(120 * GIB, 0)), QueueAmount("prod", Amount(40 * GIB, 0))]
-    planned = {"b": QueueAmount("prod", Amount(40 * GIB, 0))}  # an open plan's pod, held for prod
+    asked: list[list[object]] = []
+    # Pod b is an open plan's, held for prod: its demand is not counted twice.
+    waiting = [
+        ("d", QueueAmount("dev", Amount(120 * GIB, 0))),
+        ("b", QueueAmount("prod", Amount(40 * GIB, 0))),
+    ]
+    planned = {"b": QueueAmount("prod", Amount(40 * GIB, 0))}
 
-    def demand(skip: set[str], cycle: list[object]) -> list[QueueAmount]:
-        asked.append(skip)
+    def demand(cycle: list[object]) -> list[tuple[str, QueueAmount]]:
+        asked.append(cycle)
         return waiting
 
     books = PlanBooks(engine, planned=lambda: planned, leaving=set, waiting=demand)
     held = books.of(Kind.PREEMPT)
     assert asked == []  # preemption's book never looked at the waiting pods
     full = books.of(Kind.RECLAIM)
-    assert asked == [{"b"}]  # reclaim's did, besides the open plan's pod
+    assert len(asked) == 1  # reclaim's did
+    assert full.requested("prod") == 80 * GIB  # held 40 + nominated 40; b's ask not counted again
     # 40 GiB placed + 40 GiB nominated: 20 GiB more fits under the 100 GiB limit, 21 GiB does not.
     for mib in (20 * GIB, 21 * GIB):
         assert held.exceeded("prod", Amount(mib, 0)) == full.exceeded("prod", Amount(mib, 0))
@@ -62,9 +67,7 @@ def test_both_books_follow_a_filed_plan_and_a_new_cycle() -> None:
     engine = engine_with_one_pod()
     planned: dict[str, QueueAmount] = {}
     leaving: set[str] = set()
-    books = PlanBooks(
-        engine, planned=lambda: planned, leaving=lambda: leaving, waiting=lambda skip, cycle: []
-    )
+    books = PlanBooks(engine, planned=lambda: planned, leaving=lambda: leaving, waiting=lambda cycle: [])
     assert books.of(Kind.PREEMPT).allocated("prod") == 40 * GIB
     full = books.of()
     # A plan: pod a leaves, pod c (60 GiB) is nominated in its place.
@@ -78,3 +81,31 @@ def test_both_books_follow_a_filed_plan_and_a_new_cycle() -> None:
     books.new_cycle([])
     books.of(Kind.PREEMPT)
     assert books.filed() is None
+
+
+def test_the_waiting_pods_are_read_once_a_cycle_and_each_plan_takes_its_pod_out_of_them() -> None:
+    engine = engine_with_one_pod()
+    planned: dict[str, QueueAmount] = {}
+    reads: list[list[object]] = []
+    asks = [(uid, QueueAmount("dev", Amount(10 * GIB, 0))) for uid in ("x", "y", "z")]
+
+    def demand(cycle: list[object]) -> list[tuple[str, QueueAmount]]:
+        reads.append(cycle)
+        return asks
+
+    books = PlanBooks(engine, planned=lambda: planned, leaving=set, waiting=demand)
+    books.new_cycle(["pod-of-this-cycle"])  # type: ignore[list-item]
+    assert books.of().requested("dev") == 30 * GIB
+    # A plan for x: x is a nominee now (held, 10 GiB), no longer waiting.
+    planned["x"] = QueueAmount("dev", Amount(10 * GIB, 0))
+    books.filed()
+    assert books.of().allocated("dev") == 10 * GIB
+    assert books.of().requested("dev") == 30 * GIB  # 10 held + y and z waiting, x not counted twice
+    # A pod the engine nominated (a plan of an earlier cycle, seen on the watch) is held, not waiting.
+    engine.nominate(PendingPod("ns", "y", "y", half_gpu(), queue="dev"), "n")
+    books.filed()
+    assert books.of().requested("dev") == 10 * GIB + 40 * GIB + 10 * GIB  # x, y's half GPU held; z waits
+    assert reads == [["pod-of-this-cycle"]]  # one read for the cycle, its own pods with it
+    books.new_cycle([])
+    books.of()
+    assert reads == [["pod-of-this-cycle"], []]

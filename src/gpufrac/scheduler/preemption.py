@@ -155,7 +155,7 @@ class Preemptions:
         place_now: Callable[[Pod], None],
         retry: Callable[[], None],
         spawn: Callable[[Coroutine[Any, Any, None]], None],
-        waiting: Callable[[set[str], list[Pod]], Iterable[QueueAmount]] = lambda skip, also: (),
+        waiting: Callable[[list[Pod]], Iterable[tuple[str, QueueAmount]]] = lambda also: (),
         clock: Callable[[], float] = time.monotonic,
         preempt: bool = True,
         moves: MoveBudget | None = None,

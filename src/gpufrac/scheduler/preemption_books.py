@@ -10,6 +10,9 @@ reads only what each queue will hold (``QueueShares.exceeded``, its limit check)
 does not change: ``held`` leaves it out. Reading the demand is one look at every waiting pod (its queue
 and whether it may join it); during a preemption burst at 5,000 nodes thousands of pods wait and a plan
 is filed every decision, so it was rebuilt on every decision and cost more than the victim search.
+And that look is taken once a cycle (``QueueStatus.waiting_asks``): while a cycle runs (synchronous
+code) no pod, namespace or queue changes; each rebuild only leaves out the pods planned or nominated
+since (``waiting_besides``).
 """
 
 from __future__ import annotations
@@ -21,12 +24,14 @@ from lightkube.resources.core_v1 import Pod
 from gpufrac.placement.engine import Engine
 from gpufrac.placement.preemption import Kind, ShareBook
 from gpufrac.placement.queue_shares import QueueAmount
+from gpufrac.scheduler.queue_status import waiting_besides
 
 
 class PlanBooks:
     """``planned``: the pods open plans make room for and what each will book; ``leaving``: booked
-    pods on their way out; ``waiting``: the waiting pods' demand (besides the uids given, with the
-    cycle's own pods, which are out of the scheduling queue while it places them)."""
+    pods on their way out; ``waiting``: (uid, demand) of the waiting pods that may join their queue,
+    with the cycle's own pods, which are out of the scheduling queue while it places them
+    (``QueueStatus.waiting_asks``)."""
 
     def __init__(
         self,
@@ -34,7 +39,7 @@ class PlanBooks:
         *,
         planned: Callable[[], dict[str, QueueAmount]],
         leaving: Callable[[], set[str]],
-        waiting: Callable[[set[str], list[Pod]], Iterable[QueueAmount]],
+        waiting: Callable[[list[Pod]], Iterable[tuple[str, QueueAmount]]],
     ) -> None:
         self._engine = engine
         self._planned = planned
@@ -43,11 +48,12 @@ class PlanBooks:
         self._cycle: list[Pod] = []
         self._full: ShareBook | None = None
         self._held: ShareBook | None = None
+        self._asks: list[tuple[str, QueueAmount]] | None = None  # read once a cycle
 
     def new_cycle(self, pods: Iterable[Pod]) -> None:
         """A cycle starts for ``pods`` (still demand on their queues): both books are built anew."""
         self._cycle = list(pods)
-        self._full = self._held = None
+        self._full = self._held = self._asks = None
 
     def filed(self) -> ShareBook | None:
         """A plan was filed: both books are stale. Returns the full book it was decided on (None when
@@ -64,6 +70,8 @@ class PlanBooks:
             return self._held
         if self._full is None:
             planned = self._planned()
-            waiting = self._waiting(set(planned), self._cycle)
+            if self._asks is None:
+                self._asks = list(self._waiting(self._cycle))
+            waiting = waiting_besides(engine, self._asks, planned)
             self._full = engine.queue_shares(leaving=self._leaving(), waiting=waiting, nominees=planned)
         return self._full

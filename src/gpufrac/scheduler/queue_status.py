@@ -65,6 +65,14 @@ def engine_capacity(engine: PlacementEngine) -> Capacity:
     return Capacity(gpu_memory_mib=total_mib, gpus=gpus, largest_gpu_mib=largest_mib)
 
 
+def waiting_besides(
+    engine: PlacementEngine, asks: Iterable[tuple[str, QueueAmount]], skip: Container[str]
+) -> list[QueueAmount]:
+    """The demand of ``asks`` (``QueueStatus.waiting_asks``) but a nominee's or a pod's of ``skip``
+    (its queue counts it as held already)."""
+    return [ask for uid, ask in asks if uid not in skip and not engine.nominated(uid)]
+
+
 def pod_demand(pod: Pod, *, largest_gpu_mib: int) -> Amount | None:
     """What a waiting pod asks for; None for a pod whose request is invalid."""
     try:
@@ -126,16 +134,22 @@ class QueueStatusWriter:
         """What the pods still waiting ask for, per queue: not a pod its queue refuses (no demand on
         it), nor a nominee or a pod of ``skip`` (its queue counts it as held already). ``also``: pods
         out of the scheduling queue for the cycle that is placing them, waiting all the same."""
+        return waiting_besides(self._engine(), self.waiting_asks(also), skip)
+
+    def waiting_asks(self, also: Iterable[Pod] = ()) -> list[tuple[str, QueueAmount]]:
+        """(uid, demand) of every waiting pod (and of ``also``) that may join its queue, nominees
+        included (``waiting_besides`` leaves them out): what ``waiting_demand`` reads, the costly part
+        (each pod's queue and access), for a caller that asks often while nothing it reads changes."""
         engine = self._engine()
         capacity = engine_capacity(engine)
-        out: list[QueueAmount] = []
+        out: list[tuple[str, QueueAmount]] = []
         demands: dict[str, tuple[tuple[str, int], Amount | None]] = {}
         cycle = [(self._directory.queue_of(pod), pod) for pod in also]
         for queue, pod in [*self._waiting(), *cycle]:
             uid = pod.metadata.uid or ""
             if uid in demands:
                 continue
-            if uid in skip or engine.nominated(uid) or self._directory.refusal(pod) is not None:
+            if self._directory.refusal(pod) is not None:
                 continue
             version = (pod.metadata.resourceVersion or "", capacity.largest_gpu_mib)
             known = self._demands.get(uid)
@@ -144,7 +158,7 @@ class QueueStatusWriter:
                 demand = pod_demand(pod, largest_gpu_mib=capacity.largest_gpu_mib)
             demands[uid] = (version, demand)
             if demand is not None:
-                out.append(QueueAmount(queue, demand))
+                out.append((uid, QueueAmount(queue, demand)))
         self._demands = demands
         return out
 

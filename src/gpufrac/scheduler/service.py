@@ -224,7 +224,7 @@ class SchedulerService:
                 place_now=lambda pod: self._schedule([(pod.metadata.uid, pod)]),
                 retry=changed,
                 spawn=self._chores.spawn,
-                waiting=self.queue_status.waiting_demand,
+                waiting=self.queue_status.waiting_asks,
                 preempt=config.preemption,
                 moves=MoveBudget(consolidation.max_moves_per_minute, now=time.monotonic()) if on else None,
                 gates=GateSettings.of(config),
