@@ -27,6 +27,7 @@ at equal burst sizes, one run each.)
     .venv/bin/python bench/scheduler_e2e.py --profile /tmp/sched.prof   # the scheduler under cProfile
     .venv/bin/python bench/scheduler_e2e.py --rules 0.25    # a quarter of the pods anti-affine or spread
     .venv/bin/python bench/scheduler_e2e.py --baseline-burn-ms 0.7   # the baseline spends 0.7 ms CPU a pod
+    .venv/bin/python bench/scheduler_e2e.py --engine-only 1  # the placement alone, in process, 1 pod a batch
 
 With ``--rules`` the audit also checks the rules held: no two replicas of an anti-affine deployment on
 one node, and every spread deployment within maxSkew 1 over the zones.
@@ -43,6 +44,7 @@ import argparse
 import asyncio
 import contextlib
 import functools
+import hashlib
 import json
 import os
 import random
@@ -739,6 +741,56 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+def engine_only(args: argparse.Namespace) -> dict[str, Any]:
+    """``--engine-only BATCH``: the scheduler burst's pods through the scheduler's placement engine in this
+    process, ``BATCH`` pods per ``Engine.schedule`` call, with no API server: the CPU the placement itself
+    takes per pod (process CPU time), apart from the reads, binds and Events around it, and a digest of
+    every decision, so a change meant only to be faster can show it placed every pod alike. The nodes
+    and pods are the bench's own (``sim_node``, ``pod_manifest``), read as the scheduler reads them."""
+    from gpufrac.local.simnodes import node_names, sim_node
+    from gpufrac.placement.decision import Placement
+    from gpufrac.placement.model import ModePolicy
+    from gpufrac.scheduler.config import SchedulerConfig
+    from gpufrac.scheduler.objects import gpu_request, node_spec, pending_pod
+    from gpufrac.scheduler.placement_engine import build_engine
+
+    engine = build_engine(SchedulerConfig(policy=args.policy))
+    shape = NodeShape(gpus=args.gpus, model=args.model)
+    for i, name in enumerate(node_names(args.nodes)):
+        engine.add_node(
+            node_spec(sim_node(name=name, shape=shape, labels={keys.ZONE_LABEL: f"zone-{i % ZONES}"}))
+        )
+    pending = []
+    for i in range(args.pods):
+        pod = pod_manifest(i, namespace="bench", scheduler="gpufrac", rules_share=args.rules)
+        pod.metadata.uid = f"uid-{i:05d}"
+        pending.append(
+            pending_pod(
+                pod, gpu=gpu_request(pod), arrival=i, default_queue="default", mode_policy=ModePolicy.REQUIRED
+            )
+        )
+    digest = hashlib.sha256()
+    placed = 0
+    started = time.process_time()
+    for first in range(0, len(pending), args.engine_only):
+        for decision in engine.schedule(pending[first : first + args.engine_only]):
+            placed += isinstance(decision, Placement)
+            digest.update(repr(decision).encode())
+    cpu = time.process_time() - started
+    return {
+        "bench": "scheduler_e2e",
+        "engine_only": True,
+        "policy": args.policy,
+        "nodes": args.nodes,
+        "pods": args.pods,
+        "batch": args.engine_only,
+        "placed": placed,
+        "engine_cpu_ms_per_pod": round(1000 * cpu / max(args.pods, 1), 3),
+        "decisions_sha256": digest.hexdigest()[:16],
+        "load": os.getloadavg()[0],
+    }
+
+
 def main() -> None:
     if len(sys.argv) > 2 and sys.argv[1] == "--as-baseline-binder":
         kubeconfig, namespace, burn, *nodes = sys.argv[2:]
@@ -787,7 +839,17 @@ def main() -> None:
         default=3,
         help="rounds of both bursts, their order alternating; the summary is the median round (default 3)",
     )
+    parser.add_argument(
+        "--engine-only",
+        type=int,
+        metavar="BATCH",
+        help="no API server: the scheduler's pods through its engine in this process, BATCH per batch; "
+        "prints the placement CPU per pod and a digest of the decisions",
+    )
     args = parser.parse_args()
+    if args.engine_only:
+        print(json.dumps(engine_only(args), separators=(",", ":")))
+        return
     if args.baseline_pods is None:
         args.baseline_pods = args.pods
     if args.large:
