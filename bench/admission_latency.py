@@ -50,6 +50,12 @@ round trip to it.
     .venv/bin/python bench/admission_latency.py                       # 3 rounds, 300 serial, 2000 pods
     .venv/bin/python bench/admission_latency.py --rounds 1 --serial 50 --pods 200 --updates 50  # quick
     .venv/bin/python bench/admission_latency.py --profile /tmp/adm-prof
+    .venv/bin/python bench/admission_latency.py --direct 2000   # the webhook alone, no API server
+
+``--direct N`` leaves the API server out: N mutate and N validate calls, one at a time over one kept-alive
+TLS connection straight to the webhook's process, with AdmissionReviews of the same pods (the fields the
+API server sends, without the defaults it adds to a pod): the webhook's own round trip, to compare changes
+of the webhook with less noise than the API server's share of a call brings.
 
 SIMULATED: nothing here; every request is real, only no node runs the pods. The last line is a one-line
 JSON summary.
@@ -65,6 +71,8 @@ import json
 import os
 import pstats
 import signal
+import socket
+import ssl
 import statistics
 import subprocess
 import sys
@@ -638,6 +646,94 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+def direct_review(i: int) -> dict[str, Any]:
+    """The AdmissionReview the API server sends for a create of the bench's ``i``-th pod."""
+    pod = pod_manifest(i, namespace="adm-direct", scheduler=keys.DEFAULT_SCHEDULER_NAME).to_dict()
+    kind = {"group": "", "version": "v1", "kind": "Pod"}
+    resource = {"group": "", "version": "v1", "resource": "pods"}
+    return {
+        "apiVersion": "admission.k8s.io/v1",
+        "kind": "AdmissionReview",
+        "request": {
+            "uid": str(uuid.uuid4()),
+            "kind": kind,
+            "resource": resource,
+            "requestKind": kind,
+            "requestResource": resource,
+            "namespace": "adm-direct",
+            "operation": "CREATE",
+            "userInfo": {"username": "system:admin", "groups": ["system:masters", "system:authenticated"]},
+            "object": pod,
+            "oldObject": None,
+            "dryRun": False,
+            "options": {"kind": "CreateOptions", "apiVersion": "meta.k8s.io/v1"},
+        },
+    }
+
+
+def exchange(conn: ssl.SSLSocket, path: str, body: bytes) -> None:
+    """POST ``body`` to ``path`` and read the whole answer (it must be 200)."""
+    head = f"POST {path} HTTP/1.1\r\nHost: webhook\r\nContent-Type: application/json\r\n"
+    conn.sendall(f"{head}Accept: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+    answer = b""
+    while b"\r\n\r\n" not in answer:
+        chunk = conn.recv(65536)
+        if not chunk:
+            raise RuntimeError(f"the webhook closed the connection: {answer[:200]!r}")
+        answer += chunk
+    head_bytes, rest = answer.split(b"\r\n\r\n", 1)
+    if not head_bytes.startswith(b"HTTP/1.1 200 "):
+        raise RuntimeError(f"the webhook answered {head_bytes[:200]!r}")
+    length = next(
+        int(line.split(b":", 1)[1])
+        for line in head_bytes.split(b"\r\n")
+        if line.lower().startswith(b"content-length:")
+    )
+    while len(rest) < length:
+        rest += conn.recv(65536)
+
+
+async def direct_round_trips(count: int) -> dict[str, Any]:
+    """``--direct``: the webhook's own round trip (module docstring), the first tenth as a warm-up."""
+    workdir = Path(tempfile.mkdtemp(prefix="gpufrac-bench-admission-direct-"))
+    load_before = Path("/proc/loadavg").read_text().split()[:3]
+    webhook = WebhookProcess(workdir=workdir, profile=None)
+    took: dict[str, list[float]] = {"/mutate": [], "/validate": []}
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                raw = socket.create_connection(("127.0.0.1", webhook.port), timeout=10)
+                break
+            except OSError:
+                if time.monotonic() > deadline or webhook.proc.poll() is not None:
+                    raise
+                await asyncio.sleep(0.05)
+        raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        context = ssl.create_default_context(cafile=str(webhook.tls.ca_cert))
+        bodies = [json.dumps(direct_review(i)).encode() for i in range(10)]
+        warm_up = count // 10
+        with context.wrap_socket(raw, server_hostname="127.0.0.1") as conn:
+            for i in range(warm_up + count):
+                for path, times in took.items():
+                    started = time.perf_counter()
+                    exchange(conn, path, bodies[i % len(bodies)])
+                    if i >= warm_up:
+                        times.append(1000 * (time.perf_counter() - started))
+        await asyncio.sleep(0.2)  # the last request's spans are recorded after its answer left
+        spans = await webhook.spans()
+    finally:
+        webhook.stop()
+    return {
+        "bench": "admission_latency",
+        "direct": count,
+        "load_before": load_before,
+        "round_trip": {path: latency(times) for path, times in took.items()},
+        "webhook_spans": span_figures(spans),
+        "load_after": Path("/proc/loadavg").read_text().split()[:3],
+    }
+
+
 def profile_top(path: Path, *, n: int = 12) -> dict[str, Any]:
     """The webhook's request handling under cProfile: total CPU seconds, and the ``n`` functions with
     the most cumulative time as shares of it."""
@@ -667,7 +763,18 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=32, help="create requests in flight (burst)")
     parser.add_argument("--updates", type=int, default=300, help="patches of each kind, one at a time")
     parser.add_argument("--profile", type=Path, help="run the webhook's request handling under cProfile")
+    parser.add_argument(
+        "--direct",
+        type=int,
+        metavar="N",
+        help="only N calls of each kind straight to the webhook (no API server)",
+    )
     args = parser.parse_args()
+    if args.direct is not None:
+        if args.direct < 10:
+            parser.error(f"--direct {args.direct} is invalid: it must be at least 10")
+        print(json.dumps(asyncio.run(direct_round_trips(args.direct)), separators=(",", ":")))
+        return
     for name in ("rounds", "serial", "pods", "concurrency", "updates"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} {getattr(args, name)} is invalid: it must be at least 1")

@@ -87,3 +87,21 @@ def test_a_tiny_run_measures_each_side_as_it_says(tmp_path: Path) -> None:
     assert "match_conditions policy" not in one["webhook"]["update_plain"]["api_server"]
     assert one["policies"]["update_plain"]["api_server"]["match_conditions policy"]["count"] >= 4
     assert result["goal"].startswith("webhook adds < 5.0 ms p99") and result["why"]
+
+
+def test_a_direct_run_times_the_webhook_alone() -> None:
+    """``--direct``: every call answered 200 (the bench raises otherwise), each timed, and the webhook's
+    spans count the same calls, the warm-up's included."""
+    done = subprocess.run(
+        [sys.executable, str(BENCH / "admission_latency.py"), "--direct", "10"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert set(result["round_trip"]) == {"/mutate", "/validate"}
+    assert all(0 < t["p50_ms"] <= t["p99_ms"] for t in result["round_trip"].values())
+    spans = result["webhook_spans"]
+    assert spans["answer_ms /mutate"]["n"] == spans["answer_ms /validate"]["n"] == 11
+    assert spans["decide_ms /mutate"]["n"] == 11
