@@ -400,6 +400,9 @@ def test_backoffs_of_pods_no_longer_tried_are_forgotten() -> None:
     nowhere = Unschedulable("x", 2, (("insufficient GPU memory", 2),))
     for i in range(50):
         big = PendingPod(namespace="ns", name=f"big-{i}", uid=f"big-{i}", gpu=mib_request(10000))
+        # Each in a cycle of its own: 50 searches in one cycle would outrun its wall-clock search budget
+        # on a loaded machine and defer the rest (preemption_pacing.CycleBudget).
+        preemptions.new_cycle()
         assert "no set of the 1 movable pod(s)" in preemptions.consider(big, api_pod(), nowhere)
     assert preemptions.remembered == 50
     # One pod keeps being tried; the others' backoffs have long ended.
