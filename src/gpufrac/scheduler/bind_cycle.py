@@ -72,7 +72,7 @@ class BindCycle:
         self,
         *,
         binder: Binder,
-        write_claims: Callable[[Pod, ClaimBind], Awaitable[str | None]],
+        write_claims: Callable[[Pod, ClaimBind], Awaitable[str | None]] | None,
         cache: BookingCache,
         queue: SchedulingQueue[Pod],
         queue_of: Callable[[Pod], str],
@@ -129,6 +129,7 @@ class BindCycle:
             async with self._gate:
                 result = None
                 if claims is not None:
+                    assert self._write_claims is not None  # claims come only with a claim front
                     error = await self._write_claims(pod, claims)
                     if error is not None:
                         result = BindResult(Outcome.FAILED, error, "claim")

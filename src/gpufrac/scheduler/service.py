@@ -2,7 +2,7 @@
 who binds. It runs on the controller runner it shares with the operator (``gpufrac.process.controller``:
 informers, the lease, probes, the handler adapter and the shutdown order).
 
-The cycle, as ``_schedule`` runs it on each batch the scheduling queue hands out:
+The cycle, as ``_schedule`` runs it on each batch the scheduling queue hands out (``cycle_pace`` sizes it):
 
 1. Read (PreFilter). Each pod still pending becomes one ``CycleItem`` (``gpufrac.scheduler.cycle``): its
    queue must be known, its request valid (``gpufrac.contract``) and its fields honoured
@@ -21,13 +21,13 @@ The cycle, as ``_schedule`` runs it on each batch the scheduling queue hands out
    error on one pod is reported on that pod (reason SchedulerError); the loop goes on.
 
 State. Informers feed the one booking cache: our pods and other schedulers' pods already bound (host
-resources, affinity and spread terms, GPUs if they carry the contract), and what some pod fields refer
-to, namespaces, PersistentVolumeClaims and volumes (``pod_watch``); nodes and node agents' heartbeats
+resources, affinity and spread terms, GPUs if they carry the contract), and what some pod fields refer to,
+namespaces, PersistentVolumeClaims and volumes (``pod_watch``); nodes and node agents' heartbeats
 (``node_watch``); DRA claims of our driver (``claim_front``). Queues come from Queue objects, KAI's Queue
-objects and the configuration file (``queues``; docs/queues.md). Every replica keeps the cache current,
-leader or not, so a standby takes over with warm books; at start every bound pod is booked from its
-annotations before anything is placed (the leader's work waits for every informer to sync). Nothing about
-placements is kept anywhere else, so a restart never double-books a GPU.
+objects and the configuration file (``queues``; docs/queues.md). Every replica keeps the cache current, leader
+or not, so a standby takes over with warm books; at start every bound pod is booked from its annotations
+before anything is placed (the leader's work waits for every informer to sync). Nothing about placements is
+kept anywhere else, so a restart never double-books a GPU.
 
 Shutdown order matters: stop placing, let binds in flight finish (bounded, ``_drain``), then release the
 lease, so a successor never places while this replica still writes.
@@ -60,6 +60,7 @@ from gpufrac.scheduler.booking_cache import BookingCache
 from gpufrac.scheduler.claim_front import ClaimBind, ClaimFront
 from gpufrac.scheduler.config import SchedulerConfig
 from gpufrac.scheduler.cycle import CycleItem, PodFilter, PostFilter, PostFilterResult, PreemptionPostFilter
+from gpufrac.scheduler.cycle_pace import CyclePace
 from gpufrac.scheduler.gangs import GangKey, Gangs, gang_of
 from gpufrac.scheduler.metrics import SchedulerMetrics, StateReaders, gpu_allocations
 from gpufrac.scheduler.mig_layouts import MigLayouts
@@ -108,6 +109,7 @@ class SchedulerService:
         self._filters = tuple(filters)
         self._mode_policy = ModePolicy(config.mode_policy)
         self._arrivals = 0
+        self._pace = CyclePace(max_batch=config.max_batch)  # a cycle holds the loop briefly (cycle_pace)
         self._chores = BackgroundTasks()
         self.queue: SchedulingQueue[Pod] = SchedulingQueue(
             backoff_initial=config.backoff_initial_s,
@@ -199,7 +201,7 @@ class SchedulerService:
                 device_style=config.device_names,
                 mode=BindMode(config.bind_mode),
             ),
-            write_claims=self._write_claims,
+            write_claims=self.claim_front.write if self.claim_front is not None else None,
             cache=self.cache,
             queue=self.queue,
             queue_of=self.queue_directory.queue_of,
@@ -333,13 +335,14 @@ class SchedulerService:
         )
         window = self.config.batch_window_ms / 1000.0
         while True:
-            batch = await self.queue.next_batch(window=window, max_batch=self.config.max_batch)
+            batch = await self.queue.next_batch(window=window, max_batch=self._pace.size)
             if not self.is_leader():
                 for key, pod in batch:
                     self.queue.add(key, pod, queue=self.queue_directory.queue_of(pod))
                 await asyncio.sleep(self.config.leader_election.retry_period_s)
                 continue
-            self._schedule(batch)
+            with self._pace.cycle(len(batch)):
+                self._schedule(batch)
             await asyncio.sleep(0)  # let binds and the watch run between batches
 
     # -- the scheduling cycle -----------------------------------------------------------------------------
@@ -568,10 +571,6 @@ class SchedulerService:
         self.report.unschedulable(item.pod, decision.message)
 
     # -- what the pieces ask of the service ---------------------------------------------------------------
-
-    async def _write_claims(self, pod: Pod, claims: ClaimBind) -> str | None:
-        assert self.claim_front is not None
-        return await self.claim_front.write(pod, claims)
 
     def _own_bound_pod(self, uid: str) -> Pod | None:
         """The pod of a booked uid if this scheduler placed it (only such pods may be preempted)."""
