@@ -160,6 +160,9 @@ class SchedulerConfig(_Strict):
     batch_window_ms: float = Field(default=10.0, ge=0.0)
     """How long to wait after the first pending pod for others, so a burst is placed as one batch."""
     max_batch: int = Field(default=512, ge=1)
+    cycle_budget_ms: float = Field(default=25.0, gt=0.0)
+    """How long one scheduling cycle should hold the event loop: a cycle takes as many pods (at least 8,
+    at most ``max_batch``) as fit in it at the per-pod cost measured so far (``cycle_pace``)."""
 
     bind_mode: Literal["atomic", "patch-then-bind"] = "atomic"
     """atomic: one Binding that carries the annotations (applied with nodeName in one update).

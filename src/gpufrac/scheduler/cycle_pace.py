@@ -9,7 +9,9 @@ long before it was read, the next write of the pod started that much later, and 
 "The scheduler's own loop"). So the cycle takes as many pods as fit in ``budget_s`` at the per-pod
 cost measured in the cycles before (a moving average), between ``min_batch`` and the configured
 ``max_batch``; the rest wait for the next cycle, one loop turn later. Cheap pods (whole GPUs, a
-fraction: tens of microseconds to a millisecond each) still go in batches of hundreds.
+fraction: tens of microseconds to a millisecond each) still go in batches of tens to hundreds, which
+the batch order's look-ahead (``Policy.batch_key``) sorts as before; a larger ``cycle_budget_ms`` gives it
+larger batches at the price of answers read later.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-#: Most seconds a cycle should hold the event loop.
+#: Most seconds a cycle should hold the event loop (the scheduler's ``cycle_budget_ms``).
 CYCLE_BUDGET_S = 0.025
 #: The fewest pods a cycle takes, whatever they cost (the batch order's look-ahead needs a few).
 MIN_BATCH = 8

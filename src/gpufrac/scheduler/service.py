@@ -109,7 +109,7 @@ class SchedulerService:
         self._filters = tuple(filters)
         self._mode_policy = ModePolicy(config.mode_policy)
         self._arrivals = 0
-        self._pace = CyclePace(max_batch=config.max_batch)  # a cycle holds the loop briefly (cycle_pace)
+        self._pace = CyclePace(max_batch=config.max_batch, budget_s=config.cycle_budget_ms / 1000.0)
         self._chores = BackgroundTasks()
         self.queue: SchedulingQueue[Pod] = SchedulingQueue(
             backoff_initial=config.backoff_initial_s,
