@@ -162,6 +162,59 @@ def test_the_scheduler_reads_gpu_counts_as_the_webhook_does(count: str) -> None:
     assert answer(lambda: gpu_request(p)) == answer(lambda: parse_pod_manifest(p.to_dict()))
 
 
+def test_a_request_read_again_follows_every_change_of_what_parsing_reads() -> None:
+    """Parsed requests are remembered by annotations and containers: a pod of the same template gets the
+    same request, and a change of any annotation, container name or GPU count is parsed anew, valid or
+    not, in whichever order the pods come."""
+    half = pod(annotations={"gpu-fraction": "0.5"})
+    assert gpu_request(half).containers[0].request.portion == 0.5
+    assert gpu_request(pod(annotations={"gpu-fraction": "0.5"})) == gpu_request(half)
+    assert gpu_request(pod(annotations={"gpu-fraction": "0.25"})).containers[0].request.portion == 0.25
+    assert (
+        gpu_request(pod(annotations={"gpu-fraction": "0.5"}, containers=[{"name": "other"}]))
+        .containers[0]
+        .container
+        == "other"
+    )
+    two = pod(annotations={"gpu-fraction": "0.5", "gpu-fraction-num-devices": "2"})
+    assert gpu_request(two).containers[0].device_count == 2
+    whole = {"name": "app", "resources": {"limits": {keys.GPU_RESOURCE: "2"}}}
+    assert gpu_request(pod(containers=[whole])).containers[0].device_count == 2
+    for _ in range(2):  # an invalid one is refused every time, never answered as the valid one before it
+        with pytest.raises(InvalidPodRequest):
+            gpu_request(pod(annotations={"gpu-fraction": "1.5"}))
+    assert gpu_request(pod(annotations={"gpu-fraction": "0.5"})) == gpu_request(half)
+
+
+def test_host_requests_and_tolerations_read_again_follow_their_values() -> None:
+    """Quantities and tolerations are remembered by value: each pod still gets its own."""
+    small = pod(containers=[{"name": "a", "resources": {"requests": {"cpu": "100m", "memory": "1Gi"}}}])
+    big = pod(containers=[{"name": "a", "resources": {"requests": {"cpu": "1500m", "memory": "1Gi"}}}])
+    assert [host_request(p) for p in (small, big, small)] == [(100, 2**30), (1500, 2**30), (100, 2**30)]
+    tolerate = [{"key": "k", "operator": "Equal", "value": "v", "effect": "NoExecute"}]
+    other = [{"key": "k", "operator": "Equal", "value": "w", "effect": "NoExecute"}]
+    unknown = [{"key": "k", "operator": "Exists", "effect": "SomeNewEffect"}]
+    read = [
+        [
+            (t.key, t.value, t.effect)
+            for t in pending_pod(
+                pod(tolerations=given),
+                gpu=gpu_request(pod()),
+                arrival=1,
+                default_queue="q",
+                mode_policy=ModePolicy.REQUIRED,
+            ).tolerations[1:]
+        ]
+        for given in (tolerate, other, unknown, tolerate)
+    ]
+    assert read == [
+        [("k", "v", TaintEffect.NO_EXECUTE)],
+        [("k", "w", TaintEffect.NO_EXECUTE)],
+        [],
+        [("k", "v", TaintEffect.NO_EXECUTE)],
+    ]
+
+
 def test_a_pods_placement_policy_annotation_overrides_the_schedulers_policy() -> None:
     from gpufrac.placement import Engine
 
