@@ -100,7 +100,7 @@ def binding_annotations(request: PodGpuRequest, placement: Placement, *, device_
     for container in placement.containers:
         asked = by_name[container.container]
         first = container.devices[0]
-        placed_request.append(replace(asked, mode=container.mode))
+        placed_request.append(asked if asked.mode is container.mode else replace(asked, mode=container.mode))
         rendered.append(
             DeviceChoice(
                 container=container.container,

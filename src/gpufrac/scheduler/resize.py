@@ -59,6 +59,11 @@ from gpufrac.scheduler.status_report import pod_ref
 
 log = logging.getLogger(__name__)
 
+#: What every resize key has in it (``gpufrac.io/container.<c>.resize.*``): a pod whose keys lack it asks
+#: no resize, told without parsing each key.
+_RESIZE_MARK = ".resize."
+assert all(suffix.startswith(_RESIZE_MARK[1:]) for suffix in keys.RESIZE_SUFFIXES)
+
 #: How many pods' resize writes may be in flight at once.
 WRITES_AT_ONCE = 16
 
@@ -155,7 +160,9 @@ class Resizes:
             if self._wanted:
                 self._wake.set()
             return
-        asks = resize_keys(pod.metadata.annotations or {})
+        annotations = pod.metadata.annotations or {}
+        # Every resize key has ".resize." in it: most pods have none, and are told so without parsing keys.
+        asks = resize_keys(annotations) if any(_RESIZE_MARK in key for key in annotations) else {}
         asking = bool(asks)
         if not asking:
             self._asked.pop(uid, None)
