@@ -176,6 +176,37 @@ async def test_a_watch_yields_whole_lines_whatever_the_chunking() -> None:
     assert lines == [b'{"type":"ADDED"}', b'{"type":"BOOKMARK"}', b'{"type":"MODIFIED"}']
 
 
+async def test_a_watch_reads_chunks_split_anywhere_and_many_in_one_write() -> None:
+    """The framing itself split across the socket's reads (inside a size line, inside a chunk's data,
+    between its data and its CRLF), several chunks in one write, then a stream cut in a chunk."""
+    events = [b'{"type":"ADDED","n":%d}\n' % i for i in range(40)]
+    stream = b"".join(b"%x\r\n%s\r\n" % (len(e), e) for e in events)
+    cuts = [1, 2, 7, 30, 31, 33, 400, len(stream) - 2]  # mid size line, mid data, before a CRLF, ...
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        last = 0
+        for cut in [*cuts, len(stream)]:
+            writer.write(stream[last:cut])
+            await writer.drain()
+            await asyncio.sleep(0.01)
+            last = cut
+        writer.write(b"20\r\n" + b'{"type":"DELETED"')  # a chunk that never ends
+        await writer.drain()
+        writer.close()
+
+    listening, port = await start_raw(handler)
+    lines: list[bytes] = []
+    try:
+        with pytest.raises(ConnectionError):
+            async for line in lean(port).watch_lines("api/v1/pods", params={}, read_timeout_s=5):
+                lines.append(line)
+    finally:
+        listening.close()
+    assert lines == [e.rstrip(b"\n") for e in events]
+
+
 async def test_a_watch_refused_carries_the_servers_status() -> None:
     body = b'{"kind":"Status","code":410,"reason":"Expired","message":"too old resource version"}'
 

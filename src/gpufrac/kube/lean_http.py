@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import ssl
 import time
 import weakref
@@ -50,6 +51,15 @@ IDLE_REUSE_S = 30.0
 #: Connections kept open at most; more requests than this wait for a free one.
 MAX_CONNECTIONS = 64
 _MAX_HEADER_BYTES = 64 * 1024
+#: A path that needs no quoting: unreserved characters and the separators an API path uses.
+_PLAIN_PATH = re.compile(r"[A-Za-z0-9._~/:@-]*").fullmatch
+#: The headers that frame an answer's body and say whether its connection stays open.
+_FRAMING_HEADERS = re.compile(
+    r"^(content-length|transfer-encoding|connection)[ \t]*:(.*)$", re.IGNORECASE | re.MULTILINE
+).findall
+#: How much a watch reads at once, and the longest chunk size line it waits for.
+_WATCH_READ_BYTES = 65536
+_MAX_CHUNK_LINE = 1024
 _PROXY_VARIABLES = ("https_proxy", "HTTPS_PROXY", "http_proxy", "HTTP_PROXY", "all_proxy", "ALL_PROXY")
 
 
@@ -178,7 +188,12 @@ class LeanHttp:
                     await self._authorize(refresh=answer)
                 raise HttpStatusError(answer)
             pending = b""
-            async for data in _body_pieces(connection.reader, headers, read_timeout_s=read_timeout_s):
+            pieces = (
+                _chunked_arrivals(connection.reader, read_timeout_s=read_timeout_s)
+                if headers.get("transfer-encoding", "").lower() == "chunked"
+                else _body_pieces(connection.reader, headers, read_timeout_s=read_timeout_s)
+            )
+            async for data in pieces:
                 pending += data
                 if b"\n" not in data:
                     continue
@@ -191,7 +206,9 @@ class LeanHttp:
             connection.close()
 
     def _target(self, path: str, params: dict[str, str] | None) -> str:
-        target = self._prefix + "/" + quote(path.lstrip("/"), safe="/:@")
+        path = path.lstrip("/")
+        # An API path is names and slashes: quoted only when it has a character that needs it.
+        target = self._prefix + "/" + (path if _PLAIN_PATH(path) else quote(path, safe="/:@"))
         return target + "?" + urlencode(params) if params else target
 
     def _head(
@@ -287,22 +304,69 @@ async def _read_head(reader: asyncio.StreamReader) -> tuple[int, dict[str, str]]
         raise ConnectionError("the API server closed the connection before answering") from error
     except asyncio.LimitOverrunError as error:
         raise ConnectionError("the API server's answer has an oversized header") from error
-    lines = head.decode("latin-1").split("\r\n")
-    parts = lines[0].split(" ", 2)
+    text = head.decode("latin-1")
+    first = text[: text.find("\r\n")]
+    parts = first.split(" ", 2)
     if len(parts) < 2 or not parts[0].startswith("HTTP/1.") or not parts[1].isdigit():
-        raise ConnectionError(f"not an HTTP/1.1 answer: {lines[0][:80]!r}")
+        raise ConnectionError(f"not an HTTP/1.1 answer: {first[:80]!r}")
     headers: dict[str, str] = {":version": parts[0]}
-    for line in lines[1:]:
-        name, sep, value = line.partition(":")
-        if sep:
-            headers[name.strip().lower()] = value.strip()
+    # Only the headers that frame the body and the connection are read (the API server sends about ten).
+    for name, value in _FRAMING_HEADERS(text):
+        headers[name.lower()] = value.strip()
     return int(parts[1]), headers
 
 
 async def _read_body(reader: asyncio.StreamReader, status: int, headers: dict[str, str]) -> bytes:
     if status in (204, 304) or 100 <= status < 200:
         return b""
+    length = headers.get("content-length")
+    if length is not None and "transfer-encoding" not in headers:
+        try:
+            return await reader.readexactly(int(length))
+        except asyncio.IncompleteReadError as error:
+            raise ConnectionError(
+                "the API server closed the connection in the middle of an answer"
+            ) from error
+        except ValueError as error:
+            raise ConnectionError(f"malformed Content-Length: {length[:40]!r}") from error
     return b"".join([piece async for piece in _body_pieces(reader, headers, read_timeout_s=None)])
+
+
+async def _chunked_arrivals(reader: asyncio.StreamReader, *, read_timeout_s: float) -> AsyncIterator[bytes]:
+    """A chunked body (a watch's) as it arrives: the data of every whole chunk that one read of the
+    socket brought, joined. One read and one ``read_timeout_s`` per arrival instead of three reads and
+    a timeout per chunk: in a burst one read brings many watch events (each is one chunk)."""
+    buffer = b""
+    try:
+        while True:
+            async with asyncio.timeout(read_timeout_s):
+                data = await reader.read(_WATCH_READ_BYTES)
+            if not data:
+                raise ConnectionError("the API server closed the connection in the middle of an answer")
+            buffer = buffer + data if buffer else data
+            pieces: list[bytes] = []
+            start = 0
+            while True:
+                line_end = buffer.find(b"\r\n", start)
+                if line_end < 0:
+                    if len(buffer) - start > _MAX_CHUNK_LINE:
+                        raise ValueError("a chunk size line without an end")
+                    break
+                size = int(buffer[start:line_end].split(b";", 1)[0].strip() or b"0", 16)
+                if size == 0:  # the last chunk: what follows (trailers) is not read, the watch ends
+                    if pieces:
+                        yield b"".join(pieces)
+                    return
+                data_end = line_end + 2 + size
+                if len(buffer) < data_end + 2:
+                    break  # the rest of this chunk is still on its way
+                pieces.append(buffer[line_end + 2 : data_end])
+                start = data_end + 2
+            buffer = buffer[start:]
+            if pieces:
+                yield b"".join(pieces)
+    except ValueError as error:  # a chunk size that is not hex
+        raise ConnectionError(f"malformed chunked answer: {error}") from error
 
 
 async def _body_pieces(
@@ -312,15 +376,13 @@ async def _body_pieces(
     try:
         if headers.get("transfer-encoding", "").lower() == "chunked":
             while True:
-                async with asyncio.timeout(read_timeout_s):
-                    size_line = await reader.readuntil(b"\r\n")
-                    size = int(size_line.split(b";", 1)[0].strip() or b"0", 16)
-                    if size == 0:
-                        while (await reader.readuntil(b"\r\n")) != b"\r\n":  # trailers, blank line
-                            pass
-                        return
-                    piece = await reader.readexactly(size)
-                    await reader.readexactly(2)
+                if read_timeout_s is None:  # an answer: the request's own timeout covers it
+                    piece = await _chunk(reader)
+                else:
+                    async with asyncio.timeout(read_timeout_s):
+                        piece = await _chunk(reader)
+                if piece is None:
+                    return
                 yield piece
         elif "content-length" in headers:
             async with asyncio.timeout(read_timeout_s):
@@ -337,6 +399,19 @@ async def _body_pieces(
         raise ConnectionError("the API server closed the connection in the middle of an answer") from error
     except (ValueError, asyncio.LimitOverrunError) as error:  # a chunk size that is not hex, or endless
         raise ConnectionError(f"malformed chunked answer: {error}") from error
+
+
+async def _chunk(reader: asyncio.StreamReader) -> bytes | None:
+    """The data of the next chunk of a chunked body; None after the last one (its trailers read)."""
+    size_line = await reader.readuntil(b"\r\n")
+    size = int(size_line.split(b";", 1)[0].strip() or b"0", 16)
+    if size == 0:
+        while (await reader.readuntil(b"\r\n")) != b"\r\n":  # trailers, blank line
+            pass
+        return None
+    piece = await reader.readexactly(size)
+    await reader.readexactly(2)
+    return piece
 
 
 _BY_CLIENT: weakref.WeakKeyDictionary[AsyncClient, LeanHttp | None] = weakref.WeakKeyDictionary()
