@@ -448,6 +448,10 @@ class Engine:
         """Whether pending pod ``uid`` holds a nomination (its queue counts it as held)."""
         return self.book.nomination(uid) is not None
 
+    def nominated_uids(self) -> list[str]:
+        """Every uid ``nominated`` says True for (a few: the open plans' pods)."""
+        return self.book.held_uids()
+
     # -- queues as the books will be --------------------------------------------------------------------
 
     def booked_amount(self, uid: str) -> QueueAmount | None:

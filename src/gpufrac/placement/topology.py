@@ -295,6 +295,10 @@ class PodBook:
     def renominate(self, uid: str, hold: Nomination) -> None:
         self._holds[uid] = hold
 
+    def held_uids(self) -> list[str]:
+        """Every uid room is held for (nominees, and holds of no pod)."""
+        return list(self._holds)
+
     def drop_row(self, row: int) -> None:
         """A node slot went away: holds on it go too (placed pods were released one by one)."""
         for uid in [uid for uid, h in self._holds.items() if h.row == row]:

@@ -10,9 +10,10 @@ reads only what each queue will hold (``QueueShares.exceeded``, its limit check)
 does not change: ``held`` leaves it out. Reading the demand is one look at every waiting pod (its queue
 and whether it may join it); during a preemption burst at 5,000 nodes thousands of pods wait and a plan
 is filed every decision, so it was rebuilt on every decision and cost more than the victim search.
-And that look is taken once a cycle (``QueueStatus.waiting_asks``): while a cycle runs (synchronous
-code) no pod, namespace or queue changes; each rebuild only leaves out the pods planned or nominated
-since (``waiting_besides``).
+And that look is taken once a cycle (``QueueStatus.waiting_asks``, which keeps each pod's answer across
+cycles until the pod, its namespace or the queues change): while a cycle runs (synchronous code) no
+pod, namespace or queue changes; each rebuild takes the per-queue sums less the pods planned or
+nominated since (``WaitingAsks.besides``), a look at those few pods only.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from lightkube.resources.core_v1 import Pod
 from gpufrac.placement.engine import Engine
 from gpufrac.placement.preemption import Kind, ShareBook
 from gpufrac.placement.queue_shares import QueueAmount
-from gpufrac.scheduler.queue_status import waiting_besides
+from gpufrac.scheduler.queue_status import WaitingAsks
 
 
 class PlanBooks:
@@ -48,7 +49,7 @@ class PlanBooks:
         self._cycle: list[Pod] = []
         self._full: ShareBook | None = None
         self._held: ShareBook | None = None
-        self._asks: list[tuple[str, QueueAmount]] | None = None  # read once a cycle
+        self._asks: WaitingAsks | None = None  # read once a cycle
 
     def new_cycle(self, pods: Iterable[Pod]) -> None:
         """A cycle starts for ``pods`` (still demand on their queues): both books are built anew."""
@@ -71,7 +72,8 @@ class PlanBooks:
         if self._full is None:
             planned = self._planned()
             if self._asks is None:
-                self._asks = list(self._waiting(self._cycle))
-            waiting = waiting_besides(engine, self._asks, planned)
+                asks = self._waiting(self._cycle)
+                self._asks = asks if isinstance(asks, WaitingAsks) else WaitingAsks(asks)
+            waiting = self._asks.besides(engine, planned)
             self._full = engine.queue_shares(leaving=self._leaving(), waiting=waiting, nominees=planned)
         return self._full

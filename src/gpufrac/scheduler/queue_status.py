@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Container, Iterable
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,12 +65,57 @@ def engine_capacity(engine: PlacementEngine) -> Capacity:
     return Capacity(gpu_memory_mib=total_mib, gpus=gpus, largest_gpu_mib=largest_mib)
 
 
-def waiting_besides(
-    engine: PlacementEngine, asks: Iterable[tuple[str, QueueAmount]], skip: Container[str]
-) -> list[QueueAmount]:
-    """The demand of ``asks`` (``QueueStatus.waiting_asks``) but a nominee's or a pod's of ``skip``
-    (its queue counts it as held already)."""
-    return [ask for uid, ask in asks if uid not in skip and not engine.nominated(uid)]
+#: What a waiting pod's answer was read from (``QueueStatusWriter.waiting_asks``), and the answer: its
+#: demand on its queue, or None (refused, or an invalid request).
+Answer = tuple[tuple[Any, ...], QueueAmount | None]
+
+
+class WaitingAsks:
+    """(uid, demand) of the waiting pods (``QueueStatusWriter.waiting_asks``), with their sums per queue:
+    the demand besides a few pods (nominees, an open plan's) is the sums less theirs, a look at those
+    few, not at every waiting pod again after each filed plan. Iterating gives the pairs."""
+
+    def __init__(self, asks: Iterable[tuple[str, QueueAmount]] = ()) -> None:
+        pairs = list(asks)
+        by_uid: dict[str, list[QueueAmount]] = {}
+        totals: dict[str, list[int]] = {}
+        for uid, ask in pairs:
+            by_uid.setdefault(uid, []).append(ask)
+            count(totals, ask, 1)
+        self._pairs: Callable[[], Iterator[tuple[str, QueueAmount]]] = lambda: iter(pairs)
+        self._of: Callable[[str], Iterable[QueueAmount]] = lambda uid: by_uid.get(uid, ())
+        self._totals = totals
+
+    @classmethod
+    def kept(cls, answers: Mapping[str, Answer], totals: Mapping[str, list[int]]) -> WaitingAsks:
+        """The asks of ``answers`` by uid, whose sums per queue ``totals`` are (copied)."""
+        view = cls()
+        view._pairs = lambda: ((uid, ask) for uid, (_, ask) in answers.items() if ask is not None)
+        view._of = lambda uid: (
+            () if (answer := answers.get(uid)) is None or answer[1] is None else (answer[1],)
+        )
+        view._totals = {queue: list(total) for queue, total in totals.items() if total[2]}
+        return view
+
+    def __iter__(self) -> Iterator[tuple[str, QueueAmount]]:
+        return self._pairs()
+
+    def besides(self, engine: PlacementEngine, skip: Iterable[str]) -> list[QueueAmount]:
+        """The demand per queue but a nominee's or a pod's of ``skip`` (its queue counts it as held
+        already): one entry a queue with a pod left, as the pods' own entries would sum."""
+        totals = {queue: list(total) for queue, total in self._totals.items()}
+        for uid in {*skip, *engine.nominated_uids()}:
+            for ask in self._of(uid):
+                count(totals, ask, -1)
+        return [QueueAmount(queue, Amount(mib, gpus)) for queue, (mib, gpus, pods) in totals.items() if pods]
+
+
+def count(totals: dict[str, list[int]], ask: QueueAmount, sign: int) -> None:
+    """Add (``sign`` 1) or take (-1) ``ask`` to its queue's [MiB, whole GPUs, pods] in ``totals``."""
+    total = totals.setdefault(ask.queue, [0, 0, 0])
+    total[0] += sign * ask.amount.mib
+    total[1] += sign * ask.amount.gpus
+    total[2] += sign
 
 
 def pod_demand(pod: Pod, *, largest_gpu_mib: int) -> Amount | None:
@@ -124,43 +169,76 @@ class QueueStatusWriter:
         self.usage = QueueUsageClock(time_fairness or TimeFairnessConfig())
         self.passes = 0
         self.writes = 0
-        # A waiting pod's demand by uid, for its resourceVersion and the largest GPU it was resolved
-        # against: a pass re-reads only pods that changed (tens of thousands may wait).
-        self._demands: dict[str, tuple[tuple[str, int], Amount | None]] = {}
+        # A waiting pod's ask by uid (None: refused, or an invalid request), for what it was read from
+        # (``waiting_asks``): a pass re-reads only pods that changed (tens of thousands may wait).
+        self._answers: dict[str, Answer] = {}
+        self._totals: dict[str, list[int]] = {}  # their asks' sums: queue -> [MiB, whole GPUs, pods]
+        # Each namespace's labels as last read, and a version bumped when they change.
+        self._namespaces: dict[str, tuple[int, dict[str, str]]] = {}
 
     def waiting_demand(
-        self, skip: Container[str] = frozenset(), also: Iterable[Pod] = ()
+        self, skip: Iterable[str] = frozenset(), also: Iterable[Pod] = ()
     ) -> list[QueueAmount]:
         """What the pods still waiting ask for, per queue: not a pod its queue refuses (no demand on
         it), nor a nominee or a pod of ``skip`` (its queue counts it as held already). ``also``: pods
         out of the scheduling queue for the cycle that is placing them, waiting all the same."""
-        return waiting_besides(self._engine(), self.waiting_asks(also), skip)
+        return self.waiting_asks(also).besides(self._engine(), skip)
 
-    def waiting_asks(self, also: Iterable[Pod] = ()) -> list[tuple[str, QueueAmount]]:
+    def waiting_asks(self, also: Iterable[Pod] = ()) -> WaitingAsks:
         """(uid, demand) of every waiting pod (and of ``also``) that may join its queue, nominees
-        included (``waiting_besides`` leaves them out): what ``waiting_demand`` reads, the costly part
-        (each pod's queue and access), for a caller that asks often while nothing it reads changes."""
+        included (``WaitingAsks.besides`` leaves them out): what ``waiting_demand`` reads, for a caller
+        that asks often while nothing it reads changes. Each pod's answer (its queue's refusal, its
+        demand) is kept across calls and read again only when the pod changed (its resourceVersion),
+        its queue, the queues (``QueueDirectory.epoch``), its namespace's labels or the largest GPU
+        did: thousands of pods wait in a preemption burst, and their refusals were most of the cost."""
         engine = self._engine()
-        capacity = engine_capacity(engine)
-        out: list[tuple[str, QueueAmount]] = []
-        demands: dict[str, tuple[tuple[str, int], Amount | None]] = {}
+        largest = engine_capacity(engine).largest_gpu_mib
+        epoch = self._directory.epoch
+        namespaces: dict[str, int] = {}
+        known_answers, totals = self._answers, self._totals
+        answers: dict[str, Answer] = {}
         cycle = [(self._directory.queue_of(pod), pod) for pod in also]
         for queue, pod in [*self._waiting(), *cycle]:
-            uid = pod.metadata.uid or ""
-            if uid in demands:
+            meta = pod.metadata
+            uid = meta.uid or ""
+            if uid in answers:
                 continue
-            if self._directory.refusal(pod) is not None:
+            namespace = meta.namespace or ""
+            labels = namespaces.get(namespace)
+            if labels is None:
+                labels = namespaces[namespace] = self._labels_version(namespace)
+            version = meta.resourceVersion
+            key = (version, queue, epoch, labels, largest)
+            known = known_answers.get(uid)
+            if version and known is not None and known[0] == key:
+                answers[uid] = known
                 continue
-            version = (pod.metadata.resourceVersion or "", capacity.largest_gpu_mib)
-            known = self._demands.get(uid)
-            demand = known[1] if known is not None and known[0] == version else None
-            if known is None or known[0] != version:
-                demand = pod_demand(pod, largest_gpu_mib=capacity.largest_gpu_mib)
-            demands[uid] = (version, demand)
-            if demand is not None:
-                out.append((uid, QueueAmount(queue, demand)))
-        self._demands = demands
-        return out
+            ask = self._ask(queue, pod, largest)
+            answers[uid] = (key, ask)
+            if known is not None and known[1] is not None:
+                count(totals, known[1], -1)
+            if ask is not None:
+                count(totals, ask, 1)
+        for uid in known_answers.keys() - answers.keys():  # bound, deleted: waiting no more
+            if (gone := known_answers[uid][1]) is not None:
+                count(totals, gone, -1)
+        self._answers = answers
+        return WaitingAsks.kept(answers, totals)
+
+    def _ask(self, queue: str, pod: Pod, largest_gpu_mib: int) -> QueueAmount | None:
+        """``pod``'s demand on ``queue``; None when its queue refuses it or its request is invalid."""
+        if self._directory.refusal(pod) is not None:
+            return None
+        demand = pod_demand(pod, largest_gpu_mib=largest_gpu_mib)
+        return None if demand is None else QueueAmount(queue, demand)
+
+    def _labels_version(self, namespace: str) -> int:
+        """A number that changes when ``namespace``'s labels (what a queue's access reads) do."""
+        labels = dict(self._directory.namespace_labels(namespace) or {})
+        seen = self._namespaces.get(namespace)
+        if seen is None or seen[1] != labels:
+            seen = self._namespaces[namespace] = ((seen[0] + 1) if seen else 0, labels)
+        return seen[0]
 
     def shares(self) -> QueueShares:
         """The queues as the books will be, with the waiting pods' demand."""

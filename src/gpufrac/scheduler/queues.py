@@ -197,6 +197,8 @@ class QueueDirectory:
             source.informer.add_handler(_Refresh(self.refresh))
         self._merged = merge_queues(configured=self._configured, kai=(), ours=())
         self._children: dict[str, list[str]] = {}
+        #: Bumped by every ``refresh``: an answer of ``refusal`` read at another epoch may be stale.
+        self.epoch = 0
 
     @property
     def synced(self) -> bool:
@@ -231,8 +233,13 @@ class QueueDirectory:
             if q.parent is not None and q.parent in self._merged:
                 children.setdefault(q.parent, []).append(q.name)
         self._children = {k: sorted(v) for k, v in children.items()}
+        self.epoch += 1
         self._apply(self.queues())
         self._changed()
+
+    def namespace_labels(self, namespace: str) -> Mapping[str, str] | None:
+        """``namespace``'s labels as ``refusal`` reads them (None: not known yet)."""
+        return self._namespace_labels(namespace)
 
     def default_for(self, namespace: str) -> str:
         """The queue of a pod of ``namespace`` that names none."""
