@@ -143,12 +143,18 @@ def eligible_victims(
     movable pods (``PendingPod.movable``) of any queue whose priority is not higher.
     """
     table = engine.pods
+    rooms: list[_Room] = []
+    book = None
+    if kind is Kind.RECLAIM:
+        # The common answer, no reclaim for this pod's queue, before any work on the table's rows.
+        book = shares or default_shares(engine, pod)
+        if not book.may_reclaim(pod.queue, least_ask(engine, pod)):
+            return np.empty(0, dtype=np.int64), rooms
     mask = table.live.copy()
     for uid in exclude:
         slot = table.slot_of.get(uid)
         if slot is not None:
             mask[slot] = False
-    rooms: list[_Room] = []
     if kind is Kind.PREEMPT:
         q = table.known_queue(pod.queue)
         if q is None:
@@ -157,9 +163,7 @@ def eligible_victims(
     elif kind is Kind.CONSOLIDATE:
         mask &= table.movable & (table.priority <= pod.priority)
     else:
-        book = shares or default_shares(engine, pod)
-        if not book.may_reclaim(pod.queue, least_ask(engine, pod)):
-            return np.empty(0, dtype=np.int64), rooms
+        assert book is not None
         allowed = np.zeros(table.rows, dtype=bool)
         under: dict[str, list[int]] = {}  # over-share queue -> ids of the victim queues below it
         bounds: dict[str, dict[QueueResource, int]] = {}
@@ -187,7 +191,11 @@ def any_victims(
     the deserved quota, as ``find_victims`` tries them): the cheap check before a search."""
     book = shares or default_shares(engine, pod)
     books = (book, book.by_deserved()) if kind is Kind.RECLAIM else (book,)
-    return np.unique(np.concatenate([eligible_victims(engine, pod, kind=kind, shares=b)[0] for b in books]))
+    # Each strategy's slots come sorted and unique (``flatnonzero``): merged only when two have any.
+    found = [slots for b in books if (slots := eligible_victims(engine, pod, kind=kind, shares=b)[0]).size]
+    if len(found) > 1:
+        return np.unique(np.concatenate(found))
+    return found[0] if found else np.empty(0, dtype=np.int64)
 
 
 def default_shares(engine: Engine, pod: PendingPod) -> ShareBook:
