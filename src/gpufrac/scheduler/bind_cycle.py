@@ -90,6 +90,7 @@ class BindCycle:
         self._queue_of = queue_of
         self._report = report
         self._metrics = metrics
+        self._scheduled = metrics.attempts.labels("scheduled")  # once, not per bound pod
         self._latest = latest
         self._arrived = arrived
         self._chores = chores
@@ -145,7 +146,7 @@ class BindCycle:
             self._cache.finish_binding(uid)
             self.bound_total += 1
             self._last_bound = time.monotonic()
-            self._metrics.attempts.labels("scheduled").inc()
+            self._scheduled.inc()
             seen = self._arrived(uid)
             if seen is not None:
                 self._metrics.e2e_latency.observe(time.monotonic() - seen)
