@@ -127,7 +127,8 @@ def stale_binding_keys(annotations: Mapping[str, str]) -> dict[str, None]:
     the binder's resolution of the portion (a user cannot write both), so it goes too; explicit amounts
     a user wrote are left (the binder rewrites them with the same MiB).
     """
-    if not any(keys.is_binder_owned(key) for key in annotations):
+    prefix = keys.NVIDIA_CONTAINER_PREFIX  # every binder-owned key has it: most keys are told by it alone
+    if not any(key.startswith(prefix) and keys.is_binder_owned(key) for key in annotations):
         return {}  # nothing a binder writes alone: whatever else is there, the user wrote
     removal: dict[str, None] = {}
     fraction_target = None
