@@ -88,6 +88,29 @@ async def test_posts_reuse_one_kept_alive_connection(serve) -> None:
     assert server.heads[0].startswith("POST /api/v1/namespaces/ns/pods/p0/binding?fieldManager=x HTTP/1.1")
 
 
+async def test_each_request_carries_its_own_path_and_parameters(serve) -> None:
+    """Paths and query strings are built per request (plain paths as they are, others quoted, the same
+    parameters encoded once): a request never goes out with another's."""
+    server = Server(lambda head: (created(), False))
+    poster = await serve(server, auth=None)
+    asked = [
+        ("api/v1/namespaces/ns/pods/p0/binding", {"fieldManager": "x"}),
+        ("api/v1/namespaces/ns/pods/p1/binding", {"fieldManager": "y", "dryRun": "All"}),
+        ("api/v1/namespaces/ns/pods/p 2/binding", {"fieldManager": "x"}),
+        ("api/v1/namespaces/ns/events", None),
+        ("api/v1/namespaces/ns/pods/p0/binding", {"fieldManager": "x"}),
+    ]
+    for path, params in asked:
+        await poster.post(path, b"{}", params=params)
+    assert [head.split(" ")[1] for head in server.heads] == [
+        "/api/v1/namespaces/ns/pods/p0/binding?fieldManager=x",
+        "/api/v1/namespaces/ns/pods/p1/binding?fieldManager=y&dryRun=All",
+        "/api/v1/namespaces/ns/pods/p%202/binding?fieldManager=x",
+        "/api/v1/namespaces/ns/events",
+        "/api/v1/namespaces/ns/pods/p0/binding?fieldManager=x",
+    ]
+
+
 async def test_a_connection_the_server_closed_while_idle_is_not_reused(serve) -> None:
     server = Server(lambda head: (created(), False))
     poster = await serve(server, auth=None)

@@ -57,6 +57,8 @@ _PLAIN_PATH = re.compile(r"[A-Za-z0-9._~/:@-]*").fullmatch
 _FRAMING_HEADERS = re.compile(
     r"^(content-length|transfer-encoding|connection)[ \t]*:(.*)$", re.IGNORECASE | re.MULTILINE
 ).findall
+#: Encoded query strings kept (a watch's carries its resourceVersion, so they are many over time).
+_QUERIES_KEPT = 64
 #: How much a watch reads at once, and the longest chunk size line it waits for.
 _WATCH_READ_BYTES = 65536
 _MAX_CHUNK_LINE = 1024
@@ -135,6 +137,7 @@ class LeanHttp:
         self._authorization: str | None = None
         self._authorized = False
         self._auth_lock = asyncio.Lock()
+        self._queries: dict[tuple[tuple[str, Any], ...], str] = {}
 
     async def post(self, path: str, body: bytes, *, params: dict[str, str] | None = None) -> Answer:
         """POST ``body`` (JSON) to ``path`` (relative to the server's URL); the answer, any status."""
@@ -209,7 +212,18 @@ class LeanHttp:
         path = path.lstrip("/")
         # An API path is names and slashes: quoted only when it has a character that needs it.
         target = self._prefix + "/" + (path if _PLAIN_PATH(path) else quote(path, safe="/:@"))
-        return target + "?" + urlencode(params) if params else target
+        if not params:
+            return target
+        # Every POST carries the same few parameters (the client's fieldManager): encoded once.
+        try:
+            query = self._queries.get(shape := tuple(params.items()))
+        except TypeError:  # an unhashable value
+            return target + "?" + urlencode(params)
+        if query is None:
+            query = self._queries[shape] = urlencode(params)
+            if len(self._queries) > _QUERIES_KEPT:
+                self._queries.clear()
+        return target + "?" + query
 
     def _head(
         self, method: str, target: str, *, body: bytes | None, content_type: str = "application/json"
