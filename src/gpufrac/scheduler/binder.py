@@ -41,6 +41,7 @@ import enum
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
+from typing import Any
 
 import httpx2
 from lightkube import AsyncClient
@@ -53,7 +54,7 @@ from gpufrac.contract.request import PodGpuRequest
 from gpufrac.kube.binding import bind_pod
 from gpufrac.kube.errors import Conflict, KubeError, NotFound, TooManyRequests, api_errors
 from gpufrac.kube.patch import set_annotations
-from gpufrac.placement.decision import Placement
+from gpufrac.placement.decision import ContainerPlacement, Placement
 
 log = logging.getLogger(__name__)
 
@@ -86,14 +87,54 @@ def device_name(uuid: str, *, style: str) -> str:
     return f"{keys.GPU_RESOURCE}={uuid}" if style == "cdi" else uuid
 
 
+#: Renderings by what they depend on but the devices: the request (the very object: the pods of one
+#: template share theirs, ``objects.gpu_request``) and each container's mode and booked amounts; the
+#: devices key of each container is written per pod. Cleared when full.
+_RENDERED: dict[tuple[Any, ...], tuple[PodGpuRequest, dict[str, str], tuple[tuple[str, int], ...]]] = {}
+_RENDERED_MAX = 1024
+
+
 def binding_annotations(request: PodGpuRequest, placement: Placement, *, device_style: str) -> dict[str, str]:
     """The contract's rendering of ``placement``, with exactly the amounts the engine booked.
 
     Per container: its devices (named per ``device_style``), the request and limit MiB and the compute
     portion of the ``Placement``, never resolved again from the GPU's size; and the compute mode the pod
     was placed in, written when it is not the one the pod asked for (the Preferred mode policy's
-    fallback), so the node enforces, and a restarted scheduler books, the mode the GPU holds.
+    fallback), so the node enforces, and a restarted scheduler books, the mode the GPU holds. A pod of a
+    shape rendered before takes that rendering with its own devices (``_RENDERED``).
     """
+    shape = (id(request), device_style, tuple(_container_shape(c) for c in placement.containers))
+    known = _RENDERED.get(shape)
+    if known is not None and known[0] is request:
+        written = dict(known[1])
+        for key, index in known[2]:
+            uuids = placement.containers[index].uuids
+            if len(set(uuids)) != len(uuids):
+                return _render(request, placement, device_style=device_style)  # refused there, as a bug
+            written[key] = ",".join(device_name(u, style=device_style) for u in uuids)
+        return written
+    written = _render(request, placement, device_style=device_style)
+    if len(_RENDERED) >= _RENDERED_MAX:
+        _RENDERED.clear()
+    devices = tuple((keys.devices_key(c.container), i) for i, c in enumerate(placement.containers))
+    _RENDERED[shape] = (request, dict(written), devices)
+    return written
+
+
+def _container_shape(container: ContainerPlacement) -> tuple[Any, ...]:
+    """What a container's rendering depends on but its devices' names: the first device's amounts."""
+    first = container.devices[0] if container.devices else None
+    return (
+        container.container,
+        container.mode,
+        container.exclusive,
+        container.mig,
+        len(container.devices),
+        None if first is None else (first.request_mib, first.limit_mib, first.compute_portion),
+    )
+
+
+def _render(request: PodGpuRequest, placement: Placement, *, device_style: str) -> dict[str, str]:
     by_name = {c.container: c for c in request.containers}
     placed_request = []
     rendered = []
