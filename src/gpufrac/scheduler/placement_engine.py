@@ -96,6 +96,9 @@ class PlacementEngine(Protocol):
     def nominated(self, uid: str) -> bool:
         """Whether a pending pod holds a nomination."""
 
+    def nominated_uids(self) -> list[str]:
+        """Every uid ``nominated`` says True for."""
+
     def drop_nomination(self, uid: str) -> bool:
         """Stop holding room for ``uid``; False when none was held."""
 
