@@ -105,3 +105,38 @@ def test_a_direct_run_times_the_webhook_alone() -> None:
     spans = result["webhook_spans"]
     assert spans["answer_ms /mutate"]["n"] == spans["answer_ms /validate"]["n"] == 11
     assert spans["decide_ms /mutate"]["n"] == 11
+
+
+def test_a_scrape_keeps_every_sample_of_the_families_it_reads_and_nothing_else(bench: ModuleType) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    exposition = "\n".join(
+        [
+            "# HELP apiserver_request_total Counter of apiserver requests.",
+            "# TYPE apiserver_request_total counter",
+            'apiserver_request_total{code="201",verb="POST"} 12',
+            f"# HELP {bench.WEBHOOK_METRIC} Admission webhook latency.",
+            f"# TYPE {bench.WEBHOOK_METRIC} histogram",
+            f'{bench.WEBHOOK_METRIC}_bucket{{name="mutate.gpufrac.io",le="0.005"}} 3',
+            f'{bench.WEBHOOK_METRIC}_bucket{{name="mutate.gpufrac.io",le="+Inf"}} 4',
+            f'{bench.WEBHOOK_METRIC}_sum{{name="mutate.gpufrac.io"}} 0.03',
+            f'{bench.WEBHOOK_METRIC}_count{{name="mutate.gpufrac.io"}} 4',
+            "# a comment line",
+            "process_cpu_seconds_total 7.5",
+            f"# TYPE {bench.PLUGIN_METRIC} histogram",
+            f'{bench.PLUGIN_METRIC}_count{{name="ValidatingAdmissionPolicy"}} 9',
+            "",
+        ]
+    )
+
+    def samples(text: str) -> dict:
+        return {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+        }
+
+    everything = samples(exposition)
+    kept = samples(bench.only_families(exposition, bench.SCRAPED))
+    assert kept == {k: v for k, v in everything.items() if k[0].startswith(bench.SCRAPED)}
+    assert len(kept) == 5 and ("process_cpu_seconds_total", ()) not in kept
