@@ -64,6 +64,7 @@ async def test_the_queue_status_says_the_worked_examples_fair_shares(
                     gpu_pod(pool, f"{row['queue']}-{i}", {"gpu-memory": str(size)}, labels=labels)
                 )
         expected = {row["queue"]: int(row["fair share"]) for row in rows}
+        demand = {row["queue"]: int(row["demand"]) for row in rows if row["demand"]}
         seen: dict[str, object] = {}
 
         async def as_documented() -> bool:
@@ -73,12 +74,19 @@ async def test_the_queue_status_says_the_worked_examples_fair_shares(
                     status.get("requested", {}).get("gpuMemory"),
                     status.get("fairShare", {}),
                 )
+            # Both: a queue's share can reach the table's before the last of its pods is counted (batch's
+            # does after its first pod), so the demand is waited for too, not read at that moment.
             return all(
                 seen[q][1].get("gpuMemory") == share  # type: ignore[union-attr]
                 for q, share in expected.items()
-            )
+            ) and all(seen[q][0] == asked for q, asked in demand.items())
 
-        await wait_for(as_documented, timeout=30, what=f"the documented fair shares {expected}")
+        try:
+            await wait_for(
+                as_documented, timeout=30, what=f"the documented fair shares {expected} and demand {demand}"
+            )
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}; the Queue status said (requested, fairShare): {seen}") from None
         # The demand the table states is the demand the scheduler counted (research: its children's).
         for row in rows:
             if row["demand"]:
