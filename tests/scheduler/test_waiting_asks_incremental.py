@@ -203,3 +203,19 @@ def test_summed_demand_gives_the_fair_shares_the_pods_own_entries_give() -> None
         for resource in QueueResource:
             assert by_pod.fair_share(queue, resource) == by_queue.fair_share(queue, resource)
             assert by_pod.requested(queue, resource) == by_queue.requested(queue, resource)
+
+
+def test_a_namespace_with_no_pod_waiting_is_forgotten_and_its_new_labels_read_when_one_comes() -> None:
+    """A scheduler runs for months while namespaces come and go: it remembers the labels of the
+    namespaces with pods waiting only, and a namespace relabelled while none waited is read afresh."""
+    world = World()
+    world.apply(("queue", "a", "x", None))  # queue a takes namespaces labelled team=x only
+    world.apply(("namespace", "ns1", "x"))
+    world.arrive("a", "ns1", "0.5", 5)
+    assert {q.queue for q in world.writer.waiting_demand()} == {"a"}
+    world.apply(("delete", 0))
+    assert world.writer.waiting_demand() == []
+    assert world.writer._namespaces == {}  # nothing kept for a namespace with no pod waiting
+    world.apply(("namespace", "ns1", "y"))  # relabelled while empty: queue a refuses its pods now
+    world.arrive("a", "ns1", "0.5", 5)
+    assert world.writer.waiting_demand() == [] == list(world.full_read(set()).items())

@@ -223,6 +223,9 @@ class QueueStatusWriter:
             if (gone := known_answers[uid][1]) is not None:
                 count(totals, gone, -1)
         self._answers = answers
+        # Only the namespaces with a pod waiting now: no kept answer refers to another's version, and
+        # the namespaces a cluster creates and deletes over months are not remembered for ever.
+        self._namespaces = {name: self._namespaces[name] for name in namespaces}
         return WaitingAsks.kept(answers, totals)
 
     def _ask(self, queue: str, pod: Pod, largest_gpu_mib: int) -> QueueAmount | None:
