@@ -51,8 +51,12 @@ demo: venv testenv
 demo-realnode: venv testenv
 	$(VENV)/bin/gpufrac demo --runtime containerd
 
+# Two worker processes (pytest-xdist): most tests wait on a server, a watch or a child process, so two
+# share two cores well. tests/conftest.py keeps the tests of the machine's runtime stack (real node,
+# install) in one worker. TEST_WORKERS=0 runs the suite in this process alone.
+TEST_WORKERS ?= 2
 test: venv testenv
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadgroup
 
 # Every benchmark prints a one-line JSON summary last; results and commands are in docs/benchmarks.md.
 # BENCHES=... runs a subset, e.g. `make bench BENCHES="placement_speed usage_collect"`.

@@ -1,4 +1,5 @@
-"""Shared fixtures: one real control plane per test session (see gpufrac.local.controlplane).
+"""Shared fixtures: one real control plane per test session, one per worker under `make test` (see
+gpufrac.local.controlplane).
 
 Starting kube-apiserver and etcd takes seconds, so the session shares one; tests isolate themselves
 by namespace (the ``namespace`` fixture). A test that needs different server flags or a restart
@@ -12,6 +13,7 @@ import os
 import re
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from typing import Any
 
 import pytest
 from lightkube import ApiError, AsyncClient, Client
@@ -19,7 +21,7 @@ from lightkube.models.meta_v1 import ObjectMeta
 from lightkube.resources.core_v1 import Namespace
 
 from gpufrac.local.controlplane import ControlPlane, ControlPlaneError, find_binary
-from real_layers import RealLayerGuard, machine_lacks, required
+from real_layers import ONE_WORKER_GROUP, RealLayerGuard, machine_lacks, required, runs_the_machines_runtime
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -34,6 +36,23 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if "controlplane" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.kube)
+
+
+@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: absent without it (or with -p no:xdist)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """With ``--dist loadgroup`` (``make test``): every test of the machine's runtime stack in one work
+    unit, so one worker runs them one after another, and every other test a unit of its own. The group
+    is chosen here by path rather than with xdist's ``xdist_group`` marker, whose nodeid suffix pytest 9
+    no longer lets a plugin set (``Item._nodeid``)."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadGroupScheduling
+
+    class RuntimeStackInOneWorker(LoadGroupScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return ONE_WORKER_GROUP if runs_the_machines_runtime(nodeid) else nodeid
+
+    return RuntimeStackInOneWorker(config, log)
 
 
 @pytest.fixture(scope="session")

@@ -32,6 +32,11 @@ ENV = "GPUFRAC_REQUIRE_REAL_LAYERS"
 REAL_NODE_SKIP = "no real node on this machine"
 #: Test directories that are real layers as a whole, relative to the repository root.
 REAL_LAYER_DIRS = ("tests/realnode/", "tests/install/")
+#: Other test modules that drive the machine's own runtime stack (a real node, buildah's store).
+REAL_NODE_MODULES = ("tests/node/mps/test_mps_handover_realnode.py", "tests/test_image_store.py")
+#: The pytest-xdist group that keeps every test of the machine's runtime stack in one worker process: two
+#: real nodes at once would share the machine's cgroups and compete for the two cores they time against.
+ONE_WORKER_GROUP = "real-node"
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 
 _TRUE = ("1", "true", "yes")
@@ -58,6 +63,13 @@ def machine_lacks(*, euid: int, cgroup_root: Path = CGROUP_ROOT) -> list[str]:
     if not (v1_ok or v2_ok):
         lacks.append(f"a writable cgroup hierarchy at {cgroup_root} (v1 memory or v2)")
     return lacks
+
+
+def runs_the_machines_runtime(nodeid: str) -> bool:
+    """Whether the test ``nodeid`` (relative to the repository root) runs the machine's runtime stack, so
+    that ``make test``'s worker processes must take such tests one at a time."""
+    path = nodeid.split("::", 1)[0]
+    return path.startswith(REAL_LAYER_DIRS) or path in REAL_NODE_MODULES
 
 
 def is_real_layer(nodeid: str, reason: str) -> bool:

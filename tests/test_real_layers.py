@@ -9,7 +9,15 @@ from pathlib import Path
 
 import pytest
 
-from real_layers import REAL_NODE_SKIP, RealLayerGuard, is_real_layer, machine_lacks, required
+from real_layers import (
+    ONE_WORKER_GROUP,
+    REAL_NODE_SKIP,
+    RealLayerGuard,
+    is_real_layer,
+    machine_lacks,
+    required,
+    runs_the_machines_runtime,
+)
 
 
 def test_ci_requires_the_real_layers_unless_turned_off_explicitly() -> None:
@@ -116,3 +124,51 @@ def test_a_real_layer_skipped_where_the_machine_lacks_root_is_only_reported(
     code, out = _run(_project(tmp_path), RealLayerGuard(lacks=["root (running as uid 1000)"]), capsys)
     assert code == pytest.ExitCode.OK, out
     assert "1 real-layer test(s) skipped; allowed because this machine lacks root" in out
+
+
+TESTS = Path(__file__).resolve().parent
+
+
+def test_every_module_that_starts_the_machines_runtime_runs_in_the_one_worker_group() -> None:
+    """`make test` runs two workers: a test module that starts a real node (its skip condition is
+    ``missing_requirements``) or drives buildah, left out of the group, would run beside another real
+    node and race it for the machine's iptables rules and cgroups."""
+    starts_it = sorted(
+        path.relative_to(TESTS.parent).as_posix()
+        for path in TESTS.rglob("test_*.py")
+        if path != Path(__file__).resolve()
+        and re.search(r"missing_requirements|\bbuildah\b", path.read_text())
+    )
+    assert "tests/realnode/test_realnode.py" in starts_it and "tests/test_image_store.py" in starts_it
+    assert [m for m in starts_it if not runs_the_machines_runtime(f"{m}::test_x")] == []
+    assert not runs_the_machines_runtime("tests/local/test_soak.py::test_x")
+    assert not runs_the_machines_runtime("tests/realnodes_elsewhere.py::test_x")
+
+
+def test_the_scheduler_keeps_the_runtime_stack_in_one_unit_and_spreads_the_rest(
+    pytestconfig: pytest.Config,
+) -> None:
+    """The scheduler tests/conftest.py gives pytest-xdist under ``--dist loadgroup``: one work unit for
+    the runtime stack's tests, one per other test (a parametrized id holding an ``@`` included); under
+    any other mode none, so xdist's own."""
+    if not pytestconfig.pluginmanager.hasplugin("xdist"):
+        pytest.skip("pytest-xdist is not loaded (-p no:xdist)")
+
+    class Config:
+        def __init__(self, dist: str) -> None:
+            self.values = {"dist": dist, "tx": ["2*popen"]}
+
+        def getvalue(self, name: str) -> object:
+            return self.values[name]
+
+    make = pytestconfig.hook.pytest_xdist_make_scheduler
+    scheduler = make(config=Config("loadgroup"), log=None)
+    ids = [
+        "tests/realnode/test_realnode.py::test_a",
+        "tests/install/test_helm_install.py::test_b",
+        "tests/test_image_store.py::test_c",
+        "tests/local/test_soak.py::test_d",
+        "tests/contract/test_x.py::test_e[a@b]",
+    ]
+    assert [scheduler._split_scope(i) for i in ids] == [ONE_WORKER_GROUP] * 3 + ids[3:]
+    assert make(config=Config("load"), log=None) is None  # xdist's own scheduler then (its controller's)
