@@ -28,10 +28,12 @@ Times are taken on the clock ``--clock`` names: ``wall`` (time.perf_counter) or 
 tenants of a shared machine move less; the target is judged on that clock. The decisions are timed on
 the other clock too, in the same run (``decision_other_clock``), and the load average is printed
 either way. ``answers`` is a digest of every decision (node and victims per probe): two runs with the
-same arguments found the same victims exactly when their digests are equal.
+same arguments found the same victims exactly when their digests are equal. ``--scheduler-step`` also
+times, per probe, the scheduler's step both ways (the cheap check, then the search, with the check's
+reading handed to the search or read again) and reports their ratio (``scheduler_step``).
 
 Usage: .venv/bin/python bench/preemption_speed.py [--nodes 1000] [--pods 20000] [--probes 200] [--seed 1]
-       [--movable 0.5] [--departures 0.1] [--clock wall|cpu] [--victims-only]
+       [--movable 0.5] [--departures 0.1] [--clock wall|cpu] [--victims-only] [--scheduler-step]
 Prints a line per measurement, then a one-line JSON summary last.
 """
 
@@ -65,7 +67,13 @@ from gpufrac.placement.gang_preemption import (  # noqa: E402
     plan_gang_consolidation,
 )
 from gpufrac.placement.model import GpuDevice, NodeSpec, PendingPod, Queue  # noqa: E402
-from gpufrac.placement.preemption import Kind, find_victims  # noqa: E402
+from gpufrac.placement.preemption import (  # noqa: E402
+    Kind,
+    Preemption,
+    any_victims,
+    eligible_by_strategy,
+    find_victims,
+)
 
 TARGET_P99_MS = 50.0
 GPU_MIB = 81920
@@ -186,6 +194,37 @@ def victims_entry(
         "probes_that_fit_without": fit_anyway,
         "decision_by_shape": {shape: stats(ms) for shape, ms in by_shape.items()},
     }
+
+
+def scheduler_step(
+    engine: Engine, pod: PendingPod, kind: Kind, *, first: str, clock: Callable[[], float]
+) -> tuple[dict[str, float], Preemption | None]:
+    """The scheduler's step for one pod and kind both ways, ``first`` first: the cheap check
+    (``any_victims``) then a search that masks the pod table again, against the check's reading handed
+    to the search (``eligible_by_strategy``, ``find_victims(eligible=...)``). ms per way, and the answer
+    (the two must agree)."""
+
+    def read_twice() -> Preemption | None:
+        if any_victims(engine, pod, kind=kind).size == 0:
+            return None
+        return find_victims(engine, pod, kind=kind)
+
+    def read_once() -> Preemption | None:
+        eligible = eligible_by_strategy(engine, pod, kind=kind)
+        if eligible.slots.size == 0:
+            return None
+        return find_victims(engine, pod, kind=kind, eligible=eligible)
+
+    ways = {"read_twice": read_twice, "read_once": read_once}
+    order = [first, *(w for w in ways if w != first)]
+    ms, answers = {}, {}
+    for way in order:
+        start = clock()
+        answers[way] = ways[way]()
+        ms[way] = (clock() - start) * 1000
+    if answers["read_twice"] != answers["read_once"]:
+        raise SystemExit(f"{pod.uid}: the step's two ways disagree: {answers}")
+    return ms, answers["read_once"]
 
 
 def gang_probes(
@@ -349,6 +388,12 @@ def main() -> None:
         help="cpu: this process's CPU time, which other tenants of a shared machine move less",
     )
     parser.add_argument(
+        "--scheduler-step",
+        action="store_true",
+        help="also time the scheduler's step per probe both ways, the check's reading handed to the "
+        "search or read again (``scheduler_step``)",
+    )
+    parser.add_argument(
         "--victims-only",
         action="store_true",
         help="only the preemption and reclaim rounds (``answers``), no gangs or consolidation",
@@ -372,6 +417,7 @@ def main() -> None:
     all_decisions: list[float] = []
     all_other: list[float] = []
     answers = hashlib.sha256()
+    step_ms: dict[str, dict[str, list[float]]] = {}
     for kind in (Kind.PREEMPT, Kind.RECLAIM):
         failed_ms, decide_ms, other_ms, found, fit_anyway, victims = [], [], [], 0, 0, 0
         by_shape: dict[str, list[float]] = {}
@@ -397,6 +443,13 @@ def main() -> None:
             decide_ms.append((clock() - start) * 1000)
             other_ms.append((other() - start_other) * 1000)
             answers.update(repr(None if result is None else (result.node, result.victims)).encode())
+            if args.scheduler_step:
+                first = "read_once" if i % 2 else "read_twice"
+                ms, answer = scheduler_step(engine, pod, kind, first=first, clock=clock)
+                if answer != result:
+                    raise SystemExit(f"{pod.uid}: the scheduler's step found {answer}, the search {result}")
+                for way, value in ms.items():
+                    step_ms.setdefault(str(kind), {}).setdefault(way, []).append(value)
             by_shape.setdefault(name, []).append(decide_ms[-1])
             if result is not None:
                 found += 1
@@ -408,6 +461,15 @@ def main() -> None:
         print(f"{kind}: {entry}")
         sys.stdout.flush()
     summary["answers"] = answers.hexdigest()[:16]
+    if args.scheduler_step:
+        summary["scheduler_step"] = {
+            kind: {
+                **{way: stats(values) for way, values in ways.items()},
+                "once_over_twice_total": round(sum(ways["read_once"]) / sum(ways["read_twice"]), 3),
+            }
+            for kind, ways in step_ms.items()
+        }
+        print(f"scheduler step: {summary['scheduler_step']}")
     if args.victims_only:
         p99 = percentile(all_decisions, 0.99)
         summary["decision_p99_ms"] = round(p99, 3)

@@ -12,6 +12,7 @@ import itertools
 
 import numpy as np
 import preemption_reference
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from placement_builders import fraction, mib, node, pod, whole
@@ -22,7 +23,16 @@ from gpufrac.placement.decision import Placement
 from gpufrac.placement.engine import Engine
 from gpufrac.placement.fair_share import fair_shares
 from gpufrac.placement.model import PendingPod, Queue, Quota
-from gpufrac.placement.preemption import Kind, _Candidates, _CostOrder, _in_cost_order, find_victims, simulate
+from gpufrac.placement.preemption import (
+    Kind,
+    _Candidates,
+    _CostOrder,
+    _in_cost_order,
+    any_victims,
+    eligible_by_strategy,
+    find_victims,
+    simulate,
+)
 
 SM = ComputeMode.SM_SHARING
 TS = ComputeMode.TIME_SLICING
@@ -400,6 +410,33 @@ def test_the_search_answers_as_the_previous_exhaustive_order_did(case, kind, bud
     if isinstance(e.place(pending), Placement):
         return
     _same_answer(e, pending, kind, budget)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+@given(cases(), st.sampled_from([Kind.PREEMPT, Kind.RECLAIM]), st.integers(0, 10), st.data())
+def test_the_search_given_the_checks_reading_answers_as_one_that_reads_again(case, kind, share, data):
+    """The scheduler's cheap check reads each strategy's eligible victims once and hands them to the
+    search (``eligible_by_strategy``): same answer as a search that reads them itself, whoever is
+    excluded, and a reading of another pod or kind is refused rather than used."""
+    e, placed, pending = case
+    e.set_queue(Queue("a", deserved_share=share / 10))
+    if isinstance(e.place(pending), Placement):
+        return
+    first = find_victims(e, pending, kind=kind)
+    # The first answer's victims barred (so the search must look past them), and a few others.
+    barred = set(first.victims) if first is not None and data.draw(st.booleans()) else set()
+    others = [p.uid for p in placed]
+    exclude = barred | (set(data.draw(st.lists(st.sampled_from(others), unique=True))) if others else set())
+    eligible = eligible_by_strategy(e, pending, kind=kind)
+    assert np.array_equal(eligible.slots, any_victims(e, pending, kind=kind))
+    before = books(e)
+    given = find_victims(e, pending, kind=kind, exclude=exclude, eligible=eligible)
+    assert untouched(e, before)
+    assert given == find_victims(e, pending, kind=kind, exclude=exclude)
+    assert given is None or not set(given.victims) & exclude
+    other = Kind.RECLAIM if kind is Kind.PREEMPT else Kind.PREEMPT
+    with pytest.raises(ValueError, match="eligible victims of"):
+        find_victims(e, pending, kind=other, eligible=eligible)
 
 
 @settings(max_examples=10, deadline=None, suppress_health_check=list(HealthCheck))

@@ -184,18 +184,45 @@ def eligible_victims(
     return np.flatnonzero(mask), rooms
 
 
+@dataclass(frozen=True, slots=True)
+class Eligible:
+    """What ``kind`` may take for the pod ``uid`` under each of its strategies (reclaim: the fair share,
+    then the deserved quota, as ``find_victims`` tries them): per strategy its book, its slots (sorted,
+    unique, nothing excluded yet) and its rooms. Read once for the cheap check (``slots``) and handed to
+    ``find_victims``, which would otherwise mask the whole pod table again; valid while the engine is
+    unchanged."""
+
+    uid: str
+    kind: Kind
+    strategies: tuple[tuple[ShareBook, np.ndarray, list[_Room]], ...]
+
+    @property
+    def slots(self) -> np.ndarray:
+        """The slots of every strategy: empty when there is nobody to take."""
+        # Each strategy's slots come sorted and unique (``flatnonzero``): merged only when two have any.
+        found = [slots for _, slots, _ in self.strategies if slots.size]
+        if len(found) > 1:
+            return np.unique(np.concatenate(found))
+        return found[0] if found else np.empty(0, dtype=np.int64)
+
+
+def eligible_by_strategy(
+    engine: Engine, pod: PendingPod, *, kind: Kind, shares: ShareBook | None = None
+) -> Eligible:
+    """``eligible_victims`` for each strategy of ``kind`` (see ``Eligible``)."""
+    book = shares or default_shares(engine, pod)
+    books = (book, book.by_deserved()) if kind is Kind.RECLAIM else (book,)
+    return Eligible(
+        pod.uid, kind, tuple((b, *eligible_victims(engine, pod, kind=kind, shares=b)) for b in books)
+    )
+
+
 def any_victims(
     engine: Engine, pod: PendingPod, *, kind: Kind, shares: ShareBook | None = None
 ) -> np.ndarray:
-    """The slots ``kind`` may take for ``pod`` under any of its strategies (reclaim: the fair share, then
-    the deserved quota, as ``find_victims`` tries them): the cheap check before a search."""
-    book = shares or default_shares(engine, pod)
-    books = (book, book.by_deserved()) if kind is Kind.RECLAIM else (book,)
-    # Each strategy's slots come sorted and unique (``flatnonzero``): merged only when two have any.
-    found = [slots for b in books if (slots := eligible_victims(engine, pod, kind=kind, shares=b)[0]).size]
-    if len(found) > 1:
-        return np.unique(np.concatenate(found))
-    return found[0] if found else np.empty(0, dtype=np.int64)
+    """The slots ``kind`` may take for ``pod`` under any of its strategies: the cheap check before a
+    search (``eligible_by_strategy(...).slots``)."""
+    return eligible_by_strategy(engine, pod, kind=kind, shares=shares).slots
 
 
 def default_shares(engine: Engine, pod: PendingPod) -> ShareBook:
@@ -225,6 +252,7 @@ def find_victims(
     budget: int = DEFAULT_BUDGET,
     trial: Trial | None = None,
     verify_per_chunk: int = _VERIFY_PER_CHUNK,
+    eligible: Eligible | None = None,
 ) -> Preemption | None:
     """The best victims for ``pod`` (see the module docstring), or None when no set makes it fit.
 
@@ -232,8 +260,25 @@ def find_victims(
     eviction a PodDisruptionBudget refused, a pod already being evicted). The engine is left exactly
     as it was. ``trial`` replaces ``simulate`` as the last word on a set (consolidation's also re-places
     the moved pods); ``verify_per_chunk`` is how many hypotheses of a chunk it is asked about.
+    ``eligible``: ``eligible_by_strategy``'s answer for this pod and kind on the engine as it is now (the
+    caller's cheap check), so that the search does not read the pod table again; ``shares`` is then
+    the one it was read with.
     """
     if not pod.gpu.containers:
+        return None
+    if eligible is not None:
+        if eligible.uid != pod.uid or eligible.kind is not kind:
+            raise ValueError(
+                f"eligible victims of {eligible.uid} ({eligible.kind}) given for {pod.uid} ({kind})"
+            )
+        barred = _slots_of(engine.pods, exclude)
+        # KAI's strategies in its order (reclaim: fair share first, then the deserved quota).
+        for bar, slots, rooms in eligible.strategies:
+            if barred.size:
+                slots = slots[~np.isin(slots, barred)]
+            found = _search(engine, pod, kind, bar, exclude, budget, trial, verify_per_chunk, (slots, rooms))
+            if found is not None:
+                return found
         return None
     book = shares or default_shares(engine, pod)
     if kind is not Kind.RECLAIM:
@@ -246,6 +291,11 @@ def find_victims(
     return None
 
 
+def _slots_of(table: PodTable, uids: Iterable[str]) -> np.ndarray:
+    """The table slots of those of ``uids`` it holds."""
+    return np.array([slot for uid in uids if (slot := table.slot_of.get(uid)) is not None], dtype=np.int64)
+
+
 def _search(
     engine: Engine,
     pod: PendingPod,
@@ -255,9 +305,13 @@ def _search(
     budget: int,
     trial: Trial | None,
     verify_per_chunk: int,
+    eligible: tuple[np.ndarray, list[_Room]] | None = None,
 ) -> Preemption | None:
-    """``find_victims`` for one share book (for reclaim: one strategy)."""
-    slots, rooms = eligible_victims(engine, pod, kind=kind, shares=book, exclude=exclude)
+    """``find_victims`` for one share book (for reclaim: one strategy); ``eligible``: its slots, less
+    ``exclude``, and rooms when the caller read them already."""
+    if eligible is None:
+        eligible = eligible_victims(engine, pod, kind=kind, shares=book, exclude=exclude)
+    slots, rooms = eligible
     if slots.size == 0:
         return None
     table = engine.pods

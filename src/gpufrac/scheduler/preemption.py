@@ -78,6 +78,7 @@ from gpufrac.placement.preemption import (
     Preemption,
     ShareBook,
     any_victims,
+    eligible_by_strategy,
     eligible_victims,
     find_victims,
     free_part,
@@ -244,14 +245,13 @@ class Preemptions:
         plan: Preemption | Consolidation | None = None
         self._young.begin(uid)
         for kind in (Kind.PREEMPT, Kind.RECLAIM) if self._preempt else ():
-            # The common case, nobody to take from, costs one vectorised mask.
-            candidates = any_victims(self._engine, pending, kind=kind, shares=self._books.of(kind))
+            # The common case, nobody to take from, costs one vectorised mask; the search reuses it.
+            eligible = eligible_by_strategy(self._engine, pending, kind=kind, shares=self._books.of(kind))
+            candidates = eligible.slots
             if candidates.size == 0:
                 continue
             exclude = self._excluded(uid, candidates, kind, pending.queue)
-            plan = find_victims(
-                self._engine, pending, kind=kind, shares=self._books.of(kind), exclude=exclude
-            )
+            plan = find_victims(self._engine, pending, kind=kind, exclude=exclude, eligible=eligible)
             if plan is not None:
                 break
         note = ""
