@@ -34,8 +34,9 @@ REAL_NODE_SKIP = "no real node on this machine"
 REAL_LAYER_DIRS = ("tests/realnode/", "tests/install/")
 #: Other test modules that drive the machine's own runtime stack (a real node, buildah's store).
 REAL_NODE_MODULES = ("tests/node/mps/test_mps_handover_realnode.py", "tests/test_image_store.py")
-#: The pytest-xdist group that keeps every test of the machine's runtime stack in one worker process: two
-#: real nodes at once would share the machine's cgroups and compete for the two cores they time against.
+#: The pytest-xdist work unit that keeps every test of the machine's runtime stack in one worker process:
+#: two real nodes at once would race for the machine's iptables rule of the kubernetes Service
+#: (``ServiceRoute``) and share its cgroups.
 ONE_WORKER_GROUP = "real-node"
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 
