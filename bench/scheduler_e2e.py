@@ -29,6 +29,12 @@ at equal burst sizes, one run each.)
     .venv/bin/python bench/scheduler_e2e.py --baseline-burn-ms 0.7   # the baseline spends 0.7 ms CPU a pod
     .venv/bin/python bench/scheduler_e2e.py --engine-only 1  # the placement alone, in process, 1 pod a batch
 
+With ``--own-core`` the side being measured (the scheduler or the minimal binder, whichever runs)
+gets the machine's last CPU to itself and the control plane and the bench's client the others (CPU
+affinity, Linux): the layout of a deployment, where the scheduler does not run on the API server's
+cores. Without it every process shares every core, and each millisecond a side spends per pod is taken
+from the API server's creates.
+
 With ``--rules`` the audit also checks the rules held: no two replicas of an anti-affine deployment on
 one node, and every spread deployment within maxSkew 1 over the zones.
 
@@ -93,6 +99,23 @@ finally:
     profiler.dump_stats(out)
 """
 ZONES = 8
+
+
+def split_cores() -> tuple[set[int], set[int]]:
+    """``--own-core``'s layout: (the cores of the control plane and the bench, the measured side's own
+    core). Refused with the reason on a machine of one core."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        raise SystemExit(f"--own-core needs at least 2 CPUs to split; this process may use {cores}")
+    return set(cores[:-1]), {cores[-1]}
+
+
+def on_cores(cores: set[int] | None) -> Callable[[], None] | None:
+    """A ``preexec_fn`` that puts the child on ``cores`` before it execs (so every thread it starts
+    inherits them), or None to leave it where its parent is."""
+    if cores is None:
+        return None
+    return functools.partial(os.sched_setaffinity, 0, cores)
 
 
 class PodBuilder(Protocol):
@@ -520,6 +543,7 @@ async def baseline_round(
         ],
         stdout=subprocess.DEVNULL,
         stderr=open(workdir / f"baseline-{tag}.log", "wb"),  # noqa: SIM115 - lives as long as the child
+        preexec_fn=on_cores(args.measured_cores),
     )
     try:
         await asyncio.sleep(2.0)  # let it list and start watching
@@ -544,11 +568,18 @@ async def baseline_round(
 
 @contextlib.contextmanager
 def scheduler_process(
-    cp: ControlPlane, *, workdir: Path, tag: str, settings: dict[str, Any], profile: Path | None = None
+    cp: ControlPlane,
+    *,
+    workdir: Path,
+    tag: str,
+    settings: dict[str, Any],
+    profile: Path | None = None,
+    cores: set[int] | None = None,
 ) -> Iterator[tuple[subprocess.Popen[bytes], int, dict[str, Any]]]:
     """``gpufrac scheduler`` as deployed (its own process, leader election on) with ``settings`` on top
     of the bench's: its process, its probe port, and (filled when it is stopped, by SIGTERM on leaving)
-    ``{"exit": its exit code, or "killed"}``. Its log is ``scheduler-<tag>.log`` in ``workdir``."""
+    ``{"exit": its exit code, or "killed"}``. Its log is ``scheduler-<tag>.log`` in ``workdir``;
+    ``cores``, when given, the CPUs it runs on."""
     port = free_port()
     config = workdir / f"scheduler-{tag}.yaml"
     config.write_text(
@@ -579,7 +610,7 @@ def scheduler_process(
     )
     ended: dict[str, Any] = {}
     with open(workdir / f"scheduler-{tag}.log", "wb") as log:
-        proc = subprocess.Popen(start, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(start, stdout=log, stderr=subprocess.STDOUT, preexec_fn=on_cores(cores))
         try:
             yield proc, port, ended
         finally:
@@ -614,11 +645,14 @@ async def scheduler_round(
         **({"bind_concurrency": args.bind_concurrency} if args.bind_concurrency else {}),
     }
     result: dict[str, Any] = {}
-    with scheduler_process(cp, workdir=workdir, tag=tag, settings=settings, profile=args.profile) as (
-        proc,
-        port,
-        ended,
-    ):
+    with scheduler_process(
+        cp,
+        workdir=workdir,
+        tag=tag,
+        settings=settings,
+        profile=args.profile,
+        cores=getattr(args, "measured_cores", None),
+    ) as (proc, port, ended):
         await wait_leading(port, proc, timeout=max(120.0, args.nodes / 10))
         result["scheduler_rss_idle_mib"] = round(rss_mib(proc.pid)[0], 1)
         gc_before = await gc_passes(port)
@@ -678,6 +712,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     """``--rounds`` rounds of one baseline burst and one scheduler burst, the order alternating (baseline
     first in odd rounds), each burst on a cluster holding only the nodes; the summary is the median
     round's, with every round listed."""
+    args.measured_cores = None
+    if args.own_core:
+        # Set before the control plane starts, so that it and every thread of it inherit the split.
+        shared, args.measured_cores = split_cores()
+        os.sched_setaffinity(0, shared)
     workdir = Path(tempfile.mkdtemp(prefix="gpufrac-bench-"))
     result: dict[str, Any] = {
         "bench": "scheduler_e2e",
@@ -688,6 +727,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "bind_mode": args.bind_mode,
         "rules_share": args.rules,
         "baseline_burn_ms": args.baseline_burn_ms,
+        "measured_side_cores": sorted(args.measured_cores) if args.measured_cores else "shared",
     }
     rounds: list[dict[str, Any]] = []
     with ControlPlane(data_dir=workdir / "cp") as cp:
@@ -821,6 +861,12 @@ def main() -> None:
         default=0.0,
         help="CPU the baseline binder spends per pod before binding it (a calibration: the baseline's rate "
         "with as much CPU per pod as the scheduler spends)",
+    )
+    parser.add_argument(
+        "--own-core",
+        action="store_true",
+        help="the scheduler or binder on the machine's last CPU, the control plane and the bench on the "
+        "others (the deployed layout; default: every process on every core)",
     )
     parser.add_argument("--bind-concurrency", type=int, help="scheduler bind_concurrency")
     parser.add_argument("--concurrency", type=int, default=64, help="create requests in flight")
