@@ -57,10 +57,6 @@ TLS connection straight to the webhook's process, with AdmissionReviews of the s
 API server sends, without the defaults it adds to a pod): the webhook's own round trip, to compare changes
 of the webhook with less noise than the API server's share of a call brings.
 
-``--own-core`` gives the webhook's process the machine's last CPU and the control plane and the bench's
-client the others (as ``bench/scheduler_e2e.py --own-core``): the deployed layout, where the webhook's
-Pods do not run on the API server's cores. Without it the three share every core.
-
 SIMULATED: nothing here; every request is real, only no node runs the pods. The last line is a one-line
 JSON summary.
 """
@@ -104,7 +100,7 @@ from gpufrac.admission.configuration import (
 from gpufrac.admission.review import DEFAULT_SCHEDULER_USER
 from gpufrac.contract import keys
 from gpufrac.local.controlplane import ControlPlane
-from scheduler_e2e import free_port, machine_cpu, on_cores, percentile, pod_manifest, remove_pods, split_cores
+from scheduler_e2e import free_port, machine_cpu, percentile, pod_manifest, remove_pods
 
 ROOT = Path(__file__).resolve().parents[1]
 HELM = ROOT / "testenv" / "bin" / "helm"
@@ -211,7 +207,7 @@ def serve_timed_webhook(spans_file: Path, profile: Path | None, argv: list[str])
 class WebhookProcess:
     """The webhook's process (``serve_timed_webhook``), its log in ``workdir``."""
 
-    def __init__(self, *, workdir: Path, profile: Path | None, cores: set[int] | None = None) -> None:
+    def __init__(self, *, workdir: Path, profile: Path | None) -> None:
         self.tls = generate_tls(workdir / "tls", hosts=["127.0.0.1"])
         self.port = free_port()
         self.spans_file = workdir / "webhook-spans.json"
@@ -220,9 +216,7 @@ class WebhookProcess:
         command += ["--", "admission", "--host=127.0.0.1", f"--port={self.port}"]
         command += [f"--tls-cert={self.tls.cert}", f"--tls-key={self.tls.key}", "--log-format=json"]
         self.log = open(workdir / "webhook.log", "wb")  # noqa: SIM115 (closed in stop)
-        self.proc = subprocess.Popen(
-            command, stdout=self.log, stderr=subprocess.STDOUT, preexec_fn=on_cores(cores)
-        )
+        self.proc = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT)
 
     @property
     def url(self) -> str:
@@ -624,14 +618,8 @@ def why(rounds: list[dict[str, Any]], added_p99: float) -> str:
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
-    webhook_cores = None
-    if args.own_core:
-        # Before the control plane starts, so that it and every thread of it inherit the split.
-        shared, webhook_cores = split_cores()
-        os.sched_setaffinity(0, shared)
     workdir = Path(tempfile.mkdtemp(prefix="gpufrac-bench-admission-"))
     result: dict[str, Any] = {
-        "webhook_cores": sorted(webhook_cores) if webhook_cores else "shared",
         "bench": "admission_latency",
         "rounds": args.rounds,
         "serial": args.serial,
@@ -642,11 +630,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     if args.profile:
         args.profile.mkdir(parents=True, exist_ok=True)
-    webhook = WebhookProcess(
-        workdir=workdir,
-        profile=args.profile / "webhook.prof" if args.profile else None,
-        cores=webhook_cores,
-    )
+    webhook = WebhookProcess(workdir=workdir, profile=args.profile / "webhook.prof" if args.profile else None)
     try:
         with ControlPlane(data_dir=workdir / "cp") as cp:
             client = cp.async_client(timeout=60)
@@ -798,12 +782,6 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=32, help="create requests in flight (burst)")
     parser.add_argument("--updates", type=int, default=300, help="patches of each kind, one at a time")
     parser.add_argument("--profile", type=Path, help="run the webhook's request handling under cProfile")
-    parser.add_argument(
-        "--own-core",
-        action="store_true",
-        help="the webhook on the machine's last CPU, the control plane and the bench on the others (the "
-        "deployed layout: the webhook's Pods do not run on the API server's cores; default: shared)",
-    )
     parser.add_argument(
         "--direct",
         type=int,
