@@ -476,18 +476,18 @@ class Preemptions:
         """Who the search for ``uid`` may not take: victims of open plans, refused ones, pods not ours,
         and for ``kind`` preempt or reclaim by a pod of ``queue``, those younger than their min-runtime."""
         refused = self._memory.refusals(uid)
-        table = self._engine.pods
+        # Every candidate's uid read at C speed: a search at 5,000 nodes has thousands of candidates,
+        # and a loop over them in Python was a sixth of the loop in a preemption burst.
+        victims = list(map(self._engine.pods.uid.__getitem__, candidates.tolist()))
         not_ours = set()
-        for victim in (table.uid[s] for s in candidates.tolist()):
-            if victim is None or victim in self._ours:
-                continue
+        for victim in set(victims).difference(self._ours, (None,)):
             if self._victim_pod(victim) is None:
                 not_ours.add(victim)
             else:
                 self._ours.add(victim)  # a pod's scheduler never changes: asked once per pod
         out = set(self._victim_of) | set(refused) | not_ours
         if kind is not None:  # min-runtime: asked of the pods left, which are ours
-            rest = (v for s in candidates.tolist() if (v := table.uid[s]) is not None and v not in out)
+            rest = (v for v in victims if v is not None and v not in out)
             young = ((v, booked_queue(self._engine, v), self._victim_pod(v)) for v in rest)
             out |= self._young.protected(uid, kind, queue, young)
         return out
