@@ -84,11 +84,16 @@ def member(pool: Pool, name: str, group: str) -> Pod:
 
 
 async def reported(client: AsyncClient, pool: Pool, name: str, text: str) -> None:
-    async def says() -> bool:
-        status, _, message = condition(await client.get(Pod, name, namespace=pool.namespace))
-        return status == "False" and text in (message or "")
+    last: list[str | None] = [None]
 
-    await wait_for(says, timeout=20, what=f"{name} reporting {text!r}")
+    async def says() -> bool:
+        status, _, last[0] = condition(await client.get(Pod, name, namespace=pool.namespace))
+        return status == "False" and text in (last[0] or "")
+
+    try:
+        await wait_for(says, timeout=20, what=f"{name} reporting {text!r}")
+    except AssertionError as error:  # what it said instead, if anything
+        raise AssertionError(f"{error}; it said {last[0]!r}") from None
 
 
 async def test_a_gang_of_fractions_waits_for_its_min_member_then_starts_together_across_nodes(
