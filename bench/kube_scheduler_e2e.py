@@ -588,6 +588,7 @@ def brief(side: dict[str, Any]) -> dict[str, Any]:
         "seconds",
         "create_seconds",
         "machine_cpu_busy",
+        "client_cpu_ms_per_pod",
         "audit_ok",
         "limited_by",
         "scheduler_loop_lag",
