@@ -791,7 +791,7 @@ def main() -> None:
         "--bind-concurrency",
         type=int,
         help="gpufrac's bind_concurrency, binds (a claim pod's claim writes included) in flight at once "
-        "(default: the scheduler's own, 32)",
+        "(default: the scheduler's own, 128)",
     )
     parser.add_argument("--timeout", type=float, default=600.0)
     parser.add_argument(

@@ -116,7 +116,7 @@ async def test_sigkill_mid_burst_then_restart_binds_every_pod_once_with_consiste
         {keys.memory_request_key("app"): "16Gi", keys.compute_mode_key("app"): "sm-sharing"},
         {"gpu-fraction": "0.25", "gpu-fraction-num-devices": "2"},
     ]
-    # Four binds at a time, so the kill lands while binds are in flight: at the default 32 the whole burst
+    # Four binds at a time, so the kill lands while binds are in flight: at the default 128 the whole burst
     # could be bound between the test's list of a quarter bound and the kill (a CI run failed so, 2026-12-05).
     config = pool.config(bind_mode=bind_mode, bind_concurrency=4)
     first = SchedulerProcess(
