@@ -60,6 +60,7 @@ def _scheduler() -> CollectorRegistry:
             heartbeat_expired_nodes=lambda: 0,
             events_pending=lambda: 0,
             events_dropped=lambda: 0,
+            events_failed=lambda: 0,
         )
     )
     return metrics.registry

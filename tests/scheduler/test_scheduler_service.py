@@ -126,6 +126,7 @@ async def test_reference_examples_are_bound_with_the_contract_annotations(
         assert allocated(text, node=pods["inference"].spec.nodeName, gpu=inference_gpus[0]) == 40960
         assert metric(text, "gpufrac_scheduler_events_pending") == 0  # both Events were written
         assert metric(text, "gpufrac_scheduler_events_dropped") == 0
+        assert metric(text, "gpufrac_scheduler_events_failed") == 0
         assert metric(text, "python_gc_collections_total", generation="0") >= 0  # the collector's passes
         assert metric(text, "gpufrac_event_loop_lag_seconds_count") > 0  # the loop's timer has been sampled
         async with httpx2.AsyncClient() as http:

@@ -13,6 +13,11 @@ half the queue is held back: a burst longer than that gets its Events written as
 a queue, instead of dropped. Creates go out on the same lean HTTP path as the scheduler's Bindings
 (``kube.stream.create_object``).
 
+A write that fails for a reason that may pass (no answer in time, a dropped connection, 429 or a 5xx
+from a busy API server) is tried again after ``retry_initial_s``, doubling, up to ``MAX_TRIES`` writes
+(client-go's recorder tries an Event 12 times); a refusal (403, 422 ...) is not. What still fails is
+counted in ``failed`` (the scheduler exports it) and logged, at most once a minute.
+
 Aggregation is the light half of client-go's: a repeat of the same (object, type, reason, message)
 within ``aggregate_window`` bumps ``count`` and ``lastTimestamp`` of the Event already written instead
 of creating another, so a pod retried every few seconds leaves one Event that says how often.
@@ -23,10 +28,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 
 import httpx2
@@ -43,6 +49,12 @@ log = logging.getLogger(__name__)
 
 #: How often a worker that yields looks again.
 _YIELD_POLL_S = 0.05
+
+#: Writes of one Event at most, the first included, when each fails for a reason that may pass.
+MAX_TRIES = 5
+
+#: A failed write is logged at most this often (the count is in ``failed``).
+_FAILURE_LOG_S = 60.0
 
 NORMAL = "Normal"
 WARNING = "Warning"
@@ -75,6 +87,7 @@ class _Pending:
     at: datetime
     since: float  # monotonic, for max_hold_s
     yields: bool
+    tries: int = 0  # writes that failed so far
 
 
 class EventRecorder:
@@ -92,6 +105,7 @@ class EventRecorder:
         remembered: int = 4096,
         yield_to: Callable[[], bool] | None = None,
         max_hold_s: float = 60.0,
+        retry_initial_s: float = 1.0,
     ) -> None:
         self._client = client
         self._component = component
@@ -108,6 +122,10 @@ class EventRecorder:
         self._yield_to = yield_to
         self._max_hold_s = max_hold_s
         self._writing = 0
+        self._retry_initial_s = retry_initial_s
+        self._retrying: set[asyncio.TimerHandle] = set()
+        self._failure_logged = -math.inf
+        self._closing = False
         self.dropped = 0
         self.failed = 0
 
@@ -142,12 +160,18 @@ class EventRecorder:
             for worker in workers:
                 worker.cancel()
             await asyncio.gather(*workers, return_exceptions=True)
+            self._closing = True
+            for handle in self._retrying:  # waiting for another try that will not come: not written
+                handle.cancel()
+            self.failed += len(self._retrying)
+            self._retrying.clear()
             await self._flush(deadline=time.monotonic() + 1.0)
 
     @property
     def pending(self) -> int:
-        """Events emitted and not yet written (queued, held back, or being written)."""
-        return len(self._urgent) + len(self._deferred) + self._writing
+        """Events emitted and not yet written (queued, held back, being written or waiting to be tried
+        again)."""
+        return len(self._urgent) + len(self._deferred) + self._writing + len(self._retrying)
 
     def _next(self) -> _Pending | None:
         """The next Event to write now: any urgent one, else a held one once nothing holds it back (or
@@ -204,20 +228,52 @@ class EventRecorder:
                     pass
             name = await self._create(pending)
         except (KubeError, httpx2.HTTPError, OSError) as error:
+            tries = pending.tries + 1
+            if tries < MAX_TRIES and _may_pass(error) and not self._closing:
+                self._try_again(replace(pending, tries=tries))
+                return
             self.failed += 1
-            log.debug("event %s for %s/%s not written: %s", pending.reason, ref.namespace, ref.name, error)
+            now = time.monotonic()
+            if now - self._failure_logged >= _FAILURE_LOG_S:
+                self._failure_logged = now
+                log.warning(
+                    "event %s for %s/%s not written after %d tries: %s (%d Events not written so far)",
+                    pending.reason,
+                    ref.namespace,
+                    ref.name,
+                    tries,
+                    error,
+                    self.failed,
+                )
             return
         self._written[key] = _Written(name=name, count=1, first_written=time.monotonic())
         while len(self._written) > self._remembered:
             self._written.popitem(last=False)
 
+    def _try_again(self, pending: _Pending) -> None:
+        """Queue ``pending`` again after its backoff, in its own line, unless the queue is full by then."""
+        delay = self._retry_initial_s * 2 ** (pending.tries - 1)
+
+        def requeue() -> None:
+            self._retrying.discard(handle)
+            if len(self._urgent) + len(self._deferred) >= self._queue_size:
+                self.dropped += 1
+                return
+            (self._deferred if pending.yields and self._yield_to is not None else self._urgent).append(
+                pending
+            )
+            self._arrived.set()
+
+        handle = asyncio.get_running_loop().call_later(delay, requeue)
+        self._retrying.add(handle)
+
     async def _bump(self, *, ref: ObjectRef, seen: _Written, at: datetime) -> None:
-        seen.count += 1
-        patch = {"count": seen.count, "lastTimestamp": at.strftime("%Y-%m-%dT%H:%M:%SZ")}
+        patch = {"count": seen.count + 1, "lastTimestamp": at.strftime("%Y-%m-%dT%H:%M:%SZ")}
         with api_errors():
             await self._client.patch(
                 Event, seen.name, patch, namespace=ref.namespace, patch_type=PatchType.MERGE
             )
+        seen.count += 1  # after the write: a failed one is tried again with the same count
 
     async def _create(self, pending: _Pending) -> str:
         ref = pending.regarding
@@ -244,3 +300,11 @@ class EventRecorder:
         with api_errors():
             await create_object(self._client, event, namespace=ref.namespace)
         return name
+
+
+def _may_pass(error: Exception) -> bool:
+    """A failure worth another try: no answer (a timeout, a dropped connection), or an API server too
+    busy to take the write (429, 5xx). A refusal of the Event itself (403, 404, 422 ...) will not pass."""
+    if isinstance(error, KubeError):
+        return error.code == 429 or error.code >= 500 or error.code == 0
+    return True

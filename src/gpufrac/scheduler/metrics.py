@@ -56,6 +56,7 @@ class StateReaders:
     heartbeat_expired_nodes: Callable[[], int]
     events_pending: Callable[[], int]
     events_dropped: Callable[[], int]
+    events_failed: Callable[[], int]
 
 
 def _single(name: str, documentation: str, value: float) -> GaugeMetricFamily:
@@ -100,6 +101,11 @@ class _StateCollector(Collector):
             "gpufrac_scheduler_events_dropped",
             "Events dropped because the queue was full (a burst longer than the queue).",
             r.events_dropped(),
+        )
+        yield _single(
+            "gpufrac_scheduler_events_failed",
+            "Events not written: refused by the API server, or failing every try (a timeout, 429, 5xx).",
+            r.events_failed(),
         )
 
 

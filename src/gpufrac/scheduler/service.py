@@ -248,6 +248,7 @@ class SchedulerService:
                 heartbeat_expired_nodes=self.node_watch.expired_count,
                 events_pending=lambda: self.events.pending,
                 events_dropped=lambda: self.events.dropped,
+                events_failed=lambda: self.events.failed,
             )
         )
 

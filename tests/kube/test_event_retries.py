@@ -1,0 +1,140 @@
+"""Events whose write fails for a reason that may pass are tried again; a refusal is not (kube.events).
+
+The failures are injected at the recorder's one write call (``create_object``); every write that gets
+through goes to the real API server, and the test reads the Events back from it."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+from lightkube import AsyncClient
+from lightkube.models.core_v1 import Container, PodSpec
+from lightkube.models.meta_v1 import ObjectMeta
+from lightkube.resources.core_v1 import Event, Pod
+
+from gpufrac.kube import events as events_module
+from gpufrac.kube.errors import KubeError
+from gpufrac.kube.events import MAX_TRIES, WARNING, EventRecorder, ObjectRef
+
+
+@pytest.fixture
+def client(akube: AsyncClient) -> AsyncClient:
+    return akube
+
+
+def failing_first(count: int, error: Callable[[], Exception], monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Make the recorder's first ``count`` writes fail with ``error()``; the rest reach the server.
+    Returns the outcome of each write, in order."""
+    real: Callable[..., Awaitable[Any]] = events_module.create_object
+    outcomes: list[str] = []
+
+    async def create_object(client: AsyncClient, obj: Any, **kwargs: Any) -> Any:
+        if len(outcomes) < count:
+            outcomes.append("failed")
+            raise error()
+        outcomes.append("sent")
+        return await real(client, obj, **kwargs)
+
+    monkeypatch.setattr(events_module, "create_object", create_object)
+    return outcomes
+
+
+async def victim_ref(client: AsyncClient, namespace: str) -> ObjectRef:
+    pod = await client.create(
+        Pod(
+            metadata=ObjectMeta(name="victim", namespace=namespace),
+            spec=PodSpec(containers=[Container(name="app", image="busybox")], schedulerName="nobody"),
+        )
+    )
+    return ObjectRef(kind="Pod", namespace=namespace, name="victim", uid=pod.metadata.uid)
+
+
+async def settled(recorder: EventRecorder, timeout_s: float = 20.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while recorder.pending and loop.time() < deadline:
+        await asyncio.sleep(0.02)
+    assert recorder.pending == 0, "every Event written or given up"
+
+
+async def events_in(client: AsyncClient, namespace: str) -> list[tuple[str, str]]:
+    return sorted((e.reason, e.message) for e in [e async for e in client.list(Event, namespace=namespace)])
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        lambda: TimeoutError("no answer"),
+        lambda: ConnectionResetError("connection reset by peer"),
+        lambda: KubeError("too many requests, please try again later", code=429, reason="TooManyRequests"),
+        lambda: KubeError("etcdserver: request timed out", code=500, reason="InternalError"),
+    ],
+    ids=["timeout", "reset", "429", "500"],
+)
+async def test_a_preemption_event_whose_writes_fail_for_a_passing_reason_is_written_once(
+    client: AsyncClient, namespace: str, monkeypatch: pytest.MonkeyPatch, error: Callable[[], Exception]
+) -> None:
+    outcomes = failing_first(2, error, monkeypatch)
+    recorder = EventRecorder(
+        client=client, component="gpufrac-test", instance="t1", workers=1, retry_initial_s=0.05
+    )
+    task = asyncio.create_task(recorder.run())
+    try:
+        recorder.emit(
+            regarding=await victim_ref(client, namespace), type=WARNING, reason="Preempted", message="by p"
+        )
+        await settled(recorder)
+        assert outcomes == ["failed", "failed", "sent"]
+        assert await events_in(client, namespace) == [("Preempted", "by p")]
+        assert (recorder.failed, recorder.dropped) == (0, 0)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_a_refused_event_is_not_tried_again_and_is_counted(
+    client: AsyncClient, namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    outcomes = failing_first(
+        1, lambda: KubeError("Event is invalid", code=422, reason="Invalid"), monkeypatch
+    )
+    recorder = EventRecorder(
+        client=client, component="gpufrac-test", instance="t1", workers=1, retry_initial_s=0.05
+    )
+    task = asyncio.create_task(recorder.run())
+    try:
+        ref = await victim_ref(client, namespace)
+        recorder.emit(regarding=ref, type=WARNING, reason="Preempted", message="refused")
+        await settled(recorder)
+        recorder.emit(regarding=ref, type=WARNING, reason="Preempted", message="next")
+        await settled(recorder)
+        assert outcomes == ["failed", "sent"]  # the refused one once, then the next Event
+        assert await events_in(client, namespace) == [("Preempted", "next")]
+        assert recorder.failed == 1
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_an_event_failing_every_try_is_given_up_after_max_tries_and_counted(
+    client: AsyncClient, namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    outcomes = failing_first(MAX_TRIES, lambda: TimeoutError("no answer"), monkeypatch)
+    recorder = EventRecorder(
+        client=client, component="gpufrac-test", instance="t1", workers=1, retry_initial_s=0.01
+    )
+    task = asyncio.create_task(recorder.run())
+    try:
+        recorder.emit(
+            regarding=await victim_ref(client, namespace), type=WARNING, reason="Preempted", message="lost"
+        )
+        await settled(recorder)
+        assert outcomes == ["failed"] * MAX_TRIES
+        assert await events_in(client, namespace) == []
+        assert recorder.failed == 1
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
