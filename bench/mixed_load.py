@@ -392,9 +392,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 }
                 samples_after = await scheduler_samples(port, ATTEMPTS)
                 rss, peak = rss_mib(proc.pid)
-                result["events_written_s"], result["events_dropped"] = await wait_events_written(
-                    port, timeout=args.timeout
-                )
+                (
+                    result["events_written_s"],
+                    result["events_dropped"],
+                    result["events_failed"],
+                ) = await wait_events_written(port, timeout=args.timeout)
                 events = [e async for e in client.list(Event, namespace=NAMESPACE, chunk_size=2000)]
             result["scheduler_exit"] = ended["exit"]
             watching.cancel()

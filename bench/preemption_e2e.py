@@ -247,9 +247,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     proc.pid, scheduler_before, args.burst
                 )
                 # Events are written by the scheduler as it goes, behind the burst's own writes.
-                result["events_written_s"], result["events_dropped"] = await wait_events_written(
-                    port, timeout=args.timeout
-                )
+                (
+                    result["events_written_s"],
+                    result["events_dropped"],
+                    result["events_failed"],
+                ) = await wait_events_written(port, timeout=args.timeout)
                 reason = "Reclaimed" if reclaim else "Preempted"
                 every = [e async for e in client.list(Event, namespace=NAMESPACE)]
                 events = [e for e in every if e.reason == reason]

@@ -470,6 +470,7 @@ async def wait_leading(port: int, proc: subprocess.Popen[bytes], *, timeout: flo
 EVENT_METRICS = [
     ("name[]", "gpufrac_scheduler_events_pending"),
     ("name[]", "gpufrac_scheduler_events_dropped"),
+    ("name[]", "gpufrac_scheduler_events_failed"),
 ]
 
 
@@ -532,11 +533,12 @@ def loop_lag_between(before: dict[str, float], after: dict[str, float]) -> dict[
     }
 
 
-async def wait_events_written(port: int, *, timeout: float) -> tuple[float, int]:
+async def wait_events_written(port: int, *, timeout: float) -> tuple[float, int, int]:
     """Seconds until the scheduler has written every Event its burst left waiting (they yield to binds),
-    and how many it dropped: the bench does not stop the scheduler on work it deferred."""
+    how many it dropped and how many it could not write: the bench does not stop the scheduler on work
+    it deferred."""
     start = time.monotonic()
-    pending, dropped = -1.0, 0.0
+    pending, dropped, failed = -1.0, 0.0, 0.0
     async with httpx2.AsyncClient() as http:
         while time.monotonic() - start < timeout:
             with contextlib.suppress(httpx2.HTTPError):
@@ -546,10 +548,12 @@ async def wait_events_written(port: int, *, timeout: float) -> tuple[float, int]
                         pending = float(line.split()[1])
                     elif line.startswith("gpufrac_scheduler_events_dropped "):
                         dropped = float(line.split()[1])
+                    elif line.startswith("gpufrac_scheduler_events_failed "):
+                        failed = float(line.split()[1])
                 if pending == 0:
                     break
             await asyncio.sleep(0.2)
-    return round(time.monotonic() - start, 1), int(dropped)
+    return round(time.monotonic() - start, 1), int(dropped), int(failed)
 
 
 async def baseline_round(
@@ -711,9 +715,11 @@ async def scheduler_round(
         rss, peak = rss_mib(proc.pid)
         result["scheduler_rss_mib"] = round(rss, 1)
         result["scheduler_peak_rss_mib"] = round(peak, 1)
-        result["events_written_s"], result["events_dropped"] = await wait_events_written(
-            port, timeout=args.timeout
-        )
+        (
+            result["events_written_s"],
+            result["events_dropped"],
+            result["events_failed"],
+        ) = await wait_events_written(port, timeout=args.timeout)
         # What the deferred Events cost once written, charged to the same pods.
         result["scheduler_cpu_ms_per_pod_with_events"] = cpu_ms_per_pod(proc.pid, scheduler_before, args.pods)
         result["control_plane_cpu_ms_per_pod_with_events"] = cpu_ms_per_pod(cp.pid, cp_before, args.pods)
