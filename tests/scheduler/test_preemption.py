@@ -463,3 +463,26 @@ def test_after_a_restart_a_nominated_gang_waits_for_the_pods_leaving_its_members
     assert preemptions.deleted("b-2")
     assert [p.metadata.name for p in placed_now] == ["g-0"]
     assert preemptions.open_plan("ns/g") is None and engine.placement_of("other") is not None
+
+
+def test_what_open_plans_will_book_follows_each_plan_filed_and_closed() -> None:
+    """Every decision's queue books count what the open plans will book as held (``planned``), kept
+    between decisions: a plan filed is counted at once, and one closed (its victims gone, or its pod
+    gone) no longer is, so a queue is not charged for a pod twice or for one that left."""
+    engine = _one_gpu_nodes({"n": [("low", _whole(), 0)], "m": [("low2", _whole(), 0)]})
+    placed_now: list[Pod] = []
+    preemptions = _preemptions(engine, [], placed_now)
+    assert preemptions.planned() == {}
+    for uid in ("high", "high2"):
+        preemptor = PendingPod(namespace="ns", name=uid, uid=uid, gpu=_whole(), priority=10)
+        assert preemptions.consider(preemptor, _nominated(uid, None), NOWHERE) is not None
+        assert uid in preemptions.planned()
+    whole_gpu = preemptions.planned()["high"].amount
+    assert (whole_gpu.mib, whole_gpu.gpus) == (16000, 1)
+    assert sorted(preemptions.planned()) == ["high", "high2"]
+    victim = "low" if preemptions.open_plan("high").victims == ("low",) else "low2"
+    assert preemptions.deleted(victim)  # the last victim of high's plan left: placed now, plan closed
+    assert [p.metadata.name for p in placed_now] == ["high"]
+    assert sorted(preemptions.planned()) == ["high2"]
+    assert not preemptions.deleted("high2")  # the preemptor itself went away: its plan is given up
+    assert preemptions.planned() == {}

@@ -185,6 +185,7 @@ class Preemptions:
         # By the preempting pod's uid; a gang's plan by the gang's key and each member's uid.
         self._open: dict[str, _Nomination] = {}
         self._victim_of: dict[str, str] = {}  # victim uid -> the owner key of its nomination
+        self._planned: dict[str, QueueAmount] | None = None  # planned(), until a plan is filed or closed
         self.evictions = self.moved = 0
         self._ours: set[str] = set()  # booked pods this scheduler placed (candidates it may evict)
         self._leaving: set[str] = set()  # booked pods with a deletionTimestamp, until they are gone
@@ -195,8 +196,11 @@ class Preemptions:
         self._books.new_cycle(pods)
 
     def planned(self) -> dict[str, QueueAmount]:
-        """The pods open plans make room for, by uid, and what each will book: counted as held."""
-        return plan_amounts((n.plan, n.queue) for n in self._open.values())
+        """The pods open plans make room for, by uid, and what each will book: counted as held. Read by
+        every decision's books, so kept until ``_file`` or ``_close`` changes the open plans."""
+        if self._planned is None:
+            self._planned = plan_amounts((n.plan, n.queue) for n in self._open.values())
+        return self._planned
 
     @property
     def leaving_pods(self) -> set[str]:
@@ -401,6 +405,7 @@ class Preemptions:
         nomination = _Nomination(
             pod=pod, plan=plan, waiting=set(plan.victims), keys=keys, members=members, queue=queue
         )
+        self._planned = None
         for k in keys:
             self._open[k] = nomination
         for victim in plan.victims:
@@ -493,6 +498,7 @@ class Preemptions:
         return out
 
     def _close(self, uid: str, nomination: _Nomination) -> None:
+        self._planned = None
         for key in nomination.keys:
             if self._open.get(key) is nomination:
                 del self._open[key]
