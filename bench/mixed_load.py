@@ -439,6 +439,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     "victim_events": len(evictions),
                     "victims_with_event": sum(1 for uid in victims.values() if uid in per_victim),
                     "victims_evicted_twice": sum(1 for n in per_victim.values() if n > 1),
+                    # Which victims lack their Event (a few names, to look up in the scheduler's log).
+                    "victims_without_event": sorted(n for n, uid in victims.items() if uid not in per_victim)[
+                        :20
+                    ],
                     # An eviction Event for a pod the watch did not see leave after being bound.
                     "evicted_not_gone": sorted(
                         {
