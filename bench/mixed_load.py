@@ -31,7 +31,8 @@ decisions per second from the scheduler's own counter (``gpufrac_scheduler_sched
 every placement attempt, scheduled, unschedulable or failed, over the run until settled) beside binds
 plus evictions per second from the API; the victims (pods deleted: nothing else deletes a pod here; one
 may go while its bind is in flight), and the ``Preempted``/``Reclaimed`` Events per victim by uid (each
-evicted exactly once); the
+evicted exactly once; checked for the victims gone once the run settled, ``victims_checked``: the
+scheduler goes on deciding while the bench lists the Events and stops it); the
 scheduler's peak RSS (VmHWM), its CPU per bound pod and its cores, the control plane's and the machine's
 (what limited it). The bookings are audited throughout from the watch's copy of the namespace
 (``gpufrac.scheduler.booking_audit``: no GPU over-committed, no mixed modes) every ``--audit-every``
@@ -392,6 +393,13 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 }
                 samples_after = await scheduler_samples(port, ATTEMPTS)
                 rss, peak = rss_mib(proc.pid)
+                # The victims whose Events are checked: those gone by now. The scheduler goes on deciding
+                # (mid fill pods still preempt) while the bench waits for its Events, lists them and stops
+                # it, and the watch below counts a pod evicted then too; its Event may come after the list.
+                # An eviction's answer reaches the scheduler (which then emits the Event) after its watch
+                # event reaches the bench: a second for those in flight.
+                checked = dict(tracker.gone)
+                await asyncio.sleep(1.0)
                 (
                     result["events_written_s"],
                     result["events_dropped"],
@@ -412,6 +420,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             evictions = [e for e in events if e.reason in ("Preempted", "Reclaimed")]
             per_victim = Counter(e.involvedObject.uid for e in evictions)
             victims = tracker.gone
+            checked_uids = set(checked.values())
             result.update(
                 {
                     "fill_create_s": round(marks["fill_created"] - marks["first_create"], 1),
@@ -437,10 +446,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     "victims_by_class": dict(Counter(cls_of[n] for n in victims)),
                     "victims_never_seen_bound": sum(1 for n in victims if n not in bound_at),
                     "victim_events": len(evictions),
-                    "victims_with_event": sum(1 for uid in victims.values() if uid in per_victim),
+                    "victims_checked": len(checked),  # gone before the Events were waited for and listed
+                    "victims_with_event": sum(1 for uid in checked_uids if uid in per_victim),
                     "victims_evicted_twice": sum(1 for n in per_victim.values() if n > 1),
                     # Which victims lack their Event (a few names, to look up in the scheduler's log).
-                    "victims_without_event": sorted(n for n, uid in victims.items() if uid not in per_victim)[
+                    "victims_without_event": sorted(n for n, uid in checked.items() if uid not in per_victim)[
                         :20
                     ],
                     # An eviction Event for a pod the watch did not see leave after being bound.
@@ -507,7 +517,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         result["audit_ok"]
         and result["burst_bound_at_end"] + result["burst_taken"] == args.burst
         and result["victims_evicted_twice"] == 0
-        and result["victims"] - result["events_dropped"] <= result["victims_with_event"] <= result["victims"]
+        and result["victims_checked"] - result["events_dropped"]
+        <= result["victims_with_event"]
+        <= result["victims_checked"]
     )
     result["workdir"] = str(workdir)
     return result
