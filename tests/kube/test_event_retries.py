@@ -6,7 +6,8 @@ through goes to the real API server, and the test reads the Events back from it.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import pytest
@@ -52,6 +53,20 @@ async def victim_ref(client: AsyncClient, namespace: str) -> ObjectRef:
     return ObjectRef(kind="Pod", namespace=namespace, name="victim", uid=pod.metadata.uid)
 
 
+@contextlib.asynccontextmanager
+async def running(client: AsyncClient, *, retry_initial_s: float) -> AsyncIterator[EventRecorder]:
+    """A recorder writing with one worker, a fast retry, stopped when the block ends."""
+    recorder = EventRecorder(
+        client=client, component="gpufrac-test", instance="t1", workers=1, retry_initial_s=retry_initial_s
+    )
+    task = asyncio.create_task(recorder.run())
+    try:
+        yield recorder
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
 async def settled(recorder: EventRecorder, timeout_s: float = 20.0) -> None:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
@@ -78,21 +93,13 @@ async def test_a_preemption_event_whose_writes_fail_for_a_passing_reason_is_writ
     client: AsyncClient, namespace: str, monkeypatch: pytest.MonkeyPatch, error: Callable[[], Exception]
 ) -> None:
     outcomes = failing_first(2, error, monkeypatch)
-    recorder = EventRecorder(
-        client=client, component="gpufrac-test", instance="t1", workers=1, retry_initial_s=0.05
-    )
-    task = asyncio.create_task(recorder.run())
-    try:
-        recorder.emit(
-            regarding=await victim_ref(client, namespace), type=WARNING, reason="Preempted", message="by p"
-        )
+    ref = await victim_ref(client, namespace)
+    async with running(client, retry_initial_s=0.05) as recorder:
+        recorder.emit(regarding=ref, type=WARNING, reason="Preempted", message="by p")
         await settled(recorder)
         assert outcomes == ["failed", "failed", "sent"]
         assert await events_in(client, namespace) == [("Preempted", "by p")]
         assert (recorder.failed, recorder.dropped) == (0, 0)
-    finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
 
 
 async def test_a_refused_event_is_not_tried_again_and_is_counted(
@@ -101,12 +108,8 @@ async def test_a_refused_event_is_not_tried_again_and_is_counted(
     outcomes = failing_first(
         1, lambda: KubeError("Event is invalid", code=422, reason="Invalid"), monkeypatch
     )
-    recorder = EventRecorder(
-        client=client, component="gpufrac-test", instance="t1", workers=1, retry_initial_s=0.05
-    )
-    task = asyncio.create_task(recorder.run())
-    try:
-        ref = await victim_ref(client, namespace)
+    ref = await victim_ref(client, namespace)
+    async with running(client, retry_initial_s=0.05) as recorder:
         recorder.emit(regarding=ref, type=WARNING, reason="Preempted", message="refused")
         await settled(recorder)
         recorder.emit(regarding=ref, type=WARNING, reason="Preempted", message="next")
@@ -114,27 +117,16 @@ async def test_a_refused_event_is_not_tried_again_and_is_counted(
         assert outcomes == ["failed", "sent"]  # the refused one once, then the next Event
         assert await events_in(client, namespace) == [("Preempted", "next")]
         assert recorder.failed == 1
-    finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
 
 
 async def test_an_event_failing_every_try_is_given_up_after_max_tries_and_counted(
     client: AsyncClient, namespace: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     outcomes = failing_first(MAX_TRIES, lambda: TimeoutError("no answer"), monkeypatch)
-    recorder = EventRecorder(
-        client=client, component="gpufrac-test", instance="t1", workers=1, retry_initial_s=0.01
-    )
-    task = asyncio.create_task(recorder.run())
-    try:
-        recorder.emit(
-            regarding=await victim_ref(client, namespace), type=WARNING, reason="Preempted", message="lost"
-        )
+    ref = await victim_ref(client, namespace)
+    async with running(client, retry_initial_s=0.01) as recorder:
+        recorder.emit(regarding=ref, type=WARNING, reason="Preempted", message="lost")
         await settled(recorder)
         assert outcomes == ["failed"] * MAX_TRIES
         assert await events_in(client, namespace) == []
         assert recorder.failed == 1
-    finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
