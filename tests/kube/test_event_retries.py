@@ -130,3 +130,27 @@ async def test_an_event_failing_every_try_is_given_up_after_max_tries_and_counte
         assert outcomes == ["failed"] * MAX_TRIES
         assert await events_in(client, namespace) == []
         assert recorder.failed == 1
+
+
+async def test_a_full_queue_gives_up_a_repeated_warning_for_a_victims_event_never_the_victims(
+    client: AsyncClient, namespace: str
+) -> None:
+    """A burst's FailedScheduling warnings can fill the queue with nothing routine held back to give up:
+    a kept Event (a victim's ``Preempted``) then takes the oldest warning's place; a warning finding the
+    queue full of kept Events is dropped itself."""
+    ref = await victim_ref(client, namespace)
+    recorder = EventRecorder(client=client, component="gpufrac-test", instance="t1", workers=1, queue_size=2)
+    # Nothing writes yet: the queue fills as it would while the writers are behind.
+    recorder.emit(regarding=ref, type=WARNING, reason="FailedScheduling", message="0/3 nodes (1)")
+    recorder.emit(regarding=ref, type=WARNING, reason="FailedScheduling", message="0/3 nodes (2)")
+    recorder.emit(regarding=ref, type=WARNING, reason="Preempted", message="by p", keep=True)
+    recorder.emit(regarding=ref, type=WARNING, reason="Preempted", message="by q", keep=True)
+    recorder.emit(regarding=ref, type=WARNING, reason="FailedScheduling", message="0/3 nodes (3)")
+    assert recorder.dropped == 3 and recorder.pending == 2
+    task = asyncio.create_task(recorder.run())
+    try:
+        await settled(recorder)
+        assert await events_in(client, namespace) == [("Preempted", "by p"), ("Preempted", "by q")]
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)

@@ -3,7 +3,10 @@
 ``emit`` only enqueues: a scheduler that waited for an Event write per pod would halve its throughput.
 A few workers write the queue out; when the queue is full the Event is dropped and counted (client-go's
 broadcaster drops too: Events are for people, the pod's condition is the record machines read), except
-that an Event that does not yield (a warning, a preemption) takes the place of the oldest one held back.
+that an Event that does not yield (a warning, a preemption) takes the place of the oldest one held back,
+and one emitted with ``keep`` (a pod's eviction and whom it made room for) takes the place of the oldest
+one not kept: a burst's repeated ``FailedScheduling`` warnings once filled a 10,000-Event queue and cost
+preemption victims their Events (docs/benchmarks.md).
 
 Routine Events yield to the work they describe: an Event emitted with ``yields`` (the scheduler's
 ``Scheduled``, one per pod) waits while ``yield_to`` answers True (the scheduler passes "a burst is being
@@ -87,6 +90,7 @@ class _Pending:
     at: datetime
     since: float  # monotonic, for max_hold_s
     yields: bool
+    keep: bool = False  # not given up for another Event when the queue is full (``emit``)
     tries: int = 0  # writes that failed so far
 
 
@@ -130,15 +134,22 @@ class EventRecorder:
         self.failed = 0
 
     def emit(
-        self, *, regarding: ObjectRef, type: str, reason: str, message: str, yields: bool = False
+        self,
+        *,
+        regarding: ObjectRef,
+        type: str,
+        reason: str,
+        message: str,
+        yields: bool = False,
+        keep: bool = False,
     ) -> None:
-        """Queue an Event; with ``yields`` it waits while ``yield_to`` answers True (module docstring)."""
+        """Queue an Event; with ``yields`` it waits while ``yield_to`` answers True (module docstring).
+        With ``keep`` (a pod's eviction, and whom it made room for) a full queue gives up another Event
+        for it, a routine one held back first, else the oldest that is not kept."""
         if len(self._urgent) + len(self._deferred) >= self._queue_size:
             self.dropped += 1
-            if yields or not self._deferred:
+            if yields or not self._make_room(keep=keep):
                 return
-            # A warning or a preemption Event does not lose to a routine one: the oldest held one goes.
-            self._deferred.popleft()
         pending = _Pending(
             regarding=regarding,
             type=type,
@@ -147,9 +158,25 @@ class EventRecorder:
             at=datetime.now(UTC),
             since=time.monotonic(),
             yields=yields,
+            keep=keep,
         )
         (self._deferred if yields and self._yield_to is not None else self._urgent).append(pending)
         self._arrived.set()
+
+    def _make_room(self, *, keep: bool) -> bool:
+        """Give up one queued Event for a new urgent one: the oldest routine one held back (a warning or
+        a preemption Event does not lose to it), else, for a kept one, the oldest urgent one not kept (a
+        burst's repeated FailedScheduling warnings fill the queue: a victim's Event is not to lose to
+        them). False when there is none to give up."""
+        if self._deferred:
+            self._deferred.popleft()
+            return True
+        if keep:
+            for i, queued in enumerate(self._urgent):
+                if not queued.keep:
+                    del self._urgent[i]
+                    return True
+        return False
 
     async def run(self) -> None:
         """Write Events until cancelled; on cancellation, flush what is queued for at most a second."""

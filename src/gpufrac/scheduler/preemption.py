@@ -563,11 +563,15 @@ class Preemptions:
                 self.evictions += 1
                 self.moved += plan.kind is Kind.CONSOLIDATE
                 reason, message = victim_story(self._engine, nomination, victim)
-                self._events.emit(regarding=pod_ref(pod), type=NORMAL, reason=reason, message=message)
+                self._events.emit(
+                    regarding=pod_ref(pod), type=NORMAL, reason=reason, message=message, keep=True
+                )
                 self._spawn(mark_disruption_target(self._client, pod, plan.kind, message))
             reason, message = taking_story(self._engine, nomination, victims)
             for member in nomination.members:
-                self._events.emit(regarding=pod_ref(member), type=NORMAL, reason=reason, message=message)
+                self._events.emit(
+                    regarding=pod_ref(member), type=NORMAL, reason=reason, message=message, keep=True
+                )
             for member in nomination.members:
                 node = (
                     plan.node_of.get(member.metadata.uid or "")
