@@ -137,6 +137,44 @@ async def test_namespaces_survive_a_daemon_restart_in_the_same_directory_and_orp
     ]
 
 
+class ClientAttachingOnCreate:
+    """The real control, except that a client attaches to each namespace right after its ``create``:
+    what a running container's process can do while a restarted daemon's namespaces are made again."""
+
+    def __init__(self, control, mps_env) -> None:
+        self._control, self._env = control, mps_env
+        self.early: list[tuple[asyncio.subprocess.Process, str]] = []
+
+    def __getattr__(self, name: str):
+        return getattr(self._control, name)
+
+    async def create_namespace(self, *, server: str, name: str) -> None:
+        await self._control.create_namespace(server=server, name=name)
+        pipe = self._env.root / "pipe" / server / name
+        self.early.append(await self._env.client(pipe))
+
+
+async def test_a_client_attached_before_its_namespaces_limits_are_set_is_terminated_then_capped(
+    make_supervisor, mps_env
+) -> None:
+    supervisor = await started(make_supervisor())
+    racing = ClientAttachingOnCreate(supervisor.control, mps_env)
+    supervisor.control = racing
+    hooks = MpsContainerHooks(supervisor=supervisor)
+    await hooks.on_create(sm(CID_A, 0.25), container_id=CID_A)
+    ns = namespace_name(CID_A)
+
+    (early, greeting) = racing.early[0]
+    assert greeting == f"connected shared {ns} 100"  # attached with the daemon's defaults: uncapped
+    assert await asyncio.wait_for(early.wait(), 5) == 3  # terminated, as a drain terminates
+    assert await field(supervisor, ns, "active_thread_percentage") == "25"
+    supervisor.control = racing._control
+    client, greeting = await mps_env.client(supervisor.namespace_dir(ns))
+    assert greeting == f"connected shared {ns} 25"
+    client.kill()
+    await client.wait()
+
+
 async def test_every_command_is_issued_in_the_r615_grammar(make_supervisor, mps_env) -> None:
     supervisor = await started(make_supervisor(recycle_when_idle=False))
     hooks = MpsContainerHooks(supervisor=supervisor, proc_root=mps_env.proc_root)

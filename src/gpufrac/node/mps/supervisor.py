@@ -27,8 +27,9 @@ State machine (``state``)::
 - After every start, the time-slicing containers' links to the default socket are made again (v3 with
   ``time_slicing_clients``: ``default_socket``), and namespaces are reconciled (v3): each live
   container's namespace is created again (the daemon keeps nothing across restarts) with its settings,
-  its pipe directory read back; namespaces with gpufrac's prefix that no live container owns are deleted
-  (``names.is_managed``).
+  its pipe directory read back (a client that attached between ``create`` and ``set``, uncapped, is
+  terminated and the set tried again); namespaces with gpufrac's prefix that no live container owns are
+  deleted (``names.is_managed``).
 - The namespace directory ``<pipe>/<server>/<namespace>`` is created by the supervisor before
   ``namespace create`` and kept across daemon restarts, because the container bind-mounts that very
   directory: a recreated directory would be a different inode, invisible inside a running container.
@@ -504,12 +505,12 @@ class MpsSupervisor:
             self._applied[spec.name], self._pipe_dirs[spec.name] = spec, pipe
             return pipe
         try:
-            await self.control.set_namespace(
-                server=server,
-                name=spec.name,
-                active_thread_percentage=spec.active_thread_percentage,
-                pinned_memory_limit=spec.pinned_memory_limit,
-            )
+            try:
+                await self._set(spec)
+            except MpsCommandError:
+                if not fresh or not await self._terminate_early_clients(spec.name):
+                    raise
+                await self._set(spec)
             pipe = await self.control.namespace_pipe_directory(server=server, name=spec.name)
             try:
                 check_pipe_dir(pipe)
@@ -524,6 +525,36 @@ class MpsSupervisor:
         self._applied[spec.name] = spec
         self._pipe_dirs[spec.name] = pipe
         return pipe
+
+    async def _set(self, spec: NamespaceSpec) -> None:
+        await self.control.set_namespace(
+            server=self.settings.server_name,
+            name=spec.name,
+            active_thread_percentage=spec.active_thread_percentage,
+            pinned_memory_limit=spec.pinned_memory_limit,
+        )
+
+    async def _terminate_early_clients(self, name: str) -> bool:
+        """Terminates the clients that attached to namespace ``name`` between its ``create`` and its
+        ``set`` (a running container's process, reconnecting after a daemon restart, can): they run
+        without the ceiling, and the daemon refuses a ``set`` while they stay. True if any was found."""
+        try:
+            early = [
+                c
+                for c in await self.control.list_clients()
+                if c.namespace == name and c.server == self.settings.server_name
+            ]
+        except MpsCommandError:
+            return False
+        for client in early:
+            log.warning(
+                "MPS client %d attached to namespace %s before its limits were set: terminating it",
+                client.pid,
+                name,
+            )
+            with contextlib.suppress(MpsCommandError):  # gone already: that is what we wanted
+                await self.control.terminate_client(client, timeout_s=self.settings.terminate_timeout_s)
+        return bool(early)
 
     async def _daemon_has(self, spec: NamespaceSpec) -> bool:
         """Whether the daemon's namespace already has ``spec``'s settings (read back with ``namespace
