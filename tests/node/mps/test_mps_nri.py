@@ -176,7 +176,7 @@ async def test_an_agent_restart_recreates_running_containers_namespaces_in_place
     mps_node.tasks.append(connect_agent(mps_node.runtime, supervisor, mps_env))
     await mps_node.runtime.wait_plugins(1, timeout_s=10)
 
-    await until(lambda: (directory / "control").exists())
+    await until(lambda: supervisor.pipe_directory(ns) is not None)  # created and its limits set
     assert sorted(await supervisor.control.list_namespaces(server="shared")) == sorted(["default", ns])
     assert directory.stat().st_ino == inode  # what the running container has mounted
     client, greeting = await mps_env.client(directory)
