@@ -6,13 +6,18 @@ limit check it makes answers as the full book's does, and both books follow a fi
 
 from __future__ import annotations
 
-from gpufrac.contract.request import ContainerGpuRequest, GpuMemory, PodGpuRequest
-from gpufrac.placement.decision import Placement
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gpufrac.contract.request import ComputeMode, ContainerGpuRequest, GpuMemory, PodGpuRequest
+from gpufrac.placement.decision import ContainerPlacement, DeviceAssignment, Placement
 from gpufrac.placement.engine import Engine
+from gpufrac.placement.gang_preemption import GangPreemption
 from gpufrac.placement.model import GpuDevice, NodeSpec, PendingPod, Queue, Quota
-from gpufrac.placement.preemption import Kind
+from gpufrac.placement.preemption import Kind, Preemption
 from gpufrac.placement.queue_shares import Amount, QueueAmount
-from gpufrac.scheduler.preemption_books import PlanBooks
+from gpufrac.scheduler.preemption_books import LeavingTally, PlanBooks, PlannedTally
+from gpufrac.scheduler.preemption_events import plan_amounts
 
 GIB = 1024
 
@@ -109,3 +114,82 @@ def test_the_waiting_pods_are_read_once_a_cycle_and_each_plan_takes_its_pod_out_
     books.new_cycle([])
     books.of()
     assert reads == [["pod-of-this-cycle"], []]
+
+
+def _plan(uids: list[str], mib: int):
+    """A plan making room for ``uids`` (a gang's when more than one), each booking ``mib`` on one GPU."""
+    placements = tuple(
+        Placement(
+            uid,
+            "n",
+            (
+                ContainerPlacement(
+                    "main", ComputeMode.TIME_SLICING, False, (DeviceAssignment("GPU-0", 0, mib, mib, None),)
+                ),
+            ),
+        )
+        for uid in uids
+    )
+    if len(uids) == 1:
+        return Preemption(Kind.PREEMPT, "n", ("victim",), placements[0])
+    return GangPreemption(Kind.PREEMPT, ("victim",), ("n",), placements)
+
+
+@settings(max_examples=200)
+@given(
+    st.lists(
+        st.one_of(
+            st.tuples(
+                st.just("file"),
+                st.lists(st.sampled_from(["a", "b", "c", "d"]), min_size=1, max_size=3, unique=True),
+                st.integers(1, 80 * GIB),
+                st.sampled_from(["prod", "dev"]),
+            ),
+            st.tuples(st.just("close"), st.integers(0, 10)),
+        ),
+        max_size=30,
+    )
+)
+def test_the_planned_tally_is_what_the_open_plans_book_after_any_filing_and_closing(ops) -> None:
+    """Filed and closed as ``Preemptions`` does: a plan under its pods' uids (a gang's also under its
+    key), a later plan for a pod taking that uid over, a plan closed once and only while open. A pod
+    in two open plans (a gang member with a plan of its own) included."""
+    open_: dict[str, tuple[object, str]] = {}
+    tally = PlannedTally(lambda: list(open_.values()))
+    for step, op in enumerate(ops):
+        if op[0] == "file":
+            _, uids, mib, queue = op
+            entry = (_plan(uids, mib), queue)
+            for key in ([f"gang-{step}"] if len(uids) > 1 else []) + uids:
+                open_[key] = entry
+            tally.filed(*entry)
+        else:
+            distinct = list({id(e): e for e in open_.values()}.values())
+            if not distinct:
+                continue
+            entry = distinct[op[1] % len(distinct)]
+            for key in [k for k, e in open_.items() if e is entry]:
+                del open_[key]
+            tally.closed(*entry)
+        expected = plan_amounts(list(open_.values()))
+        assert dict(tally.get()) == expected
+        sums: dict[str, Amount] = {}
+        for amount in expected.values():
+            sums[amount.queue] = sums.get(amount.queue, Amount()) + amount.amount
+        assert {e.queue: e.amount for e in tally.get().totals()} == sums
+
+
+def test_the_leaving_tally_counts_a_cycles_victims_as_filed_and_reads_the_engine_again_when_stale() -> None:
+    engine = engine_with_one_pod()
+    engine.place(PendingPod("ns", "b", "b", half_gpu(), queue="dev"))
+    leaving: set[str] = set()
+    tally = LeavingTally(engine, lambda: leaving)
+    assert tally.get().totals() == []
+    tally.add(["a", "not-booked"])  # a plan's victims: what each holds, a pod not booked holds nothing
+    assert tally.get().totals() == [QueueAmount("prod", Amount(40 * GIB, 0))]
+    leaving.add("b")  # known to the engine's side only: not read until the tally is stale
+    assert len(tally.get()) == 1
+    tally.stale()
+    assert {e.queue for e in tally.get().totals()} == {"dev"}
+    assert engine.queue_shares(leaving=tally.get()).allocated("dev") == 0
+    assert engine.queue_shares(leaving=tally.get()).allocated("prod") == 40 * GIB

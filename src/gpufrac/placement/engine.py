@@ -64,6 +64,7 @@ from .mig_book import SliceCharge
 from .model import GpuMode, NodeSpec, PendingPod, Queue, QueueResource
 from .policies import Policy, Prior, make_policy
 from .queue_shares import Amount, QueueAmount, QueueShares, request_amount
+from .queue_tally import QueueTally
 from .state import EXCLUSIVE, MODE_CODE, Allocation, ClusterState, DeviceCharge, GpuLedger, PodTable
 from .topology import Nomination, PodBook
 
@@ -465,9 +466,11 @@ class Engine:
         """What each pod nominated to a node asks for there (resolved against that node's largest GPU),
         charged to its queue, ``extra`` by uid in place of (or besides) the engine's; ``besides`` is
         left out (the pod deciding now)."""
-        extra = dict(extra or {})
-        extra.pop(besides or "", None)
-        out = list(extra.values())
+        extra = extra if extra is not None else {}
+        if isinstance(extra, QueueTally):  # one sum a queue, kept as plans come and go
+            out = extra.totals(besides=besides)
+        else:
+            out = [amount for uid, amount in extra.items() if uid != besides]
         for uid, pod in list(self._nominees.items()):
             held = self.book.nomination(uid)
             if held is None:  # placed since (placing drops the nomination) or its node went away
@@ -499,8 +502,12 @@ class Engine:
         """The queues as the books will be (``gpufrac.placement.queue_shares``): the placed pods
         ``leaving`` gone, the nominees held (the engine's, and ``nominees`` by uid: what a caller's
         open plans will book, known before the engine hears of the nomination), ``waiting`` the
-        demand of the pods still pending."""
-        gone = [a for a in (self.booked_amount(uid) for uid in leaving) if a is not None]
+        demand of the pods still pending. ``leaving`` is uids, or a ``QueueTally`` of what they hold
+        (read as one sum a queue, as a ``QueueTally`` of ``nominees`` is)."""
+        if isinstance(leaving, QueueTally):
+            gone = leaving.totals()
+        else:
+            gone = [a for a in (self.booked_amount(uid) for uid in leaving) if a is not None]
         capacity = {
             QueueResource.GPU_MEMORY: int(self.state.cap_total.sum()),
             QueueResource.GPUS: int(self.state.gpu_count.sum()),

@@ -56,7 +56,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Coroutine, Iterable
+from collections.abc import Callable, Coroutine, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -85,7 +85,7 @@ from gpufrac.placement.preemption import (
 )
 from gpufrac.placement.queue_shares import QueueAmount
 from gpufrac.scheduler.disruption_target import mark_disruption_target
-from gpufrac.scheduler.preemption_books import PlanBooks
+from gpufrac.scheduler.preemption_books import LeavingTally, PlanBooks, PlannedTally
 from gpufrac.scheduler.preemption_events import (
     PREEMPTION_BLOCKED,
     VERB,
@@ -93,7 +93,6 @@ from gpufrac.scheduler.preemption_events import (
     booked_name,
     booked_queue,
     limit_note,
-    plan_amounts,
     pod_key,
     pod_ref,
     taking_story,
@@ -129,6 +128,7 @@ class _Nomination:
     #: the queue of the pods it makes room for (a gang's members share one), named in its Events
     queue: str = ""
     book: ShareBook | None = None  # the queues' numbers it was decided with, told in its Events
+    closed: bool = False
 
     @property
     def owner(self) -> str:
@@ -172,9 +172,9 @@ class Preemptions:
         self._place_now = place_now
         self._retry = retry
         self._spawn = spawn
-        self._books = PlanBooks(
-            engine, planned=self.planned, leaving=lambda: self.leaving_pods, waiting=waiting
-        )
+        self._planned = PlannedTally(lambda: ((n.plan, n.queue) for n in self._open.values()))
+        self._gone = LeavingTally(engine, lambda: self.leaving_pods)
+        self._books = PlanBooks(engine, planned=self.planned, leaving=self._gone.get, waiting=waiting)
         self._preempt = preempt
         self._moves = moves
         self._budget = CycleBudget(search_budget_s)
@@ -185,7 +185,6 @@ class Preemptions:
         # By the preempting pod's uid; a gang's plan by the gang's key and each member's uid.
         self._open: dict[str, _Nomination] = {}
         self._victim_of: dict[str, str] = {}  # victim uid -> the owner key of its nomination
-        self._planned: dict[str, QueueAmount] | None = None  # planned(), until a plan is filed or closed
         self.evictions = self.moved = 0
         self._ours: set[str] = set()  # booked pods this scheduler placed (candidates it may evict)
         self._leaving: set[str] = set()  # booked pods with a deletionTimestamp, until they are gone
@@ -193,14 +192,13 @@ class Preemptions:
     def new_cycle(self, pods: Iterable[Pod] = ()) -> None:
         """A cycle starts for ``pods`` (still demand on their queues): budget full, queue books anew."""
         self._budget.new_cycle()
+        self._gone.stale()
         self._books.new_cycle(pods)
 
-    def planned(self) -> dict[str, QueueAmount]:
+    def planned(self) -> Mapping[str, QueueAmount]:
         """The pods open plans make room for, by uid, and what each will book: counted as held. Read by
-        every decision's books, so kept until ``_file`` or ``_close`` changes the open plans."""
-        if self._planned is None:
-            self._planned = plan_amounts((n.plan, n.queue) for n in self._open.values())
-        return self._planned
+        every decision's books, so kept as ``_file`` and ``_close`` change the open plans."""
+        return self._planned.get()
 
     @property
     def leaving_pods(self) -> set[str]:
@@ -225,6 +223,7 @@ class Preemptions:
     def leaving(self, uid: str) -> None:
         """A booked pod got a deletionTimestamp: it is on its way out (until ``deleted``)."""
         self._leaving.add(uid)
+        self._gone.add([uid])
 
     def _consider(self, pending: PendingPod, pod: Pod, decision: Unschedulable) -> str:
         uid = pending.uid
@@ -405,11 +404,12 @@ class Preemptions:
         nomination = _Nomination(
             pod=pod, plan=plan, waiting=set(plan.victims), keys=keys, members=members, queue=queue
         )
-        self._planned = None
         for k in keys:
             self._open[k] = nomination
+        self._planned.filed(plan, queue)
         for victim in plan.victims:
             self._victim_of[victim] = nomination.owner
+        self._gone.add(plan.victims)
         nomination.book = self._books.filed()  # its victims are leaving now
         return nomination
 
@@ -434,6 +434,7 @@ class Preemptions:
         self._memory.forget(uid)
         self._ours.discard(uid)
         self._leaving.discard(uid)
+        self._gone.stale()
         nomination = self._open.get(uid)
         if nomination is not None:
             self._close(uid, nomination)
@@ -498,7 +499,10 @@ class Preemptions:
         return out
 
     def _close(self, uid: str, nomination: _Nomination) -> None:
-        self._planned = None
+        if not nomination.closed:
+            nomination.closed = True
+            self._planned.closed(nomination.plan, nomination.queue)
+        self._gone.stale()
         for key in nomination.keys:
             if self._open.get(key) is nomination:
                 del self._open[key]

@@ -33,6 +33,7 @@ from gpufrac.kube.errors import KubeError, NotFound
 from gpufrac.kube.patch import merge_patch
 from gpufrac.placement.model import Queue, QueueResource
 from gpufrac.placement.queue_shares import Amount, QueueAmount, QueueShares, request_amount
+from gpufrac.placement.queue_tally import count
 from gpufrac.scheduler.config import TimeFairnessConfig
 from gpufrac.scheduler.objects import gpu_request
 from gpufrac.scheduler.placement_engine import PlacementEngine
@@ -110,14 +111,6 @@ class WaitingAsks:
         return [QueueAmount(queue, Amount(mib, gpus)) for queue, (mib, gpus, pods) in totals.items() if pods]
 
 
-def count(totals: dict[str, list[int]], ask: QueueAmount, sign: int) -> None:
-    """Add (``sign`` 1) or take (-1) ``ask`` to its queue's [MiB, whole GPUs, pods] in ``totals``."""
-    total = totals.setdefault(ask.queue, [0, 0, 0])
-    total[0] += sign * ask.amount.mib
-    total[1] += sign * ask.amount.gpus
-    total[2] += sign
-
-
 def pod_demand(pod: Pod, *, largest_gpu_mib: int) -> Amount | None:
     """What a waiting pod asks for; None for a pod whose request is invalid."""
     try:
@@ -152,7 +145,7 @@ class QueueStatusWriter:
         directory: QueueDirectory,
         engine: Callable[[], PlacementEngine],
         leaving: Callable[[], Iterable[str]],
-        planned: Callable[[], dict[str, QueueAmount]],
+        planned: Callable[[], Mapping[str, QueueAmount]],
         waiting: Callable[[], Iterable[tuple[str, Pod]]],
         is_leader: Callable[[], bool],
         interval: float,
