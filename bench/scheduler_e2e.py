@@ -30,6 +30,7 @@ at equal burst sizes, one run each.)
     .venv/bin/python bench/scheduler_e2e.py --profile /tmp/sched.prof   # the scheduler under cProfile
     .venv/bin/python bench/scheduler_e2e.py --rules 0.25    # a quarter of the pods anti-affine or spread
     .venv/bin/python bench/scheduler_e2e.py --baseline-burn-ms 0.7   # the baseline spends 0.7 ms CPU a pod
+    .venv/bin/python bench/scheduler_e2e.py --baseline-binds 128     # the binder's Bindings in flight (32)
     .venv/bin/python bench/scheduler_e2e.py --engine-only 1  # the placement alone, in process, 1 pod a batch
 
 With ``--own-core`` the side being measured (the scheduler or the minimal binder, whichever runs)
@@ -382,10 +383,16 @@ async def burst(
 
 
 async def baseline_binder(
-    kubeconfig: Path, namespace: str, scheduler: str, nodes: list[str], *, burn_ms: float = 0.0
+    kubeconfig: Path,
+    namespace: str,
+    scheduler: str,
+    nodes: list[str],
+    *,
+    burn_ms: float = 0.0,
+    in_flight: int = 32,
 ) -> None:
-    """The baseline's binder process: round-robin Binding per pending pod, nothing else (but ``burn_ms``
-    of CPU spent before each Binding, when ``--baseline-burn-ms`` asks for it)."""
+    """The baseline's binder process: round-robin Binding per pending pod, ``in_flight`` at a time,
+    nothing else (but ``burn_ms`` of CPU spent before each Binding, when ``--baseline-burn-ms`` asks)."""
     client = connect(kubeconfig=kubeconfig)
     queue: asyncio.Queue[Pod] = asyncio.Queue()
 
@@ -419,7 +426,7 @@ async def baseline_binder(
                     pass
             await bind_pod(client, name=pod.metadata.name, namespace=namespace, node=nodes[turn % len(nodes)])
 
-    tasks = [asyncio.create_task(informer.run())] + [asyncio.create_task(worker()) for _ in range(32)]
+    tasks = [asyncio.create_task(informer.run())] + [asyncio.create_task(worker()) for _ in range(in_flight)]
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, stop.set)
@@ -576,6 +583,7 @@ async def baseline_round(
             str(cp.kubeconfig),
             namespace,
             str(args.baseline_burn_ms),
+            str(args.baseline_binds),
             *names[:64],
         ],
         stdout=subprocess.DEVNULL,
@@ -766,6 +774,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "bind_mode": args.bind_mode,
         "rules_share": args.rules,
         "baseline_burn_ms": args.baseline_burn_ms,
+        "baseline_binds": args.baseline_binds,
         "measured_side_cores": sorted(args.measured_cores) if args.measured_cores else "shared",
     }
     rounds: list[dict[str, Any]] = []
@@ -877,8 +886,10 @@ def engine_only(args: argparse.Namespace) -> dict[str, Any]:
 
 def main() -> None:
     if len(sys.argv) > 2 and sys.argv[1] == "--as-baseline-binder":
-        kubeconfig, namespace, burn, *nodes = sys.argv[2:]
-        binder = baseline_binder(Path(kubeconfig), namespace, "bench-baseline", nodes, burn_ms=float(burn))
+        kubeconfig, namespace, burn, binds, *nodes = sys.argv[2:]
+        binder = baseline_binder(
+            Path(kubeconfig), namespace, "bench-baseline", nodes, burn_ms=float(burn), in_flight=int(binds)
+        )
         asyncio.run(binder)
         return
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -905,6 +916,12 @@ def main() -> None:
         default=0.0,
         help="CPU the baseline binder spends per pod before binding it (a calibration: the baseline's rate "
         "with as much CPU per pod as the scheduler spends)",
+    )
+    parser.add_argument(
+        "--baseline-binds",
+        type=int,
+        default=32,
+        help="Bindings the minimal binder keeps in flight (default 32; the scheduler binds 128 at a time)",
     )
     parser.add_argument(
         "--own-core",
